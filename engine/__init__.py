@@ -1,0 +1,41 @@
+"""Capture engines: an eager Hugging Face reference and vLLM with freeze-mode taps.
+
+    model = load_model("path/or/hub-name", backend="vllm", freeze_points="auto")
+    for req in model.capture(batches_of_token_id_lists, points):   # streams finished requests
+        req.index, req.token_ids, req.positions, req.acts           # acts: [points, n, width]
+    caches = run_with_cache(model, token_lists, ["resid_post.3"])   # per request {Address: [n, width]}
+"""
+
+from __future__ import annotations
+
+from .addresses import Address, FreezeSet, KNOWN_POINTS, resolve_freeze_points
+from .captured import CapturedRequest, to_numpy
+
+BACKENDS = ("vllm", "eager")
+
+
+def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", **engine_args):
+    """Load a model for capture through the same from_pretrained path for hub names and paths."""
+    if backend == "vllm":
+        from .vllm_backend import VLLMModel
+
+        if engine_args.get("enforce_eager") and freeze_points == "auto":
+            freeze_points = None  # enforce_eager alone asks for the hooked mode
+        return VLLMModel(name_or_path, freeze_points=freeze_points, **engine_args)
+    if backend == "eager":
+        from .hf_backend import HFModel
+
+        return HFModel(name_or_path, **engine_args)
+    raise ValueError(f"backend={backend!r} is not known: use one of {', '.join(BACKENDS)}")
+
+
+def run_with_cache(model, tokens, points=None) -> list[dict[Address, "torch.Tensor"]]:
+    """Capture a list of token lists; results in submission order, one {Address: [n, width]} each."""
+    out: list = [None] * len(tokens)
+    for req in model.capture([tokens], points):
+        out[req.index] = req.as_dict()
+    return out
+
+
+__all__ = ["Address", "CapturedRequest", "FreezeSet", "KNOWN_POINTS", "load_model",
+           "resolve_freeze_points", "run_with_cache", "to_numpy"]

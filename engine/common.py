@@ -1,0 +1,56 @@
+"""What both backends need to know about a checkpoint before loading it, and input checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    n_layers: int
+    width: int
+    max_position: int
+    vocab_size: int
+    n_streams: int
+    architecture: str
+
+
+def _first(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def read_model_info(name_or_path: str, revision: str | None = None) -> ModelInfo:
+    """Read the config the same way for a hub name and a local path (from_pretrained)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(name_or_path, revision=revision)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return ModelInfo(
+        n_layers=int(_first(cfg, "num_hidden_layers", "n_layer")),
+        width=int(_first(cfg, "hidden_size", "n_embd")),
+        max_position=int(_first(cfg, "max_position_embeddings", "n_positions", default=2048)),
+        vocab_size=int(cfg.vocab_size),
+        # Hyper-connection trunks keep several residual streams; the configs name it differently.
+        n_streams=int(_first(cfg, "hc_mult", "num_residual_streams", default=1)),
+        architecture=(cfg.architectures or [type(cfg).__name__])[0],
+    )
+
+
+def validate_tokens(tokens: Sequence[int], max_len: int, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError("each request must be a non-empty flat list of token ids")
+    if ids.size > max_len:
+        raise ValueError(
+            f"a request has {ids.size} tokens but the engine takes at most {max_len}: "
+            "lower context_size or raise max_model_len (up to the model's limit)")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"token id out of range [0, {vocab_size}): got {int(ids.min())}..{int(ids.max())}")
+    return ids.astype(np.int32)
