@@ -1,0 +1,1 @@
+"""Entrypoints for `ray job submit` (`python -m jobs.harvest --config run.yaml`)."""

@@ -1,0 +1,495 @@
+"""Run configuration: one dataclass per component, loaded from YAML and `--set a.b=v` overrides.
+
+Everything is validated before any data is read, any actor starts or any byte is written, because
+a typo found after an hour of capture (or, worse, silently ignored) costs the hour. Every error
+names the field as it is written in YAML (`packing.context_size`) and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the field and the fix."""
+
+
+def cache_dir() -> Path:
+    """Where default corpora, tiny models and default stores live.
+
+    `$HARVEST_CACHE` wins so that a `ray job submit --working-dir` run (whose cwd is a throwaway
+    copy of the repo) can still write to a lasting place.
+    """
+    env = os.environ.get("HARVEST_CACHE")
+    return Path(env).expanduser() if env else REPO_ROOT / ".harvest"
+
+
+def expand_path(value: str) -> str:
+    """`{cache}`, `~` and `$VARS` in paths; URLs with a scheme are left alone except `{cache}`."""
+    value = value.replace("{cache}", str(cache_dir()))
+    if "://" in value:
+        return value
+    return os.path.expandvars(os.path.expanduser(value))
+
+
+# --------------------------------------------------------------------------------------------------
+# Component configs
+# --------------------------------------------------------------------------------------------------
+
+BACKENDS = ("vllm", "eager")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class ModelConfig:
+    """The engine each actor hosts; unknown engine options go in `engine_args` and pass through.
+
+    `path` accepts a local checkpoint dir, a hub name, `smollm2` (the offline SmolLM2-135M
+    checkpoint, `engine.models.smollm2_path`) or `tiny:<arch>` (a random-weight tiny model built
+    once under the cache, for tests and smoke runs).
+    """
+
+    path: str = "smollm2"
+    backend: str = "vllm"
+    dtype: str = "bfloat16"
+    # None: freeze exactly the capture points (freezing every layer when three are asked for wastes
+    # tap memory); "auto" or a list pass through to the engine.
+    freeze_points: Any = None
+    enforce_eager: bool | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = 0.2
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    engine_args: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _check_str("model.path", self.path)
+        _check_choice("model.backend", self.backend, BACKENDS)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        if self.freeze_points is not None and self.freeze_points != "auto":
+            if not isinstance(self.freeze_points, list) or not all(
+                isinstance(p, str) for p in self.freeze_points
+            ):
+                raise ConfigError(
+                    f"model.freeze_points={self.freeze_points!r}: write 'auto', a list such as "
+                    "[resid_post.3], or leave it out to freeze exactly capture.points"
+                )
+        if self.enforce_eager is not None:
+            _check_bool("model.enforce_eager", self.enforce_eager)
+        if self.enforce_eager and self.freeze_points is not None:
+            raise ConfigError(
+                "model.enforce_eager: true runs Python hooks and cannot be combined with "
+                "model.freeze_points: drop one of them"
+            )
+        _check_int("model.max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        if self.gpu_memory_utilization is not None:
+            _check_float("model.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
+            if self.gpu_memory_utilization <= 0:
+                raise ConfigError("model.gpu_memory_utilization must be > 0 (vLLM CPU: try 0.2)")
+        _check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("model.max_model_len", self.max_model_len, 1, optional=True)
+        if not isinstance(self.engine_args, dict):
+            raise ConfigError("model.engine_args must be a mapping of extra engine options")
+        clash = set(self.engine_args) & {f.name for f in dataclasses.fields(self)}
+        if clash:
+            raise ConfigError(
+                f"model.engine_args repeats {sorted(clash)}: set them as model.<name> instead"
+            )
+
+    def engine_kwargs(self, points: list[str]) -> dict:
+        """Keyword arguments for `engine.load_model` (everything but the path)."""
+        kw: dict[str, Any] = {"backend": self.backend, "dtype": self.dtype}
+        if not self.enforce_eager:
+            kw["freeze_points"] = list(points) if self.freeze_points is None else self.freeze_points
+        if self.enforce_eager is not None:
+            kw["enforce_eager"] = self.enforce_eager
+        for name in ("max_num_batched_tokens", "gpu_memory_utilization", "max_model_len"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.tensor_parallel_size != 1:
+            kw["tensor_parallel_size"] = self.tensor_parallel_size
+        kw.update(self.engine_args)
+        return kw
+
+
+DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub")
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from. `source: pydoc` is the offline default corpus.
+
+    `source` may be a hub dataset name, a local file, directory or glob (a date-partitioned path
+    such as `/data/crawl/date=2025-06-01/*.parquet` is just a glob), or a `save_to_disk` dir.
+    `format` is inferred from the file suffix unless given.
+    """
+
+    source: str = "pydoc"
+    format: str | None = None
+    name: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    data_files: Any = None
+    text_column: str = "text"
+    streaming: bool = False
+    max_docs: int | None = None
+
+    def validate(self) -> None:
+        _check_str("data.source", self.source)
+        if self.format is not None:
+            _check_choice("data.format", self.format, DATA_FORMATS)
+        if self.name is not None:
+            _check_str("data.name", self.name)
+        _check_str("data.split", self.split)
+        if self.revision is not None:
+            if not isinstance(self.revision, str) or not self.revision:
+                raise ConfigError(
+                    "data.revision must be a git revision string (branch, tag or commit sha); "
+                    "quote dates in YAML, e.g. revision: '2025-06-01'"
+                )
+        if self.data_files is not None and not isinstance(self.data_files, (str, list, dict)):
+            raise ConfigError("data.data_files must be a path, a list of paths or {split: paths}")
+        _check_str("data.text_column", self.text_column)
+        _check_bool("data.streaming", self.streaming)
+        _check_int("data.max_docs", self.max_docs, 1, optional=True)
+
+
+BOS_MODES = ("context", "document", "none")
+OVERFLOW_MODES = ("split", "truncate")
+
+
+@dataclass
+class PackingConfig:
+    """How documents become fixed contexts (rows of the store are their tokens, in order).
+
+    `bos: context` starts every context with BOS (SAELens' default, which keeps every context a
+    well-formed prompt); `document` puts BOS before every document instead. `overflow: split`
+    carries the rest of a long document into the next context; `truncate` drops it.
+    """
+
+    context_size: int = 128
+    bos: str = "context"
+    bos_token_id: int | None = None
+    overflow: str = "split"
+    max_tokens: int | None = None
+    tokenize_batch: int = 256
+
+    def validate(self) -> None:
+        _check_int("packing.context_size", self.context_size, 2)
+        _check_choice("packing.bos", self.bos, BOS_MODES)
+        _check_int("packing.bos_token_id", self.bos_token_id, 0, optional=True)
+        _check_choice("packing.overflow", self.overflow, OVERFLOW_MODES)
+        _check_int("packing.max_tokens", self.max_tokens, 1, optional=True)
+        if self.max_tokens is not None and self.max_tokens < self.context_size:
+            raise ConfigError(
+                f"packing.max_tokens={self.max_tokens} is smaller than one context "
+                f"(packing.context_size={self.context_size}): raise max_tokens or lower "
+                "context_size"
+            )
+        _check_int("packing.tokenize_batch", self.tokenize_batch, 1)
+
+
+@dataclass
+class CaptureConfig:
+    """What to capture: addresses like `resid_post.3`; `resid_post.*` means every layer."""
+
+    points: list = field(default_factory=lambda: ["resid_post.*"])
+    batch_contexts: int = 32
+
+    def validate(self) -> None:
+        if not isinstance(self.points, list) or not self.points:
+            raise ConfigError(
+                "capture.points must be a non-empty list such as [resid_post.3] or [resid_post.*]"
+            )
+        for p in self.points:
+            if not isinstance(p, str) or not re.fullmatch(r"[a-z_]+\.(\d+|\*)", p):
+                raise ConfigError(
+                    f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "
+                    "(e.g. resid_post.3) or '<point>.*' for every layer"
+                )
+        _check_int("capture.batch_contexts", self.batch_contexts, 1)
+
+
+@dataclass
+class StoreConfig:
+    """The Zarr store: a local dir or an fsspec URL (s3:// reads AWS_* env vars).
+
+    `storage_options` go to fsspec and are never written to the store or to logs.
+    """
+
+    url: str = "{cache}/stores/default"
+    shard_rows: int | None = None
+    chunk_rows: int | None = None
+    unit_shards: int = 1
+    compression: Any = None
+    storage_options: dict | None = None
+
+    def validate(self) -> None:
+        _check_str("store.url", self.url)
+        _check_int("store.shard_rows", self.shard_rows, 1, optional=True)
+        _check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
+        if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
+            raise ConfigError(
+                f"store.chunk_rows={self.chunk_rows} must divide store.shard_rows="
+                f"{self.shard_rows}: pick a divisor or leave chunk_rows out"
+            )
+        _check_int("store.unit_shards", self.unit_shards, 1)
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ConfigError("store.storage_options must be a mapping of fsspec options")
+        if self.compression is not None and not isinstance(self.compression, (str, dict)):
+            raise ConfigError(
+                "store.compression must be a codec name, a mapping of codec settings, or null"
+            )
+
+    @property
+    def resolved_url(self) -> str:
+        return expand_path(self.url)
+
+
+@dataclass
+class RayConfig:
+    """Cluster and actor settings. `address: null` uses the cluster Ray gives the job
+    (`RAY_ADDRESS`, set by `ray job submit`) or starts a local one."""
+
+    address: str | None = None
+    num_actors: int = 2
+    num_cpus_per_actor: float | None = None
+    num_gpus_per_actor: float = 0
+    threads_per_actor: int | None = None
+    max_in_flight: int = 2
+    max_restarts: int = 3
+    max_task_retries: int = 3
+    unit_attempts: int = 3
+    local_num_cpus: int | None = None
+
+    def validate(self) -> None:
+        if self.address is not None:
+            _check_str("ray.address", self.address)
+        _check_int("ray.num_actors", self.num_actors, 1)
+        if self.num_cpus_per_actor is not None:
+            _check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, None)
+        _check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
+        _check_int("ray.threads_per_actor", self.threads_per_actor, 1, optional=True)
+        _check_int("ray.max_in_flight", self.max_in_flight, 1)
+        _check_int("ray.max_restarts", self.max_restarts, -1)
+        _check_int("ray.max_task_retries", self.max_task_retries, -1)
+        _check_int("ray.unit_attempts", self.unit_attempts, 1)
+        _check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
+
+    @property
+    def actor_num_cpus(self) -> float:
+        """A fractional CPU per CPU actor: a whole CPU each starves every other task on 2 cores."""
+        if self.num_cpus_per_actor is not None:
+            return self.num_cpus_per_actor
+        return 0.5 if not self.num_gpus_per_actor else 1.0
+
+
+@dataclass
+class HarvestConfig:
+    name: str = "harvest"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    progress: bool = True
+
+    def validate(self) -> "HarvestConfig":
+        _check_str("name", self.name)
+        _check_bool("progress", self.progress)
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        if self.ray.num_gpus_per_actor and self.model.tensor_parallel_size > 1:
+            if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
+                raise ConfigError(
+                    f"model.tensor_parallel_size={self.model.tensor_parallel_size} needs that many "
+                    f"GPUs per actor, but ray.num_gpus_per_actor={self.ray.num_gpus_per_actor}: "
+                    "set them equal"
+                )
+        return self
+
+    def to_dict(self, redact: bool = True) -> dict:
+        d = dataclasses.asdict(self)
+        if redact:
+            d["store"]["storage_options"] = (
+                None if self.store.storage_options is None else "<redacted>"
+            )
+            d["store"]["url"] = redact_url(d["store"]["url"])
+        return d
+
+    def content_key(self) -> dict:
+        """The settings that decide what lands in the store's rows.
+
+        Resume compares these with the ones stored at creation: a difference would make a mixed
+        store. Cluster and engine tuning knobs (actors, batch sizes, memory) are left out on
+        purpose, so a resumed run may use a different cluster.
+        """
+        return {
+            "model": {
+                "path": self.model.path,
+                "backend": self.model.backend,
+                "dtype": self.model.dtype,
+            },
+            "data": dataclasses.asdict(self.data),
+            "packing": {
+                k: v for k, v in dataclasses.asdict(self.packing).items() if k != "tokenize_batch"
+            },
+            "capture": {"points": list(self.capture.points)},
+        }
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "packing": PackingConfig,
+    "capture": CaptureConfig,
+    "store": StoreConfig,
+    "ray": RayConfig,
+}
+TOP_LEVEL = ("name", "progress")
+
+
+def redact_url(url: str) -> str:
+    """Drop `user:secret@` from URLs so credentials never reach logs, errors or store attrs."""
+    return re.sub(r"(://)[^/@]*@", r"\1<redacted>@", url)
+
+
+def fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def default_config_path() -> Path:
+    return REPO_ROOT / "jobs" / "configs" / "default.yaml"
+
+
+def load_config(
+    path: "str | Path | None" = None,
+    overrides: "list[str] | None" = None,
+    data: "dict | None" = None,
+) -> HarvestConfig:
+    """YAML file (or dict) + `a.b=value` overrides -> validated HarvestConfig."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist: pass --config <file.yaml>")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    if data:
+        raw = _deep_merge(raw, data)
+    for item in overrides or []:
+        raw = _deep_merge(raw, parse_override(item))
+    return from_dict(raw)
+
+
+def parse_override(item: str) -> dict:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(
+            f"override {item!r} is not 'section.field=value', e.g. packing.context_size=256"
+        )
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    out: dict = {}
+    cur = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        cur = cur.setdefault(part, {})
+    cur[parts[-1]] = parsed
+    return out
+
+
+def from_dict(raw: dict) -> HarvestConfig:
+    raw = copy.deepcopy(raw)
+    unknown = [k for k in raw if k not in SECTIONS and k not in TOP_LEVEL]
+    if unknown:
+        raise ConfigError(_unknown_msg(unknown[0], list(SECTIONS) + list(TOP_LEVEL), ""))
+    kwargs: dict[str, Any] = {k: raw[k] for k in TOP_LEVEL if k in raw}
+    for section, cls in SECTIONS.items():
+        values = raw.get(section) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section} must be a mapping of fields, got {values!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for k in values:
+            if k not in names:
+                raise ConfigError(_unknown_msg(k, names, section + "."))
+        kwargs[section] = cls(**values)
+    return HarvestConfig(**kwargs).validate()
+
+
+def _unknown_msg(key: str, known: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+    return f"unknown field {prefix}{key}: {hint}known fields are {', '.join(known)}"
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Field checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_str(name: str, v: Any) -> None:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{name} must be a non-empty string, got {v!r}")
+
+
+def _check_bool(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be true or false, got {v!r}")
+
+
+def _check_choice(name: str, v: Any, choices: tuple) -> None:
+    if v not in choices:
+        raise ConfigError(f"{name}={v!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _check_int(name: str, v: Any, lo: int, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if v < lo:
+        raise ConfigError(f"{name} must be >= {lo}, got {v}")
+
+
+def _check_float(name: str, v: Any, lo: float, hi: float | None) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(f"{name} must be {rng}, got {v}")

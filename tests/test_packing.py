@@ -1,0 +1,126 @@
+"""Packing documents into fixed contexts: BOS modes, split/truncate, budget, provenance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.config import ConfigError, PackingConfig, load_config
+from pipeline.packing import PackingError, pack_texts, pack_token_docs, resolve_bos
+
+BOS = 0
+
+
+def docs(*lengths, start_doc=0):
+    """Documents whose token ids encode (doc, position): id = 100 * doc + position + 1."""
+    return [(d, [100 * d + p + 1 for p in range(n)]) for d, n in enumerate(lengths, start_doc)]
+
+
+def pack(ds, **kw):
+    cfg = PackingConfig(**kw)
+    cfg.validate()
+    return pack_token_docs(ds, cfg, BOS)
+
+
+def test_bos_per_context_split_documents_across_contexts():
+    p = pack(docs(5, 3), context_size=4, bos="context", overflow="split")
+    # contexts: [B d0p0 d0p1 d0p2] [B d0p3 d0p4 d1p0]; d1p1, d1p2 form an incomplete tail
+    assert p.token_ids.tolist() == [0, 1, 2, 3, 0, 4, 5, 101]
+    assert p.doc_ids.tolist() == [-1, 0, 0, 0, -1, 0, 0, 1]
+    assert p.positions.tolist() == [-1, 0, 1, 2, -1, 3, 4, 0]
+    assert p.n_contexts == 2
+    assert p.stats.tokens_tail_dropped == 2
+
+
+def test_bos_per_document_is_position_zero_of_its_document():
+    p = pack(docs(3, 2), context_size=3, bos="document", overflow="split")
+    # docs become [B 1 2 3] [B 101 102]: contexts [B 1 2] [3 B 101]; 102 is the tail
+    assert p.token_ids.tolist() == [0, 1, 2, 3, 0, 101]
+    assert p.doc_ids.tolist() == [0, 0, 0, 0, 1, 1]
+    assert p.positions.tolist() == [0, 1, 2, 3, 0, 1]
+
+
+def test_truncate_never_continues_a_document_into_the_next_context():
+    p = pack(docs(6, 2, 1), context_size=4, bos="context", overflow="truncate")
+    # [B d0p0 d0p1 d0p2] (d0p3.. dropped) [B d1p0 d1p1 d2p0]
+    assert p.token_ids.tolist() == [0, 1, 2, 3, 0, 101, 102, 201]
+    assert p.stats.tokens_truncated == 3
+
+
+def test_no_bos_packs_tokens_back_to_back():
+    p = pack(docs(3, 3), context_size=2, bos="none")
+    assert p.token_ids.tolist() == [1, 2, 3, 101, 102, 103]
+    assert p.positions.tolist() == [0, 1, 2, 0, 1, 2]
+
+
+def test_every_row_maps_back_to_its_document_token():
+    ds = docs(17, 1, 40, 9, 33, start_doc=3)
+    p = pack(ds, context_size=8, bos="context")
+    real = p.doc_ids >= 0
+    assert np.all(p.token_ids[real] == 100 * p.doc_ids[real] + p.positions[real] + 1)
+    assert np.all(p.token_ids[~real] == BOS)
+    assert np.all(p.token_ids[:: 8] == BOS)
+
+
+def test_budget_stops_reading_documents():
+    read = []
+
+    def gen():
+        for d, ids in docs(*([10] * 100)):
+            read.append(d)
+            yield d, ids
+
+    p = pack(gen(), context_size=8, bos="context", max_tokens=20)
+    assert p.n_rows == 16  # whole contexts only: 20 // 8 = 2
+    assert p.stats.budget_reached
+    assert len(read) <= 3
+
+
+def test_empty_token_lists_are_skipped_and_counted():
+    p = pack([(0, []), (1, [5, 6, 7, 8])], context_size=4, bos="none")
+    assert p.stats.docs_empty_tokens == 1
+    assert p.doc_ids.tolist() == [1, 1, 1, 1]
+
+
+def test_too_few_tokens_gives_zero_rows():
+    p = pack(docs(2), context_size=8, bos="context")
+    assert p.n_rows == 0 and p.stats.tokens_tail_dropped == 2
+
+
+def test_config_refuses_budget_below_one_context():
+    with pytest.raises(ConfigError, match="packing.max_tokens=10 is smaller than one context"):
+        load_config(data={"packing": {"context_size": 16, "max_tokens": 10}})
+    with pytest.raises(ConfigError, match="packing.bos='start'"):
+        load_config(data={"packing": {"bos": "start"}})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine.models import train_tokenizer
+
+    return train_tokenizer()
+
+
+def test_real_tokenizer_is_deterministic_and_matches_plain_encoding(tokenizer):
+    texts = [(0, "def f(x):\n    return x"), (1, ""), (2, "The while statement loops.")] * 5
+    cfg = PackingConfig(context_size=16, bos="context", tokenize_batch=4)
+    a = pack_texts(texts, tokenizer, cfg)
+    b = pack_texts(texts, tokenizer, cfg)
+    assert a.tokens_sha256() == b.tokens_sha256() and a.n_rows > 0
+    # the rows of document 0 are exactly its plain encoding
+    first = tokenizer("def f(x):\n    return x", add_special_tokens=False)["input_ids"]
+    sel = (a.doc_ids == 0)
+    got = a.token_ids[sel][: len(first)]
+    assert got.tolist() == first[: len(got)]
+    assert a.token_ids[0] == tokenizer.bos_token_id
+
+
+def test_tokenizer_without_bos_needs_an_explicit_choice(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    no_bos = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+    assert no_bos.bos_token_id is None
+    with pytest.raises(PackingError, match="packing.bos='context'.*packing.bos_token_id"):
+        resolve_bos(PackingConfig(bos="context"), no_bos)
+    assert resolve_bos(PackingConfig(bos="context", bos_token_id=1), no_bos) == 1
+    assert resolve_bos(PackingConfig(bos="none"), no_bos) is None

@@ -1,0 +1,74 @@
+"""Run configs: YAML + overrides, validated up front, errors that name the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, default_config_path, load_config, redact_url
+
+
+def test_default_config_loads_and_names_the_offline_defaults():
+    cfg = load_config(default_config_path())
+    assert cfg.model.path == "smollm2"
+    assert cfg.data.source == "pydoc"
+    assert "{cache}" in cfg.store.url and not cfg.store.resolved_url.startswith("{")
+    assert cfg.ray.actor_num_cpus < 1  # fractional CPUs: two actors must fit on two cores
+
+
+def test_overrides_parse_yaml_values_and_nest():
+    cfg = load_config(default_config_path(), ["packing.context_size=256", "ray.num_actors=1",
+                                              "model.engine_args={max_num_seqs: 8}",
+                                              "capture.points=[resid_post.1, resid_post.3]"])
+    assert cfg.packing.context_size == 256 and cfg.ray.num_actors == 1
+    assert cfg.model.engine_args == {"max_num_seqs": 8}
+    assert cfg.capture.points == ["resid_post.1", "resid_post.3"]
+
+
+def test_engine_kwargs_pass_through_and_freeze_the_capture_points():
+    cfg = load_config(data={"model": {"backend": "vllm", "max_num_batched_tokens": 1024,
+                                      "engine_args": {"max_num_seqs": 8}}})
+    kw = cfg.model.engine_kwargs(["resid_post.0", "resid_post.2"])
+    assert kw["freeze_points"] == ["resid_post.0", "resid_post.2"]
+    assert kw["max_num_batched_tokens"] == 1024 and kw["max_num_seqs"] == 8
+    hooked = load_config(data={"model": {"enforce_eager": True}}).model.engine_kwargs(["resid_post.0"])
+    assert "freeze_points" not in hooked and hooked["enforce_eager"] is True
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"packing": {"context_size": "128"}}, r"packing.context_size must be an integer"),
+        ({"packing": {"contxt_size": 12}}, r"unknown field packing.contxt_size: did you mean packing.context_size"),
+        ({"modle": {}}, r"unknown field modle: did you mean model"),
+        ({"model": {"backend": "tgi"}}, r"model.backend='tgi' is not one of vllm, eager"),
+        ({"capture": {"points": ["resid_post"]}}, r"capture.points entry 'resid_post'.*resid_post.3"),
+        ({"capture": {"points": []}}, r"capture.points must be a non-empty list"),
+        ({"ray": {"num_actors": 0}}, r"ray.num_actors must be >= 1"),
+        ({"model": {"enforce_eager": True, "freeze_points": "auto"}}, r"model.enforce_eager.*model.freeze_points"),
+        ({"store": {"shard_rows": 256, "chunk_rows": 100}}, r"store.chunk_rows=100 must divide store.shard_rows=256"),
+        ({"model": {"engine_args": {"dtype": "float16"}}}, r"model.engine_args repeats \['dtype'\]"),
+        ({"model": {"gpu_memory_utilization": 2}}, r"model.gpu_memory_utilization must be between"),
+    ],
+)
+def test_bad_fields_are_named_with_a_fix(data, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(data=data)
+
+
+def test_bad_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("packing: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not 'section.field=value'"):
+        load_config(overrides=["packing.context_size"])
+
+
+def test_credentials_never_reach_the_dumped_config():
+    cfg = load_config(data={"store": {"url": "s3://AKIA:sekrit@bucket/x",
+                                      "storage_options": {"secret": "sekrit"}}})
+    dumped = str(cfg.to_dict())
+    assert "sekrit" not in dumped and "AKIA" not in dumped
+    assert redact_url("s3://bucket/x") == "s3://bucket/x"
