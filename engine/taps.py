@@ -25,9 +25,15 @@ from torch import nn
 from .addresses import Address, FreezeSet
 
 
+# Calls of the tap kernels, counted inside the op bodies: on the compiled path they are the only
+# Python that runs per layer, so a test can tell "taps ran under compilation" from "hooks ran".
+TAP_CALLS = [0]
+
+
 @torch.library.custom_op("harvest::tap", mutates_args=("buf",))
 def tap(x: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x  (n = rows of this step, padding included; the harvest reads only real rows)."""
+    TAP_CALLS[0] += 1
     buf[slot, : x.shape[0]].copy_(x.reshape(x.shape[0], -1))
 
 
@@ -39,6 +45,7 @@ def _tap_fake(x, buf, slot):
 @torch.library.custom_op("harvest::tap_sum", mutates_args=("buf",))
 def tap_sum(x: torch.Tensor, r: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x + r, written in place: the fused trunk's stream without a temporary."""
+    TAP_CALLS[0] += 1
     torch.add(x, r, out=buf[slot, : x.shape[0]])
 
 

@@ -1,0 +1,91 @@
+import pytest
+
+from engine import Address, resolve_freeze_points
+from engine.addresses import FreezeSet
+
+
+def addrs(name, n):
+    return tuple(Address(name, i) for i in range(n))
+
+
+def test_address_string_form_round_trips():
+    a = Address.parse("resid_post.10")
+    assert a == Address("resid_post", 10) and str(a) == "resid_post.10"
+
+
+def test_unknown_point_names_the_known_ones():
+    with pytest.raises(ValueError, match="known points are resid_pre, resid_post"):
+        Address.parse("resid_mid.3")
+    with pytest.raises(ValueError, match="'<point>.<layer>'"):
+        Address.parse("resid_post")
+
+
+def test_auto_reads_resid_post_everywhere_and_writes_where_it_reads():
+    fs = resolve_freeze_points("auto", n_layers=4)
+    assert fs.reads == addrs("resid_post", 4) and fs.writes == fs.reads
+
+
+def test_no_list_with_compiled_engine_is_auto():
+    assert resolve_freeze_points(None, 3, enforce_eager=False) == resolve_freeze_points("auto", 3)
+    assert resolve_freeze_points(None, 3) == resolve_freeze_points("auto", 3)
+
+
+def test_multi_stream_trunk_auto_reads_resid_streams():
+    fs = resolve_freeze_points("auto", n_layers=2, n_streams=4)
+    assert fs.reads == addrs("resid_streams", 2) and fs.writes == fs.reads
+
+
+def test_freeze_writes_empty_keeps_reads_without_write_buffers():
+    fs = resolve_freeze_points("auto", 3, freeze_writes=[])
+    assert fs.reads == addrs("resid_post", 3) and fs.writes == ()
+    # None and [] differ only here: None means "writes == reads".
+    assert resolve_freeze_points("auto", 3, freeze_writes=None).writes == fs.reads
+
+
+def test_freeze_writes_empty_alone_is_not_graph_mode():
+    fs = resolve_freeze_points(None, 3, freeze_writes=[])
+    assert fs.reads == addrs("resid_post", 3) and fs.writes == ()
+
+
+def test_explicit_read_list_implies_no_writes():
+    fs = resolve_freeze_points(["resid_post.1", "resid_pre.0"], 3)
+    assert fs.reads == (Address("resid_post", 1), Address("resid_pre", 0)) and fs.writes == ()
+
+
+def test_named_write_without_reads_stays_writes_only():
+    fs = resolve_freeze_points(None, 3, freeze_writes=["resid_post.2"])
+    assert fs.reads == () and fs.writes == (Address("resid_post", 2),)
+    fs = resolve_freeze_points([], 3, freeze_writes=["resid_post.2"])
+    assert fs.reads == () and fs.writes == (Address("resid_post", 2),)
+
+
+def test_empty_list_is_graph_mode_with_no_taps():
+    assert resolve_freeze_points([], 3) == FreezeSet((), ())
+
+
+def test_enforce_eager_with_freeze_set_is_refused():
+    for kw in ({"freeze_points": "auto"}, {"freeze_points": ["resid_post.0"]},
+               {"freeze_points": []}, {"freeze_writes": ["resid_post.0"]}):
+        with pytest.raises(ValueError, match="omit freeze_points"):
+            resolve_freeze_points(n_layers=2, enforce_eager=True, **kw)
+
+
+def test_enforce_eager_alone_is_hooked_mode():
+    assert resolve_freeze_points(None, 2, enforce_eager=True) is None
+
+
+def test_unknown_string_is_refused():
+    with pytest.raises(ValueError, match="not understood"):
+        resolve_freeze_points("all", 2)
+
+
+def test_out_of_range_layer_is_refused():
+    with pytest.raises(ValueError, match="layers 0..2"):
+        resolve_freeze_points(["resid_post.3"], 3)
+
+
+def test_frozen_set_refuses_points_outside_it():
+    fs = resolve_freeze_points(["resid_post.1"], 3)
+    fs.check_read([Address("resid_post", 1)])
+    with pytest.raises(ValueError, match="cannot serve resid_post.0"):
+        fs.check_read([Address("resid_post", 0)])
