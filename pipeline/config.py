@@ -256,7 +256,9 @@ class StoreConfig:
 
     @property
     def resolved_url(self) -> str:
-        return expand_path(self.url)
+        # absolute, so actors whose cwd differs from the driver's write to the same place
+        url = expand_path(self.url)
+        return url if "://" in url else os.path.abspath(url)
 
 
 @dataclass

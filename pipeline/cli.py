@@ -1,0 +1,227 @@
+"""`harvest run|plan|status|verify|inspect`: the pipeline for people.
+
+`status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
+work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
+Errors we can explain end the command with exit code 2 and one line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import ConfigError, HarvestConfig, default_config_path, load_config, redact_url
+
+EXIT_BAD_INPUT = 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    from tqdm import tqdm
+
+    class TqdmHandler(logging.StreamHandler):
+        """Log lines above the progress bar instead of through it."""
+
+        def emit(self, record):
+            try:
+                tqdm.write(self.format(record), file=sys.stderr)
+            except Exception:
+                self.handleError(record)
+
+    h = TqdmHandler()
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("harvest")
+    root.handlers[:] = [h]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+    logging.getLogger("pipeline").handlers[:] = [h]
+    logging.getLogger("pipeline").setLevel(logging.WARNING if not verbose else logging.DEBUG)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help=f"run config YAML (default {default_config_path()})")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set packing.context_size=256 (repeatable)")
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", help="store URL or path (default: store.url of the config)")
+    _config_args(p)
+
+
+def _load(args) -> HarvestConfig:
+    return load_config(args.config or default_config_path(), args.set)
+
+
+def _store_target(args) -> tuple[str, dict | None]:
+    if args.url:
+        return args.url, None
+    cfg = _load(args)
+    return cfg.store.resolved_url, cfg.store.storage_options
+
+
+def format_summary(s: dict) -> str:
+    if s.get("noop"):
+        return (f"store {s.get('store')} is already complete: {s.get('tokens')} tokens in "
+                f"{s.get('units')} units, finished {s.get('finished_at')}; nothing to do")
+    lines = [
+        f"harvest {s['name']}: {s['tokens']} tokens in {s['units']} units "
+        f"({s['units_run']} run, {s['units_skipped']} already committed) -> {s['store']}",
+        f"  captured {s['tokens_this_run']} tokens in {s['dispatch_seconds']:.1f} s: "
+        f"{s['tokens_per_second'] or 0:.0f} tok/s ({s['points']} points x width {s['width']})",
+        f"  bytes: {s['bytes_logical'] / 1e6:.1f} MB logical, {s['bytes_stored'] / 1e6:.1f} MB stored, "
+        f"compression {s['compression_ratio']}x",
+        f"  verified: {s['verified']['committed_units']}/{s['verified']['planned_units']} units, "
+        f"{s['verified']['committed_rows']} rows; retries {s['unit_retries']}, "
+        f"actor deaths {s['actor_deaths_seen']}; wall {s['wall_seconds']:.1f} s",
+    ]
+    for a in s["per_actor"]:
+        lines.append(f"  actor {a['index']}: {a['units']} units, {a['tokens']} tokens, "
+                     f"{a['tokens_per_second'] or 0:.0f} tok/s busy, pids {a['pids']}")
+    return "\n".join(lines)
+
+
+def cmd_run(args) -> int:
+    from .driver import run
+
+    cfg = _load(args)
+    summary = run(cfg)
+    print(format_summary(summary))
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .driver import prepare, probe_store
+
+    cfg = _load(args)
+    existing = probe_store(cfg)
+    prep = prepare(cfg, (existing.shard_rows, existing.chunk_rows) if existing is not None else None)
+    out = {
+        "store": redact_url(cfg.store.resolved_url),
+        "store_exists": existing is not None,
+        "model_path": prep.model_path,
+        "points": len(prep.points),
+        "width": prep.width,
+        "context_size": cfg.packing.context_size,
+        "contexts": prep.packed.n_contexts,
+        "tokens": prep.packed.n_rows,
+        "units": len(prep.units),
+        "unit_rows": prep.layout.unit_rows,
+        "shard_rows": prep.layout.shard_rows,
+        "chunk_rows": prep.layout.chunk_rows,
+        "bytes_logical": prep.bytes_logical,
+        "data": prep.data_stats.as_dict(),
+        "packing": prep.packed.stats.as_dict(),
+        "tokens_sha256": prep.packed.tokens_sha256(),
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .driver import status
+
+    url, so = _store_target(args)
+    s = status(url, so)
+    if args.json:
+        print(json.dumps(s, indent=2, default=str))
+        return 0
+    state = "finalized" if s["finalized"] else ("complete, not finalized" if
+                                                s["committed_units"] == s["planned_units"] else "in progress or interrupted")
+    print(f"{s['url']}: {s['committed_units']}/{s['planned_units']} units, "
+          f"{s['committed_rows']}/{s['planned_rows']} rows ({100 * s['fraction']:.1f}%), {state}")
+    if s["recent_tokens_per_second"]:
+        print(f"  rate {s['recent_tokens_per_second']:.0f} tok/s from commit times"
+              + (f", ETA {s['eta_seconds']:.0f} s" if s["eta_seconds"] and not s["finalized"] else ""))
+    if s["last_commit"]:
+        print(f"  last commit {s['last_commit']}")
+    for k, v in s["per_actor"].items():
+        print(f"  {k}: {v['units']} units, {v['tokens']} tokens, pids {v['pids']}")
+    if s["missing_units"] and not s["finalized"]:
+        print(f"  uncommitted units: {s['missing_units'][:20]}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from pipeline.store import open_store
+
+    url, so = _store_target(args)
+    v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep)
+    print(json.dumps(v, indent=2, default=str) if args.json else
+          f"{'OK' if v['ok'] else 'FAILED'}: {v['committed_units']}/{v['planned_units']} units, "
+          f"{v['committed_rows']}/{v['planned_rows']} rows committed"
+          + ("" if v["ok"] else "\n  " + "\n  ".join(v["errors"][:20])))
+    return 0 if v["ok"] else 1
+
+
+def cmd_inspect(args) -> int:
+    from .driver import inspect
+
+    url, so = _store_target(args)
+    rows = None
+    if args.rows:
+        a, _, b = args.rows.partition(":")
+        rows = (int(a), int(b) if b else int(a) + 8)
+    print(json.dumps(inspect(url, so, rows), indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="harvest", description=__doc__.splitlines()[0])
+    p.add_argument("--verbose", "-v", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run or resume a harvest (connects to Ray or starts it)")
+    _config_args(r)
+    r.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    r.set_defaults(fn=cmd_run)
+    pl = sub.add_parser("plan", help="tokenize, pack and plan without running anything")
+    _config_args(pl)
+    pl.set_defaults(fn=cmd_plan)
+    st = sub.add_parser("status", help="progress of a store, from the store alone")
+    _store_args(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+    v = sub.add_parser("verify", help="every planned row committed exactly once?")
+    _store_args(v)
+    v.add_argument("--deep", action="store_true", help="also check every shard's CRC")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+    i = sub.add_parser("inspect", help="layout, run attributes, and rows with --rows A:B")
+    _store_args(i)
+    i.add_argument("--rows", help="rows to show, e.g. 0:16")
+    i.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted: the store is resumable, re-run the same command", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if _is_user_error(e):
+            print(f"harvest {args.cmd}: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+
+
+def _is_user_error(e: BaseException) -> bool:
+    from .data import DataError
+    from .driver import HarvestError
+    from .packing import PackingError
+
+    try:
+        from pipeline.store import StoreError
+    except Exception:  # pragma: no cover
+        StoreError = ()  # type: ignore
+    return isinstance(e, (ConfigError, DataError, PackingError, HarvestError, StoreError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
