@@ -1,0 +1,25 @@
+"""Activation store: chunked, sharded Zarr v3 on local disk or object storage, plus its reader.
+
+Import-light: no torch, Ray or engine imports here (the reader imports torch lazily), so an SAE
+training job can `from pipeline.store import open_store` on a machine without the engine.
+See FORMAT.md for the layout.
+"""
+
+from . import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
+
+__version__ = "1.0"
+
+from .errors import (  # noqa: E402
+    NotAHarvestStore,
+    RegionConflict,
+    RegionWriteFailed,
+    StoreAccessError,
+    StoreError,
+    UnknownLayoutVersion,
+)
+from .store import Store, create_store, open_store  # noqa: E402
+
+__all__ = [
+    "Store", "create_store", "open_store", "StoreError", "NotAHarvestStore", "UnknownLayoutVersion",
+    "StoreAccessError", "RegionWriteFailed", "RegionConflict",
+]

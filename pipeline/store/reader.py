@@ -1,0 +1,284 @@
+"""SAE-training reader: shuffled batches from committed regions of a store, local or S3.
+
+Shuffling is two-level, because a store is far larger than memory: shards are visited in a seeded
+random order, and rows pass through an in-memory shuffle buffer (each emitted row is a uniform draw
+from the buffer). Work is split by shard: global worker g = rank * num_workers + worker_id takes
+every G-th shard of the epoch's permutation, so ranks x DataLoader workers never overlap and every
+committed row (not excluded) comes out exactly once per epoch. The list of shards is fixed when the
+dataset is built, in the parent process, so every worker agrees on it even while writers commit.
+
+Nothing here keeps an open store across a fork: each process opens its own (async S3 clients are
+bound to the event loop of the process that made them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .dtypes import BF16
+from .store import Store, open_store
+
+NORMALIZE_MODES = (None, "standardize", "norm_scale", "center_norm_scale")
+_DEFAULT_BUFFER_BYTES = 256 << 20
+
+
+def _rank_world(rank, world_size) -> tuple[int, int]:
+    if rank is not None or world_size is not None:
+        rank, world_size = int(rank or 0), int(world_size or 1)
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
+    return rank, world_size
+
+
+def _to_torch(x: np.ndarray) -> torch.Tensor:
+    if x.dtype == BF16:
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+class ActivationDataset(torch.utils.data.IterableDataset):
+    """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors.
+
+    Args:
+        store: a Store or a URL (then `storage_options` apply).
+        points: a point name -> 2-D batches; a list -> 3-D batches in that order; None -> all
+            points (2-D if the store has one).
+        batch_size: rows per batch; the last batch of each worker may be short unless drop_last.
+        shuffle, seed: shard order and buffer draws are reproducible from (seed, epoch, worker).
+        shuffle_buffer_rows: rows held for the in-memory shuffle (default: 256 MiB worth).
+        rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
+        exclude_token_ids: rows whose token_id is in this set are dropped (BOS, padding, ...).
+        normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (scale so that
+            E||x||^2 = width) | "center_norm_scale" (subtract mean, then scale E||x-mean||^2 =
+            width); statistics come from the store (finalize, or merged commit partials).
+        prefetch_shards: shards fetched concurrently ahead of consumption.
+        return_meta: yield dicts {acts, row, token_id, doc_id, position} instead of tensors.
+        out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
+    """
+
+    def __init__(self, store: "Store | str", points: "str | Sequence[str] | None" = None,
+                 batch_size: int = 4096, *, shuffle: bool = True, seed: int = 0,
+                 shuffle_buffer_rows: int | None = None, rank: int | None = None,
+                 world_size: int | None = None, exclude_token_ids: Sequence[int] = (),
+                 normalize: str | None = None, prefetch_shards: int = 4, drop_last: bool = False,
+                 return_meta: bool = False, out_dtype: torch.dtype | None = None,
+                 storage_options: dict | None = None, epoch: int = 0, eps: float = 1e-6):
+        super().__init__()
+        if isinstance(store, Store):
+            self._url = store.location.url if store.location.is_local else store.location.url_with_protocol()
+            self._so = store.location.storage_options
+            st = store
+        else:
+            self._url, self._so = store, storage_options
+            st = open_store(store, storage_options=storage_options, read_only=True)
+        if points is None:
+            points = st.points[0] if len(st.points) == 1 else list(st.points)
+        self.stack = not isinstance(points, str)
+        self.points = [points] if isinstance(points, str) else list(points)
+        for p in self.points:
+            if p not in st.points:
+                raise ValueError(f"points: {p!r} is not in the store; it holds {', '.join(st.points)}")
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if normalize not in NORMALIZE_MODES:
+            raise ValueError(f"normalize={normalize!r}: use one of {NORMALIZE_MODES}")
+        self.batch_size, self.shuffle, self.seed, self.epoch = int(batch_size), shuffle, int(seed), int(epoch)
+        self.rank, self.world_size = _rank_world(rank, world_size)
+        self.exclude = np.array(sorted({int(t) for t in exclude_token_ids}), np.int64)
+        self.normalize, self.eps = normalize, eps
+        self.prefetch_shards = max(1, int(prefetch_shards))
+        self.drop_last, self.return_meta = drop_last, return_meta
+        self.width, self.store_dtype = st.width, st.np_dtype
+        row_bytes = st.row_bytes * len(self.points)
+        self.shuffle_buffer_rows = int(shuffle_buffer_rows) if shuffle_buffer_rows is not None else \
+            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // row_bytes)
+        if self.shuffle_buffer_rows < self.batch_size:
+            raise ValueError(f"shuffle_buffer_rows={self.shuffle_buffer_rows} must be >= batch_size="
+                             f"{self.batch_size}")
+        pieces = set()
+        for m in st.committed_units().values():
+            for sh in m["shards"]:
+                pieces.add((max(sh["row_start"], m["row_start"]), min(sh["row_end"], m["row_end"])))
+        self.pieces: list[tuple[int, int]] = sorted(pieces)
+        self.n_rows = sum(b - a for a, b in self.pieces)
+        self._norm = self._norm_params(st) if normalize else None
+        if out_dtype is None:
+            out_dtype = torch.float32 if normalize else (torch.bfloat16 if st.np_dtype == BF16
+                                                         else getattr(torch, st.np_dtype.name))
+        self.out_dtype = out_dtype
+        self._store: Store | None = None
+        self._store_pid: int | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _norm_params(self, st: Store):
+        stats = st.stats(self.points)
+        shift, scale = [], []
+        for p in self.points:
+            s = stats[p]
+            if not s["count"]:
+                raise ValueError(f"normalize={self.normalize!r}: no statistics for {p} (nothing committed)")
+            mean, var = np.asarray(s["mean"]), np.asarray(s["var"])
+            if self.normalize == "standardize":
+                shift.append(mean)
+                scale.append(1.0 / np.sqrt(var + self.eps))
+            elif self.normalize == "norm_scale":
+                shift.append(np.zeros_like(mean))
+                scale.append(np.full_like(mean, np.sqrt(self.width / s["mean_sq_norm"])))
+            else:
+                shift.append(mean)
+                scale.append(np.full_like(mean, np.sqrt(self.width / var.sum())))
+        return (torch.from_numpy(np.stack(shift).astype(np.float32)),
+                torch.from_numpy(np.stack(scale).astype(np.float32)))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before each epoch (like DistributedSampler.set_epoch) to reshuffle."""
+        self.epoch = int(epoch)
+
+    def _open(self) -> Store:
+        if self._store is None or self._store_pid != os.getpid():
+            self._store = open_store(self._url, storage_options=self._so, read_only=True)
+            self._store_pid = os.getpid()
+        return self._store
+
+    def worker_pieces(self, worker_id: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
+        """The shards global worker (rank, worker_id) reads this epoch, in reading order."""
+        order = list(range(len(self.pieces)))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pieces)).tolist()
+        g = self.rank * num_workers + worker_id
+        G = self.world_size * num_workers
+        return [self.pieces[i] for i in order[g::G]]
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def _load(self, piece: tuple[int, int]):
+        st = self._open()
+        a, b = piece
+        if len(self.points) == 1:
+            x = st.array(self.points[0])[a:b][:, None, :]
+        else:
+            x = np.empty((b - a, len(self.points), self.width), self.store_dtype)
+            for i, p in enumerate(self.points):
+                x[:, i, :] = st.array(p)[a:b]
+        rows = np.arange(a, b, dtype=np.int64)
+        meta = None
+        if self.return_meta:
+            meta = [np.asarray(m) for m in st.read_row_meta(a, b)]
+        if self.exclude.size:
+            tok = meta[0] if meta is not None else st._meta_array("token_id")[a:b]
+            keep = ~np.isin(tok, self.exclude)
+            x, rows = x[keep], rows[keep]
+            if meta is not None:
+                meta = [m[keep] for m in meta]
+        return x, rows, meta
+
+    def _pieces_stream(self, pieces) -> Iterator:
+        with cf.ThreadPoolExecutor(self.prefetch_shards, thread_name_prefix="harvest-read") as ex:
+            futs = [ex.submit(self._load, p) for p in pieces[: self.prefetch_shards]]
+            nxt = len(futs)
+            for i in range(len(pieces)):
+                res = futs[i].result()
+                futs[i] = None
+                if nxt < len(pieces):
+                    futs.append(ex.submit(self._load, pieces[nxt]))
+                    nxt += 1
+                yield res
+
+    def _emit(self, x: np.ndarray, rows: np.ndarray, meta):
+        t = _to_torch(x)
+        if self._norm is not None:
+            shift, scale = self._norm
+            t = (t.float() - shift) * scale
+        t = t.to(self.out_dtype)
+        if not self.stack:
+            t = t[:, 0, :]
+        if not self.return_meta:
+            return t
+        return {"acts": t, "row": torch.from_numpy(rows),
+                "token_id": torch.from_numpy(meta[0].astype(np.int64)),
+                "doc_id": torch.from_numpy(meta[1].astype(np.int64)),
+                "position": torch.from_numpy(meta[2].astype(np.int64))}
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        pieces = self.worker_pieces(wid, nw)
+        g = self.rank * nw + wid
+        rng = np.random.default_rng([self.seed, self.epoch, g, 1])
+        out = _Batcher(self)
+        if not self.shuffle:
+            for x, rows, meta in self._pieces_stream(pieces):
+                yield from out.add(x, rows, meta)
+            yield from out.flush()
+            return
+        B, C, P = self.batch_size, self.shuffle_buffer_rows, len(self.points)
+        buf = None
+        brows = np.empty(C, np.int64)
+        bmeta = [np.empty(C, np.int64) for _ in range(3)] if self.return_meta else None
+        count = 0
+        for x, rows, meta in self._pieces_stream(pieces):
+            m = x.shape[0]
+            if m == 0:
+                continue
+            if buf is None:
+                buf = np.empty((C, P, self.width), self.store_dtype)
+            perm = rng.permutation(m)
+            x, rows = x[perm], rows[perm]
+            meta = [mm[perm] for mm in meta] if meta is not None else None
+            i = min(C - count, m)
+            buf[count:count + i], brows[count:count + i] = x[:i], rows[:i]
+            if bmeta is not None:
+                for k in range(3):
+                    bmeta[k][count:count + i] = meta[k][:i]
+            count += i
+            while i < m:  # buffer full: every new row replaces a uniformly drawn one
+                k = min(B, m - i)
+                idx = rng.choice(C, k, replace=False)
+                drawn, drows = buf[idx], brows[idx]
+                dmeta = [bm[idx] for bm in bmeta] if bmeta is not None else None
+                buf[idx], brows[idx] = x[i:i + k], rows[i:i + k]
+                if bmeta is not None:
+                    for kk in range(3):
+                        bmeta[kk][idx] = meta[kk][i:i + k]
+                i += k
+                yield from out.add(drawn, drows, dmeta)
+        if count:
+            perm = rng.permutation(count)
+            rest_meta = [bm[:count][perm] for bm in bmeta] if bmeta is not None else None
+            yield from out.add(buf[:count][perm], brows[:count][perm], rest_meta)
+        yield from out.flush()
+
+
+class _Batcher:
+    """Re-chunks row blocks into exact batch_size batches; the remainder waits for the next block."""
+
+    def __init__(self, ds: ActivationDataset):
+        self.ds = ds
+        self.pending = None
+
+    def add(self, x, rows, meta):
+        if self.pending is not None:
+            px, prows, pmeta = self.pending
+            x, rows = np.concatenate([px, x]), np.concatenate([prows, rows])
+            meta = [np.concatenate([a, b]) for a, b in zip(pmeta, meta)] if meta is not None else None
+            self.pending = None
+        B = self.ds.batch_size
+        n = x.shape[0]
+        full = n // B * B
+        for s in range(0, full, B):
+            yield self.ds._emit(x[s:s + B], rows[s:s + B], [m[s:s + B] for m in meta] if meta else None)
+        if full < n:
+            self.pending = (x[full:], rows[full:], [m[full:] for m in meta] if meta else None)
+
+    def flush(self):
+        pend, self.pending = self.pending, None
+        if pend is not None and not self.ds.drop_last:
+            yield self.ds._emit(*pend)
