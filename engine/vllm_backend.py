@@ -74,7 +74,7 @@ class VLLMModel:
             model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
             enforce_eager=bool(enforce_eager), enable_prefix_caching=False,
             enable_chunked_prefill=True, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=max_num_seqs or 64, max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs or min(64, self.max_num_batched_tokens), max_model_len=self.max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
             tensor_parallel_size=tensor_parallel_size, seed=seed, additional_config=extra,
             worker_extension_cls="engine.worker_ext.HarvestWorkerExtension", **engine_args)

@@ -1,0 +1,64 @@
+"""Hooked mode (enforce_eager + Python hooks) serves any point; the eager HF backend is the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Address, load_model, run_with_cache
+from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
+from tests.fixtures.models import tiny_model_path
+
+POINTS = ["resid_pre.0", "resid_pre.2", "attn_out.1", "mlp_out.1", "resid_post.3", "attn_out.3"]
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    path = tiny_model_path("llama")
+    m = load_model(path, backend="vllm", enforce_eager=True, max_num_batched_tokens=64)
+    assert m.mode == "hooked"
+    yield path, m
+    m.close()
+
+
+def test_eager_reference_hooks_equal_output_hidden_states():
+    path = tiny_model_path("qwen3")
+    toks = prompts(7, (9, 33))
+    ref = load_model(path, backend="eager", dtype="float32")
+    got = run_with_cache(ref, toks, [f"resid_post.{L}" for L in range(ref.n_layers - 1)] + ["resid_pre.0"])
+    hs, _ = hf_hidden_states(path, toks)
+    for g, h in zip(got, hs):
+        for L in range(ref.n_layers - 1):
+            torch.testing.assert_close(g[Address("resid_post", L)][0] if g[Address("resid_post", L)].dim() == 3 else g[Address("resid_post", L)], h[L + 1])
+        torch.testing.assert_close(g[Address("resid_pre", 0)], h[0])  # embeddings
+
+
+def test_hooked_serves_any_point_equal_to_hf(hooked):
+    path, m = hooked
+    toks = prompts(8, (12, 70, 130))
+    got = run_with_cache(m, toks, POINTS)
+    ref = run_with_cache(load_model(path, backend="eager", dtype="float32"), toks, POINTS)
+    for g, r in zip(got, ref):
+        assert list(g) == [Address.parse(p) for p in POINTS]
+        for a in g:
+            assert rel_err(g[a], r[a]) < BF16_REL_TOL, a
+
+
+def test_hooked_points_can_change_between_calls(hooked):
+    path, m = hooked
+    toks = prompts(9, (20,))
+    a = run_with_cache(m, toks, ["resid_post.1"])[0]
+    b = run_with_cache(m, toks, ["mlp_out.2", "resid_post.1"])[0]
+    assert list(b) == [Address("mlp_out", 2), Address("resid_post", 1)]
+    torch.testing.assert_close(a[Address("resid_post", 1)], b[Address("resid_post", 1)])
+
+
+def test_hooked_mode_needs_explicit_points(hooked):
+    _, m = hooked
+    with pytest.raises(ValueError, match="explicit points"):
+        run_with_cache(m, [[4, 5, 6]])
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="use one of vllm, eager"):
+        load_model("x", backend="onnx")
