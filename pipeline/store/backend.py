@@ -36,6 +36,9 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, _PERMANENT):
         return False
+    if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.EACCES, errno.ENOENT, errno.EEXIST,
+                                                  errno.EPERM, errno.ENOSPC, errno.EROFS):
+        return False
     if isinstance(exc, (ConnectionError, TimeoutError, OSError)):
         return True
     mod = type(exc).__module__
@@ -201,16 +204,19 @@ class Location:
             finally:
                 os.unlink(tmp)
         if self.protocol in ("s3", "s3a") and self.honours_if_none_match():
-            try:
-                with_retries(lambda: self.fs.pipe_file(path, data, mode="create"), f"commit {rel}")
-                return True
-            except FileExistsError:
-                return False
-            except OSError as e:
-                # Some servers answer 412 without naming the condition; s3fs then raises EINVAL.
-                if e.errno in (errno.EINVAL, errno.EEXIST) and self._exists_fresh(path):
+            def put() -> bool:
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                    return True
+                except FileExistsError:
                     return False
-                raise
+                except OSError as e:
+                    # Some servers answer 412 without naming the condition; s3fs then raises EINVAL.
+                    if e.errno in (errno.EINVAL, errno.EEXIST) and self._exists_fresh(path):
+                        return False
+                    raise
+
+            return with_retries(put, f"commit {rel}")
         if self._exists_fresh(path):
             return False
         with_retries(lambda: self.fs.pipe_file(path, data), f"commit {rel}")

@@ -19,11 +19,16 @@ _BLOCK_ROWS = 2048  # float64 working set per block: rows x width x 8 bytes
 
 @dataclass
 class Moments:
-    """count, mean[width], m2[width] for one point (float64)."""
+    """count, mean[width], m2[width] for one point (float64), plus rows left out as non-finite.
+
+    A row holding inf/NaN (fp16 overflow, a broken kernel) is counted in `nonfinite` and kept out of
+    the moments: one such row would otherwise turn every mean and variance into NaN for good.
+    """
 
     count: int
     mean: np.ndarray
     m2: np.ndarray
+    nonfinite: int = 0
 
     @classmethod
     def empty(cls, width: int) -> "Moments":
@@ -36,21 +41,29 @@ class Moments:
         out = cls.empty(width)
         for s in range(0, n, _BLOCK_ROWS):
             x = to_float64(rows[s:s + _BLOCK_ROWS])
+            ok = np.isfinite(x).all(axis=1)
+            bad = int(x.shape[0] - ok.sum())
+            if bad:
+                x = x[ok]
+                out.nonfinite += bad
+            if not x.shape[0]:
+                continue
             m = x.mean(axis=0)
             d = x - m
             out = out.merge(cls(x.shape[0], m, np.einsum("ij,ij->j", d, d)))
         return out
 
     def merge(self, other: "Moments") -> "Moments":
+        bad = self.nonfinite + other.nonfinite
         if other.count == 0:
-            return self
+            return Moments(self.count, self.mean, self.m2, bad)
         if self.count == 0:
-            return Moments(other.count, other.mean.copy(), other.m2.copy())
+            return Moments(other.count, other.mean.copy(), other.m2.copy(), bad)
         n = self.count + other.count
         delta = other.mean - self.mean
         mean = self.mean + delta * (other.count / n)
         m2 = self.m2 + other.m2 + delta * delta * (self.count * other.count / n)
-        return Moments(n, mean, m2)
+        return Moments(n, mean, m2, bad)
 
     @property
     def var(self) -> np.ndarray:
@@ -65,7 +78,8 @@ class Moments:
         return float(np.sum(self.var + self.mean * self.mean))
 
     def summary(self) -> dict:
-        return {"count": int(self.count), "mean_sq_norm": self.mean_sq_norm,
+        return {"count": int(self.count), "nonfinite_rows": int(self.nonfinite),
+                "mean_sq_norm": self.mean_sq_norm,
                 "mean_norm": float(np.linalg.norm(self.mean)) if self.count else float("nan"),
                 "mean_var": float(self.var.mean()) if self.count else float("nan")}
 
@@ -79,8 +93,9 @@ def crc32(x: np.ndarray) -> int:
 
 def to_float64(x: np.ndarray) -> np.ndarray:
     if x.dtype.itemsize == 2 and x.dtype.kind == "V":  # ml_dtypes.bfloat16: bits << 16 is float32
-        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return x.astype(np.float64)
+        x = (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    with np.errstate(invalid="ignore"):  # NaN payloads widen fine; numpy still warns on the cast
+        return x.astype(np.float64)
 
 
 def merge_all(parts: list[list[Moments]], n_points: int, width: int) -> list[Moments]:
@@ -96,11 +111,12 @@ def dumps(moments: list[Moments]) -> bytes:
     """npz bytes of a per-point partial (exact float64, unlike JSON text)."""
     buf = io.BytesIO()
     np.savez(buf, count=np.array([m.count for m in moments], np.int64),
+             nonfinite=np.array([m.nonfinite for m in moments], np.int64),
              mean=np.stack([m.mean for m in moments]), m2=np.stack([m.m2 for m in moments]))
     return buf.getvalue()
 
 
 def loads(data: bytes) -> list[Moments]:
     with np.load(io.BytesIO(data)) as z:
-        count, mean, m2 = z["count"], z["mean"], z["m2"]
-    return [Moments(int(count[i]), mean[i].copy(), m2[i].copy()) for i in range(len(count))]
+        count, mean, m2, bad = z["count"], z["mean"], z["m2"], z["nonfinite"]
+    return [Moments(int(count[i]), mean[i].copy(), m2[i].copy(), int(bad[i])) for i in range(len(count))]

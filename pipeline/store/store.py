@@ -330,7 +330,8 @@ class Store:
     def stats(self, points: Sequence[str] | None = None) -> dict[str, dict]:
         """Per-point stats: from finalize if present, else merged now from the commit manifests.
 
-        Each value: count, mean [width] float64, var [width] float64, mean_sq_norm.
+        Each value: count, mean [width] float64, var [width] float64, mean_sq_norm, nonfinite_rows
+        (rows with inf/NaN, left out of the moments).
         """
         points = list(points or self.points)
         if self._meta["attributes"].get("stats"):
@@ -338,11 +339,12 @@ class Store:
             for p in points:
                 g = self._stats_group(p)
                 out[p] = {"count": int(g.attrs["count"]), "mean": g["mean"][:], "var": g["var"][:],
-                          "mean_sq_norm": float(g.attrs["mean_sq_norm"])}
+                          "mean_sq_norm": float(g.attrs["mean_sq_norm"]),
+                          "nonfinite_rows": int(g.attrs.get("nonfinite_rows", 0))}
             return out
         merged = self._merge_stats()
         return {p: {"count": merged[i].count, "mean": merged[i].mean, "var": merged[i].var,
-                    "mean_sq_norm": merged[i].mean_sq_norm}
+                    "mean_sq_norm": merged[i].mean_sq_norm, "nonfinite_rows": merged[i].nonfinite}
                 for i, p in enumerate(self.points) if p in points}
 
     def _stats_group(self, point: str) -> zarr.Group:
@@ -384,7 +386,8 @@ class Store:
                 a = g.create_array(name, shape=(self.width,), dtype="float64", chunks=(self.width,),
                                    compressors=None, fill_value=np.nan, overwrite=True)
                 a[:] = v
-            g.attrs.update({"count": merged[i].count, "mean_sq_norm": merged[i].mean_sq_norm})
+            g.attrs.update({"count": merged[i].count, "mean_sq_norm": merged[i].mean_sq_norm,
+                            "nonfinite_rows": merged[i].nonfinite})
         shards = {s for m in committed.values() for s in (sh["index"] for sh in m["shards"])}
         rows = sum(m["row_end"] - m["row_start"] for m in committed.values())
         logical = rows * self.row_bytes
@@ -449,6 +452,9 @@ class Store:
         if (cover > 1).any():
             errors.append(f"shards committed more than once: {np.flatnonzero(cover > 1)[:20].tolist()}")
         missing_units = sorted(set(plan) - set(committed))
+        if missing_units:
+            errors.append(f"{len(missing_units)} planned units are not committed (e.g. "
+                          f"{missing_units[:10]}); run the harvest again to resume them")
         planned_rows = sum(u["row_end"] - u["row_start"] for u in plan.values())
         committed_rows = sum(m["row_end"] - m["row_start"] for uid, m in committed.items() if uid in plan)
         # metadata arrays and point arrays agree with the group attributes

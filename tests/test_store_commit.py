@@ -1,0 +1,217 @@
+"""Crash safety: a killed writer leaves nothing visible; a rewrite commits once; races are caught."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from pipeline.store import RegionConflict, RegionWriteFailed, create_store, open_store
+from pipeline.store import backend, layout, synthetic
+from pipeline.store.reader import ActivationDataset
+
+P, W, N, SHARD = 2, 32, 4096, 1024
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _store(url, so=None):
+    s = create_store(url, points=["resid_post.0", "resid_post.1"], width=W, n_rows=N, shard_rows=SHARD,
+                     chunk_rows=256, storage_options=so)
+    s.write_row_meta(0, np.arange(N, dtype=np.int32), np.arange(N) // 64, np.arange(N) % 64)
+    s.write_plan(s.default_plan(2))  # unit 0 = rows [0, 2048), unit 1 = rows [2048, 4096)
+    return s
+
+
+@pytest.fixture(params=["local", "s3"])
+def target(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run.zarr"), None
+    return request.getfixturevalue("s3_url"), request.getfixturevalue("seaweedfs").storage_options
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    from pipeline.store import open_store, synthetic
+    url, so = sys.argv[1], json.loads(sys.argv[2])
+    s = open_store(url, storage_options=so)
+    x = synthetic.activations((2, 4096, 32), seed=7)
+    w = s.region_writer(1, 2048, 4096, max_pending_shards=1)
+    w.write(2048, x[:, 2048:3072])        # shard 2 complete -> uploads in the background
+    w.write(3072, x[:, 3072:3500])        # shard 3 half written
+    print("WROTE", flush=True)
+    time.sleep(600)
+""")
+
+
+def _shard_object_exists(store, point, shard):
+    loc = store.location
+    key = loc.key(f"{layout.point_path(point)}/c/{shard}/0")
+    if not loc.is_local:
+        loc.fs.invalidate_cache()
+    return loc.fs.exists(key)
+
+
+def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
+    import json
+
+    url, so = target
+    x = synthetic.activations((P, N, W), seed=7)
+    s = _store(url, so)
+    synthetic.fill(s, x, units=[s.plan()[0]])
+    env = {**os.environ, "PYTHONPATH": REPO}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, url, json.dumps(so)], stdout=subprocess.PIPE,
+                             env=env, cwd=REPO, text=True)
+    try:
+        assert child.stdout.readline().strip() == "WROTE"
+        deadline = time.monotonic() + 60
+        while not all(_shard_object_exists(s, p, 2) for p in s.points):  # an uploaded shard of unit 1
+            assert time.monotonic() < deadline, "child never uploaded shard 2"
+            time.sleep(0.05)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    r = open_store(url, storage_options=so)
+    assert not r.is_committed(1) and sorted(r.committed_units()) == [0]
+    rows = np.concatenate([b["row"].numpy() for b in ActivationDataset(r, batch_size=500, return_meta=True)])
+    assert np.array_equal(np.sort(rows), np.arange(0, 2048))  # shard 2's object exists, yet unseen
+    v = r.verify()
+    assert not v["ok"] and v["missing_units"] == [1] and v["committed_fraction"] == 0.5
+
+    [m] = synthetic.fill(r, x, units=[r.plan()[1]], order="shuffled")  # the rewrite
+    assert m["unit_id"] == 1
+    markers = [n for n in r.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")]
+    assert markers == ["unit-00000000.json", "unit-00000001.json"]
+    v = r.verify(deep=True)
+    assert v["ok"], v["errors"]
+    for i, p in enumerate(r.points):
+        assert np.array_equal(r.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
+
+    # an at-least-once retry of the committed unit is a no-op: nothing written, same manifest back
+    again = r.region_writer(1, 2048, 4096)
+    assert again.already_committed
+    again.write(2048, synthetic.activations((P, 2048, W), seed=99))
+    m2 = again.commit()
+    assert m2["already_committed"] and m2["attempt"] == m["attempt"]
+    assert r.verify(deep=True)["ok"]
+
+
+def test_second_live_writer_is_stopped_and_deep_verify_catches_overwrites(tmp_path):
+    s = _store(str(tmp_path / "race.zarr"))
+    xa = synthetic.activations((P, N, W), seed=1)
+    xb = synthetic.activations((P, N, W), seed=2)
+    a = s.region_writer(0, 0, 2048)
+    b = s.region_writer(0, 0, 2048)
+    a.write(0, xa[:, :2048])
+    b.write(0, xb[:, :1024])               # b completes shard 0 (overwrites a's shard 0) ...
+    ma = a.commit()                        # ... but a commits first
+    with pytest.raises(RegionConflict, match="another writer"):
+        b.write(1024, xb[:, 1024:2048])    # b notices the marker before uploading more
+    v = s.verify(deep=True)
+    assert not v["ok"] and any("shard 0" in e for e in v["errors"])  # overwritten bytes detected
+    s.uncommit(0)                          # driver repair: rewrite the unit
+    synthetic.fill(s, xa, units=[s.plan()[0]])
+    assert s.commit_manifest(0)["attempt"] != ma["attempt"]
+    v = s.verify(deep=True)
+    assert v["missing_units"] == [1] and len(v["errors"]) == 1  # only "unit 1 not committed" is left
+
+
+def test_commit_race_loser_gets_conflict(tmp_path):
+    s = _store(str(tmp_path / "race2.zarr"))
+    x = synthetic.activations((P, N, W), seed=3)
+    a, b = s.region_writer(1, 2048, 4096), s.region_writer(1, 2048, 4096)
+    a.write(2048, x[:, 2048:])
+    b.write(2048, x[:, 2048:])
+    a.commit()
+    with pytest.raises(RegionConflict):
+        b.commit()
+    assert [n for n in s.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")] == \
+        ["unit-00000001.json"]
+
+
+def test_create_once_local_and_s3(tmp_path, seaweedfs, s3_url):
+    for url, so in ((str(tmp_path / "c"), None), (s3_url, seaweedfs.storage_options)):
+        loc = backend.locate(url, so)
+        assert loc.create_once("m/unit.json", b"first") is True
+        assert loc.create_once("m/unit.json", b"second") is False
+        assert loc.read_bytes("m/unit.json") == b"first"
+
+
+def test_s3_if_none_match_probe_and_check_then_write_fallback(seaweedfs, s3_url):
+    loc = backend.locate(s3_url, seaweedfs.storage_options)
+    path = loc.key("direct/probe")
+    loc.fs.pipe_file(path, b"1", mode="create")
+    try:
+        loc.fs.pipe_file(path, b"2", mode="create")
+        server_honours = False
+    except OSError:
+        server_honours = True
+    assert loc.honours_if_none_match() is server_honours  # the probe reports what the server does
+    key = (seaweedfs.endpoint, loc.root.split("/", 1)[0])
+    saved = backend._CREATE_ONCE_PROBES.get(key)
+    backend._CREATE_ONCE_PROBES[key] = False  # force the documented check-then-write path
+    try:
+        assert loc.create_once("fb/unit.json", b"a") is True
+        assert loc.create_once("fb/unit.json", b"b") is False
+        assert loc.read_bytes("fb/unit.json") == b"a"
+    finally:
+        backend._CREATE_ONCE_PROBES[key] = saved
+
+
+def test_permanent_upload_failure_leaves_region_uncommitted(seaweedfs, s3_url):
+    """A read-only identity cannot put shards: the writer reports it, no marker appears."""
+    admin = _store(s3_url, seaweedfs.storage_options)
+    ro = open_store(s3_url, storage_options=seaweedfs.readonly_storage_options)
+    x = synthetic.activations((P, N, W), seed=4)
+    w = ro.region_writer(0, 0, 2048, retries=2)
+    with pytest.raises(RegionWriteFailed) as ei:
+        w.write(0, x[:, :2048])
+        w.commit()
+    msg = str(ei.value)
+    assert "unit 0" in msg and "uncommitted" in msg
+    for secret in (seaweedfs.secret_key, seaweedfs.readonly_secret_key):
+        assert secret not in msg
+    assert not admin.is_committed(0)
+    w.abort()
+    synthetic.fill(admin, x, units=[admin.plan()[0]])  # the region can still be written properly
+    assert admin.is_committed(0)
+
+
+def test_retry_policy_classifies_errors():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("reset by peer")
+        return "ok"
+
+    assert backend.with_retries(flaky, "x", attempts=5, sleep=lambda s: None) == "ok" and len(calls) == 3
+    calls.clear()
+
+    def denied():
+        calls.append(1)
+        raise PermissionError("AccessDenied")
+
+    with pytest.raises(PermissionError):
+        backend.with_retries(denied, "x", attempts=5, sleep=lambda s: None)
+    assert len(calls) == 1  # never retried
+    calls.clear()
+
+    def down():
+        calls.append(1)
+        raise TimeoutError("read timeout")
+
+    delays = []
+    with pytest.raises(TimeoutError):
+        backend.with_retries(down, "x", attempts=4, base_delay=0.5, sleep=delays.append)
+    assert len(calls) == 4 and len(delays) == 3
+    assert all(0.25 * 2 ** i <= d <= 0.5 * 2 ** i for i, d in enumerate(delays))  # backoff grows
