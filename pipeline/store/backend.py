@@ -141,10 +141,10 @@ class Location:
         return f"{self.protocol}://{self.root}"
 
     # ---- plain objects ----------------------------------------------------------------------
-    def read_bytes(self, rel: str) -> bytes | None:
+    def read_bytes(self, rel: str, attempts: int = 5) -> bytes | None:
         """Object bytes, or None if absent."""
         try:
-            return with_retries(lambda: self.fs.cat_file(self.key(rel)), f"read {rel}")
+            return with_retries(lambda: self.fs.cat_file(self.key(rel)), f"read {rel}", attempts=attempts)
         except FileNotFoundError:
             return None
 

@@ -609,7 +609,8 @@ def open_store(url, storage_options: dict | None = None, read_only: bool = False
     """Open an existing store; refuses anything that is not a harvest store of a known layout."""
     loc = locate(url, storage_options)
     try:
-        raw = loc.read_bytes("zarr.json")
+        # two attempts only: a wrong endpoint should fail in seconds, not after a minute of backoff
+        raw = loc.read_bytes("zarr.json", attempts=2)
     except Exception as e:  # noqa: BLE001 -- translated without secrets
         raise loc.error("open_store", e) from None
     if raw is None:
