@@ -176,6 +176,12 @@ def open_dataset(cfg: DataConfig):
                 ds = ds.to_iterable_dataset()
             return ds, src
         if src.kind == "files":
+            local = [f for f in src.files if "://" not in f and os.path.isfile(f)]
+            if local and len(local) == len(src.files) and all(os.path.getsize(f) == 0 for f in local):
+                raise DataError(
+                    f"data.source={cfg.source!r} is empty ({len(local)} file(s) of 0 bytes): the "
+                    "dataset has no rows; point data.source at the data"
+                )
             data_files = cfg.data_files if cfg.data_files is not None else src.files
             if isinstance(data_files, dict):
                 split = cfg.split

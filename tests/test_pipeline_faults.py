@@ -1,0 +1,134 @@
+"""Failures mid-run: an actor process killed by pid, a driver killed and started again.
+
+The store must end complete, verified, with no duplicate and no missing row, and equal to the
+single-process reference; a restarted driver must skip the units committed before the kill.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import REPO_ROOT
+from pipeline.driver import run
+from pipeline.store import open_store
+from tests.test_pipeline_support import check_store, make_cfg, shared_corpus, shared_reference
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    return shared_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama, corpus, tmp_path_factory):
+    return shared_reference(tiny_llama, corpus, tmp_path_factory.mktemp("ref"))
+
+
+class Killer:
+    """on_event hook: SIGKILL one actor process that has units in flight, once."""
+
+    def __init__(self):
+        self.pids: dict[int, int] = {}
+        self.killed: tuple[int, int] | None = None
+        self.events: list[dict] = []
+
+    def __call__(self, e: dict) -> None:
+        self.events.append(e)
+        if e["event"] == "actors_ready":
+            self.pids = {a["index"]: a["pid"] for a in e["actors"]}
+        elif e["event"] == "unit_done" and self.killed is None:
+            busy = [a for a, n in sorted(e["in_flight"].items()) if n > 0]
+            victim = busy[0] if busy else 1 - e["actor"]
+            os.kill(self.pids[victim], signal.SIGKILL)
+            self.killed = (victim, self.pids[victim])
+
+
+def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_llama, corpus,
+                                                             reference, tmp_path):
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus)
+    k = Killer()
+    summary = run(cfg, on_event=k)
+    victim, dead_pid = k.killed
+    store = open_store(cfg.store.resolved_url)
+    check_store(store, reference)  # complete, each shard committed once, rows = reference
+    pids = summary["per_actor"][victim]["pids"]
+    # Ray restarted the actor (a new process) and it went on committing units
+    assert any(p != dead_pid for p in pids), pids
+    assert all(m["pid"] != dead_pid or m["extra"]["actor"] == victim
+               for m in store.committed_units().values())
+    done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
+    assert sorted(done) == [u.unit_id for u in reference[0].units]  # each unit reported once
+
+
+def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, corpus,
+                                                       reference, tmp_path):
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus,
+                   "ray.max_restarts=0", "ray.max_task_retries=0")
+    k = Killer()
+    summary = run(cfg, on_event=k)
+    victim, dead_pid = k.killed
+    check_store(open_store(cfg.store.resolved_url), reference)
+    assert any(e["event"] == "actor_lost" and e["actor"] == victim for e in k.events)
+    assert summary["actor_deaths_seen"] == 1
+    assert summary["per_actor"][victim]["pids"] in ([], [dead_pid])
+    survivor = summary["per_actor"][1 - victim]
+    assert survivor["units"] + summary["per_actor"][victim]["units"] == len(reference[0].units)
+    retried = {e["unit"] for e in k.events if e["event"] == "unit_retry"}
+    if retried:  # the units the victim had in flight were committed by the survivor
+        by = {uid: m["extra"]["actor"] for uid, m in open_store(cfg.store.resolved_url)
+              .committed_units().items()}
+        assert all(by[u] == 1 - victim for u in retried)
+
+
+def _commits(store_dir: Path) -> int:
+    d = store_dir / "_harvest" / "commits"
+    return len(list(d.glob("unit-*[0-9].json"))) if d.is_dir() else 0
+
+
+def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama, corpus,
+                                                         reference, tmp_path):
+    store_dir = tmp_path / "store"
+    overrides = ["ray.num_actors=1", "ray.max_in_flight=1"]
+    cfg = make_cfg(tiny_llama, str(store_dir), corpus, *overrides)
+    conf = cfg.to_dict(redact=False)
+    conf["ray"]["address"] = ray_cluster.address
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    log = open(tmp_path / "driver.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.harvest", "--config", str(path)],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **ray_cluster.env})
+    total = len(reference[0].units)
+    try:
+        deadline = time.time() + 180
+        while _commits(store_dir) < 3:
+            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            assert time.time() < deadline, "driver committed nothing in 180 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    at_kill = _commits(store_dir)
+    assert 3 <= at_kill < total, "the driver finished before it could be killed"
+    time.sleep(1.0)  # the dead driver's actor is killed by Ray; anything it committed counts
+    before = set(open_store(str(store_dir)).committed_units())
+    assert open_store(str(store_dir)).summary is None  # not finished
+
+    events: list[dict] = []
+    summary = run(make_cfg(tiny_llama, str(store_dir), corpus, *overrides), on_event=events.append)
+    ran = {e["unit_id"] for e in events if e["event"] == "unit_done"}
+    assert summary["units_skipped"] == len(before) >= at_kill
+    assert summary["units_run"] == total - len(before) == len(ran)
+    assert not (ran & before)  # committed units were not run again
+    check_store(open_store(str(store_dir)), reference)

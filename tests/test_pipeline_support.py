@@ -1,0 +1,161 @@
+"""Helpers shared by the pipeline tests (corpus, configs, the single-process reference), and the
+test that the row-for-row comparison they rely on does catch a difference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.config import HarvestConfig, load_config
+
+CONTEXT = 32
+SHARD_ROWS = 256  # 8 contexts per shard/unit
+MAX_TOKENS = 24 * SHARD_ROWS  # 24 units
+
+
+def write_corpus(path: Path) -> Path:
+    """A local jsonl corpus with rows the pipeline must skip (empty, null, not text)."""
+    from pydoc_data.topics import topics
+
+    rows = []
+    for i, k in enumerate(sorted(topics)):
+        rows.append({"text": topics[k], "topic": k})
+        if i % 10 == 3:
+            rows.append({"text": "", "topic": "empty"})
+        if i % 10 == 7:
+            rows.append({"text": None, "topic": "null"})
+    rows.insert(5, {"text": 12345, "topic": "number"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def make_cfg(model_path: str, store_url: str, data_path: "str | Path", *overrides: str,
+             storage_options: dict | None = None, **sections) -> HarvestConfig:
+    data = {
+        "name": "test",
+        "progress": False,
+        "model": {"path": model_path, "backend": "eager"},
+        "data": {"source": str(data_path)},
+        "packing": {"context_size": CONTEXT, "max_tokens": MAX_TOKENS, "bos": "context"},
+        "capture": {"points": ["resid_post.*"], "batch_contexts": 4},
+        "store": {"url": store_url, "shard_rows": SHARD_ROWS, "storage_options": storage_options},
+        "ray": {"num_actors": 2, "max_in_flight": 2, "max_restarts": 2, "max_task_retries": 2,
+                "threads_per_actor": 1},
+    }
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    return load_config(data=data, overrides=list(overrides))
+
+
+def reference_capture(model_path: str, token_ids: np.ndarray, context_size: int,
+                      unit_rows: int, batch_contexts: int, points: list[str]) -> dict[str, np.ndarray]:
+    """Single-process eager capture of the same tokens, unit by unit, in the actors' batching and
+    with one thread, like the actors (so the same backend must give identical bits)."""
+    import torch
+
+    from engine import load_model, to_numpy
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = load_model(model_path, backend="eager")
+        n = len(token_ids)
+        out = {p: None for p in points}
+        for rs in range(0, n, unit_rows):
+            ctx = token_ids[rs : rs + unit_rows].reshape(-1, context_size).tolist()
+            batches = [ctx[i : i + batch_contexts] for i in range(0, len(ctx), batch_contexts)]
+            for req in m.capture(batches, points):
+                row = rs + req.index * context_size
+                for pi, p in enumerate(points):
+                    a = to_numpy(req.acts[pi])
+                    if out[p] is None:
+                        out[p] = np.zeros((n, a.shape[1]), a.dtype)
+                    out[p][row : row + len(a)] = a
+        m.close()
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def assert_store_matches(store, ref: dict[str, np.ndarray], atol: float = 0.0, rtol: float = 0.0):
+    """Every row of every point equals the reference: bit-exact when atol == rtol == 0."""
+    assert set(store.points) == set(ref)
+    for p in store.points:
+        got = np.asarray(store.read(p, 0, store.n_rows))
+        want = ref[p]
+        assert got.shape == want.shape, p
+        if atol == 0 and rtol == 0:
+            same = got.view(np.uint16) == want.view(np.uint16)
+            bad = np.flatnonzero(~same.all(axis=1))
+            assert bad.size == 0, f"{p}: {bad.size} rows differ from the reference, first {bad[:5]}"
+        else:
+            g, w = got.astype(np.float32), want.astype(np.float32)
+            close = np.isclose(g, w, atol=atol, rtol=rtol)
+            frac = 1 - close.mean()
+            assert frac < 1e-3, f"{p}: {frac:.2%} of values beyond tolerance"
+            cos = (g * w).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(w, axis=1) + 1e-9)
+            assert cos.min() > 0.999, f"{p}: a row has cosine {cos.min():.5f} to the reference"
+
+
+_REFERENCES: dict = {}
+
+
+def shared_reference(model_path: str, corpus: Path, scratch: Path):
+    """(prepared plan, reference acts) for make_cfg's settings, computed once per session."""
+    from pipeline.driver import prepare
+
+    key = (model_path, str(corpus))
+    if key not in _REFERENCES:
+        cfg = make_cfg(model_path, str(scratch / "unused"), corpus)
+        prep = prepare(cfg)
+        acts = reference_capture(model_path, prep.packed.token_ids, cfg.packing.context_size,
+                                 prep.layout.unit_rows, cfg.capture.batch_contexts, prep.points)
+        _REFERENCES[key] = (prep, acts)
+    return _REFERENCES[key]
+
+
+_CORPORA: dict = {}
+
+
+def shared_corpus(scratch: Path) -> Path:
+    if "c" not in _CORPORA:
+        _CORPORA["c"] = write_corpus(scratch / "docs.jsonl")
+    return _CORPORA["c"]
+
+
+def check_store(store, reference):
+    """Complete, verified, metadata = packing, activations = the single-process reference."""
+    prep, acts = reference
+    v = store.verify(deep=True)
+    assert v["ok"], v["errors"]
+    assert v["committed_units"] == len(prep.units) and not v["missing_units"]
+    tok, doc, pos = store.read_row_meta(0, store.n_rows)
+    assert np.array_equal(tok, prep.packed.token_ids)
+    assert np.array_equal(doc, prep.packed.doc_ids)
+    assert np.array_equal(pos, prep.packed.positions)
+    assert_store_matches(store, acts)  # same backend: bit-exact
+
+
+class _FakeStore:
+    def __init__(self, arrays):
+        self.arrays = arrays
+        self.points = list(arrays)
+        self.n_rows = len(next(iter(arrays.values())))
+
+    def read(self, p, a, b):
+        return self.arrays[p][a:b]
+
+
+def test_row_comparison_catches_one_flipped_bit():
+    import ml_dtypes
+
+    ref = {"resid_post.0": np.arange(64, dtype=np.float32).reshape(8, 8).astype(ml_dtypes.bfloat16)}
+    assert_store_matches(_FakeStore({k: v.copy() for k, v in ref.items()}), ref)
+    bad = ref["resid_post.0"].copy()
+    bad.view(np.uint16)[5, 3] ^= 1
+    with pytest.raises(AssertionError, match="1 rows differ"):
+        assert_store_matches(_FakeStore({"resid_post.0": bad}), ref)
