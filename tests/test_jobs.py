@@ -1,0 +1,68 @@
+"""`ray job submit` against `ray start --head` on 127.0.0.1 runs the entrypoint to completion.
+
+The job is submitted the way a user would (`--working-dir` of the repo, token auth on), runs
+`python -m jobs.harvest --config run.yaml` inside the cluster (RAY_ADDRESS set by Ray), and the
+store it leaves is checked from the test. A second submission of the finished config is a no-op
+that says so, and reusing a submission id is refused by Ray (the guard against double submission).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import REPO_ROOT, cache_dir, default_config_path, load_config
+from pipeline.store import open_store
+from tests.test_pipeline_support import make_cfg, write_corpus
+
+
+def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.CompletedProcess:
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cmd = [
+        ray_bin, "job", "submit", "--address", head.dashboard_url, "--submission-id", sid,
+        "--working-dir", str(REPO_ROOT),
+        "--runtime-env-json", json.dumps({"env_vars": {"HARVEST_CACHE": str(cache_dir())}}),
+        "--", sys.executable, "-m", "jobs.harvest", "--config", str(config),
+    ]
+    return subprocess.run(cmd, env={**os.environ, **head.env}, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, tmp_path):
+    corpus = write_corpus(tmp_path / "docs.jsonl")
+    store_dir = tmp_path / "store"
+    cfg = make_cfg(tiny_llama, str(store_dir), corpus, "packing.max_tokens=2048")
+    conf = cfg.to_dict(redact=False)
+    conf["ray"]["address"] = None  # the cluster the job runs in
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(conf))
+
+    sid = f"harvest-test-{uuid.uuid4().hex[:8]}"
+    r = _submit(ray_head, sid, path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "succeeded" in out, out[-4000:]
+    assert "harvest test: 2048 tokens in 8 units (8 run, 0 already committed)" in out, out[-3000:]
+
+    store = open_store(str(store_dir))
+    v = store.verify()
+    assert v["ok"] and v["committed_units"] == 8, v
+    assert store.summary["tokens"] == 2048 and len(store.summary["per_actor"]) == 2
+
+    again = _submit(ray_head, sid + "-again", path)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "is already complete" in again.stdout + again.stderr
+    dup = _submit(ray_head, sid, path, timeout=120)
+    assert dup.returncode != 0 and "already exists" in (dup.stdout + dup.stderr)
+
+
+def test_shipped_configs_load():
+    cfg = load_config(default_config_path())
+    assert cfg.model.path == "smollm2" and cfg.data.source == "pydoc"
+    for p in sorted((REPO_ROOT / "jobs" / "configs").glob("*.yaml")):
+        load_config(p)
