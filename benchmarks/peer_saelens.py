@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_size": ctx,
         "tokens": n_tokens,
         "rows_written": n_tokens * len(layers),
+        "batch_size": args.batch_size,
         "seconds": round(total, 4),
         "per_layer_s": [round(s, 4) for s in per_layer_s],
         "load_s": round(loaded.get("load_s", 0.0), 3),
