@@ -148,8 +148,8 @@ class Location:
         except FileNotFoundError:
             return None
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        """Overwrite an object (driver metadata, stats sidecars)."""
+    def write_bytes(self, rel: str, data: bytes, attempts: int = 5) -> None:
+        """Overwrite an object (shards, driver metadata, stats sidecars); retried on S3."""
         path = self.key(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -158,7 +158,7 @@ class Location:
                 f.write(data)
             os.replace(tmp, path)  # readers never see a half-written file
             return
-        with_retries(lambda: self.fs.pipe_file(path, data), f"write {rel}")
+        with_retries(lambda: self.fs.pipe_file(path, data), f"write {rel}", attempts=attempts)
 
     def exists(self, rel: str) -> bool:
         return bool(with_retries(lambda: self.fs.exists(self.key(rel)), f"stat {rel}"))

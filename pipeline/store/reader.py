@@ -162,12 +162,15 @@ class ActivationDataset(torch.utils.data.IterableDataset):
     def _load(self, piece: tuple[int, int]):
         st = self._open()
         a, b = piece
+        shard = a // st.shard_rows
+        whole = (a, b) == st.shard_range(shard)
+        get = (lambda p: st.read_shard(p, shard)) if whole else (lambda p: st.array(p)[a:b])
         if len(self.points) == 1:
-            x = st.array(self.points[0])[a:b][:, None, :]
+            x = get(self.points[0])[:, None, :]
         else:
             x = np.empty((b - a, len(self.points), self.width), self.store_dtype)
             for i, p in enumerate(self.points):
-                x[:, i, :] = st.array(p)[a:b]
+                x[:, i, :] = get(p)
         rows = np.arange(a, b, dtype=np.int64)
         meta = None
         if self.return_meta:

@@ -102,6 +102,7 @@ class RegionWriter:
         self.attempt = uuid.uuid4().hex[:16]
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._arrays = [store.array(p) for p in store.points]
+        self._codecs = [store.shard_codec(p) for p in store.points]
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
         self._states: dict[int, _Shard] = {}
@@ -110,6 +111,7 @@ class RegionWriter:
         self._done: set[int] = set()
         self._parts: dict[tuple[int, int], list] = {}
         self._crc: dict[int, list] = {}
+        self._nbytes: dict[int, list] = {}
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(upload_threads, thread_name_prefix=f"harvest-up-{unit_id}")
         self._failed: BaseException | None = None
@@ -216,7 +218,8 @@ class RegionWriter:
             "n_rows": self.row_end - self.row_start, "points": list(self._store.points),
             "attempt": self.attempt,
             "shards": [{"index": si, "row_start": self._store.shard_range(si)[0],
-                        "row_end": self._store.shard_range(si)[1], "crc32": self._crc[si]}
+                        "row_end": self._store.shard_range(si)[1], "crc32": self._crc[si],
+                        "nbytes": self._nbytes.get(si)}
                        for si in self._shard_ids],
             "stats": {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
                       "count": merged[0].count if merged else 0},
@@ -376,14 +379,25 @@ class RegionWriter:
         x = sh.data[p]
         mom = _stats.Moments.of(x)
         crc = _stats.crc32(x)
+        nbytes = None
         try:
-            self._write_rows(p, sh.start, x, f"upload of shard {sh.index}")
+            codec = self._codecs[p]
+            if codec is None:
+                self._write_rows(p, sh.start, x, f"upload of shard {sh.index}")
+            else:
+                blob = codec.encode(x, sh.index)
+                key = self._store.shard_key(self._store.points[p], sh.index)
+                self._store.location.write_bytes(key, blob, attempts=self.retries)
+                nbytes = len(blob)
+                with self._lock:
+                    self.bytes_uploaded += x.nbytes
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"upload of shard {sh.index} ({self._store.points[p]})")
             return
         with self._lock:
             self._parts.setdefault((sh.index, 0), [None] * self._P)[p] = mom
             self._crc.setdefault(sh.index, [None] * self._P)[p] = crc
+            self._nbytes.setdefault(sh.index, [None] * self._P)[p] = nbytes
 
     def _reap(self) -> None:
         for si in [si for si, fs in self._pending.items() if all(f.done() for f in fs)]:

@@ -1,0 +1,211 @@
+"""Store write and shuffled-read MB/s, each beside raw put/get of the same bytes, in one run.
+
+For each storage (local directory, SeaweedFS S3 started here on 127.0.0.1 and stopped by pid)
+and compression setting:
+
+- raw put / raw get: the same logical bytes as the store holds, cut into the same number of
+  objects of the same size (one per point per shard), written and read back with plain file I/O
+  or fsspec `pipe_file`/`cat_file`, `threads` at a time (the writer's upload threads and the
+  reader's prefetch depth use the same number, so neither side gets more parallelism).
+- write: RegionWriter units of `shards_per_unit` shards, rows fed in engine-sized pieces, from the
+  first write to the last commit marker (stats, CRCs and compression included).
+- read: ActivationDataset shuffled `[batch, n_points, width]` batches, every committed row once,
+  from construction (commit listing) to the last batch.
+
+MB/s counts logical (uncompressed) bytes throughout, so compression shows up as speed.
+Targets: writer >= 0.7x raw put, shuffled reader >= 0.7x raw get.
+
+    .venv/bin/python -m benchmarks.bench_store [--mb 256] [--width 1024] [--points 4] [--storage local s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+TARGET = 0.7
+
+
+def _timeit(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def _raw(storage, root, objects, threads, so):
+    """(put seconds, get seconds) for `objects` (list of bytes) under `root`."""
+    if storage == "local":
+        os.makedirs(root, exist_ok=True)
+        paths = [os.path.join(root, f"obj{i}") for i in range(len(objects))]
+
+        def put(i):
+            with open(paths[i], "wb") as f:
+                f.write(objects[i])
+
+        def get(i):
+            with open(paths[i], "rb") as f:
+                return len(f.read())
+    else:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**so)
+        paths = [f"{root}/obj{i}" for i in range(len(objects))]
+
+        def put(i):
+            fs.pipe_file(paths[i], objects[i])
+
+        def get(i):
+            return len(fs.cat_file(paths[i]))
+
+    with cf.ThreadPoolExecutor(threads) as ex:
+        tp, _ = _timeit(lambda: list(ex.map(put, range(len(objects)))))
+        tg, sizes = _timeit(lambda: list(ex.map(get, range(len(objects)))))
+    assert sum(sizes) == sum(len(o) for o in objects)
+    return tp, tg
+
+
+def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_unit, piece_rows,
+         threads, batch_size):
+    from pipeline.store import create_store
+    from pipeline.store.reader import ActivationDataset
+
+    P, N, W = data.shape
+    logical = data.nbytes
+    s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=N,
+                     shard_rows=shard_rows, compression=compression, storage_options=so)
+    s.write_row_meta(0, np.arange(N, dtype=np.int32) % 50000, np.arange(N) // 1024, np.arange(N) % 1024)
+    plan = s.write_plan(s.default_plan(shards_per_unit))
+    # raw baseline: the same bytes as the same objects (one per point per shard)
+    objects = [data[p, a:b].tobytes() for a in range(0, N, s.shard_rows)
+               for b in [min(N, a + s.shard_rows)] for p in range(P)]
+    t_put, t_get = _raw(storage, raw_root, objects, threads, so)
+    del objects
+
+    def write():
+        for u in plan:
+            w = s.region_writer(u["unit_id"], u["row_start"], u["row_end"], upload_threads=threads)
+            for a in range(u["row_start"], u["row_end"], piece_rows):
+                w.write(a, data[:, a:min(a + piece_rows, u["row_end"])])
+            w.commit()
+
+    t_write, _ = _timeit(write)
+    fin = s.finalize({"bench": True})
+
+    def read():
+        ds = ActivationDataset(url, storage_options=so, batch_size=batch_size, seed=0,
+                               prefetch_shards=threads)
+        n = 0
+        for b in ds:
+            n += b.numel() * b.element_size()
+        return n
+
+    t_read, nread = _timeit(read)
+    assert nread == logical, (nread, logical)
+    ratio = fin["compression_ratio"]["overall"]
+    base = {"storage": storage, "compression": compression, "mb": round(logical / 1e6, 1),
+            "points": P, "width": W, "shard_mb": round(s.shard_rows * W * data.itemsize / 1e6, 2),
+            "threads": threads, "compression_ratio": ratio}
+    mbs = lambda t: logical / t / 1e6  # noqa: E731
+    return [
+        {**base, "mode": "write", "mb_s": mbs(t_write), "raw_mb_s": mbs(t_put),
+         "ratio": t_put / t_write, "target": TARGET, "verdict": "PASS" if t_put / t_write >= TARGET else "FAIL"},
+        {**base, "mode": "read (shuffled)", "mb_s": mbs(t_read), "raw_mb_s": mbs(t_get),
+         "ratio": t_get / t_read, "target": TARGET, "verdict": "PASS" if t_get / t_read >= TARGET else "FAIL"},
+    ]
+
+
+def run(width: int = 1024, n_points: int = 4, mb: int = 256, storage=("local", "s3"),
+        compressions=("default", "none"), shard_mb: float | None = None, shards_per_unit: int = 4,
+        threads: int = 4, batch_size: int = 4096, repeats: int = 1, workdir: str | None = None,
+        **_ignored) -> list[dict]:
+    """Result rows (dicts) for the benchmark suite; see the module docstring for what is timed."""
+    from pipeline.store import seaweed, synthetic
+
+    n_points = max(1, min(int(n_points), 64))
+    row_bytes = width * 2
+    n_rows = max(1, int(mb * 1e6 // (row_bytes * n_points)))
+    shard_rows = None
+    if shard_mb is not None:
+        shard_rows = max(1, int(shard_mb * 1e6 // row_bytes))
+    data = synthetic.activations((n_points, n_rows, width), seed=0)
+    piece_rows = 2048
+    tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-store-")
+    rows: list[dict] = []
+    srv = None
+    try:
+        for st in storage:
+            so = None
+            if st == "s3":
+                srv = seaweed.start(os.path.join(tmp, "weed"))
+                import s3fs
+
+                s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")
+                so = srv.storage_options
+            for comp in compressions:
+                for rep in range(max(1, repeats)):
+                    tag = uuid.uuid4().hex[:8]
+                    if st == "local":
+                        url, raw_root = os.path.join(tmp, f"store-{tag}"), os.path.join(tmp, f"raw-{tag}")
+                    else:
+                        url, raw_root = f"s3://bench/store-{tag}", f"bench/raw-{tag}"
+                    if shard_rows is not None:
+                        sr = shard_rows
+                    else:
+                        from pipeline.store.layout import default_sizes
+
+                        sr = default_sizes(width, 2, n_points, n_rows, None, None)[0]
+                    out = _one(st, url, raw_root, so, data, comp, sr, shards_per_unit, piece_rows,
+                               threads, batch_size)
+                    for r in out:
+                        r["repeat"] = rep
+                    rows += out
+                    if st == "local":
+                        shutil.rmtree(url, ignore_errors=True)
+                        shutil.rmtree(raw_root, ignore_errors=True)
+            if srv is not None:
+                srv.stop()
+                srv = None
+    finally:
+        if srv is not None:
+            srv.stop()
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--points", type=int, default=4)
+    ap.add_argument("--storage", nargs="+", default=["local", "s3"])
+    ap.add_argument("--compression", nargs="+", default=["default", "none"])
+    ap.add_argument("--shard-mb", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print rows as JSON lines")
+    a = ap.parse_args()
+    rows = run(width=a.width, n_points=a.points, mb=a.mb, storage=a.storage, compressions=a.compression,
+               shard_mb=a.shard_mb, threads=a.threads, repeats=a.repeats)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"{'storage':7} {'compression':11} {'mode':16} {'MB/s':>8} {'raw MB/s':>9} {'ratio':>6} "
+          f"{'target':>6} verdict  (comp ratio, shard MB)")
+    for r in rows:
+        print(f"{r['storage']:7} {r['compression']:11} {r['mode']:16} {r['mb_s']:8.1f} {r['raw_mb_s']:9.1f} "
+              f"{r['ratio']:6.2f} {r['target']:6.1f} {r['verdict']:7}  ({r['compression_ratio']}, "
+              f"{r['shard_mb']})")
+
+
+if __name__ == "__main__":
+    main()

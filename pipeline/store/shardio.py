@@ -1,0 +1,170 @@
+"""Whole-shard encode/decode for our point arrays, byte-compatible with zarr's `sharding_indexed`.
+
+Why not just `array[a:b] = rows`: on this 2-core box zarr-python's sharded write ran at about half
+the speed of the same blosc calls made directly (per-chunk buffer copies, per-chunk coroutines,
+shard assembly), and its S3 reads paid a HEAD before every GET. The writer and the reader only
+ever move whole shards, in a codec chain we chose ourselves, so we encode/decode them here:
+inner chunks in C order, each `bytes` (little endian) then the configured compressor, followed
+by the index (offset, nbytes as uint64 LE per chunk, 2^64-1 for absent) and its CRC32C.
+
+The format is zarr's, so zarr-python, tensorstore and zarrs read what we write (tests check both
+directions), and anything we do not recognise in an array's metadata falls back to zarr.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+
+import google_crc32c
+import numpy as np
+from numcodecs import Blosc, Zstd
+
+_MAX = np.uint64(2**64 - 1)
+_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+_pool: cf.ThreadPoolExecutor | None = None
+_pool_pid: int | None = None
+_pool_lock = threading.Lock()
+
+
+def codec_pool() -> cf.ThreadPoolExecutor:
+    """Threads for chunk (de)compression; blosc and zstd release the GIL. One per process."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = cf.ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="harvest-codec")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+class Unsupported(Exception):
+    """The array's codec chain is not one this module implements; use zarr instead."""
+
+
+class ShardCodec:
+    """Encode/decode one point array's shards (`[shard_rows, width]`, last shard may be short)."""
+
+    def __init__(self, meta: dict, np_dtype: np.dtype):
+        try:
+            self._parse(meta, np_dtype)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise Unsupported(f"unexpected array metadata: {e}") from None
+
+    def _parse(self, meta: dict, np_dtype: np.dtype) -> None:
+        if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+            raise Unsupported("not a zarr v3 array")
+        self.n_rows, self.width = (int(v) for v in meta["shape"])
+        self.shard_rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        if int(meta["chunk_grid"]["configuration"]["chunk_shape"][1]) != self.width:
+            raise Unsupported("shards do not hold whole rows")
+        enc = meta["chunk_key_encoding"]
+        if enc["name"] != "default" or enc.get("configuration", {}).get("separator", "/") != "/":
+            raise Unsupported("chunk key encoding")
+        if float(meta.get("fill_value", 0)) != 0.0:
+            raise Unsupported("fill value is not 0")
+        [sh] = meta["codecs"]
+        if sh["name"] != "sharding_indexed":
+            raise Unsupported("not sharded")
+        c = sh["configuration"]
+        if c.get("index_location", "end") != "end":
+            raise Unsupported("index at start")
+        if [x["name"] for x in c["index_codecs"]] != ["bytes", "crc32c"] or \
+                c["index_codecs"][0].get("configuration", {}).get("endian", "little") != "little":
+            raise Unsupported("index codecs")
+        self.chunk_rows = int(c["chunk_shape"][0])
+        if int(c["chunk_shape"][1]) != self.width or self.shard_rows % self.chunk_rows:
+            raise Unsupported("inner chunk shape")
+        codecs = c["codecs"]
+        if codecs[0]["name"] != "bytes" or codecs[0].get("configuration", {}).get("endian", "little") != "little":
+            raise Unsupported("array->bytes codec")
+        if len(codecs) == 1:
+            self._comp = None
+        elif len(codecs) == 2 and codecs[1]["name"] == "blosc":
+            b = codecs[1]["configuration"]
+            self._comp = Blosc(cname=b["cname"], clevel=int(b["clevel"]), shuffle=_SHUFFLE[b["shuffle"]],
+                               blocksize=int(b.get("blocksize", 0)), typesize=int(b["typesize"]))
+        elif len(codecs) == 2 and codecs[1]["name"] == "zstd":
+            z = codecs[1]["configuration"]
+            self._comp = Zstd(level=int(z["level"]), checksum=bool(z.get("checksum", False)))
+        else:
+            raise Unsupported(f"codec chain {[x['name'] for x in codecs]}")
+        self.dtype = np.dtype(np_dtype)
+        if self.dtype.byteorder == ">":
+            raise Unsupported("big-endian dtype")
+        self.per_shard = self.shard_rows // self.chunk_rows
+        self._raw = np.dtype(f"u{self.dtype.itemsize}")  # bf16 cannot export a buffer: move raw bits
+
+    def shard_len(self, shard: int) -> int:
+        return min(self.n_rows, (shard + 1) * self.shard_rows) - shard * self.shard_rows
+
+    # ---- encode ------------------------------------------------------------------------------
+    def _encode_chunk(self, rows: np.ndarray) -> bytes:
+        if rows.shape[0] < self.chunk_rows:  # edge chunk: zarr stores full chunks, fill-padded
+            full = np.zeros((self.chunk_rows, self.width), self._raw)
+            full[: rows.shape[0]] = rows
+            rows = full
+        raw = np.ascontiguousarray(rows).reshape(-1)
+        return bytes(raw.data) if self._comp is None else self._comp.encode(raw)
+
+    def encode(self, rows: np.ndarray, shard: int) -> bytes:
+        """Shard object bytes for rows [shard*shard_rows, +len) of this array."""
+        n = self.shard_len(shard)
+        if rows.shape != (n, self.width):
+            raise ValueError(f"shard {shard} needs rows of shape {(n, self.width)}, got {rows.shape}")
+        if rows.dtype != self.dtype:
+            raise ValueError(f"shard dtype {rows.dtype} != array dtype {self.dtype}")
+        raw = rows.view(self._raw)
+        n_chunks = -(-n // self.chunk_rows)
+        parts = list(codec_pool().map(
+            lambda i: self._encode_chunk(raw[i * self.chunk_rows:(i + 1) * self.chunk_rows]),
+            range(n_chunks)))
+        index = np.full((self.per_shard, 2), _MAX, "<u8")
+        off = 0
+        for i, p in enumerate(parts):
+            index[i] = (off, len(p))
+            off += len(p)
+        ib = index.tobytes()
+        crc = np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes()
+        return b"".join([*parts, ib, crc])
+
+    # ---- decode ------------------------------------------------------------------------------
+    def decode(self, blob: bytes, shard: int) -> np.ndarray:
+        """[shard_len, width] rows from shard object bytes (absent chunks read as fill value 0)."""
+        n = self.shard_len(shard)
+        isz = self.per_shard * 16
+        if len(blob) < isz + 4:
+            raise ValueError(f"shard {shard} object is truncated ({len(blob)} bytes)")
+        mv = memoryview(blob)
+        ib = mv[len(blob) - isz - 4: len(blob) - 4]
+        crc = int(np.frombuffer(mv[len(blob) - 4:], "<u4")[0])
+        if google_crc32c.value(bytes(ib)) != crc:
+            raise ValueError(f"shard {shard} index fails its CRC32C: object is corrupt")
+        index = np.frombuffer(ib, "<u8").reshape(self.per_shard, 2)
+        out = np.empty((n, self.width), self._raw)
+        n_chunks = -(-n // self.chunk_rows)
+
+        def one(i: int) -> None:
+            a = i * self.chunk_rows
+            b = min(n, a + self.chunk_rows)
+            off, ln = index[i]
+            if off == _MAX:
+                out[a:b] = 0
+                return
+            src = mv[int(off): int(off) + int(ln)]
+            if b - a == self.chunk_rows:
+                dst = out[a:b].reshape(-1)
+                if self._comp is None:
+                    dst.view(np.uint8)[:] = np.frombuffer(src, np.uint8)
+                else:
+                    self._comp.decode(src, out=dst)
+            else:
+                tmp = np.empty(self.chunk_rows * self.width, self._raw)
+                if self._comp is None:
+                    tmp.view(np.uint8)[:] = np.frombuffer(src, np.uint8)
+                else:
+                    self._comp.decode(src, out=tmp)
+                out[a:b] = tmp.reshape(self.chunk_rows, self.width)[: b - a]
+
+        list(codec_pool().map(one, range(n_chunks)))
+        return out.view(self.dtype)
