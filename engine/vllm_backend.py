@@ -51,8 +51,12 @@ class VLLMModel:
         on_cpu = not torch.cuda.is_available()
         self.max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
+        if on_cpu and gpu_memory_utilization is None and "kv_cache_memory_bytes" not in engine_args:
+            # On the CPU build gpu_memory_utilization is a share of *CPU* memory that also counts
+            # this process's RSS, so a second engine in a process (or a process that already holds
+            # a dataset) fails its memory check; an explicit KV size does not depend on RSS.
+            engine_args["kv_cache_memory_bytes"] = 512 << 20
         if gpu_memory_utilization is None:
-            # On the CPU build this is the share of *CPU* memory for the KV cache; 0.92 refuses.
             gpu_memory_utilization = 0.2 if on_cpu else 0.85
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # The V2 runner reorders requests and ignores our patch; the row map is for V1.

@@ -1,0 +1,168 @@
+"""Engine throughput, every mode on the same prompts in one invocation, as ratios to plain vLLM.
+
+Capture tok/s counts only rows delivered to the caller in host memory, every layer, aligned to
+their request: each mode's timed loop ends with every request's `[layers, n, width]` rows in hand.
+Plain vLLM runs first and last; the ratio uses their mean so that drift on a noisy machine shows
+up as a gap between the two rather than as a fake speed-up.
+
+    .venv/bin/python -m benchmarks.bench_engine [--model PATH] [--prompts 32] [--len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+def _timed_capture(model, prompts, points, repeats: int) -> tuple[float, int]:
+    """Best of `repeats` passes (the first pass also warms caches)."""
+    best = float("inf")
+    rows = 0
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        rows = 0
+        for req in model.capture([prompts], points):
+            assert req.acts.shape[0] == len(points or ()) or not points
+            rows += len(req)
+        best = min(best, time.perf_counter() - t)
+    return best, rows
+
+
+def _vllm_mode(path, prompts, repeats, mode, max_batched):
+    from engine import load_model
+
+    kw = dict(max_num_batched_tokens=max_batched)
+    if mode == "plain":
+        m = load_model(path, backend="vllm", freeze_points=[], **kw)
+        points = []
+    elif mode == "freeze":
+        m = load_model(path, backend="vllm", freeze_points="auto", freeze_writes=[], **kw)
+        points = None
+    else:
+        m = load_model(path, backend="vllm", enforce_eager=True, **kw)
+        points = [f"resid_post.{i}" for i in range(m.n_layers)]
+    try:
+        secs, rows = _timed_capture(m, prompts, points, repeats)
+    finally:
+        m.close()
+    return secs, rows
+
+
+def _eager_mode(path, prompts, repeats):
+    from engine import load_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    m = load_model(path, backend="eager", dtype="bfloat16", max_batch_tokens=4096)
+    return _timed_capture(m, prompts, None, max(1, repeats - 1))
+
+
+def _extract_hidden_states(path, prompts, repeats, n_layers):
+    """vLLM's own extraction: speculative `extract_hidden_states` + a KV connector writing one
+    safetensors file per request. Layer id L is the *input* of layer L (resid_post of L-1), so
+    resid_post of every layer is ids 1..n. Its docs say chunked prefill must be off."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    longest = max(len(p) for p in prompts) + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(
+            model=path, dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=False,
+            enable_chunked_prefill=False, max_model_len=longest, max_num_batched_tokens=max(longest, 2048),
+            kv_cache_memory_bytes=512 << 20,
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {
+                                    "eagle_aux_hidden_state_layer_ids": list(range(1, n_layers + 1))}}},
+            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector",
+                                "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path": tmp}})
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        best, rows = float("inf"), 0
+        try:
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                rows = 0
+                for o in outs:
+                    hs = load_hidden_states(o.kv_transfer_params["hidden_states_path"])["hidden_states"]
+                    rows += hs.shape[0]
+                best = min(best, time.perf_counter() - t)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    return best, rows
+
+
+def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, repeats: int = 2,
+        max_batched: int = 2048, modes=("plain", "freeze", "hooked", "extract_hidden_states",
+                                        "hf_eager", "plain")) -> list[dict]:
+    from engine.common import read_model_info
+    from engine.models import smollm2_path
+
+    path = model or smollm2_path()
+    info = read_model_info(path)
+    prompts = make_prompts(n_prompts, prompt_len, info.vocab_size)
+    tokens = n_prompts * prompt_len
+    rows_out: list[dict] = []
+    for mode in modes:
+        try:
+            if mode in ("plain", "freeze", "hooked"):
+                secs, rows = _vllm_mode(path, prompts, repeats, mode, max_batched)
+            elif mode == "hf_eager":
+                secs, rows = _eager_mode(path, prompts, repeats)
+            elif mode == "extract_hidden_states":
+                secs, rows = _extract_hidden_states(path, prompts, repeats, info.n_layers)
+            else:
+                raise ValueError(mode)
+            rows_out.append({"mode": mode, "tok_s": tokens / secs, "seconds": secs, "rows": rows,
+                             "layers": 0 if mode == "plain" else info.n_layers})
+        except Exception as e:  # a mode this build cannot run is reported, not fatal
+            rows_out.append({"mode": mode, "tok_s": None, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(rows_out[-1]), flush=True)
+    plain = [r["tok_s"] for r in rows_out if r["mode"] == "plain" and r["tok_s"]]
+    base = sum(plain) / len(plain) if plain else None
+    for r in rows_out:
+        r["ratio_to_plain"] = (r["tok_s"] / base) if (base and r.get("tok_s")) else None
+        r.update(model=os.path.basename(path), tokens=tokens, device="cuda" if torch.cuda.is_available() else "cpu")
+    return rows_out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mode | tok/s | × plain | layers captured | note |", "|---|---:|---:|---:|---|"]
+    for r in rows:
+        tok = f"{r['tok_s']:.0f}" if r.get("tok_s") else "—"
+        ratio = f"{r['ratio_to_plain']:.2f}" if r.get("ratio_to_plain") else "—"
+        lines.append(f"| {r['mode']} | {tok} | {ratio} | {r.get('layers', '')} | {r.get('error', '')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path or hub name (default: SmolLM2-135M)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-batched", type=int, default=2048)
+    a = ap.parse_args()
+    rows = run(a.model, a.prompts, a.len, a.repeats, a.max_batched)
+    print(table(rows))
+    freeze = next((r for r in rows if r["mode"] == "freeze" and r.get("ratio_to_plain")), None)
+    if freeze:
+        print(f"freeze / plain = {freeze['ratio_to_plain']:.2f} (target >= 0.90)")
+
+
+if __name__ == "__main__":
+    main()
