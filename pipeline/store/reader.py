@@ -1,11 +1,17 @@
 """SAE-training reader: shuffled batches from committed regions of a store, local or S3.
 
 Shuffling is two-level, because a store is far larger than memory: shards are visited in a seeded
-random order, and rows pass through an in-memory shuffle buffer (each emitted row is a uniform draw
-from the buffer). Work is split by shard: global worker g = rank * num_workers + worker_id takes
-every G-th shard of the epoch's permutation, so ranks x DataLoader workers never overlap and every
-committed row (not excluded) comes out exactly once per epoch. The list of shards is fixed when the
-dataset is built, in the parent process, so every worker agrees on it even while writers commit.
+random order, and a pool of whole decoded shards (the in-memory shuffle buffer, `shuffle_buffer_rows`
+rounded up to whole shards) is sampled without replacement: each batch is a uniform draw from every
+row still in the pool, and a shard leaves the pool when its last row is drawn and the next one
+(already prefetched) joins. Sampling from the pool in place, rather than copying rows through a
+separate buffer, keeps reading at three memory passes per byte (fetch, decode, gather into the
+batch). Rows inside a batch are grouped by source shard; the batch as a set is the uniform draw.
+
+Work is split by shard: global worker g = rank * num_workers + worker_id takes every G-th shard of
+the epoch's permutation, so ranks x DataLoader workers never overlap and every committed row (not
+excluded) comes out exactly once per epoch. The list of shards is fixed when the dataset is built,
+in the parent process, so every worker agrees on it even while writers commit.
 
 Nothing here keeps an open store across a fork: each process opens its own (async S3 clients are
 bound to the event loop of the process that made them).
@@ -24,7 +30,7 @@ from .dtypes import BF16
 from .store import Store, open_store
 
 NORMALIZE_MODES = (None, "standardize", "norm_scale", "center_norm_scale")
-_DEFAULT_BUFFER_BYTES = 256 << 20
+_DEFAULT_BUFFER_BYTES = 1 << 30
 
 
 def _rank_world(rank, world_size) -> tuple[int, int]:
@@ -54,7 +60,8 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             points (2-D if the store has one).
         batch_size: rows per batch; the last batch of each worker may be short unless drop_last.
         shuffle, seed: shard order and buffer draws are reproducible from (seed, epoch, worker).
-        shuffle_buffer_rows: rows held for the in-memory shuffle (default: 256 MiB worth).
+        shuffle_buffer_rows: rows held for the in-memory shuffle, rounded up to whole shards
+            (default: 1 GiB worth per process, at least one shard).
         rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
         exclude_token_ids: rows whose token_id is in this set are dropped (BOS, padding, ...).
         normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (scale so that
@@ -160,28 +167,21 @@ class ActivationDataset(torch.utils.data.IterableDataset):
 
     # ---- iteration ---------------------------------------------------------------------------
     def _load(self, piece: tuple[int, int]):
+        """Per-point row arrays of one piece, its absolute row ids and (optional) metadata."""
         st = self._open()
         a, b = piece
         shard = a // st.shard_rows
         whole = (a, b) == st.shard_range(shard)
-        get = (lambda p: st.read_shard(p, shard)) if whole else (lambda p: st.array(p)[a:b])
-        if len(self.points) == 1:
-            x = get(self.points[0])[:, None, :]
-        else:
-            x = np.empty((b - a, len(self.points), self.width), self.store_dtype)
-            for i, p in enumerate(self.points):
-                x[:, i, :] = get(p)
+        xs = [st.read_shard(p, shard) if whole else st.array(p)[a:b] for p in self.points]
         rows = np.arange(a, b, dtype=np.int64)
         meta = None
         if self.return_meta:
             meta = [np.asarray(m) for m in st.read_row_meta(a, b)]
+        keep = None
         if self.exclude.size:
             tok = meta[0] if meta is not None else st._meta_array("token_id")[a:b]
-            keep = ~np.isin(tok, self.exclude)
-            x, rows = x[keep], rows[keep]
-            if meta is not None:
-                meta = [m[keep] for m in meta]
-        return x, rows, meta
+            keep = np.flatnonzero(~np.isin(tok, self.exclude))
+        return xs, rows, meta, keep
 
     def _pieces_stream(self, pieces) -> Iterator:
         with cf.ThreadPoolExecutor(self.prefetch_shards, thread_name_prefix="harvest-read") as ex:
@@ -196,6 +196,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                 yield res
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta):
+        """x is [n, n_points, width] in the store dtype."""
         t = _to_torch(x)
         if self._norm is not None:
             shift, scale = self._norm
@@ -216,48 +217,79 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         pieces = self.worker_pieces(wid, nw)
         g = self.rank * nw + wid
         rng = np.random.default_rng([self.seed, self.epoch, g, 1])
-        out = _Batcher(self)
+        stream = self._pieces_stream(pieces)
         if not self.shuffle:
-            for x, rows, meta in self._pieces_stream(pieces):
-                yield from out.add(x, rows, meta)
-            yield from out.flush()
+            yield from self._sequential(stream)
             return
-        B, C, P = self.batch_size, self.shuffle_buffer_rows, len(self.points)
-        buf = None
-        brows = np.empty(C, np.int64)
-        bmeta = [np.empty(C, np.int64) for _ in range(3)] if self.return_meta else None
-        count = 0
-        for x, rows, meta in self._pieces_stream(pieces):
-            m = x.shape[0]
-            if m == 0:
-                continue
-            if buf is None:
-                buf = np.empty((C, P, self.width), self.store_dtype)
-            perm = rng.permutation(m)
-            x, rows = x[perm], rows[perm]
-            meta = [mm[perm] for mm in meta] if meta is not None else None
-            i = min(C - count, m)
-            buf[count:count + i], brows[count:count + i] = x[:i], rows[:i]
-            if bmeta is not None:
-                for k in range(3):
-                    bmeta[k][count:count + i] = meta[k][:i]
-            count += i
-            while i < m:  # buffer full: every new row replaces a uniformly drawn one
-                k = min(B, m - i)
-                idx = rng.choice(C, k, replace=False)
-                drawn, drows = buf[idx], brows[idx]
-                dmeta = [bm[idx] for bm in bmeta] if bmeta is not None else None
-                buf[idx], brows[idx] = x[i:i + k], rows[i:i + k]
-                if bmeta is not None:
-                    for kk in range(3):
-                        bmeta[kk][idx] = meta[kk][i:i + k]
-                i += k
-                yield from out.add(drawn, drows, dmeta)
-        if count:
-            perm = rng.permutation(count)
-            rest_meta = [bm[:count][perm] for bm in bmeta] if bmeta is not None else None
-            yield from out.add(buf[:count][perm], brows[:count][perm], rest_meta)
+        B, P, W = self.batch_size, len(self.points), self.width
+        pool: list[_Pooled] = []
+        pool_rows = 0
+        left = True
+        while True:
+            while left and (pool_rows < self.shuffle_buffer_rows or pool_rows < B):
+                nxt = next(stream, None)
+                if nxt is None:
+                    left = False
+                    break
+                e = _Pooled(*nxt, rng)
+                if e.remaining:
+                    pool.append(e)
+                    pool_rows += e.remaining
+            if not pool_rows:
+                return
+            k = min(B, pool_rows)
+            if k < B and self.drop_last:
+                return
+            counts = rng.multivariate_hypergeometric([e.remaining for e in pool], k)
+            out = np.empty((k, P, W), self.store_dtype)
+            orows = np.empty(k, np.int64)
+            ometa = [np.empty(k, np.int64) for _ in range(3)] if self.return_meta else None
+            pos = 0
+            for e, c in zip(pool, counts.tolist()):
+                if not c:
+                    continue
+                sel = e.take(c)
+                for p in range(P):
+                    np.take(e.xs[p], sel, axis=0, out=out[pos:pos + c, p], mode="clip")
+                orows[pos:pos + c] = e.rows[sel]
+                if ometa is not None:
+                    for j in range(3):
+                        ometa[j][pos:pos + c] = e.meta[j][sel]
+                pos += c
+            pool_rows -= k
+            pool = [e for e in pool if e.remaining]
+            yield self._emit(out, orows, ometa)
+
+    def _sequential(self, stream):
+        out = _Batcher(self)
+        for xs, rows, meta, keep in stream:
+            x = np.stack(xs, axis=1)
+            if keep is not None:
+                x, rows = x[keep], rows[keep]
+                meta = [m[keep] for m in meta] if meta is not None else None
+            yield from out.add(x, rows, meta)
         yield from out.flush()
+
+
+class _Pooled:
+    """A decoded shard in the shuffle pool: its rows in a random order, consumed front to back."""
+
+    __slots__ = ("xs", "rows", "meta", "order", "cur")
+
+    def __init__(self, xs, rows, meta, keep, rng):
+        self.xs, self.rows, self.meta = xs, rows, meta
+        idx = keep if keep is not None else np.arange(rows.shape[0])
+        self.order = idx[rng.permutation(idx.shape[0])]
+        self.cur = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.order.shape[0] - self.cur
+
+    def take(self, c: int) -> np.ndarray:
+        sel = self.order[self.cur:self.cur + c]
+        self.cur += c
+        return sel
 
 
 class _Batcher:
