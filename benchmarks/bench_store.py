@@ -10,7 +10,7 @@ and compression setting:
 - write: RegionWriter units of `shards_per_unit` shards, rows fed in engine-sized pieces, from the
   first write to the last commit marker (stats, CRCs and compression included).
 - read: ActivationDataset shuffled `[batch, n_points, width]` batches, every committed row once,
-  from construction (commit listing) to the last batch.
+  from construction (commit listing) to the last batch, with a shuffle pool of 1/8 of the rows.
 
 MB/s counts logical (uncompressed) bytes throughout, so compression shows up as speed.
 Targets: writer >= 0.7x raw put, shuffled reader >= 0.7x raw get.
@@ -100,8 +100,10 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
     fin = s.finalize({"bench": True})
 
     def read():
+        # a pool of 1/8 of the rows: big enough to mix shards, small enough that the run measures
+        # the steady state (fetch and decode overlapping the gathers) rather than one bulk load
         ds = ActivationDataset(url, storage_options=so, batch_size=batch_size, seed=0,
-                               prefetch_shards=threads)
+                               prefetch_shards=threads, shuffle_buffer_rows=max(batch_size, N // 8))
         n = 0
         for b in ds:
             n += b.numel() * b.element_size()

@@ -79,5 +79,14 @@ def zarr_dtype(np_dtype: np.dtype):
     return np_dtype
 
 
+def raw_dtype(np_dtype: np.dtype) -> np.dtype:
+    """Unsigned integer of the same size: the view every copy, stack and gather goes through.
+
+    numpy moves ml_dtypes.bfloat16 arrays element by element through the dtype's copy hooks:
+    measured here, np.stack and .copy() of bf16 ran 7x slower than the same bytes as uint16.
+    """
+    return np.dtype(f"u{np.dtype(np_dtype).itemsize}")
+
+
 def dtype_name(np_dtype: np.dtype) -> str:
     return "bfloat16" if np_dtype == BF16 else np.dtype(np_dtype).name

@@ -41,7 +41,7 @@ from . import layout
 from . import stats as _stats
 from .backend import with_retries
 from .credentials import scrub
-from .dtypes import BF16, dtype_name
+from .dtypes import BF16, dtype_name, raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class RegionWriter:
         self.retries = retries
         self.attempt = uuid.uuid4().hex[:16]
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
+        self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._arrays = [store.array(p) for p in store.points]
         self._codecs = [store.shard_codec(p) for p in store.points]
         sr = store.shard_rows
@@ -146,6 +147,7 @@ class RegionWriter:
                              f"{dtype_name(self._dtype)}; create the store with dtype="
                              f"'{dtype_name(a.dtype) if a.dtype.kind == 'f' else a.dtype}' or cast "
                              "explicitly (a silent cast would change the bits)")
+        a = a.view(self._raw)
         n = a.shape[1]
         if n == 0:
             return
@@ -318,7 +320,7 @@ class RegionWriter:
                 sh = self._states[si] = _Shard(si, s0, s1)
             while len(self._open) >= self.max_open_shards:
                 self._evict(next(iter(self._open)))
-            sh.data = np.empty((self._P, sh.n, self._W), self._dtype)
+            sh.data = np.empty((self._P, sh.n, self._W), self._raw)
             self._open[si] = sh
         self._open.move_to_end(si)
         return sh
@@ -348,11 +350,13 @@ class RegionWriter:
         try:
             for p in range(self._P):
                 for a, b in runs:
-                    self._write_rows(p, sh.start + a, sh.data[p, a:b], f"partial shard {sh.index}")
+                    self._write_rows(p, sh.start + a, sh.data[p, a:b].view(self._dtype),
+                                     f"partial shard {sh.index}")
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"upload of shard {sh.index}")
             raise RegionWriteFailed(self._failed_msg) from None
-        self._parts[(sh.index, sh.seq)] = [_stats.Moments.of(sh.data[p][rows]) for p in range(self._P)]
+        self._parts[(sh.index, sh.seq)] = [_stats.Moments.of(sh.data[p][rows].view(self._dtype))
+                                           for p in range(self._P)]
         sh.seq += 1
         sh.flushed |= rows
 
@@ -376,9 +380,9 @@ class RegionWriter:
     def _upload_point(self, sh: _Shard, p: int) -> None:
         if self._failed is not None or self._closed:
             return
-        x = sh.data[p]
+        x = sh.data[p].view(self._dtype)
         mom = _stats.Moments.of(x)
-        crc = _stats.crc32(x)
+        crc = _stats.crc32(sh.data[p])
         nbytes = None
         try:
             codec = self._codecs[p]
