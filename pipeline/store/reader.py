@@ -70,7 +70,8 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (scale so that
             E||x||^2 = width) | "center_norm_scale" (subtract mean, then scale E||x-mean||^2 =
             width); statistics come from the store (finalize, or merged commit partials).
-        prefetch_shards: shards fetched concurrently ahead of consumption.
+        prefetch_shards: shards fetched ahead of consumption.
+        io_threads: concurrent object fetches+decodes (default: prefetch_shards x min(n_points, 4)).
         return_meta: yield dicts {acts, row, token_id, doc_id, position} instead of tensors.
         out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
     """
@@ -81,7 +82,8 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                  world_size: int | None = None, exclude_token_ids: Sequence[int] = (),
                  normalize: str | None = None, prefetch_shards: int = 4, drop_last: bool = False,
                  return_meta: bool = False, out_dtype: torch.dtype | None = None,
-                 storage_options: dict | None = None, epoch: int = 0, eps: float = 1e-6):
+                 storage_options: dict | None = None, epoch: int = 0, eps: float = 1e-6,
+                 io_threads: int | None = None):
         super().__init__()
         if isinstance(store, Store):
             self._url = store.location.url if store.location.is_local else store.location.url_with_protocol()
@@ -106,6 +108,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         self.exclude = np.array(sorted({int(t) for t in exclude_token_ids}), np.int64)
         self.normalize, self.eps = normalize, eps
         self.prefetch_shards = max(1, int(prefetch_shards))
+        self.io_threads = io_threads
         self.drop_last, self.return_meta = drop_last, return_meta
         self.width, self.store_dtype = st.width, st.np_dtype
         self._raw = raw_dtype(st.np_dtype)
@@ -197,7 +200,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         rows (several times faster than gathering into a strided [:, p, :] slice).
         """
         P = len(self.points)
-        threads = min(32, max(2, self.prefetch_shards * min(P, 4)))
+        threads = self.io_threads or min(32, max(2, self.prefetch_shards * min(P, 4)))
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="harvest-read") as ex:
             def submit(piece):
                 return ([ex.submit(self._fetch, piece, p) for p in self.points],
