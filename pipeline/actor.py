@@ -6,9 +6,9 @@ region itself and returns a small manifest. A unit is done only when its region 
 a retry after a crash (Ray's `max_task_retries`) rewrites the same shards and the create-once commit
 marker makes the second commit harmless: at-least-once execution, exactly-once result.
 
-The actor is threaded (`max_concurrency` = units in flight): the engine is used by one unit at a
-time under a lock, while the previous unit's last shards upload and commit outside it, so the
-engine is not idle during uploads.
+The actor is threaded (`max_concurrency` = units in flight): the engine runs one unit at a time
+on its own thread, while the previous unit's last shards upload and commit on Ray's thread, so
+the engine is not idle during uploads.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,25 @@ class HarvestActor:
         self.index = int(spec["index"])
         for k, v in (spec.get("env") or {}).items():
             os.environ[k] = v
+        # Every engine call runs on this one thread. Ray runs a threaded actor's methods on pool
+        # threads, and vLLM CPU's attention checks that the OpenMP thread count of the thread that
+        # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine")
+        t0 = time.perf_counter()
+        self.engine = self._engine_thread.submit(self._load_engine, spec).result()
+        self.load_seconds = time.perf_counter() - t0
+        self.points = list(spec["points"])
+        self.context_size = int(spec["context_size"])
+        self.batch_contexts = int(spec.get("batch_contexts") or 32)
+        self._store = None
+        self._store_lock = threading.Lock()
+        self.started = time.time()
+        self.units_done = 0
+        self.tokens_done = 0
+        self.busy_seconds = 0.0
+        self._metrics = _metrics()
+
+    def _load_engine(self, spec: dict):
         threads = int(spec.get("threads") or 1)
         import torch
 
@@ -54,20 +74,7 @@ class HarvestActor:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         from engine import load_model
 
-        t0 = time.perf_counter()
-        self.engine = load_model(spec["model_path"], **spec["engine_kwargs"])
-        self.load_seconds = time.perf_counter() - t0
-        self.points = list(spec["points"])
-        self.context_size = int(spec["context_size"])
-        self.batch_contexts = int(spec.get("batch_contexts") or 32)
-        self._engine_lock = threading.Lock()
-        self._store = None
-        self._store_lock = threading.Lock()
-        self.started = time.time()
-        self.units_done = 0
-        self.tokens_done = 0
-        self.busy_seconds = 0.0
-        self._metrics = _metrics()
+        return load_model(spec["model_path"], **spec["engine_kwargs"])
 
     # -- introspection ----------------------------------------------------------------------
     @staticmethod
@@ -75,7 +82,8 @@ class HarvestActor:
         try:
             import ray
 
-            return list(ray.get_gpu_ids())
+            # outside a Ray worker (tests, benchmarks) get_gpu_ids() would start a cluster
+            return list(ray.get_gpu_ids()) if ray.is_initialized() else []
         except Exception:
             return []
 
@@ -109,6 +117,14 @@ class HarvestActor:
                 )
             return self._store
 
+    def open_store(self) -> int:
+        """Open the store and its arrays before the first unit, so unit timings are steady state."""
+        store = self._open_store()
+        for p in store.points:
+            store.array(p)
+        store.read_row_meta(0, min(store.n_rows, self.context_size))
+        return os.getpid()
+
     def run_unit(self, unit: dict, attempt: int = 1) -> dict:
         unit_id, rs, re_ = int(unit["unit_id"]), int(unit["row_start"]), int(unit["row_end"])
         base = {"unit_id": unit_id, "row_start": rs, "row_end": re_, "actor": self.index,
@@ -124,21 +140,12 @@ class HarvestActor:
         batches = [lists[i : i + self.batch_contexts] for i in range(0, len(lists), self.batch_contexts)]
         writer = store.region_writer(unit_id, rs, re_)
         try:
-            with self._engine_lock:
-                t_cap = time.perf_counter()
-                seen = 0
-                for req in self.engine.capture(batches, self.points):
-                    i = int(req.index)
-                    if not np.array_equal(np.asarray(req.token_ids), contexts[i]):
-                        raise RuntimeError(
-                            f"unit {unit_id}: engine returned request {i} with other tokens than "
-                            "submitted; refusing to write rows that do not match their metadata"
-                        )
-                    writer.write(rs + i * C, req.acts)
-                    seen += 1
-                capture_seconds = time.perf_counter() - t_cap
+            seen, capture_seconds = self._engine_thread.submit(
+                self._capture_into, writer, batches, contexts, unit_id, rs).result()
             if seen != len(lists):
                 raise RuntimeError(f"unit {unit_id}: engine returned {seen} of {len(lists)} contexts")
+            # the commit (last uploads + marker) runs here, while the engine thread is already
+            # free for the next unit in flight
             manifest = writer.commit(extra={"actor": self.index, "pid": os.getpid(),
                                             "attempt": attempt, "host": socket.gethostname()})
         except BaseException as e:
@@ -165,13 +172,28 @@ class HarvestActor:
                 "capture_seconds": round(capture_seconds, 4),
                 "manifest": _small(manifest)}
 
+    def _capture_into(self, writer, batches, contexts, unit_id: int, rs: int) -> tuple[int, float]:
+        C = self.context_size
+        t0 = time.perf_counter()
+        seen = 0
+        for req in self.engine.capture(batches, self.points):
+            i = int(req.index)
+            if not np.array_equal(np.asarray(req.token_ids), contexts[i]):
+                raise RuntimeError(
+                    f"unit {unit_id}: engine returned request {i} with other tokens than "
+                    "submitted; refusing to write rows that do not match their metadata"
+                )
+            writer.write(rs + i * C, req.acts)
+            seen += 1
+        return seen, time.perf_counter() - t0
+
     def stats(self) -> dict:
         return {"index": self.index, "pid": os.getpid(), "units": self.units_done,
                 "tokens": self.tokens_done, "busy_seconds": round(self.busy_seconds, 3)}
 
     def close(self) -> None:
         try:
-            self.engine.close()
+            self._engine_thread.submit(self.engine.close).result()
         except Exception:
             pass
 

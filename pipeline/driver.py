@@ -414,6 +414,13 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None) ->
             store = _create(cfg, prep, infos[0], overwrite=existing is not None)
         else:
             store = existing
+        import ray
+
+        for i, ref in enumerate([a.open_store.remote() for a in actors]):
+            try:
+                ray.get(ref)
+            except Exception as e:  # the dispatch loop handles a dead actor; a bad store fails units
+                log.warning("actor %d could not open the store: %s", i, _root_cause(e))
         committed = store.committed_units()
         todo = [u for u in prep.units if u.unit_id not in committed]
         skipped = len(prep.units) - len(todo)

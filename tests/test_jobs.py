@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -30,8 +31,15 @@ def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.Comp
         "--runtime-env-json", json.dumps({"env_vars": {"HARVEST_CACHE": str(cache_dir())}}),
         "--", sys.executable, "-m", "jobs.harvest", "--config", str(config),
     ]
-    return subprocess.run(cmd, env={**os.environ, **head.env}, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO_ROOT)
+    deadline = time.time() + 90
+    while True:
+        r = subprocess.run(cmd, env={**os.environ, **head.env}, capture_output=True, text=True,
+                           timeout=timeout, cwd=REPO_ROOT)
+        # A fresh head answers HTTP before its job agent registers; the submission is refused
+        # (nothing created) and may be repeated with the same id.
+        if "No available agent" not in r.stderr + r.stdout or time.time() > deadline:
+            return r
+        time.sleep(2)
 
 
 def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, tmp_path):

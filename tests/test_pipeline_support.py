@@ -81,24 +81,24 @@ def reference_capture(model_path: str, token_ids: np.ndarray, context_size: int,
         torch.set_num_threads(old)
 
 
-def assert_store_matches(store, ref: dict[str, np.ndarray], atol: float = 0.0, rtol: float = 0.0):
-    """Every row of every point equals the reference: bit-exact when atol == rtol == 0."""
+def assert_store_matches(store, ref: dict[str, np.ndarray], rel_tol: float | None = None):
+    """Every row of every point equals the reference: bit-exact, or within `rel_tol` relative
+    error per row (bf16 across backends: ~1%; a row of another token or layer is > 30%)."""
     assert set(store.points) == set(ref)
     for p in store.points:
         got = np.asarray(store.read(p, 0, store.n_rows))
         want = ref[p]
         assert got.shape == want.shape, p
-        if atol == 0 and rtol == 0:
+        if rel_tol is None:
             same = got.view(np.uint16) == want.view(np.uint16)
             bad = np.flatnonzero(~same.all(axis=1))
             assert bad.size == 0, f"{p}: {bad.size} rows differ from the reference, first {bad[:5]}"
         else:
             g, w = got.astype(np.float32), want.astype(np.float32)
-            close = np.isclose(g, w, atol=atol, rtol=rtol)
-            frac = 1 - close.mean()
-            assert frac < 1e-3, f"{p}: {frac:.2%} of values beyond tolerance"
-            cos = (g * w).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(w, axis=1) + 1e-9)
-            assert cos.min() > 0.999, f"{p}: a row has cosine {cos.min():.5f} to the reference"
+            err = np.linalg.norm(g - w, axis=1) / (np.linalg.norm(w, axis=1) + 1e-12)
+            bad = np.flatnonzero(err >= rel_tol)
+            assert bad.size == 0, (f"{p}: {bad.size} rows beyond {rel_tol:.0%} relative error, "
+                                   f"worst {err.max():.3f} at row {int(err.argmax())}")
 
 
 _REFERENCES: dict = {}
@@ -127,7 +127,7 @@ def shared_corpus(scratch: Path) -> Path:
     return _CORPORA["c"]
 
 
-def check_store(store, reference):
+def check_store(store, reference, rel_tol: float | None = None):
     """Complete, verified, metadata = packing, activations = the single-process reference."""
     prep, acts = reference
     v = store.verify(deep=True)
@@ -137,7 +137,7 @@ def check_store(store, reference):
     assert np.array_equal(tok, prep.packed.token_ids)
     assert np.array_equal(doc, prep.packed.doc_ids)
     assert np.array_equal(pos, prep.packed.positions)
-    assert_store_matches(store, acts)  # same backend: bit-exact
+    assert_store_matches(store, acts, rel_tol)  # None: same backend, bit-exact
 
 
 class _FakeStore:
@@ -159,3 +159,7 @@ def test_row_comparison_catches_one_flipped_bit():
     bad.view(np.uint16)[5, 3] ^= 1
     with pytest.raises(AssertionError, match="1 rows differ"):
         assert_store_matches(_FakeStore({"resid_post.0": bad}), ref)
+    assert_store_matches(_FakeStore({"resid_post.0": bad}), ref, rel_tol=0.03)
+    swapped = ref["resid_post.0"][[1, 0, 2, 3, 4, 5, 6, 7]]
+    with pytest.raises(AssertionError, match="2 rows beyond 3% relative error"):
+        assert_store_matches(_FakeStore({"resid_post.0": swapped}), ref, rel_tol=0.03)
