@@ -108,14 +108,16 @@ def _extract_hidden_states(path, prompts, repeats, n_layers):
 
 def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, repeats: int = 2,
         max_batched: int = 2048, modes=("plain", "freeze", "hooked", "extract_hidden_states",
-                                        "hf_eager", "plain")) -> list[dict]:
+                                        "hf_eager", "plain"),
+        prompts: list[list[int]] | None = None) -> list[dict]:
     from engine.common import read_model_info
     from engine.models import smollm2_path
 
     path = model or smollm2_path()
     info = read_model_info(path)
-    prompts = make_prompts(n_prompts, prompt_len, info.vocab_size)
-    tokens = n_prompts * prompt_len
+    if prompts is None:
+        prompts = make_prompts(n_prompts, prompt_len, info.vocab_size)
+    tokens = sum(len(p) for p in prompts)
     rows_out: list[dict] = []
     for mode in modes:
         try:
