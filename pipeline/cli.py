@@ -146,15 +146,21 @@ def cmd_status(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
     from pipeline.store import open_store
 
     url, so = _store_target(args)
     v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep)
-    print(json.dumps(v, indent=2, default=str) if args.json else
-          f"{'OK' if v['ok'] else 'FAILED'}: {v['committed_units']}/{v['planned_units']} units, "
-          f"{v['committed_rows']}/{v['planned_rows']} rows committed"
-          + ("" if v["ok"] else "\n  " + "\n  ".join(v["errors"][:20])))
-    return 0 if v["ok"] else 1
+    complete = v["ok"] and not v["missing_units"]
+    if args.json:
+        print(json.dumps({**v, "complete": complete}, indent=2, default=str))
+    else:
+        state = "OK" if complete else ("INCOMPLETE" if v["missing_units"] else "FAILED")
+        print(f"{state}: {v['committed_units']}/{v['planned_units']} units, "
+              f"{v['committed_rows']}/{v['planned_rows']} rows committed"
+              + (f"; uncommitted units {v['missing_units'][:20]}" if v["missing_units"] else "")
+              + ("\n  " + "\n  ".join(v["errors"][:20]) if v["errors"] else ""))
+    return 0 if complete else 1
 
 
 def cmd_inspect(args) -> int:

@@ -444,8 +444,11 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None) ->
             ray.shutdown()
 
     verify = store.verify()
-    if not verify["ok"]:
-        raise HarvestError(f"store {shown_url} failed verification: {verify['errors'][:5]}")
+    if not verify["ok"] or verify["missing_units"]:
+        raise HarvestError(
+            f"store {shown_url} failed verification: {verify['errors'][:5]}"
+            f"{' missing units ' + str(verify['missing_units'][:10]) if verify['missing_units'] else ''}"
+        )
     tokens_run = sum(f.tokens for f in figures.values())
     shards = {sh["index"] for m in store.committed_units().values() for sh in m.get("shards", [])}
     stored = sum(store.stored_bytes(p, shards) for p in store.points)
