@@ -15,7 +15,7 @@ and compression setting:
 MB/s counts logical (uncompressed) bytes throughout, so compression shows up as speed.
 Targets: writer >= 0.7x raw put, shuffled reader >= 0.7x raw get.
 
-    .venv/bin/python -m benchmarks.bench_store [--mb 256] [--width 1024] [--points 4] [--storage local s3]
+    .venv/bin/python -m benchmarks.bench_store [--mb 512] [--width 1024] [--points 4] [--storage local s3]
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def _rows(storage, compression, data, reps: list[dict]) -> list[dict]:
     return out
 
 
-def run(width: int = 1024, n_points: int = 4, mb: int = 256, storage=("local", "s3"),
-        compressions=("default", "none"), shard_mb: float | None = None, shards_per_unit: int = 4,
+def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "s3"),
+        compressions=("default", "none"), shard_mb: float | None = 16.0, shards_per_unit: int = 4,
         threads: int = 4, batch_size: int = 4096, repeats: int = 3, workdir: str | None = None,
         **_ignored) -> list[dict]:
     """Result rows (dicts) for the benchmark suite; see the module docstring for what is timed.
@@ -150,8 +150,9 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 256, storage=("local", "
     n_points = max(1, min(int(n_points), 64))
     row_bytes = width * 2
     n_rows = max(1, int(mb * 1e6 // (row_bytes * n_points)))
-    shard_rows = max(1, int(shard_mb * 1e6 // row_bytes)) if shard_mb is not None else \
-        default_sizes(width, 2, n_points, n_rows, None, None)[0]
+    shard_rows, chunk_rows = default_sizes(width, 2, n_points, n_rows, None, None)
+    if shard_mb is not None:  # whole default chunks per shard, so inner chunks stay ~1 MiB
+        shard_rows = max(chunk_rows, int(shard_mb * 1e6 // row_bytes) // chunk_rows * chunk_rows)
     data = synthetic.activations((n_points, n_rows, width), seed=0)
     piece_rows = 2048
     tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-store-")
@@ -202,12 +203,14 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 256, storage=("local", "
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--points", type=int, default=4)
     ap.add_argument("--storage", nargs="+", default=["local", "s3"])
     ap.add_argument("--compression", nargs="+", default=["default", "none"])
-    ap.add_argument("--shard-mb", type=float, default=None)
+    ap.add_argument("--shard-mb", type=float, default=16.0,
+                    help="shard size per point (default 16: 32 objects for 512 MB, so the run "
+                         "measures a pipeline, not the first object)")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print rows as JSON lines")

@@ -65,8 +65,12 @@ def default_sizes(width: int, itemsize: int, n_points: int, n_rows: int,
     row_bytes = width * itemsize
     if chunk_rows is None:
         chunk_rows = _pow2_floor(DEFAULT_CHUNK_BYTES / row_bytes)
-        if shard_rows is not None:
-            chunk_rows = math.gcd(chunk_rows, shard_rows)
+        if n_rows < chunk_rows:  # tiny store: do not pad one chunk to a megabyte of zeros
+            chunk_rows = 1 << max(0, math.ceil(math.log2(max(1, n_rows))))
+        if shard_rows is not None and shard_rows % chunk_rows:
+            # the largest divisor of shard_rows not above the target: gcd() alone could give
+            # 4-row chunks for shard_rows=7812, and per-chunk overhead would dominate decoding
+            chunk_rows = max(d for d in range(1, min(chunk_rows, shard_rows) + 1) if shard_rows % d == 0)
     if shard_rows is None:
         per_point = min(DEFAULT_SHARD_BYTES, MAX_ROW_SHARD_BYTES / max(1, n_points))
         shard_rows = max(chunk_rows, _pow2_floor(per_point / row_bytes) // chunk_rows * chunk_rows)
