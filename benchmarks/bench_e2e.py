@@ -60,6 +60,11 @@ def _ensure_loopback_ray(num_cpus: int | None):
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray reads that variable when imported (vLLM imports Ray early): set the constant it fed,
+    # or 127.0.0.1 is rewritten to the interface address and every port listens on all of them.
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
     # ray.init turns token auth on by default; a per-run token in the environment keeps it from
     # writing ~/.ray/auth_token. RAY_AUTH_MODE is left to ray.init, which re-reads its config:
     # setting it here would be missed by a Ray already imported (vLLM imports it).

@@ -64,3 +64,21 @@ def test_verify_fails_until_complete_and_inspect_shows_rows(half_done, capsys):
     assert out["rows"]["token_id"] == prep.packed.token_ids[:4].tolist()
     assert out["rows"]["doc_id"][0] == -1 and out["rows"]["text"][0] == "<|bos|>"
     assert len(out["rows"]["norms"]["resid_post.0"]) == 4
+
+
+def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, tiny_llama):
+    from pipeline.driver import ResumeMismatch, run
+    from pipeline.store import open_store
+
+    cfg, prep, path = half_done
+    before = open_store(cfg.store.resolved_url).committed_units()
+    other = make_cfg(tiny_llama, cfg.store.url, cfg.data.source, "packing.max_tokens=2048",
+                     "packing.bos=none")
+    with pytest.raises(ResumeMismatch, match=r"packing.bos: the store has 'context', this config "
+                                             r"says 'none'.*use the original config, or a new store.url"):
+        run(other)
+    points = make_cfg(tiny_llama, cfg.store.url, cfg.data.source, "packing.max_tokens=2048",
+                      capture={"points": ["resid_post.1"]})
+    with pytest.raises(ResumeMismatch, match=r"capture.points"):
+        run(points)
+    assert open_store(cfg.store.resolved_url).committed_units() == before
