@@ -24,9 +24,9 @@ from . import compression as _compression
 from . import layout
 from . import stats as _stats
 from .backend import Location, locate, with_retries
-from .credentials import redact_attrs, scrub
-from .dtypes import BF16, dtype_name, resolve_dtype, zarr_dtype
-from .errors import NotAHarvestStore, StoreAccessError, StoreError, UnknownLayoutVersion
+from .credentials import redact_attrs
+from .dtypes import dtype_name, resolve_dtype, zarr_dtype
+from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
 
 log = logging.getLogger(__name__)
 
@@ -672,4 +672,4 @@ def open_store(url, storage_options: dict | None = None, read_only: bool = False
     return Store(loc, meta, read_only=read_only)
 
 
-__all__ = ["Store", "create_store", "open_store", "StoreAccessError", "scrub", "BF16"]
+__all__ = ["Store", "create_store", "open_store"]

@@ -40,7 +40,7 @@ import numpy as np
 from . import layout
 from . import stats as _stats
 from .backend import with_retries
-from .credentials import scrub
+from .credentials import redact_attrs, scrub
 from .dtypes import BF16, dtype_name, raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 
@@ -191,6 +191,9 @@ class RegionWriter:
             self._shutdown()
             return m
         self._check_usable()
+        from .store import _jsonable
+
+        extra = redact_attrs(_jsonable(extra or {}, "commit extra"), self._store.location.storage_options)
         missing = []
         for si in self._shard_ids:
             if si in self._done or si in self._pending:
