@@ -394,54 +394,57 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None) ->
                     "original value or a new store.url"
                 )
 
-    started_ray = ensure_ray(cfg)
-    actors: list = []
-    try:
-        actors = start_actors(cfg, prep)
-        infos = _wait_actors(actors, cfg)
-        for inf in infos:
-            if inf["width"] != prep.width or inf["n_layers"] != prep.n_layers:
-                raise HarvestError(
-                    f"actor {inf['index']} loaded a model of width {inf['width']} x {inf['n_layers']} "
-                    f"layers, the config of {cfg.model.path} says {prep.width} x {prep.n_layers}"
-                )
-        emit({"event": "actors_ready", "actors": infos})
-        log.info("%d actors ready: %s", len(infos),
-                 ", ".join(f"#{i['index']} pid {i['pid']} ({i['describe'].get('backend')}/"
-                           f"{i['describe'].get('mode')}, load {i['load_seconds']:.1f} s)" for i in infos))
+    infos: list[dict] = []
+    figures: dict = {}
+    dispatch_seconds, retries, deaths = 0.0, 0, 0
+    if not fresh and not [u for u in prep.units if u.unit_id not in existing.committed_units()]:
+        # every unit committed but never finalized (the driver died at the very end): no actors
+        store, todo, skipped = existing, [], len(prep.units)
+        log.info("all %d units of %s are committed; finalizing", skipped, shown_url)
+    else:
+        started_ray = ensure_ray(cfg)
+        actors: list = []
+        try:
+            actors = start_actors(cfg, prep)
+            infos = _wait_actors(actors, cfg)
+            for inf in infos:
+                if inf["width"] != prep.width or inf["n_layers"] != prep.n_layers:
+                    raise HarvestError(
+                        f"actor {inf['index']} loaded a model of width {inf['width']} x "
+                        f"{inf['n_layers']} layers, the config of {cfg.model.path} says "
+                        f"{prep.width} x {prep.n_layers}"
+                    )
+            emit({"event": "actors_ready", "actors": infos})
+            log.info("%d actors ready: %s", len(infos), ", ".join(
+                f"#{i['index']} pid {i['pid']} ({i['describe'].get('backend')}/"
+                f"{i['describe'].get('mode')}, load {i['load_seconds']:.1f} s)" for i in infos))
 
-        if fresh:
-            store = _create(cfg, prep, infos[0], overwrite=existing is not None)
-        else:
-            store = existing
-        import ray
-
-        for i, ref in enumerate([a.open_store.remote() for a in actors]):
-            try:
-                ray.get(ref)
-            except Exception as e:  # the dispatch loop handles a dead actor; a bad store fails units
-                log.warning("actor %d could not open the store: %s", i, _root_cause(e))
-        committed = store.committed_units()
-        todo = [u for u in prep.units if u.unit_id not in committed]
-        skipped = len(prep.units) - len(todo)
-        if skipped:
-            log.info("resuming %s: %d of %d units already committed, %d to run", shown_url,
-                     skipped, len(prep.units), len(todo))
-        emit({"event": "plan", "units": len(prep.units), "todo": len(todo), "skipped": skipped})
-
-        figures, dispatch_seconds, retries, deaths = _dispatch(cfg, actors, todo, emit)
-    finally:
-        for a in actors:
-            try:
-                import ray
-
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        if started_ray:
+            store = _create(cfg, prep, infos[0], overwrite=existing is not None) if fresh else existing
             import ray
 
-            ray.shutdown()
+            for i, ref in enumerate([a.open_store.remote() for a in actors]):
+                try:
+                    ray.get(ref)
+                except Exception as e:  # the dispatch loop handles a dead actor
+                    log.warning("actor %d could not open the store: %s", i, _root_cause(e))
+            committed = store.committed_units()
+            todo = [u for u in prep.units if u.unit_id not in committed]
+            skipped = len(prep.units) - len(todo)
+            if skipped:
+                log.info("resuming %s: %d of %d units already committed, %d to run", shown_url,
+                         skipped, len(prep.units), len(todo))
+            emit({"event": "plan", "units": len(prep.units), "todo": len(todo), "skipped": skipped})
+            figures, dispatch_seconds, retries, deaths = _dispatch(cfg, actors, todo, emit)
+        finally:
+            import ray
+
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass
+            if started_ray:
+                ray.shutdown()
 
     verify = store.verify()
     if not verify["ok"] or verify["missing_units"]:
@@ -457,7 +460,7 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None) ->
         "name": cfg.name,
         "store": shown_url,
         "status": "complete",
-        "model": infos[0]["describe"] if infos else {},
+        "model": infos[0]["describe"] if infos else (store.attrs or {}).get("model", {}),
         "points": len(store.points),
         "width": store.width,
         "context_size": cfg.packing.context_size,

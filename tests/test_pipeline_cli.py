@@ -82,3 +82,24 @@ def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, ti
     with pytest.raises(ResumeMismatch, match=r"capture.points"):
         run(points)
     assert open_store(cfg.store.resolved_url).committed_units() == before
+
+
+def test_all_committed_but_not_finalized_is_finished_without_actors(tiny_llama, tmp_path, capsys):
+    """The driver died after the last commit: a re-run verifies and finalizes, starting nothing."""
+    from pipeline.driver import run
+    from pipeline.store import open_store
+
+    corpus = shared_corpus(tmp_path / "corpus")
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "packing.max_tokens=1024")
+    prep = prepare(cfg)
+    actor = HarvestActor(actor_spec(cfg, prep, 0))
+    _create(cfg, prep, actor.info(), overwrite=False)
+    for u in prep.units:
+        actor.run_unit(u.as_dict())
+    assert open_store(cfg.store.resolved_url).summary is None
+    events: list[dict] = []
+    s = run(cfg, on_event=events.append)
+    assert not [e for e in events if e["event"] == "actors_ready"] and s["per_actor"] == []
+    assert s["units_skipped"] == len(prep.units) == 4 and s["tokens_this_run"] == 0
+    assert s["verified"]["ok"] and open_store(cfg.store.resolved_url).summary["tokens"] == 1024
+    assert run(cfg)["noop"] is True
