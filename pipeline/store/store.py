@@ -92,9 +92,17 @@ class Store:
         self.compression: dict = h["compression"]
         self.layout_version: int = int(h["layout_version"])
         self.read_only = read_only
-        self._zstore = loc.zarr_store(read_only=read_only)
+        self._zstore_obj = None
         self._arrays: dict[str, zarr.Array] = {}
         self._markers: dict[int, dict] = {}   # create-once objects never change: safe to cache
+
+    @property
+    def _zstore(self):
+        """zarr's store object, made on first use: the writer and reader move whole shards
+        themselves, and an idle async S3 client only adds a loop-bound session to clean up."""
+        if self._zstore_obj is None:
+            self._zstore_obj = self._loc.zarr_store(read_only=self.read_only)
+        return self._zstore_obj
 
     # ---- description -------------------------------------------------------------------------
     @property

@@ -102,7 +102,6 @@ class RegionWriter:
         self.attempt = uuid.uuid4().hex[:16]
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
-        self._arrays = [store.array(p) for p in store.points]
         self._codecs = [store.shard_codec(p) for p in store.points]
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
@@ -329,7 +328,7 @@ class RegionWriter:
         return sh
 
     def _write_rows(self, p: int, start: int, rows: np.ndarray, what: str) -> None:
-        arr = self._arrays[p]
+        arr = self._store.array(self._store.points[p])  # zarr: only the partial-shard path
         with_retries(lambda: arr.__setitem__(slice(start, start + rows.shape[0]), rows),
                      f"{what} ({self._store.points[p]})", attempts=self.retries)
         with self._lock:
@@ -373,7 +372,7 @@ class RegionWriter:
             self._flush_partial(sh)  # the slow path: finish in place, CRC from a read-back
             crcs = []
             for p in range(self._P):
-                back = np.ascontiguousarray(self._arrays[p][sh.start:sh.end])
+                back = np.ascontiguousarray(self._store.array(self._store.points[p])[sh.start:sh.end])
                 crcs.append(_stats.crc32(back))
             self._crc[sh.index] = crcs
             sh.data = None
