@@ -9,8 +9,8 @@ a full `pipeline.driver.run` (pack the pydoc corpus, plan, create the store, dis
 verify, finalize). `tok_s` is committed tokens over the dispatch phase (actors loaded: the
 steady state a long run sees); `wall_tok_s` includes actor start-up and store creation. In the
 same run, before any actor starts, the freeze engine alone captures the *same* token ids in the
-same batches in this process (`engine_tok_s`, all cores), so `ratio_to_engine` compares like with
-like on a shared machine whose speed drifts from hour to hour. Only one vLLM engine runs at a
+same batches in a fresh process (`engine_tok_s`, all cores), so `ratio_to_engine` compares like
+with like on a shared machine whose speed drifts from hour to hour. Only one vLLM engine runs at a
 time: the engine measurement ends (and its engine is closed) before the pipeline rows start.
 """
 
@@ -28,30 +28,56 @@ from pathlib import Path
 
 
 def _engine_alone(model_path: str, engine_kwargs: dict, token_ids, context_size: int,
-                  unit_rows: int, batch_contexts: int, points: list[str]) -> dict:
-    """The engine on the same contexts, in the same per-unit batches, results dropped."""
+                  unit_rows: int, batch_contexts: int, points: list[str], workdir: str) -> dict:
+    """The engine on the same contexts, in the same per-unit batches, results dropped.
+
+    In a fresh process with every core (what one actor alone would get): an engine measured in a
+    process where other engines ran before inherits their OpenMP binding and thread settings,
+    which measured a third of the speed here.
+    """
+    import subprocess
+
+    import numpy as np
+
+    spec = {"model_path": model_path, "engine_kwargs": engine_kwargs, "context_size": context_size,
+            "unit_rows": unit_rows, "batch_contexts": batch_contexts, "points": points,
+            "tokens": str(Path(workdir) / "engine_tokens.npy"), "threads": os.cpu_count() or 1}
+    np.save(spec["tokens"], np.asarray(token_ids, dtype=np.int32))
+    spec_path = Path(workdir) / "engine_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--engine-alone", str(spec_path)],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"engine-alone run failed ({r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def _engine_alone_child(spec_path: str) -> dict:
+    import numpy as np
+    import torch
+
     from engine import load_model
 
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(int(spec["threads"]))
+    C, per_unit, bc = spec["context_size"], spec["unit_rows"] // spec["context_size"], spec["batch_contexts"]
+    ctx = np.load(spec["tokens"]).reshape(-1, C).tolist()
     t0 = time.perf_counter()
-    m = load_model(model_path, **engine_kwargs)
+    m = load_model(spec["model_path"], **spec["engine_kwargs"])
     load_s = time.perf_counter() - t0
-    ctx = token_ids.reshape(-1, context_size).tolist()
-    per_unit = unit_rows // context_size
-    warm = ctx[: min(len(ctx), batch_contexts)]
-    for _ in m.capture([warm], points):
+    for _ in m.capture([ctx[: min(len(ctx), bc)]], spec["points"]):  # warm-up
         pass
     t0 = time.perf_counter()
     n = 0
     for u in range(0, len(ctx), per_unit):
         unit = ctx[u : u + per_unit]
-        batches = [unit[i : i + batch_contexts] for i in range(0, len(unit), batch_contexts)]
-        for req in m.capture(batches, points):
+        for req in m.capture([unit[i : i + bc] for i in range(0, len(unit), bc)], spec["points"]):
             n += len(req)
     secs = time.perf_counter() - t0
-    describe = m.describe()
+    mode = m.describe().get("mode")
     m.close()
-    return {"tokens": n, "seconds": secs, "tok_s": n / secs, "load_s": load_s,
-            "mode": describe.get("mode")}
+    return {"tokens": n, "seconds": secs, "tok_s": n / secs, "load_s": load_s, "mode": mode}
 
 
 def _ensure_loopback_ray(num_cpus: int | None):
@@ -112,7 +138,8 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
         if engine_baseline:
             engine = _engine_alone(prep.model_path, cfg0.model.engine_kwargs(prep.points),
                                    prep.packed.token_ids, cfg0.packing.context_size,
-                                   prep.layout.unit_rows, cfg0.capture.batch_contexts, prep.points)
+                                   prep.layout.unit_rows, cfg0.capture.batch_contexts, prep.points,
+                                   workdir)
             print(f"engine alone ({engine['mode']}): {engine['tokens']} tokens, "
                   f"{engine['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
         started = _ensure_loopback_ray(None)
@@ -168,6 +195,10 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
 
 
 def main(argv: "list[str] | None" = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--engine-alone"]:
+        print(json.dumps(_engine_alone_child(argv[1])))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny:llama", help="checkpoint dir, smollm2 or tiny:<arch>")
     p.add_argument("--backend", default="vllm", choices=("vllm", "eager"))

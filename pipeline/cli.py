@@ -78,7 +78,7 @@ def format_summary(s: dict) -> str:
     ]
     for a in s["per_actor"]:
         lines.append(f"  actor {a['index']}: {a['units']} units, {a['tokens']} tokens, "
-                     f"{a['tokens_per_second'] or 0:.0f} tok/s busy, pids {a['pids']}")
+                     f"{a['tokens_per_second'] or 0:.0f} tok/s while capturing, pids {a['pids']}")
     return "\n".join(lines)
 
 

@@ -338,18 +338,24 @@ def _root_cause(exc: BaseException) -> str:
 
 @dataclass
 class ActorFigures:
+    """Per-actor figures. Units in flight overlap (one captures while the other commits), so a
+    rate over summed unit times would understate the actor: the rate is over engine-busy time."""
+
     index: int
     pids: list = field(default_factory=list)
     units: int = 0
     tokens: int = 0
-    busy_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    unit_seconds: float = 0.0
     failures: int = 0
 
     def as_dict(self) -> dict:
         return {
             "index": self.index, "pids": self.pids, "units": self.units, "tokens": self.tokens,
-            "busy_seconds": round(self.busy_seconds, 3),
-            "tokens_per_second": round(self.tokens / self.busy_seconds, 1) if self.busy_seconds else None,
+            "engine_seconds": round(self.engine_seconds, 3),
+            "unit_seconds": round(self.unit_seconds, 3),
+            "tokens_per_second": (round(self.tokens / self.engine_seconds, 1)
+                                  if self.engine_seconds else None),
             "failures": self.failures,
         }
 
@@ -617,7 +623,8 @@ def _dispatch(cfg: HarvestConfig, actors: list, todo: list[Unit], emit) -> tuple
                 if res["status"] == "committed":
                     f.units += 1
                     f.tokens += res["tokens"]
-                    f.busy_seconds += res["seconds"]
+                    f.unit_seconds += res["seconds"]
+                    f.engine_seconds += res.get("capture_seconds") or res["seconds"]
                 bar.update(unit.n_rows)
                 rate = unit.n_rows / res["seconds"] if res.get("seconds") else 0.0
                 log.info("unit %d rows [%d, %d) %s by actor %d pid %d in %.2f s (%.0f tok/s, "
