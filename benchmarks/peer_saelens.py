@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--out", default=None, help="cache directory (default: a temp dir, removed)")
     ap.add_argument("--keep", action="store_true", help="keep the cache directory")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the plain HF forward timed beside the SAELens runs")
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
@@ -192,6 +194,21 @@ def main(argv: list[str] | None = None) -> int:
             load_once(model_class_name="AutoModelForCausalLM", model_name=str(model_dir),
                       device="cpu", model_from_pretrained_kwargs={"dtype": args.model_dtype}).model,
             n_layers)
+        # Same process, same moment: one plain HF forward (no hooks, no cache) over all the
+        # tokens at the same batch size. On a shared machine whose speed moves 2x between
+        # minutes, this separates SAELens's structural cost (one run per layer) from the load.
+        hf_forward_tok_s = None
+        if not args.no_calibrate:
+            base = loaded["model"].model.base_model
+            ids = torch.from_numpy(tokens)
+            with torch.inference_mode():
+                base(ids[: args.batch_size])  # warm-up
+                t = time.perf_counter()
+                for i in range(0, n_seq, args.batch_size):
+                    base(ids[i: i + args.batch_size])
+                hf_forward_tok_s = n_tokens / (time.perf_counter() - t)
+            print(f"[peer] plain HF forward, all layers once: {hf_forward_tok_s:.0f} tok/s",
+                  file=sys.stderr)
         for li in layers:
             hook = f"{prefix}.{li}"
             hook_names.append(hook)
@@ -259,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         # tokens whose rows for every requested layer are in the cache, per second of caching
         "tok_s": round(n_tokens / total, 2) if total else None,
         "rows_per_s": round(n_tokens * len(layers) / total, 2) if total else None,
+        # the same model's plain forward (every layer once) in this process just before the runs
+        "hf_forward_tok_s": round(hf_forward_tok_s, 2) if hf_forward_tok_s else None,
+        "cost_vs_one_forward": round(hf_forward_tok_s * total / n_tokens, 2)
+        if hf_forward_tok_s and total else None,
         "cache_bytes": cache_bytes,
         "cache_MB_s": round(cache_bytes / total / 1e6, 2) if total else None,
         "threads": torch.get_num_threads(),
