@@ -269,7 +269,7 @@ class RayConfig:
     address: str | None = None
     num_actors: int = 2
     num_cpus_per_actor: float | None = None
-    num_gpus_per_actor: float = 0
+    num_gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
     threads_per_actor: int | None = None
     max_in_flight: int = 2
     max_restarts: int = 3
@@ -283,7 +283,8 @@ class RayConfig:
         _check_int("ray.num_actors", self.num_actors, 1)
         if self.num_cpus_per_actor is not None:
             _check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, None)
-        _check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
+        if self.num_gpus_per_actor is not None:
+            _check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
         _check_int("ray.threads_per_actor", self.threads_per_actor, 1, optional=True)
         _check_int("ray.max_in_flight", self.max_in_flight, 1)
         _check_int("ray.max_restarts", self.max_restarts, -1)
@@ -291,12 +292,23 @@ class RayConfig:
         _check_int("ray.unit_attempts", self.unit_attempts, 1)
         _check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
 
+    def actor_resources(self, cluster: dict) -> tuple[float, float]:
+        """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.
+
+        One GPU per actor when the cluster has GPUs (one engine per GPU); on CPUs a fractional
+        CPU, because an actor holding a whole CPU each starves every other task on 2 cores.
+        """
+        gpus = self.num_gpus_per_actor
+        if gpus is None:
+            gpus = 1.0 if cluster.get("GPU", 0) >= 1 else 0.0
+        cpus = self.num_cpus_per_actor
+        if cpus is None:
+            cpus = 1.0 if gpus else 0.5
+        return cpus, gpus
+
     @property
     def actor_num_cpus(self) -> float:
-        """A fractional CPU per CPU actor: a whole CPU each starves every other task on 2 cores."""
-        if self.num_cpus_per_actor is not None:
-            return self.num_cpus_per_actor
-        return 0.5 if not self.num_gpus_per_actor else 1.0
+        return self.actor_resources({})[0]
 
 
 @dataclass
@@ -315,7 +327,7 @@ class HarvestConfig:
         _check_bool("progress", self.progress)
         for section in SECTIONS:
             getattr(self, section).validate()
-        if self.ray.num_gpus_per_actor and self.model.tensor_parallel_size > 1:
+        if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
                     f"model.tensor_parallel_size={self.model.tensor_parallel_size} needs that many "

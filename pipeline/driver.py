@@ -312,9 +312,13 @@ def start_actors(cfg: HarvestConfig, prep: Prepared) -> list:
     from .actor import HarvestActor
 
     Remote = ray.remote(HarvestActor)
+    cpus, gpus = cfg.ray.actor_resources(ray.cluster_resources())
+    if gpus and cfg.model.tensor_parallel_size > gpus:
+        gpus = float(cfg.model.tensor_parallel_size)
+    log.info("starting %d actors with %s CPU and %s GPU each", cfg.ray.num_actors, cpus, gpus)
     opts = dict(
-        num_cpus=cfg.ray.actor_num_cpus,
-        num_gpus=cfg.ray.num_gpus_per_actor or 0,
+        num_cpus=cpus,
+        num_gpus=gpus,
         max_restarts=cfg.ray.max_restarts,
         max_task_retries=cfg.ray.max_task_retries,
         max_concurrency=cfg.ray.max_in_flight,
@@ -503,9 +507,9 @@ def _wait_actors(actors: list, cfg: HarvestConfig) -> list[dict]:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=30)
         if not pending:
             break
-        log.info("waiting for %d of %d actors to start (%.0f s; they need %s CPU%s each)",
-                 len(pending), len(refs), time.time() - t0, cfg.ray.actor_num_cpus,
-                 f" + {cfg.ray.num_gpus_per_actor} GPU" if cfg.ray.num_gpus_per_actor else "")
+        log.info("waiting for %d of %d actors to start (%.0f s; the cluster has %s)",
+                 len(pending), len(refs), time.time() - t0,
+                 {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")})
     infos = []
     for i, r in enumerate(refs):
         try:

@@ -72,3 +72,11 @@ def test_credentials_never_reach_the_dumped_config():
     dumped = str(cfg.to_dict())
     assert "sekrit" not in dumped and "AKIA" not in dumped
     assert redact_url("s3://bucket/x") == "s3://bucket/x"
+
+
+def test_actor_resources_one_gpu_per_actor_on_gpu_clusters_fractional_cpu_otherwise():
+    cfg = load_config(default_config_path())
+    assert cfg.ray.actor_resources({"CPU": 2.0}) == (0.5, 0.0)
+    assert cfg.ray.actor_resources({"CPU": 64.0, "GPU": 8.0}) == (1.0, 1.0)
+    pinned = load_config(data={"ray": {"num_gpus_per_actor": 0, "num_cpus_per_actor": 2}})
+    assert pinned.ray.actor_resources({"GPU": 8.0}) == (2.0, 0)
