@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.s3",
     "tests.fixtures.ray_cluster",
+    "tests.fixtures.pipeline_data",
 ]

@@ -7,18 +7,8 @@ import pytest
 
 from pipeline.driver import run
 from pipeline.store import open_store
-from tests.test_pipeline_support import check_store, make_cfg, shared_corpus, shared_reference
+from tests.test_pipeline_support import check_store, make_cfg
 
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    return shared_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_llama, corpus, tmp_path_factory):
-    """The rows the pipeline must produce: tokens from packing alone, acts from one process."""
-    return shared_reference(tiny_llama, corpus, tmp_path_factory.mktemp("ref"))
 
 
 def test_local_store_two_actors_matches_single_process(ray_cluster, tiny_llama, corpus, reference,

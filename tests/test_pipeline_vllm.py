@@ -12,19 +12,10 @@ import pytest
 
 from pipeline.driver import run
 from pipeline.store import open_store
-from tests.test_pipeline_support import check_store, make_cfg, shared_corpus, shared_reference
+from tests.test_pipeline_support import check_store, make_cfg
 
 REL_TOL = 0.03
 
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    return shared_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_llama, corpus, tmp_path_factory):
-    return shared_reference(tiny_llama, corpus, tmp_path_factory.mktemp("ref"))
 
 
 def test_two_vllm_freeze_actors_match_single_process_eager(ray_cluster, tiny_llama, corpus,
