@@ -46,6 +46,9 @@ class HarvestState:
     layers: object
     n_layers: int
     mode: str  # "freeze" | "hooked"
+    max_tokens: int = 0  # rows per step (max_num_batched_tokens): the tap buffer's length
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device = torch.device("cpu")
     dests: dict[str, Dest] = field(default_factory=dict)
     steps: int = 0
     rows: int = 0
@@ -55,7 +58,9 @@ class HarvestState:
     # asynchronously and scattered on the host when step k+1 arrives (or at drain).
     pending: list = field(default_factory=list)
     staging: list = field(default_factory=list)
+    pos_staging: list = field(default_factory=list)
     events: list = field(default_factory=list)
+    flip: int = 0
 
 
 def base_request_id(internal: str) -> str:
@@ -138,10 +143,7 @@ def _setup(runner, cfg: dict) -> None:
         tapmod.install_freeze(layers, ts)
     else:  # hooked: buffers are (re)allocated per capture call for the points it asks
         ts = tapmod.TapSet((), (), None, {}, width)
-    ACTIVE = HarvestState(ts, layers, n_layers, mode)
-    ACTIVE.max_tokens = max_tokens
-    ACTIVE.dtype = dtype
-    ACTIVE.device = runner.device
+    ACTIVE = HarvestState(ts, layers, n_layers, mode, max_tokens, dtype, runner.device)
 
 
 def set_hooked_points(points: tuple[Address, ...]) -> None:
@@ -199,7 +201,6 @@ def _harvest_cuda(runner, st: HarvestState, req_ids, counts, n) -> None:
         st.staging = [torch.empty(shape, dtype=st.taps.buf.dtype, pin_memory=True) for _ in range(2)]
         st.pos_staging = [torch.empty(shape[1], dtype=torch.int64, pin_memory=True) for _ in range(2)]
         st.events = [torch.cuda.Event() for _ in range(2)]
-        st.flip = 0
     k = st.flip
     st.flip ^= 1
     st.staging[k][:, :n].copy_(st.taps.buf[:, :n], non_blocking=True)
