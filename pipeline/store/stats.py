@@ -12,9 +12,12 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+import google_crc32c
 import numpy as np
 
-_BLOCK_ROWS = 2048  # float64 working set per block: rows x width x 8 bytes
+from .dtypes import BF16
+
+_BLOCK_ROWS = 256  # float64 working set per block (rows x width x 8 bytes) that stays in L2
 
 
 @dataclass
@@ -38,28 +41,43 @@ class Moments:
     def of(cls, rows: np.ndarray) -> "Moments":
         """Moments of a [n, width] block of any float dtype (bf16 widens to float64 exactly).
 
-        Per block of rows: sums of deviations from the block's first row (the shifted-data
-        algorithm: accurate while that row is near the mean, one pass, ~3x faster than
-        mean-then-deviations), then Chan merges across blocks.
+        Two passes per block of `_BLOCK_ROWS` rows (sum, then squared deviations from the
+        block's own mean), with the block widened into one reused float64 buffer that stays in
+        L2, then Chan merges across blocks. Accurate when the mean dwarfs the spread (no naive
+        sum of squares) and ~1.8x faster than widening 2048-row blocks into fresh arrays,
+        whose every pass went to memory. Finiteness is checked on the block sums (an inf or NaN
+        anywhere makes its column sum non-finite), so clean blocks pay no extra pass.
         """
         n, width = rows.shape
         out = cls.empty(width)
-        for s in range(0, n, _BLOCK_ROWS):
-            d = to_float64(rows[s:s + _BLOCK_ROWS])
-            with np.errstate(invalid="ignore", over="ignore"):
-                ok = np.isfinite(d.sum(axis=1))
-            bad = int(d.shape[0] - ok.sum())
-            if bad:
-                d = d[ok]
-                out.nonfinite += bad
-            m = d.shape[0]
-            if not m:
-                continue
-            k = d[0].copy()
-            d -= k
+        if not n:
+            return out
+        B = min(_BLOCK_ROWS, n)
+        buf = np.empty((B, width), np.float64)
+        wide = np.empty((B, width), np.uint32) if rows.dtype == BF16 else None
+        for s in range(0, n, B):
+            blk = rows[s:s + B]
+            m = blk.shape[0]
+            d = buf[:m]
+            if wide is not None:  # bf16 bits << 16 are the float32 of the same value, exactly
+                np.left_shift(blk.view(np.uint16), 16, out=wide[:m], dtype=np.uint32)
+                d[...] = wide[:m].view(np.float32)
+            else:
+                with np.errstate(invalid="ignore"):
+                    d[...] = blk
             s1 = d.sum(axis=0)
-            s2 = np.einsum("ij,ij->j", d, d)
-            out = out.merge(cls(m, k + s1 / m, np.maximum(s2 - s1 * s1 / m, 0.0)))
+            if not np.isfinite(s1).all():
+                with np.errstate(invalid="ignore", over="ignore"):
+                    ok = np.isfinite(d).all(axis=1)
+                out.nonfinite += int(m - ok.sum())
+                d = d[ok]
+                m = d.shape[0]
+                if not m:
+                    continue
+                s1 = d.sum(axis=0)
+            mean = s1 / m
+            d -= mean
+            out = out.merge(cls(m, mean, np.einsum("ij,ij->j", d, d)))
         return out
 
     def merge(self, other: "Moments") -> "Moments":
@@ -93,17 +111,20 @@ class Moments:
                 "mean_var": float(self.var.mean()) if self.count else float("nan")}
 
 
+def crc32c(x: np.ndarray) -> int:
+    """CRC32C of an array's raw bytes (bf16 cannot export a buffer, so go through uint8).
+
+    CRC32C (hardware-accelerated: ~10 GB/s here) rather than zlib's CRC32 (~3.6 GB/s): the
+    writer checksums every byte it stores, on the cores the engine needs.
+    """
+    return google_crc32c.value(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+
+
 def crc32(x: np.ndarray) -> int:
-    """CRC32 of an array's raw bytes (bf16 cannot export a buffer, so go through uint8)."""
+    """zlib CRC32 of an array's raw bytes: how stores written before CRC32C were checked."""
     import zlib
 
     return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
-
-
-def to_float64(x: np.ndarray) -> np.ndarray:
-    """Exact widening (every bf16/f16/f32 value is a float64 value); NaN payloads may change."""
-    with np.errstate(invalid="ignore"):
-        return x.astype(np.float64)
 
 
 def merge_all(parts: list[list[Moments]], n_points: int, width: int) -> list[Moments]:

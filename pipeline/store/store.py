@@ -554,8 +554,9 @@ class Store:
         for uid, m in committed.items():
             for sh in m.get("shards", []):
                 s, e = self.shard_range(sh["index"])
+                algo, want = ("crc32c", sh["crc32c"]) if "crc32c" in sh else ("crc32", sh["crc32"])
                 for pi, p in enumerate(self.points):
-                    if _stats.crc32(self.array(p)[s:e]) != sh["crc32"][pi]:
+                    if getattr(_stats, algo)(self.array(p)[s:e]) != want[pi]:
                         bad.append(f"unit {uid} shard {sh['index']} of {p}: data differs from what its "
                                    "writer committed (overwritten or corrupt); uncommit and rewrite")
         return bad

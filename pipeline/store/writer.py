@@ -17,7 +17,7 @@ read-modify-write that is safe because this writer alone owns the shard); the sh
 same way later. Slower, never wrong, and rare with max_open_shards >= 2.
 
 A commit marker is written only after every row of the region is uploaded; it carries the
-region's stats partial (by reference to a sidecar with its sha256) and a CRC32 per shard and
+region's stats partial (by reference to a sidecar with its sha256) and a CRC32C per shard and
 point of the raw rows, so `verify(deep=True)` can prove the stored bytes are the committed ones.
 """
 
@@ -222,7 +222,7 @@ class RegionWriter:
             "n_rows": self.row_end - self.row_start, "points": list(self._store.points),
             "attempt": self.attempt,
             "shards": [{"index": si, "row_start": self._store.shard_range(si)[0],
-                        "row_end": self._store.shard_range(si)[1], "crc32": self._crc[si],
+                        "row_end": self._store.shard_range(si)[1], "crc32c": self._crc[si],
                         "nbytes": self._nbytes.get(si)}
                        for si in self._shard_ids],
             "stats": {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
@@ -373,7 +373,7 @@ class RegionWriter:
             crcs = []
             for p in range(self._P):
                 back = np.ascontiguousarray(self._store.array(self._store.points[p])[sh.start:sh.end])
-                crcs.append(_stats.crc32(back))
+                crcs.append(_stats.crc32c(back))
             self._crc[sh.index] = crcs
             sh.data = None
             futs = []
@@ -384,7 +384,7 @@ class RegionWriter:
             return
         x = sh.data[p].view(self._dtype)
         mom = _stats.Moments.of(x)
-        crc = _stats.crc32(sh.data[p])
+        crc = _stats.crc32c(sh.data[p])
         nbytes = None
         try:
             codec = self._codecs[p]
