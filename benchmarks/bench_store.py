@@ -7,6 +7,15 @@ and compression setting:
   objects of the same size (one per point per shard), written and read back with plain file I/O
   or fsspec `pipe_file`/`cat_file`, `threads` at a time (the writer's upload threads and the
   reader's prefetch depth use the same number, so neither side gets more parallelism).
+- local storage is measured as storage, not as the page cache: a raw put is write + fsync (the
+  store fsyncs every object before its commit marker vouches for it), and before each raw get
+  and each store read the files just written are dropped from the page cache
+  (`posix_fadvise(DONTNEED)`, no root needed), so both read from the disk. Warm-cache reads of
+  a store far larger than RAM do not happen in SAE training; a page-cache "raw get" (a memcpy at
+  5-14 GB/s here) measured memory bandwidth, not storage.
+- before anything is timed, a few GiB of memory are touched once: this VM's host backs guest
+  memory lazily, so the first touch of a page costs about 2 s per GiB (0.5 GB/s "memcpy"),
+  once per boot. Whichever side first used fresh memory paid it, which no long-running host does.
 - write: RegionWriter units of `shards_per_unit` shards, rows fed in engine-sized pieces, from the
   first write to the last commit marker (stats, CRCs and compression included).
 - read: ActivationDataset shuffled `[batch, n_points, width]` batches, every committed row once,
@@ -25,6 +34,7 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -40,6 +50,29 @@ def _timeit(fn):
     return time.perf_counter() - t, out
 
 
+def drop_page_cache(root: str) -> int:
+    """Evict every file under `root` from the page cache (clean pages only: fsync'ed or read)."""
+    n = 0
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+def warm_memory(gib: float) -> float:
+    """Touch `gib` GiB once (see the module docstring); returns the first-touch GB/s seen."""
+    n = int(gib * (1 << 30))
+    t = time.perf_counter()
+    a = np.ones(n, np.uint8)
+    del a
+    return n / (time.perf_counter() - t) / 1e9
+
+
 def _raw(storage, root, objects, threads, so):
     """(put seconds, get seconds) for `objects` (list of bytes) under `root`."""
     if storage == "local":
@@ -49,6 +82,8 @@ def _raw(storage, root, objects, threads, so):
         def put(i):
             with open(paths[i], "wb") as f:
                 f.write(objects[i])
+                f.flush()
+                os.fsync(f.fileno())
 
         def get(i):
             with open(paths[i], "rb") as f:
@@ -67,6 +102,8 @@ def _raw(storage, root, objects, threads, so):
 
     with cf.ThreadPoolExecutor(threads) as ex:
         tp, _ = _timeit(lambda: list(ex.map(put, range(len(objects)))))
+        if storage == "local":
+            drop_page_cache(root)
         tg, sizes = _timeit(lambda: list(ex.map(get, range(len(objects)))))
     assert sum(sizes) == sum(len(o) for o in objects)
     return tp, tg
@@ -99,6 +136,8 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
 
     t_write, _ = _timeit(write)
     fin = s.finalize({"bench": True})
+    if storage == "local":
+        drop_page_cache(url)
 
     def read():
         # a pool of 1/8 of the rows: big enough to mix shards, small enough that the run measures
@@ -123,7 +162,8 @@ def _rows(storage, compression, data, reps: list[dict]) -> list[dict]:
     med = lambda xs: float(np.median(xs))  # noqa: E731
     base = {"storage": storage, "compression": compression, "mb": round(logical / 1e6, 1), "points": P,
             "width": W, "shard_mb": round(reps[0]["shard_rows"] * W * data.itemsize / 1e6, 2),
-            "compression_ratio": reps[0]["compression_ratio"], "repeats": len(reps)}
+            "compression_ratio": reps[0]["compression_ratio"], "repeats": len(reps),
+            "local_io": "fsync puts, cold-cache gets" if storage == "local" else None}
     out = []
     for mode, t_store, t_raw in (("write", "t_write", "t_put"), ("read (shuffled)", "t_read", "t_get")):
         ratios = [r[t_raw] / r[t_store] for r in reps]
@@ -154,6 +194,12 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     if shard_mb is not None:  # whole default chunks per shard, so inner chunks stay ~1 MiB
         shard_rows = max(chunk_rows, int(shard_mb * 1e6 // row_bytes) // chunk_rows * chunk_rows)
     data = synthetic.activations((n_points, n_rows, width), seed=0)
+    try:  # the data, the raw objects, shard buffers and a shuffle pool: about 4x the data
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 * data.nbytes
+    first_touch = warm_memory(min(4 * data.nbytes, 0.5 * avail) / (1 << 30))
+    print(f"bench_store: touched memory once ({first_touch:.2f} GB/s on first touch)", file=sys.stderr)
     piece_rows = 2048
     tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-store-")
     rows: list[dict] = []

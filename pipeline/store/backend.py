@@ -99,6 +99,15 @@ _CREATE_ONCE_PROBES: dict[tuple, bool] = {}
 _PROBE_LOCK = threading.Lock()
 
 
+def _fsync_dir(path: str) -> None:
+    """Make a rename or link in `path` durable (POSIX keeps directory entries apart from data)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class Location:
     """A store root: display URL (no secrets), fsspec filesystem and path, zarr store factory."""
@@ -149,14 +158,23 @@ class Location:
             return None
 
     def write_bytes(self, rel: str, data: bytes, attempts: int = 5) -> None:
-        """Overwrite an object (shards, driver metadata, stats sidecars); retried on S3."""
+        """Overwrite an object (shards, driver metadata, stats sidecars); retried on S3.
+
+        Local files are fsync'ed before the rename and the directory after it: a commit marker
+        promises its shards are stored, and without these a power cut could keep the (fsync'ed)
+        marker while the shard bytes it vouches for were still only in the page cache. An S3 PUT
+        is durable once acknowledged, so the two backends make the same promise.
+        """
         path = self.key(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)  # readers never see a half-written file
+            _fsync_dir(os.path.dirname(path))
             return
         with_retries(lambda: self.fs.pipe_file(path, data), f"write {rel}", attempts=attempts)
 
@@ -198,6 +216,7 @@ class Location:
                 os.fsync(f.fileno())
             try:
                 os.link(tmp, path)
+                _fsync_dir(os.path.dirname(path))
                 return True
             except FileExistsError:
                 return False

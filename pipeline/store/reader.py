@@ -173,13 +173,15 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         return [self.pieces[i] for i in order[g::G]]
 
     # ---- iteration ---------------------------------------------------------------------------
-    def _fetch(self, piece: tuple[int, int], point: str) -> np.ndarray:
+    def _fetch(self, piece: tuple[int, int], point: str, out: np.ndarray) -> None:
+        """Rows of `piece` for one point into `out` ([n, width] raw bits, rows maybe strided)."""
         st = self._open()
         a, b = piece
         shard = a // st.shard_rows
         if (a, b) == st.shard_range(shard):
-            return st.read_shard(point, shard).view(self._raw)  # one GET + direct decode
-        return st.array(point)[a:b].view(self._raw)
+            st.read_shard(point, shard, out=out)  # one GET, decoded in place
+        else:
+            out[...] = st.array(point)[a:b].view(self._raw)
 
     def _fetch_meta(self, piece: tuple[int, int]):
         st = self._open()
@@ -191,30 +193,26 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             keep = np.flatnonzero(~np.isin(tok, self.exclude))
         return meta, keep
 
-    def _pieces_stream(self, pieces) -> Iterator:
+    def _pieces_stream(self, pieces, buffers: "_Buffers") -> Iterator:
         """(x [n, n_points, width], rows, meta, keep) per piece, in order, fetched ahead.
 
         Every (piece, point) object is its own task, so one point's decode overlaps the next
-        point's GET, and `prefetch_shards` pieces are in flight at once. Each task also copies its
-        rows into the piece's [n, n_points, width] array, in the worker thread, so that the
-        consumer only gathers whole contiguous rows (several times faster than gathering from
-        per-point arrays into a strided [:, p, :] slice).
+        point's GET, and `prefetch_shards` pieces are in flight at once. Each task decodes into
+        its point's slot of the piece's [n, n_points, width] buffer, so the consumer only gathers
+        whole contiguous rows (several times faster than gathering from per-point arrays into a
+        strided [:, p, :] slice) and no per-point temporary exists. Buffers come from `buffers`,
+        which recycles those the shuffle pool has drained.
         """
         P = len(self.points)
         # as many fetch+decode tasks as shards in flight: more threads only queue on the single
         # fsspec I/O loop and the GIL (measured slower here with 16 than with 4)
         threads = self.io_threads or max(2, self.prefetch_shards)
 
-        def fetch_into(piece, i, x):
-            x[:, i, :] = self._fetch(piece, self.points[i])
-
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="harvest-read") as ex:
             def submit(piece):
                 mf = ex.submit(self._fetch_meta, piece) if (self.return_meta or self.exclude.size) else None
-                if P == 1:
-                    return ex.submit(self._fetch, piece, self.points[0]), None, mf
-                x = np.empty((piece[1] - piece[0], P, self.width), self._raw)
-                return x, [ex.submit(fetch_into, piece, i, x) for i in range(P)], mf
+                x = buffers.take(piece[1] - piece[0])
+                return x, [ex.submit(self._fetch, piece, self.points[i], x[:, i, :]) for i in range(P)], mf
 
             futs = [submit(p) for p in pieces[: self.prefetch_shards]]
             for i, piece in enumerate(pieces):
@@ -222,11 +220,8 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                 futs[i] = None
                 if i + self.prefetch_shards < len(pieces):
                     futs.append(submit(pieces[i + self.prefetch_shards]))
-                if xf is None:
-                    x = x.result()[:, None, :]
-                else:
-                    for f in xf:
-                        f.result()
+                for f in xf:
+                    f.result()
                 meta, keep = mf.result() if mf is not None else (None, None)
                 yield x, np.arange(piece[0], piece[1], dtype=np.int64), meta, keep
 
@@ -252,9 +247,11 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         pieces = self.worker_pieces(wid, nw)
         g = self.rank * nw + wid
         rng = np.random.default_rng([self.seed, self.epoch, g, 1])
-        stream = self._pieces_stream(pieces)
+        longest = max((b - a for a, b in pieces), default=0)
+        buffers = _Buffers((longest, len(self.points), self.width), self._raw, recycle=self.shuffle)
+        stream = self._pieces_stream(pieces, buffers)
         if not self.shuffle:
-            yield from self._sequential(stream)
+            yield from self._sequential(stream)  # batches are views of the piece buffers
             return
         B, P, W = self.batch_size, len(self.points), self.width
         pool: list[_Pooled] = []
@@ -291,6 +288,9 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                         ometa[j][pos:pos + c] = e.meta[j][sel]
                 pos += c
             pool_rows -= k
+            for e in pool:
+                if not e.remaining:
+                    buffers.give_back(e.x)  # its rows were copied out into batches
             pool = [e for e in pool if e.remaining]
             yield self._emit(out, orows, ometa)
 
@@ -302,6 +302,27 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                 meta = [m[keep] for m in meta] if meta is not None else None
             yield from out.add(x, rows, meta)
         yield from out.flush()
+
+
+class _Buffers:
+    """Piece buffers [rows, n_points, width] of one shape, recycled once the pool drains them.
+
+    Fresh shard-sized arrays cost a page fault per 4 KiB on first touch (on a VM whose memory
+    the host backs lazily, about 2 s per GiB here) and, above glibc's 32 MiB mmap threshold,
+    on every allocation; reusing the few that are live at once removes that from the read path.
+    """
+
+    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, recycle: bool):
+        self.shape, self.dtype, self.recycle = shape, dtype, recycle
+        self.free: list[np.ndarray] = []
+
+    def take(self, n: int) -> np.ndarray:
+        buf = self.free.pop() if self.free else np.empty(self.shape, self.dtype)
+        return buf[:n]
+
+    def give_back(self, x: np.ndarray) -> None:
+        if self.recycle:
+            self.free.append(x.base if x.base is not None else x)
 
 
 class _Pooled:

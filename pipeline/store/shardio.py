@@ -129,8 +129,15 @@ class ShardCodec:
         return b"".join([*parts, ib, crc])
 
     # ---- decode ------------------------------------------------------------------------------
-    def decode(self, blob: bytes, shard: int) -> np.ndarray:
-        """[shard_len, width] rows from shard object bytes (absent chunks read as fill value 0)."""
+    def decode(self, blob: bytes, shard: int, out: np.ndarray | None = None) -> np.ndarray:
+        """[shard_len, width] rows from shard object bytes (absent chunks read as fill value 0).
+
+        `out` (optional): a [shard_len, width] array of this dtype or its raw bits whose rows are
+        contiguous but may be strided (one point's slot of a reader's [n, n_points, width]
+        buffer). Chunks decode straight into it where the rows are dense, else through a small
+        per-thread buffer that stays in cache: either way no shard-sized temporary is made,
+        which on fresh memory costs a page fault per 4 KiB.
+        """
         n = self.shard_len(shard)
         isz = self.per_shard * 16
         if len(blob) < isz + 4:
@@ -141,30 +148,45 @@ class ShardCodec:
         if google_crc32c.value(bytes(ib)) != crc:
             raise ValueError(f"shard {shard} index fails its CRC32C: object is corrupt")
         index = np.frombuffer(ib, "<u8").reshape(self.per_shard, 2)
-        out = np.empty((n, self.width), self._raw)
+        if out is None:
+            out = np.empty((n, self.width), self._raw)
+        elif out.shape != (n, self.width) or out.dtype.itemsize != self.dtype.itemsize or \
+                out.strides[1] != self.dtype.itemsize:
+            raise ValueError(f"decode: out must be [{n}, {self.width}] rows of {self.dtype}, got "
+                             f"{out.shape} {out.dtype} strides {out.strides}")
+        out = out.view(self._raw)
         n_chunks = -(-n // self.chunk_rows)
+        chunk_items = self.chunk_rows * self.width
 
         def one(i: int) -> None:
             a = i * self.chunk_rows
             b = min(n, a + self.chunk_rows)
             off, ln = index[i]
+            dst = out[a:b]
             if off == _MAX:
-                out[a:b] = 0
+                dst[...] = 0
                 return
             src = mv[int(off): int(off) + int(ln)]
-            if b - a == self.chunk_rows:
-                dst = out[a:b].reshape(-1)
-                if self._comp is None:
-                    dst.view(np.uint8)[:] = np.frombuffer(src, np.uint8)
-                else:
-                    self._comp.decode(src, out=dst)
+            direct = b - a == self.chunk_rows and dst.flags.c_contiguous
+            tmp = dst.reshape(-1) if direct else _scratch(chunk_items, self._raw)
+            if self._comp is None:
+                tmp.view(np.uint8)[:] = np.frombuffer(src, np.uint8)
             else:
-                tmp = np.empty(self.chunk_rows * self.width, self._raw)
-                if self._comp is None:
-                    tmp.view(np.uint8)[:] = np.frombuffer(src, np.uint8)
-                else:
-                    self._comp.decode(src, out=tmp)
-                out[a:b] = tmp.reshape(self.chunk_rows, self.width)[: b - a]
+                self._comp.decode(src, out=tmp)
+            if not direct:
+                dst[...] = tmp.reshape(self.chunk_rows, self.width)[: b - a]
 
         list(codec_pool().map(one, range(n_chunks)))
         return out.view(self.dtype)
+
+
+_tls = threading.local()
+
+
+def _scratch(items: int, dtype: np.dtype) -> np.ndarray:
+    """A per-thread decode buffer of `items` elements, reused across calls."""
+    buf = getattr(_tls, "buf", None)
+    nbytes = items * dtype.itemsize
+    if buf is None or buf.nbytes < nbytes:
+        buf = _tls.buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes].view(dtype)

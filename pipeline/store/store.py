@@ -191,15 +191,25 @@ class Store:
     def shard_key(self, point: str, shard: int) -> str:
         return f"{layout.point_path(point)}/c/{int(shard)}/0"
 
-    def read_shard(self, point: str, shard: int) -> np.ndarray:
-        """All rows of one shard of one point: one GET and a direct decode when possible."""
+    def read_shard(self, point: str, shard: int, out: np.ndarray | None = None) -> np.ndarray:
+        """All rows of one shard of one point: one GET and a direct decode when possible.
+
+        `out`: optional destination rows (see ShardCodec.decode); the result is then `out`.
+        """
         codec = self.shard_codec(point)
         if codec is None:
-            return self.array(point)[slice(*self.shard_range(shard))]
+            rows = self.array(point)[slice(*self.shard_range(shard))]
+            if out is None:
+                return rows
+            out[...] = rows.view(out.dtype)
+            return out
         blob = self._loc.read_bytes(self.shard_key(point, shard))
         if blob is None:
-            return np.zeros((codec.shard_len(shard), self.width), self.np_dtype)
-        return codec.decode(blob, shard)
+            if out is None:
+                return np.zeros((codec.shard_len(shard), self.width), self.np_dtype)
+            out[...] = 0
+            return out
+        return codec.decode(blob, shard, out=out)
 
     def read(self, point: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of one point, as stored (no commit check: see reader for that)."""
