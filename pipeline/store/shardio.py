@@ -23,19 +23,44 @@ from numcodecs import Blosc, Zstd
 
 _MAX = np.uint64(2**64 - 1)
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
-_pool: cf.ThreadPoolExecutor | None = None
+_pools: dict[bool, cf.ThreadPoolExecutor] = {}
 _pool_pid: int | None = None
 _pool_lock = threading.Lock()
+BACKGROUND_NICE = 10  # how much lower than the process the writer's threads run (0: same)
 
 
-def codec_pool() -> cf.ThreadPoolExecutor:
-    """Threads for chunk (de)compression; blosc and zstd release the GIL. One per process."""
-    global _pool, _pool_pid
+def lower_priority() -> None:
+    """Thread initializer: raise this thread's nice value by BACKGROUND_NICE (Linux: per thread).
+
+    The writer's compression and upload threads share cores with the engine. On a CPU engine
+    the OpenMP team stalls at every barrier whenever one of its threads is preempted by a
+    writer thread, and on a GPU host the engine's Python step loop is what keeps the GPU fed;
+    either way the writer must run in the gaps, not take turns. A nice'd thread still gets
+    every idle cycle, so a writer alone runs at full speed. Raising nice needs no privilege.
+    """
+    if BACKGROUND_NICE <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except OSError:
+        pass
+
+
+def codec_pool(background: bool = False) -> cf.ThreadPoolExecutor:
+    """Threads for chunk (de)compression; blosc and zstd release the GIL. One pool per kind per
+    process: `background` (the writer's encodes) runs at lower priority, see lower_priority."""
+    global _pool_pid
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = cf.ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="harvest-codec")
+        if _pool_pid != os.getpid():
+            _pools.clear()
             _pool_pid = os.getpid()
-        return _pool
+        pool = _pools.get(background)
+        if pool is None:
+            pool = _pools[background] = cf.ThreadPoolExecutor(
+                max(2, os.cpu_count() or 2), thread_name_prefix="harvest-encode" if background else "harvest-codec",
+                initializer=lower_priority if background else None)
+        return pool
 
 
 class Unsupported(Exception):
@@ -99,16 +124,22 @@ class ShardCodec:
         return min(self.n_rows, (shard + 1) * self.shard_rows) - shard * self.shard_rows
 
     # ---- encode ------------------------------------------------------------------------------
-    def _encode_chunk(self, rows: np.ndarray) -> bytes:
+    def _encode_chunk(self, rows: np.ndarray):
         if rows.shape[0] < self.chunk_rows:  # edge chunk: zarr stores full chunks, fill-padded
             full = np.zeros((self.chunk_rows, self.width), self._raw)
             full[: rows.shape[0]] = rows
             rows = full
         raw = np.ascontiguousarray(rows).reshape(-1)
-        return bytes(raw.data) if self._comp is None else self._comp.encode(raw)
+        # uncompressed: a view of the caller's rows; the join in encode() is then the only copy
+        return raw.view(np.uint8).data if self._comp is None else self._comp.encode(raw)
 
-    def encode(self, rows: np.ndarray, shard: int) -> bytes:
-        """Shard object bytes for rows [shard*shard_rows, +len) of this array."""
+    def encode(self, rows: np.ndarray, shard: int, visit=None) -> bytes:
+        """Shard object bytes for rows [shard*shard_rows, +len) of this array.
+
+        `visit(i, chunk_rows)`, if given, is called on each inner chunk's rows (this dtype) in
+        the codec thread just before that chunk is compressed: the writer's statistics then read
+        rows that are already in cache instead of making their own pass over the whole shard.
+        """
         n = self.shard_len(shard)
         if rows.shape != (n, self.width):
             raise ValueError(f"shard {shard} needs rows of shape {(n, self.width)}, got {rows.shape}")
@@ -116,9 +147,13 @@ class ShardCodec:
             raise ValueError(f"shard dtype {rows.dtype} != array dtype {self.dtype}")
         raw = rows.view(self._raw)
         n_chunks = -(-n // self.chunk_rows)
-        parts = list(codec_pool().map(
-            lambda i: self._encode_chunk(raw[i * self.chunk_rows:(i + 1) * self.chunk_rows]),
-            range(n_chunks)))
+        def one(i: int):
+            chunk = raw[i * self.chunk_rows:(i + 1) * self.chunk_rows]
+            if visit is not None:
+                visit(i, chunk.view(self.dtype))
+            return self._encode_chunk(chunk)
+
+        parts = list(codec_pool(background=True).map(one, range(n_chunks)))
         index = np.full((self.per_shard, 2), _MAX, "<u8")
         off = 0
         for i, p in enumerate(parts):

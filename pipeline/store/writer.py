@@ -42,6 +42,7 @@ from . import stats as _stats
 from .backend import with_retries
 from .credentials import redact_attrs, scrub
 from .dtypes import BF16, dtype_name, raw_dtype
+from .shardio import lower_priority
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ class RegionWriter:
         self._crc: dict[int, list] = {}
         self._nbytes: dict[int, list] = {}
         self._lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(upload_threads, thread_name_prefix=f"harvest-up-{unit_id}")
+        self._pool = cf.ThreadPoolExecutor(upload_threads, thread_name_prefix=f"harvest-up-{unit_id}",
+                                           initializer=lower_priority)
         self._failed: BaseException | None = None
         self._failed_msg = ""
         self._manifest: dict | None = None
@@ -383,15 +385,17 @@ class RegionWriter:
         if self._failed is not None or self._closed:
             return
         x = sh.data[p].view(self._dtype)
-        mom = _stats.Moments.of(x)
         crc = _stats.crc32c(sh.data[p])
         nbytes = None
         try:
             codec = self._codecs[p]
             if codec is None:
+                mom = _stats.Moments.of(x)
                 self._write_rows(p, sh.start, x, f"upload of shard {sh.index}")
             else:
-                blob = codec.encode(x, sh.index)
+                parts: list = [None] * -(-x.shape[0] // codec.chunk_rows)
+                blob = codec.encode(x, sh.index, visit=lambda i, rows: parts.__setitem__(i, _stats.Moments.of(rows)))
+                mom = _stats.merge_all([[m] for m in parts], 1, self._W)[0]  # chunk order: deterministic
                 key = self._store.shard_key(self._store.points[p], sh.index)
                 self._store.location.write_bytes(key, blob, attempts=self.retries)
                 nbytes = len(blob)
