@@ -215,3 +215,30 @@ def test_retry_policy_classifies_errors():
         backend.with_retries(down, "x", attempts=4, base_delay=0.5, sleep=delays.append)
     assert len(calls) == 4 and len(delays) == 3
     assert all(0.25 * 2 ** i <= d <= 0.5 * 2 ** i for i, d in enumerate(delays))  # backoff grows
+
+
+def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
+    """The writer's upload and encode threads are nice'd (they must fill the engine's idle gaps,
+    not preempt its OpenMP team), and the next unit's shard buffers are the previous unit's."""
+    from pipeline.store import shardio
+
+    s = _store(str(tmp_path / "run.zarr"))
+    x = synthetic.activations((P, N, W), seed=3)
+    me = os.getpriority(os.PRIO_PROCESS, 0)
+    w = s.region_writer(0, 0, 2048)
+    nice_up = w._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
+    nice_enc = shardio.codec_pool(background=True).submit(
+        lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
+    assert nice_up == nice_enc == min(19, me + shardio.BACKGROUND_NICE)
+    w.write(0, x[:, :2048])
+    w.commit()
+    seen = {id(b) for b in s._shard_buffers._free}
+    assert seen, "finished shards' buffers are kept for reuse"
+    w = s.region_writer(1, 2048, 4096)
+    w.write(2048, x[:, 2048:3072])
+    assert id(w._states[2].data.base) in seen  # reused, and the rows written are the new ones
+    w.write(3072, x[:, 3072:])
+    w.commit()
+    r = open_store(str(tmp_path / "run.zarr"))
+    for i, p in enumerate(r.points):
+        assert np.array_equal(r.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))

@@ -61,6 +61,45 @@ class _Shard:
         self.seq = 0
 
 
+class _ShardBuffers:
+    """Free list of shard buffers [n_points, shard_rows, width], shared by a store's writers.
+
+    A SmolLM2 shard buffer is ~70 MB; numpy gives arrays that big fresh huge pages, which the
+    kernel zeroes on first touch (measured: page zeroing was the largest kernel cost of the
+    writer). Reusing the few that are live at once (writers of two units in flight, each with
+    its open and pending shards) removes it.
+    """
+
+    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, keep: int):
+        self.shape, self.dtype, self.keep = shape, dtype, keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = np.empty(self.shape, self.dtype)
+        return buf[:, :n]  # each point's rows stay contiguous
+
+    def give(self, view: np.ndarray | None) -> None:
+        buf = view.base if view is not None and view.base is not None else view
+        if buf is None or buf.shape != self.shape:
+            return
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
+def _shard_buffers(store, keep: int) -> _ShardBuffers:
+    pool = getattr(store, "_shard_buffers", None)
+    shape = (len(store.points), store.shard_rows, store.width)
+    if pool is None or pool.shape != shape:
+        pool = store._shard_buffers = _ShardBuffers(shape, raw_dtype(store.np_dtype), keep)
+    pool.keep = max(pool.keep, keep)
+    return pool
+
+
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """Contiguous [a, b) runs of True in a bool vector."""
     if not mask.any():
@@ -104,6 +143,7 @@ class RegionWriter:
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._codecs = [store.shard_codec(p) for p in store.points]
+        self._buffers = _shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
         self._states: dict[int, _Shard] = {}
@@ -324,7 +364,7 @@ class RegionWriter:
                 sh = self._states[si] = _Shard(si, s0, s1)
             while len(self._open) >= self.max_open_shards:
                 self._evict(next(iter(self._open)))
-            sh.data = np.empty((self._P, sh.n, self._W), self._raw)
+            sh.data = self._buffers.take(sh.n)
             self._open[si] = sh
         self._open.move_to_end(si)
         return sh
@@ -344,6 +384,7 @@ class RegionWriter:
                         self.max_open_shards)
             self._warned_evict = True
         self._flush_partial(sh)
+        self._buffers.give(sh.data)
         sh.data = None
 
     def _flush_partial(self, sh: _Shard) -> None:
@@ -377,6 +418,7 @@ class RegionWriter:
                 back = np.ascontiguousarray(self._store.array(self._store.points[p])[sh.start:sh.end])
                 crcs.append(_stats.crc32c(back))
             self._crc[sh.index] = crcs
+            self._buffers.give(sh.data)
             sh.data = None
             futs = []
         self._pending[sh.index] = futs
@@ -419,6 +461,7 @@ class RegionWriter:
             f.result()  # _upload_point records its own failure; this surfaces bugs
         st = self._states.get(si)
         if st is not None:
+            self._buffers.give(st.data)  # every upload of it has finished
             st.data = None
         self._done.add(si)
 
