@@ -224,7 +224,7 @@ def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
 
     s = _store(str(tmp_path / "run.zarr"))
     x = synthetic.activations((P, N, W), seed=3)
-    me = os.getpriority(os.PRIO_PROCESS, 0)
+    me = os.getpriority(os.PRIO_PROCESS, os.getpid())
     w = s.region_writer(0, 0, 2048)
     nice_up = w._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
     nice_enc = shardio.codec_pool(background=True).submit(

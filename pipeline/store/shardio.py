@@ -41,8 +41,10 @@ def lower_priority() -> None:
     if BACKGROUND_NICE <= 0 or not hasattr(os, "setpriority"):
         return
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+        # relative to the main thread (tid == pid), not to the creating thread: a pool made lazily
+        # from an already nice'd upload thread would otherwise inherit its nice and add again
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, base + BACKGROUND_NICE))
     except OSError:
         pass
 
