@@ -49,10 +49,35 @@ import numpy as np
 TARGET = 0.7
 
 
-def _timeit(fn):
+_SERVER_PID: int | None = None  # the SeaweedFS process while the S3 rows run
+
+
+def _cpu() -> float:
+    """CPU seconds used so far by this process (all threads) plus the local S3 server, if any."""
+    t = os.times()
+    c = t.user + t.system
+    if _SERVER_PID:
+        try:
+            with open(f"/proc/{_SERVER_PID}/stat") as f:
+                v = f.read().rsplit(")", 1)[1].split()
+            c += (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return c
+
+
+_CPU: dict[str, float] = {}
+
+
+def _timeit(fn, label: str | None = None):
+    """(wall seconds, result); with `label`, CPU seconds (ours + server) land in _CPU[label]."""
+    c = _cpu()
     t = time.perf_counter()
     out = fn()
-    return time.perf_counter() - t, out
+    dt = time.perf_counter() - t
+    if label:
+        _CPU[label] = _cpu() - c
+    return dt, out
 
 
 def drop_page_cache(root: str) -> int:
@@ -106,10 +131,10 @@ def _raw(storage, root, objects, threads, so):
             return len(fs.cat_file(paths[i]))
 
     with cf.ThreadPoolExecutor(threads) as ex:
-        tp, _ = _timeit(lambda: list(ex.map(put, range(len(objects)))))
+        tp, _ = _timeit(lambda: list(ex.map(put, range(len(objects)))), "c_put")
         if storage == "local":
             drop_page_cache(root)
-        tg, sizes = _timeit(lambda: list(ex.map(get, range(len(objects)))))
+        tg, sizes = _timeit(lambda: list(ex.map(get, range(len(objects)))), "c_get")
     assert sum(sizes) == sum(len(o) for o in objects)
     return tp, tg
 
@@ -159,7 +184,7 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
                 w.write(a, data[:, a:min(a + piece_rows, u["row_end"])])
             w.commit()
 
-    t_write, _ = _timeit(write)
+    t_write, _ = _timeit(write, "c_write")
     fin = s.finalize({"bench": True})
     t_enc, t_dec = _codec_only(s, data)
     if storage == "local":
@@ -175,10 +200,10 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
             n += b.numel() * b.element_size()
         return n
 
-    t_read, nread = _timeit(read)
+    t_read, nread = _timeit(read, "c_read")
     assert nread == logical, (nread, logical)
     return {"t_put": t_put, "t_get": t_get, "t_write": t_write, "t_read": t_read,
-            "t_enc": t_enc, "t_dec": t_dec,
+            "t_enc": t_enc, "t_dec": t_dec, **dict(_CPU),
             "compression_ratio": fin["compression_ratio"]["overall"], "shard_rows": s.shard_rows}
 
 
@@ -192,8 +217,9 @@ def _rows(storage, compression, data, reps: list[dict]) -> list[dict]:
             "compression_ratio": reps[0]["compression_ratio"], "repeats": len(reps),
             "local_io": "fsync puts, cold-cache gets" if storage == "local" else None}
     out = []
-    for mode, t_store, t_raw, t_codec in (("write", "t_write", "t_put", "t_enc"),
-                                          ("read (shuffled)", "t_read", "t_get", "t_dec")):
+    for mode, t_store, t_raw, t_codec, c_store, c_raw in (
+            ("write", "t_write", "t_put", "t_enc", "c_write", "c_put"),
+            ("read (shuffled)", "t_read", "t_get", "t_dec", "c_read", "c_get")):
         ratios = [r[t_raw] / r[t_store] for r in reps]
         ratio = med(ratios)
         ceiling = med([r[t_raw] / r[t_codec] for r in reps]) if reps[0][t_codec] else None
@@ -204,6 +230,10 @@ def _rows(storage, compression, data, reps: list[dict]) -> list[dict]:
                     "raw_mb_s": med([logical / r[t_raw] / 1e6 for r in reps]), "ratio": ratio,
                     "ratio_min": min(ratios), "ratio_max": max(ratios), "target": TARGET,
                     "codec_mb_s": med([logical / r[t_codec] / 1e6 for r in reps]) if ceiling else None,
+                    # core-seconds per GB, this process + the local S3 server: on 2 shared cores a
+                    # raw transfer that already uses ~all of them leaves no room for codec work
+                    "cpu_s_per_gb": med([r[c_store] / logical * 1e9 for r in reps]),
+                    "raw_cpu_s_per_gb": med([r[c_raw] / logical * 1e9 for r in reps]),
                     "codec_ceiling": ceiling, "verdict": verdict})
     return out
 
@@ -217,6 +247,7 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     MB/s columns are medians over `repeats`; `ratio` is the median of per-repeat ratios (raw and
     store timed back to back), which a busy shared machine disturbs far less than either speed.
     """
+    global _SERVER_PID
     from pipeline.store import seaweed, synthetic
     from pipeline.store.layout import default_sizes
 
@@ -242,6 +273,7 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
             so = None
             if st == "s3":
                 srv = seaweed.start(os.path.join(tmp, "weed"))
+                _SERVER_PID = srv._proc.pid if getattr(srv, "_proc", None) else None
                 import s3fs
 
                 s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")
@@ -272,6 +304,7 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
             if srv is not None:
                 srv.stop()
                 srv = None
+                _SERVER_PID = None
     finally:
         if srv is not None:
             srv.stop()
