@@ -106,8 +106,14 @@ def storage_options(endpoint: str, key: str, secret: str) -> dict:
                               "response_checksum_validation": "when_required"}}
 
 
-def start(workdir: str | None = None, timeout: float = 60.0) -> SeaweedS3:
-    """Start `weed server -s3` on free loopback ports and wait until S3 answers signed requests."""
+def start(workdir: str | None = None, timeout: float = 60.0, nice: int = 0) -> SeaweedS3:
+    """Start `weed server -s3` on free loopback ports and wait until S3 answers signed requests.
+
+    `nice`: run the server at that lower priority. Benchmarks of a pipeline use it: the server
+    stands in for remote object storage, which takes no cycles from the engine's cores, while a
+    server at equal priority on the same 2 cores preempts the engine's OpenMP team (a raw put
+    costs about 11 core-seconds per GB here, client and server together).
+    """
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="harvest-weed-")
     data = os.path.join(workdir, "data")
@@ -131,6 +137,8 @@ def start(workdir: str | None = None, timeout: float = 60.0) -> SeaweedS3:
            "-volume.max=0", f"-filer.localSocket={os.path.join(workdir, 'filer.sock')}",
            f"-s3.localSocket={os.path.join(workdir, 's3.sock')}", "-metricsPort=0"]
     log = open(os.path.join(workdir, "weed.log"), "wb")
+    if nice > 0:
+        cmd = ["nice", "-n", str(int(nice)), *cmd]  # nice execs weed: proc.pid is the server's
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=workdir, start_new_session=True)
     log.close()
