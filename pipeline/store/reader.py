@@ -27,6 +27,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .buffers import BufferPool
 from .dtypes import BF16, raw_dtype
 from .store import Store, open_store
 
@@ -193,7 +194,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             keep = np.flatnonzero(~np.isin(tok, self.exclude))
         return meta, keep
 
-    def _pieces_stream(self, pieces, buffers: "_Buffers") -> Iterator:
+    def _pieces_stream(self, pieces, buffers: BufferPool) -> Iterator:
         """(x [n, n_points, width], rows, meta, keep) per piece, in order, fetched ahead.
 
         Every (piece, point) object is its own task, so one point's decode overlaps the next
@@ -211,7 +212,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="harvest-read") as ex:
             def submit(piece):
                 mf = ex.submit(self._fetch_meta, piece) if (self.return_meta or self.exclude.size) else None
-                x = buffers.take(piece[1] - piece[0])
+                x = buffers.take()[: piece[1] - piece[0]]
                 return x, [ex.submit(self._fetch, piece, self.points[i], x[:, i, :]) for i in range(P)], mf
 
             futs = [submit(p) for p in pieces[: self.prefetch_shards]]
@@ -248,7 +249,9 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         g = self.rank * nw + wid
         rng = np.random.default_rng([self.seed, self.epoch, g, 1])
         longest = max((b - a for a, b in pieces), default=0)
-        buffers = _Buffers((longest, len(self.points), self.width), self._raw, recycle=self.shuffle)
+        # shuffled: a piece's buffer is free once the pool drained it; sequential batches are views
+        buffers = BufferPool((longest, len(self.points), self.width), self._raw,
+                             keep=len(pieces) if self.shuffle else 0)
         stream = self._pieces_stream(pieces, buffers)
         if not self.shuffle:
             yield from self._sequential(stream)  # batches are views of the piece buffers
@@ -290,7 +293,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             pool_rows -= k
             for e in pool:
                 if not e.remaining:
-                    buffers.give_back(e.x)  # its rows were copied out into batches
+                    buffers.give(e.x)  # its rows were copied out into batches
             pool = [e for e in pool if e.remaining]
             yield self._emit(out, orows, ometa)
 
@@ -302,27 +305,6 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                 meta = [m[keep] for m in meta] if meta is not None else None
             yield from out.add(x, rows, meta)
         yield from out.flush()
-
-
-class _Buffers:
-    """Piece buffers [rows, n_points, width] of one shape, recycled once the pool drains them.
-
-    Fresh shard-sized arrays cost a page fault per 4 KiB on first touch (on a VM whose memory
-    the host backs lazily, about 2 s per GiB here) and, above glibc's 32 MiB mmap threshold,
-    on every allocation; reusing the few that are live at once removes that from the read path.
-    """
-
-    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, recycle: bool):
-        self.shape, self.dtype, self.recycle = shape, dtype, recycle
-        self.free: list[np.ndarray] = []
-
-    def take(self, n: int) -> np.ndarray:
-        buf = self.free.pop() if self.free else np.empty(self.shape, self.dtype)
-        return buf[:n]
-
-    def give_back(self, x: np.ndarray) -> None:
-        if self.recycle:
-            self.free.append(x.base if x.base is not None else x)
 
 
 class _Pooled:

@@ -40,10 +40,11 @@ import numpy as np
 from . import layout
 from . import stats as _stats
 from .backend import with_retries
+from .buffers import BufferPool
 from .credentials import redact_attrs, scrub
 from .dtypes import BF16, dtype_name, raw_dtype
-from .shardio import lower_priority
 from .errors import RegionConflict, RegionWriteFailed, StoreError
+from .shardio import lower_priority
 
 log = logging.getLogger(__name__)
 
@@ -61,41 +62,13 @@ class _Shard:
         self.seq = 0
 
 
-class _ShardBuffers:
-    """Free list of shard buffers [n_points, shard_rows, width], shared by a store's writers.
-
-    A SmolLM2 shard buffer is ~70 MB; numpy gives arrays that big fresh huge pages, which the
-    kernel zeroes on first touch (measured: page zeroing was the largest kernel cost of the
-    writer). Reusing the few that are live at once (writers of two units in flight, each with
-    its open and pending shards) removes it.
-    """
-
-    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, keep: int):
-        self.shape, self.dtype, self.keep = shape, dtype, keep
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> np.ndarray:
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-        if buf is None:
-            buf = np.empty(self.shape, self.dtype)
-        return buf[:, :n]  # each point's rows stay contiguous
-
-    def give(self, view: np.ndarray | None) -> None:
-        buf = view.base if view is not None and view.base is not None else view
-        if buf is None or buf.shape != self.shape:
-            return
-        with self._lock:
-            if len(self._free) < self.keep:
-                self._free.append(buf)
-
-
-def _shard_buffers(store, keep: int) -> _ShardBuffers:
+def _shard_buffers(store, keep: int) -> BufferPool:
+    """The store's pool of shard buffers [n_points, shard_rows, width]: writers of units in flight
+    at once (an actor commits one while capturing the next) reuse each other's buffers."""
     pool = getattr(store, "_shard_buffers", None)
-    shape = (len(store.points), store.shard_rows, store.width)
-    if pool is None or pool.shape != shape:
-        pool = store._shard_buffers = _ShardBuffers(shape, raw_dtype(store.np_dtype), keep)
+    if pool is None:
+        pool = store._shard_buffers = BufferPool((len(store.points), store.shard_rows, store.width),
+                                                 raw_dtype(store.np_dtype), keep)
     pool.keep = max(pool.keep, keep)
     return pool
 
@@ -364,7 +337,7 @@ class RegionWriter:
                 sh = self._states[si] = _Shard(si, s0, s1)
             while len(self._open) >= self.max_open_shards:
                 self._evict(next(iter(self._open)))
-            sh.data = self._buffers.take(sh.n)
+            sh.data = self._buffers.take()[:, :sh.n]  # each point's rows stay contiguous
             self._open[si] = sh
         self._open.move_to_end(si)
         return sh
@@ -436,8 +409,12 @@ class RegionWriter:
                 self._write_rows(p, sh.start, x, f"upload of shard {sh.index}")
             else:
                 parts: list = [None] * -(-x.shape[0] // codec.chunk_rows)
-                blob = codec.encode(x, sh.index, visit=lambda i, rows: parts.__setitem__(i, _stats.Moments.of(rows)))
-                mom = _stats.merge_all([[m] for m in parts], 1, self._W)[0]  # chunk order: deterministic
+
+                def moments(i, rows):  # in the codec thread, while the chunk is in cache
+                    parts[i] = [_stats.Moments.of(rows)]
+
+                blob = codec.encode(x, sh.index, visit=moments)
+                mom = _stats.merge_all(parts, 1, self._W)[0]  # in chunk order: deterministic
                 key = self._store.shard_key(self._store.points[p], sh.index)
                 self._store.location.write_bytes(key, blob, attempts=self.retries)
                 nbytes = len(blob)
