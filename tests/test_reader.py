@@ -91,6 +91,28 @@ def test_seed_reproduces_and_epochs_reshuffle(store):
     assert np.array_equal(seq, store.committed_rows)
 
 
+def test_epochs_reuse_piece_buffers_and_stay_exact(store, data):
+    """Epoch 2 decodes into epoch 1's piece buffers (fresh memory is slow), with identical rows."""
+    import pickle
+
+    ds = ActivationDataset(store, batch_size=256, seed=3, return_meta=True, shuffle_buffer_rows=1000)
+    kept = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        rows, acts = [], []
+        for b in ds:
+            rows.append(b["row"].numpy())
+            acts.append(b["acts"].view(torch.int16).numpy().view(np.uint16))
+        rows, acts = np.concatenate(rows), np.concatenate(acts)
+        assert np.array_equal(np.sort(rows), store.committed_rows)
+        assert np.array_equal(acts, data.view(np.uint16)[:, rows].transpose(1, 0, 2))
+        kept.append(list(ds._buffers._free))  # references, so no id can be reused meanwhile
+    assert kept[0] and {id(b) for b in kept[1]} == {id(b) for b in kept[0]}
+    clone = pickle.loads(pickle.dumps(ds))  # spawn-started DataLoader workers get a pickled copy
+    assert clone._buffers is None and clone._store is None
+    assert np.array_equal(np.sort(_rows(clone)[1]), store.committed_rows)
+
+
 def test_exclude_bos_and_single_point_batches(store, data):
     ds = ActivationDataset(store, points="resid_post.1", batch_size=400, exclude_token_ids=[BOS], seed=3,
                            return_meta=True)

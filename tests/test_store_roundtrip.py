@@ -203,6 +203,11 @@ def test_direct_shard_codec_is_byte_identical_to_zarr(tmp_path, compression):
         theirs = (root / "resid_post" / "0" / "c" / str(shard) / "0").read_bytes()
         assert codec.encode(x[a:b], shard) == theirs
         assert np.array_equal(codec.decode(theirs, shard).view(np.uint16), x[a:b].view(np.uint16))
+        # into one point's slot of a reader's [n, n_points, width] piece buffer (strided rows)
+        piece = np.full((b - a, 3, W), 0xFFFF, np.uint16)
+        codec.decode(theirs, shard, out=piece[:, 1, :])
+        assert np.array_equal(piece[:, 1, :], x[a:b].view(np.uint16))
+        assert (piece[:, 0, :] == 0xFFFF).all() and (piece[:, 2, :] == 0xFFFF).all()
 
 
 def test_writer_memory_stays_within_its_documented_bound(tmp_path):

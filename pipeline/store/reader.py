@@ -72,7 +72,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             E||x||^2 = width) | "center_norm_scale" (subtract mean, then scale E||x-mean||^2 =
             width); statistics come from the store (finalize, or merged commit partials).
         prefetch_shards: shards fetched ahead of consumption.
-        io_threads: concurrent object fetch+decode tasks (default: prefetch_shards).
+        io_threads: concurrent object fetch+decode tasks (default: 2 x prefetch_shards).
         return_meta: yield dicts {acts, row, token_id, doc_id, position} instead of tensors.
         out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
     """
@@ -132,6 +132,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         self.out_dtype = out_dtype
         self._store: Store | None = None
         self._store_pid: int | None = None
+        self._buffers: BufferPool | None = None
 
     # ---- setup -------------------------------------------------------------------------------
     def _norm_params(self, st: Store):
@@ -162,7 +163,31 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         if self._store is None or self._store_pid != os.getpid():
             self._store = open_store(self._url, storage_options=self._so, read_only=True)
             self._store_pid = os.getpid()
+            self._buffers = None  # a forked copy's buffers are the parent's pages (copy-on-write)
         return self._store
+
+    def __getstate__(self):
+        # DataLoader workers started with spawn/forkserver get the dataset pickled: an open store
+        # (an async S3 client) and a buffer pool (a lock) cannot travel, and each worker opens its own
+        state = dict(self.__dict__)
+        state.update(_store=None, _store_pid=None, _buffers=None)
+        return state
+
+    def _piece_buffers(self) -> BufferPool:
+        """Piece buffers that outlive one epoch, so an epoch starts on memory the last one used.
+
+        Fresh piece-sized arrays are new memory (above glibc's mmap threshold); on VMs that hand
+        freed huge pages back to the host (virtio-balloon free page reporting), every first touch
+        costs a page fault plus a host-side fault and zeroing: per epoch, that was more than half
+        of a shuffled S3 read's CPU time here. The pool holds at most the buffers that were live
+        at once (shuffle pool + prefetch), which the shuffle buffer size already budgets.
+        """
+        self._open()
+        if self._buffers is None:
+            longest = max((b - a for a, b in self.pieces), default=0)
+            self._buffers = BufferPool((longest, len(self.points), self.width), self._raw,
+                                       keep=len(self.pieces))
+        return self._buffers
 
     def worker_pieces(self, worker_id: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
         """The shards global worker (rank, worker_id) reads this epoch, in reading order."""
@@ -205,9 +230,11 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         which recycles those the shuffle pool has drained.
         """
         P = len(self.points)
-        # as many fetch+decode tasks as shards in flight: more threads only queue on the single
-        # fsspec I/O loop and the GIL (measured slower here with 16 than with 4)
-        threads = self.io_threads or max(2, self.prefetch_shards)
+        # two fetch+decode tasks per shard in flight, so that GETs keep going while other tasks
+        # decode: S3 shuffled reads here went 0.67-0.85x -> 0.79-0.80x of raw get with 8 threads
+        # instead of 4 (raw get itself gains nothing from 8); 16 only queue on the single fsspec
+        # I/O loop and the GIL (measured slower)
+        threads = self.io_threads or 2 * self.prefetch_shards
 
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="harvest-read") as ex:
             def submit(piece):
@@ -248,10 +275,11 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         pieces = self.worker_pieces(wid, nw)
         g = self.rank * nw + wid
         rng = np.random.default_rng([self.seed, self.epoch, g, 1])
-        longest = max((b - a for a, b in pieces), default=0)
-        # shuffled: a piece's buffer is free once the pool drained it; sequential batches are views
-        buffers = BufferPool((longest, len(self.points), self.width), self._raw,
-                             keep=len(pieces) if self.shuffle else 0)
+        # shuffled: a piece's buffer is free once the pool drained it; sequential batches are
+        # views of the piece buffers, which therefore belong to the caller and are never reused
+        buffers = self._piece_buffers() if self.shuffle else \
+            BufferPool((max((b - a for a, b in pieces), default=0), len(self.points), self.width),
+                       self._raw, keep=0)
         stream = self._pieces_stream(pieces, buffers)
         if not self.shuffle:
             yield from self._sequential(stream)  # batches are views of the piece buffers
