@@ -62,6 +62,8 @@ def test_create_store_argument_errors(tmp_path):
         _small(u, compression="brotli")
     with pytest.raises(ValueError, match="cname='lzma'"):
         _small(u, compression={"codec": "blosc", "cname": "lzma"})
+    with pytest.raises(ValueError, match="blocksize=-1: use 0"):
+        _small(u, compression={"codec": "blosc", "blocksize": -1})
     with pytest.raises(ValueError, match="attrs must be JSON-serialisable"):
         _small(u, attrs={"bad": object()})
     _small(u)

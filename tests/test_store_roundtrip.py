@@ -160,6 +160,7 @@ def test_layout_on_disk_matches_format(tmp_path):
     blosc = shard["configuration"]["codecs"][1]
     assert blosc["name"] == "blosc" and blosc["configuration"]["cname"] == "zstd"
     assert blosc["configuration"]["shuffle"] == "shuffle" and blosc["configuration"]["typesize"] == 2
+    assert blosc["configuration"]["blocksize"] == 1 << 20  # one blosc block per inner chunk
     for name, dt in (("token_id", "int32"), ("doc_id", "int64"), ("position", "int32")):
         m = json.load(open(root / name / "zarr.json"))
         assert m["data_type"] == dt and m["shape"] == [N]

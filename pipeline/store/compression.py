@@ -1,8 +1,15 @@
 """Compression choices for point arrays, as a small JSON spec kept in the store attributes.
 
-Default: blosc zstd level 1 with byte shuffle (typesize = element size). Measured on heavy-tailed
-bf16 here: about 1.26x at ~270 MB/s encode on one core pair; higher zstd levels buy ~5% more ratio
-for half the speed, which an uploader that must keep up with prefill cannot afford.
+Default: blosc zstd level 1 with byte shuffle (typesize = element size), in 1 MiB blosc blocks.
+Higher zstd levels buy ~5% more ratio for a third of the encode speed, which an uploader that must
+keep up with prefill cannot afford.
+
+Why the 1 MiB block (one block per ~1 MiB inner chunk) instead of blosc's automatic size (32 KiB
+at clevel 1): measured on SmolLM2 bf16 activations, one core, the automatic blocks give 1.27x at
+~400-500 MB/s encode and ~600 MB/s decode; 1 MiB blocks give 1.465x at the same encode speed and
+1.6-2.2 GB/s decode (zstd sees the shuffled exponent bytes as one long stream instead of 16 KiB
+pieces). That is 15% fewer bytes to store and move and a decoder that keeps up with storage.
+Readers need nothing new: the block size is in each blosc header (tensorstore reads it too).
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ from typing import Any
 
 from zarr.codecs import BloscCodec, ZstdCodec
 
-DEFAULT = {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle"}
+BLOCK = 1 << 20
+DEFAULT = {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": BLOCK}
 
 _SHORTCUTS: dict[str, dict[str, Any]] = {
     "default": DEFAULT,
     "blosc-zstd": DEFAULT,
-    "blosc-zstd-bitshuffle": {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "bitshuffle"},
+    "blosc-zstd-bitshuffle": {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "bitshuffle",
+                              "blocksize": BLOCK},
     "blosc-lz4": {"codec": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"},
     "blosc-lz4-bitshuffle": {"codec": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "bitshuffle"},
     "zstd": {"codec": "zstd", "level": 1},
@@ -42,12 +51,18 @@ def normalize(spec: "str | dict | None") -> dict[str, Any]:
     spec = dict(spec)
     codec = spec["codec"]
     if codec == "blosc":
-        out = {"codec": "blosc", "cname": spec.get("cname", "zstd"), "clevel": int(spec.get("clevel", 1)),
-               "shuffle": spec.get("shuffle", "shuffle")}
+        cname = spec.get("cname", "zstd")
+        out = {"codec": "blosc", "cname": cname, "clevel": int(spec.get("clevel", 1)),
+               "shuffle": spec.get("shuffle", "shuffle"),
+               # zstd gains ratio and decode speed from long blocks (see above); lz4 loses ratio
+               "blocksize": int(spec.get("blocksize", BLOCK if cname == "zstd" else 0))}
         if out["cname"] not in _BLOSC_CNAMES:
             raise ValueError(f"compression cname={out['cname']!r}: use one of {', '.join(_BLOSC_CNAMES)}")
         if out["shuffle"] not in _SHUFFLES:
             raise ValueError(f"compression shuffle={out['shuffle']!r}: use one of {', '.join(_SHUFFLES)}")
+        if out["blocksize"] < 0:
+            raise ValueError(f"compression blocksize={out['blocksize']}: use 0 (blosc decides) or a "
+                             "size in bytes")
         if not 0 <= out["clevel"] <= 9:
             raise ValueError(f"compression clevel={out['clevel']}: blosc levels are 0..9")
         return out
@@ -62,7 +77,7 @@ def compressors(spec: dict[str, Any], itemsize: int):
     """zarr compressor list for a normalized spec."""
     if spec["codec"] == "blosc":
         return [BloscCodec(cname=spec["cname"], clevel=spec["clevel"], shuffle=spec["shuffle"],
-                           typesize=itemsize)]
+                           typesize=itemsize, blocksize=spec.get("blocksize", 0))]
     if spec["codec"] == "zstd":
         return [ZstdCodec(level=spec["level"])]
     return None
