@@ -124,6 +124,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             for sh in m["shards"]:
                 pieces.add((max(sh["row_start"], m["row_start"]), min(sh["row_end"], m["row_end"])))
         self.pieces: list[tuple[int, int]] = sorted(pieces)
+        self._piece_shape = (max((b - a for a, b in self.pieces), default=0), len(self.points), self.width)
         self.n_rows = sum(b - a for a, b in self.pieces)
         self._norm = self._norm_params(st) if normalize else None
         if out_dtype is None:
@@ -184,9 +185,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         """
         self._open()
         if self._buffers is None:
-            longest = max((b - a for a, b in self.pieces), default=0)
-            self._buffers = BufferPool((longest, len(self.points), self.width), self._raw,
-                                       keep=len(self.pieces))
+            self._buffers = BufferPool(self._piece_shape, self._raw, keep=len(self.pieces))
         return self._buffers
 
     def worker_pieces(self, worker_id: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
@@ -277,9 +276,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         rng = np.random.default_rng([self.seed, self.epoch, g, 1])
         # shuffled: a piece's buffer is free once the pool drained it; sequential batches are
         # views of the piece buffers, which therefore belong to the caller and are never reused
-        buffers = self._piece_buffers() if self.shuffle else \
-            BufferPool((max((b - a for a, b in pieces), default=0), len(self.points), self.width),
-                       self._raw, keep=0)
+        buffers = self._piece_buffers() if self.shuffle else BufferPool(self._piece_shape, self._raw, keep=0)
         stream = self._pieces_stream(pieces, buffers)
         if not self.shuffle:
             yield from self._sequential(stream)  # batches are views of the piece buffers

@@ -195,15 +195,23 @@ class ShardCodec:
         n_chunks = -(-n // self.chunk_rows)
         chunk_items = self.chunk_rows * self.width
 
+        nbytes = chunk_items * self.dtype.itemsize
+
         def one(i: int) -> None:
             a = i * self.chunk_rows
             b = min(n, a + self.chunk_rows)
-            off, ln = index[i]
+            off, ln = (int(v) for v in index[i])
             dst = out[a:b]
             if off == _MAX:
                 dst[...] = 0
                 return
-            src = mv[int(off): int(off) + int(ln)]
+            src = mv[off: off + ln]
+            if self._comp is None:  # edge chunks are stored padded to full size, as zarr does
+                if ln != nbytes:
+                    raise ValueError(f"shard {shard} chunk {i} holds {ln} bytes, expected {nbytes}: "
+                                     f"object is corrupt")
+                dst[...] = np.frombuffer(src, self._raw, count=dst.size).reshape(dst.shape)
+                return
             direct = b - a == self.chunk_rows and dst.flags.c_contiguous
             tmp = dst.reshape(-1) if direct else _scratch(chunk_items, self._raw)
             self._comp.decode(src, out=tmp)
@@ -211,21 +219,10 @@ class ShardCodec:
                 dst[...] = tmp.reshape(self.chunk_rows, self.width)[: b - a]
 
         if self._comp is None:
-            # uncompressed chunks (edge chunks padded to full size, as zarr stores them) are
-            # copied straight into their maybe-strided rows: one pass, in this thread; a
+            # a plain copy straight into the (maybe strided) rows, one pass, in this thread: a
             # memory-bound copy gains nothing from the pool but dispatch cost
-            nbytes = chunk_items * self.dtype.itemsize
             for i in range(n_chunks):
-                a, b = i * self.chunk_rows, min(n, (i + 1) * self.chunk_rows)
-                off, ln = (int(v) for v in index[i])
-                if off == _MAX:
-                    out[a:b] = 0
-                    continue
-                if ln != nbytes:
-                    raise ValueError(f"shard {shard} chunk {i} holds {ln} bytes, expected {nbytes}: "
-                                     f"object is corrupt")
-                out[a:b] = np.frombuffer(mv[off:off + ln], self._raw, count=(b - a) * self.width
-                                         ).reshape(b - a, self.width)
+                one(i)
         else:
             list(codec_pool().map(one, range(n_chunks)))
         return out.view(self.dtype)
