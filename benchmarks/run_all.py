@@ -305,11 +305,11 @@ def targets(res: dict) -> list[dict]:
             label = ", ".join(str(r[k]) for k in ("storage", "compression") if k in r)
             basis = "store MB/s / raw put or get MB/s of the same bytes, same run"
             if r.get("codec_ceiling"):
-                what = "shard assembly" if r.get("compression") == "none" else "codec"
-                bound = "copy" if r.get("compression") == "none" else "codec"
-                basis += (f"; {what} alone on all cores reaches {r['codec_ceiling']:.2f}x raw"
-                          + (f" ({bound}-bound: the target is out of reach on this machine)"
-                             if r["codec_ceiling"] < r["target"] else ""))
+                # bench_store's verdict already names the bound (codec- or copy-bound): reuse it
+                bound = str(r.get("verdict", "")).partition("(")[2].rstrip(")")
+                basis += (f"; the codec step alone on all cores reaches {r['codec_ceiling']:.2f}x raw"
+                          + (f" ({bound}: the target is out of reach on this machine)"
+                             if bound and r["codec_ceiling"] < r["target"] else ""))
             add(f"storage {r.get('mode', '')} ({label}) vs raw", r["target"], r["ratio"], basis)
     sae = peer[0]["tok_s"] if peer and peer[0].get("tok_s") else None
     add("freeze vs SAELens caching", TARGETS["freeze_vs_saelens"],
