@@ -106,7 +106,7 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
         max_tokens: int = 32768, points=("resid_post.*",), storage=("local", "s3"),
         actors=(1, 2), batch_contexts: int = 64, max_batched: int | None = None,
         shard_rows: int | None = None, workdir: str | None = None, engine_baseline: bool = True,
-        **_ignored) -> list[dict]:
+        max_in_flight: int | None = None, **_ignored) -> list[dict]:
     """Result rows for the benchmark suite (see the module docstring for what is timed)."""
     import ray
 
@@ -158,7 +158,8 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
                 url = (f"s3://bench/e2e-{n}-{time.time_ns()}" if where == "s3"
                        else str(Path(workdir) / f"e2e-{where}-{n}-{time.time_ns()}"))
                 data = {**base, "store": {**base["store"], "url": url, "storage_options": so},
-                        "ray": {"num_actors": int(n), "max_in_flight": 2}}
+                        "ray": {"num_actors": int(n),
+                                **({"max_in_flight": int(max_in_flight)} if max_in_flight else {})}}
                 cfg = load_config(data=data)
                 t0 = time.perf_counter()
                 s = run_pipeline(cfg)
@@ -208,6 +209,8 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--storage", nargs="+", default=["local", "s3"])
     p.add_argument("--actors", nargs="+", type=int, default=[1, 2])
     p.add_argument("--max-batched", type=int, default=None)
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="units queued per actor (default: the config's ray.max_in_flight)")
     p.add_argument("--json", help="also write the rows to this file")
     a = p.parse_args(argv)
     import logging
@@ -215,7 +218,7 @@ def main(argv: "list[str] | None" = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = run(model=a.model, backend=a.backend, context_size=a.context_size,
                max_tokens=a.max_tokens, points=a.points, storage=a.storage, actors=a.actors,
-               max_batched=a.max_batched)
+               max_batched=a.max_batched, max_in_flight=a.max_in_flight)
     for r in rows:
         print(json.dumps(r))
     if a.json:

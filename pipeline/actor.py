@@ -45,7 +45,12 @@ class HarvestActor:
         # Every engine call runs on this one thread. Ray runs a threaded actor's methods on pool
         # threads, and vLLM CPU's attention checks that the OpenMP thread count of the thread that
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine")
+        # Named at the OS level before the engine loads, so its OpenMP team (spawned from this
+        # thread) carries the name too: per-thread CPU in /proc then splits engine from writer.
+        from pipeline.store.shardio import name_native_thread
+
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine",
+                                                 initializer=name_native_thread)
         t0 = time.perf_counter()
         self.engine = self._engine_thread.submit(self._load_engine, spec).result()
         self.load_seconds = time.perf_counter() - t0

@@ -230,6 +230,11 @@ def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
     nice_enc = shardio.codec_pool(background=True).submit(
         lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
     assert nice_up == nice_enc == min(19, me + shardio.BACKGROUND_NICE)
+    # and they carry their names at the OS level, where per-thread CPU is measured (/proc, top -H)
+    comm = lambda: open(f"/proc/self/task/{__import__('threading').get_native_id()}/comm").read().strip()
+    if os.path.exists("/proc/self/task"):
+        assert w._pool.submit(comm).result().startswith("harvest-up-0")
+        assert shardio.codec_pool(background=True).submit(comm).result().startswith("harvest-encode")
     w.write(0, x[:, :2048])
     w.commit()
     seen = {id(b) for b in s._shard_buffers._free}
