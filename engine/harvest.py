@@ -24,6 +24,7 @@ import torch
 
 from .addresses import Address, FreezeSet
 from . import taps as tapmod
+from . import vllm_probe
 
 # One engine per process (a second vLLM engine does not fit in memory here anyway); the capture loop
 # in the same process finds the worker's state through this slot.
@@ -132,7 +133,7 @@ def _setup(runner, cfg: dict) -> None:
     global ACTIVE
     model = runner.get_model()
     n_layers = _n_layers(runner.model_config)
-    layers = tapmod.find_layers(model, n_layers)
+    layers = vllm_probe.probed_trunk(runner, model, n_layers, cfg)  # refuses unverifiable trunks
     width = runner.model_config.get_hidden_size()
     dtype = runner.model_config.dtype
     max_tokens = runner.scheduler_config.max_num_batched_tokens
