@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .addresses import Address, FreezeSet, KNOWN_POINTS, resolve_freeze_points
+from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
 from .captured import CapturedRequest, to_numpy
 
 BACKENDS = ("vllm", "eager")
@@ -37,5 +37,5 @@ def run_with_cache(model, tokens, points=None) -> list[dict[Address, "torch.Tens
     return out
 
 
-__all__ = ["Address", "CapturedRequest", "FreezeSet", "KNOWN_POINTS", "load_model",
+__all__ = ["Address", "CapturedRequest", "FreezePlan", "FreezeSet", "KNOWN_POINTS", "load_model",
            "resolve_freeze_points", "run_with_cache", "to_numpy"]
