@@ -148,11 +148,12 @@ def shared_tokenizer():
 
 
 def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int = 128,
-                     seed: int = 0) -> str:
+                     seed: int = 0, routing_neutral: bool = True) -> str:
     """Random-weight model + trained tokenizer saved with save_pretrained; returns the path.
 
     Weights are scaled up from the default 0.02 init so the residual stream is not dominated by
     the embedding: a near-zero block output would let a wrong layer pass an equality check.
+    MoE experts are made identical unless routing_neutral=False (see _routing_neutral).
     """
     import torch
     import transformers as tf
@@ -169,7 +170,8 @@ def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    _routing_neutral(model)
+    if routing_neutral:
+        _routing_neutral(model)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(tmp)

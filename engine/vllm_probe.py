@@ -22,6 +22,7 @@ engine's other vLLM internals live in engine/harvest.py and engine/vllm_backend.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -73,14 +74,21 @@ def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Tr
     ids = torch.linspace(3, vocab - 1, PROBE_TOKENS).long().to(runner.device)
     positions = torch.zeros_like(ids)
 
+    forwards: list[float] = []
+
     def run() -> torch.Tensor:
+        t = time.perf_counter()
         with set_forward_context(None, runner.vllm_config, num_tokens=len(ids), skip_compiled=True):
             out = model(input_ids=ids, positions=positions)
+        forwards.append(round(time.perf_counter() - t, 3))
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def embed() -> torch.Tensor:
         return model.embed_input_ids(ids)
 
     width = runner.model_config.get_hidden_size()
+    t0 = time.perf_counter()
     with torch.inference_mode(), _probe_attention(model):
-        return probe.probe_trunk(layers, run, embed, width, allow_unverified=allow)
+        trunk = probe.probe_trunk(layers, run, embed, width, allow_unverified=allow)
+    trunk.report.update(seconds=round(time.perf_counter() - t0, 3), forward_seconds=forwards)
+    return trunk
