@@ -111,9 +111,13 @@ def check_supported(trunk: Trunk, points) -> None:
             )
         if a.name in ("attn_out", "mlp_out") and trunk.sublayer(a) is None:
             cls = type(trunk[a.layer]).__name__
-            raise ValueError(
-                f"{a}: block {cls} has no {a.name} sub-module that the probe could verify "
-                f"(looked for {', '.join(SUBMODULE_NAMES[a.name])}); capture resid_pre/resid_post")
+            blocks_report = trunk.report.get("blocks") or []
+            note = (blocks_report[a.layer].get("submodule_notes", {}).get(a.name)
+                    if a.layer < len(blocks_report) else None)
+            why = f"the probe saw {note}" if note else \
+                f"it has none of {', '.join(SUBMODULE_NAMES[a.name])}"
+            raise ValueError(f"{a}: block {cls} serves no {a.name} ({why}); "
+                             "capture resid_pre/resid_post there instead")
 
 
 def install_freeze(trunk: Trunk, taps: TapSet) -> None:
