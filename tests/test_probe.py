@@ -220,3 +220,27 @@ def test_steering_shifts_the_true_stream(style):
     steered = m.streams(ids)
     torch.testing.assert_close(steered[0], base[0] + vec)
     assert (steered[1] - base[1]).norm() / base[1].norm() > 0.01
+
+
+def test_block_without_a_known_mlp_name_refuses_mlp_out_on_both_backends():
+    """A block whose MLP sits under another name (here `experts`, which in vLLM holds the routed
+    experts only) serves attn_out but refuses mlp_out, with the probe's trunk and with the HF
+    reference backend's rule alike."""
+    class Renamed(Plain):
+        def __init__(self, style, seed):
+            super().__init__(style, seed)
+            self.experts = self._modules.pop("mlp")
+
+        def delta(self, s):
+            n = s / s.norm(dim=-1, keepdim=True)
+            return self.self_attn(n) + self.experts(torch.tanh(n))
+
+    m = Model("plain")
+    m.layers = nn.ModuleList(Renamed("plain", i) for i in range(3))
+    ids = torch.arange(T) % 50
+    probed = probe.decide(m.layers, lambda: m(ids), lambda: m.embed_ids(ids), W)
+    hf = blocks.Trunk(m.layers, [blocks.hf_semantics(layer) for layer in m.layers])
+    for trunk in (probed, hf):
+        taps.check_supported(trunk, [Address("attn_out", 1)])
+        with pytest.raises(ValueError, match="block Renamed serves no mlp_out .*block_sparse_moe"):
+            taps.check_supported(trunk, [Address("mlp_out", 1)])
