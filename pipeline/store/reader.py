@@ -451,6 +451,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         for rd in readies:
             self.rows_dropped += rd.dropped
             self.rows_padded += rd.padded
+            src = rd.arena.reshape(rd.arena.shape[0], P * W)  # 2-D: numpy's take is ~25 % faster
             n, i = rd.idx.shape[0], 0
             if skip:
                 i = min(skip, n)
@@ -460,7 +461,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                     return
                 if part is None and n - i >= k:
                     out = np.empty((k, P, W), self._raw)
-                    np.take(rd.arena, rd.idx[i:i + k], axis=0, out=out)
+                    np.take(src, rd.idx[i:i + k], axis=0, out=out.reshape(k, P * W))
                     yield self._emit(out, rd.rows[i:i + k], {m: v[i:i + k] for m, v in rd.meta.items()})
                     produced += 1
                     i += k
@@ -472,7 +473,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
                             {m: np.empty(k, np.int64) for m in rd.meta}, 0, 0]
                 out, prow, pmeta, f, _ = part
                 c = min(k - f, n - i)
-                np.take(rd.arena, rd.idx[i:i + c], axis=0, out=out[f:f + c])
+                np.take(src, rd.idx[i:i + c], axis=0, out=out[f:f + c].reshape(c, P * W))
                 prow[f:f + c] = rd.rows[i:i + c]
                 for m, v in rd.meta.items():
                     pmeta[m][f:f + c] = v[i:i + c]
