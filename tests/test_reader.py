@@ -175,3 +175,23 @@ def test_reads_from_s3_with_prefetch(seaweedfs, s3_url):
     assert len(rows) == len(want) // 2 * 2 and np.isin(rows, want).all() and len(np.unique(rows)) == len(rows)
     for b in batches:
         assert np.array_equal(_bits(b["acts"]), x[0][b["row"].numpy()].view(np.uint16))
+
+
+def test_format_md_bfloat16_snippet_reads_a_store_with_plain_zarr(tmp_path):
+    """The FORMAT.md lines for zarr-python users, run as written (no harvest import) on a store."""
+    import re
+    from pathlib import Path
+
+    fmt = (Path(__file__).resolve().parents[1] / "pipeline" / "store" / "FORMAT.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", fmt, re.S)
+    assert "import pipeline" not in code and "from pipeline" not in code
+    n, w = 5000, 32
+    x = synthetic.activations((1, n, w), seed=4)
+    s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.10"], width=w, n_rows=n, shard_rows=2048)
+    s.write_plan(s.default_plan(1))
+    synthetic.fill(s, x, token_id=np.arange(n, dtype=np.int32) + 7)
+    np.save(tmp_path / "want.npy", x[0, :4096].view(np.uint16))
+    code = code.replace('STORE = "path/to/store"', f"STORE = {str(tmp_path / 's.zarr')!r}")
+    code += (f"\nassert np.array_equal(x.view(np.uint16), np.load({str(tmp_path / 'want.npy')!r}))"
+             "\nassert np.array_equal(token_id, np.arange(4096) + 7)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(tmp_path))
