@@ -117,7 +117,7 @@ def test_norm_outlier_filter_drops_the_sinks_and_only_them(sinky):
                            return_meta=True)
     y, rows = _all(ds)
     want = np.setdiff1d(np.flatnonzero(tok != BOS), sinks)
-    assert np.array_equal(np.sort(rows), want) and ds.rows_dropped == len(np.setdiff1d(sinks, np.flatnonzero(tok == BOS)))
+    assert np.array_equal(np.sort(rows), want) and ds.tally.dropped == len(np.setdiff1d(sinks, np.flatnonzero(tok == BOS)))
     for p in range(2):
         np.testing.assert_allclose((y[:, p] ** 2).sum(1).mean(), W, rtol=1e-4)
 

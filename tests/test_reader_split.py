@@ -166,6 +166,6 @@ def test_norm_filter_pads_to_equal_counts_over_ranks(tmp_path):
         sizes.append(len(rows))
         seen.append(rows)
         assert not np.isin(rows, sinks).any()
-        assert ds.rows_padded == len(rows) - len(np.unique(rows)) > 0
+        assert ds.tally.padded == len(rows) - len(np.unique(rows)) > 0
     assert sizes[0] == sizes[1] == n // 2
     assert set(np.concatenate(seen)) == set(np.setdiff1d(np.arange(n), sinks))

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import StoreError
+from .normalize import sq_norms
 from .sampling import Take
 
 
@@ -121,3 +123,70 @@ class WindowReader:
             ex.shutdown(wait=True, cancel_futures=True)
             if not private:
                 self.arenas.busy = False
+
+
+class WindowFinisher:
+    """Decoded window -> Ready: filter masks, this worker's share, norm filter, permutation, pad.
+
+    The permutation is keyed by (seed, epoch, global worker, window index), so a resumed reader
+    that skips whole windows still permutes the later ones exactly as before. With the norm
+    filter and a quota (G > 1, epoch mode), the epoch's last window repeats as many random rows
+    of its own as the filter dropped in the whole epoch, so every worker yields its quota.
+    """
+
+    def __init__(self, pieces, filt, counts: np.ndarray, norm_limit, dtype, slot_rows: int, shuffle: bool,
+                 seed: int, g: int, return_meta: bool):
+        self.pieces, self.filt, self.counts, self.norm_limit = pieces, filt, counts, norm_limit
+        self.dtype, self.R, self.shuffle, self.seed, self.g = dtype, slot_rows, shuffle, seed, g
+        self.names = ["token_id", "doc_id", "position"] if return_meta else []
+        self.epoch_rows: dict[int, int] = {}
+
+    def _local(self, k: int, t: Take, cols: dict, arena: np.ndarray) -> tuple[np.ndarray, int]:
+        a, b = self.pieces[t.piece]
+        m = self.filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"))
+        kept = np.flatnonzero(m) if m is not None else None
+        n_kept = b - a if kept is None else kept.shape[0]
+        if self.counts[t.piece] >= 0 and self.counts[t.piece] != n_kept:
+            raise StoreError(f"rows [{a}, {b}) keep {n_kept} rows now but {self.counts[t.piece]} when "
+                             "counted: the store's row metadata changed under the reader")
+        local = t.positions(n_kept)
+        if kept is not None:
+            local = kept[local]
+        dropped = 0
+        if self.norm_limit is not None and local.size:
+            ok = np.ones(local.shape[0], bool)
+            for j in range(arena.shape[1]):
+                ok &= sq_norms(arena[k * self.R + local, j], self.dtype) <= self.norm_limit[j]
+            dropped = int((~ok).sum())
+            local = local[ok]
+        return local, dropped
+
+    def __call__(self, spec: WindowSpec, arena: np.ndarray, slot_meta: list) -> Ready:
+        idx, rows, meta = [], [], {n: [] for n in self.names}
+        dropped = 0
+        for k, (t, cols) in enumerate(zip(spec.takes, slot_meta)):
+            cols = cols or {}
+            local, d = self._local(k, t, cols, arena)
+            dropped += d
+            idx.append(k * self.R + local)
+            rows.append(self.pieces[t.piece][0] + local)
+            for n in self.names:
+                meta[n].append(cols[n][local].astype(np.int64))
+        cat = lambda v: np.concatenate(v) if v else np.empty(0, np.int64)  # noqa: E731
+        idx, rows, meta = cat(idx), cat(rows), {n: cat(v) for n, v in meta.items()}
+        rng = np.random.default_rng([self.seed, spec.epoch, self.g, spec.index, 0x51])
+        if self.shuffle:
+            perm = rng.permutation(idx.shape[0])
+            idx, rows, meta = idx[perm], rows[perm], {n: v[perm] for n, v in meta.items()}
+        padded = 0
+        if self.norm_limit is not None and spec.quota is not None:
+            got = self.epoch_rows[spec.epoch] = self.epoch_rows.get(spec.epoch, 0) + idx.shape[0]
+            if spec.last and got < spec.quota:
+                if not idx.shape[0]:
+                    raise ValueError("max_norm_ratio dropped every row of a worker's last window; "
+                                     "raise max_norm_ratio")
+                padded = spec.quota - got
+                extra = rng.integers(0, idx.shape[0], padded)
+                idx, rows = np.concatenate([idx, idx[extra]]), np.concatenate([rows, rows[extra]])
+                meta = {n: np.concatenate([v, v[extra]]) for n, v in meta.items()}
+        return Ready(arena, idx, rows, meta, spec.epoch, dropped, padded)

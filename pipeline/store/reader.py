@@ -10,7 +10,7 @@ G) are dropped so that every rank and worker yields the same number of rows; the
 function of (seed, epoch) and the split, so `state_dict()` + `load_state_dict()` resume mid-epoch
 with exactly the rows not yet yielded. With `max_norm_ratio` and G > 1, a worker whose share
 lost rows to the norm filter repeats that many of its own rows at the end of the epoch instead
-(`rows_padded`), because those rows are known only once read and the counts must stay equal.
+(`tally.padded`), because those rows are known only once read and the counts must stay equal.
 
 The epoch, resume point and the like sit in a small shared-memory tensor, not in plain
 attributes: DataLoader workers hold a copy of the dataset, and with persistent_workers=True that
@@ -35,9 +35,10 @@ import torch
 
 from . import normalize as _norm
 from .dtypes import BF16, raw_dtype
-from .errors import StoreError
 from .filters import MetaColumns, RowFilter, store_context_size, store_special_ids
-from .readahead import Arenas, Ready, WindowReader, WindowSpec
+from .batching import Tally, batches
+from .loader import ActivationLoader
+from .readahead import Arenas, WindowFinisher, WindowReader, WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan, worker_share
 from .store import Store, open_store
 
@@ -207,7 +208,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
 
         # [epoch, resume batches]: shared with DataLoader workers, persistent ones included
         self._ctl = torch.tensor([int(epoch), 0], dtype=torch.int64).share_memory_()
-        self.rows_dropped = self.rows_padded = 0   # norm filter, this process's last iteration
+        self.tally = Tally()   # rows the norm filter dropped / repeated, this process's last iteration
 
     # ---- setup -------------------------------------------------------------------------------
     def _setup_norm(self, st: Store, given, sample_rows: int) -> None:
@@ -362,60 +363,6 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         cols = self._meta()
         return {n: cols.read(n, *piece) for n in self._meta_names()}
 
-    def _finisher(self, g: int):
-        names = ["token_id", "doc_id", "position"] if self.return_meta else []
-        R = self._slot_rows
-        epoch_rows: dict[int, int] = {}
-
-        def finish(spec: WindowSpec, arena: np.ndarray, slot_meta: list) -> Ready:
-            idx, rows, meta = [], [], {n: [] for n in names}
-            dropped = 0
-            for k, (t, cols) in enumerate(zip(spec.takes, slot_meta)):
-                a, b = self.pieces[t.piece]
-                cols = cols or {}
-                m = self.filter.mask(a, b, cols.get("token_id"), cols.get("doc_id"))
-                kept = np.flatnonzero(m) if m is not None else None
-                n_kept = b - a if kept is None else kept.shape[0]
-                if self._counts[t.piece] >= 0 and self._counts[t.piece] != n_kept:
-                    raise StoreError(f"rows [{a}, {b}) keep {n_kept} rows now but {self._counts[t.piece]} "
-                                     "when counted: the store's row metadata changed under the reader")
-                local = t.positions(n_kept)
-                if kept is not None:
-                    local = kept[local]
-                if self.norm_limit is not None and local.size:
-                    ok = np.ones(local.shape[0], bool)
-                    for j in range(len(self.points)):
-                        ok &= _norm.sq_norms(arena[k * R + local, j], self.store_dtype) <= self.norm_limit[j]
-                    dropped += int((~ok).sum())
-                    local = local[ok]
-                idx.append(k * R + local)
-                rows.append(a + local)
-                for n in names:
-                    meta[n].append(cols[n][local].astype(np.int64))
-            idx = np.concatenate(idx) if idx else np.empty(0, np.int64)
-            rows = np.concatenate(rows) if rows else np.empty(0, np.int64)
-            meta = {n: np.concatenate(v) if v else np.empty(0, np.int64) for n, v in meta.items()}
-            rng = np.random.default_rng([self.seed, spec.epoch, g, spec.index, 0x51])
-            if self.shuffle:
-                perm = rng.permutation(idx.shape[0])
-                idx, rows = idx[perm], rows[perm]
-                meta = {n: v[perm] for n, v in meta.items()}
-            padded = 0
-            if self.norm_limit is not None and spec.quota is not None:
-                got = epoch_rows.get(spec.epoch, 0) + idx.shape[0]
-                epoch_rows[spec.epoch] = got
-                if spec.last and got < spec.quota:
-                    if not idx.shape[0]:
-                        raise ValueError("max_norm_ratio dropped every row of a worker's last window; "
-                                         "raise max_norm_ratio")
-                    padded = spec.quota - got
-                    extra = rng.integers(0, idx.shape[0], padded)
-                    idx, rows = np.concatenate([idx, idx[extra]]), np.concatenate([rows, rows[extra]])
-                    meta = {n: np.concatenate([v, v[extra]]) for n, v in meta.items()}
-            return Ready(arena, idx, rows, meta, spec.epoch, dropped, padded)
-
-        return finish
-
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -432,70 +379,17 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         self._open()
         if self._arenas is None:
             self._arenas = Arenas(self._slot_rows, len(self.points), self.width, self._raw)
+        finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
+                                self._slot_rows, self.shuffle, self.seed, g, self.return_meta)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
-                              self._fetch_meta if self._meta_names() else None, self._finisher(g))
+                              self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
-        self.rows_dropped = self.rows_padded = 0
-        for batch in self._batches(reader(specs), skip_rows, limit):
+        self.tally = Tally()
+        for batch in batches(reader(specs), self.batch_size, (len(self.points), self.width), self._raw, self._emit,
+                             skip=skip_rows, limit=limit, drop_last=self.drop_last, shuffle=self.shuffle,
+                             seed=self.seed, tally=self.tally):
             self._served += 1
             yield batch
-
-    def _batches(self, readies, skip: int, limit: int | None):
-        """Full batches straight from a window; a batch that spans two windows is assembled in
-        a side buffer (the older window's arena is reused once the next one is asked for)."""
-        k, P, W = self.batch_size, len(self.points), self.width
-        produced = 0
-        part = None     # [out, rows, meta, filled, windows spanned]
-        if limit is not None and limit <= 0:
-            return
-        for rd in readies:
-            self.rows_dropped += rd.dropped
-            self.rows_padded += rd.padded
-            src = rd.arena.reshape(rd.arena.shape[0], P * W)  # 2-D: numpy's take is ~25 % faster
-            n, i = rd.idx.shape[0], 0
-            if skip:
-                i = min(skip, n)
-                skip -= i
-            while i < n:
-                if limit is not None and produced >= limit:
-                    return
-                if part is None and n - i >= k:
-                    out = np.empty((k, P, W), self._raw)
-                    np.take(src, rd.idx[i:i + k], axis=0, out=out.reshape(k, P * W))
-                    yield self._emit(out, rd.rows[i:i + k], {m: v[i:i + k] for m, v in rd.meta.items()})
-                    produced += 1
-                    i += k
-                    if limit is not None and produced >= limit:
-                        return
-                    continue
-                if part is None:
-                    part = [np.empty((k, P, W), self._raw), np.empty(k, np.int64),
-                            {m: np.empty(k, np.int64) for m in rd.meta}, 0, 0]
-                out, prow, pmeta, f, _ = part
-                c = min(k - f, n - i)
-                np.take(src, rd.idx[i:i + c], axis=0, out=out[f:f + c].reshape(c, P * W))
-                prow[f:f + c] = rd.rows[i:i + c]
-                for m, v in rd.meta.items():
-                    pmeta[m][f:f + c] = v[i:i + c]
-                part[3] += c
-                part[4] += 1
-                i += c
-                if part[3] == k:
-                    yield self._emit_part(part)
-                    produced += 1
-                    part = None
-                    if limit is not None and produced >= limit:
-                        return
-        if part is not None and not self.drop_last and (limit is None or produced < limit):
-            yield self._emit_part(part)
-
-    def _emit_part(self, part):
-        out, rows, meta, f, spans = part
-        out, rows, meta = out[:f], rows[:f], {m: v[:f] for m, v in meta.items()}
-        if self.shuffle and spans > 1:  # two windows' rows came in two runs: interleave them
-            perm = np.random.default_rng([self.seed, int(rows[0]), f]).permutation(f)
-            out, rows, meta = np.take(out, perm, axis=0), rows[perm], {m: v[perm] for m, v in meta.items()}
-        return self._emit(out, rows, meta)
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
         """x is [n, n_points, width] raw bits of the store dtype."""
@@ -542,39 +436,11 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         self._ctl[1] = int(state["batches"])
         self._resumed, self._served = int(state["batches"]), 0
 
-    def loader(self, num_workers: int = 0, **kwargs) -> "ActivationLoader":
+    @property
+    def resume_point(self) -> int:
+        """Batches of the current epoch (since the start when endless) a resume skips."""
+        return int(self._ctl[1])
+
+    def loader(self, num_workers: int = 0, **kwargs) -> ActivationLoader:
         """A DataLoader over this dataset that counts what it delivers, for `state_dict()`."""
         return ActivationLoader(self, num_workers=num_workers, **kwargs)
-
-
-class ActivationLoader(torch.utils.data.DataLoader):
-    """torch DataLoader(batch_size=None) that knows how many batches it delivered.
-
-    The dataset's batches come from worker processes round-robin; counting them here is what
-    lets `state_dict()` name the resume point without asking the workers.
-    """
-
-    def __init__(self, dataset: ActivationDataset, num_workers: int = 0, **kwargs):
-        if kwargs.pop("batch_size", None) is not None:
-            raise ValueError("ActivationLoader: the dataset yields whole batches; leave batch_size unset")
-        if num_workers > 1:
-            dataset.count_rows()  # in the parent once, not in every worker
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
-        self._base, self._delivered = 0, 0
-
-    def __iter__(self):
-        ds = self.dataset
-        self._base, self._delivered = int(ds._ctl[1]), 0
-        for x in super().__iter__():
-            self._delivered += 1
-            yield x
-
-    def state_dict(self) -> dict:
-        return self.dataset.state_dict(self._base + self._delivered, self.num_workers)
-
-    def load_state_dict(self, state: dict) -> None:
-        if int(state.get("num_workers", 0)) != self.num_workers:
-            raise ValueError(f"reader state was saved with num_workers={state.get('num_workers')}, this "
-                             f"loader has {self.num_workers}: rows are split over workers, so resume "
-                             "with the same number")
-        self.dataset.load_state_dict(state)
