@@ -118,6 +118,21 @@ def speed(ds, epoch: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
+    """Peak resident memory (MB) of a fresh process that reads one shuffled epoch, minus that of
+    one that only imports and opens the dataset: what the reader holds while shuffling."""
+    code = (f"import resource, sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from benchmarks.bench_shuffle import load_reader\n"
+            "from pipeline.store.reader import ActivationDataset as D\n"
+            + (f"D = load_reader({rev!r})\n" if rev else "")
+            + f"ds = D({url!r}, batch_size={BATCH}, seed=0, **{kw!r})\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "n = sum(b.shape[0] for b in ds)\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
 def raw_decode(store) -> float:
     import concurrent.futures as cf
 
@@ -143,12 +158,20 @@ def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root
     out = {"rows": rows, "width": WIDTH, "context": CTX, "batch_size": BATCH, "shard_rows": s.shard_rows,
            "shards": s.n_shards, "docs": int(np.unique(doc[doc >= 0]).size), "ideal": ideal(doc, tok),
            "quality": {}, "speed": {}}
-    for name, D in readers.items():
-        for w in (0, 2):
-            q = quality(D, url, w)
-            q["vs_ideal"] = {"distinct_docs": q["distinct_docs"] / out["ideal"]["distinct_docs"],
-                             "lag1_same_doc": q["lag1_same_doc"] / out["ideal"]["lag1_same_doc"]}
-            out["quality"][f"{name}/{max(1, w)}w"] = q
+    # default settings (targets), then a window of a quarter of the store (no target: shows that
+    # two workers streaming their own windows draw from as many shards as one worker does)
+    for window, suffix in ((None, ""), (rows // 4, " window=1/4")):
+        for name, D in readers.items():
+            for w in (0, 2):
+                q = quality(D, url, w, **({"shuffle_buffer_rows": window} if window else {}))
+                q["vs_ideal"] = {"distinct_docs": q["distinct_docs"] / out["ideal"]["distinct_docs"],
+                                 "lag1_same_doc": q["lag1_same_doc"] / out["ideal"]["lag1_same_doc"]}
+                out["quality"][f"{name}/{max(1, w)}w{suffix}"] = q
+    for window, label in ((None, "default"), (rows // 4, "window=1/4")):
+        kw = {"shuffle_buffer_rows": window} if window else {}
+        out.setdefault("peak_rss_mb", {})[label] = {
+            "new": peak_rss_mb(None, url, **kw), **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
+            "store_mb": rows * WIDTH * 2 / 2**20}
     datasets = {name: D(url, batch_size=BATCH, seed=0) for name, D in readers.items()}
     first = {name: speed(ds, 0) for name, ds in datasets.items()}
     speeds = {name: [] for name in readers}
@@ -162,6 +185,9 @@ def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root
         out["speed"][name]["first_epoch"] = v
     for name in readers:
         out["speed"][name]["vs_raw_decode"] = out["speed"][name]["rows_per_s"] / out["speed"]["raw_decode"]["rows_per_s"]
+    if baseline:  # each repeat ran both back to back: the median of their ratios shares the load
+        out["speed"]["new"]["vs_baseline_paired"] = float(np.median(
+            [a / b for a, b in zip(speeds["new"], speeds["baseline"])]))
     return out
 
 

@@ -1,8 +1,9 @@
 """SAE-training reader: shuffled batches of the committed, filtered rows of a store, local or S3.
 
 How rows are chosen (filters.py), split over ranks x workers (sampling.py), decoded and mixed
-(readahead.py) and normalised (normalize.py) each live in their own module; this one holds the
-dataset object, its per-process state and the batch loop.
+(readahead.py), cut into batches (batching.py) and normalised (normalize.py) each live in their
+own module; this one holds the dataset object and its per-process state. `loader.py` adds a
+DataLoader that counts what it delivers, for resume with workers.
 
 Guarantees, per epoch: every kept row (committed, passing the filters) is yielded exactly once,
 except that with G = world_size x num_workers > 1 the epoch's last N mod G kept rows (fewer than
@@ -34,9 +35,9 @@ import numpy as np
 import torch
 
 from . import normalize as _norm
+from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
 from .filters import MetaColumns, RowFilter, store_context_size, store_special_ids
-from .batching import Tally, batches
 from .loader import ActivationLoader
 from .readahead import Arenas, WindowFinisher, WindowReader, WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan, worker_share
@@ -139,6 +140,8 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             raise ValueError("batch_size must be >= 1")
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"normalize={normalize!r}: use one of {NORMALIZE_MODES}")
+        if norm_sample_rows < 1:
+            raise ValueError(f"norm_sample_rows={norm_sample_rows!r} must be a positive number of rows")
         if steps is not None and steps < 1:
             raise ValueError(f"steps={steps!r} must be a positive number of batches, or None")
         if max_norm_ratio is not None and not max_norm_ratio > 1:
@@ -377,6 +380,8 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         if skip_rows and self.norm_limit is None:
             specs, skip_rows = self._preskip(specs, skip_rows)
         self._open()
+        if self._meta_names():
+            self._meta()   # opened here, not raced for by the fetch threads
         if self._arenas is None:
             self._arenas = Arenas(self._slot_rows, len(self.points), self.width, self._raw)
         finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
