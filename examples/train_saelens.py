@@ -21,7 +21,7 @@ from pipeline.store.adapters import heldout_fvu, saelens_data_provider
 
 
 def main():
-    args = parser(__doc__, steps=2000, batch=1024, lr=5e-4).parse_args()
+    args = parser(__doc__, steps=1000, batch=1024, lr=5e-4).parse_args()
     torch.manual_seed(args.seed)
     store, point, train, test = datasets(args)
     d = store.width

@@ -45,7 +45,7 @@ class TopKSAE(nn.Module):
 
 
 def main():
-    args = parser(__doc__, steps=2000, batch=1024, lr=1e-3).parse_args()
+    args = parser(__doc__, steps=1000, batch=1024, lr=1e-3).parse_args()
     torch.manual_seed(args.seed)
     store, point, train, test = datasets(args)
     d = store.width
