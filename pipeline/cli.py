@@ -1,4 +1,4 @@
-"""`harvest run|plan|status|verify|inspect`: the pipeline for people.
+"""`harvest run|plan|status|verify|inspect|report`: the pipeline for people.
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
@@ -175,6 +175,18 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    url, so = _store_target(args)
+    r = write_report(url, so, out_dir=args.out, tokenizer_path=args.tokenizer)
+    if args.json:
+        print(json.dumps({k: v for k, v in r.items() if k != "data"}, indent=2))
+    else:
+        print(f"report: {r['png']} (and {r['html']})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harvest", description=__doc__.splitlines()[0])
     p.add_argument("--verbose", "-v", action="store_true")
@@ -199,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     _store_args(i)
     i.add_argument("--rows", help="rows to show, e.g. 0:16")
     i.set_defaults(fn=cmd_inspect)
+    rp = sub.add_parser("report", help="PNG + HTML: norms, variances, top tokens, compression, rate")
+    _store_args(rp)
+    rp.add_argument("--out", help="output folder (default: <store>/_report, or ./harvest-report)")
+    rp.add_argument("--tokenizer", help="tokenizer path to decode tokens (default: the run's model)")
+    rp.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    rp.set_defaults(fn=cmd_report)
     return p
 
 
