@@ -119,16 +119,20 @@ def speed(ds, epoch: int) -> float:
 
 
 def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
-    """Peak resident memory (MB) of a fresh process that reads one shuffled epoch, minus that of
-    one that only imports and opens the dataset: what the reader holds while shuffling."""
-    code = (f"import resource, sys; sys.path.insert(0, {str(REPO)!r})\n"
+    """Peak resident memory (MB) of a fresh process that reads one shuffled epoch, above what it
+    had after its imports: what the reader holds while shuffling."""
+    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a child of a big parent
+    # starts with the parent's peak
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "def hwm():\n"
+            "    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
             "from benchmarks.bench_shuffle import load_reader\n"
             "from pipeline.store.reader import ActivationDataset as D\n"
             + (f"D = load_reader({rev!r})\n" if rev else "")
+            + "base = hwm()\n"
             + f"ds = D({url!r}, batch_size={BATCH}, seed=0, **{kw!r})\n"
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             "n = sum(b.shape[0] for b in ds)\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n")
+            "print((hwm() - base) / 1024)\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return float(out.split()[-1])
 
