@@ -3,6 +3,7 @@
     model = load_model("path/or/hub-name", backend="vllm", freeze_points="auto")
     for req in model.capture(batches_of_token_id_lists, points):   # streams finished requests
         req.index, req.token_ids, req.positions, req.acts           # acts: [points, n, width]
+    model.capture(batches, points, destinations=fn)   # fn(index, n): rows land in caller memory
     caches = run_with_cache(model, token_lists, ["resid_post.3"])   # per request {Address: [n, width]}
 """
 

@@ -217,5 +217,27 @@ def format_check(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_command(path: str, args) -> int:
+    """`harvest check-model` (pipeline/cli.py parses the arguments): print the per-point table,
+    return 0 on pass, 1 above tolerance or when the trunk is refused at load."""
+    from .probe import TrunkRefused
+
+    cfg = CheckConfig(tol_p50=args.tol_p50, tol_p99=args.tol_p99,
+                      lengths=tuple(int(n) for n in args.lengths.split(",")),
+                      reference_device=args.reference_device)
+    engine_args = dict(NO_COMPILE) if args.no_compile else {}
+    if args.unverified_trunk:
+        engine_args["additional_config"] = {"harvest_unverified_trunk": True}
+    try:
+        result = check_model(path, points=args.points or None, cfg=cfg, **engine_args)
+    except TrunkRefused as e:
+        print(f"harvest check-model: REFUSED at load: {e}", file=sys.stderr)
+        return 1
+    print(format_check(result))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    return 0 if result["ok"] else 1
+
+
 if __name__ == "__main__":
     _reference_main(sys.argv[1], sys.argv[2])

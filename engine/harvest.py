@@ -1,217 +1,216 @@
-"""Worker side of the vLLM backend: install taps at model load, move rows out after each step.
+"""Runner-side capture state: taps installed at model load, a step's rows moved out after it runs.
 
-The patch goes on vLLM's V1 model runner class (`GPUModelRunner`, which the CPU runner inherits):
-- `load_model`: right after the weights load and *before* the warm-up compile, wrap the decoder
-  layers with freeze taps (taps.install_freeze). Installing later would be too late: the compiled
-  graph would not contain them.
-- `execute_model`: after the forward of a step, copy each request's rows out of the tap buffer
-  straight into the consumer's per-request host tensor. The row order is read from the runner's own
-  state for that step (`input_batch.req_ids` with the scheduler's counts, and the `positions`
-  buffer the model was fed), never reconstructed outside: a dict order guessed elsewhere is how
-  another project attached most rows to the wrong request.
+`HarvestState` is owned by the model runner (engine/runner.py) and reached by the capture loop in
+the same process through one worker call; there is no module-level state. Per step:
 
-The patch is inert unless the engine's `additional_config` carries a "harvest" entry, and it is
-applied both in the calling process (engine core in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and,
-through `worker_extension_cls`, in any worker process vLLM spawns.
+1. `before_forward`: make the tap buffer safe to overwrite (transport) and, in the NaN check,
+   poison it so a row no tap wrote cannot pass for data.
+2. `after_forward`: read the step's layout from the runner (compat.step_layout: request order,
+   counts, first positions), plan where each row goes (coverage.plan_step), and submit one
+   ticket of copies straight into the requests' destinations (transport).
+3. `poll` (capture loop): for each completed ticket, compare the positions and token ids the
+   runner fed with the requests' own tokens (coverage.check_fed) and mark the positions covered.
+   A request is final when vLLM finished it and no ticket that writes it is outstanding.
+
+Errors found inside the runner are recorded and raised by the capture loop after the step:
+raising inside vLLM's `execute_model` would leave its engine half-way through a step.
 """
 
 from __future__ import annotations
 
-import threading
+from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .addresses import Address, FreezeSet
+from . import compat
 from . import taps as tapmod
 from . import vllm_probe
-
-# One engine per process (a second vLLM engine does not fit in memory here anyway); the capture loop
-# in the same process finds the worker's state through this slot.
-ACTIVE: "HarvestState | None" = None
-_PATCHED = False
-_LOCK = threading.Lock()
+from .addresses import Address, FreezeSet
+from .coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
+from .transport import check_destination, make_transport
 
 
 @dataclass
 class Dest:
-    """Where one request's rows go: `acts[:, pos]` for every captured position."""
+    """One registered request: where its rows go and which of its positions have arrived."""
 
-    acts: torch.Tensor  # [n_points, n_prompt, width] host
-    filled: int = 0
+    acts: torch.Tensor  # [points of this capture, n, width], host
+    tokens: np.ndarray  # int32 [n]
+    coverage: Coverage
+    pending: int = 0  # submitted tickets that write into acts and are not processed yet
+    finished: bool = False  # vLLM reported the request finished
 
 
 @dataclass
 class HarvestState:
     taps: tapmod.TapSet
     layers: object
-    n_layers: int
-    mode: str  # "freeze" | "hooked"
-    max_tokens: int = 0  # rows per step (max_num_batched_tokens): the tap buffer's length
-    dtype: torch.dtype = torch.bfloat16
-    device: torch.device = torch.device("cpu")
+    mode: str  # "freeze" | "hooked" | "plain"
+    max_tokens: int
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+    transport: object
+    staging: bool = True
     dests: dict[str, Dest] = field(default_factory=dict)
-    steps: int = 0
-    rows: int = 0
-    stray_rows: int = 0  # rows of requests nobody asked to capture (e.g. decode tokens)
+    retired: set = field(default_factory=set)  # aborted internal ids: their rows are dropped
+    slots: tuple[int, ...] = ()
+    tickets: deque = field(default_factory=deque)
+    error: BaseException | None = None
+    poison: bool = False  # NaN-fill the tap buffer before every forward (checks)
     hook_handles: list = field(default_factory=list)
-    # Device-to-host overlap (CUDA only): rows of step k are copied into pinned staging
-    # asynchronously and scattered on the host when step k+1 arrives (or at drain).
-    pending: list = field(default_factory=list)
-    staging: list = field(default_factory=list)
-    pos_staging: list = field(default_factory=list)
-    events: list = field(default_factory=list)
-    flip: int = 0
+    steps: int = 0
+    scheduled_tokens: int = 0
+    rows: int = 0
+    rewrites: int = 0
+    dropped_rows: int = 0
 
+    # -- capture loop side ------------------------------------------------------------------
+    def begin_capture(self, points: tuple[Address, ...]) -> None:
+        if self.dests or self.tickets:
+            raise RuntimeError("a capture is already running on this engine; finish or close it "
+                               "first (one capture at a time per engine)")
+        self.error = None
+        if self.mode == "hooked":
+            self._set_hooked_points(points)
+        self.slots = tuple(self.taps.slot(a) for a in points)
 
-def base_request_id(internal: str) -> str:
-    """vLLM appends `-<8 hex>` to the caller's request id; strip it to find our destination."""
-    head, sep, tail = internal.rpartition("-")
-    return head if sep and len(tail) == 8 else internal
+    def destination(self, acts: torch.Tensor | None, n: int) -> torch.Tensor:
+        shape = (len(self.slots), n, self.width)
+        if acts is None:
+            return self.transport.new_destination(shape, self.dtype)
+        return check_destination(acts, shape, self.dtype, self.transport.pinned)
 
+    def register(self, rid: str, acts: torch.Tensor, tokens: np.ndarray) -> None:
+        self.dests[rid] = Dest(acts, tokens, Coverage(len(tokens)))
 
-def _harvest_config(runner) -> dict | None:
-    extra = getattr(runner.vllm_config, "additional_config", None) or {}
-    return extra.get("harvest") if isinstance(extra, dict) else None
+    def mark_finished(self, rid: str) -> None:
+        self.dests[rid].finished = True
 
+    def is_final(self, rid: str) -> bool:
+        d = self.dests[rid]
+        return d.finished and d.pending == 0
 
-def _n_layers(model_config) -> int:
-    return model_config.get_total_num_hidden_layers()
+    def take(self, rid: str, what: str) -> torch.Tensor:
+        """Hand a final request's rows over: from here the caller owns them, the engine never
+        writes them again (the request id is retired in vLLM and here)."""
+        d = self.dests[rid]
+        if not self.is_final(rid):
+            raise RuntimeError(f"{what}: handed over before its rows are final")
+        d.coverage.require_complete(what)
+        del self.dests[rid]
+        self.rows += d.coverage.n
+        self.rewrites += d.coverage.rewrites
+        return d.acts
 
+    def poll(self, block: bool = False) -> None:
+        """Process completed tickets in submission order (one stream: they complete in order)."""
+        while self.tickets:
+            t = self.tickets[0]
+            if not self.transport.ready(t):
+                if not block:
+                    return
+                self.transport.wait(t)
+            self.tickets.popleft()
+            self._process(t)
 
-def _runner_classes():
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    def wait_all_and_drop(self, rids) -> None:
+        """Abort path: let every outstanding copy finish (they write into caller memory), then
+        forget these requests; rows vLLM still runs for them later are dropped, not copied."""
+        for t in self.tickets:
+            self.transport.wait(t)
+        self.tickets.clear()
+        for rid in rids:
+            self.dests.pop(rid, None)
+            self.retired.add(rid)
 
-    classes = [GPUModelRunner]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
 
-        classes.append(CPUModelRunner)  # it overrides load_model without calling super()
-    except ImportError:
-        pass
-    return classes
+    def _process(self, t) -> None:
+        pos, ids = t.fed()
+        try:
+            check_fed(t.plan, pos, ids, {s.rid: self.dests[s.rid].tokens for s in t.plan.segments})
+        finally:
+            for s in t.plan.segments:
+                d = self.dests[s.rid]
+                d.pending -= 1
+        for s in t.plan.segments:
+            self.dests[s.rid].coverage.mark(s.start, s.count)
 
+    # -- runner side ------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        self.transport.before_forward()
+        if self.poison and self.taps.buf is not None:
+            self.taps.buf.fill_(float("nan"))
 
-def install_patch() -> None:
-    """Patch vLLM's V1 runner classes once per process (idempotent)."""
-    global _PATCHED
-    with _LOCK:
-        if _PATCHED:
+    def after_forward(self, runner, scheduler_output) -> None:
+        self.steps += 1
+        self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
+        if self.taps.buf is None or self.error is not None or not (self.dests or self.retired):
             return
-        for cls in _runner_classes():
-            if "load_model" in cls.__dict__:
-                cls.load_model = _wrap_load(cls.__dict__["load_model"])
-            if "execute_model" in cls.__dict__:
-                cls.execute_model = _wrap_exec(cls.__dict__["execute_model"])
-        _PATCHED = True
+        try:
+            lay = compat.step_layout(runner, scheduler_output)
+            lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
+            plan = plan_step(lay.req_ids, lay.counts, lay.starts, lengths, self.retired)
+            require_no_stray(plan)
+            self.dropped_rows += plan.dropped
+            fed_pos, fed_ids = compat.fed_inputs(runner, lay.n)
+            dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
+            ticket = self.transport.submit(plan, self.taps.buf, self.slots, fed_pos, fed_ids, dests)
+            for s in plan.segments:
+                self.dests[s.rid].pending += 1
+            self.tickets.append(ticket)
+        except (CoverageError, compat.VLLMIncompatible, KeyError, ValueError) as e:
+            self.error = e
+
+    def _set_hooked_points(self, points: tuple[Address, ...]) -> None:
+        """Hooked mode serves any point: (re)install Python hooks for exactly these."""
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles = []
+        buf = None
+        if points:
+            buf = torch.zeros(len(points), self.max_tokens, self.width, dtype=self.dtype,
+                              device=self.device)
+        self.taps = tapmod.TapSet(tuple(points), (), buf, {}, self.width)
+        self.transport = make_transport(buf, self.max_tokens, staging=False)
+        if points:
+            self.hook_handles = tapmod.install_hooks(self.layers, self.taps)
+
+    def step_stats(self) -> dict:
+        return {"steps": self.steps, "scheduled_tokens": self.scheduled_tokens,
+                "max_num_batched_tokens": self.max_tokens}
+
+    def summary(self) -> dict:
+        return {**self.step_stats(), "mode": self.mode, "rows": self.rows,
+                "rewrites": self.rewrites, "dropped_rows": self.dropped_rows,
+                "transport": type(self.transport).__name__, "staging": self.staging}
 
 
-def _wrap_load(orig):
-    def load_model(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        cfg = _harvest_config(self)
-        if cfg is not None and not getattr(self, "_harvest_ready", False):
-            _setup(self, cfg)
-            self._harvest_ready = True
-        return out
-
-    return load_model
-
-
-def _wrap_exec(orig):
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        out = orig(self, scheduler_output, *args, **kwargs)
-        st = ACTIVE
-        if st is not None and st.taps.buf is not None and scheduler_output.total_num_scheduled_tokens:
-            _harvest_step(self, st, scheduler_output)
-        return out
-
-    return execute_model
-
-
-def _setup(runner, cfg: dict) -> None:
-    global ACTIVE
-    model = runner.get_model()
-    n_layers = _n_layers(runner.model_config)
-    layers = vllm_probe.probed_trunk(runner, model, n_layers, cfg)  # refuses unverifiable trunks
-    width = runner.model_config.get_hidden_size()
-    dtype = runner.model_config.dtype
-    max_tokens = runner.scheduler_config.max_num_batched_tokens
+def setup(runner, cfg: dict) -> HarvestState:
+    """Called from the runner's load_model, after the weights load and before vLLM compiles."""
+    g = compat.runner_geometry(runner)
     mode = cfg["mode"]
+    staging = bool(cfg.get("staging", True))
+    layers = None
     if mode == "freeze":
+        model = runner.get_model()
+        # i13: the block-semantics probe (refuses a trunk it cannot verify) before any tap.
+        layers = vllm_probe.probed_trunk(runner, model, g["n_layers"], cfg)
         fs = FreezeSet(tuple(map(Address.parse, cfg["reads"])), tuple(map(Address.parse, cfg["writes"])))
-        ts = tapmod.allocate(fs, max_tokens, width, dtype, runner.device)
+        ts = tapmod.allocate(fs, g["max_tokens"], g["width"], g["dtype"], g["device"])
+        # The single call into taps (i13 owns its arguments): wrap the decoder layers now, so the
+        # compiled graph contains the taps.
         tapmod.install_freeze(layers, ts)
-    else:  # hooked: buffers are (re)allocated per capture call for the points it asks
-        ts = tapmod.TapSet((), (), None, {}, width)
-    ACTIVE = HarvestState(ts, layers, n_layers, mode, max_tokens, dtype, runner.device)
-
-
-def set_hooked_points(points: tuple[Address, ...]) -> None:
-    """Hooked mode: (re)install Python hooks for exactly these points."""
-    st = ACTIVE
-    for h in st.hook_handles:
-        h.remove()
-    st.hook_handles = []
-    buf = None
-    if points:
-        buf = torch.zeros(len(points), st.max_tokens, st.taps.width, dtype=st.dtype, device=st.device)
-    st.taps = tapmod.TapSet(tuple(points), (), buf, {}, st.taps.width)
-    if points:
-        st.hook_handles = tapmod.install_hooks(st.layers, st.taps)
-
-
-def _harvest_step(runner, st: HarvestState, so) -> None:
-    n = so.total_num_scheduled_tokens
-    req_ids = list(runner.input_batch.req_ids[: runner.input_batch.num_reqs])
-    counts = [so.num_scheduled_tokens[r] for r in req_ids]
-    if sum(counts) != n:
-        raise RuntimeError(f"step row count mismatch: {sum(counts)} scheduled vs {n} forwarded")
-    buf = st.taps.buf
-    if buf.device.type == "cuda":
-        _harvest_cuda(runner, st, req_ids, counts, n)
-        return
-    positions = runner.positions[:n].tolist()
-    _scatter(st, buf, req_ids, counts, positions)
-
-
-def _scatter(st: HarvestState, buf, req_ids, counts, positions) -> None:
-    row = 0
-    for rid, c in zip(req_ids, counts):
-        d = st.dests.get(base_request_id(rid))
-        p0 = positions[row]
-        if d is None or p0 >= d.acts.shape[1]:
-            st.stray_rows += c
-        else:
-            c_prompt = min(c, d.acts.shape[1] - p0)
-            if positions[row + c - 1] != p0 + c - 1:
-                raise RuntimeError(f"request {rid}: non-contiguous positions in one step")
-            d.acts[:, p0 : p0 + c_prompt].copy_(buf[:, row : row + c_prompt])
-            d.filled += c_prompt
-            st.stray_rows += c - c_prompt
-        row += c
-    st.steps += 1
-    st.rows += row
-
-
-def _harvest_cuda(runner, st: HarvestState, req_ids, counts, n) -> None:
-    """Copy rows device->pinned host without waiting; scatter them when the next step comes."""
-    drain_pending(st)
-    if not st.staging:
-        shape = st.taps.buf.shape
-        st.staging = [torch.empty(shape, dtype=st.taps.buf.dtype, pin_memory=True) for _ in range(2)]
-        st.pos_staging = [torch.empty(shape[1], dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        st.events = [torch.cuda.Event() for _ in range(2)]
-    k = st.flip
-    st.flip ^= 1
-    st.staging[k][:, :n].copy_(st.taps.buf[:, :n], non_blocking=True)
-    st.pos_staging[k][:n].copy_(runner.positions[:n], non_blocking=True)
-    st.events[k].record()
-    st.pending.append((k, req_ids, counts, n))
-
-
-def drain_pending(st: HarvestState) -> None:
-    while st.pending:
-        k, req_ids, counts, n = st.pending.pop(0)
-        st.events[k].synchronize()
-        _scatter(st, st.staging[k], req_ids, counts, st.pos_staging[k][:n].tolist())
+    else:  # hooked: buffers per capture call; plain: no taps, steps counted
+        if mode == "hooked":
+            layers = vllm_probe.probed_trunk(runner, runner.get_model(), g["n_layers"], cfg)
+        ts = tapmod.TapSet((), (), None, {}, g["width"])
+    transport = make_transport(ts.buf, g["max_tokens"], staging=staging)
+    return HarvestState(ts, layers, mode, g["max_tokens"], g["width"], g["dtype"], g["device"],
+                        transport, staging)

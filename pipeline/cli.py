@@ -1,4 +1,4 @@
-"""`harvest run|plan|status|verify|inspect|check-model`: the pipeline for people.
+"""`harvest run|plan|status|verify|inspect|report|check-model`: the pipeline for people.
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
@@ -175,30 +175,26 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    url, so = _store_target(args)
+    r = write_report(url, so, out_dir=args.out, tokenizer_path=args.tokenizer)
+    if args.json:
+        print(json.dumps({k: v for k, v in r.items() if k != "data"}, indent=2))
+    else:
+        print(f"report: {r['png']} (and {r['html']})")
+    return 0
+
+
 def cmd_check_model(args) -> int:
     """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
-    refuses the trunk at load (engine/probe.py)."""
-    from engine.check import NO_COMPILE, CheckConfig, check_model, format_check
-    from engine.probe import TrunkRefused
+    refuses the trunk at load (README, "Supported model families")."""
+    from engine.check import run_command
 
     from .driver import resolve_model_path
 
-    cfg = CheckConfig(tol_p50=args.tol_p50, tol_p99=args.tol_p99,
-                      lengths=tuple(int(n) for n in args.lengths.split(",")),
-                      reference_device=args.reference_device)
-    engine_args = dict(NO_COMPILE) if args.no_compile else {}
-    if args.unverified_trunk:
-        engine_args["additional_config"] = {"harvest_unverified_trunk": True}
-    try:
-        result = check_model(resolve_model_path(args.model), points=args.points or None, cfg=cfg,
-                             **engine_args)
-    except TrunkRefused as e:
-        print(f"harvest check-model: REFUSED at load: {e}", file=sys.stderr)
-        return 1
-    print(format_check(result))
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    return 0 if result["ok"] else 1
+    return run_command(resolve_model_path(args.model), args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,16 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
     _store_args(i)
     i.add_argument("--rows", help="rows to show, e.g. 0:16")
     i.set_defaults(fn=cmd_inspect)
-    cm = sub.add_parser("check-model", help="capture a model's activations in freeze mode and "
-                        "compare them with Hugging Face fp32, per layer; exit 1 above tolerance")
+    rp = sub.add_parser("report", help="PNG + HTML: norms, variances, top tokens, compression, rate")
+    _store_args(rp)
+    rp.add_argument("--out", help="output folder (default: <store>/_report, or ./harvest-report)")
+    rp.add_argument("--tokenizer", help="tokenizer path to decode tokens (default: the run's model)")
+    rp.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    rp.set_defaults(fn=cmd_report)
+    cm = sub.add_parser("check-model", help="capture a model in freeze mode and compare every "
+                        "layer with Hugging Face fp32; exit 1 above tolerance")
     cm.add_argument("model", help="checkpoint dir, hub name, smollm2 or tiny:<arch>")
     cm.add_argument("--points", nargs="*", help="default: resid_post at every layer")
     cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
     cm.add_argument("--tol-p50", type=float, default=0.03)
     cm.add_argument("--tol-p99", type=float, default=0.15)
     cm.add_argument("--reference-device", default="cpu")
-    cm.add_argument("--no-compile", action="store_true",
-                    help="freeze mode without torch.compile: starts in seconds")
+    cm.add_argument("--no-compile", action="store_true", help="skip torch.compile: starts in seconds")
     cm.add_argument("--unverified-trunk", action="store_true",
                     help="capture even if the block-semantics probe refuses the trunk")
     cm.add_argument("--json", action="store_true")

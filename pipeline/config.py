@@ -70,7 +70,9 @@ class ModelConfig:
     freeze_points: Any = None
     enforce_eager: bool | None = None
     max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float | None = 0.2
+    # None: the engine's platform profile decides (engine/platform.py): an explicit KV size on
+    # the CPU build, 0.90 of device memory on CUDA. A CPU figure here would cap every GPU run.
+    gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     engine_args: dict = field(default_factory=dict)

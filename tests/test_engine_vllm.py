@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from engine import Address, load_model, run_with_cache
-from engine import harvest, taps
 from tests.engine_reference import BF16_REL_TOL, final_norm, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import ARCHS, tiny_model_path
 
@@ -30,10 +29,12 @@ def frozen(request):
 def test_freeze_resid_post_every_layer_equals_hf(frozen):
     arch, path, m = frozen
     toks = prompts(1, LENGTHS)
-    steps0 = m.state.steps
+    before = m.step_stats()
     got = run_with_cache(m, toks)
+    after = m.step_stats()
     # Chunked prefill really happened: the 150-token prompt needs >= 3 steps of 64 rows.
-    assert m.state.steps - steps0 >= sum(LENGTHS) // MAX_BATCHED
+    assert after["steps"] - before["steps"] >= sum(LENGTHS) // MAX_BATCHED
+    assert after["scheduled_tokens"] - before["scheduled_tokens"] == sum(LENGTHS)
     ref, hf = hf_hidden_states(path, toks)
     norm = final_norm(hf)
     n = m.n_layers
@@ -61,20 +62,27 @@ def test_rows_attach_to_the_right_request(frozen):
 
 
 def test_taps_run_on_the_compiled_path(frozen):
+    """The tap buffer is NaN-poisoned before every forward: a delivered row that no compiled-in
+    tap wrote in that very step would be NaN. Python hooks, in contrast, never fire."""
     arch, _, m = frozen
     from vllm.config import CompilationMode
 
     assert m.llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE
+    toks = prompts(3, (30, 70))  # 64 + 36 rows: the last step leaves rows 36.. of the buffer
+    clean = run_with_cache(m, toks)
     hook_calls = []
-    h = harvest.ACTIVE.layers[0].register_forward_hook(lambda *a: hook_calls.append(1))
-    before = taps.TAP_CALLS[0]
+    h = m.state.layers[0].register_forward_hook(lambda *a: hook_calls.append(1))
+    m.set_poison(True)
     try:
-        got = run_with_cache(m, prompts(3, (30, 70)))
+        got = run_with_cache(m, toks)
+        assert torch.isnan(m.state.taps.buf[:, MAX_BATCHED - 1]).all()  # the poison was there
     finally:
+        m.set_poison(False)
         h.remove()
-    assert hook_calls == []  # Python hooks never fire inside the compiled graph...
-    assert taps.TAP_CALLS[0] - before >= m.n_layers * 2  # ...the compiled-in taps do, per layer per step
-    assert all(v.abs().sum() > 0 for g in got for v in g.values())
+    assert hook_calls == []
+    for g, c in zip(got, clean):
+        for a in g:
+            assert not torch.isnan(g[a]).any() and torch.equal(g[a], c[a]), (arch, a)
 
 
 def test_frozen_engine_refuses_points_outside_its_set(frozen):
@@ -124,10 +132,56 @@ def test_streaming_capture_is_lazy_and_bounded(frozen):
     assert len(pulled) <= 4  # a budget of 100 tokens admits at most 2 prompts of 50 (+1 peeked)
     rest = list(stream)
     assert sorted([first.index] + [r.index for r in rest]) == list(range(12))
-    assert not harvest.ACTIVE.dests  # every per-request buffer was handed over
+    assert not m.state.dests and not m.state.tickets  # every request was handed over
 
 
 def test_token_list_longer_than_the_engine_takes_is_refused(frozen):
     _, _, m = frozen
     with pytest.raises(ValueError, match="at most"):
         run_with_cache(m, [[5] * (m.max_model_len + 5)])
+
+
+def test_rows_land_in_caller_memory_from_a_destination_provider(frozen):
+    """One host copy: the rows are written straight into the caller's buffer (a stand-in for the
+    writer's [points, shard_rows, width] shard buffer), equal to a default capture's rows."""
+    arch, _, m = frozen
+    toks = prompts(6, (40, 90, 7))
+    pts = ["resid_post.1", "resid_post.3"]
+    want = run_with_cache(m, toks, pts)
+    shard = torch.full((2, 256, m.width), float("nan"), dtype=m.dtype)
+    offsets = [0, 40, 130]
+    asked = []
+
+    def dest(index, n):
+        asked.append((index, n))
+        return shard[:, offsets[index] : offsets[index] + n]
+
+    got = {r.index: r for r in m.capture([toks], pts, destinations=dest)}
+    assert sorted(asked) == [(0, 40), (1, 90), (2, 7)]
+    for i, t in enumerate(toks):
+        assert got[i].acts.data_ptr() == shard[:, offsets[i]].data_ptr()
+        for j, p in enumerate(pts):
+            assert torch.equal(shard[j, offsets[i] : offsets[i] + len(t)], want[i][Address.parse(p)])
+    assert torch.isnan(shard[:, 137:]).all()  # nothing written outside the requests' slices
+
+
+def test_a_wrong_destination_is_refused_before_anything_runs(frozen):
+    _, _, m = frozen
+    bad = lambda i, n: torch.zeros(1, n, m.width, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dtype|shape"):
+        list(m.capture([prompts(7, (10,))], ["resid_post.0"], destinations=bad))
+    assert not m.state.dests
+
+
+def test_stopping_early_aborts_the_rest_and_leaves_the_engine_clean(frozen):
+    arch, path, m = frozen
+    toks = prompts(8, (60, 60, 60, 60, 60))
+    stream = m.capture([toks], ["resid_post.0"], max_in_flight_tokens=120)
+    first = next(stream)
+    stream.close()
+    assert not m.state.dests and not m.state.tickets
+    got = run_with_cache(m, toks[:2], ["resid_post.0"])  # the engine still captures correctly
+    ref, _ = hf_hidden_states(path, toks[:2])
+    for i in range(2):
+        assert rel_err(got[i][Address("resid_post", 0)], ref[i][1]) < BF16_REL_TOL
+    assert first.index in range(5)

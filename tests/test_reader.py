@@ -1,79 +1,67 @@
-"""The SAE-training reader: exactly once across ranks x workers, seeded shuffles, filters, stats."""
+"""The SAE-training reader: exactly once, bit-exact rows, seeded shuffles mixed inside each batch."""
 
 from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.store import create_store
-from pipeline.store import synthetic
+from pipeline.store import create_store, synthetic
 from pipeline.store.reader import ActivationDataset
+from tests.reader_stores import BOS, committed_rows, make_store
 
-P, W, N, SHARD = 2, 16, 5000, 512   # 10 shards, the last one partial (392 rows)
-BOS = 1
-
-
-def _tok(n):
-    t = (np.arange(n) * 31 % 997 + 2).astype(np.int32)
-    t[::100] = BOS  # a BOS at the start of every 100-token context
-    return t
+P, W, N, SHARD, C = 2, 16, 5000, 512, 100   # 10 shards, the last one partial (392 rows)
 
 
 @pytest.fixture(scope="module")
-def data():
-    return synthetic.activations((P, N, W), seed=11)
+def built(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("r") / "r.zarr", N, SHARD, W, ["resid_post.0", "resid_post.1"],
+                      context=C, seed=11, uncommitted=(3, 7))
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, data):
-    s = create_store(str(tmp_path_factory.mktemp("r") / "r.zarr"), points=["resid_post.0", "resid_post.1"],
-                     width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128)
-    s.write_plan(s.default_plan(1))
-    plan = s.plan()
-    uncommitted = {3, 7}
-    synthetic.fill(s, data, units=[u for u in plan if u["unit_id"] not in uncommitted],
-                   token_id=_tok(N), doc_id=np.arange(N) // 100, position=np.arange(N) % 100)
-    for uid in uncommitted:  # written but never committed: must never be read
-        w = s.region_writer(uid, plan[uid]["row_start"], plan[uid]["row_end"])
-        w.write(plan[uid]["row_start"], data[:, plan[uid]["row_start"]:plan[uid]["row_end"]])
-        w.abort()
-    s.committed_rows = np.concatenate([np.arange(u["row_start"], u["row_end"]) for u in plan
-                                       if u["unit_id"] not in uncommitted])
-    return s
+def store(built):
+    return built[0]
 
 
-def _rows(ds, num_workers=0):
-    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers)
-    batches = list(dl)
+@pytest.fixture(scope="module")
+def data(built):
+    return built[1]
+
+
+def _rows(ds, num_workers=0, **kw):
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, **kw))
     return batches, np.concatenate([b["row"].numpy() for b in batches])
 
 
-def test_every_committed_row_exactly_once_across_ranks_and_workers(store, data):
-    seen = []
-    for rank in range(2):
-        ds = ActivationDataset(store, batch_size=300, rank=rank, world_size=2, seed=5, return_meta=True,
-                               shuffle_buffer_rows=1200)
-        batches, rows = _rows(ds, num_workers=2)
-        for b in batches:
-            assert b["acts"].shape[1:] == (P, W) and b["acts"].dtype == torch.bfloat16
-            assert b["acts"].shape[0] <= 300
-            r = b["row"].numpy()
-            got = b["acts"].view(torch.int16).numpy().view(np.uint16)
-            want = np.stack([data[p][r] for p in range(P)], axis=1).view(np.uint16)
-            assert np.array_equal(got, want)  # each row carries its own activations
-            assert np.array_equal(b["token_id"].numpy(), _tok(N)[r])
-            assert np.array_equal(b["position"].numpy(), r % 100)
-        seen.append(rows)
-    all_rows = np.concatenate(seen)
-    assert len(all_rows) == len(store.committed_rows)
-    assert np.array_equal(np.sort(all_rows), store.committed_rows)  # exactly once, none uncommitted
-    assert set(seen[0]).isdisjoint(seen[1])
+def _bits(t):
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def test_every_committed_row_once_with_its_own_activations(store, data, built):
+    """One process reads every committed row exactly once; uncommitted units never appear."""
+    ds = ActivationDataset(store, batch_size=300, seed=5, return_meta=True, shuffle_buffer_rows=4 * SHARD)
+    batches, rows = _rows(ds)
+    tok, doc, pos = built[2:]
+    for b in batches:
+        assert b["acts"].shape[1:] == (P, W) and b["acts"].dtype == torch.bfloat16
+        r = b["row"].numpy()
+        want = np.stack([data[p][r] for p in range(P)], axis=1).view(np.uint16)
+        assert np.array_equal(_bits(b["acts"]), want)
+        assert np.array_equal(b["token_id"].numpy(), tok[r])
+        assert np.array_equal(b["doc_id"].numpy(), doc[r]) and np.array_equal(b["position"].numpy(), pos[r])
+    assert [b["acts"].shape[0] for b in batches[:-1]] == [300] * (len(batches) - 1)
+    assert np.array_equal(np.sort(rows), committed_rows(store))
 
 
 def test_seed_reproduces_and_epochs_reshuffle(store):
     def order(seed, epoch=0, **kw):
-        ds = ActivationDataset(store, batch_size=256, seed=seed, return_meta=True, shuffle_buffer_rows=1000, **kw)
+        ds = ActivationDataset(store, batch_size=256, seed=seed, return_meta=True, shuffle_buffer_rows=8 * SHARD,
+                               **kw)
         ds.set_epoch(epoch)
         return _rows(ds)[1]
 
@@ -82,66 +70,60 @@ def test_seed_reproduces_and_epochs_reshuffle(store):
     c, d = order(2), order(1, epoch=1)
     assert not np.array_equal(a, c) and not np.array_equal(a, d)
     for o in (a, c, d):
-        assert np.array_equal(np.sort(o), store.committed_rows)
-    # a batch is a uniform draw from the whole buffer: with 4 shards buffered, from all 4 of them
-    ds = ActivationDataset(store, batch_size=256, seed=1, return_meta=True, shuffle_buffer_rows=4 * SHARD)
-    first = next(iter(ds))["row"].numpy()
-    assert len(np.unique(first // SHARD)) == 4
+        assert np.array_equal(np.sort(o), committed_rows(store))
     seq = order(0, shuffle=False)
-    assert np.array_equal(seq, store.committed_rows)
+    assert np.array_equal(seq, committed_rows(store))
 
 
-def test_epochs_reuse_piece_buffers_and_stay_exact(store, data):
-    """Epoch 2 decodes into epoch 1's piece buffers (fresh memory is slow), with identical rows."""
-    import pickle
+def test_each_batch_mixes_its_window_shards_in_random_order(store):
+    """A batch is a uniform draw from its whole window, interleaved: consecutive rows come from
+    the same shard about as often as in a uniform draw, not in runs per shard (0.19 vs 0.003 on
+    a real store before)."""
+    ds = ActivationDataset(store, batch_size=512, seed=3, return_meta=True, shuffle_buffer_rows=8 * SHARD)
+    first = next(iter(ds))["row"].numpy()
+    shards = first // SHARD
+    assert len(np.unique(shards)) == 8  # the whole window (all 8 committed shards) in one batch
+    counts = np.bincount(shards)
+    ideal = float(((counts / counts.sum()) ** 2).sum())  # P(two random rows share a shard)
+    lag1 = float((shards[1:] == shards[:-1]).mean())
+    assert lag1 < 1.6 * ideal, (lag1, ideal)
+    seq = next(iter(ActivationDataset(store, batch_size=512, shuffle=False, return_meta=True)))["row"].numpy()
+    assert (seq[1:] // SHARD == seq[:-1] // SHARD).mean() > 0.99  # the same check fails unshuffled
 
-    ds = ActivationDataset(store, batch_size=256, seed=3, return_meta=True, shuffle_buffer_rows=1000)
+
+def test_epochs_reuse_arenas_and_stay_exact(store, data):
+    """Epoch 2 decodes into epoch 1's arenas (fresh memory is slow), with identical rows."""
+    ds = ActivationDataset(store, batch_size=256, seed=3, return_meta=True, shuffle_buffer_rows=3 * SHARD)
     kept = []
     for epoch in range(2):
         ds.set_epoch(epoch)
         rows, acts = [], []
         for b in ds:
             rows.append(b["row"].numpy())
-            acts.append(b["acts"].view(torch.int16).numpy().view(np.uint16))
+            acts.append(_bits(b["acts"]))
         rows, acts = np.concatenate(rows), np.concatenate(acts)
-        assert np.array_equal(np.sort(rows), store.committed_rows)
+        assert np.array_equal(np.sort(rows), committed_rows(store))
         assert np.array_equal(acts, data.view(np.uint16)[:, rows].transpose(1, 0, 2))
-        kept.append(list(ds._buffers._free))  # references, so no id can be reused meanwhile
-    assert kept[0] and {id(b) for b in kept[1]} == {id(b) for b in kept[0]}
+        kept.append(list(ds._arenas._bufs))  # references, so no id can be reused meanwhile
+    assert all(b is not None for b in kept[0]) and [id(b) for b in kept[1]] == [id(b) for b in kept[0]]
     clone = pickle.loads(pickle.dumps(ds))  # spawn-started DataLoader workers get a pickled copy
-    assert clone._buffers is None and clone._store is None
-    assert np.array_equal(np.sort(_rows(clone)[1]), store.committed_rows)
+    assert clone._arenas is None and clone._store is None
+    assert np.array_equal(np.sort(_rows(clone)[1]), committed_rows(store))
 
 
-def test_exclude_bos_and_single_point_batches(store, data):
-    ds = ActivationDataset(store, points="resid_post.1", batch_size=400, exclude_token_ids=[BOS], seed=3,
-                           return_meta=True)
-    batches, rows = _rows(ds)
-    assert all(b["acts"].shape[1:] == (W,) for b in batches)
-    assert (_tok(N)[rows] != BOS).all()
-    expect = store.committed_rows[_tok(N)[store.committed_rows] != BOS]
-    assert np.array_equal(np.sort(rows), expect)
-    b = batches[0]
-    assert np.array_equal(b["acts"].view(torch.int16).numpy().view(np.uint16),
-                          data[1][b["row"].numpy()].view(np.uint16))
+def test_single_point_batches_and_drop_last(store, data):
+    ds = ActivationDataset(store, points="resid_post.1", batch_size=400, seed=3, return_meta=True)
+    b = next(iter(ds))
+    assert b["acts"].shape == (400, W)
+    assert np.array_equal(_bits(b["acts"]), data[1][b["row"].numpy()].view(np.uint16))
     plain = list(ActivationDataset(store, points="resid_post.1", batch_size=400, drop_last=True))
     assert all(isinstance(t, torch.Tensor) and t.shape == (400, W) for t in plain)
+    assert len(plain) == len(committed_rows(store)) // 400
 
 
-def test_normalisation_from_stored_stats(store, data):
-    rows = store.committed_rows
-    x = data[:, rows].astype(np.float32).astype(np.float64)  # [P, n, W]
-    st = store.stats()
-    ds = ActivationDataset(store, batch_size=1000, normalize="standardize", seed=0)
-    out = torch.cat(list(ds)).double().numpy()  # [n, P, W]
-    assert out.dtype == np.float64 and out.shape == (len(rows), P, W)
-    np.testing.assert_allclose(out.mean(0), 0, atol=1e-4)
-    np.testing.assert_allclose(out.std(0), 1, rtol=1e-3)
-    ds = ActivationDataset(store, points="resid_post.0", batch_size=1000, normalize="norm_scale")
-    out = torch.cat(list(ds)).double().numpy()
-    np.testing.assert_allclose((out * out).sum(1).mean(), W, rtol=1e-4)
-    scale = np.sqrt(W / st["resid_post.0"]["mean_sq_norm"])
-    np.testing.assert_allclose(np.sort(out[:, 0]), np.sort(x[0][:, 0] * scale), rtol=1e-5)
+def test_small_buffer_warns(store):
+    with pytest.warns(UserWarning, match="barely a shuffle"):
+        ActivationDataset(store, batch_size=100, shuffle_buffer_rows=SHARD)
 
 
 def test_reader_argument_errors(store):
@@ -153,6 +135,30 @@ def test_reader_argument_errors(store):
         ActivationDataset(store, rank=2, world_size=2)
     with pytest.raises(ValueError, match="shuffle_buffer_rows=10 must be >= batch_size=100"):
         ActivationDataset(store, batch_size=100, shuffle_buffer_rows=10)
+    with pytest.raises(ValueError, match="records no special_token_ids"):
+        ActivationDataset(store, exclude_special=True)
+    with pytest.raises(ValueError, match="split='dev'"):
+        ActivationDataset(store, split="dev")
+    with pytest.raises(ValueError, match="max_norm_ratio=0.5"):
+        ActivationDataset(store, max_norm_ratio=0.5)
+
+
+def test_seqpos_needs_a_context_size(tmp_path):
+    s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.0"], width=8, n_rows=256, shard_rows=128)
+    s.write_plan(s.default_plan(1))
+    synthetic.fill(s, synthetic.activations((1, 256, 8)), token_id=np.arange(256, dtype=np.int32))
+    with pytest.raises(ValueError, match="pass context_size="):
+        ActivationDataset(s, seqpos=slice(1, None))
+    ds = ActivationDataset(s, seqpos=slice(1, None), context_size=64, batch_size=64, return_meta=True)
+    rows = np.concatenate([b["row"].numpy() for b in ds])
+    assert np.array_equal(np.sort(rows), np.flatnonzero(np.arange(256) % 64 != 0))
+
+
+def test_store_package_imports_without_torch_ray_or_vllm():
+    code = ("import sys, pipeline.store, pipeline.store.filters, pipeline.store.sampling; "
+            "bad = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_reads_from_s3_with_prefetch(seaweedfs, s3_url):
@@ -160,11 +166,32 @@ def test_reads_from_s3_with_prefetch(seaweedfs, s3_url):
     s = create_store(s3_url, points=["resid_post.4"], width=32, n_rows=3000, shard_rows=512, chunk_rows=128,
                      storage_options=seaweedfs.storage_options)
     s.write_plan(s.default_plan(2))
-    synthetic.fill(s, x, token_id=np.arange(3000, dtype=np.int32))
+    synthetic.fill(s, x, token_id=np.arange(3000, dtype=np.int32) % 7)
     ds = ActivationDataset(s3_url, storage_options=seaweedfs.storage_options, batch_size=256,
-                           prefetch_shards=3, return_meta=True, seed=9)
+                           prefetch_shards=3, return_meta=True, seed=9, exclude_token_ids=[BOS])
     batches, rows = _rows(ds, num_workers=2)
-    assert np.array_equal(np.sort(rows), np.arange(3000))
+    want = np.flatnonzero(np.arange(3000) % 7 != BOS)
+    # 2 workers: equal shares, the odd row out (if any) dropped
+    assert len(rows) == len(want) // 2 * 2 and np.isin(rows, want).all() and len(np.unique(rows)) == len(rows)
     for b in batches:
-        assert np.array_equal(b["acts"].view(torch.int16).numpy().view(np.uint16),
-                              x[0][b["row"].numpy()].view(np.uint16))
+        assert np.array_equal(_bits(b["acts"]), x[0][b["row"].numpy()].view(np.uint16))
+
+
+def test_format_md_bfloat16_snippet_reads_a_store_with_plain_zarr(tmp_path):
+    """The FORMAT.md lines for zarr-python users, run as written (no harvest import) on a store."""
+    import re
+    from pathlib import Path
+
+    fmt = (Path(__file__).resolve().parents[1] / "pipeline" / "store" / "FORMAT.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", fmt, re.S)
+    assert "import pipeline" not in code and "from pipeline" not in code
+    n, w = 5000, 32
+    x = synthetic.activations((1, n, w), seed=4)
+    s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.10"], width=w, n_rows=n, shard_rows=2048)
+    s.write_plan(s.default_plan(1))
+    synthetic.fill(s, x, token_id=np.arange(n, dtype=np.int32) + 7)
+    np.save(tmp_path / "want.npy", x[0, :4096].view(np.uint16))
+    code = code.replace('STORE = "path/to/store"', f"STORE = {str(tmp_path / 's.zarr')!r}")
+    code += (f"\nassert np.array_equal(x.view(np.uint16), np.load({str(tmp_path / 'want.npy')!r}))"
+             "\nassert np.array_equal(token_id, np.arange(4096) + 7)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(tmp_path))

@@ -15,8 +15,13 @@ from typing import ClassVar, Literal
 import ml_dtypes
 import numpy as np
 from zarr.core.dtype import data_type_registry
-from zarr.core.dtype.common import DataTypeValidationError, HasEndianness, HasItemSize
+from zarr.core.dtype.common import HasEndianness, HasItemSize
 from zarr.core.dtype.npy.float import BaseFloat
+
+try:
+    from zarr.errors import DataTypeValidationError  # zarr >= 3.2 (older homes warn there)
+except ImportError:
+    from zarr.core.dtype.common import DataTypeValidationError  # zarr 3.1
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

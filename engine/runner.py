@@ -1,0 +1,82 @@
+"""The capture runner and worker, installed explicitly through vLLM's `worker_cls`.
+
+vLLM builds the worker named in `parallel_config.worker_cls`; ours subclasses the platform's and
+gives it a model runner subclass whose `load_model` installs the taps (before vLLM compiles and
+captures graphs) and whose `execute_model` moves the step's rows out. Nothing is patched on
+import and nothing lives in module globals: the capture state is `runner.harvest`, built from the
+engine's own `additional_config["harvest"]`, and the capture loop gets it by one worker call.
+An engine built without our `worker_cls` is plain vLLM, untouched.
+
+Model Runner V2 is refused here, loudly: it rebuilds its input batch per step in a sorted order
+and has none of the persistent state the row map reads (README: "Model Runner V2").
+"""
+
+from __future__ import annotations
+
+from . import compat, harvest
+
+_runners = compat.v1_runner_classes()
+_workers = compat.worker_classes()
+
+
+class HarvestRunnerMixin:
+    """Taps at load time, one ticket of copies per step; inert without a harvest config."""
+
+    harvest: "harvest.HarvestState | None" = None
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        cfg = compat.harvest_config(self.vllm_config)
+        if cfg is not None and self.harvest is None:
+            self.harvest = harvest.setup(self, cfg)
+        return out
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        st = self.harvest
+        if st is None or not compat.scheduled_tokens(scheduler_output):
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        st.before_forward()
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        st.after_forward(self, scheduler_output)
+        return out
+
+
+class HarvestGPUModelRunner(HarvestRunnerMixin, _runners["gpu"]):
+    pass
+
+
+class HarvestCPUModelRunner(HarvestRunnerMixin, _runners["cpu"]):
+    pass
+
+
+def _refuse_v2(worker) -> None:
+    if compat.uses_v2_runner(worker):
+        raise compat.VLLMIncompatible(
+            "vLLM chose Model Runner V2, which the capture engine does not support yet: set "
+            "VLLM_USE_V2_MODEL_RUNNER=0 (engine.vllm_backend sets it; a feature that forces V2, "
+            "such as HiSparse or watermarking, cannot be combined with capture)")
+
+
+class _HarvestRPC:
+    """Reached with LLM.collective_rpc; in-process, the objects come back by reference."""
+
+    def harvest_state(self):
+        return self.model_runner.harvest
+
+
+class HarvestGPUWorker(_HarvestRPC, _workers["gpu"]):
+    def _make_model_runner(self):
+        _refuse_v2(self)
+        return HarvestGPUModelRunner(self.vllm_config, self.device)
+
+
+class HarvestCPUWorker(_HarvestRPC, _workers["cpu"]):
+    def init_device(self):
+        super().init_device()
+        _refuse_v2(self)
+        # CPUWorker.init_device builds CPUModelRunner inline (no factory to override); the
+        # subclass adds methods only, so switching the instance's class changes no state.
+        if type(self.model_runner) is not _runners["cpu"]:
+            raise compat.VLLMIncompatible(
+                f"CPUWorker built a {type(self.model_runner).__name__}, not CPUModelRunner")
+        self.model_runner.__class__ = HarvestCPUModelRunner

@@ -1,0 +1,38 @@
+"""A DataLoader over an ActivationDataset that knows how many batches it delivered.
+
+The dataset's batches come from worker processes round-robin; counting them here is what lets
+`state_dict()` name the resume point without asking the workers (each worker yields the same
+number of batches, so round-robin order is exact; see sampling.worker_share).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ActivationLoader(torch.utils.data.DataLoader):
+    """torch DataLoader(batch_size=None) with `state_dict()` / `load_state_dict()`."""
+
+    def __init__(self, dataset, num_workers: int = 0, **kwargs):
+        if kwargs.pop("batch_size", None) is not None:
+            raise ValueError("ActivationLoader: the dataset yields whole batches; leave batch_size unset")
+        if num_workers > 1:
+            dataset.count_rows()  # in the parent once, not in every worker
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
+        self._base, self._delivered = 0, 0
+
+    def __iter__(self):
+        self._base, self._delivered = self.dataset.resume_point, 0
+        for x in super().__iter__():
+            self._delivered += 1
+            yield x
+
+    def state_dict(self) -> dict:
+        return self.dataset.state_dict(self._base + self._delivered, self.num_workers)
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state.get("num_workers", 0)) != self.num_workers:
+            raise ValueError(f"reader state was saved with num_workers={state.get('num_workers')}, this "
+                             f"loader has {self.num_workers}: rows are split over workers, so resume "
+                             "with the same number")
+        self.dataset.load_state_dict(state)

@@ -1,0 +1,207 @@
+"""Normalisation constants that describe the rows a reader yields, and where they came from.
+
+Constants taken from statistics over *all* rows are wrong as soon as a reader drops rows: one
+BOS attention sink at layer 20 of SmolLM2 has ||x||^2 ~ 6e8 against a median of 6e4, so stats
+over all rows scaled the kept rows to E||x||^2 = 6.5 instead of 576. Two sources are right:
+
+- "store:kept": the statistics the writer records for the kept row class (special tokens and
+  the first `stats_skip_positions` context positions left out), used only when the reader's
+  filters select exactly that class; exact, and free.
+- "sample": a seeded sample of the filtered stream, read at start as SAELens does; chunk-sized
+  blocks from random places so the sample spans many documents for the bytes it reads.
+
+The norm-outlier filter's threshold (k x the median row norm per point) comes from the same
+sample, so the constants describe the rows that survive it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .dtypes import BF16
+from .filters import MetaColumns, RowFilter, matches_recorded, recorded_stats_filter
+from .stats import Moments
+
+log = logging.getLogger(__name__)
+
+MODES = (None, "standardize", "norm_scale", "center_norm_scale")
+
+
+@dataclass(frozen=True)
+class NormConstants:
+    """y = (x - shift) * scale, per point and dimension ([n_points, width] float32 tensors).
+
+    source: "store:kept" or "sample" (or "given" when passed in, e.g. a train split's constants
+    reused for its held-out split); rows: how many rows the statistics cover; mean_sq_norm:
+    E||x||^2 of those rows before normalisation, per point.
+    """
+
+    mode: str
+    points: tuple[str, ...]
+    shift: torch.Tensor
+    scale: torch.Tensor
+    source: str
+    rows: int
+    mean_sq_norm: tuple[float, ...]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., n_points, width] or [..., width] with one point."""
+        s, c = (self.shift, self.scale) if x.dim() >= 2 and x.shape[-2:] == self.shift.shape else \
+            (self.shift[0], self.scale[0])
+        return (x.float() - s.to(x.device)) * c.to(x.device)
+
+    def invert(self, y: torch.Tensor) -> torch.Tensor:
+        """Back to activation units (e.g. to report a reconstruction error in the model's space)."""
+        s, c = (self.shift, self.scale) if y.dim() >= 2 and y.shape[-2:] == self.shift.shape else \
+            (self.shift[0], self.scale[0])
+        return y.float() / c.to(y.device) + s.to(y.device)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "points": list(self.points), "source": self.source, "rows": self.rows,
+                "mean_sq_norm": list(self.mean_sq_norm), "shift": self.shift.tolist(),
+                "scale": self.scale.tolist()}
+
+
+def constants(mode: str, points, moments: list[Moments], width: int, source: str,
+              eps: float = 1e-6) -> NormConstants:
+    shift, scale = [], []
+    for p, m in zip(points, moments):
+        if not m.count:
+            raise ValueError(f"normalize={mode!r}: no rows of {p} pass the filters, so there is "
+                             "nothing to take statistics from; loosen the filters")
+        mean, var = np.asarray(m.mean), np.asarray(m.var)
+        if mode == "standardize":
+            shift.append(mean)
+            scale.append(1.0 / np.sqrt(var + eps))
+        elif mode == "norm_scale":
+            shift.append(np.zeros_like(mean))
+            scale.append(np.full_like(mean, np.sqrt(width / m.mean_sq_norm)))
+        elif mode == "center_norm_scale":
+            shift.append(mean)
+            scale.append(np.full_like(mean, np.sqrt(width / var.sum())))
+        else:
+            raise ValueError(f"normalize={mode!r}: use one of {MODES}")
+    return NormConstants(mode, tuple(points), torch.from_numpy(np.stack(shift).astype(np.float32)),
+                         torch.from_numpy(np.stack(scale).astype(np.float32)), source,
+                         int(moments[0].count), tuple(float(m.mean_sq_norm) for m in moments))
+
+
+# ---- row norms ----------------------------------------------------------------------------------
+def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """||x||^2 per row of a [n, width] block of raw bits (or values) of `dtype`, in float64.
+
+    bf16 bits shifted left by 16 are the float32 of the same value, exactly: no ml_dtypes cast,
+    which numpy runs element by element.
+    """
+    if dtype == BF16:
+        f = (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        f = rows.view(dtype).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.einsum("ij,ij->i", f, f, dtype=np.float64)
+
+
+# ---- store kept stats ---------------------------------------------------------------------------
+def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
+    """The store's kept-row statistics when `filt` selects exactly that row class, else None."""
+    if not matches_recorded(filt, recorded_stats_filter(store.attrs)):
+        return None
+    try:
+        st = store.stats(list(points), subset="kept")
+    except TypeError:  # a Store without kept-row statistics (before interfaces item 2)
+        return None
+    out = []
+    for p in points:
+        s = st.get(p) if st else None
+        if not s or not s.get("count"):
+            return None
+        mean = np.asarray(s["mean"], np.float64)
+        out.append(Moments(int(s["count"]), mean, np.asarray(s["var"], np.float64) * int(s["count"])))
+    return out
+
+
+# ---- sample of the filtered stream -----------------------------------------------------------
+@dataclass
+class Sample:
+    rows: np.ndarray          # [n, n_points, width] raw bits of the store dtype, filters applied
+    norm_limit: np.ndarray | None   # per point: max ||x||^2 kept (None: no norm filter)
+    outlier_rows: int         # sample rows the norm filter dropped
+    blocks: int               # blocks read
+
+
+def _blocks(pieces, chunk_rows: int):
+    """Chunk-aligned row blocks covering the pieces: (piece index, a, b) per block."""
+    starts = np.array([a for a, _ in pieces], np.int64)
+    ends = np.array([b for _, b in pieces], np.int64)
+    first = starts // chunk_rows
+    last = -(-ends // chunk_rows)
+    counts = last - first
+    return first, counts, starts, ends
+
+
+def read_sample(store, meta: MetaColumns, points, pieces, filt: RowFilter, n_rows: int, seed: int,
+                max_norm_ratio: float | None, threads: int = 8) -> Sample:
+    """Up to `n_rows` filtered rows from chunk-sized blocks at seeded random places.
+
+    Blocks, not whole shards: one 32 MiB shard is a handful of documents, while the same bytes
+    as 1 MiB blocks from 32 places span 32 times as many. Blocks are drawn without replacement
+    until the filtered rows reach n_rows (all of a small store).
+    """
+    chunk = store.chunk_rows
+    first, counts, starts, ends = _blocks(pieces, chunk)
+    total = int(counts.sum())
+    rng = np.random.default_rng([seed, 0x5A3B1E])
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    order = rng.permutation(total) if total <= (1 << 22) else None
+    dtype = store.np_dtype
+    raw = np.dtype(f"u{dtype.itemsize}")
+    meta_names = [n for n, need in (("token_id", filt.needs_tokens), ("doc_id", filt.needs_docs)) if need]
+
+    def read(block: int):
+        i = int(np.searchsorted(cum, block, side="right") - 1)
+        c = first[i] + (block - cum[i])
+        a, b = max(int(c * chunk), int(starts[i])), min(int((c + 1) * chunk), int(ends[i]))
+        cols = {n: meta.read(n, a, b) for n in meta_names}
+        m = filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"))
+        if m is not None and not m.any():
+            return np.empty((0, len(points), store.width), raw)
+        x = np.stack([np.asarray(store.array(p)[a:b]).view(raw) for p in points], axis=1)
+        return x if m is None else x[m]
+
+    parts, have, used = [], 0, 0
+    drawn = set()
+    with cf.ThreadPoolExecutor(threads, thread_name_prefix="harvest-sample") as ex:
+        while have < n_rows and used < total:
+            want = max(threads, int(np.ceil((n_rows - have) / chunk * 1.25)))
+            if order is not None:
+                batch = order[used:used + want].tolist()
+            else:  # huge store: draw fresh block ids, never the same one twice
+                batch = [int(v) for v in rng.choice(total, size=min(total, want * 2), replace=False)
+                         if int(v) not in drawn][:want]
+                drawn.update(batch)
+            used += len(batch)
+            for x in ex.map(read, batch):
+                if x.shape[0]:
+                    parts.append(x)
+                    have += x.shape[0]
+    rows = np.concatenate(parts) if parts else np.empty((0, len(points), store.width), raw)
+    if rows.shape[0] > n_rows:  # the last blocks overshoot: keep a random subset, not a prefix
+        rows = rows[np.sort(rng.choice(rows.shape[0], n_rows, replace=False))]
+    limit, dropped = None, 0
+    if max_norm_ratio is not None and rows.shape[0]:
+        sq = np.stack([sq_norms(rows[:, j], dtype) for j in range(len(points))], axis=1)  # [n, P]
+        limit = (max_norm_ratio ** 2) * np.median(sq, axis=0)
+        keep = (sq <= limit).all(axis=1)
+        dropped = int((~keep).sum())
+        rows = rows[keep]
+    return Sample(rows, limit, dropped, used)
+
+
+def sample_moments(sample: Sample, dtype: np.dtype) -> list[Moments]:
+    return [Moments.of(np.ascontiguousarray(sample.rows[:, j]).view(dtype))
+            for j in range(sample.rows.shape[1])]

@@ -1,0 +1,107 @@
+"""Each trainer example runs on a small store and trains: SAELens, dictionary_learning, sparsify
+(in .venv-trainers, which .ci/install builds beside the engine's venv, since their pins replace
+the engine's torch/transformers) and plain PyTorch (in this venv).
+
+The store holds sparse codes: every row is 4 of 256 unit atoms in 64 dimensions with positive
+weights, plus small noise, so a TopK SAE can reach a low held-out FVU in a few hundred steps and
+a broken data path (misaligned rows, wrong normalisation, a split that leaks) shows up as a high
+one. The light package is checked there too: installed without vLLM or Ray, it reads the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.reader_stores import make_store
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINERS = REPO / ".venv-trainers" / "bin" / "python"
+D, ATOMS, K, N = 64, 256, 4, 1 << 15
+
+
+@pytest.fixture(scope="module")
+def sparse_store(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    atoms = rng.normal(size=(ATOMS, D))
+    atoms /= np.linalg.norm(atoms, axis=1, keepdims=True)
+    idx = np.stack([rng.choice(ATOMS, K, replace=False) for _ in range(N)])
+    x = (rng.uniform(0.5, 2.0, (N, K, 1)) * atoms[idx]).sum(1) + 0.02 * rng.normal(size=(N, D))
+    attrs = {"special_token_ids": [1], "bos_token_id": 1, "context_size": 64, "tokenizer": "toy",
+             "model": {"model": "toy-sparse-codes"}}
+    s = make_store(tmp_path_factory.mktemp("sparse") / "s.zarr", N, 4096, D, ["resid_post.3"], context=64,
+                   attrs=attrs, data=x[None].astype(ml_dtypes.bfloat16), mean_doc=40)[0]
+    return s.url
+
+
+def _trainers_venv():
+    if not TRAINERS.exists():
+        pytest.fail(f"{TRAINERS} is missing: run `bash .ci/install`, which builds it (sae-lens, "
+                    "dictionary-learning, eai-sparsify and the light harvest-store package)")
+    return str(TRAINERS)
+
+
+def _run(python: str, script: str, store: str, *extra, light: bool = False, timeout: int = 600) -> dict:
+    env = dict(os.environ, WANDB_MODE="disabled", TQDM_DISABLE="1", OMP_NUM_THREADS="2")
+    if light:
+        env["HARVEST_LIGHT"] = "1"   # import pipeline.store from the installed package only
+        env.pop("PYTHONPATH", None)
+    else:
+        env["PYTHONPATH"] = str(REPO)
+    p = subprocess.run([python, str(REPO / "examples" / script), "--store", store, *extra], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=str(REPO / "examples"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+ARGS = ("--steps", "200", "--batch-size", "256", "--k", "8", "--lr", "1e-2")   # ~0.17 FVU for all four
+
+
+def test_plain_torch_topk_example_trains(sparse_store):
+    r = _run(sys.executable, "train_topk.py", sparse_store, *ARGS)
+    assert r["steps"] == 200 and r["norm_source"] == "sample"
+    assert r["last_loss"] < 0.5 * r["first_loss"]
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_saelens_example_trains(sparse_store):
+    r = _run(_trainers_venv(), "train_saelens.py", sparse_store, *ARGS)
+    assert r["steps"] == 200 and r["last_loss"] < 0.5 * r["first_loss"]
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_dictionary_learning_example_trains(sparse_store):
+    r = _run(_trainers_venv(), "train_dictionary_learning.py", sparse_store, *ARGS)
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_sparsify_example_trains(sparse_store):
+    r = _run(_trainers_venv(), "train_sparsify.py", sparse_store, *ARGS)
+    assert r["last_loss"] < 0.5 * r["first_loss"]
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_light_package_reads_the_store_without_vllm_or_ray(sparse_store):
+    """In .venv-trainers the store and reader come from the installed harvest-store package
+    (no checkout on the path), and neither vLLM nor Ray is installed there."""
+    py = _trainers_venv()
+    code = ("import importlib.util as u, sys, numpy as np, pipeline.store as ps\n"
+            "from pipeline.store.reader import ActivationDataset\n"
+            "assert u.find_spec('vllm') is None and u.find_spec('ray') is None\n"
+            "assert 'site-packages' in ps.__file__, ps.__file__\n"
+            f"ds = ActivationDataset({sparse_store!r}, batch_size=1000, exclude_special=True, return_meta=True)\n"
+            "rows = np.concatenate([b['row'].numpy() for b in ds])\n"
+            "print(len(rows), len(np.unique(rows)), ds.count_rows())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    n, uniq, kept = map(int, p.stdout.split())
+    assert n == uniq == kept == N - N // 64

@@ -1,0 +1,162 @@
+"""Filters (tokens, context positions, held-out documents, norm outliers) and the normalisation
+constants of exactly the rows yielded, checked against a direct recount over those rows."""
+
+from __future__ import annotations
+
+import logging
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from pipeline.store import Store, open_store
+from pipeline.store.reader import ActivationDataset
+from tests.reader_stores import BOS, make_store
+
+W, SHARD, C, N = 16, 512, 64, 9 * 512
+
+
+@pytest.fixture(scope="module")
+def sinky(tmp_path_factory):
+    """BOS rows are attention sinks (norm x300), and so are a few non-BOS rows at positions 1-3."""
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(2, N, W)) * np.exp(rng.normal(size=W)) + rng.normal(size=W)).astype(np.float32)
+    x[:, ::C] *= 300
+    sinks = np.flatnonzero(np.isin(np.arange(N) % C, [1, 2, 3]))[::7]
+    x[:, sinks] *= 100
+    attrs = {"special_token_ids": [BOS, 2], "bos_token_id": BOS, "tokenizer": "toy-tokenizer",
+             "context_size": C, "stats_filter": {"special_token_ids": [BOS, 2], "skip_positions": 0}}
+    s, data, tok, doc, pos = make_store(tmp_path_factory.mktemp("f") / "f.zarr", N, SHARD, W,
+                                        ["resid_post.3", "resid_post.7"], context=C, seed=2, attrs=attrs,
+                                        data=x.astype(ml_dtypes.bfloat16))
+    return s, data, tok, doc, sinks
+
+
+def _all(ds):
+    out = [b for b in ds]
+    return torch.cat([b["acts"] for b in out]).double().numpy(), np.concatenate([b["row"].numpy() for b in out])
+
+
+def _recount(data, rows):
+    x = data[:, rows].astype(np.float64)           # [P, n, W]
+    return x.mean(1), x.var(1), (x * x).sum(2).mean(1)
+
+
+def test_store_records_its_tokens_and_exclude_special_uses_them(sinky):
+    s, data, tok, doc, sinks = sinky
+    ds = ActivationDataset(s, batch_size=256, exclude_special=True, return_meta=True)
+    assert ds.special_token_ids == [BOS, 2] and ds.tokenizer == "toy-tokenizer" and ds.context_size == C
+    rows = _all(ds)[1]
+    assert np.array_equal(np.sort(rows), np.flatnonzero(~np.isin(tok, [BOS, 2])))
+
+
+def test_seqpos_keeps_only_the_chosen_context_positions(sinky):
+    s = sinky[0]
+    for sl in (slice(1, None), slice(4, 40, 3)):
+        rows = _all(ActivationDataset(s, batch_size=200, seqpos=sl, return_meta=True))[1]
+        keep = np.zeros(C, bool)
+        keep[sl] = True
+        assert np.array_equal(np.sort(rows), np.flatnonzero(keep[np.arange(N) % C]))
+
+
+def test_held_out_split_is_by_document(sinky):
+    s, _, _, doc, _ = sinky
+    train = _all(ActivationDataset(s, batch_size=256, split="train", test_fraction=0.2, return_meta=True))[1]
+    test = _all(ActivationDataset(s, batch_size=256, split="test", test_fraction=0.2, return_meta=True))[1]
+    assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(N))
+    assert not set(doc[train]) & set(doc[test])           # no document on both sides
+    assert (doc[test] >= 0).all()                         # BOS rows belong to no document: train
+    docs = np.unique(doc[doc >= 0])
+    assert 0.1 < len(np.unique(doc[test])) / len(docs) < 0.3
+    other = _all(ActivationDataset(s, batch_size=256, split="test", test_fraction=0.2, split_seed=1,
+                                   return_meta=True))[1]
+    assert not np.array_equal(np.sort(other), np.sort(test))
+
+
+@pytest.mark.parametrize("mode", ["norm_scale", "standardize", "center_norm_scale"])
+def test_normalisation_uses_the_yielded_rows(sinky, mode, caplog):
+    """BOS excluded: constants from the kept rows (the sample covers this small store) give
+    exactly the target moments; constants over all rows (the old behaviour) do not."""
+    s, data, tok, _, _ = sinky
+    with caplog.at_level(logging.INFO, logger="pipeline.store.reader"):
+        ds = ActivationDataset(s, batch_size=500, exclude_token_ids=[BOS], normalize=mode, return_meta=True)
+    assert ds.norm_constants.source == "sample" and "constants from sample" in caplog.text
+    y, rows = _all(ds)
+    mean, var, msq = _recount(data, rows)
+    for p in range(2):
+        yp = y[:, p]
+        if mode == "norm_scale":
+            np.testing.assert_allclose((yp * yp).sum(1).mean(), W, rtol=1e-4)
+            # the same rows scaled with statistics over all rows: off by orders of magnitude
+            all_msq = (data[p].astype(np.float64) ** 2).sum(1).mean()
+            assert (data[p, rows].astype(np.float64) ** 2).sum(1).mean() * W / all_msq < 0.1 * W
+        elif mode == "standardize":
+            np.testing.assert_allclose(yp.mean(0), 0, atol=1e-4)
+            np.testing.assert_allclose(yp.std(0), 1, rtol=1e-3)
+        else:
+            np.testing.assert_allclose(((yp - yp.mean(0)) ** 2).sum(1).mean(), W, rtol=1e-4)
+        np.testing.assert_allclose(ds.norm_constants.mean_sq_norm[p], msq[p], rtol=1e-9)
+    back = ds.norm_constants.invert(torch.from_numpy(y[:5]).float())
+    np.testing.assert_allclose(back.numpy(), data[:, rows[:5]].astype(np.float32).transpose(1, 0, 2), rtol=1e-4)
+
+
+def test_a_sample_of_part_of_the_store_estimates_within_two_percent(sinky):
+    s, data, _, _, _ = sinky
+    ds = ActivationDataset(s, batch_size=500, seqpos=slice(4, None), normalize="norm_scale",
+                           norm_sample_rows=N // 4)
+    assert ds.norm_constants.rows == N // 4
+    y = torch.cat(list(ds)).double().numpy()
+    for p in range(2):
+        assert abs((y[:, p] ** 2).sum(1).mean() / W - 1) < 0.02
+
+
+def test_norm_outlier_filter_drops_the_sinks_and_only_them(sinky):
+    s, data, tok, _, sinks = sinky
+    ds = ActivationDataset(s, batch_size=256, exclude_token_ids=[BOS], max_norm_ratio=10, normalize="norm_scale",
+                           return_meta=True)
+    y, rows = _all(ds)
+    want = np.setdiff1d(np.flatnonzero(tok != BOS), sinks)
+    assert np.array_equal(np.sort(rows), want) and ds.tally.dropped == len(np.setdiff1d(sinks, np.flatnonzero(tok == BOS)))
+    for p in range(2):
+        np.testing.assert_allclose((y[:, p] ** 2).sum(1).mean(), W, rtol=1e-4)
+
+
+class _KeptStatsStore(Store):
+    """A store whose writer recorded kept-row statistics (interfaces item 2), faked by a recount."""
+
+    def stats(self, points=None, subset="all"):
+        if subset != "kept":
+            return super().stats(points)
+        tok = np.asarray(self.read_row_meta(0, self.n_rows)[0])
+        keep = ~np.isin(tok, [BOS, 2])
+        out = {}
+        for p in points or self.points:
+            x = np.asarray(self.array(p)[:]).astype(np.float64)[keep]
+            out[p] = {"count": int(keep.sum()), "mean": x.mean(0), "var": x.var(0),
+                      "mean_sq_norm": float((x * x).sum(1).mean()), "nonfinite_rows": 0}
+        return out
+
+
+def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky, caplog):
+    s, data, tok, _, _ = sinky
+    fake = _KeptStatsStore.__new__(_KeptStatsStore)
+    fake.__dict__.update(open_store(s.url).__dict__)
+    with caplog.at_level(logging.INFO, logger="pipeline.store.reader"):
+        ds = ActivationDataset(fake, batch_size=500, exclude_special=True, normalize="standardize",
+                               norm_sample_rows=64)
+    assert ds.norm_constants.source == "store:kept" and "constants from store:kept" in caplog.text
+    keep = ~np.isin(tok, [BOS, 2])
+    mean, var, _ = _recount(data, np.flatnonzero(keep))
+    np.testing.assert_allclose(ds.norm_constants.shift.numpy(), mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ds.norm_constants.scale.numpy(), 1 / np.sqrt(var + 1e-6), rtol=1e-5)
+    # other filters than the recorded ones: the stored stats do not describe the rows -> sample
+    other = ActivationDataset(fake, batch_size=500, exclude_special=True, seqpos=slice(1, None),
+                              normalize="standardize")
+    assert other.norm_constants.source == "sample"
+    # a held-out split reuses its train split's constants
+    test = ActivationDataset(fake, batch_size=500, exclude_special=True, split="test", normalize="standardize",
+                             norm_constants=ds.norm_constants)
+    assert test.norm_constants is ds.norm_constants
+    with pytest.raises(ValueError, match="norm_constants are for points"):
+        ActivationDataset(fake, points="resid_post.3", normalize="standardize", norm_constants=ds.norm_constants)
