@@ -96,7 +96,7 @@ class BlockSemantics:
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
-    """[tokens, width] or [1, tokens, width] -> [tokens, width] (a view)."""
+    """[tokens, width] or [1, tokens, width] -> [tokens, width] (a view where the layout allows)."""
     return t.reshape(-1, t.shape[-1])
 
 
