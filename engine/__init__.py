@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
-from .addresses import Address, FreezeSet, KNOWN_POINTS, resolve_freeze_points
+from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
 from .captured import CapturedRequest, to_numpy
+from .check import CheckConfig, check_loaded, check_model
+from .probe import TrunkRefused
 
 BACKENDS = ("vllm", "eager")
 
@@ -38,5 +40,6 @@ def run_with_cache(model, tokens, points=None) -> list[dict[Address, "torch.Tens
     return out
 
 
-__all__ = ["Address", "CapturedRequest", "FreezeSet", "KNOWN_POINTS", "load_model",
-           "resolve_freeze_points", "run_with_cache", "to_numpy"]
+__all__ = ["Address", "CapturedRequest", "CheckConfig", "FreezePlan", "FreezeSet", "KNOWN_POINTS",
+           "TrunkRefused", "check_loaded", "check_model", "load_model", "resolve_freeze_points",
+           "run_with_cache", "to_numpy"]

@@ -7,7 +7,7 @@ decided here and never changes afterwards. Every rule below is pinned by tests/t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 # Points every supported trunk exposes; `attn_out`/`mlp_out` are the block's sublayer outputs
 # (before they are added to the stream). `resid_streams` exists only on trunks with several
@@ -84,18 +84,39 @@ class FreezeSet:
             )
 
 
+class FreezePlan(NamedTuple):
+    """What `resolve_freeze_points` decided: `reads, writes, graph = plan`.
+
+    graph=False is the hooked mode (eager engine, Python hooks, no frozen set); graph=True is a
+    compiled engine with exactly `reads`/`writes` frozen in (both empty: plain vLLM, no taps).
+    """
+
+    reads: tuple[Address, ...]
+    writes: tuple[Address, ...]
+    graph: bool
+
+    def freeze_set(self) -> FreezeSet | None:
+        """The frozen set a graph-mode engine installs; None in hooked mode."""
+        return FreezeSet(self.reads, self.writes) if self.graph else None
+
+
+HOOKED = FreezePlan((), (), False)
+
+
 def resolve_freeze_points(
     freeze_points=None,
     n_layers: int = 0,
     n_streams: int = 1,
     freeze_writes=None,
     enforce_eager: bool | None = None,
-) -> FreezeSet | None:
-    """Decide the frozen read/write set; None means hooked mode (no freeze, Python hooks).
+) -> FreezePlan:
+    """Decide the frozen read/write set and whether the engine runs a graph at all.
 
-    - "auto", or no list with enforce_eager False/None: resid_post at every layer
-      (resid_streams when the trunk has several residual streams), and writes == reads unless
-      freeze_writes=[] asks for reads without write buffers. None and [] differ only here.
+    - freeze_points omitted with enforce_eager not False (None or True): hooked mode, no graph.
+      `freeze_writes=[]` alone changes nothing here: it is not graph mode.
+    - "auto", or enforce_eager=False with no list: resid_post at every layer (resid_streams when
+      the trunk has several residual streams), and writes == reads unless freeze_writes=[] asks
+      for reads without write buffers. None and [] differ only here.
     - an explicit read list implies no writes; a named write list without reads is writes-only.
     - freeze_points=[] is graph mode with no taps.
     - enforce_eager=True with any freeze set is refused: hooks and freeze are exclusive.
@@ -113,15 +134,14 @@ def resolve_freeze_points(
                 "omit freeze_points (and freeze_writes) for the hooked mode, or drop enforce_eager "
                 "for freeze mode"
             )
-        return None
+        return HOOKED
+    if freeze_points is None and not freeze_writes and enforce_eager is None:
+        return HOOKED
     auto_name = MULTI_STREAM_POINT if n_streams > 1 else "resid_post"
     if freeze_points == "auto" or (freeze_points is None and not freeze_writes):
         reads = all_layers(auto_name, n_layers)
-        if freeze_writes is None:
-            writes = reads
-        else:
-            writes = parse_addresses(freeze_writes, n_layers)
-        return FreezeSet(reads, writes)
+        writes = reads if freeze_writes is None else parse_addresses(freeze_writes, n_layers)
+        return FreezePlan(reads, writes, True)
     reads = parse_addresses(freeze_points or [], n_layers)
     writes = parse_addresses(freeze_writes or [], n_layers)
-    return FreezeSet(reads, writes)
+    return FreezePlan(reads, writes, True)

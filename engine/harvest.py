@@ -26,6 +26,7 @@ import torch
 
 from . import compat
 from . import taps as tapmod
+from . import vllm_probe
 from .addresses import Address, FreezeSet
 from .coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
 from .transport import check_destination, make_transport
@@ -199,7 +200,8 @@ def setup(runner, cfg: dict) -> HarvestState:
     layers = None
     if mode == "freeze":
         model = runner.get_model()
-        layers = tapmod.find_layers(model, g["n_layers"])
+        # i13: the block-semantics probe (refuses a trunk it cannot verify) before any tap.
+        layers = vllm_probe.probed_trunk(runner, model, g["n_layers"], cfg)
         fs = FreezeSet(tuple(map(Address.parse, cfg["reads"])), tuple(map(Address.parse, cfg["writes"])))
         ts = tapmod.allocate(fs, g["max_tokens"], g["width"], g["dtype"], g["device"])
         # The single call into taps (i13 owns its arguments): wrap the decoder layers now, so the
@@ -207,7 +209,7 @@ def setup(runner, cfg: dict) -> HarvestState:
         tapmod.install_freeze(layers, ts)
     else:  # hooked: buffers per capture call; plain: no taps, steps counted
         if mode == "hooked":
-            layers = tapmod.find_layers(runner.get_model(), g["n_layers"])
+            layers = vllm_probe.probed_trunk(runner, runner.get_model(), g["n_layers"], cfg)
         ts = tapmod.TapSet((), (), None, {}, g["width"])
     transport = make_transport(ts.buf, g["max_tokens"], staging=staging)
     return HarvestState(ts, layers, mode, g["max_tokens"], g["width"], g["dtype"], g["device"],

@@ -12,10 +12,11 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from . import blocks
 from .addresses import Address, POINTS, parse_addresses
 from .captured import CapturedRequest
 from .common import read_model_info, validate_tokens
-from .taps import find_layers, sublayer
+from .taps import check_supported, find_layers
 
 
 class HFModel:
@@ -36,7 +37,8 @@ class HFModel:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = AutoModelForCausalLM.from_pretrained(
             name_or_path, revision=revision, dtype=self.dtype).to(self.device).eval()
-        self.layers = find_layers(self.model, self.n_layers)
+        layers = find_layers(self.model, self.n_layers)
+        self.trunk = blocks.Trunk(layers, [blocks.hf_semantics(layer) for layer in layers])
         self.max_batch_tokens = max_batch_tokens
         self._tokenizer = None
 
@@ -57,22 +59,24 @@ class HFModel:
                 "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
 
     def _hooks(self, pts: tuple[Address, ...], store: dict):
+        """Same stream and sub-module rules as the vLLM taps (engine/blocks.py), so a point one
+        backend refuses the other refuses too."""
+        check_supported(self.trunk, pts)
         handles = []
         for a in pts:
-            layer = self.layers[a.layer]
+            layer, sem = self.trunk[a.layer], self.trunk.semantics[a.layer]
             if a.name == "resid_pre":
-                def pre(mod, args, kwargs, a=a):
-                    h = args[0] if args else kwargs["hidden_states"]
-                    store[a] = h
+                def pre(mod, args, kwargs, a=a, sem=sem):
+                    store[a] = sem.stream.get(args, kwargs)
                 handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-                continue
-            mod = layer if a.name == "resid_post" else sublayer(layer, a.name)
-            if mod is None:
-                raise ValueError(f"{a}: this trunk exposes no {a.name} submodule")
-
-            def post(mod, args, out, a=a):
-                store[a] = out[0] if isinstance(out, tuple) else out
-            handles.append(mod.register_forward_hook(post))
+            elif a.name == "resid_post":
+                def post(mod, args, out, a=a):
+                    store[a] = blocks.first_or_tensor(out)
+                handles.append(layer.register_forward_hook(post))
+            else:
+                def sub(mod, args, out, a=a):
+                    store[a] = blocks.sublayer_value(out)
+                handles.append(self.trunk.sublayer(a).register_forward_hook(sub))
         return handles
 
     def _batches(self, source):

@@ -49,38 +49,111 @@ def train_tokenizer(vocab_size: int = 512):
     )
 
 
+# Tiny configs of every family the suite checks (README "Supported model families"): width 128,
+# head_dim 64 (a size vLLM's CPU attention kernels support), 2 heads, 1 KV head where the family
+# has GQA. Gemma-2/3 and EXAONE-4 get a 16-token sliding window so the windowed layers really
+# window on the test prompts (up to 150 tokens); Gemma-2 also soft-caps.
+_GQA = dict(num_key_value_heads=1)
+_TINY: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(_GQA, head_dim=64, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(_GQA)),
+    "qwen3": ("Qwen3Config", dict(_GQA, head_dim=64, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(_GQA, head_dim=64, sliding_window=None)),
+    "gemma2": ("Gemma2Config", dict(_GQA, head_dim=64, query_pre_attn_scalar=64, sliding_window=16,
+                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(_GQA, head_dim=64, query_pre_attn_scalar=64,
+                                             sliding_window=16)),
+    "gpt_neox": ("GPTNeoXConfig", dict(use_parallel_residual=True)),
+    "phi3": ("Phi3Config", dict(_GQA, pad_token_id=2)),
+    "olmo2": ("Olmo2Config", dict(_GQA)),
+    "starcoder2": ("Starcoder2Config", dict(_GQA)),
+    # Granite's multipliers are what makes it Granite: each must reach both engines' activations.
+    "granite": ("GraniteConfig", dict(_GQA, embedding_multiplier=6.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.125, logits_scaling=2.0)),
+    "stablelm": ("StableLmConfig", dict(num_key_value_heads=2)),
+    "falcon": ("FalconConfig", dict(new_decoder_architecture=False, multi_query=True,
+                                    parallel_attn=True, alibi=False)),
+    "cohere": ("CohereConfig", dict(_GQA, logit_scale=0.5)),
+    "exaone4": ("Exaone4Config", dict(_GQA, head_dim=64, sliding_window=16,
+                                      sliding_window_pattern=2)),
+    "mixtral": ("MixtralConfig", dict(_GQA, head_dim=64, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_GQA, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=128, norm_topk_prob=False)),
+}
+TINY_ARCHS = tuple(_TINY) + ("gpt2", "gptj")
+
+
 def tiny_config(arch: str, vocab_size: int, n_layers: int = 4, width: int = 128):
-    """Small but real configs: head_dim 64 (a size vLLM's CPU attention kernels support)."""
+    """Small but real configs of every family in TINY_ARCHS."""
     import transformers as tf
 
     heads = max(1, width // 64)
     common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    if arch == "llama":
-        return tf.LlamaConfig(
-            hidden_size=width, intermediate_size=width * 2, num_hidden_layers=n_layers,
-            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
-            max_position_embeddings=1024, tie_word_embeddings=False, **common,
-        )
-    if arch == "qwen3":
-        return tf.Qwen3Config(
-            hidden_size=width, intermediate_size=width * 2, num_hidden_layers=n_layers,
-            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
-            max_position_embeddings=1024, tie_word_embeddings=True, **common,
-        )
-    if arch == "gpt2":
-        return tf.GPT2Config(
-            n_embd=width, n_layer=n_layers, n_head=heads, n_positions=1024,
-            **{k: v for k, v in common.items() if k != "pad_token_id"},
-        )
-    raise ValueError(f"unknown tiny arch {arch!r}: use 'llama', 'qwen3' or 'gpt2'")
+    if arch in ("gpt2", "gptj"):  # the n_embd/n_layer/n_head spelling, no pad token
+        common.pop("pad_token_id")
+        extra = dict(rotary_dim=32) if arch == "gptj" else {}
+        cls = tf.GPT2Config if arch == "gpt2" else tf.GPTJConfig
+        return cls(n_embd=width, n_layer=n_layers, n_head=heads, n_positions=1024, **extra, **common)
+    if arch not in _TINY:
+        raise ValueError(f"unknown tiny arch {arch!r}: use one of {', '.join(TINY_ARCHS)}")
+    cls_name, extra = _TINY[arch]
+    kw = dict(hidden_size=width, intermediate_size=width * 2, num_hidden_layers=n_layers,
+              num_attention_heads=heads, max_position_embeddings=1024)
+    kw.update(common)
+    kw.update(extra)
+    if arch == "falcon":  # Falcon has no intermediate_size (4x width, fixed)
+        kw.pop("intermediate_size")
+    return getattr(tf, cls_name)(**kw)
+
+
+def _routing_neutral(model) -> None:
+    """Every expert of a layer identical, so routing cannot change a MoE block's output.
+
+    bf16 and an fp32 reference pick different top-k experts on a few percent of rows with real
+    routers (README, "MoE routing"): that is the model, not the tap, and would make an exactness
+    test of the taps flaky. With identical experts, renormalised top-k weights sum to 1 whatever is
+    picked; where top-k weights are not renormalised (Qwen3-MoE by default) the router is zeroed
+    too, so every pick has the same weight.
+    """
+    import torch
+
+    renormalised = getattr(model.config, "norm_topk_prob", True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3:  # fused experts [n_experts, out, in]
+                p.copy_(p[:1].expand_as(p))
+            elif ".mlp.gate." in name and not renormalised:
+                p.zero_()
+    per_expert: dict[str, object] = {}
+    for name, p in model.named_parameters():  # per-expert modules: experts.<e>.<weight>
+        head, sep, tail = name.partition(".experts.")
+        if sep and tail.split(".", 1)[0].isdigit():
+            key = head + "|" + tail.split(".", 1)[1]
+            with torch.no_grad():
+                p.copy_(per_expert.setdefault(key, p))
+
+
+def shared_tokenizer():
+    """The trained 512-token BPE, trained once per cache dir and reused by every tiny model."""
+    from transformers import PreTrainedTokenizerFast
+
+    d = cache_dir() / "tokenizer-512"
+    if not (d / "tokenizer.json").exists():
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        train_tokenizer().save_pretrained(tmp)
+        shutil.rmtree(d, ignore_errors=True)
+        os.replace(tmp, d)
+    return PreTrainedTokenizerFast.from_pretrained(d)
 
 
 def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int = 128,
-                     seed: int = 0) -> str:
+                     seed: int = 0, routing_neutral: bool = True) -> str:
     """Random-weight model + trained tokenizer saved with save_pretrained; returns the path.
 
     Weights are scaled up from the default 0.02 init so the residual stream is not dominated by
-    the embedding: a near-zero stream would let a wrong layer pass an equality check.
+    the embedding: a near-zero block output would let a wrong layer pass an equality check.
+    MoE experts are made identical unless routing_neutral=False (see _routing_neutral).
     """
     import torch
     import transformers as tf
@@ -88,7 +161,7 @@ def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return str(out)
-    tokenizer = train_tokenizer()
+    tokenizer = shared_tokenizer()
     config = tiny_config(arch, len(tokenizer), n_layers, width)
     config.torch_dtype = "bfloat16"
     torch.manual_seed(seed)
@@ -97,11 +170,14 @@ def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    tmp = out.with_name(out.name + ".tmp")
+    if routing_neutral:
+        _routing_neutral(model)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else (shutil.rmtree(out), os.replace(tmp, out))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
     return str(out)
 
 

@@ -7,34 +7,32 @@ CUDA graphs; a Python forward hook, in contrast, is never called on the compiled
 measured on vLLM's CPU build). One buffer for all reads means one strided copy per request per step
 moves every layer of that request's rows out (see harvest.py).
 
-Block shapes handled:
-- "fused" trunks (vLLM Llama/Qwen decoder layers): `forward(positions, hidden, residual)` returns
-  `(hidden, residual)` and the residual add is fused into the *next* layer's norm, so the stream after
-  block L is `hidden + residual`; tapping `hidden` alone (the MLP output) would be wrong.
-- "stream" trunks (GPT-2 blocks, Hugging Face decoder layers): the block returns the stream itself.
+Where each block's stream enters and leaves (which argument, whether a residual input or a second
+output is part of it, `[tokens, width]` or `[1, tokens, width]`) is not decided here: the wrappers
+and hooks read it from the block's `BlockSemantics` (engine/blocks.py), which the probe measured
+(engine/probe.py) before anything was installed.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .addresses import Address, FreezeSet
-
-
-# Calls of the tap kernels, counted inside the op bodies: on the compiled path they are the only
-# Python that runs per layer, so a test can tell "taps ran under compilation" from "hooks ran".
-TAP_CALLS = [0]
+from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
+                     sublayer_value, with_arg)
 
 
 @torch.library.custom_op("harvest::tap", mutates_args=("buf",))
 def tap(x: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
-    """buf[slot, :n] = x  (n = rows of this step, padding included; the harvest reads only real rows)."""
-    TAP_CALLS[0] += 1
-    buf[slot, : x.shape[0]].copy_(x.reshape(x.shape[0], -1))
+    """buf[slot, :n] = x  (n = rows of this step, padding included; the harvest reads only real rows).
+
+    x is `[n, width]` or `[1, n, width]` (Transformers backend): rows are counted after flattening,
+    never from `x.shape[0]`, which is 1 for the batched layout."""
+    x = x.reshape(-1, buf.shape[-1])
+    buf[slot, : x.shape[0]].copy_(x)
 
 
 @tap.register_fake
@@ -45,7 +43,7 @@ def _tap_fake(x, buf, slot):
 @torch.library.custom_op("harvest::tap_sum", mutates_args=("buf",))
 def tap_sum(x: torch.Tensor, r: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x + r, written in place: the fused trunk's stream without a temporary."""
-    TAP_CALLS[0] += 1
+    x, r = x.reshape(-1, buf.shape[-1]), r.reshape(-1, buf.shape[-1])
     torch.add(x, r, out=buf[slot, : x.shape[0]])
 
 
@@ -75,18 +73,6 @@ def find_layers(model: nn.Module, n_layers: int) -> nn.ModuleList:
     raise RuntimeError(f"could not find a list of {n_layers} decoder layers in {type(model).__name__}")
 
 
-def is_fused(layer: nn.Module) -> bool:
-    return "residual" in inspect.signature(layer.forward).parameters
-
-
-def sublayer(layer: nn.Module, point: str) -> nn.Module | None:
-    names = {"attn_out": ("self_attn", "attn", "attention"), "mlp_out": ("mlp", "feed_forward")}[point]
-    for n in names:
-        if isinstance(getattr(layer, n, None), nn.Module):
-            return getattr(layer, n)
-    return None
-
-
 @dataclass
 class TapSet:
     """Buffers of one engine. `reads[i]` is written into `buf[i]`; `steer[a]` is added at a."""
@@ -109,32 +95,39 @@ def allocate(fs: FreezeSet, max_tokens: int, width: int, dtype, device) -> TapSe
     return TapSet(fs.reads, fs.writes, buf, steer, width)
 
 
-def check_supported(layers: nn.ModuleList, points) -> None:
+def check_supported(trunk: Trunk, points) -> None:
+    """Refuse points this trunk cannot serve, the same way on every backend (see hf_backend)."""
     for a in points:
         if a.name == "resid_streams":
             raise ValueError(
                 f"{a}: this trunk has a single residual stream; use resid_post instead"
             )
-        if a.name in ("attn_out", "mlp_out") and sublayer(layers[a.layer], a.name) is None:
-            raise ValueError(f"{a}: this trunk exposes no {a.name} submodule")
+        if a.name in ("attn_out", "mlp_out") and trunk.sublayer(a) is None:
+            cls = type(trunk[a.layer]).__name__
+            blocks_report = trunk.report.get("blocks") or []
+            note = (blocks_report[a.layer].get("submodule_notes", {}).get(a.name)
+                    if a.layer < len(blocks_report) else None)
+            why = f"the probe saw {note}" if note else \
+                f"it has none of {', '.join(SUBMODULE_NAMES[a.name])}"
+            raise ValueError(f"{a}: block {cls} serves no {a.name} ({why}); "
+                             "capture resid_pre/resid_post there instead")
 
 
-def install_freeze(layers: nn.ModuleList, taps: TapSet) -> None:
+def install_freeze(trunk: Trunk, taps: TapSet) -> None:
     """Wrap each tapped layer's forward (before vLLM compiles the model) with graph-traceable taps.
 
     Instance-level `forward` replacement, not hooks: dynamo inlines it into the compiled graph.
     """
-    check_supported(layers, set(taps.reads) | set(taps.writes))
+    check_supported(trunk, set(taps.reads) | set(taps.writes))
     by_layer: dict[int, set[str]] = {}
     for a in set(taps.reads) | set(taps.writes):
         by_layer.setdefault(a.layer, set()).add(a.name)
     for li, names in by_layer.items():
-        layer = layers[li]
         for sub in ("attn_out", "mlp_out"):
             if sub in names:
-                _wrap_sublayer(sublayer(layer, sub), Address(sub, li), taps)
+                _wrap_sublayer(trunk.sublayer(Address(sub, li)), Address(sub, li), taps)
         if names & {"resid_pre", "resid_post"}:
-            _wrap_block(layer, li, taps, names)
+            _wrap_block(trunk, li, taps)
 
 
 def _reader(taps: TapSet, a: Address):
@@ -160,91 +153,79 @@ def _wrap_sublayer(mod: nn.Module, a: Address, taps: TapSet) -> None:
 
     def forward(*args, **kwargs):
         out = orig(*args, **kwargs)
-        t = out[0] if isinstance(out, tuple) else out
         if vec is not None:
-            t = t + vec
-            out = (t,) + tuple(out[1:]) if isinstance(out, tuple) else t
+            out = (out[0] + vec,) + tuple(out[1:]) if isinstance(out, (tuple, list)) else out + vec
         if read is not None:
-            read(t)
+            read(sublayer_value(out))
         return out
 
     mod.forward = forward
 
 
-def _wrap_block(layer: nn.Module, li: int, taps: TapSet, names: set[str]) -> None:
+def _wrap_block(trunk: Trunk, li: int, taps: TapSet) -> None:
+    """Every argument passes through (`t_cond=None` and friends); the stream is found where the
+    probe found it, by position or by name, whichever the caller used."""
+    layer, sem = trunk[li], trunk.semantics[li]
     orig = layer.forward
     pre, post = Address("resid_pre", li), Address("resid_post", li)
     pre_vec, post_vec = taps.steer.get(pre), taps.steer.get(post)
     read_pre, read_post = _reader(taps, pre), _reader(taps, post)
-    if is_fused(layer):
+    s_i, s_n = sem.stream.index, sem.stream.name
+    use_res = sem.pre_adds_residual and sem.residual is not None
+    r_i, r_n = (sem.residual.index, sem.residual.name) if use_res else (None, None)
+    mode = sem.post
 
-        def forward(positions, hidden_states, residual):
-            if pre_vec is not None:
-                hidden_states = hidden_states + pre_vec
-            if read_pre is not None:
-                read_pre(hidden_states, residual)
-            hidden, res = orig(positions, hidden_states, residual)
-            if post_vec is not None:
-                # Adding to `hidden` shifts the stream: the next fused norm adds `res` to it.
-                hidden = hidden + post_vec
-            if read_post is not None:
-                read_post(hidden, res)
-            return hidden, res
-
-    else:
-
-        def forward(hidden_states, *args, **kwargs):
-            if pre_vec is not None:
-                hidden_states = hidden_states + pre_vec
-            if read_pre is not None:
-                read_pre(hidden_states)
-            out = orig(hidden_states, *args, **kwargs)
-            t = out[0] if isinstance(out, tuple) else out
-            if post_vec is not None:
-                t = t + post_vec
-                out = (t,) + tuple(out[1:]) if isinstance(out, tuple) else t
-            if read_post is not None:
-                read_post(t)
-            return out
+    def forward(*args, **kwargs):
+        if pre_vec is not None:
+            # On a fused trunk this shifts the stream too: the block adds `residual` to it.
+            h = arg_value(args, kwargs, s_i, s_n)
+            args, kwargs = with_arg(args, kwargs, s_i, s_n, h + pre_vec)
+        if read_pre is not None:
+            read_pre(arg_value(args, kwargs, s_i, s_n),
+                     arg_value(args, kwargs, r_i, r_n) if use_res else None)
+        out = orig(*args, **kwargs)
+        if post_vec is not None:
+            # Adding to the first output shifts the stream in every mode ("sum": the next fused
+            # norm adds out[1] to it).
+            out = out + post_vec if mode == "tensor" else (out[0] + post_vec,) + tuple(out[1:])
+        if read_post is not None:
+            if mode == "tensor":
+                read_post(out)
+            elif mode == "first":
+                read_post(out[0])
+            else:
+                read_post(out[0], out[1])
+        return out
 
     layer.forward = forward
 
 
-def install_hooks(layers: nn.ModuleList, taps: TapSet) -> list:
-    """Hooked mode: the same buffers, filled by Python forward hooks (eager execution only).
+def install_hooks(trunk: Trunk, taps: TapSet) -> list:
+    """Hooked mode: the same buffers, filled by Python forward hooks (eager execution only), with
+    the same block semantics as the freeze wrappers.
 
     Returns the hook handles so a capture call can remove them and the next call can hook other
     points: hooked mode serves any point, freeze mode only the set it froze.
     """
-    check_supported(layers, taps.reads)
+    check_supported(trunk, taps.reads)
     handles = []
     for a in taps.reads:
-        layer = layers[a.layer]
-        slot = taps.slot(a)
+        sem, slot = trunk.semantics[a.layer], taps.slot(a)
         if a.name in ("attn_out", "mlp_out"):
             def hook(mod, args, out, slot=slot):
-                t = out[0] if isinstance(out, tuple) else out
-                taps.buf[slot, : t.shape[0]].copy_(t.reshape(t.shape[0], -1))
-            handles.append(sublayer(layer, a.name).register_forward_hook(hook))
+                _copy_rows(taps.buf, slot, sublayer_value(out))
+            handles.append(trunk.sublayer(a).register_forward_hook(hook))
         elif a.name == "resid_post":
-            def hook(mod, args, out, slot=slot):
-                if isinstance(out, tuple) and is_fused(mod):
-                    torch.add(out[0], out[1], out=taps.buf[slot, : out[0].shape[0]])
-                else:
-                    t = out[0] if isinstance(out, tuple) else out
-                    taps.buf[slot, : t.shape[0]].copy_(t.reshape(t.shape[0], -1))
-            handles.append(layer.register_forward_hook(hook))
+            def hook(mod, args, out, slot=slot, mode=sem.post):
+                _copy_rows(taps.buf, slot, post_value(mode, out))
+            handles.append(trunk[a.layer].register_forward_hook(hook))
         else:  # resid_pre
-            def hook(mod, args, kwargs, slot=slot):
-                allargs = list(args) + [kwargs.get(k) for k in ("positions", "hidden_states", "residual") if k in kwargs]
-                if is_fused(mod):
-                    hidden, residual = allargs[1], allargs[2] if len(allargs) > 2 else None
-                    if residual is None:
-                        taps.buf[slot, : hidden.shape[0]].copy_(hidden)
-                    else:
-                        torch.add(hidden, residual, out=taps.buf[slot, : hidden.shape[0]])
-                else:
-                    hidden = allargs[0]
-                    taps.buf[slot, : hidden.shape[0]].copy_(hidden.reshape(hidden.shape[0], -1))
-            handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+            def hook(mod, args, kwargs, slot=slot, sem=sem):
+                _copy_rows(taps.buf, slot, pre_value(sem, args, kwargs))
+            handles.append(trunk[a.layer].register_forward_pre_hook(hook, with_kwargs=True))
     return handles
+
+
+def _copy_rows(buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:
+    t = rows(t)
+    buf[slot, : t.shape[0]].copy_(t)

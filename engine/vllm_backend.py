@@ -52,7 +52,8 @@ class VLLMModel:
         self.name, self.revision = name_or_path, revision
         self.n_layers, self.width = self.info.n_layers, self.info.width
         self.frozen: FreezeSet | None = resolve_freeze_points(
-            freeze_points, self.n_layers, self.info.n_streams, freeze_writes, enforce_eager)
+            freeze_points, self.n_layers, self.info.n_streams, freeze_writes, enforce_eager
+        ).freeze_set()  # None: hooked mode, which must run eager (hooks never fire compiled)
         if self.frozen is None:
             self.mode = "hooked"
         elif not self.frozen.reads and not self.frozen.writes:
@@ -97,7 +98,7 @@ class VLLMModel:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.llm = LLM(
             model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
-            enforce_eager=bool(enforce_eager), enable_prefix_caching=False,
+            enforce_eager=bool(enforce_eager) or self.frozen is None, enable_prefix_caching=False,
             enable_chunked_prefill=True, max_model_len=self.max_model_len,
             skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size, seed=seed,
             additional_config=extra, worker_cls=worker, **eng)

@@ -1,4 +1,4 @@
-"""`harvest run|plan|status|verify|inspect|report`: the pipeline for people.
+"""`harvest run|plan|status|verify|inspect|report|check-model`: the pipeline for people.
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
@@ -187,6 +187,16 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_check_model(args) -> int:
+    """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
+    refuses the trunk at load (README, "Supported model families")."""
+    from engine.check import run_command
+
+    from .driver import resolve_model_path
+
+    return run_command(resolve_model_path(args.model), args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harvest", description=__doc__.splitlines()[0])
     p.add_argument("--verbose", "-v", action="store_true")
@@ -217,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--tokenizer", help="tokenizer path to decode tokens (default: the run's model)")
     rp.add_argument("--json", action="store_true", help="print the written paths as JSON")
     rp.set_defaults(fn=cmd_report)
+    cm = sub.add_parser("check-model", help="capture a model in freeze mode and compare every "
+                        "layer with Hugging Face fp32; exit 1 above tolerance")
+    cm.add_argument("model", help="checkpoint dir, hub name, smollm2 or tiny:<arch>")
+    cm.add_argument("--points", nargs="*", help="default: resid_post at every layer")
+    cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
+    cm.add_argument("--tol-p50", type=float, default=0.03)
+    cm.add_argument("--tol-p99", type=float, default=0.15)
+    cm.add_argument("--reference-device", default="cpu")
+    cm.add_argument("--no-compile", action="store_true", help="skip torch.compile: starts in seconds")
+    cm.add_argument("--unverified-trunk", action="store_true",
+                    help="capture even if the block-semantics probe refuses the trunk")
+    cm.add_argument("--json", action="store_true")
+    cm.set_defaults(fn=cmd_check_model)
     return p
 
 

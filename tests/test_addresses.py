@@ -1,7 +1,7 @@
 import pytest
 
 from engine import Address, resolve_freeze_points
-from engine.addresses import FreezeSet
+from engine.addresses import FreezePlan, FreezeSet
 
 
 def addrs(name, n):
@@ -21,13 +21,17 @@ def test_unknown_point_names_the_known_ones():
 
 
 def test_auto_reads_resid_post_everywhere_and_writes_where_it_reads():
-    fs = resolve_freeze_points("auto", n_layers=4)
-    assert fs.reads == addrs("resid_post", 4) and fs.writes == fs.reads
+    reads, writes, graph = resolve_freeze_points("auto", n_layers=4)
+    assert reads == addrs("resid_post", 4) and writes == reads and graph is True
 
 
-def test_no_list_with_compiled_engine_is_auto():
+def test_no_list_with_enforce_eager_false_is_auto():
     assert resolve_freeze_points(None, 3, enforce_eager=False) == resolve_freeze_points("auto", 3)
-    assert resolve_freeze_points(None, 3) == resolve_freeze_points("auto", 3)
+
+
+def test_no_list_with_enforce_eager_unset_is_hooked_mode():
+    assert resolve_freeze_points(None, 3) == FreezePlan((), (), False)
+    assert resolve_freeze_points(None, 3).freeze_set() is None
 
 
 def test_multi_stream_trunk_auto_reads_resid_streams():
@@ -37,14 +41,17 @@ def test_multi_stream_trunk_auto_reads_resid_streams():
 
 def test_freeze_writes_empty_keeps_reads_without_write_buffers():
     fs = resolve_freeze_points("auto", 3, freeze_writes=[])
-    assert fs.reads == addrs("resid_post", 3) and fs.writes == ()
+    assert fs.reads == addrs("resid_post", 3) and fs.writes == () and fs.graph
     # None and [] differ only here: None means "writes == reads".
     assert resolve_freeze_points("auto", 3, freeze_writes=None).writes == fs.reads
+    # ...and with enforce_eager=False and no list, which is auto too
+    assert resolve_freeze_points(None, 3, freeze_writes=[], enforce_eager=False) == fs
 
 
 def test_freeze_writes_empty_alone_is_not_graph_mode():
-    fs = resolve_freeze_points(None, 3, freeze_writes=[])
-    assert fs.reads == addrs("resid_post", 3) and fs.writes == ()
+    reads, writes, graph = resolve_freeze_points(None, 3, freeze_writes=[])
+    assert graph is False and reads == () and writes == ()
+    assert resolve_freeze_points(None, 3, freeze_writes=[], enforce_eager=True).graph is False
 
 
 def test_explicit_read_list_implies_no_writes():
@@ -60,7 +67,8 @@ def test_named_write_without_reads_stays_writes_only():
 
 
 def test_empty_list_is_graph_mode_with_no_taps():
-    assert resolve_freeze_points([], 3) == FreezeSet((), ())
+    assert resolve_freeze_points([], 3) == FreezePlan((), (), True)
+    assert resolve_freeze_points([], 3).freeze_set() == FreezeSet((), ())
 
 
 def test_enforce_eager_with_freeze_set_is_refused():
@@ -71,7 +79,8 @@ def test_enforce_eager_with_freeze_set_is_refused():
 
 
 def test_enforce_eager_alone_is_hooked_mode():
-    assert resolve_freeze_points(None, 2, enforce_eager=True) is None
+    reads, writes, graph = resolve_freeze_points(None, 2, enforce_eager=True)
+    assert (reads, writes, graph) == ((), (), False)
 
 
 def test_unknown_string_is_refused():
@@ -85,7 +94,7 @@ def test_out_of_range_layer_is_refused():
 
 
 def test_frozen_set_refuses_points_outside_it():
-    fs = resolve_freeze_points(["resid_post.1"], 3)
+    fs = resolve_freeze_points(["resid_post.1"], 3).freeze_set()
     fs.check_read([Address("resid_post", 1)])
     with pytest.raises(ValueError, match="cannot serve resid_post.0"):
         fs.check_read([Address("resid_post", 0)])

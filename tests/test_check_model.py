@@ -1,0 +1,76 @@
+"""`harvest check-model`, and the load-time refusal of a trunk the block probe cannot verify.
+
+Engines here start with torch.compile off (`--no-compile`, compilation mode NONE): the check's
+logic does not depend on it, and the compiled freeze path is tested in tests/test_engine_vllm.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import load_model, taps
+from engine.check import NO_COMPILE
+from pipeline.cli import main
+
+
+def test_check_model_passes_on_smollm2_and_prints_per_layer_errors(smollm2, capsys):
+    rc = main(["check-model", smollm2, "--no-compile", "--lengths", "1,40,120,17"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("resid_post.")]
+    assert [r[0] for r in rows] == [f"resid_post.{i}" for i in range(30)]
+    assert all(float(r[1]) < 0.03 for r in rows)  # median per-row error at every layer
+    assert rc == 0 and "PASS" in out and "block probe verified" in out
+
+
+def test_check_model_fails_on_a_broken_tap(monkeypatch, capsys):
+    """The broken tap drops the residual of fused blocks, i.e. reads the last MLP output instead
+    of the stream: the mistake a signature-blind tap makes on Llama-family trunks."""
+    orig = taps._reader
+
+    def broken(ts, a):
+        read = orig(ts, a)
+        return None if read is None else (lambda x, r=None: read(x))
+
+    monkeypatch.setattr(taps, "_reader", broken)
+    rc = main(["check-model", "tiny:llama", "--no-compile"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL" in out
+    assert out.count("above tolerance") == 4  # every layer
+
+
+@pytest.fixture
+def two_stream_llama(monkeypatch):
+    """vLLM's Llama block patched so the next block reads hidden + 0.5 * residual while the final
+    norm still adds them whole: no single tensor is the residual stream (as on hyper-connection
+    trunks), so no tap can be right."""
+    from vllm.model_executor.models.llama import LlamaDecoderLayer
+
+    orig = LlamaDecoderLayer.forward
+
+    def forward(self, positions, hidden_states, residual, **kwargs):
+        return orig(self, positions, hidden_states, None if residual is None else 0.5 * residual,
+                    **kwargs)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", forward)
+
+
+def test_trunk_failing_the_probe_is_refused_at_load(two_stream_llama, tiny_llama):
+    with pytest.raises(Exception) as e:
+        load_model(tiny_llama, backend="vllm", max_num_batched_tokens=64, **NO_COMPILE)
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(str(err))
+        err = err.__cause__ or err.__context__
+    msg = next((m for m in chain if "block-semantics probe" in m), "\n".join(chain))
+    assert "block LlamaDecoderLayer (layer 0) failed the block-semantics probe" in msg
+    assert "invariant I3" in msg and "harvest_unverified_trunk" in msg
+
+
+def test_refused_trunk_loads_only_when_opted_in(two_stream_llama, tiny_llama):
+    m = load_model(tiny_llama, backend="vllm", max_num_batched_tokens=64,
+                   additional_config={"harvest_unverified_trunk": True}, **NO_COMPILE)
+    try:
+        report = m.state.layers.report
+        assert report["verified"] is False and "invariant I3" in report["reason"]
+    finally:
+        m.close()
