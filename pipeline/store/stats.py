@@ -127,6 +127,20 @@ def crc32(x: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
+def subsets_of(rows: np.ndarray, keep: "np.ndarray | None") -> tuple[Moments, Moments]:
+    """(all, kept) moments of a block of rows; `keep` is a bool mask (None: every row is kept).
+
+    Kept and excluded rows are summarised apart and `all` is their merge, never `all` minus the
+    excluded: excluded rows are the outliers (attention-sink BOS rows with ||x||^2 ~1e4 x the
+    median), and subtracting them from a total they dominate would cancel catastrophically.
+    """
+    if keep is None or keep.all():
+        m = Moments.of(rows)
+        return m, m
+    kept = Moments.of(rows[keep])
+    return kept.merge(Moments.of(rows[~keep])), kept
+
+
 def merge_all(parts: list[list[Moments]], n_points: int, width: int) -> list[Moments]:
     """Merge per-point partials in the order given."""
     acc = [Moments.empty(width) for _ in range(n_points)]
@@ -136,16 +150,38 @@ def merge_all(parts: list[list[Moments]], n_points: int, width: int) -> list[Mom
     return acc
 
 
-def dumps(moments: list[Moments]) -> bytes:
-    """npz bytes of a per-point partial (exact float64, unlike JSON text)."""
+def dumps(subsets: dict[str, list[Moments]]) -> bytes:
+    """npz bytes of a unit's per-point partials, one set per row subset (exact float64)."""
+    arrays = {}
+    for name, moments in subsets.items():
+        arrays[f"{name}.count"] = np.array([m.count for m in moments], np.int64)
+        arrays[f"{name}.nonfinite"] = np.array([m.nonfinite for m in moments], np.int64)
+        arrays[f"{name}.mean"] = np.stack([m.mean for m in moments])
+        arrays[f"{name}.m2"] = np.stack([m.m2 for m in moments])
     buf = io.BytesIO()
-    np.savez(buf, count=np.array([m.count for m in moments], np.int64),
-             nonfinite=np.array([m.nonfinite for m in moments], np.int64),
-             mean=np.stack([m.mean for m in moments]), m2=np.stack([m.m2 for m in moments]))
+    np.savez(buf, **arrays)
     return buf.getvalue()
 
 
-def loads(data: bytes) -> list[Moments]:
+def loads(data: bytes) -> dict[str, list[Moments]]:
+    out: dict[str, list[Moments]] = {}
     with np.load(io.BytesIO(data)) as z:
-        count, mean, m2, bad = z["count"], z["mean"], z["m2"], z["nonfinite"]
-    return [Moments(int(count[i]), mean[i].copy(), m2[i].copy(), int(bad[i])) for i in range(len(count))]
+        for name in sorted({k.split(".", 1)[0] for k in z.files}):
+            count, mean, m2, bad = (z[f"{name}.{f}"] for f in ("count", "mean", "m2", "nonfinite"))
+            out[name] = [Moments(int(count[i]), mean[i].copy(), m2[i].copy(), int(bad[i]))
+                         for i in range(len(count))]
+    return out
+
+
+class StreamingMerge:
+    """Merge per-unit partials one at a time, in the order given: memory O(subsets x points x
+    width) whatever the number of units (finalize of 10^5 units must not hold 10^5 partials)."""
+
+    def __init__(self, subsets: tuple[str, ...], n_points: int, width: int):
+        self.acc = {s: [Moments.empty(width) for _ in range(n_points)] for s in subsets}
+
+    def add(self, part: dict[str, list[Moments]]) -> None:
+        for s, acc in self.acc.items():
+            got = part.get(s) or part.get("all")  # a store without a filter keeps every row
+            for p in range(len(acc)):
+                acc[p] = acc[p].merge(got[p])
