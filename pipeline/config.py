@@ -135,6 +135,12 @@ class DataConfig:
     `source` may be a hub dataset name, a local file, directory or glob (a date-partitioned path
     such as `/data/crawl/date=2025-06-01/*.parquet` is just a glob), or a `save_to_disk` dir.
     `format` is inferred from the file suffix unless given.
+
+    `block_bytes`: the corpus is cut into blocks of about this much text, each tokenised and
+    packed on its own by a worker (contexts never straddle blocks). It decides the rows, so it is
+    part of the run's identity. `streaming: true` reads through `datasets`' streaming loader,
+    one block per data file (shard); local json-lines, text and parquet files are otherwise split
+    by byte range or row group.
     """
 
     source: str = "pydoc"
@@ -146,9 +152,11 @@ class DataConfig:
     text_column: str = "text"
     streaming: bool = False
     max_docs: int | None = None
+    block_bytes: int = 8 << 20
 
     def validate(self) -> None:
         _check_str("data.source", self.source)
+        _check_int("data.block_bytes", self.block_bytes, 1024)
         if self.format is not None:
             _check_choice("data.format", self.format, DATA_FORMATS)
         if self.name is not None:
@@ -186,6 +194,10 @@ class PackingConfig:
     overflow: str = "split"
     max_tokens: int | None = None
     tokenize_batch: int = 256
+    # Tokens per chunk of tokenised output: the granularity at which workers hand tokens over and
+    # a resumed run re-creates them. It does not change the rows; a store keeps the value it was
+    # planned with.
+    chunk_tokens: int = 1 << 16
 
     def validate(self) -> None:
         _check_int("packing.context_size", self.context_size, 2)
@@ -200,6 +212,7 @@ class PackingConfig:
                 "context_size"
             )
         _check_int("packing.tokenize_batch", self.tokenize_batch, 1)
+        _check_int("packing.chunk_tokens", self.chunk_tokens, 1)
 
 
 @dataclass
@@ -233,9 +246,16 @@ class StoreConfig:
     url: str = "{cache}/stores/default"
     shard_rows: int | None = None
     chunk_rows: int | None = None
-    unit_shards: int = 1
+    # A unit (the rows one actor captures and commits together) is unit_shards shards; by default
+    # about unit_tokens rows, fewer when packing.max_tokens would otherwise give an actor fewer
+    # than four units.
+    unit_shards: int | None = None
+    unit_tokens: int = 1 << 18
     compression: Any = None
     storage_options: dict | None = None
+    # Rows of the `kept` statistics skip this many leading context positions (None: 1 when a BOS
+    # starts every context, else 0) besides special tokens; see pipeline/store/FORMAT.md.
+    stats_skip_positions: int | None = None
 
     def validate(self) -> None:
         _check_str("store.url", self.url)
@@ -246,7 +266,9 @@ class StoreConfig:
                 f"store.chunk_rows={self.chunk_rows} must divide store.shard_rows="
                 f"{self.shard_rows}: pick a divisor or leave chunk_rows out"
             )
-        _check_int("store.unit_shards", self.unit_shards, 1)
+        _check_int("store.unit_shards", self.unit_shards, 1, optional=True)
+        _check_int("store.unit_tokens", self.unit_tokens, 1)
+        _check_int("store.stats_skip_positions", self.stats_skip_positions, 0, optional=True)
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise ConfigError("store.storage_options must be a mapping of fsspec options")
         if self.compression is not None and not isinstance(self.compression, (str, dict)):
@@ -276,6 +298,10 @@ class RayConfig:
     max_task_retries: int = 3
     unit_attempts: int = 3
     local_num_cpus: int | None = None
+    # Tokenising workers (Ray actors, one tokenizer each) and the CPUs each asks for (None: 1 on
+    # a GPU cluster, 0.25 on a CPU-only one, where the capture actors need the cores).
+    tokenize_workers: int = 2
+    tokenize_cpus: float | None = None
 
     def validate(self) -> None:
         if self.address is not None:
@@ -291,6 +317,9 @@ class RayConfig:
         _check_int("ray.max_task_retries", self.max_task_retries, -1)
         _check_int("ray.unit_attempts", self.unit_attempts, 1)
         _check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
+        _check_int("ray.tokenize_workers", self.tokenize_workers, 1)
+        if self.tokenize_cpus is not None:
+            _check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, None)
 
     def actor_resources(self, cluster: dict) -> tuple[float, float]:
         """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.
@@ -309,6 +338,11 @@ class RayConfig:
     @property
     def actor_num_cpus(self) -> float:
         return self.actor_resources({})[0]
+
+    def tokenizer_cpus(self, cluster: dict) -> float:
+        if self.tokenize_cpus is not None:
+            return float(self.tokenize_cpus)
+        return 1.0 if cluster.get("GPU", 0) >= 1 else 0.25
 
 
 @dataclass
@@ -360,9 +394,11 @@ class HarvestConfig:
             },
             "data": dataclasses.asdict(self.data),
             "packing": {
-                k: v for k, v in dataclasses.asdict(self.packing).items() if k != "tokenize_batch"
+                k: v for k, v in dataclasses.asdict(self.packing).items()
+                if k not in ("tokenize_batch", "chunk_tokens")
             },
             "capture": {"points": list(self.capture.points)},
+            "store": {"stats_skip_positions": self.store.stats_skip_positions},
         }
 
 

@@ -56,7 +56,7 @@ def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_l
     assert all(m["pid"] != dead_pid or m["extra"]["actor"] == victim
                for m in store.committed_units().values())
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
-    assert sorted(done) == [u.unit_id for u in reference[0].units]  # each unit reported once
+    assert sorted(done) == reference[0].unit_ids  # each unit reported once
 
 
 def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, corpus,
@@ -72,7 +72,7 @@ def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, 
     assert summary["per_actor"][victim]["pids"] in ([], [dead_pid])
     survivor = summary["per_actor"][1 - victim]
     done = [e for e in k.events if e["event"] == "unit_done"]
-    assert sorted(e["unit_id"] for e in done) == [u.unit_id for u in reference[0].units]
+    assert sorted(e["unit_id"] for e in done) == reference[0].unit_ids
     # a unit the victim committed just before it died is found committed by its retry
     already = sum(e["status"] == "already_committed" for e in done)
     assert survivor["units"] + summary["per_actor"][victim]["units"] + already == len(done)
@@ -104,7 +104,7 @@ def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama
     proc = subprocess.Popen([sys.executable, "-m", "jobs.harvest", "--config", str(path)],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_cluster.env})
-    total = len(reference[0].units)
+    total = reference[0].n_units
     try:
         deadline = time.time() + 180
         while _commits(store_dir) < 3:

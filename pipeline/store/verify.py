@@ -57,6 +57,7 @@ def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
     committed_rows = sum(n[2] - n[1] for n in matching)
     _check_arrays(store, errors)
     want: dict[int, list] = {}  # shard -> recorded sizes per point
+    stored = 0
     meta_want: set[int] = set()
     by_name = set(matching)
     for m in store.iter_committed(list(by_name)):
@@ -73,6 +74,7 @@ def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
         for sh in m.get("shards", []):
             want[sh["index"]] = sh.get("nbytes")
             meta_want.add(sh["index"])
+            stored += sum(x for x in (sh.get("nbytes") or []) if x is not None)
         if deep:
             errors += _deep_unit(store, m, checked)
         if len(errors) > _MAX_ERRORS:
@@ -84,7 +86,7 @@ def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
             "missing_units": missing_units, "planned_rows": planned_rows,
             "committed_rows": committed_rows,
             "committed_fraction": committed_rows / planned_rows if planned_rows else 0.0,
-            "deep_checked": deep, "checked": checked}
+            "deep_checked": deep, "checked": checked, "stored_bytes": stored}
 
 
 def _check_arrays(store: Store, errors: list[str]) -> None:
