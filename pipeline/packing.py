@@ -155,7 +155,8 @@ class BlockPacker:
         start = start or {"row": 0, "pos": None, "offset": 0}
         self.cursor = dict(start)
         self.resume_offset = int(start.get("offset") or 0)
-        self.rows = int(start["row"])
+        # source rows read before this chunk: a document resumed mid-way was read already
+        self.rows = int(start["row"]) + (1 if self.resume_offset else 0)
         self.done = max_contexts == 0
 
     # ---- feeding -------------------------------------------------------------------------------
@@ -167,25 +168,32 @@ class BlockPacker:
         return []
 
     def add(self, row: int, pos, ids) -> list[Chunk]:
-        """One document's token ids (no special tokens added)."""
+        """One document's token ids (no special tokens added).
+
+        A document's figures (row read, tokens seen) go to the chunk its first token lands in,
+        and a document resumed mid-way is not counted again: so the chunks a resumed packer
+        re-creates carry the same figures as the first time.
+        """
         out: list[Chunk] = []
         if self.done:
             return out
         resumed = self.resume_offset
         self.resume_offset = 0
-        if not resumed:  # a document resumed mid-way was read and counted by an earlier chunk
-            self._read(row)
         ids = np.asarray(ids, dtype=np.int32)
         if len(ids) == 0:
+            self._read(row)
             self.stats.docs_empty_tokens += 1
             return out
         if self.per_doc_bos:
             ids = np.concatenate([np.array([self.bos], np.int32), ids])
+        off = resumed
+        if self.boundary and off < len(ids):
+            out.append(self._emit({"row": row, "pos": pos, "offset": off}))
         if not resumed:
+            self._read(row)
             self.stats.docs_used += 1
             self.stats.tokens_seen += len(ids)
             self.stats.bos_inserted += int(self.per_doc_bos)
-        off = resumed
         while off < len(ids):
             if self.boundary:
                 out.append(self._emit({"row": row, "pos": pos, "offset": off}))

@@ -91,10 +91,14 @@ def _commits(store_dir: Path) -> int:
     return len(list(d.glob("unit-*[0-9].json"))) if d.is_dir() else 0
 
 
-def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama, corpus,
-                                                         reference, tmp_path):
+def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
+        ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    """A streamed jsonl is one block read in order; a chunk is one unit here. After the driver is
+    SIGKILLed, the resumed run tokenises from the first uncommitted unit's chunk on (its cursor
+    skips the rows before it without tokenising them) and the store ends bit-exact."""
     store_dir = tmp_path / "store"
-    overrides = ["ray.num_actors=1", "ray.max_in_flight=1"]
+    overrides = ["ray.num_actors=1", "ray.max_in_flight=1", "data.streaming=true",
+                 "packing.chunk_tokens=256"]
     cfg = make_cfg(tiny_llama, str(store_dir), corpus, *overrides)
     conf = cfg.to_dict(redact=False)
     conf["ray"]["address"] = ray_cluster.address
@@ -120,8 +124,10 @@ def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama
     at_kill = _commits(store_dir)
     assert 3 <= at_kill < total, "the driver finished before it could be killed"
     time.sleep(1.0)  # the dead driver's actor is killed by Ray; anything it committed counts
-    before = set(open_store(str(store_dir)).committed_units())
-    assert open_store(str(store_dir)).summary is None  # not finished
+    first = open_store(str(store_dir))
+    before = set(first.committed_units())
+    assert first.summary is None  # not finished
+    assert first.plans.read_sources()["blocks"] == [[{"kind": "dataset", "shard": 0, "n_shards": 1}]]
 
     events: list[dict] = []
     summary = run(make_cfg(tiny_llama, str(store_dir), corpus, *overrides), on_event=events.append)
@@ -129,4 +135,9 @@ def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama
     assert summary["units_skipped"] == len(before) >= at_kill
     assert summary["units_run"] == total - len(before) == len(ran)
     assert not (ran & before)  # committed units were not run again
+    todo = sorted(set(range(total)) - before)
+    tokenised = sorted(e["chunk"] for e in events if e["event"] == "chunk")
+    # chunk k is unit k: nothing before the first uncommitted unit was tokenised again
+    assert tokenised[0] == todo[0] > 0 and tokenised == sorted(set(tokenised))
+    assert set(todo) <= set(tokenised) and len(tokenised) <= total - todo[0] + 1
     check_store(open_store(str(store_dir)), reference)

@@ -137,6 +137,35 @@ def reference_rows(cfg) -> object:
     return pack_texts(iter_texts(cfg.data), tok, cfg.packing)
 
 
+def reference_block_rows(cfg, path: Path) -> object:
+    """The packed rows of a one-file json-lines corpus cut into byte-range blocks: documents
+    through `datasets` (iter_texts), assigned to the block their line starts in (computed here
+    from the file), each block packed on its own, contexts cut at max_tokens in block order."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from pipeline.data import iter_texts
+    from pipeline.packing import Packed, pack_texts
+    from pipeline.prepare import resolve_model_path
+
+    starts, off = [], 0
+    for line in path.read_bytes().splitlines(keepends=True):
+        if line.strip():
+            starts.append(off)
+        off += len(line)
+    B = cfg.data.block_bytes
+    by_block: dict[int, list] = {}
+    for row, text in iter_texts(dataclasses.replace(cfg.data, block_bytes=B)):
+        by_block.setdefault(starts[row] // B, []).append((row, text))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+    nolimit = dataclasses.replace(cfg.packing, max_tokens=None)
+    parts = [pack_texts(by_block[b], tok, nolimit) for b in sorted(by_block)]
+    n = cfg.packing.max_tokens or sum(p.n_rows for p in parts)
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])[:n]  # noqa: E731
+    return Packed(cat("token_ids"), cat("doc_ids"), cat("positions"), cfg.packing.context_size)
+
+
 _REFERENCES: dict = {}
 
 
@@ -169,7 +198,7 @@ def check_store(store, reference, rel_tol: float | None = None):
     ref, acts = reference
     v = store.verify(deep=True)
     assert v["ok"], v["errors"]
-    assert v["committed_units"] == ref.n_units and not v["missing_units"]
+    assert v["committed_rows"] == ref.packed.n_rows and not v["missing_units"]
     assert store.n_rows == ref.packed.n_rows  # finalize shrank the arrays to the rows committed
     tok, doc, pos = store.read_row_meta(0, store.n_rows)
     assert np.array_equal(tok, ref.packed.token_ids)
