@@ -30,6 +30,9 @@ import numpy as np
 
 log = logging.getLogger("harvest.actor")
 
+STREAM_START_WAIT = 0.05  # seconds a new stream waits for units to fill its first engine step
+STREAM_GAP_WAIT = 0.01    # seconds a running stream waits for the next unit before draining
+
 
 def _cpu_slice(index: int, threads: int) -> list[int]:
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -95,6 +98,9 @@ class HarvestActor:
         self._store_lock = threading.Lock()
         self._queue: "queue.Queue[_Job | None]" = queue.Queue()
         self._steps0 = step_stats(self.engine)
+        e = self.engine
+        self._step_tokens = int(getattr(e, "max_num_batched_tokens", None)
+                                or getattr(e, "max_batch_tokens", None) or 2048)
         self.units_done = 0
         self.tokens_done = 0
         self.streams = 0
@@ -140,7 +146,6 @@ class HarvestActor:
 
     def info(self) -> dict:
         e = self.engine
-        mbt = getattr(e, "max_num_batched_tokens", None) or getattr(e, "max_batch_tokens", None)
         return {
             "index": self.index, "pid": os.getpid(), "host": socket.gethostname(),
             "gpus": self._gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
@@ -148,7 +153,7 @@ class HarvestActor:
             "describe": e.describe(), "load_seconds": round(self.load_seconds, 3),
             "threads": int(self.spec.get("threads") or 1),
             # rows the driver keeps queued here so the engine never runs dry between units
-            "queue_tokens": 4 * int(mbt or 4096),
+            "queue_tokens": 4 * self._step_tokens,
         }
 
     def ping(self) -> int:
@@ -246,15 +251,20 @@ class HarvestActor:
         routes: list = []  # request index -> (job, context index in its unit)
 
         def feed():
-            job = first
+            job, fed = first, 0
             while job is not None:
                 for i in range(len(job.contexts)):
                     if job.error is not None:
                         break
                     routes.append((job, i))
+                    fed += 1
                     yield [job.contexts[i].tolist()]
+                # The next unit is usually queued already; if not, it is on its way from the
+                # driver: waiting a moment (longer while the stream has not filled one engine
+                # step yet) costs less than a drained engine and a partly empty step.
+                wait = STREAM_START_WAIT if fed * self.context_size < self._step_tokens else STREAM_GAP_WAIT
                 try:
-                    job = self._queue.get_nowait()
+                    job = self._queue.get(timeout=wait)
                 except queue.Empty:
                     return
                 if job is None:  # close(): let the current stream finish, then stop the loop
