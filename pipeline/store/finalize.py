@@ -42,7 +42,8 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
             else:
                 stored += np.asarray(nb, np.int64)
         index.add(m)
-    merged = store.merge_stats(refs).acc
+    acc = store.merge_stats(refs)
+    merged = {s: acc.moments(s) for s in layout.STATS_SUBSETS}
     for subset, moments in merged.items():
         for i, p in enumerate(store.points):
             path = f"{layout.STATS_GROUP}/{subset}/{layout.point_path(p)}"

@@ -343,7 +343,7 @@ class Store:
         if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref["sha256"]:
             raise StoreError(f"stats partial of unit {unit_id} is missing or does not "
                              f"match its commit marker ({stats_ref['key']}); rewrite the unit")
-        return _stats.loads(raw)
+        return _stats.load_arrays(raw)
 
     def merge_stats(self, refs: "list[tuple[int, dict]]", window: int = 16) -> _stats.StreamingMerge:
         """Stream every unit's partials in unit-id order (same data, same bits) with `window`
@@ -379,7 +379,7 @@ class Store:
                           "nonfinite_rows": int(g.attrs.get("nonfinite_rows", 0))}
             return out
         refs = [(m["unit_id"], m["stats"]) for m in self.iter_committed()]
-        merged = self.merge_stats(refs).acc[subset]
+        merged = self.merge_stats(refs).moments(subset)
         return {p: {"count": merged[i].count, "mean": merged[i].mean, "var": merged[i].var,
                     "mean_sq_norm": merged[i].mean_sq_norm, "nonfinite_rows": merged[i].nonfinite}
                 for i, p in enumerate(self.points) if p in points}
