@@ -228,7 +228,18 @@ class Scheduler:
             self.inflight[ref] = (unit, a, attempt)
             self.load[a] += 1
 
-    def _on_result(self, ref, bar) -> None:
+    def _on_results(self, refs: list, bar) -> None:
+        """Finished units; one batched get (a get per ref was most of the loop's time)."""
+        import ray
+
+        try:
+            values = ray.get(refs)
+        except Exception:  # noqa: BLE001 -- one of them failed: take them one by one
+            values = [None] * len(refs)
+        for ref, v in zip(refs, values):
+            self._on_result(ref, bar, v)
+
+    def _on_result(self, ref, bar, res=None) -> None:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -237,7 +248,8 @@ class Scheduler:
         unit, a, attempt = self.inflight.pop(ref)
         self.load[a] -= 1
         try:
-            res = ray.get(ref)
+            if res is None:
+                res = ray.get(ref)
         except (RayActorError, RayTaskError) as e:
             self.figures[a].failures += 1
             died = isinstance(e, RayActorError)
@@ -326,10 +338,13 @@ class Scheduler:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
         got = []
+        done = [r for r in ready if r in self.inflight]
+        if done:
+            self._on_results(done, bar)
         for r in ready:
-            if r in self.inflight:
-                self._on_result(r, bar)
-            elif r in self.probing:
+            if r in done:
+                continue
+            if r in self.probing:
                 self._on_probe(r)
             elif any(r is g for g in gens):
                 job = self.pool.job_of(r)
