@@ -48,6 +48,8 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     if existing is not None:
         check_resume(existing, cfg)
     prep = prepare(cfg, existing)
+    log.info("prepared in %.1f s: %d blocks of %s, %d points x width %d", prep.seconds,
+             len(prep.sources["blocks"]), prep.sources["description"], len(prep.points), prep.width)
     C = cfg.packing.context_size
     max_contexts = None if cfg.packing.max_tokens is None else cfg.packing.max_tokens // C
     if existing is not None:

@@ -17,6 +17,8 @@ from .config import DataConfig, PackingConfig
 from .packing import BlockPacker
 from .sources import read_block
 
+BATCH_CHARS = 1 << 18  # characters per tokenizer call, at most (about 70k tokens)
+
 def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
                tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
                start: dict | None = None, first_index: int = 0, last_index: int | None = None
@@ -24,13 +26,16 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
     """Chunks of one block, from `start` (a chunk's cursor) on, until `last_index` if given."""
     p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index)
     batch: list = []
+    size = 0
 
     def flush():
+        nonlocal size
         enc = tokenizer([t for _, _, t in batch], add_special_tokens=False)["input_ids"]
         out = []
         for (row, pos, _), ids in zip(batch, enc):
             out += p.add(row, pos, ids)
         batch.clear()
+        size = 0
         return out
 
     def emit(chunks):
@@ -51,7 +56,10 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
             p.skip(row, reason)
             continue
         batch.append((row, pos, text))
-        if len(batch) >= packing.tokenize_batch:
+        size += len(text)
+        # documents per call, and bytes: 256 whole source files can be megabytes, and the first
+        # chunk (the first unit) would wait for all of them
+        if len(batch) >= packing.tokenize_batch or size >= BATCH_CHARS:
             stop = yield from emit(flush())
             if stop:
                 return

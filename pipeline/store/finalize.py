@@ -45,15 +45,18 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     acc = store.merge_stats(refs)
     merged = {s: acc.moments(s) for s in layout.STATS_SUBSETS}
     for subset, moments in merged.items():
-        for i, p in enumerate(store.points):
-            path = f"{layout.STATS_GROUP}/{subset}/{layout.point_path(p)}"
-            g = zarr.open_group(store=store._zstore, path=path, mode="a", zarr_format=3)
-            for name, v in (("mean", moments[i].mean), ("var", moments[i].var)):
-                a = g.create_array(name, shape=(store.width,), dtype="float64", chunks=(store.width,),
-                                   compressors=None, fill_value=np.nan, overwrite=True)
-                a[:] = v
-            g.attrs.update({"count": moments[i].count, "mean_sq_norm": moments[i].mean_sq_norm,
-                            "nonfinite_rows": moments[i].nonfinite})
+        # one [points, width] array per statistic: 4 arrays, not 4 per point (each array is
+        # several requests to create on object storage)
+        g = zarr.open_group(store=store._zstore, path=f"{layout.STATS_GROUP}/{subset}", mode="a",
+                            zarr_format=3)
+        for name, vecs in (("mean", [m.mean for m in moments]), ("var", [m.var for m in moments])):
+            a = g.create_array(name, shape=(P, store.width), dtype="float64", chunks=(P, store.width),
+                               compressors=None, fill_value=np.nan, overwrite=True,
+                               dimension_names=["point", "dim"])
+            a[:] = np.stack(vecs)
+        g.attrs.update({"points": store.points, "count": [m.count for m in moments],
+                        "mean_sq_norm": [m.mean_sq_norm for m in moments],
+                        "nonfinite_rows": [m.nonfinite for m in moments]})
     # one index object: status, verify and the reader then read one object instead of a marker each
     _commits.compact_index(loc, index)
     logical = rows * store.row_bytes

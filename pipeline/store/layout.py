@@ -30,7 +30,7 @@ COMMITS_DIR = f"{CONTROL_DIR}/commits"   # one create-once marker per committed 
 SIDECAR_DIR = f"{CONTROL_DIR}/stats"     # per-unit stats partials, written before their marker
 INDEX_DIR = f"{CONTROL_DIR}/index"       # compacted copies of markers (a cache, see commits.py)
 PROBE_DIR = f"{CONTROL_DIR}/probe"
-STATS_GROUP = "stats"             # zarr group: stats/<subset>/<point path>/{mean,var}, finalize
+STATS_GROUP = "stats"             # zarr group: stats/<subset>/{mean,var} [points, width], finalize
 STATS_SUBSETS = ("all", "kept")
 
 TARGET_SHARD_BYTES = 32 << 20     # per point array: tens of MB per object suits S3 GET/PUT

@@ -22,7 +22,7 @@ import zarr
 from . import commits as _commits
 from . import layout
 from . import stats as _stats
-from .backend import Location, locate
+from .backend import Location, locate, with_retries
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
 from .plans import PlanStore, Unit, check_units
@@ -338,24 +338,44 @@ class Store:
         return _commits.write_index_segment(self._loc, markers)
 
     # ---- statistics --------------------------------------------------------------------------
-    def _unit_moments(self, stats_ref: dict, unit_id: int) -> dict:
-        raw = self._loc.read_bytes(stats_ref["key"])
+    def _check_partial(self, raw, stats_ref: dict, unit_id: int) -> dict:
         if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref["sha256"]:
             raise StoreError(f"stats partial of unit {unit_id} is missing or does not "
                              f"match its commit marker ({stats_ref['key']}); rewrite the unit")
         return _stats.load_arrays(raw)
 
-    def merge_stats(self, refs: "list[tuple[int, dict]]", window: int = 16) -> _stats.StreamingMerge:
-        """Stream every unit's partials in unit-id order (same data, same bits) with `window`
-        fetches ahead: memory O(subsets x points x width + window), never O(units)."""
+    def _fetch_partials(self, refs: list) -> list:
+        """Sidecars of `refs` (batched: one concurrent request for all on object storage)."""
+        loc = self._loc
+        keys = [loc.key(r[1]["key"]) for r in refs]
+        if loc.is_local:
+            blobs = {}
+            for k in keys:
+                try:
+                    with open(k, "rb") as f:
+                        blobs[k] = f.read()
+                except FileNotFoundError:
+                    pass
+        else:
+            blobs = with_retries(lambda: loc.fs.cat(sorted(set(keys)), on_error="return"),
+                                 "read stats partials")
+        return [self._check_partial(blobs.get(k) if isinstance(blobs.get(k), bytes) else None,
+                                    r[1], r[0]) for k, r in zip(keys, refs)]
+
+    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 64) -> _stats.StreamingMerge:
+        """Stream every unit's partials in unit-id order (same data, same bits), fetching the
+        next batch while this one merges: memory O(subsets x points x width + batch), never
+        O(units)."""
         refs = sorted(refs, key=lambda r: r[0])
         acc = _stats.StreamingMerge(layout.STATS_SUBSETS, len(self.points), self.width)
-        with cf.ThreadPoolExecutor(8) as ex:
-            futs = [ex.submit(self._unit_moments, r[1], r[0]) for r in refs[:window]]
-            for i in range(len(refs)):
-                if i + window < len(refs):
-                    futs.append(ex.submit(self._unit_moments, refs[i + window][1], refs[i + window][0]))
-                acc.add(futs[i].result())
+        batches = [refs[i:i + batch] for i in range(0, len(refs), batch)]
+        with cf.ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(self._fetch_partials, b) for b in batches[:2]]
+            for i in range(len(batches)):
+                if i + 2 < len(batches):
+                    futs.append(ex.submit(self._fetch_partials, batches[i + 2]))
+                for part in futs[i].result():
+                    acc.add(part)
                 futs[i] = None
         return acc
 
@@ -370,13 +390,16 @@ class Store:
             raise ValueError(f"subset={subset!r}: use one of {layout.STATS_SUBSETS}")
         points = list(points or self.points)
         if self._meta["attributes"].get("stats"):
+            g = zarr.open_group(store=self._zstore, path=f"{layout.STATS_GROUP}/{subset}", mode="r",
+                                zarr_format=3)
+            a = dict(g.attrs)
+            mean, var = g["mean"][:], g["var"][:]
             out = {}
             for p in points:
-                g = zarr.open_group(store=self._zstore, path=f"{layout.STATS_GROUP}/{subset}/"
-                                    f"{layout.point_path(p)}", mode="r", zarr_format=3)
-                out[p] = {"count": int(g.attrs["count"]), "mean": g["mean"][:], "var": g["var"][:],
-                          "mean_sq_norm": float(g.attrs["mean_sq_norm"]),
-                          "nonfinite_rows": int(g.attrs.get("nonfinite_rows", 0))}
+                i = a["points"].index(p)
+                out[p] = {"count": int(a["count"][i]), "mean": mean[i], "var": var[i],
+                          "mean_sq_norm": float(a["mean_sq_norm"][i]),
+                          "nonfinite_rows": int(a["nonfinite_rows"][i])}
             return out
         refs = [(m["unit_id"], m["stats"]) for m in self.iter_committed()]
         merged = self.merge_stats(refs).moments(subset)
