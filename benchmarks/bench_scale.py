@@ -523,6 +523,30 @@ def dispatch_rows(actor_counts, n_units: int, head: Head, workdir: Path) -> list
     return rows
 
 
+# ---- report ------------------------------------------------------------------------------------
+
+def report_tables(rows: list[dict], md_table) -> list[str]:
+    """Markdown: one table per kind of row (run_all's RESULTS.md section)."""
+    groups = [("driver", "Driver: a full run over the local corpus, stub engine, 1 actor, 2 "
+               "tokenising workers", ("tokens_target", "tokens", "units", "blocks",
+                                      "driver_peak_rss_mb", "rss_vs_first", "first_commit_s",
+                                      "wall_s")),
+              ("tokenise", "Tokenisation alone (SmolLM2 tokenizer, 4 MiB blocks)",
+               ("workers", "cores", "tokens", "seconds", "tok_s")),
+              ("bookkeeping", "Bookkeeping on stores of synthetic committed units (30 points), "
+               "each operation in a fresh process",
+               ("mode", "storage", "units", "seconds", "ms_per_unit", "peak_rss_mb")),
+              ("dispatch", "Dispatch to stub actors (the scheduler loop vs a bare Ray loop)",
+               ("actors", "units", "units_per_s", "driver_cpu_ms_per_unit",
+                "driver_bound_units_per_s", "bare_ray_units_per_s", "vs_bare_ray"))]
+    out = []
+    for key, title, cols in groups:
+        sel = [{c: r.get(c) for c in cols} for r in rows if r.get("mode", "").startswith(key)]
+        if sel:
+            out += [f"{title}:", "", md_table(sel, first=cols), ""]
+    return out
+
+
 # ---- suite entry -------------------------------------------------------------------------------
 
 SECTIONS = ("driver", "tokenise", "bookkeeping", "dispatch")

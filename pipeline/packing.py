@@ -75,9 +75,9 @@ class Chunk:
     capped: bool = False  # stopped at the run's context budget, not at the block's end
 
     def digest(self) -> list[int]:
-        from .store.stats import crc32c
+        from .rows import chunk_digest
 
-        return [crc32c(self.token_id), crc32c(self.doc_id), crc32c(self.position)]
+        return chunk_digest(self.arrays())
 
     def arrays(self) -> dict:
         return {"token_id": self.token_id, "doc_id": self.doc_id, "position": self.position}

@@ -16,9 +16,12 @@ neither imports the other.
 
 from __future__ import annotations
 
+import datetime as _dt
 import gzip
 import json
 import logging
+import os
+import socket
 import zlib
 from typing import Iterable, Iterator
 
@@ -94,6 +97,26 @@ def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dic
             except ValueError:
                 log.warning("commit marker of unit %d is not valid JSON; ignored", n.unit_id)
     return out
+
+
+def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str, shards: list,
+                 meta_crc32c: dict, stats: dict, seconds: float, extra: dict) -> dict:
+    """The marker (FORMAT.md, "Work units and commits"); `shards`: (index, row_start, row_end,
+    crc32c per point, stored bytes per point)."""
+    nbytes = (row_end - row_start) * len(store.points) * store.row_bytes
+    return {
+        "layout_version": store.layout_version, "unit_id": unit_id,
+        "row_start": row_start, "row_end": row_end, "n_rows": row_end - row_start,
+        "points": list(store.points), "attempt": attempt,
+        "shards": [{"index": i, "row_start": a, "row_end": b, "crc32c": crc, "nbytes": nb}
+                   for i, a, b, crc, nb in shards],
+        "row_meta": {"crc32c": meta_crc32c},
+        "stats": stats,
+        "bytes": nbytes, "seconds": round(seconds, 6),
+        "bytes_per_s": nbytes / seconds if seconds > 0 else None,
+        "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "pid": os.getpid(), "extra": extra or {},
+    }
 
 
 def create_marker(loc: Location, marker: dict) -> bool:
@@ -201,4 +224,4 @@ def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iter
 
 
 __all__ = ["MarkerName", "list_markers", "read_marker", "read_markers", "create_marker",
-           "delete_marker", "IndexBuilder", "write_index_segment", "compact_index", "iter_committed"]
+           "delete_marker", "build_marker", "IndexBuilder", "write_index_segment", "compact_index", "iter_committed"]

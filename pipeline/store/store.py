@@ -9,9 +9,7 @@ data. Creation is in create.py, finalize and verify in their own modules.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import datetime as _dt
-import hashlib
 import json
 import logging
 from typing import Any, Iterator, Sequence
@@ -22,7 +20,7 @@ import zarr
 from . import commits as _commits
 from . import layout
 from . import stats as _stats
-from .backend import Location, locate, with_retries
+from .backend import Location, locate
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
 from .plans import PlanStore, Unit, check_units
@@ -338,46 +336,11 @@ class Store:
         return _commits.write_index_segment(self._loc, markers)
 
     # ---- statistics --------------------------------------------------------------------------
-    def _check_partial(self, raw, stats_ref: dict, unit_id: int) -> dict:
-        if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref["sha256"]:
-            raise StoreError(f"stats partial of unit {unit_id} is missing or does not "
-                             f"match its commit marker ({stats_ref['key']}); rewrite the unit")
-        return _stats.load_arrays(raw)
-
-    def _fetch_partials(self, refs: list) -> list:
-        """Sidecars of `refs` (batched: one concurrent request for all on object storage)."""
-        loc = self._loc
-        keys = [loc.key(r[1]["key"]) for r in refs]
-        if loc.is_local:
-            blobs = {}
-            for k in keys:
-                try:
-                    with open(k, "rb") as f:
-                        blobs[k] = f.read()
-                except FileNotFoundError:
-                    pass
-        else:
-            blobs = with_retries(lambda: loc.fs.cat(sorted(set(keys)), on_error="return"),
-                                 "read stats partials")
-        return [self._check_partial(blobs.get(k) if isinstance(blobs.get(k), bytes) else None,
-                                    r[1], r[0]) for k, r in zip(keys, refs)]
-
     def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 64) -> _stats.StreamingMerge:
-        """Stream every unit's partials in unit-id order (same data, same bits), fetching the
-        next batch while this one merges: memory O(subsets x points x width + batch), never
-        O(units)."""
-        refs = sorted(refs, key=lambda r: r[0])
-        acc = _stats.StreamingMerge(layout.STATS_SUBSETS, len(self.points), self.width)
-        batches = [refs[i:i + batch] for i in range(0, len(refs), batch)]
-        with cf.ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(self._fetch_partials, b) for b in batches[:2]]
-            for i in range(len(batches)):
-                if i + 2 < len(batches):
-                    futs.append(ex.submit(self._fetch_partials, batches[i + 2]))
-                for part in futs[i].result():
-                    acc.add(part)
-                futs[i] = None
-        return acc
+        """Every unit's partials merged in unit-id order (see statsio.merge_partials)."""
+        from .statsio import merge_partials
+
+        return merge_partials(self, refs, batch)
 
     def stats(self, points: Sequence[str] | None = None, subset: str = "all") -> dict[str, dict]:
         """Per-point stats of `subset` rows: "all", or "kept" (rows whose token is not a special
@@ -386,26 +349,9 @@ class Store:
         From finalize if present, else merged now from the committed partials. Each value:
         count, mean [width] float64, var [width] float64, mean_sq_norm, nonfinite_rows.
         """
-        if subset not in layout.STATS_SUBSETS:
-            raise ValueError(f"subset={subset!r}: use one of {layout.STATS_SUBSETS}")
-        points = list(points or self.points)
-        if self._meta["attributes"].get("stats"):
-            g = zarr.open_group(store=self._zstore, path=f"{layout.STATS_GROUP}/{subset}", mode="r",
-                                zarr_format=3)
-            a = dict(g.attrs)
-            mean, var = g["mean"][:], g["var"][:]
-            out = {}
-            for p in points:
-                i = a["points"].index(p)
-                out[p] = {"count": int(a["count"][i]), "mean": mean[i], "var": var[i],
-                          "mean_sq_norm": float(a["mean_sq_norm"][i]),
-                          "nonfinite_rows": int(a["nonfinite_rows"][i])}
-            return out
-        refs = [(m["unit_id"], m["stats"]) for m in self.iter_committed()]
-        merged = self.merge_stats(refs).moments(subset)
-        return {p: {"count": merged[i].count, "mean": merged[i].mean, "var": merged[i].var,
-                    "mean_sq_norm": merged[i].mean_sq_norm, "nonfinite_rows": merged[i].nonfinite}
-                for i, p in enumerate(self.points) if p in points}
+        from .statsio import read_stats
+
+        return read_stats(self, points, subset)
 
     # ---- finalize and verify (driver) ---------------------------------------------------------
     def finalize(self, summary: dict | None = None) -> dict:

@@ -29,12 +29,10 @@ can prove the stored bytes are the committed ones.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime as _dt
 import hashlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -46,61 +44,14 @@ from . import commits as _commits
 from . import layout
 from . import stats as _stats
 from .backend import with_retries
-from .buffers import BufferPool
 from .credentials import redact_attrs, scrub
-from .dtypes import BF16, dtype_name, raw_dtype
+from .dtypes import dtype_name, raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 from .shardio import lower_priority
+from .shards import Shard, runs, shard_buffers, to_numpy
+from .unitmeta import UnitMeta
 
 log = logging.getLogger(__name__)
-
-
-class _Shard:
-    __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq", "keep")
-
-    def __init__(self, index: int, start: int, end: int):
-        self.index, self.start, self.end = index, start, end
-        self.keep: np.ndarray | None = None  # rows counted in the `kept` stats (None: all)
-        self.n = end - start
-        self.data: np.ndarray | None = None
-        self.filled = np.zeros(self.n, bool)
-        self.n_filled = 0
-        self.flushed: np.ndarray | None = None  # set once the shard has been evicted
-        self.seq = 0
-
-
-def _shard_buffers(store, keep: int) -> BufferPool:
-    """The store's pool of shard buffers [n_points, shard_rows, width]: writers of units in flight
-    at once (an actor commits one while capturing the next) reuse each other's buffers."""
-    pool = getattr(store, "_shard_buffers", None)
-    if pool is None:
-        pool = store._shard_buffers = BufferPool((len(store.points), store.shard_rows, store.width),
-                                                 raw_dtype(store.np_dtype), keep)
-    pool.keep = max(pool.keep, keep)
-    return pool
-
-
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """Contiguous [a, b) runs of True in a bool vector."""
-    if not mask.any():
-        return []
-    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return list(zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()))
-
-
-def _to_numpy(acts, np_dtype: np.dtype) -> np.ndarray:
-    mod = type(acts).__module__
-    if mod.startswith("torch"):
-        import torch
-
-        t = acts.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(BF16)
-        return t.numpy()
-    return np.asarray(acts)
 
 
 class RegionWriter:
@@ -123,15 +74,12 @@ class RegionWriter:
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._codecs = [store.shard_codec(p) for p in store.points]
-        self._buffers = _shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
+        self._buffers = shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
-        n = row_end - row_start
-        self._meta = {k: np.full(n, layout.META_UNWRITTEN, dt) for k, dt in layout.ROW_META.items()}
-        self._meta_set = np.zeros(n, bool)
-        self._filter = store.stats_filter()
-        self._states: dict[int, _Shard] = {}
-        self._open: "OrderedDict[int, _Shard]" = OrderedDict()
+        self._meta = UnitMeta(unit_id, row_start, row_end, store.stats_filter())
+        self._states: dict[int, Shard] = {}
+        self._open: "OrderedDict[int, Shard]" = OrderedDict()
         self._pending: "OrderedDict[int, list[cf.Future]]" = OrderedDict()
         self._done: set[int] = set()
         self._meta_uploaded: set[int] = set()
@@ -168,37 +116,14 @@ class RegionWriter:
         if self.already_committed:
             return
         self._check_usable()
-        cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
-        n = None
-        arrs = {}
-        for name, v in cols.items():
-            a = np.asarray(v)
-            if a.ndim != 1 or a.dtype.kind not in "iu":
-                raise ValueError(f"write_meta: {name} must be a 1-D integer array, got {a.dtype} "
-                                 f"{a.shape}")
-            if n is None:
-                n = a.shape[0]
-            elif a.shape[0] != n:
-                raise ValueError(f"write_meta: token_id, doc_id and position must have the same "
-                                 f"length, got {n} and {a.shape[0]} for {name}")
-            arrs[name] = a
-        lo, hi = int(row_start) - self.row_start, int(row_start) - self.row_start + n
-        if lo < 0 or hi > self._meta_set.shape[0]:
-            raise ValueError(f"write_meta: rows [{row_start}, {row_start + n}) fall outside unit "
-                             f"{self.unit_id}'s region [{self.row_start}, {self.row_end})")
-        if self._meta_set[lo:hi].any():
-            raise ValueError(f"write_meta: metadata of rows in [{row_start}, {row_start + n}) "
-                             f"was already written to unit {self.unit_id}")
-        for name, a in arrs.items():
-            self._meta[name][lo:hi] = a
-        self._meta_set[lo:hi] = True
+        self._meta.write(row_start, token_id, doc_id, position)
 
     def write(self, row_start: int, acts) -> None:
         """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width]."""
         if self.already_committed:
             return
         self._check_usable()
-        a = _to_numpy(acts, self._dtype)
+        a = to_numpy(acts, self._dtype)
         if a.ndim == 2 and self._P == 1:
             a = a[None]
         if a.ndim != 3 or a.shape[0] != self._P or a.shape[2] != self._W:
@@ -262,18 +187,14 @@ class RegionWriter:
                 continue
             st = self._states.get(si)
             s0, s1 = self.shard_span(si)
-            holes = _runs(~st.filled) if st is not None else [(0, s1 - s0)]
+            holes = runs(~st.filled) if st is not None else [(0, s1 - s0)]
             missing += [(s0 + a, s0 + b) for a, b in holes]
         if missing:
             n_miss = sum(b - a for a, b in missing)
             ex = ", ".join(f"[{a},{b})" for a, b in missing[:3])
             raise ValueError(f"commit: unit {self.unit_id} has {n_miss} rows never written (e.g. {ex}); "
                              "write them, or abort() to leave the region uncommitted")
-        if not self._meta_set.all():
-            holes = _runs(~self._meta_set)
-            raise ValueError(f"commit: unit {self.unit_id} has {int((~self._meta_set).sum())} rows "
-                             f"without metadata (e.g. rows [{self.row_start + holes[0][0]}, "
-                             f"{self.row_start + holes[0][1]})); call write_meta for them")
+        self._meta.check_complete()
         for si in self._shard_ids:
             if si not in self._meta_uploaded:
                 self._pending.setdefault(si, []).append(self._pool.submit(self._upload_meta, si))
@@ -286,27 +207,14 @@ class RegionWriter:
                                               self._P, self._W)
         blob = _stats.dumps(merged)
         skey = layout.stats_key(self.unit_id, self.attempt)
-        t_end = time.perf_counter()
-        seconds = t_end - (self.t_first_write or self.t_created)
-        nbytes = (self.row_end - self.row_start) * self._P * self._store.row_bytes
-        manifest = {
-            "layout_version": self._store.layout_version, "unit_id": self.unit_id,
-            "row_start": self.row_start, "row_end": self.row_end,
-            "n_rows": self.row_end - self.row_start, "points": list(self._store.points),
-            "attempt": self.attempt,
-            "shards": [{"index": si, "row_start": self.shard_span(si)[0],
-                        "row_end": self.shard_span(si)[1], "crc32c": self._crc[si],
-                        "nbytes": self._nbytes.get(si)}
-                       for si in self._shard_ids],
-            "row_meta": {"crc32c": {k: _stats.crc32c(v) for k, v in self._meta.items()}},
-            "stats": {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
-                      "count": merged["all"][0].count if merged["all"] else 0,
-                      "kept": merged["kept"][0].count if merged["kept"] else 0},
-            "bytes": nbytes, "seconds": round(seconds, 6),
-            "bytes_per_s": nbytes / seconds if seconds > 0 else None,
-            "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "pid": os.getpid(), "extra": extra or {},
-        }
+        seconds = time.perf_counter() - (self.t_first_write or self.t_created)
+        manifest = _commits.build_marker(
+            self._store, self.unit_id, self.row_start, self.row_end, self.attempt,
+            [(si, *self.shard_span(si), self._crc[si], self._nbytes.get(si)) for si in self._shard_ids],
+            self._meta.crc32c(), {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
+                                  "count": merged["all"][0].count if merged["all"] else 0,
+                                  "kept": merged["kept"][0].count if merged["kept"] else 0},
+            seconds, extra)
         try:
             self._store.location.write_bytes(skey, blob)
             created = _commits.create_marker(self._store.location, manifest)
@@ -388,30 +296,13 @@ class RegionWriter:
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
                                  f"{other.get('attempt')}); this writer stopped before uploading more")
 
-    def _keep_mask(self, sh: _Shard) -> np.ndarray | None:
-        """Rows of the shard counted in the `kept` statistics (None: every row)."""
-        if self._filter is None:
-            return None
-        a, b = sh.start - self.row_start, sh.end - self.row_start
-        if not self._meta_set[a:b].all():
-            raise ValueError(f"unit {self.unit_id}: rows [{sh.start}, {sh.end}) were written before "
-                             "their metadata; call write_meta first (the kept-row statistics need "
-                             "each row's token id)")
-        special, skip, C = self._filter
-        keep = np.ones(sh.n, bool)
-        if skip:
-            keep &= (np.arange(sh.start, sh.end) % C) >= skip
-        if special.size:
-            keep &= ~np.isin(self._meta["token_id"][a:b], special)
-        return keep
-
-    def _shard_for_write(self, si: int) -> _Shard:
+    def _shard_for_write(self, si: int) -> Shard:
         sh = self._open.get(si)
         if sh is None:
             sh = self._states.get(si)
             if sh is None:
                 s0, s1 = self.shard_span(si)
-                sh = self._states[si] = _Shard(si, s0, s1)
+                sh = self._states[si] = Shard(si, s0, s1)
             while len(self._open) >= self.max_open_shards:
                 self._evict(next(iter(self._open)))
             sh.data = self._buffers.take()[:, :sh.n]  # each point's rows stay contiguous
@@ -437,31 +328,31 @@ class RegionWriter:
         self._buffers.give(sh.data)
         sh.data = None
 
-    def _flush_partial(self, sh: _Shard) -> None:
+    def _flush_partial(self, sh: Shard) -> None:
         if sh.flushed is None:
             sh.flushed = np.zeros(sh.n, bool)
         rows = sh.filled & ~sh.flushed
-        runs = _runs(rows)
+        spans = runs(rows)
         try:
             for p in range(self._P):
-                for a, b in runs:
+                for a, b in spans:
                     self._write_rows(p, sh.start + a, sh.data[p, a:b].view(self._dtype),
                                      f"partial shard {sh.index}")
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"upload of shard {sh.index}")
             raise RegionWriteFailed(self._failed_msg) from None
-        keep = self._keep_mask(sh)
+        keep = self._meta.keep_mask(sh.start, sh.end)
         pairs = [_stats.subsets_of(sh.data[p][rows].view(self._dtype),
                                    None if keep is None else keep[rows]) for p in range(self._P)]
         self._parts[(sh.index, sh.seq)] = {"all": [a for a, _ in pairs], "kept": [k for _, k in pairs]}
         sh.seq += 1
         sh.flushed |= rows
 
-    def _complete(self, sh: _Shard) -> None:
+    def _complete(self, sh: Shard) -> None:
         del self._open[sh.index]
         self._check_conflict()
         self._wait_pending(all_=False)
-        sh.keep = self._keep_mask(sh)
+        sh.keep = self._meta.keep_mask(sh.start, sh.end)
         if sh.flushed is None:
             futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         else:
@@ -474,7 +365,7 @@ class RegionWriter:
             self._buffers.give(sh.data)
             sh.data = None
             futs = []
-        if self._meta_set[sh.start - self.row_start:sh.end - self.row_start].all():
+        if self._meta.complete(sh.start, sh.end):
             futs.append(self._pool.submit(self._upload_meta, sh.index))
         self._pending[sh.index] = futs
 
@@ -483,11 +374,10 @@ class RegionWriter:
         if self._failed is not None or self._closed:
             return
         s0, s1 = self.shard_span(si)
-        a, b = s0 - self.row_start, s1 - self.row_start
         try:
-            for name, col in self._meta.items():
+            for name, col in self._meta.columns(s0, s1).items():
                 arr = self._store._meta_array(name)
-                with_retries(lambda arr=arr, v=col[a:b]: arr.__setitem__(slice(s0, s1), v),
+                with_retries(lambda arr=arr, v=col: arr.__setitem__(slice(s0, s1), v),
                              f"write {name} of shard {si}", attempts=self.retries)
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"metadata upload of shard {si}")
@@ -495,7 +385,7 @@ class RegionWriter:
         with self._lock:
             self._meta_uploaded.add(si)
 
-    def _upload_point(self, sh: _Shard, p: int) -> None:
+    def _upload_point(self, sh: Shard, p: int) -> None:
         if self._failed is not None or self._closed:
             return
         x = sh.data[p].view(self._dtype)
