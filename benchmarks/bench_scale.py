@@ -12,8 +12,8 @@ Sections (each row says what it measured):
   first committed unit.
 - tokenise: tokens/s of the tokenising workers alone on the same corpus, 1, 2 and 4 workers.
 - bookkeeping: a store with N committed units (synthetic markers: 30 points, width 64, one shard
-  per unit, all units' stats pointing at one shared sidecar object, 90 % of the markers in the
-  compacted index as a running driver leaves them), local and SeaweedFS on 127.0.0.1: time and
+  per unit, a stats sidecar object per unit, 90 % of the markers in the compacted index as a
+  running driver leaves them), local and SeaweedFS on 127.0.0.1: time and
   peak RSS of the resume decision, `status`, `verify` (markers and plan; the synthetic store has
   no shard objects, so the per-object size check is left out) and `finalize`, each in a fresh
   process.
@@ -315,9 +315,8 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
     rng = np.random.default_rng(0)
     moments = [_stats.Moments.of(rng.standard_normal((64, W)).astype(np.float32)) for _ in range(P)]
     blob = _stats.dumps({"all": moments, "kept": moments})
-    skey = layout.stats_key(0, "shared")
-    loc.write_bytes(skey, blob)
     sha = hashlib.sha256(blob).hexdigest()
+    sidecars = {loc.key(layout.stats_key(u, "synthetic")): blob for u in range(n_units)}
     units = [Unit(u, u * SHARD, (u + 1) * SHARD, ((u, 0, 0, 1, 0),)) for u in range(n_units)]
     chunks = {f"{u}:0": {"n_contexts": 1, "cursor": {"row": 0, "pos": None, "offset": 0},
                          "final": True, "rows": 1, "digest": [u, 0, 0], "stats": {}}
@@ -339,7 +338,8 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
              "shards": [{"index": u.unit_id, "row_start": u.row_start, "row_end": u.row_end,
                          "crc32c": [int(x) for x in rng.integers(0, 2**32, P)], "nbytes": [4000] * P}],
              "row_meta": {"crc32c": {"token_id": 1, "doc_id": 2, "position": 3}},
-             "stats": {"key": skey, "sha256": sha, "count": SHARD, "kept": SHARD - 1},
+             "stats": {"key": layout.stats_key(u.unit_id, "synthetic"), "sha256": sha,
+                       "count": SHARD, "kept": SHARD - 1},
              "bytes": SHARD * P * W * 2, "seconds": 1.0, "bytes_per_s": 1.0,
              "committed_at": "2026-12-03T00:00:00+00:00", "host": "bench", "pid": 1,
              "extra": {"actor": u.unit_id % 8}}
@@ -352,15 +352,16 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
                 index = IndexBuilder()
     if index.count:
         s.write_index(index)
-    if loc.is_local:
-        for path, data in markers.items():
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
-    else:
-        items = list(markers.items())
-        for i in range(0, len(items), 2000):
-            loc.fs.pipe(dict(items[i:i + 2000]))
+    for objects, batch in ((sidecars, 500), (markers, 2000)):
+        if loc.is_local:
+            for path, data in objects.items():
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data)
+        else:
+            items = list(objects.items())
+            for i in range(0, len(items), batch):
+                loc.fs.pipe(dict(items[i:i + batch]))
 
 
 def bookkeeping_child(spec: dict) -> dict:
@@ -388,6 +389,21 @@ def bookkeeping_child(spec: dict) -> dict:
     elif op == "verify":
         v = open_store(url, storage_options=so).verify(objects=False)
         out = {"committed": v["committed_units"], "ok": v["ok"]}
+    elif op == "raw_get":
+        # what finalize cannot avoid: one GET per unit's stats sidecar (batched the same way)
+        from pipeline.store import layout
+
+        s = open_store(url, storage_options=so)
+        keys = [s.location.key(layout.stats_key(u, "synthetic")) for u in range(spec["units"])]
+        n = 0
+        for i in range(0, len(keys), 256):
+            if s.location.is_local:
+                for k in keys[i:i + 256]:
+                    with open(k, "rb") as fh:
+                        n += len(fh.read())
+            else:
+                n += sum(len(b) for b in s.location.fs.cat(keys[i:i + 256]).values())
+        out = {"bytes": n}
     else:
         f = open_store(url, storage_options=so).finalize({"bench": True})
         out = {"committed": f["committed_units"]}
@@ -414,12 +430,13 @@ def bookkeeping_rows(sizes, storages, workdir: Path) -> list[dict]:
                 t0 = time.perf_counter()
                 synthetic_store(url, so, n)
                 build = time.perf_counter() - t0
-                for op in ("resume", "status", "verify", "finalize"):
+                for op in ("resume", "status", "verify", "raw_get", "finalize"):
                     spec = workdir / f"book-{op}.json"
                     spec.write_text(json.dumps({"url": url, "storage_options": so, "op": op,
                                                 "units": n}))
                     r = _child(["--bookkeeping-child", str(spec)])
-                    row = {"mode": f"bookkeeping {op}", "storage": where, "units": n,
+                    row = {"mode": f"bookkeeping {op.replace('raw_get', 'raw sidecar GETs')}",
+                           "storage": where, "units": n,
                            "points": P, "seconds": r["seconds"],
                            "ms_per_unit": round(1000 * r["seconds"] / n, 4),
                            "peak_rss_mb": r["peak_rss_mb"], "build_s": round(build, 1)}

@@ -70,46 +70,50 @@ def _is_json_lines(path: str) -> bool:
     return not head.startswith(b"[")
 
 
-def _line_blocks(files: list[str], fmt: str, block_bytes: int) -> list[list[dict]]:
-    """Byte ranges of about block_bytes; small files share a block (a block that gives no
-    complete context would lose its text)."""
+def _group(segments, block_bytes: int) -> list[list[dict]]:
+    """Consecutive (segment, text bytes) into blocks of about block_bytes (a small file or row
+    group shares a block: one that gives no complete context would lose its text)."""
     blocks: list[list[dict]] = []
     cur: list[dict] = []
     size = 0
-    for path, n in zip(files, _segment_sizes(files)):
-        a = 0
-        while a < n:
-            b = min(n, a + block_bytes - size)
-            cur.append({"kind": "lines", "fmt": fmt, "path": path, "start": a, "stop": b, "size": n})
-            size += b - a
-            a = b
-            if size >= block_bytes:
-                blocks.append(cur)
-                cur, size = [], 0
+    for seg, n in segments:
+        cur.append(seg)
+        size += n
+        if size >= block_bytes:
+            blocks.append(cur)
+            cur, size = [], 0
     if cur:
         blocks.append(cur)
     return blocks
+
+
+def _line_blocks(files: list[str], fmt: str, block_bytes: int) -> list[list[dict]]:
+    """Byte ranges cut where a block reaches block_bytes."""
+    def segments():
+        size = 0
+        for path, n in zip(files, _segment_sizes(files)):
+            a = 0
+            while a < n:
+                b = min(n, a + block_bytes - size)
+                yield {"kind": "lines", "fmt": fmt, "path": path, "start": a, "stop": b, "size": n}, b - a
+                size = (size + b - a) % block_bytes
+                a = b
+
+    return _group(segments(), block_bytes)
 
 
 def _parquet_blocks(files: list[str], block_bytes: int) -> list[list[dict]]:
     import pyarrow.parquet as pq
 
-    blocks: list[list[dict]] = []
-    cur: list[dict] = []
-    size = 0
-    for path in files:
-        md = pq.ParquetFile(path).metadata
-        for g in range(md.num_row_groups):
-            rg = md.row_group(g)
-            cur.append({"kind": "parquet", "path": path, "start": g, "stop": g + 1,
-                        "rows": rg.num_rows, "size": os.path.getsize(path)})
-            size += rg.total_byte_size
-            if size >= block_bytes:
-                blocks.append(cur)
-                cur, size = [], 0
-    if cur:
-        blocks.append(cur)
-    return blocks
+    def segments():
+        for path in files:
+            md = pq.ParquetFile(path).metadata
+            for g in range(md.num_row_groups):
+                rg = md.row_group(g)
+                yield ({"kind": "parquet", "path": path, "start": g, "stop": g + 1,
+                        "rows": rg.num_rows, "size": os.path.getsize(path)}, rg.total_byte_size)
+
+    return _group(segments(), block_bytes)
 
 
 def _disk_blocks(cfg: DataConfig, path: str) -> list[list[dict]]:

@@ -26,7 +26,7 @@ import zlib
 from typing import Iterable, Iterator
 
 from . import layout
-from .backend import Location, with_retries
+from .backend import Location
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,11 @@ def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dic
     if not names:
         return {}
     paths = [loc.key(layout.commit_key(*n)) for n in names]
-    if loc.is_local:
-        blobs = {}
-        for p in paths:
-            try:
-                with open(p, "rb") as f:
-                    blobs[p] = f.read()
-            except FileNotFoundError:
-                pass
-    else:
-        blobs = with_retries(lambda: loc.fs.cat(paths, on_error="return"), "read markers")
+    blobs = loc.read_many(paths, "read markers")
     out = {}
     for n, p in zip(names, paths):
         b = blobs.get(p)
-        if isinstance(b, (bytes, bytearray)):
+        if b is not None:
             try:
                 out[n] = json.loads(b)
             except ValueError:

@@ -72,7 +72,7 @@ def commit_key(unit_id: int, row_start: int, row_end: int) -> str:
 
 
 def stats_key(unit_id: int, attempt: str) -> str:
-    return f"{SIDECAR_DIR}/unit-{int(unit_id):08d}.{attempt}.npz"
+    return f"{SIDECAR_DIR}/unit-{int(unit_id):08d}.{attempt}.bin"
 
 
 def plan_segment_key(seq: int) -> str:

@@ -15,7 +15,6 @@ import zarr
 
 from . import layout
 from . import stats as _stats
-from .backend import with_retries
 from .errors import StoreError
 
 
@@ -30,30 +29,20 @@ def _fetch_partials(store, refs: list) -> list:
     """Sidecars of `refs` (batched: one concurrent request for all on object storage)."""
     loc = store.location
     keys = [loc.key(r[1]["key"]) for r in refs]
-    if loc.is_local:
-        blobs = {}
-        for k in keys:
-            try:
-                with open(k, "rb") as f:
-                    blobs[k] = f.read()
-            except FileNotFoundError:
-                pass
-    else:
-        blobs = with_retries(lambda: loc.fs.cat(sorted(set(keys)), on_error="return"),
-                             "read stats partials")
-    return [_check_partial(blobs.get(k) if isinstance(blobs.get(k), bytes) else None, r[1], r[0])
-            for k, r in zip(keys, refs)]
+    blobs = loc.read_many(keys, "read stats partials")
+    return [_check_partial(blobs.get(k), r[1], r[0]) for k, r in zip(keys, refs)]
 
 
-def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 64) -> _stats.StreamingMerge:
+def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 256) -> _stats.StreamingMerge:
     refs = sorted(refs, key=lambda r: r[0])
     acc = _stats.StreamingMerge(layout.STATS_SUBSETS, len(store.points), store.width)
     batches = [refs[i:i + batch] for i in range(0, len(refs), batch)]
-    with cf.ThreadPoolExecutor(2) as ex:
-        futs = [ex.submit(_fetch_partials, store, b) for b in batches[:2]]
+    ahead = 3  # batches in flight while one merges (memory: ahead x batch partials)
+    with cf.ThreadPoolExecutor(ahead) as ex:
+        futs = [ex.submit(_fetch_partials, store, b) for b in batches[:ahead]]
         for i in range(len(batches)):
-            if i + 2 < len(batches):
-                futs.append(ex.submit(_fetch_partials, store, batches[i + 2]))
+            if i + ahead < len(batches):
+                futs.append(ex.submit(_fetch_partials, store, batches[i + ahead]))
             for part in futs[i].result():
                 acc.add(part)
             futs[i] = None

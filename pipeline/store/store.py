@@ -336,7 +336,7 @@ class Store:
         return _commits.write_index_segment(self._loc, markers)
 
     # ---- statistics --------------------------------------------------------------------------
-    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 64) -> _stats.StreamingMerge:
+    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _stats.StreamingMerge:
         """Every unit's partials merged in unit-id order (see statsio.merge_partials)."""
         from .statsio import merge_partials
 
