@@ -230,7 +230,7 @@ def _finish(cfg, prep: Prepared, store, sched: "Scheduler | None", t_start: floa
 
 def _plan_stats(store) -> dict:
     chunks: dict = {}
-    for p in store.plans.read()["payloads"]:
+    for p in store.plans.read(payloads=True)["payloads"]:
         chunks.update(p.get("chunks") or {})
     return sum_stats(chunks.values())
 

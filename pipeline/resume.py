@@ -121,7 +121,7 @@ def fresh_state(prep, max_contexts: int | None) -> ResumeState:
 
 def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
     """What is committed, what is left, and which chunks must be tokenised again."""
-    plan = store.plans.read()
+    plan = store.plans.read(payloads=True)
     if not plan["units"] and not plan["final"]:
         st = fresh_state(prep, max_contexts)
         st.next_seq = plan["next_seq"]

@@ -27,7 +27,7 @@ def status(url: str, storage_options: dict | None = None) -> dict:
     per_actor: dict = {}
     first = last = None
     first_rows = 0
-    for m in store.iter_committed(done):
+    for m in store.iter_committed(done, planned=bool(units)):
         extra = m.get("extra") or {}
         key = f"{extra.get('host', m.get('host'))}/actor{extra.get('actor', '?')}"
         d = per_actor.setdefault(key, {"units": 0, "tokens": 0, "seconds": 0.0, "pids": set()})

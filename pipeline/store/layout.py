@@ -79,7 +79,12 @@ def plan_segment_key(seq: int) -> str:
     return f"{PLAN_DIR}/seg-{int(seq):08d}.json"
 
 
+def plan_payload_key(seq: int) -> str:
+    return f"{PLAN_DIR}/seg-{int(seq):08d}.payload.json"
+
+
 PLAN_COMPACT_KEY = f"{PLAN_DIR}/compact.json"
+PLAN_COMPACT_PAYLOAD_KEY = f"{PLAN_DIR}/compact.payload.json"
 PLAN_SOURCES_KEY = f"{PLAN_DIR}/sources.json"
 
 

@@ -91,40 +91,48 @@ def check_region(row_start: int, row_end: int, shard_rows: int, n_rows: int, wha
 
 
 class PlanStore:
-    """Segments, compaction and the source manifest under `_harvest/plan/`."""
+    """Segments, compaction and the source manifest under `_harvest/plan/`.
+
+    A segment's units and its payload are separate objects (the payload first, then the units,
+    whose creation is the segment's), because most readers want the units only: status, verify
+    and the reader of a 10^5-unit store parse a few MB, not the payloads' chunk tables too.
+    """
 
     def __init__(self, loc: Location):
         self._loc = loc
 
     def write_segment(self, seq: int, units: list[Unit], payload: dict | None = None,
                       final: bool = False) -> bool:
+        if payload is not None and not self._loc.create_once(layout.plan_payload_key(seq),
+                                                             json.dumps(payload).encode()):
+            return False
         body = {"seq": int(seq), "final": bool(final), "units": [
             [u.unit_id, u.row_start, u.row_end, [list(p) for p in u.pieces]] for u in units]}
-        if payload:
-            body["payload"] = payload
         return self._loc.create_once(layout.plan_segment_key(seq), json.dumps(body).encode())
 
     def segment_seqs(self) -> list[int]:
         out = []
         for name in self._loc.list_dir(layout.PLAN_DIR):
-            if name.startswith("seg-") and name.endswith(".json"):
+            if name.startswith("seg-") and name.endswith(".json") and not name.endswith(".payload.json"):
                 out.append(int(name[4:-5]))
         return sorted(out)
 
-    def read(self) -> dict:
-        """{"units": [Unit...] in id order, "payloads": [segment payloads in order], "final",
-        "segments": number read}: the compact object plus every later segment."""
+    def read(self, payloads: bool = False) -> dict:
+        """{"units": [Unit...] in id order, "final", "next_seq", and with `payloads` the segments'
+        payloads in order}: the compact object plus every later segment."""
         compact = self._loc.read_bytes(layout.PLAN_COMPACT_KEY)
         units: list[Unit] = []
-        payloads: list = []
+        out_payloads: list = []
         final = False
         upto = -1
         if compact:
             c = json.loads(compact)
             upto = int(c["upto"])
             units = [Unit(*u[:3], tuple(tuple(p) for p in u[3])) for u in c["units"]]
-            payloads = list(c.get("payloads") or [])
             final = bool(c.get("final"))
+            if payloads:
+                raw = self._loc.read_bytes(layout.PLAN_COMPACT_PAYLOAD_KEY)
+                out_payloads = list(json.loads(raw)) if raw else []
         seqs = [s for s in self.segment_seqs() if s > upto]
         for s in seqs:
             raw = self._loc.read_bytes(layout.plan_segment_key(s))
@@ -132,18 +140,22 @@ class PlanStore:
                 continue
             seg = json.loads(raw)
             units += [Unit(*u[:3], tuple(tuple(p) for p in u[3])) for u in seg["units"]]
-            if seg.get("payload") is not None:
-                payloads.append(seg["payload"])
             final = final or bool(seg.get("final"))
+            if payloads:
+                p = self._loc.read_bytes(layout.plan_payload_key(s))
+                if p is not None:
+                    out_payloads.append(json.loads(p))
         units.sort(key=lambda u: u.unit_id)
-        return {"units": units, "payloads": payloads, "final": final,
-                "next_seq": max([upto] + seqs) + 1, "segments_read": len(seqs) + bool(compact)}
+        return {"units": units, "payloads": out_payloads, "final": final,
+                "next_seq": max([upto] + seqs) + 1}
 
     def compact(self, units: list[Unit], payloads: list, upto: int, final: bool) -> None:
-        """Fold segments <= upto into compact.json (overwritten: it only ever grows)."""
+        """Fold segments <= upto into compact objects (overwritten: they only ever grow); the
+        payloads first, so compact.json never names segments whose payloads are not folded."""
+        self._loc.write_bytes(layout.PLAN_COMPACT_PAYLOAD_KEY, json.dumps(payloads).encode())
         body = {"upto": int(upto), "final": bool(final),
                 "units": [[u.unit_id, u.row_start, u.row_end, [list(p) for p in u.pieces]]
-                          for u in units], "payloads": payloads}
+                          for u in units]}
         self._loc.write_bytes(layout.PLAN_COMPACT_KEY, json.dumps(body).encode())
 
     def write_sources(self, sources: dict) -> bool:

@@ -308,16 +308,18 @@ class Store:
     def is_committed(self, unit_id: int, row_start: int | None = None, row_end: int | None = None) -> bool:
         return self.commit_manifest(unit_id, row_start, row_end, fresh=True) is not None
 
-    def iter_committed(self, names: list | None = None) -> Iterator[dict]:
+    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[dict]:
         """Markers of committed units that agree with the plan (all markers if there is no plan),
-        streamed from the compacted index plus the markers written since."""
+        streamed from the compacted index plus the markers written since. `planned`: the caller
+        already kept only the names that agree with the plan."""
         names = self.marker_names() if names is None else names
-        plan = {u.unit_id: (u.row_start, u.row_end) for u in self.plan_units()}
-        if plan:
-            names = [n for n in names if plan.get(n.unit_id) == n.rows]
-        for m in _commits.iter_committed(self._loc, names):
-            self._remember_marker(m)
-            yield m
+        if not planned:
+            plan = {u.unit_id: (u.row_start, u.row_end) for u in self.plan_units()}
+            if plan:
+                names = [n for n in names if plan.get(n.unit_id) == n.rows]
+        # not cached: holding 10^5 markers (per-shard CRCs and sizes of every point) is what made
+        # status and finalize take a GB
+        yield from _commits.iter_committed(self._loc, names)
 
     def committed_units(self) -> dict[int, dict]:
         """unit_id -> commit manifest, for every unit whose marker exists now and agrees with

@@ -59,8 +59,7 @@ def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
     want: dict[int, list] = {}  # shard -> recorded sizes per point
     stored = 0
     meta_want: set[int] = set()
-    by_name = set(matching)
-    for m in store.iter_committed(list(by_name)):
+    for m in store.iter_committed(matching, planned=True):
         checked["markers"] += 1
         uid = m["unit_id"]
         if m.get("points") != store.points:
