@@ -109,3 +109,44 @@ def test_check_units_refuses_overlaps_and_shared_shards():
     with pytest.raises(ValueError, match="appears twice"):
         check_units([Unit(0, 0, 128), Unit(0, 128, 256)], 128, 1000)
     assert Unit.from_dict(Unit(3, 0, 8, ((1, 2, 0, 1, 5),)).as_dict()) == Unit(3, 0, 8, ((1, 2, 0, 1, 5),))
+
+
+def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_need(tmp_path):
+    """A run stopped with units 0..3 planned (not the last) and 0, 1, 3 committed: the resume
+    re-creates the chunk of unit 2 only (from its recorded cursor, and no further), and goes on
+    placing from the frontier's last chunk; blocks 0 and 1 (units 0 and 1) are not re-tokenised."""
+    from types import SimpleNamespace
+
+    from pipeline.resume import resume_state
+    from pipeline.store import create_store
+    from pipeline.store.commits import create_marker
+
+    counts = {0: [3, 3, 1], 1: [0], 2: [5, 2], 3: [4]}
+    emitted = []
+    f = Frontier(8, 4, 4)
+    for d in _chunks(counts):
+        emitted += f.add(d)
+    emitted = [e for e in emitted if e.unit.n_rows][:4]  # planned before the stop
+    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
+                     shard_rows=32, chunk_rows=32, context_size=8)
+    for seq, e in enumerate(emitted):
+        s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
+    for uid in (0, 1, 3):
+        u = emitted[uid].unit
+        create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
+    prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
+                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+    st = resume_state(s, prep, None)
+    assert st.committed == {0, 1, 3} and [u.unit_id for u in st.todo] == [2]
+    assert emitted[2].unit.pieces == ((2, 0, 1, 5, 20),)
+    # unit 2: chunk 2:0 alone, from its cursor, and no further; the frontier stopped inside chunk
+    # 3:0 (unit 3 took 2 of its 4 contexts): block 3 again from that chunk, to its end
+    assert [(j.block, j.first_index, j.last_index) for j in st.jobs] == [(2, 0, 0), (3, 0, None)]
+    assert st.jobs[0].start == {"row": 0, "pos": None, "offset": 0}
+    assert st.fresh_from == 4 and not st.final
+    assert (st.frontier.next_block, st.frontier.next_chunk, st.frontier.skip_ctx) == (3, 0, 2)
+    # the frontier resumed here places exactly what the uninterrupted run placed after unit 3
+    descs = [d for d in _chunks(counts) if (d["block"], d["chunk"]) >= (3, 0)]
+    rest = [e.unit for e in _place(st.frontier, descs)]
+    ref = [e.unit for e in _place(Frontier(8, 4, 4), _chunks(counts))]
+    assert rest == ref[4:] and len(rest) == 1
