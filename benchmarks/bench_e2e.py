@@ -111,7 +111,10 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
     import ray
 
     from pipeline.config import load_config
-    from pipeline.driver import prepare, run as run_pipeline
+    from pipeline.data import iter_texts
+    from pipeline.driver import run as run_pipeline
+    from pipeline.packing import pack_texts
+    from pipeline.prepare import prepare
 
     model = model or "tiny:llama"
     own_dir = workdir is None
@@ -136,8 +139,13 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
         prep = prepare(cfg0)
         engine = None
         if engine_baseline:
+            # the rows the pipeline packs from this one-block corpus (the pydoc topics)
+            from transformers import AutoTokenizer
+
+            packed = pack_texts(iter_texts(cfg0.data), AutoTokenizer.from_pretrained(prep.model_path),
+                                cfg0.packing)
             engine = _engine_alone(prep.model_path, cfg0.model.engine_kwargs(prep.points),
-                                   prep.packed.token_ids, cfg0.packing.context_size,
+                                   packed.token_ids, cfg0.packing.context_size,
                                    prep.layout.unit_rows, cfg0.capture.batch_contexts, prep.points,
                                    workdir)
             print(f"engine alone ({engine['mode']}): {engine['tokens']} tokens, "

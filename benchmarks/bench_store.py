@@ -177,7 +177,7 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
     logical = data.nbytes
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=N,
                      shard_rows=shard_rows, compression=compression, storage_options=so)
-    s.write_row_meta(0, np.arange(N, dtype=np.int32) % 50000, np.arange(N) // 1024, np.arange(N) % 1024)
+    meta = (np.arange(N, dtype=np.int32) % 50000, np.arange(N) // 1024, np.arange(N) % 1024)
     plan = s.write_plan(s.default_plan(shards_per_unit))
     raw = data.view(np.uint16)
     # raw baseline: the same bytes as the same objects (one per point per shard)
@@ -188,6 +188,7 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
     def write():
         for u in plan:
             w = s.region_writer(u["unit_id"], u["row_start"], u["row_end"], upload_threads=threads)
+            w.write_meta(u["row_start"], *(m[u["row_start"]:u["row_end"]] for m in meta))
             for a in range(u["row_start"], u["row_end"], piece_rows):
                 w.write(a, data[:, a:min(a + piece_rows, u["row_end"])])
             w.commit()

@@ -219,7 +219,17 @@ def run_store(model: str, tokens: dict, a) -> list[dict]:
     })
 
 
-SECTIONS = {"engine": run_engine, "peer": run_peer, "e2e": run_e2e, "store": run_store}
+def run_scale(model: str, tokens: dict, a) -> list[dict]:
+    # The driver and the bookkeeping at corpus scale (bench_scale's own corpus and stub engine:
+    # the quantity measured is the driver, not the model).
+    return call_section("benchmarks.bench_scale", {
+        "tokens": [float(x) for x in a.scale_tokens.split(",")],
+        "units": [int(x) for x in a.scale_units.split(",")],
+    })
+
+
+SECTIONS = {"engine": run_engine, "peer": run_peer, "e2e": run_e2e, "store": run_store,
+            "scale": run_scale}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,6 +321,7 @@ def targets(res: dict) -> list[dict]:
                           + (f" ({bound}: the target is out of reach on this machine)"
                              if bound and r["codec_ceiling"] < r["target"] else ""))
             add(f"storage {r.get('mode', '')} ({label}) vs raw", r["target"], r["ratio"], basis)
+    out += scale_targets(res["sections"].get("scale", {}).get("rows", []))
     sae = peer[0]["tok_s"] if peer and peer[0].get("tok_s") else None
     add("freeze vs SAELens caching", TARGETS["freeze_vs_saelens"],
         freeze / sae if freeze and sae else None,
@@ -321,6 +332,38 @@ def targets(res: dict) -> list[dict]:
             freeze / sae_best if freeze else None,
             "as above, but every SAELens run credited with the fastest per-layer pace any of "
             "its runs reached (discounts load on a shared machine)")
+    return out
+
+
+def scale_targets(rows: list[dict]) -> list[dict]:
+    """bench_scale's targets (issue 14): each is an upper or lower bound on one measured row."""
+    out = []
+
+    def add(name, need, value, ok, basis):
+        out.append({"target": name, "need": need, "measured": value,
+                    "verdict": "not measured" if value is None else ("PASS" if ok else "FAIL"),
+                    "basis": basis})
+
+    drv = sorted((r for r in rows if r.get("mode") == "driver"), key=lambda r: r["tokens_target"])
+    if drv:
+        big = drv[-1]
+        add(f"driver peak RSS at {big['tokens_target']:.0e} tokens", "<= 1536 MB",
+            big["driver_peak_rss_mb"], big["driver_peak_rss_mb"] <= 1536, "VmHWM of the driver process")
+        add(f"driver peak RSS {big['tokens_target']:.0e} vs {drv[0]['tokens_target']:.0e} tokens",
+            "<= 1.25x", big["rss_vs_first"], big["rss_vs_first"] <= 1.25, "ratio of the two VmHWM")
+    for r in rows:
+        m = r.get("mode", "")
+        if m == "bookkeeping resume":
+            add(f"resume decision ({r['storage']}, {r['units']} units)", "<= 2 ms/unit",
+                r["ms_per_unit"], r["ms_per_unit"] <= 2.0, "plan read + one marker listing, fresh process")
+        elif m == "bookkeeping finalize" and r["units"] >= 100000:
+            add(f"finalize memory ({r['storage']}, {r['units']} units x {r['points']} points)",
+                "<= 1024 MB", r["peak_rss_mb"], r["peak_rss_mb"] <= 1024, "peak RSS of the process")
+        elif m == "dispatch":
+            add(f"dispatch ({r['actors']} stub actors)", ">= 1000 units/s", r["units_per_s"],
+                r["units_per_s"] >= 1000,
+                f"scheduler loop; bare Ray loop on the same actors {r['bare_ray_units_per_s']} "
+                f"units/s; driver-bound {r['driver_bound_units_per_s']} units/s")
     return out
 
 
@@ -398,7 +441,8 @@ def write_report(res: dict, out: Path) -> None:
     titles = {"engine": "Engine modes (tok/s with every layer's resid_post delivered)",
               "peer": "Peer: SAELens CacheActivationsRunner on the same model and tokens",
               "e2e": "End to end: dataset -> committed store",
-              "store": "Storage: writer and shuffled reader vs raw put/get of the same bytes"}
+              "store": "Storage: writer and shuffled reader vs raw put/get of the same bytes",
+              "scale": "Scale: driver memory and first commit, tokenisation, bookkeeping, dispatch"}
     for name in SECTIONS:
         sec = res["sections"].get(name)
         if sec is None:
@@ -430,6 +474,11 @@ def write_report(res: dict, out: Path) -> None:
                       f"command: `{r0.get('command', '')}`", "",
                       f"versions: {json.dumps(r0.get('versions', {}))}", ""]
             continue
+        if name == "scale":
+            from benchmarks.bench_scale import report_tables
+
+            lines += report_tables(rows, md_table) + [f"({sec['seconds']:.0f} s)", ""]
+            continue
         lines += [md_table(rows, first=("mode", "tok_s", "ratio_to_plain")), ""]
         lines += [f"({sec['seconds']:.0f} s)", ""]
     if res.get("plot_note"):
@@ -453,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--e2e-tokens", type=int, default=16384,
                     help="tokens per end-to-end run (packed from the pydoc corpus)")
+    ap.add_argument("--scale-tokens", default="1e6,1e7,1e8",
+                    help="bench_scale driver runs: corpus tokens per run")
+    ap.add_argument("--scale-units", default="1000,10000,100000",
+                    help="bench_scale bookkeeping: committed units per synthetic store")
     ap.add_argument("--peer-layers", default="all", help="SAELens runs: 'all' or '0,5,10'")
     ap.add_argument("--peer-batch", type=int, default=8, help="SAELens model_batch_size")
     ap.add_argument("--peer-timeout", type=int, default=3600)

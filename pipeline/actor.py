@@ -1,29 +1,37 @@
-"""The Ray actor: one engine and the store region writers of the units it is given.
+"""The Ray actor: one engine fed by one long-lived capture stream, and its units' writers.
 
 Activations never travel through Ray's object store (hundreds of KB per token would make it the
-bottleneck): the actor reads its unit's token ids from the store, captures them, writes the
-region itself and returns a small manifest. A unit is done only when its region is committed, so
-a retry after a crash (Ray's `max_task_retries`) rewrites the same shards and the create-once commit
-marker makes the second commit harmless: at-least-once execution, exactly-once result.
+bottleneck): the actor fetches its unit's token ids (the tokenising workers' chunks, by
+reference), writes the unit's row metadata and activations itself and returns the small commit
+marker. A unit is done only when its region is committed, so a retry after a crash (Ray's
+`max_task_retries`) rewrites the same shards and the create-once marker makes the second commit
+harmless: at-least-once execution, exactly-once result.
 
-The actor is threaded (`max_concurrency` = units in flight): the engine runs one unit at a time
-on its own thread, while the previous unit's last shards upload and commit on Ray's thread, so
-the engine is not idle during uploads.
+One engine stream across units: `run_unit` (on Ray's method threads, `max_concurrency` of them)
+prepares a unit and queues it; the engine thread feeds the contexts of every queued unit into one
+`capture()` call, so the engine's steps stay full across unit boundaries (a capture call per unit
+drained the engine at the end of each unit, and a unit of one context filled one step in eight).
+The stream ends when the queue runs dry and starts again with the next unit; the driver keeps
+enough units queued per actor to fill the engine. Commits (last uploads + marker) run on the
+unit's method thread, so the engine never waits for them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
 log = logging.getLogger("harvest.actor")
+
+STREAM_START_WAIT = 0.05  # seconds a new stream waits for units to fill its first engine step
+STREAM_GAP_WAIT = 0.01    # seconds a running stream waits for the next unit before draining
 
 
 def _cpu_slice(index: int, threads: int) -> list[int]:
@@ -32,6 +40,36 @@ def _cpu_slice(index: int, threads: int) -> list[int]:
         return []
     start = (index * threads) % len(cpus)
     return [cpus[(start + k) % len(cpus)] for k in range(min(threads, len(cpus)))]
+
+
+def step_stats(engine) -> dict | None:
+    """Cumulative engine steps (interfaces item 4), with the vLLM fallback until it lands."""
+    fn = getattr(engine, "step_stats", None)
+    if callable(fn):
+        return dict(fn())
+    st = getattr(engine, "state", None)
+    mbt = getattr(engine, "max_num_batched_tokens", None)
+    if st is not None and hasattr(st, "steps") and hasattr(st, "rows") and mbt:
+        return {"steps": int(st.steps), "scheduled_tokens": int(st.rows),
+                "max_num_batched_tokens": int(mbt)}
+    return None
+
+
+class _Job:
+    """A unit queued for the engine stream."""
+
+    __slots__ = ("unit_id", "row_start", "contexts", "writer", "received", "error", "done")
+
+    def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer):
+        self.unit_id, self.row_start, self.contexts, self.writer = unit_id, row_start, contexts, writer
+        self.received = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
+        self.done.set()
 
 
 class HarvestActor:
@@ -56,14 +94,17 @@ class HarvestActor:
         self.load_seconds = time.perf_counter() - t0
         self.points = list(spec["points"])
         self.context_size = int(spec["context_size"])
-        self.batch_contexts = int(spec.get("batch_contexts") or 32)
         self._store = None
         self._store_lock = threading.Lock()
-        self.started = time.time()
+        self._queue: "queue.Queue[_Job | None]" = queue.Queue()
+        self._steps0 = step_stats(self.engine)
+        e = self.engine
+        self._step_tokens = int(getattr(e, "max_num_batched_tokens", None)
+                                or getattr(e, "max_batch_tokens", None) or 2048)
         self.units_done = 0
         self.tokens_done = 0
-        self.busy_seconds = 0.0
-        self._metrics = _metrics()
+        self.streams = 0
+        self._engine_thread.submit(self._engine_loop)
 
     def _load_engine(self, spec: dict):
         threads = int(spec.get("threads") or 1)
@@ -76,6 +117,11 @@ class HarvestActor:
         import torch
 
         torch.set_num_threads(threads)
+        if spec.get("engine_factory"):  # benchmarks: a stub engine measures the bookkeeping alone
+            import importlib
+
+            mod, _, name = spec["engine_factory"].partition(":")
+            return getattr(importlib.import_module(mod), name)(spec)
         gpus = self._gpu_ids()
         if spec["engine_kwargs"].get("backend") == "vllm" and not gpus:
             # Two CPU engines that both bind "auto" would pin their OpenMP threads to the same
@@ -101,21 +147,31 @@ class HarvestActor:
     def info(self) -> dict:
         e = self.engine
         return {
-            "index": self.index,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "gpus": self._gpu_ids(),
-            "n_layers": int(e.n_layers),
-            "width": int(e.width),
-            "max_model_len": int(e.max_model_len),
-            "dtype": str(e.dtype).replace("torch.", ""),
-            "describe": e.describe(),
-            "load_seconds": round(self.load_seconds, 3),
+            "index": self.index, "pid": os.getpid(), "host": socket.gethostname(),
+            "gpus": self._gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
+            "max_model_len": int(e.max_model_len), "dtype": str(e.dtype).replace("torch.", ""),
+            "describe": e.describe(), "load_seconds": round(self.load_seconds, 3),
             "threads": int(self.spec.get("threads") or 1),
+            # rows the driver keeps queued here so the engine never runs dry between units
+            "queue_tokens": 4 * self._step_tokens,
         }
 
     def ping(self) -> int:
         return os.getpid()
+
+    def figures(self) -> dict:
+        """Units, tokens and step fill (scheduled tokens / (steps x max_num_batched_tokens))."""
+        out = {"index": self.index, "pid": os.getpid(), "units": self.units_done,
+               "tokens": self.tokens_done, "streams": self.streams}
+        now, base = step_stats(self.engine), self._steps0
+        if now and base is not None:
+            steps = now["steps"] - base["steps"]
+            sched = now["scheduled_tokens"] - base["scheduled_tokens"]
+            out.update(steps=steps, scheduled_tokens=sched,
+                       max_num_batched_tokens=now["max_num_batched_tokens"],
+                       step_fill=round(sched / (steps * now["max_num_batched_tokens"]), 4)
+                       if steps else None)
+        return out
 
     # -- work -------------------------------------------------------------------------------
     def _open_store(self):
@@ -123,9 +179,8 @@ class HarvestActor:
             if self._store is None:
                 from pipeline.store import open_store
 
-                self._store = open_store(
-                    self.spec["store_url"], storage_options=self.spec.get("storage_options")
-                )
+                self._store = open_store(self.spec["store_url"],
+                                         storage_options=self.spec.get("storage_options"))
                 if not self._store.location.is_local:
                     # uploads run on fsspec's event-loop thread: below the engine, like the
                     # writer's own threads (see shardio.lower_priority)
@@ -141,76 +196,115 @@ class HarvestActor:
         store = self._open_store()
         for p in store.points:
             store.array(p)
-        store.read_row_meta(0, min(store.n_rows, self.context_size))
         return os.getpid()
 
     def run_unit(self, unit: dict, attempt: int = 1) -> dict:
-        unit_id, rs, re_ = int(unit["unit_id"]), int(unit["row_start"]), int(unit["row_end"])
-        base = {"unit_id": unit_id, "row_start": rs, "row_end": re_, "actor": self.index,
+        from .rows import unit_rows
+
+        uid, rs, re_ = int(unit["unit_id"]), int(unit["row_start"]), int(unit["row_end"])
+        base = {"unit_id": uid, "row_start": rs, "row_end": re_, "actor": self.index,
                 "pid": os.getpid(), "attempt": attempt}
         store = self._open_store()
-        if store.is_committed(unit_id):
-            return {**base, "status": "already_committed", "tokens": 0, "seconds": 0.0}
-        C = self.context_size
         t0 = time.perf_counter()
-        token_id, _doc, _pos = store.read_row_meta(rs, re_)
-        contexts = np.asarray(token_id, dtype=np.int32).reshape(-1, C)
-        lists = contexts.tolist()
-        batches = [lists[i : i + self.batch_contexts] for i in range(0, len(lists), self.batch_contexts)]
-        writer = store.region_writer(unit_id, rs, re_)
+        writer = store.region_writer(uid, rs, re_)
+        if writer.already_committed:
+            writer.abort()
+            return {**base, "status": "already_committed", "tokens": 0, "seconds": 0.0}
         try:
-            seen, capture_seconds = self._engine_thread.submit(
-                self._capture_into, writer, batches, contexts, unit_id, rs).result()
-            if seen != len(lists):
-                raise RuntimeError(f"unit {unit_id}: engine returned {seen} of {len(lists)} contexts")
-            # the commit (last uploads + marker) runs here, while the engine thread is already
-            # free for the next unit in flight
-            manifest = writer.commit(extra={"actor": self.index, "pid": os.getpid(),
-                                            "attempt": attempt, "host": socket.gethostname()})
+            tok, doc, pos = unit_rows(unit, self.context_size)
+            writer.write_meta(rs, tok, doc, pos)
+            job = _Job(uid, rs, tok.reshape(-1, self.context_size), writer)
+            self._queue.put(job)
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            t_cap = time.perf_counter() - t0
+            # the commit runs here, while the engine thread goes on with the next units
+            marker = writer.commit(extra={"actor": self.index, "pid": os.getpid(),
+                                          "attempt": attempt, "host": socket.gethostname()})
         except BaseException as e:
             try:
                 writer.abort()
             except Exception:
                 pass
-            if _is_conflict(e) and store.is_committed(unit_id):
+            if _is_conflict(e) and store.is_committed(uid, rs, re_):
                 # another attempt of this unit committed first: its rows are the same rows
                 return {**base, "status": "already_committed", "tokens": 0, "seconds": 0.0}
             raise
-        seconds = time.perf_counter() - t0
         n = re_ - rs
         self.units_done += 1
         self.tokens_done += n
-        self.busy_seconds += seconds
-        if self._metrics:
-            try:
-                self._metrics[0].inc(n, tags={"actor": str(self.index)})
-                self._metrics[1].observe(seconds, tags={"actor": str(self.index)})
-            except Exception:
-                pass
-        return {**base, "status": "committed", "tokens": n, "seconds": round(seconds, 4),
-                "capture_seconds": round(capture_seconds, 4),
-                "manifest": _small(manifest)}
+        return {**base, "status": "committed", "tokens": n,
+                "seconds": round(time.perf_counter() - t0, 4), "capture_seconds": round(t_cap, 4),
+                "marker": marker}
 
-    def _capture_into(self, writer, batches, contexts, unit_id: int, rs: int) -> tuple[int, float]:
-        C = self.context_size
-        t0 = time.perf_counter()
-        seen = 0
-        for req in self.engine.capture(batches, self.points):
-            i = int(req.index)
-            if not np.array_equal(np.asarray(req.token_ids), contexts[i]):
-                raise RuntimeError(
-                    f"unit {unit_id}: engine returned request {i} with other tokens than "
-                    "submitted; refusing to write rows that do not match their metadata"
-                )
-            writer.write(rs + i * C, req.acts)
-            seen += 1
-        return seen, time.perf_counter() - t0
+    # -- the engine stream ------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._stream(job)
 
-    def stats(self) -> dict:
-        return {"index": self.index, "pid": os.getpid(), "units": self.units_done,
-                "tokens": self.tokens_done, "busy_seconds": round(self.busy_seconds, 3)}
+    def _stream(self, first: _Job) -> None:
+        """One capture() over the contexts of every unit queued while it runs."""
+        routes: list = []  # request index -> (job, context index in its unit)
+
+        def feed():
+            job, fed = first, 0
+            while job is not None:
+                for i in range(len(job.contexts)):
+                    if job.error is not None:
+                        break
+                    routes.append((job, i))
+                    fed += 1
+                    yield [job.contexts[i].tolist()]
+                # The next unit is usually queued already; if not, it is on its way from the
+                # driver: waiting a moment (longer while the stream has not filled one engine
+                # step yet) costs less than a drained engine and a partly empty step.
+                wait = STREAM_START_WAIT if fed * self.context_size < self._step_tokens else STREAM_GAP_WAIT
+                try:
+                    job = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    return
+                if job is None:  # close(): let the current stream finish, then stop the loop
+                    self._queue.put(None)
+                    return
+
+        self.streams += 1
+        try:
+            for req in self.engine.capture(feed(), self.points):
+                job, i = routes[req.index]
+                if job.error is None:
+                    try:
+                        self._deliver(job, i, req)
+                    except BaseException as e:  # noqa: BLE001 -- the unit fails, the stream goes on
+                        job.fail(e)
+        except BaseException as e:  # noqa: BLE001 -- the engine failed: every unit in it fails
+            for job, _ in routes:
+                job.fail(e)
+            if not routes:
+                first.fail(e)
+            return
+        for job, _ in routes:
+            if not job.done.is_set():
+                job.fail(RuntimeError(f"unit {job.unit_id}: the engine returned {job.received} of "
+                                      f"{len(job.contexts)} contexts"))
+
+    def _deliver(self, job: _Job, i: int, req) -> None:
+        """The capture -> writer hand-off, and the only place it happens (a destination provider
+        for one host copy plugs in here)."""
+        if not np.array_equal(np.asarray(req.token_ids), job.contexts[i]):
+            raise RuntimeError(
+                f"unit {job.unit_id}: engine returned context {i} with other tokens than "
+                "submitted; refusing to write rows that do not match their metadata")
+        job.writer.write(job.row_start + i * self.context_size, req.acts)
+        job.received += 1
+        if job.received == len(job.contexts):
+            job.done.set()
 
     def close(self) -> None:
+        self._queue.put(None)
         try:
             self._engine_thread.submit(self.engine.close).result()
         except Exception:
@@ -224,28 +318,3 @@ def _is_conflict(e: BaseException) -> bool:
         return isinstance(e, RegionConflict)
     except Exception:
         return False
-
-
-def _small(manifest: Any) -> Any:
-    """Keep the manifest returned through Ray small: drop bulky per-point stats arrays."""
-    if not isinstance(manifest, dict):
-        return None
-    out = {}
-    for k, v in manifest.items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v
-    return out
-
-
-def _metrics():
-    """Ray dashboard metrics (tokens captured, seconds per unit); absent outside a Ray worker."""
-    try:
-        from ray.util.metrics import Counter, Histogram
-
-        return (
-            Counter("harvest_tokens_captured", "tokens captured and committed", tag_keys=("actor",)),
-            Histogram("harvest_unit_seconds", "seconds per committed unit",
-                      boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300], tag_keys=("actor",)),
-        )
-    except Exception:
-        return None

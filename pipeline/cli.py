@@ -94,11 +94,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .driver import prepare, probe_store
+    """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
+    from .prepare import prepare
+    from .resume import probe_store
 
     cfg = _load(args)
     existing = probe_store(cfg)
-    prep = prepare(cfg, (existing.shard_rows, existing.chunk_rows) if existing is not None else None)
+    prep = prepare(cfg, existing)
+    L = prep.layout
     out = {
         "store": redact_url(cfg.store.resolved_url),
         "store_exists": existing is not None,
@@ -106,31 +109,36 @@ def cmd_plan(args) -> int:
         "points": len(prep.points),
         "width": prep.width,
         "context_size": cfg.packing.context_size,
-        "contexts": prep.packed.n_contexts,
-        "tokens": prep.packed.n_rows,
-        "units": len(prep.units),
-        "unit_rows": prep.layout.unit_rows,
-        "shard_rows": prep.layout.shard_rows,
-        "chunk_rows": prep.layout.chunk_rows,
-        "bytes_logical": prep.bytes_logical,
-        "data": prep.data_stats.as_dict(),
-        "packing": prep.packed.stats.as_dict(),
-        "tokens_sha256": prep.packed.tokens_sha256(),
+        "data": prep.sources["description"],
+        "blocks": len(prep.sources["blocks"]),
+        "block_bytes": cfg.data.block_bytes,
+        "max_tokens": cfg.packing.max_tokens,
+        "max_units": (-(-L.capacity_rows // L.unit_rows) if cfg.packing.max_tokens else None),
+        "unit_rows": L.unit_rows,
+        "shard_rows": L.shard_rows,
+        "chunk_rows": L.chunk_rows,
+        "bytes_per_token": len(prep.points) * prep.width * prep.itemsize,
     }
+    if existing is not None:
+        plan = existing.plans.read()
+        out["planned_units"] = len(plan["units"])
+        out["planned_tokens"] = sum(u.n_rows for u in plan["units"])
+        out["plan_complete"] = plan["final"]
     print(json.dumps(out, indent=2))
     return 0
 
 
 def cmd_status(args) -> int:
-    from .driver import status
+    from .views import status
 
     url, so = _store_target(args)
     s = status(url, so)
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
-    state = "finalized" if s["finalized"] else ("complete, not finalized" if
-                                                s["committed_units"] == s["planned_units"] else "in progress or interrupted")
+    state = "finalized" if s["finalized"] else (
+        "complete, not finalized" if s["committed_units"] == s["planned_units"] and s["plan_complete"]
+        else "in progress or interrupted")
     print(f"{s['url']}: {s['committed_units']}/{s['planned_units']} units, "
           f"{s['committed_rows']}/{s['planned_rows']} rows ({100 * s['fraction']:.1f}%), {state}")
     if s["recent_tokens_per_second"]:
@@ -164,7 +172,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .driver import inspect
+    from .views import inspect
 
     url, so = _store_target(args)
     rows = None
@@ -205,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(r)
     r.add_argument("--json", action="store_true", help="also print the summary as JSON")
     r.set_defaults(fn=cmd_run)
-    pl = sub.add_parser("plan", help="tokenize, pack and plan without running anything")
+    pl = sub.add_parser("plan", help="layout and blocks of a run, from metadata; nothing runs")
     _config_args(pl)
     pl.set_defaults(fn=cmd_plan)
     st = sub.add_parser("status", help="progress of a store, from the store alone")
@@ -260,7 +268,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
 def _is_user_error(e: BaseException) -> bool:
     from .data import DataError
-    from .driver import HarvestError
+    from .errors import HarvestError
     from .packing import PackingError
 
     try:

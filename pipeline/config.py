@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,11 +18,10 @@ from typing import Any
 
 import yaml
 
+from .checks import (ConfigError, check_bool, check_choice, check_float, check_int,  # noqa: F401
+                     check_str)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class ConfigError(ValueError):
-    """Bad configuration; the message names the field and the fix."""
 
 
 def cache_dir() -> Path:
@@ -78,9 +75,9 @@ class ModelConfig:
     engine_args: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        _check_str("model.path", self.path)
-        _check_choice("model.backend", self.backend, BACKENDS)
-        _check_choice("model.dtype", self.dtype, DTYPES)
+        check_str("model.path", self.path)
+        check_choice("model.backend", self.backend, BACKENDS)
+        check_choice("model.dtype", self.dtype, DTYPES)
         if self.freeze_points is not None and self.freeze_points != "auto":
             if not isinstance(self.freeze_points, list) or not all(
                 isinstance(p, str) for p in self.freeze_points
@@ -90,19 +87,19 @@ class ModelConfig:
                     "[resid_post.3], or leave it out to freeze exactly capture.points"
                 )
         if self.enforce_eager is not None:
-            _check_bool("model.enforce_eager", self.enforce_eager)
+            check_bool("model.enforce_eager", self.enforce_eager)
         if self.enforce_eager and self.freeze_points is not None:
             raise ConfigError(
                 "model.enforce_eager: true runs Python hooks and cannot be combined with "
                 "model.freeze_points: drop one of them"
             )
-        _check_int("model.max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        check_int("model.max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.gpu_memory_utilization is not None:
-            _check_float("model.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
+            check_float("model.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
             if self.gpu_memory_utilization <= 0:
                 raise ConfigError("model.gpu_memory_utilization must be > 0 (vLLM CPU: try 0.2)")
-        _check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_int("model.max_model_len", self.max_model_len, 1, optional=True)
+        check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("model.max_model_len", self.max_model_len, 1, optional=True)
         if not isinstance(self.engine_args, dict):
             raise ConfigError("model.engine_args must be a mapping of extra engine options")
         clash = set(self.engine_args) & {f.name for f in dataclasses.fields(self)}
@@ -137,6 +134,12 @@ class DataConfig:
     `source` may be a hub dataset name, a local file, directory or glob (a date-partitioned path
     such as `/data/crawl/date=2025-06-01/*.parquet` is just a glob), or a `save_to_disk` dir.
     `format` is inferred from the file suffix unless given.
+
+    `block_bytes`: the corpus is cut into blocks of about this much text, each tokenised and
+    packed on its own by a worker (contexts never straddle blocks). It decides the rows, so it is
+    part of the run's identity. `streaming: true` reads through `datasets`' streaming loader,
+    one block per data file (shard); local json-lines, text and parquet files are otherwise split
+    by byte range or row group.
     """
 
     source: str = "pydoc"
@@ -148,14 +151,16 @@ class DataConfig:
     text_column: str = "text"
     streaming: bool = False
     max_docs: int | None = None
+    block_bytes: int = 8 << 20
 
     def validate(self) -> None:
-        _check_str("data.source", self.source)
+        check_str("data.source", self.source)
+        check_int("data.block_bytes", self.block_bytes, 1024)
         if self.format is not None:
-            _check_choice("data.format", self.format, DATA_FORMATS)
+            check_choice("data.format", self.format, DATA_FORMATS)
         if self.name is not None:
-            _check_str("data.name", self.name)
-        _check_str("data.split", self.split)
+            check_str("data.name", self.name)
+        check_str("data.split", self.split)
         if self.revision is not None:
             if not isinstance(self.revision, str) or not self.revision:
                 raise ConfigError(
@@ -164,9 +169,9 @@ class DataConfig:
                 )
         if self.data_files is not None and not isinstance(self.data_files, (str, list, dict)):
             raise ConfigError("data.data_files must be a path, a list of paths or {split: paths}")
-        _check_str("data.text_column", self.text_column)
-        _check_bool("data.streaming", self.streaming)
-        _check_int("data.max_docs", self.max_docs, 1, optional=True)
+        check_str("data.text_column", self.text_column)
+        check_bool("data.streaming", self.streaming)
+        check_int("data.max_docs", self.max_docs, 1, optional=True)
 
 
 BOS_MODES = ("context", "document", "none")
@@ -188,20 +193,25 @@ class PackingConfig:
     overflow: str = "split"
     max_tokens: int | None = None
     tokenize_batch: int = 256
+    # Tokens per chunk of tokenised output: the granularity at which workers hand tokens over and
+    # a resumed run re-creates them. It does not change the rows; a store keeps the value it was
+    # planned with.
+    chunk_tokens: int = 1 << 16
 
     def validate(self) -> None:
-        _check_int("packing.context_size", self.context_size, 2)
-        _check_choice("packing.bos", self.bos, BOS_MODES)
-        _check_int("packing.bos_token_id", self.bos_token_id, 0, optional=True)
-        _check_choice("packing.overflow", self.overflow, OVERFLOW_MODES)
-        _check_int("packing.max_tokens", self.max_tokens, 1, optional=True)
+        check_int("packing.context_size", self.context_size, 2)
+        check_choice("packing.bos", self.bos, BOS_MODES)
+        check_int("packing.bos_token_id", self.bos_token_id, 0, optional=True)
+        check_choice("packing.overflow", self.overflow, OVERFLOW_MODES)
+        check_int("packing.max_tokens", self.max_tokens, 1, optional=True)
         if self.max_tokens is not None and self.max_tokens < self.context_size:
             raise ConfigError(
                 f"packing.max_tokens={self.max_tokens} is smaller than one context "
                 f"(packing.context_size={self.context_size}): raise max_tokens or lower "
                 "context_size"
             )
-        _check_int("packing.tokenize_batch", self.tokenize_batch, 1)
+        check_int("packing.tokenize_batch", self.tokenize_batch, 1)
+        check_int("packing.chunk_tokens", self.chunk_tokens, 1)
 
 
 @dataclass
@@ -222,7 +232,7 @@ class CaptureConfig:
                     f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "
                     "(e.g. resid_post.3) or '<point>.*' for every layer"
                 )
-        _check_int("capture.batch_contexts", self.batch_contexts, 1)
+        check_int("capture.batch_contexts", self.batch_contexts, 1)
 
 
 @dataclass
@@ -235,20 +245,29 @@ class StoreConfig:
     url: str = "{cache}/stores/default"
     shard_rows: int | None = None
     chunk_rows: int | None = None
-    unit_shards: int = 1
+    # A unit (the rows one actor captures and commits together) is unit_shards shards; by default
+    # about unit_tokens rows, fewer when packing.max_tokens would otherwise give an actor fewer
+    # than four units.
+    unit_shards: int | None = None
+    unit_tokens: int = 1 << 18
     compression: Any = None
     storage_options: dict | None = None
+    # Rows of the `kept` statistics skip this many leading context positions (None: 1 when a BOS
+    # starts every context, else 0) besides special tokens; see pipeline/store/FORMAT.md.
+    stats_skip_positions: int | None = None
 
     def validate(self) -> None:
-        _check_str("store.url", self.url)
-        _check_int("store.shard_rows", self.shard_rows, 1, optional=True)
-        _check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
+        check_str("store.url", self.url)
+        check_int("store.shard_rows", self.shard_rows, 1, optional=True)
+        check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
         if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
             raise ConfigError(
                 f"store.chunk_rows={self.chunk_rows} must divide store.shard_rows="
                 f"{self.shard_rows}: pick a divisor or leave chunk_rows out"
             )
-        _check_int("store.unit_shards", self.unit_shards, 1)
+        check_int("store.unit_shards", self.unit_shards, 1, optional=True)
+        check_int("store.unit_tokens", self.unit_tokens, 1)
+        check_int("store.stats_skip_positions", self.stats_skip_positions, 0, optional=True)
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise ConfigError("store.storage_options must be a mapping of fsspec options")
         if self.compression is not None and not isinstance(self.compression, (str, dict)):
@@ -278,21 +297,28 @@ class RayConfig:
     max_task_retries: int = 3
     unit_attempts: int = 3
     local_num_cpus: int | None = None
+    # Tokenising workers (Ray actors, one tokenizer each) and the CPUs each asks for (None: 1 on
+    # a GPU cluster, 0.25 on a CPU-only one, where the capture actors need the cores).
+    tokenize_workers: int = 2
+    tokenize_cpus: float | None = None
 
     def validate(self) -> None:
         if self.address is not None:
-            _check_str("ray.address", self.address)
-        _check_int("ray.num_actors", self.num_actors, 1)
+            check_str("ray.address", self.address)
+        check_int("ray.num_actors", self.num_actors, 1)
         if self.num_cpus_per_actor is not None:
-            _check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, None)
+            check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, None)
         if self.num_gpus_per_actor is not None:
-            _check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
-        _check_int("ray.threads_per_actor", self.threads_per_actor, 1, optional=True)
-        _check_int("ray.max_in_flight", self.max_in_flight, 1)
-        _check_int("ray.max_restarts", self.max_restarts, -1)
-        _check_int("ray.max_task_retries", self.max_task_retries, -1)
-        _check_int("ray.unit_attempts", self.unit_attempts, 1)
-        _check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
+            check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
+        check_int("ray.threads_per_actor", self.threads_per_actor, 1, optional=True)
+        check_int("ray.max_in_flight", self.max_in_flight, 1)
+        check_int("ray.max_restarts", self.max_restarts, -1)
+        check_int("ray.max_task_retries", self.max_task_retries, -1)
+        check_int("ray.unit_attempts", self.unit_attempts, 1)
+        check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
+        check_int("ray.tokenize_workers", self.tokenize_workers, 1)
+        if self.tokenize_cpus is not None:
+            check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, None)
 
     def actor_resources(self, cluster: dict) -> tuple[float, float]:
         """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.
@@ -312,6 +338,11 @@ class RayConfig:
     def actor_num_cpus(self) -> float:
         return self.actor_resources({})[0]
 
+    def tokenizer_cpus(self, cluster: dict) -> float:
+        if self.tokenize_cpus is not None:
+            return float(self.tokenize_cpus)
+        return 1.0 if cluster.get("GPU", 0) >= 1 else 0.25
+
 
 @dataclass
 class HarvestConfig:
@@ -325,8 +356,8 @@ class HarvestConfig:
     progress: bool = True
 
     def validate(self) -> "HarvestConfig":
-        _check_str("name", self.name)
-        _check_bool("progress", self.progress)
+        check_str("name", self.name)
+        check_bool("progress", self.progress)
         for section in SECTIONS:
             getattr(self, section).validate()
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
@@ -362,9 +393,11 @@ class HarvestConfig:
             },
             "data": dataclasses.asdict(self.data),
             "packing": {
-                k: v for k, v in dataclasses.asdict(self.packing).items() if k != "tokenize_batch"
+                k: v for k, v in dataclasses.asdict(self.packing).items()
+                if k not in ("tokenize_batch", "chunk_tokens")
             },
             "capture": {"points": list(self.capture.points)},
+            "store": {"stats_skip_positions": self.store.stats_skip_positions},
         }
 
 
@@ -382,10 +415,6 @@ TOP_LEVEL = ("name", "progress")
 def redact_url(url: str) -> str:
     """Drop `user:secret@` from URLs so credentials never reach logs, errors or store attrs."""
     return re.sub(r"(://)[^/@]*@", r"\1<redacted>@", url)
-
-
-def fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -472,40 +501,3 @@ def _deep_merge(a: dict, b: dict) -> dict:
         else:
             out[k] = v
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Field checks
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_str(name: str, v: Any) -> None:
-    if not isinstance(v, str) or not v:
-        raise ConfigError(f"{name} must be a non-empty string, got {v!r}")
-
-
-def _check_bool(name: str, v: Any) -> None:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{name} must be true or false, got {v!r}")
-
-
-def _check_choice(name: str, v: Any, choices: tuple) -> None:
-    if v not in choices:
-        raise ConfigError(f"{name}={v!r} is not one of {', '.join(map(str, choices))}")
-
-
-def _check_int(name: str, v: Any, lo: int, optional: bool = False) -> None:
-    if v is None and optional:
-        return
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
-    if v < lo:
-        raise ConfigError(f"{name} must be >= {lo}, got {v}")
-
-
-def _check_float(name: str, v: Any, lo: float, hi: float | None) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise ConfigError(f"{name} must be {rng}, got {v}")

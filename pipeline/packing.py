@@ -7,10 +7,18 @@ activation whose source cannot be found is useless for interpretation work.
 - `doc_id` is the row index of the document in the source (skipped rows keep their index, so
   `doc_id` looks the text up again); `position` is the token's index in that document's token
   sequence (the per-document BOS, when there is one, is position 0).
-- A BOS inserted at the start of a context belongs to no document: doc_id = position = -1. Readers
-  that must exclude BOS rows (attention-sink outliers) filter on `doc_id < 0` or on the token id.
-- The last, incomplete context is dropped, as SAE pipelines do: a short context would be the only
-  one of its length and its activations would not match the others' distribution.
+- A BOS inserted at the start of a context belongs to no document: doc_id = position = -2
+  (`META_INSERTED`; -1 is the store's "never written"). Readers exclude such rows by token id or
+  by `doc_id < 0`.
+- Each block of the corpus is packed on its own (contexts never straddle blocks) and drops its own
+  incomplete last context, as SAE pipelines drop the corpus's: a short context would be the only
+  one of its length. So a block's rows are a pure function of (block, config), whoever packs it.
+
+A block is packed as a stream of *chunks* (`BlockPacker`): a chunk ends at a context boundary after
+`chunk_contexts` contexts, and records the cursor (source row, reader position, token offset) at
+which it starts. Packing resumed at a chunk's cursor gives that chunk and every later one again,
+bit for bit: that is how a resumed run re-creates the tokens of uncommitted units without
+re-tokenising what came before them in the block.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from .config import PackingConfig
+from .store.layout import META_INSERTED
 
 
 class PackingError(ValueError):
@@ -41,58 +50,64 @@ class PackStats:
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def add(self, other: dict) -> None:
+        for k, v in other.items():
+            if k == "budget_reached":
+                self.budget_reached = self.budget_reached or bool(v)
+            elif hasattr(self, k):
+                setattr(self, k, getattr(self, k) + int(v))
+
 
 @dataclass
-class Packed:
-    """Row metadata of a whole run: `n_contexts * context_size` rows."""
+class Chunk:
+    """Contexts [first context, + n_contexts) of one block, with where packing started them."""
 
-    token_ids: np.ndarray  # int32 [n_rows]
-    doc_ids: np.ndarray  # int64 [n_rows]
-    positions: np.ndarray  # int32 [n_rows]
-    context_size: int
-    stats: PackStats = field(default_factory=PackStats)
+    block: int
+    index: int
+    token_id: np.ndarray  # int32 [n_contexts * C]
+    doc_id: np.ndarray    # int64: block-local source row (META_INSERTED for an inserted BOS)
+    position: np.ndarray  # int32
+    n_contexts: int
+    cursor: dict          # {"row", "pos", "offset"} where this chunk's first context starts
+    final: bool           # the block ends with this chunk
+    rows: int             # source rows read so far in the block (all of them once final)
+    stats: dict = field(default_factory=dict)
+    capped: bool = False  # stopped at the run's context budget, not at the block's end
 
-    @property
-    def n_rows(self) -> int:
-        return int(self.token_ids.shape[0])
+    def digest(self) -> list[int]:
+        from .rows import chunk_digest
 
-    @property
-    def n_contexts(self) -> int:
-        return self.n_rows // self.context_size
+        return chunk_digest(self.arrays())
 
-    def contexts(self, row_start: int, row_end: int) -> list[list[int]]:
-        ids = self.token_ids[row_start:row_end].reshape(-1, self.context_size)
-        return ids.tolist()
+    def arrays(self) -> dict:
+        return {"token_id": self.token_id, "doc_id": self.doc_id, "position": self.position}
 
-    def tokens_sha256(self) -> str:
-        """Identity of the rows: resume refuses a store whose rows came from different tokens."""
-        h = hashlib.sha256()
-        for a in (self.token_ids, self.doc_ids, self.positions):
-            h.update(np.ascontiguousarray(a).tobytes())
-        h.update(str(self.context_size).encode())
-        return h.hexdigest()
+    def describe(self) -> dict:
+        """Everything but the tokens: what the driver and the plan keep."""
+        return {"block": self.block, "chunk": self.index, "n_contexts": self.n_contexts,
+                "cursor": self.cursor, "final": self.final, "rows": self.rows,
+                "digest": self.digest(), "stats": self.stats, "capped": self.capped}
 
 
 class _Growable:
-    def __init__(self, dtype, cap: int = 1 << 16):
+    def __init__(self, dtype, cap: int = 1 << 12):
         self.buf = np.empty(cap, dtype=dtype)
         self.n = 0
 
-    def extend(self, values: np.ndarray) -> None:
+    def extend(self, values) -> None:
         need = self.n + len(values)
         if need > len(self.buf):
-            cap = max(need, 2 * len(self.buf))
-            new = np.empty(cap, dtype=self.buf.dtype)
+            new = np.empty(max(need, 2 * len(self.buf)), dtype=self.buf.dtype)
             new[: self.n] = self.buf[: self.n]
             self.buf = new
         self.buf[self.n : need] = values
         self.n = need
 
-    def truncate(self, n: int) -> None:
-        self.n = n
-
-    def array(self) -> np.ndarray:
-        return self.buf[: self.n].copy()
+    def take(self, n: int) -> np.ndarray:
+        """The first n values (a copy); the rest is dropped."""
+        out = self.buf[:n].copy()
+        self.n = 0
+        return out
 
 
 def resolve_bos(cfg: PackingConfig, tokenizer) -> int | None:
@@ -109,71 +124,181 @@ def resolve_bos(cfg: PackingConfig, tokenizer) -> int | None:
     return int(bos)
 
 
+class BlockPacker:
+    """Packs one block's documents into chunks of contexts (see the module docstring).
+
+    Feed documents in source order with `add` (or `skip` for rows without usable text); each call
+    returns the chunks it completed. `finish` returns the last one. `start` resumes at a chunk's
+    cursor: its document is the first one fed, and packing starts at its token `offset`.
+    """
+
+    def __init__(self, cfg: PackingConfig, bos_token_id: int | None, block: int = 0,
+                 chunk_contexts: int = 1 << 30, max_contexts: int | None = None,
+                 start: dict | None = None, first_index: int = 0):
+        self.C = cfg.context_size
+        self.per_context_bos = cfg.bos == "context"
+        self.per_doc_bos = cfg.bos == "document"
+        if (self.per_context_bos or self.per_doc_bos) and bos_token_id is None:
+            raise PackingError(f"packing.bos={cfg.bos!r} needs a BOS id: set packing.bos_token_id")
+        self.bos = bos_token_id
+        self.truncate = cfg.overflow == "truncate"
+        self.block, self.index = block, first_index
+        self.chunk_contexts = max(1, int(chunk_contexts))
+        self.max_contexts = max_contexts
+        self.tok, self.doc, self.pos = _Growable(np.int32), _Growable(np.int64), _Growable(np.int32)
+        self.stats = PackStats()
+        self.data = {"rows_read": 0, "rows_skipped": 0, "skipped_reasons": {}}
+        self.fill = 0             # tokens in the open context
+        self.ctx_in_chunk = 0     # complete contexts in the current chunk
+        self.ctx_total = 0        # complete contexts in this block (from the start cursor on)
+        self.boundary = False     # the current chunk is full: emit it before the next token
+        start = start or {"row": 0, "pos": None, "offset": 0}
+        self.cursor = dict(start)
+        self.resume_offset = int(start.get("offset") or 0)
+        # source rows read before this chunk: a document resumed mid-way was read already
+        self.rows = int(start["row"]) + (1 if self.resume_offset else 0)
+        self.done = max_contexts == 0
+
+    # ---- feeding -------------------------------------------------------------------------------
+    def skip(self, row: int, reason: str) -> list[Chunk]:
+        self._read(row)
+        self.data["rows_skipped"] += 1
+        r = self.data["skipped_reasons"]
+        r[reason] = r.get(reason, 0) + 1
+        return []
+
+    def add(self, row: int, pos, ids) -> list[Chunk]:
+        """One document's token ids (no special tokens added).
+
+        A document's figures (row read, tokens seen) go to the chunk its first token lands in,
+        and a document resumed mid-way is not counted again: so the chunks a resumed packer
+        re-creates carry the same figures as the first time.
+        """
+        out: list[Chunk] = []
+        if self.done:
+            return out
+        resumed = self.resume_offset
+        self.resume_offset = 0
+        ids = np.asarray(ids, dtype=np.int32)
+        if len(ids) == 0:
+            self._read(row)
+            self.stats.docs_empty_tokens += 1
+            return out
+        if self.per_doc_bos:
+            ids = np.concatenate([np.array([self.bos], np.int32), ids])
+        off = resumed
+        if self.boundary and off < len(ids):
+            out.append(self._emit({"row": row, "pos": pos, "offset": off}))
+        if not resumed:
+            self._read(row)
+            self.stats.docs_used += 1
+            self.stats.tokens_seen += len(ids)
+            self.stats.bos_inserted += int(self.per_doc_bos)
+        while off < len(ids):
+            if self.boundary:
+                out.append(self._emit({"row": row, "pos": pos, "offset": off}))
+            if self.fill == 0 and self.per_context_bos:
+                self.tok.extend(np.array([self.bos], np.int32))
+                self.doc.extend(np.array([META_INSERTED], np.int64))
+                self.pos.extend(np.array([META_INSERTED], np.int32))
+                self.stats.bos_inserted += 1
+                self.fill = 1
+            take = min(self.C - self.fill, len(ids) - off)
+            self.tok.extend(ids[off : off + take])
+            self.doc.extend(np.full(take, row, np.int64))
+            self.pos.extend(np.arange(off, off + take, dtype=np.int32))
+            self.fill += take
+            off += take
+            if self.fill == self.C:
+                self.fill = 0
+                self.ctx_in_chunk += 1
+                self.ctx_total += 1
+                if self.max_contexts is not None and self.ctx_total >= self.max_contexts:
+                    self.stats.budget_reached = True
+                    self.done = True
+                    break
+                if self.ctx_in_chunk >= self.chunk_contexts:
+                    self.boundary = True
+                if self.truncate:
+                    break
+        if off < len(ids):
+            self.stats.tokens_truncated += len(ids) - off
+        return out
+
+    def finish(self) -> list[Chunk]:
+        """The block's last chunk (possibly without contexts): drops the incomplete context."""
+        if self.fill:
+            self.stats.tokens_tail_dropped += self.fill - (1 if self.per_context_bos else 0)
+            self.fill = 0
+        c = self._emit(None)
+        c.final, c.capped = True, self.done and self.stats.budget_reached
+        return [c]
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _read(self, row: int) -> None:
+        self.data["rows_read"] += 1
+        self.rows = row + 1
+
+    def _emit(self, next_cursor: dict | None) -> Chunk:
+        n = self.ctx_in_chunk * self.C
+        stats = {**self.stats.as_dict(), **self.data}
+        c = Chunk(self.block, self.index, self.tok.take(n), self.doc.take(n), self.pos.take(n),
+                  self.ctx_in_chunk, self.cursor, False, self.rows, stats)
+        self.index += 1
+        self.ctx_in_chunk = 0
+        self.boundary = False
+        self.stats = PackStats()
+        self.data = {"rows_read": 0, "rows_skipped": 0, "skipped_reasons": {}}
+        if next_cursor is not None:
+            self.cursor = next_cursor
+        return c
+
+
+@dataclass
+class Packed:
+    """Row metadata of packed contexts: `n_contexts * context_size` rows (tests, `harvest plan`)."""
+
+    token_ids: np.ndarray  # int32 [n_rows]
+    doc_ids: np.ndarray  # int64 [n_rows]
+    positions: np.ndarray  # int32 [n_rows]
+    context_size: int
+    stats: PackStats = field(default_factory=PackStats)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def n_contexts(self) -> int:
+        return self.n_rows // self.context_size
+
+    def tokens_sha256(self) -> str:
+        h = hashlib.sha256()
+        for a in (self.token_ids, self.doc_ids, self.positions):
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(str(self.context_size).encode())
+        return h.hexdigest()
+
+
 def pack_token_docs(
     docs: Iterable[tuple[int, "list[int] | np.ndarray"]],
     cfg: PackingConfig,
     bos_token_id: int | None,
 ) -> Packed:
-    """Pack (doc_id, token ids) pairs; stops reading as soon as `max_tokens` rows are filled."""
-    C = cfg.context_size
-    max_contexts = None if cfg.max_tokens is None else cfg.max_tokens // C
-    per_context_bos = cfg.bos == "context"
-    per_doc_bos = cfg.bos == "document"
-    if (per_context_bos or per_doc_bos) and bos_token_id is None:
-        raise PackingError(f"packing.bos={cfg.bos!r} needs a BOS id: set packing.bos_token_id")
-    tok, doc, pos = _Growable(np.int32), _Growable(np.int64), _Growable(np.int32)
-    stats = PackStats()
-    fill = 0  # tokens in the current (open) context
-    n_done = 0  # complete contexts
-
-    def open_context():
-        nonlocal fill
-        if per_context_bos:
-            tok.extend(np.array([bos_token_id], np.int32))
-            doc.extend(np.array([-1], np.int64))
-            pos.extend(np.array([-1], np.int32))
-            stats.bos_inserted += 1
-            fill = 1
-
-    done = max_contexts == 0
+    """Pack (doc_id, token ids) pairs as one block; stops reading at `max_tokens` rows."""
+    max_contexts = None if cfg.max_tokens is None else cfg.max_tokens // cfg.context_size
+    p = BlockPacker(cfg, bos_token_id, max_contexts=max_contexts)
+    chunks: list[Chunk] = []
     for doc_id, ids in docs:
-        if done:
+        if p.done:
             break
-        ids = np.asarray(ids, dtype=np.int32)
-        if len(ids) == 0:
-            stats.docs_empty_tokens += 1
-            continue
-        if per_doc_bos:
-            ids = np.concatenate([np.array([bos_token_id], np.int32), ids])
-            stats.bos_inserted += 1
-        stats.docs_used += 1
-        stats.tokens_seen += len(ids)
-        off = 0
-        while off < len(ids):
-            if fill == 0:
-                open_context()
-            take = min(C - fill, len(ids) - off)
-            tok.extend(ids[off : off + take])
-            doc.extend(np.full(take, doc_id, np.int64))
-            pos.extend(np.arange(off, off + take, dtype=np.int32))
-            fill += take
-            off += take
-            if fill == C:
-                fill = 0
-                n_done += 1
-                if max_contexts is not None and n_done >= max_contexts:
-                    stats.budget_reached = True
-                    done = True
-                    break
-                if cfg.overflow == "truncate":
-                    break
-        if off < len(ids):
-            stats.tokens_truncated += len(ids) - off
-    if fill:
-        stats.tokens_tail_dropped = fill - (1 if per_context_bos else 0)
-        for g in (tok, doc, pos):
-            g.truncate(n_done * C)
-    return Packed(tok.array(), doc.array(), pos.array(), C, stats)
+        chunks += p.add(doc_id, None, ids)
+    chunks += p.finish()
+    stats = PackStats()
+    for c in chunks:
+        stats.add({k: v for k, v in c.stats.items() if k in PackStats.__dataclass_fields__})
+    cat = lambda name: np.concatenate([getattr(c, name) for c in chunks])  # noqa: E731
+    return Packed(cat("token_id"), cat("doc_id"), cat("position"), cfg.context_size, stats)
 
 
 def tokenize_docs(

@@ -13,7 +13,7 @@ def packed_meta(n_rows: int, context: int, mean_doc: int = 150, seed: int = 0):
     """token_id, doc_id, position of documents packed into contexts that start with BOS.
 
     Documents (lognormal lengths around `mean_doc`) run on across context boundaries, as with
-    `overflow: split`; the inserted BOS rows have doc_id = position = -1.
+    `overflow: split`; the inserted BOS rows have doc_id = position = -2 (layout v2).
     """
     rng = np.random.default_rng(seed)
     tok = rng.integers(2, 5000, n_rows).astype(np.int32)
@@ -22,7 +22,7 @@ def packed_meta(n_rows: int, context: int, mean_doc: int = 150, seed: int = 0):
     d, left, p = 0, 0, 0
     for r in range(n_rows):
         if r % context == 0:
-            tok[r], doc[r], pos[r] = BOS, -1, -1
+            tok[r], doc[r], pos[r] = BOS, -2, -2
             continue
         if left == 0:
             d += 1

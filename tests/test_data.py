@@ -162,3 +162,30 @@ def test_config_rejects_bad_data_fields():
         load_config(data={"data": {"revision": 20250601}})
     with pytest.raises(ConfigError, match="unknown field data.text_colum: did you mean data.text_column"):
         load_config(data={"data": {"text_colum": "body"}})
+
+
+@pytest.mark.parametrize("block_bytes", [1024, 4096, 1 << 20])
+def test_blocks_read_every_row_once_in_order_whatever_their_size(tmp_path, block_bytes):
+    """Byte-range blocks of json lines and text give the rows `datasets` gives, with the same
+    row indices, and a block read from any position it yielded goes on from that row."""
+    from pipeline.sources import plan_blocks, read_block
+
+    rows = [{"text": f"document {i} " + "word " * (i % 37)} for i in range(300)]
+    rows[17] = {"text": None}
+    rows[40] = {"other": "no text here"}
+    p = _write_jsonl(tmp_path / "d.jsonl", rows)
+    t = tmp_path / "d.txt"
+    t.write_text("".join(f"line {i}\n" if i % 13 else "\n" for i in range(500)))
+    for path in (p, t):
+        cfg = DataConfig(source=str(path), block_bytes=block_bytes)
+        blocks = plan_blocks(cfg)["blocks"]
+        assert len(blocks) == -(-path.stat().st_size // block_bytes)
+        got, base = [], 0
+        for blk in blocks:
+            items = list(read_block(blk, cfg))
+            got += [(base + r, text) for r, _, text, why in items if why is None]
+            base += len(items)
+            for r, pos, _, _ in items[1::7]:  # resuming at a yielded position
+                assert [x[0] for x in read_block(blk, cfg, {"row": r, "pos": pos})] == \
+                    [x[0] for x in items if x[0] >= r]
+        assert got == _texts(source=str(path))[0]

@@ -26,8 +26,9 @@ def test_bos_per_context_split_documents_across_contexts():
     p = pack(docs(5, 3), context_size=4, bos="context", overflow="split")
     # contexts: [B d0p0 d0p1 d0p2] [B d0p3 d0p4 d1p0]; d1p1, d1p2 form an incomplete tail
     assert p.token_ids.tolist() == [0, 1, 2, 3, 0, 4, 5, 101]
-    assert p.doc_ids.tolist() == [-1, 0, 0, 0, -1, 0, 0, 1]
-    assert p.positions.tolist() == [-1, 0, 1, 2, -1, 3, 4, 0]
+    # an inserted BOS is from no document: -2, distinct from the store's -1 "never written"
+    assert p.doc_ids.tolist() == [-2, 0, 0, 0, -2, 0, 0, 1]
+    assert p.positions.tolist() == [-2, 0, 1, 2, -2, 3, 4, 0]
     assert p.n_contexts == 2
     assert p.stats.tokens_tail_dropped == 2
 
@@ -124,3 +125,35 @@ def test_tokenizer_without_bos_needs_an_explicit_choice(tokenizer):
         resolve_bos(PackingConfig(bos="context"), no_bos)
     assert resolve_bos(PackingConfig(bos="context", bos_token_id=1), no_bos) == 1
     assert resolve_bos(PackingConfig(bos="none"), no_bos) is None
+
+
+@pytest.mark.parametrize("bos, overflow", [("context", "split"), ("document", "split"),
+                                           ("none", "truncate"), ("context", "truncate")])
+def test_chunks_resumed_at_their_cursor_are_the_same_chunks(bos, overflow):
+    """A block packed in chunks equals the block packed whole, and packing resumed at any chunk's
+    cursor re-creates that chunk and every later one bit for bit (what a resumed run relies on)."""
+    from pipeline.packing import BlockPacker
+
+    cfg = PackingConfig(context_size=8, bos=bos, overflow=overflow)
+    ds = docs(17, 0, 40, 9, 33, 5, 21, 60, 2, 11)
+    skipped = {3: "empty", 6: "null"}
+
+    def run(start=None, first=0):
+        p = BlockPacker(cfg, BOS, block=7, chunk_contexts=3, start=start, first_index=first)
+        out = []
+        for d, ids in ds:
+            if start is not None and d < start["row"]:
+                continue
+            out += p.skip(d, skipped[d]) if d in skipped else p.add(d, [d, 0], ids)
+        return out + p.finish()
+
+    chunks = run()
+    whole = pack_token_docs([(d, ids) for d, ids in ds if d not in skipped], cfg, BOS)
+    assert np.array_equal(np.concatenate([c.token_id for c in chunks]), whole.token_ids)
+    assert np.array_equal(np.concatenate([c.doc_id for c in chunks]), whole.doc_ids)
+    assert all(c.n_contexts == 3 for c in chunks[:-1]) and chunks[-1].final
+    assert sum(c.stats["rows_read"] for c in chunks) == len(ds)
+    assert sum(c.stats["rows_skipped"] for c in chunks) == 2
+    for c in chunks[1:]:
+        again = run(c.cursor, c.index)
+        assert [x.describe() for x in again] == [x.describe() for x in chunks[c.index:]]

@@ -1,7 +1,9 @@
 """Bad input fails before anything is written, with an error naming the field and the fix.
 
 Each case runs the real driver (`run`) and then checks the store location is untouched: no local
-directory, no S3 object under the prefix. None of them reaches Ray, so they are cheap.
+directory, no S3 object under the prefix. All but one fail before Ray starts, so they are cheap;
+a corpus without a single complete context is known only once it is tokenised (on the cluster),
+and still fails before the store is created.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def test_missing_text_column(tiny_llama, tmp_path):
     ("\n".join(json.dumps({"text": t}) for t in ["", "  ", None]), PackingError,
      r"no complete context: data.source=.* had 3 rows, 3 without usable text"),
 ])
-def test_empty_dataset(tiny_llama, tmp_path, content, exc, match):
+def test_empty_dataset(request, tiny_llama, tmp_path, content, exc, match):
+    if exc is PackingError:
+        request.getfixturevalue("ray_cluster")
     data = tmp_path / "d.jsonl"
     data.write_text(content)
     store = tmp_path / "store"

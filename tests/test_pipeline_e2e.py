@@ -20,7 +20,7 @@ def test_local_store_two_actors_matches_single_process(ray_cluster, tiny_llama, 
     check_store(store, reference)
     prep = reference[0]
     assert summary["tokens"] == prep.packed.n_rows == summary["tokens_this_run"]
-    assert summary["units_run"] == len(prep.units) and summary["units_skipped"] == 0
+    assert summary["units_run"] == prep.n_units and summary["units_skipped"] == 0
     assert summary["compression_ratio"] and summary["compression_ratio"] > 1.0
     assert [a["index"] for a in summary["per_actor"]] == [0, 1]
     assert all(a["units"] > 0 for a in summary["per_actor"])  # both actors worked
@@ -29,7 +29,7 @@ def test_local_store_two_actors_matches_single_process(ray_cluster, tiny_llama, 
     assert summary["data"]["rows_skipped"] >= 3
     assert store.summary["tokens"] == summary["tokens"]  # the summary is in the store
     done = [e for e in events if e["event"] == "unit_done"]
-    assert sorted(e["unit_id"] for e in done) == [u.unit_id for u in prep.units]
+    assert sorted(e["unit_id"] for e in done) == prep.unit_ids
 
     # re-running the finished config is a no-op that says so, and writes nothing
     markers = store.committed_units()
@@ -44,5 +44,5 @@ def test_s3_store_two_actors_matches_single_process(ray_cluster, tiny_llama, cor
     summary = run(cfg)
     store = open_store(s3_url, storage_options=seaweedfs.storage_options)
     check_store(store, reference)
-    assert summary["units_run"] == len(reference[0].units)
+    assert summary["units_run"] == reference[0].n_units
     assert seaweedfs.secret_key not in str(store.attrs) + str(store.summary)

@@ -56,7 +56,7 @@ def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_l
     assert all(m["pid"] != dead_pid or m["extra"]["actor"] == victim
                for m in store.committed_units().values())
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
-    assert sorted(done) == [u.unit_id for u in reference[0].units]  # each unit reported once
+    assert sorted(done) == reference[0].unit_ids  # each unit reported once
 
 
 def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, corpus,
@@ -72,7 +72,7 @@ def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, 
     assert summary["per_actor"][victim]["pids"] in ([], [dead_pid])
     survivor = summary["per_actor"][1 - victim]
     done = [e for e in k.events if e["event"] == "unit_done"]
-    assert sorted(e["unit_id"] for e in done) == [u.unit_id for u in reference[0].units]
+    assert sorted(e["unit_id"] for e in done) == reference[0].unit_ids
     # a unit the victim committed just before it died is found committed by its retry
     already = sum(e["status"] == "already_committed" for e in done)
     assert survivor["units"] + summary["per_actor"][victim]["units"] + already == len(done)
@@ -91,10 +91,14 @@ def _commits(store_dir: Path) -> int:
     return len(list(d.glob("unit-*[0-9].json"))) if d.is_dir() else 0
 
 
-def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama, corpus,
-                                                         reference, tmp_path):
+def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
+        ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    """A streamed jsonl is one block read in order; a chunk is one unit here. After the driver is
+    SIGKILLed, the resumed run tokenises from the first uncommitted unit's chunk on (its cursor
+    skips the rows before it without tokenising them) and the store ends bit-exact."""
     store_dir = tmp_path / "store"
-    overrides = ["ray.num_actors=1", "ray.max_in_flight=1"]
+    overrides = ["ray.num_actors=1", "ray.max_in_flight=1", "data.streaming=true",
+                 "packing.chunk_tokens=256"]
     cfg = make_cfg(tiny_llama, str(store_dir), corpus, *overrides)
     conf = cfg.to_dict(redact=False)
     conf["ray"]["address"] = ray_cluster.address
@@ -104,7 +108,7 @@ def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama
     proc = subprocess.Popen([sys.executable, "-m", "jobs.harvest", "--config", str(path)],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_cluster.env})
-    total = len(reference[0].units)
+    total = reference[0].n_units
     try:
         deadline = time.time() + 180
         while _commits(store_dir) < 3:
@@ -120,8 +124,10 @@ def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama
     at_kill = _commits(store_dir)
     assert 3 <= at_kill < total, "the driver finished before it could be killed"
     time.sleep(1.0)  # the dead driver's actor is killed by Ray; anything it committed counts
-    before = set(open_store(str(store_dir)).committed_units())
-    assert open_store(str(store_dir)).summary is None  # not finished
+    first = open_store(str(store_dir))
+    before = set(first.committed_units())
+    assert first.summary is None  # not finished
+    assert first.plans.read_sources()["blocks"] == [[{"kind": "dataset", "shard": 0, "n_shards": 1}]]
 
     events: list[dict] = []
     summary = run(make_cfg(tiny_llama, str(store_dir), corpus, *overrides), on_event=events.append)
@@ -129,4 +135,9 @@ def test_killed_driver_resumes_and_skips_committed_units(ray_cluster, tiny_llama
     assert summary["units_skipped"] == len(before) >= at_kill
     assert summary["units_run"] == total - len(before) == len(ran)
     assert not (ran & before)  # committed units were not run again
+    todo = sorted(set(range(total)) - before)
+    tokenised = sorted(e["chunk"] for e in events if e["event"] == "chunk")
+    # chunk k is unit k: nothing before the first uncommitted unit was tokenised again
+    assert tokenised[0] == todo[0] > 0 and tokenised == sorted(set(tokenised))
+    assert set(todo) <= set(tokenised) and len(tokenised) <= total - todo[0] + 1
     check_store(open_store(str(store_dir)), reference)

@@ -4,6 +4,7 @@ test that the row-for-row comparison they rely on does catch a difference."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,9 @@ def write_corpus(path: Path) -> Path:
         if i % 10 == 7:
             rows.append({"text": None, "topic": "null"})
     rows.insert(5, {"text": 12345, "topic": "number"})
+    # one of each near the start too: runs stop reading at packing.max_tokens
+    rows[1:1] = [{"text": "", "topic": "empty"}, {"text": None, "topic": "null"},
+                 {"text": ["a"], "topic": "list"}]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -42,7 +46,8 @@ def make_cfg(model_path: str, store_url: str, data_path: "str | Path", *override
         "data": {"source": str(data_path)},
         "packing": {"context_size": CONTEXT, "max_tokens": MAX_TOKENS, "bos": "context"},
         "capture": {"points": ["resid_post.*"], "batch_contexts": 4},
-        "store": {"url": store_url, "shard_rows": SHARD_ROWS, "storage_options": storage_options},
+        "store": {"url": store_url, "shard_rows": SHARD_ROWS, "unit_shards": 1,
+                  "storage_options": storage_options},
         "ray": {"num_actors": 2, "max_in_flight": 2, "max_restarts": 2, "max_task_retries": 2,
                 "threads_per_actor": 1},
     }
@@ -101,20 +106,81 @@ def assert_store_matches(store, ref: dict[str, np.ndarray], rel_tol: float | Non
                                    f"worst {err.max():.3f} at row {int(err.argmax())}")
 
 
+@dataclass
+class Reference:
+    """What a run of make_cfg's settings must produce, computed without the pipeline's data plane:
+    documents through `datasets` (iter_texts), packed as one block by the packing function, and
+    activations from a single-process eager capture."""
+
+    packed: object
+    points: list
+    unit_rows: int
+
+    @property
+    def n_units(self) -> int:
+        return -(-self.packed.n_rows // self.unit_rows)
+
+    @property
+    def unit_ids(self) -> list[int]:
+        return list(range(self.n_units))
+
+
+def reference_rows(cfg) -> object:
+    """The packed rows of a config whose corpus is one block (data.block_bytes >= its size)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.data import iter_texts
+    from pipeline.packing import pack_texts
+    from pipeline.prepare import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+    return pack_texts(iter_texts(cfg.data), tok, cfg.packing)
+
+
+def reference_block_rows(cfg, path: Path) -> object:
+    """The packed rows of a one-file json-lines corpus cut into byte-range blocks: documents
+    through `datasets` (iter_texts), assigned to the block their line starts in (computed here
+    from the file), each block packed on its own, contexts cut at max_tokens in block order."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from pipeline.data import iter_texts
+    from pipeline.packing import Packed, pack_texts
+    from pipeline.prepare import resolve_model_path
+
+    starts, off = [], 0
+    for line in path.read_bytes().splitlines(keepends=True):
+        if line.strip():
+            starts.append(off)
+        off += len(line)
+    B = cfg.data.block_bytes
+    by_block: dict[int, list] = {}
+    for row, text in iter_texts(dataclasses.replace(cfg.data, block_bytes=B)):
+        by_block.setdefault(starts[row] // B, []).append((row, text))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+    nolimit = dataclasses.replace(cfg.packing, max_tokens=None)
+    parts = [pack_texts(by_block[b], tok, nolimit) for b in sorted(by_block)]
+    n = cfg.packing.max_tokens or sum(p.n_rows for p in parts)
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])[:n]  # noqa: E731
+    return Packed(cat("token_ids"), cat("doc_ids"), cat("positions"), cfg.packing.context_size)
+
+
 _REFERENCES: dict = {}
 
 
 def shared_reference(model_path: str, corpus: Path, scratch: Path):
-    """(prepared plan, reference acts) for make_cfg's settings, computed once per session."""
-    from pipeline.driver import prepare
+    """(Reference, acts) for make_cfg's settings, computed once per session."""
+    from pipeline.prepare import model_facts, resolve_points
 
     key = (model_path, str(corpus))
     if key not in _REFERENCES:
         cfg = make_cfg(model_path, str(scratch / "unused"), corpus)
-        prep = prepare(cfg)
-        acts = reference_capture(model_path, prep.packed.token_ids, cfg.packing.context_size,
-                                 prep.layout.unit_rows, cfg.capture.batch_contexts, prep.points)
-        _REFERENCES[key] = (prep, acts)
+        packed = reference_rows(cfg)
+        points = resolve_points(cfg.capture.points, model_facts(cfg)[1].n_layers)
+        acts = reference_capture(model_path, packed.token_ids, cfg.packing.context_size,
+                                 SHARD_ROWS, cfg.capture.batch_contexts, points)
+        _REFERENCES[key] = (Reference(packed, points, SHARD_ROWS), acts)
     return _REFERENCES[key]
 
 
@@ -129,14 +195,15 @@ def shared_corpus(scratch: Path) -> Path:
 
 def check_store(store, reference, rel_tol: float | None = None):
     """Complete, verified, metadata = packing, activations = the single-process reference."""
-    prep, acts = reference
+    ref, acts = reference
     v = store.verify(deep=True)
     assert v["ok"], v["errors"]
-    assert v["committed_units"] == len(prep.units) and not v["missing_units"]
+    assert v["committed_rows"] == ref.packed.n_rows and not v["missing_units"]
+    assert store.n_rows == ref.packed.n_rows  # finalize shrank the arrays to the rows committed
     tok, doc, pos = store.read_row_meta(0, store.n_rows)
-    assert np.array_equal(tok, prep.packed.token_ids)
-    assert np.array_equal(doc, prep.packed.doc_ids)
-    assert np.array_equal(pos, prep.packed.positions)
+    assert np.array_equal(tok, ref.packed.token_ids)
+    assert np.array_equal(doc, ref.packed.doc_ids)
+    assert np.array_equal(pos, ref.packed.positions)
     assert_store_matches(store, acts, rel_tol)  # None: same backend, bit-exact
 
 

@@ -32,3 +32,20 @@ def test_two_vllm_freeze_actors_match_single_process_eager(ray_cluster, tiny_lla
     check_store(open_store(cfg.store.resolved_url), reference, rel_tol=REL_TOL)
     assert all(a["units"] > 0 for a in summary["per_actor"])
     assert summary["model"]["backend"] == "vllm"
+
+
+def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_llama, corpus,
+                                                            reference, tmp_path):
+    """Shards of one context each, as the old policy chose when 128 MiB of shards held one context
+    (an 8 B model, all layers). Units were one shard, so each capture() call held one context and
+    filled 32 of a 256-token step. Units now span many shards and one capture stream runs across
+    units: the steps stay full."""
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "model.backend=vllm",
+                   "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
+                   "ray.num_actors=1", "store.shard_rows=32", "store.unit_shards=null")
+    summary = run(cfg)
+    [actor] = summary["per_actor"]
+    assert summary["units"] == actor["units"] >= 4  # several units, each of many one-context shards
+    assert open_store(cfg.store.resolved_url).shard_rows == 32
+    assert actor["steps"] >= 6144 // 256 and actor["step_fill"] >= 0.9, actor
+    check_store(open_store(cfg.store.resolved_url), reference, rel_tol=REL_TOL)

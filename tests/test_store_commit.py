@@ -23,9 +23,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _store(url, so=None):
     s = create_store(url, points=["resid_post.0", "resid_post.1"], width=W, n_rows=N, shard_rows=SHARD,
                      chunk_rows=256, storage_options=so)
-    s.write_row_meta(0, np.arange(N, dtype=np.int32), np.arange(N) // 64, np.arange(N) % 64)
     s.write_plan(s.default_plan(2))  # unit 0 = rows [0, 2048), unit 1 = rows [2048, 4096)
     return s
+
+
+def _meta(w):
+    """The writer's rows' metadata (the actor gives it with the unit; commit requires it)."""
+    n = w.row_end - w.row_start
+    w.write_meta(w.row_start, np.arange(w.row_start, w.row_end, dtype=np.int32),
+                 np.arange(n) // 64, np.arange(n) % 64)
+    return w
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -89,7 +96,7 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     [m] = synthetic.fill(r, x, units=[r.plan()[1]], order="shuffled")  # the rewrite
     assert m["unit_id"] == 1
     markers = [n for n in r.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")]
-    assert markers == ["unit-00000000.json", "unit-00000001.json"]
+    assert markers == ["unit-00000000.0-2048.json", "unit-00000001.2048-4096.json"]
     v = r.verify(deep=True)
     assert v["ok"], v["errors"]
     for i, p in enumerate(r.points):
@@ -108,8 +115,8 @@ def test_second_live_writer_is_stopped_and_deep_verify_catches_overwrites(tmp_pa
     s = _store(str(tmp_path / "race.zarr"))
     xa = synthetic.activations((P, N, W), seed=1)
     xb = synthetic.activations((P, N, W), seed=2)
-    a = s.region_writer(0, 0, 2048)
-    b = s.region_writer(0, 0, 2048)
+    a = _meta(s.region_writer(0, 0, 2048))
+    b = _meta(s.region_writer(0, 0, 2048))
     a.write(0, xa[:, :2048])
     b.write(0, xb[:, :1024])               # b completes shard 0 (overwrites a's shard 0) ...
     ma = a.commit()                        # ... but a commits first
@@ -127,14 +134,14 @@ def test_second_live_writer_is_stopped_and_deep_verify_catches_overwrites(tmp_pa
 def test_commit_race_loser_gets_conflict(tmp_path):
     s = _store(str(tmp_path / "race2.zarr"))
     x = synthetic.activations((P, N, W), seed=3)
-    a, b = s.region_writer(1, 2048, 4096), s.region_writer(1, 2048, 4096)
+    a, b = _meta(s.region_writer(1, 2048, 4096)), _meta(s.region_writer(1, 2048, 4096))
     a.write(2048, x[:, 2048:])
     b.write(2048, x[:, 2048:])
     a.commit()
     with pytest.raises(RegionConflict):
         b.commit()
     assert [n for n in s.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")] == \
-        ["unit-00000001.json"]
+        ["unit-00000001.2048-4096.json"]
 
 
 def test_create_once_local_and_s3(tmp_path, seaweedfs, s3_url):
@@ -171,7 +178,7 @@ def test_permanent_upload_failure_leaves_region_uncommitted(seaweedfs, s3_url):
     admin = _store(s3_url, seaweedfs.storage_options)
     ro = open_store(s3_url, storage_options=seaweedfs.readonly_storage_options)
     x = synthetic.activations((P, N, W), seed=4)
-    w = ro.region_writer(0, 0, 2048, retries=2)
+    w = _meta(ro.region_writer(0, 0, 2048, retries=2))
     with pytest.raises(RegionWriteFailed) as ei:
         w.write(0, x[:, :2048])
         w.commit()
@@ -225,7 +232,7 @@ def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
     s = _store(str(tmp_path / "run.zarr"))
     x = synthetic.activations((P, N, W), seed=3)
     me = os.getpriority(os.PRIO_PROCESS, os.getpid())
-    w = s.region_writer(0, 0, 2048)
+    w = _meta(s.region_writer(0, 0, 2048))
     nice_up = w._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
     nice_enc = shardio.codec_pool(background=True).submit(
         lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
@@ -239,7 +246,7 @@ def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
     w.commit()
     seen = {id(b) for b in s._shard_buffers._free}
     assert seen, "finished shards' buffers are kept for reuse"
-    w = s.region_writer(1, 2048, 4096)
+    w = _meta(s.region_writer(1, 2048, 4096))
     w.write(2048, x[:, 2048:3072])
     assert id(w._states[2].data.base) in seen  # reused, and the rows written are the new ones
     w.write(3072, x[:, 3072:])

@@ -38,7 +38,7 @@ def test_refuses_unknown_layout_version(tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["attributes"]["harvest"]["layout_version"] = 99
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(UnknownLayoutVersion, match="layout_version=99.*reads versions \\[1\\]"):
+    with pytest.raises(UnknownLayoutVersion, match="layout_version=99.*reads versions \\[2\\]"):
         open_store(str(tmp_path / "s"))
 
 
@@ -76,15 +76,14 @@ def test_region_and_write_errors(tmp_path):
     s = _small(str(tmp_path / "w"))
     with pytest.raises(ValueError, match="not shard-aligned.*shard_rows=256"):
         s.region_writer(0, 100, 512)
-    with pytest.raises(ValueError, match="not shard-aligned"):
-        s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": 300}])
+    with pytest.raises(ValueError, match="not shard-aligned"):  # only the last unit may end mid-shard
+        s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": 300},
+                      {"unit_id": 1, "row_start": 512, "row_end": 768}])
     with pytest.raises(ValueError, match="overlap"):
         s.write_plan([(0, 0, 512), (1, 256, 768)])
     with pytest.raises(ValueError, match="lacks field 'row_end'"):
         s.write_plan([{"unit_id": 0, "row_start": 0}])
     s.write_plan(s.default_plan(2))
-    with pytest.raises(ValueError, match="planned as rows \\[0, 512\\)"):
-        s.region_writer(0, 0, 256)
     w = s.region_writer(0, 0, 512)
     x = synthetic.activations((1, 512, 16))
     with pytest.raises(ValueError, match="must be \\[n_points=1, n, width=16\\]"):
@@ -99,11 +98,25 @@ def test_region_and_write_errors(tmp_path):
     with pytest.raises(ValueError, match="412 rows never written"):
         w.commit()
     w.write(100, x[:, 100:])
-    assert w.commit()["n_rows"] == 512
+    with pytest.raises(ValueError, match="512 rows without metadata"):
+        w.commit()
     with pytest.raises(ValueError, match="same length"):
-        s.write_row_meta(0, np.zeros(3, int), np.zeros(2, int), np.zeros(3, int))
-    with pytest.raises(ValueError, match="outside the store"):
-        s.write_row_meta(999, np.zeros(3, int), np.zeros(3, int), np.zeros(3, int))
+        w.write_meta(0, np.zeros(3, int), np.zeros(2, int), np.zeros(3, int))
+    with pytest.raises(ValueError, match="outside unit 0's region"):
+        w.write_meta(510, np.zeros(3, int), np.zeros(3, int), np.zeros(3, int))
+    w.write_meta(0, np.arange(512), np.zeros(512, int), np.arange(512))
+    with pytest.raises(ValueError, match="already written"):
+        w.write_meta(10, np.zeros(3, int), np.zeros(3, int), np.zeros(3, int))
+    assert w.commit()["n_rows"] == 512
+    # a writer of unit 1 with another row range than the plan's commits a marker that never counts
+    other = s.region_writer(1, 512, 768)
+    other.write_meta(512, np.zeros(256, int), np.zeros(256, int), np.zeros(256, int))
+    other.write(512, synthetic.activations((1, 256, 16)))
+    other.commit()
+    assert sorted(s.committed_units()) == [0]
+    v = s.verify()
+    assert not v["ok"] and v["missing_units"] == [1]
+    assert any("committed rows [512,768) but the plan says [512,1000)" in e for e in v["errors"])
     ro = open_store(str(tmp_path / "w"), read_only=True)
     with pytest.raises(StoreError, match="read-only"):
         ro.region_writer(1, 512, 1000)

@@ -102,9 +102,11 @@ def test_stats_match_float64_reference_and_survive_reopen(tmp_path):
 def test_torch_bf16_input_and_any_row_order(tmp_path):
     x = synthetic.activations((P, N, W), seed=3)
     s = _make(str(tmp_path / "t.zarr"))
-    s.write_row_meta(0, *_meta(N))
+    tok, doc, pos = _meta(N)
     for u in s.plan():
-        w = s.region_writer(u["unit_id"], u["row_start"], u["row_end"])
+        a0, b0 = u["row_start"], u["row_end"]
+        w = s.region_writer(u["unit_id"], a0, b0)
+        w.write_meta(a0, tok[a0:b0], doc[a0:b0], pos[a0:b0])
         starts = list(range(u["row_start"], u["row_end"], 50))[::-1]  # reverse order
         for a in starts:
             b = min(a + 50, u["row_end"])
@@ -121,8 +123,9 @@ def test_out_of_order_beyond_open_shard_limit_is_still_exact(tmp_path):
     s = create_store(str(tmp_path / "e.zarr"), points=[f"resid_post.{i}" for i in range(P)], width=W,
                      n_rows=N, shard_rows=SHARD, chunk_rows=CHUNK)
     s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
-    s.write_row_meta(0, *_meta(N))
-    [m] = synthetic.fill(s, x, order="shuffled", chunk=61, max_open_shards=1, max_pending_shards=1)
+    tok, doc, pos = _meta(N)
+    [m] = synthetic.fill(s, x, order="shuffled", chunk=61, max_open_shards=1, max_pending_shards=1,
+                         token_id=tok, doc_id=doc, position=pos)
     for i, p in enumerate(s.points):
         assert np.array_equal(s.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
         mean, var = _reference_stats(x[i])
@@ -165,9 +168,9 @@ def test_layout_on_disk_matches_format(tmp_path):
         m = json.load(open(root / name / "zarr.json"))
         assert m["data_type"] == dt and m["shape"] == [N]
     g = json.load(open(root / "zarr.json"))["attributes"]
-    assert g["harvest"]["layout"] == "harvest.activations" and g["harvest"]["layout_version"] == 1
+    assert g["harvest"]["layout"] == "harvest.activations" and g["harvest"]["layout_version"] == 2
     synthetic.fill(s, _data(), units=s.plan()[:1], token_id=np.zeros(N, np.int32))
-    assert os.path.exists(root / "_harvest" / "commits" / "unit-00000000.json")
+    assert os.path.exists(root / "_harvest" / "commits" / f"unit-00000000.0-{SHARD}.json")
     assert sorted(os.listdir(root / "resid_post" / "1" / "c")) == ["0"]  # one object per shard
 
 
@@ -218,8 +221,8 @@ def test_writer_memory_stays_within_its_documented_bound(tmp_path):
     s = create_store(str(tmp_path / "m.zarr"), points=[f"resid_post.{i}" for i in range(P)], width=W,
                      n_rows=n, shard_rows=512, chunk_rows=128)
     s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
-    s.write_row_meta(0, *_meta(n))
     w = s.region_writer(0, 0, n, max_open_shards=2, max_pending_shards=1)
+    w.write_meta(0, *_meta(n))
     bound = P * 512 * W * 2 * (2 + 1)
     rng = np.random.default_rng(0)
     starts = np.arange(0, n, 64)

@@ -7,7 +7,7 @@ See FORMAT.md for the layout.
 
 from . import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
 
-__version__ = "1.0"
+__version__ = "2.0"
 
 from .errors import (  # noqa: E402
     NotAHarvestStore,
@@ -17,9 +17,11 @@ from .errors import (  # noqa: E402
     StoreError,
     UnknownLayoutVersion,
 )
-from .store import Store, create_store, open_store  # noqa: E402
+from .create import create_store  # noqa: E402
+from .plans import Unit  # noqa: E402
+from .store import Store, open_store  # noqa: E402
 
 __all__ = [
-    "Store", "create_store", "open_store", "StoreError", "NotAHarvestStore", "UnknownLayoutVersion",
+    "Store", "Unit", "create_store", "open_store", "StoreError", "NotAHarvestStore", "UnknownLayoutVersion",
     "StoreAccessError", "RegionWriteFailed", "RegionConflict",
 ]

@@ -149,15 +149,18 @@ class ShardCodec:
         return raw.view(np.uint8).data if self._comp is None else self._comp.encode(raw)
 
     def encode(self, rows: np.ndarray, shard: int, visit=None) -> bytes:
-        """Shard object bytes for rows [shard*shard_rows, +len) of this array.
+        """Shard object bytes for rows [shard*shard_rows, +len(rows)) of this array.
 
         `visit(i, chunk_rows)`, if given, is called on each inner chunk's rows (this dtype) in
         the codec thread just before that chunk is compressed: the writer's statistics then read
         rows that are already in cache instead of making their own pass over the whole shard.
         """
-        n = self.shard_len(shard)
-        if rows.shape != (n, self.width):
-            raise ValueError(f"shard {shard} needs rows of shape {(n, self.width)}, got {rows.shape}")
+        n = rows.shape[0]
+        # fewer rows than the shard holds: the last unit of a run ends inside its shard; the
+        # chunks past its end are absent from the index, which every zarr reader takes as fill
+        if not 0 < n <= self.shard_len(shard) or rows.shape[1:] != (self.width,):
+            raise ValueError(f"shard {shard} takes at most {(self.shard_len(shard), self.width)} "
+                             f"rows, got {rows.shape}")
         if rows.dtype != self.dtype:
             raise ValueError(f"shard dtype {rows.dtype} != array dtype {self.dtype}")
         raw = rows.view(self._raw)

@@ -32,24 +32,26 @@ def fill(store, data: np.ndarray, *, units=None, order: str = "forward", chunk: 
          seed: int = 0, token_id=None, doc_id=None, position=None, commit: bool = True, **writer_kw):
     """Write `data` [n_points, n_rows, width] into `store` unit by unit; returns manifests.
 
-    order: "forward" or "shuffled" (pieces of `chunk` rows in random order, like requests that
-    finish out of order).
+    Row metadata (whole-store arrays, zeros where not given) is written by each unit's writer,
+    as the pipeline's actors do. order: "forward" or "shuffled" (pieces of `chunk` rows in
+    random order, like requests that finish out of order).
     """
-    n = store.n_rows
-    if token_id is not None or doc_id is not None or position is not None:
-        store.write_row_meta(0, token_id if token_id is not None else np.zeros(n, np.int32),
-                             doc_id if doc_id is not None else np.zeros(n, np.int64),
-                             position if position is not None else np.zeros(n, np.int32))
+    n = data.shape[1]
+    cols = [np.zeros(n, np.int32) if token_id is None else np.asarray(token_id),
+            np.zeros(n, np.int64) if doc_id is None else np.asarray(doc_id),
+            np.zeros(n, np.int32) if position is None else np.asarray(position)]
     units = units if units is not None else store.plan()
     rng = np.random.default_rng(seed)
     out = []
     for u in units:
-        w = store.region_writer(u["unit_id"], u["row_start"], u["row_end"], **writer_kw)
-        starts = list(range(u["row_start"], u["row_end"], chunk))
+        a0, b0 = u["row_start"], u["row_end"]
+        w = store.region_writer(u["unit_id"], a0, b0, **writer_kw)
+        w.write_meta(a0, *(c[a0:b0] for c in cols))
+        starts = list(range(a0, b0, chunk))
         if order == "shuffled":
             rng.shuffle(starts)
         for a in starts:
-            b = min(a + chunk, u["row_end"])
+            b = min(a + chunk, b0)
             w.write(a, data[:, a:b])
         out.append(w.commit() if commit else w)
     return out

@@ -16,20 +16,23 @@ boundaries. An evicted shard's filled rows are written straight into the zarr sh
 read-modify-write that is safe because this writer alone owns the shard); the shard finishes the
 same way later. Slower, never wrong, and rare with max_open_shards >= 2.
 
+Row metadata (token_id, doc_id, position) of the region is given with `write_meta` and written
+by this writer with its rows: the actor, not the driver, writes it, so nothing is written before
+dispatch and a unit's metadata commits with its activations.
+
 A commit marker is written only after every row of the region is uploaded; it carries the
-region's stats partial (by reference to a sidecar with its sha256) and a CRC32C per shard and
-point of the raw rows, so `verify(deep=True)` can prove the stored bytes are the committed ones.
+region's stats partials (rows `all` and `kept`, by reference to a sidecar with its sha256), a
+CRC32C per shard and point of the raw rows and one per metadata column, so `verify(deep=True)`
+can prove the stored bytes are the committed ones.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime as _dt
 import hashlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -37,63 +40,18 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import commits as _commits
 from . import layout
 from . import stats as _stats
 from .backend import with_retries
-from .buffers import BufferPool
 from .credentials import redact_attrs, scrub
-from .dtypes import BF16, dtype_name, raw_dtype
+from .dtypes import dtype_name, raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 from .shardio import lower_priority
+from .shards import Shard, runs, shard_buffers, to_numpy
+from .unitmeta import UnitMeta
 
 log = logging.getLogger(__name__)
-
-
-class _Shard:
-    __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq")
-
-    def __init__(self, index: int, start: int, end: int):
-        self.index, self.start, self.end = index, start, end
-        self.n = end - start
-        self.data: np.ndarray | None = None
-        self.filled = np.zeros(self.n, bool)
-        self.n_filled = 0
-        self.flushed: np.ndarray | None = None  # set once the shard has been evicted
-        self.seq = 0
-
-
-def _shard_buffers(store, keep: int) -> BufferPool:
-    """The store's pool of shard buffers [n_points, shard_rows, width]: writers of units in flight
-    at once (an actor commits one while capturing the next) reuse each other's buffers."""
-    pool = getattr(store, "_shard_buffers", None)
-    if pool is None:
-        pool = store._shard_buffers = BufferPool((len(store.points), store.shard_rows, store.width),
-                                                 raw_dtype(store.np_dtype), keep)
-    pool.keep = max(pool.keep, keep)
-    return pool
-
-
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """Contiguous [a, b) runs of True in a bool vector."""
-    if not mask.any():
-        return []
-    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return list(zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()))
-
-
-def _to_numpy(acts, np_dtype: np.dtype) -> np.ndarray:
-    mod = type(acts).__module__
-    if mod.startswith("torch"):
-        import torch
-
-        t = acts.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(BF16)
-        return t.numpy()
-    return np.asarray(acts)
 
 
 class RegionWriter:
@@ -116,14 +74,16 @@ class RegionWriter:
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._codecs = [store.shard_codec(p) for p in store.points]
-        self._buffers = _shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
+        self._buffers = shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
-        self._states: dict[int, _Shard] = {}
-        self._open: "OrderedDict[int, _Shard]" = OrderedDict()
+        self._meta = UnitMeta(unit_id, row_start, row_end, store.stats_filter())
+        self._states: dict[int, Shard] = {}
+        self._open: "OrderedDict[int, Shard]" = OrderedDict()
         self._pending: "OrderedDict[int, list[cf.Future]]" = OrderedDict()
         self._done: set[int] = set()
-        self._parts: dict[tuple[int, int], list] = {}
+        self._meta_uploaded: set[int] = set()
+        self._parts: dict[tuple[int, int], dict] = {}
         self._crc: dict[int, list] = {}
         self._nbytes: dict[int, list] = {}
         self._lock = threading.Lock()
@@ -138,19 +98,32 @@ class RegionWriter:
         self.t_first_write: float | None = None
         self.rows_written = 0
         self.bytes_uploaded = 0
-        existing = store.commit_manifest(unit_id, fresh=True)
+        existing = store.commit_manifest(unit_id, row_start, row_end, fresh=True)
         self.already_committed = existing is not None
         if self.already_committed:
             log.info("unit %d is already committed (attempt %s): writes are ignored",
                      unit_id, existing.get("attempt"))
 
     # ---- public ------------------------------------------------------------------------------
+    def shard_span(self, si: int) -> tuple[int, int]:
+        """Rows of shard `si` that belong to this region (the last unit may end inside one)."""
+        s0 = si * self._store.shard_rows
+        return s0, min(s0 + self._store.shard_rows, self.row_end)
+
+    def write_meta(self, row_start: int, token_id, doc_id, position) -> None:
+        """Row metadata of rows [row_start, row_start + n); each row once, before its activations
+        (the `kept` statistics of a shard need its token ids when the shard is encoded)."""
+        if self.already_committed:
+            return
+        self._check_usable()
+        self._meta.write(row_start, token_id, doc_id, position)
+
     def write(self, row_start: int, acts) -> None:
         """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width]."""
         if self.already_committed:
             return
         self._check_usable()
-        a = _to_numpy(acts, self._dtype)
+        a = to_numpy(acts, self._dtype)
         if a.ndim == 2 and self._P == 1:
             a = a[None]
         if a.ndim != 3 or a.shape[0] != self._P or a.shape[2] != self._W:
@@ -173,7 +146,7 @@ class RegionWriter:
         r = lo
         while r < hi:
             si = r // self._store.shard_rows
-            s0, s1 = self._store.shard_range(si)
+            s0, s1 = self.shard_span(si)
             e = min(hi, s1)
             pieces.append((si, r - s0, e - s0, r - lo, e - lo))
             r = e
@@ -199,7 +172,7 @@ class RegionWriter:
         if self._manifest is not None:
             return self._manifest
         if self.already_committed:
-            m = dict(self._store.commit_manifest(self.unit_id))
+            m = dict(self._store.commit_manifest(self.unit_id, self.row_start, self.row_end))
             m["already_committed"] = True
             self._manifest = m
             self._shutdown()
@@ -213,49 +186,44 @@ class RegionWriter:
             if si in self._done or si in self._pending:
                 continue
             st = self._states.get(si)
-            s0, s1 = self._store.shard_range(si)
-            holes = _runs(~st.filled) if st is not None else [(0, s1 - s0)]
+            s0, s1 = self.shard_span(si)
+            holes = runs(~st.filled) if st is not None else [(0, s1 - s0)]
             missing += [(s0 + a, s0 + b) for a, b in holes]
         if missing:
             n_miss = sum(b - a for a, b in missing)
             ex = ", ".join(f"[{a},{b})" for a, b in missing[:3])
             raise ValueError(f"commit: unit {self.unit_id} has {n_miss} rows never written (e.g. {ex}); "
                              "write them, or abort() to leave the region uncommitted")
+        self._meta.check_complete()
+        for si in self._shard_ids:
+            if si not in self._meta_uploaded:
+                self._pending.setdefault(si, []).append(self._pool.submit(self._upload_meta, si))
         self._wait_pending(all_=True)
         self._check_usable()
         self._check_conflict()
-        keys = sorted(self._parts)
-        merged = _stats.merge_all([self._parts[k] for k in keys], self._P, self._W)
+        merged = {}
+        for subset in layout.STATS_SUBSETS:
+            merged[subset] = _stats.merge_all([self._parts[k][subset] for k in sorted(self._parts)],
+                                              self._P, self._W)
         blob = _stats.dumps(merged)
         skey = layout.stats_key(self.unit_id, self.attempt)
-        t_end = time.perf_counter()
-        seconds = t_end - (self.t_first_write or self.t_created)
-        nbytes = (self.row_end - self.row_start) * self._P * self._store.row_bytes
-        manifest = {
-            "layout_version": self._store.layout_version, "unit_id": self.unit_id,
-            "row_start": self.row_start, "row_end": self.row_end,
-            "n_rows": self.row_end - self.row_start, "points": list(self._store.points),
-            "attempt": self.attempt,
-            "shards": [{"index": si, "row_start": self._store.shard_range(si)[0],
-                        "row_end": self._store.shard_range(si)[1], "crc32c": self._crc[si],
-                        "nbytes": self._nbytes.get(si)}
-                       for si in self._shard_ids],
-            "stats": {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
-                      "count": merged[0].count if merged else 0},
-            "bytes": nbytes, "seconds": round(seconds, 6),
-            "bytes_per_s": nbytes / seconds if seconds > 0 else None,
-            "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "pid": os.getpid(), "extra": extra or {},
-        }
+        seconds = time.perf_counter() - (self.t_first_write or self.t_created)
+        manifest = _commits.build_marker(
+            self._store, self.unit_id, self.row_start, self.row_end, self.attempt,
+            [(si, *self.shard_span(si), self._crc[si], self._nbytes.get(si)) for si in self._shard_ids],
+            self._meta.crc32c(), {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
+                                  "count": merged["all"][0].count if merged["all"] else 0,
+                                  "kept": merged["kept"][0].count if merged["kept"] else 0},
+            seconds, extra)
         try:
             self._store.location.write_bytes(skey, blob)
-            created = self._store.location.create_once(layout.commit_key(self.unit_id),
-                                                       json.dumps(manifest).encode())
+            created = _commits.create_marker(self._store.location, manifest)
         except Exception as e:  # noqa: BLE001 -- reported without secrets, region left uncommitted
             self._fail(e, "writing the commit marker")
             raise RegionWriteFailed(self._failed_msg) from None
         if not created:
-            other = self._store.commit_manifest(self.unit_id, fresh=True) or {}
+            other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
+                                                fresh=True) or {}
             if other.get("attempt") != self.attempt:
                 self._shutdown()
                 raise RegionConflict(
@@ -263,7 +231,7 @@ class RegionWriter:
                     f"{other.get('attempt')}) while this one was writing; its shards may now hold this "
                     "writer's rows. Run store.verify(deep=True); if it fails, store.uncommit() and rewrite.")
             manifest = other
-        self._store._markers[self.unit_id] = manifest
+        self._store._remember_marker(manifest)
         self._manifest = manifest
         self._shutdown()
         log.info("unit %d committed: %d rows, %.1f MB/s", self.unit_id, manifest["n_rows"],
@@ -322,19 +290,19 @@ class RegionWriter:
                 log.error(self._failed_msg)
 
     def _check_conflict(self) -> None:
-        other = self._store.commit_manifest(self.unit_id, fresh=True)
+        other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end, fresh=True)
         if other is not None and other.get("attempt") != self.attempt:
             self._closed = True
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
                                  f"{other.get('attempt')}); this writer stopped before uploading more")
 
-    def _shard_for_write(self, si: int) -> _Shard:
+    def _shard_for_write(self, si: int) -> Shard:
         sh = self._open.get(si)
         if sh is None:
             sh = self._states.get(si)
             if sh is None:
-                s0, s1 = self._store.shard_range(si)
-                sh = self._states[si] = _Shard(si, s0, s1)
+                s0, s1 = self.shard_span(si)
+                sh = self._states[si] = Shard(si, s0, s1)
             while len(self._open) >= self.max_open_shards:
                 self._evict(next(iter(self._open)))
             sh.data = self._buffers.take()[:, :sh.n]  # each point's rows stay contiguous
@@ -360,28 +328,31 @@ class RegionWriter:
         self._buffers.give(sh.data)
         sh.data = None
 
-    def _flush_partial(self, sh: _Shard) -> None:
+    def _flush_partial(self, sh: Shard) -> None:
         if sh.flushed is None:
             sh.flushed = np.zeros(sh.n, bool)
         rows = sh.filled & ~sh.flushed
-        runs = _runs(rows)
+        spans = runs(rows)
         try:
             for p in range(self._P):
-                for a, b in runs:
+                for a, b in spans:
                     self._write_rows(p, sh.start + a, sh.data[p, a:b].view(self._dtype),
                                      f"partial shard {sh.index}")
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"upload of shard {sh.index}")
             raise RegionWriteFailed(self._failed_msg) from None
-        self._parts[(sh.index, sh.seq)] = [_stats.Moments.of(sh.data[p][rows].view(self._dtype))
-                                           for p in range(self._P)]
+        keep = self._meta.keep_mask(sh.start, sh.end)
+        pairs = [_stats.subsets_of(sh.data[p][rows].view(self._dtype),
+                                   None if keep is None else keep[rows]) for p in range(self._P)]
+        self._parts[(sh.index, sh.seq)] = {"all": [a for a, _ in pairs], "kept": [k for _, k in pairs]}
         sh.seq += 1
         sh.flushed |= rows
 
-    def _complete(self, sh: _Shard) -> None:
+    def _complete(self, sh: Shard) -> None:
         del self._open[sh.index]
         self._check_conflict()
         self._wait_pending(all_=False)
+        sh.keep = self._meta.keep_mask(sh.start, sh.end)
         if sh.flushed is None:
             futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         else:
@@ -394,9 +365,27 @@ class RegionWriter:
             self._buffers.give(sh.data)
             sh.data = None
             futs = []
+        if self._meta.complete(sh.start, sh.end):
+            futs.append(self._pool.submit(self._upload_meta, sh.index))
         self._pending[sh.index] = futs
 
-    def _upload_point(self, sh: _Shard, p: int) -> None:
+    def _upload_meta(self, si: int) -> None:
+        """The shard's rows of token_id, doc_id, position: one chunk object per column."""
+        if self._failed is not None or self._closed:
+            return
+        s0, s1 = self.shard_span(si)
+        try:
+            for name, col in self._meta.columns(s0, s1).items():
+                arr = self._store._meta_array(name)
+                with_retries(lambda arr=arr, v=col: arr.__setitem__(slice(s0, s1), v),
+                             f"write {name} of shard {si}", attempts=self.retries)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e, f"metadata upload of shard {si}")
+            return
+        with self._lock:
+            self._meta_uploaded.add(si)
+
+    def _upload_point(self, sh: Shard, p: int) -> None:
         if self._failed is not None or self._closed:
             return
         x = sh.data[p].view(self._dtype)
@@ -405,16 +394,20 @@ class RegionWriter:
         try:
             codec = self._codecs[p]
             if codec is None:
-                mom = _stats.Moments.of(x)
+                mom_all, mom_kept = _stats.subsets_of(x, sh.keep)
                 self._write_rows(p, sh.start, x, f"upload of shard {sh.index}")
             else:
                 parts: list = [None] * -(-x.shape[0] // codec.chunk_rows)
+                cr = codec.chunk_rows
 
                 def moments(i, rows):  # in the codec thread, while the chunk is in cache
-                    parts[i] = [_stats.Moments.of(rows)]
+                    keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
+                    parts[i] = _stats.subsets_of(rows, keep)
 
                 blob = codec.encode(x, sh.index, visit=moments)
-                mom = _stats.merge_all(parts, 1, self._W)[0]  # in chunk order: deterministic
+                # in chunk order: deterministic
+                mom_all = _stats.merge_all([[q[0]] for q in parts], 1, self._W)[0]
+                mom_kept = _stats.merge_all([[q[1]] for q in parts], 1, self._W)[0]
                 key = self._store.shard_key(self._store.points[p], sh.index)
                 self._store.location.write_bytes(key, blob, attempts=self.retries)
                 nbytes = len(blob)
@@ -424,7 +417,9 @@ class RegionWriter:
             self._fail(e, f"upload of shard {sh.index} ({self._store.points[p]})")
             return
         with self._lock:
-            self._parts.setdefault((sh.index, 0), [None] * self._P)[p] = mom
+            part = self._parts.setdefault((sh.index, 0), {"all": [None] * self._P,
+                                                          "kept": [None] * self._P})
+            part["all"][p], part["kept"][p] = mom_all, mom_kept
             self._crc.setdefault(sh.index, [None] * self._P)[p] = crc
             self._nbytes.setdefault(sh.index, [None] * self._P)[p] = nbytes
 
@@ -435,7 +430,7 @@ class RegionWriter:
     def _finish(self, si: int) -> None:
         futs = self._pending.pop(si)
         for f in futs:
-            f.result()  # _upload_point records its own failure; this surfaces bugs
+            f.result()  # the upload functions record their own failures; this surfaces bugs
         st = self._states.get(si)
         if st is not None:
             self._buffers.give(st.data)  # every upload of it has finished

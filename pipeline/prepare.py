@@ -1,0 +1,147 @@
+"""Preparation in the driver, without Ray, an engine or reading the corpus: model facts, capture
+points, tokenizer facts, the layout and the corpus's blocks (from metadata only).
+
+Everything here is cheap and checks input, so a bad config fails in seconds and before anything
+is written: the model's config and tokenizer, context size against the model's limit, capture
+addresses against its layers, the data source's existence and text column.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, HarvestConfig, cache_dir
+from .packing import resolve_bos
+from .plan import Layout, choose_layout
+from .sources import plan_blocks, probe_text_column
+
+
+def resolve_model_path(path: str) -> str:
+    """`smollm2` and `tiny:<arch>` aliases -> checkpoint dirs (built once); others unchanged."""
+    if path == "smollm2":
+        from engine.models import smollm2_path
+
+        return smollm2_path()
+    if path.startswith("tiny:"):
+        from engine.models import build_tiny_model
+
+        arch = path.split(":", 1)[1] or "llama"
+        return build_tiny_model(cache_dir() / "models" / f"tiny-{arch}", arch)
+    local = os.path.expanduser(path)
+    return os.path.abspath(local) if os.path.exists(local) else path
+
+
+def resolve_points(points: list[str], n_layers: int) -> list[str]:
+    """Expand `name.*` and range-check every address against the model; errors name the field."""
+    from engine.addresses import KNOWN_POINTS, parse_addresses
+
+    expanded: list[str] = []
+    for p in points:
+        name, _, layer = p.rpartition(".")
+        if name not in KNOWN_POINTS:
+            raise ConfigError(
+                f"capture.points entry {p!r}: unknown point {name!r}; known points are "
+                f"{', '.join(KNOWN_POINTS)}"
+            )
+        if layer == "*":
+            expanded += [f"{name}.{i}" for i in range(n_layers)]
+        else:
+            expanded.append(p)
+    try:
+        return [str(a) for a in parse_addresses(expanded, n_layers)]
+    except ValueError as e:
+        raise ConfigError(f"capture.points: {e}") from None
+
+
+def model_facts(cfg: HarvestConfig) -> tuple[str, Any]:
+    from engine.common import read_model_info
+
+    path = resolve_model_path(cfg.model.path)
+    try:
+        info = read_model_info(path)
+    except Exception as e:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: cannot read its config ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); give a checkpoint dir, a hub name, "
+            "smollm2 or tiny:<arch>"
+        ) from None
+    return path, info
+
+
+def context_limit(cfg: HarvestConfig, info) -> int:
+    limit = min(cfg.model.max_model_len or info.max_position, info.max_position)
+    # vLLM generates one token per request, so a prompt may use at most max_model_len - 1
+    return limit - 1 if cfg.model.backend == "vllm" else limit
+
+
+@dataclass
+class Prepared:
+    cfg: HarvestConfig
+    model_path: str
+    n_layers: int
+    width: int
+    vocab_size: int
+    max_len: int
+    points: list[str]
+    bos_token_id: int | None
+    special_token_ids: list[int]
+    sources: dict          # {"kind", "description", "blocks": [[segment...]...]}
+    layout: Layout
+    stats_skip_positions: int
+    seconds: float
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.cfg.model.dtype == "float32" else 2
+
+    def run_key(self) -> dict:
+        """What the store remembers about the run, to refuse a mismatched resume."""
+        return {"content": self.cfg.content_key(), "points": self.points,
+                "context_size": self.cfg.packing.context_size}
+
+
+def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
+    """Everything the run needs before Ray starts; `existing` is a store being resumed (its
+    layout and recorded blocks win over what the config would choose now)."""
+    t0 = time.perf_counter()
+    model_path, info = model_facts(cfg)
+    points = resolve_points(cfg.capture.points, info.n_layers)
+    limit = context_limit(cfg, info)
+    C = cfg.packing.context_size
+    if C > limit:
+        raise ConfigError(
+            f"packing.context_size={C} is larger than the model's limit of {limit} tokens per "
+            f"context ({cfg.model.path}: max_position {info.max_position}"
+            + (", minus 1 for vLLM's generated token" if cfg.model.backend == "vllm" else "")
+            + f"): set packing.context_size <= {limit}"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    bos = resolve_bos(cfg.packing, tokenizer)
+    if bos is not None and not 0 <= bos < info.vocab_size:
+        raise ConfigError(f"packing.bos_token_id={bos} is outside the model's vocabulary "
+                          f"(0..{info.vocab_size - 1}): use a token id the model knows")
+    special = sorted({int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
+                     | ({bos} if bos is not None else set()))
+    skip = cfg.store.stats_skip_positions
+    if skip is None:
+        skip = 1 if cfg.packing.bos == "context" else 0
+    itemsize = 4 if cfg.model.dtype == "float32" else 2
+    stored_sources = None
+    stored_layout = None
+    if existing is not None:
+        stored_sources = existing.plans.read_sources()
+        if stored_sources is not None:
+            stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
+    layout = choose_layout(cfg, info.width, itemsize, len(points), stored_layout)
+    if stored_sources is not None:
+        sources = {k: stored_sources[k] for k in ("kind", "description", "blocks")}
+    else:
+        sources = plan_blocks(cfg.data)
+        probe_text_column(cfg.data, sources["blocks"])
+    return Prepared(cfg, model_path, info.n_layers, info.width, info.vocab_size, limit, points,
+                    bos, special, sources, layout, skip, time.perf_counter() - t0)

@@ -1,0 +1,43 @@
+"""A unit's rows from the tokenised chunks it is made of (in the actor, never in the driver).
+
+The driver sends a unit as references to the chunks holding its contexts (Ray object refs, owned
+by the driver) with each chunk's digest; the actor fetches them, checks each chunk against the
+digest its tokeniser recorded (the plan holds the same digests: a resumed run proves a re-created
+chunk is the planned one the same way), and cuts the unit's contexts out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .store.layout import META_INSERTED
+
+
+def chunk_digest(arrays: dict) -> list[int]:
+    from .store.stats import crc32c
+
+    return [crc32c(arrays["token_id"]), crc32c(arrays["doc_id"]), crc32c(arrays["position"])]
+
+
+def unit_rows(unit: dict, context_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """token_id, doc_id (global source rows), position of the unit's rows."""
+    import ray
+
+    C = context_size
+    chunks = ray.get(list(unit["refs"]))
+    tok, doc, pos = [], [], []
+    for (b, j, lo, hi, doc_base), arrays, digest in zip(unit["pieces"], chunks, unit["digests"]):
+        if chunk_digest(arrays) != list(digest):
+            raise RuntimeError(f"unit {unit['unit_id']}: chunk {b}:{j} does not match the digest "
+                               "its tokeniser recorded; refusing to capture it")
+        a, z = lo * C, hi * C
+        d = arrays["doc_id"][a:z]
+        tok.append(arrays["token_id"][a:z])
+        doc.append(np.where(d == META_INSERTED, d, d + int(doc_base)))
+        pos.append(arrays["position"][a:z])
+    out = tuple(np.concatenate(x) for x in (tok, doc, pos))
+    n = int(unit["row_end"]) - int(unit["row_start"])
+    if out[0].shape[0] != n:
+        raise RuntimeError(f"unit {unit['unit_id']}: its chunks hold {out[0].shape[0]} rows, the "
+                           f"plan says {n}")
+    return out

@@ -1,0 +1,100 @@
+"""Tokenising workers: Ray actors that read, tokenise and pack blocks of the corpus.
+
+Each worker holds one tokenizer (loaded once: a fast tokenizer takes about a second to load, a
+block a few seconds to tokenise) and packs one block at a time as a streaming generator that
+yields, per chunk, the chunk's arrays and then its descriptor. The arrays stay in Ray's object
+store (owned by the driver, which only ever holds the reference) until the actor that captures
+them fetches them; the driver reads the descriptors (counts, digests, cursors). Ray's generator
+backpressure pauses a worker that runs too far ahead of the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from .config import DataConfig, PackingConfig
+from .packing import BlockPacker
+from .sources import read_block
+
+BATCH_CHARS = 1 << 18  # characters per tokenizer call, at most (about 70k tokens)
+
+def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
+               tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
+               start: dict | None = None, first_index: int = 0, last_index: int | None = None
+               ) -> Iterator:
+    """Chunks of one block, from `start` (a chunk's cursor) on, until `last_index` if given."""
+    p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index)
+    batch: list = []
+    size = 0
+
+    def flush():
+        nonlocal size
+        enc = tokenizer([t for _, _, t in batch], add_special_tokens=False)["input_ids"]
+        out = []
+        for (row, pos, _), ids in zip(batch, enc):
+            out += p.add(row, pos, ids)
+        batch.clear()
+        size = 0
+        return out
+
+    def emit(chunks):
+        for c in chunks:
+            yield c
+            if last_index is not None and c.index >= last_index:
+                return True
+        return False
+
+    for row, pos, text, reason in read_block(block, data, start):
+        if p.done:
+            break
+        if reason is not None:
+            if batch:  # keep source order: pending documents are packed before the skip counts
+                stop = yield from emit(flush())
+                if stop:
+                    return
+            p.skip(row, reason)
+            continue
+        batch.append((row, pos, text))
+        size += len(text)
+        # documents per call, and bytes: 256 whole source files can be megabytes, and the first
+        # chunk (the first unit) would wait for all of them
+        if len(batch) >= packing.tokenize_batch or size >= BATCH_CHARS:
+            stop = yield from emit(flush())
+            if stop:
+                return
+    if batch:
+        stop = yield from emit(flush())
+        if stop:
+            return
+    yield from emit(p.finish())
+
+
+class TokenizeWorker:
+    """Created by the driver with `ray.remote(TokenizeWorker).options(...)`."""
+
+    def __init__(self, spec: dict):
+        for k, v in (spec.get("env") or {}).items():
+            os.environ[k] = v
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+        self.data = DataConfig(**spec["data"])
+        self.packing = PackingConfig(**spec["packing"])
+        self.bos = spec["bos"]
+        self.chunk_contexts = int(spec["chunk_contexts"])
+        self.max_contexts = spec.get("max_contexts")
+        self.blocks_started = 0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def tokenize(self, block_id: int, block: list[dict], start: dict | None = None,
+                 first_index: int = 0, last_index: int | None = None):
+        """Yields arrays, descriptor, arrays, descriptor, ... (two objects per chunk)."""
+        self.blocks_started += 1
+        for c in pack_block(block_id, block, self.data, self.packing, self.tokenizer, self.bos,
+                            self.chunk_contexts, self.max_contexts, start, first_index, last_index):
+            yield c.arrays()
+            yield {**c.describe(), "pid": os.getpid()}

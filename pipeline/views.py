@@ -1,0 +1,94 @@
+"""Read-only views for the CLI: `status` (progress) and `inspect` (layout, attrs, sample rows).
+
+Both read the store alone, so they work while a job runs elsewhere, after it was interrupted, or
+on a machine without the engine. Marker contents come from the compacted index plus the markers
+written since (one listing, one GET per unindexed marker), never a GET per unit every time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+import numpy as np
+
+
+def status(url: str, storage_options: dict | None = None) -> dict:
+    """Progress of a running or interrupted job, from the store alone."""
+    from pipeline.store import open_store
+
+    store = open_store(url, storage_options=storage_options, read_only=True)
+    plan = store.plans.read()
+    units = plan["units"]
+    rows_of = {u.unit_id: (u.row_start, u.row_end) for u in units}
+    names = store.marker_names()
+    done = [n for n in names if rows_of.get(n.unit_id) == n.rows] if units else names
+    planned_rows = sum(u.n_rows for u in units)
+    done_rows = sum(n[2] - n[1] for n in done)
+    per_actor: dict = {}
+    first = last = None
+    first_rows = 0
+    for m in store.iter_committed(done, planned=bool(units)):
+        extra = m.get("extra") or {}
+        key = f"{extra.get('host', m.get('host'))}/actor{extra.get('actor', '?')}"
+        d = per_actor.setdefault(key, {"units": 0, "tokens": 0, "seconds": 0.0, "pids": set()})
+        d["units"] += 1
+        d["tokens"] += m["row_end"] - m["row_start"]
+        d["seconds"] += float(m.get("seconds") or 0.0)
+        d["pids"].add(m.get("pid"))
+        if m.get("committed_at"):
+            t = _dt.datetime.fromisoformat(m["committed_at"])
+            if first is None or t < first:
+                first, first_rows = t, m["row_end"] - m["row_start"]
+            last = t if last is None or t > last else last
+    rate = eta = None
+    if first is not None and last > first:
+        rate = (done_rows - first_rows) / (last - first).total_seconds()
+        if plan["final"]:
+            eta = (planned_rows - done_rows) / rate if rate > 0 else None
+    committed_ids = {n.unit_id for n in done}
+    return {
+        "url": store.url,
+        "name": ((store.attrs or {}).get("config") or {}).get("name"),
+        "planned_units": len(units),
+        "plan_complete": plan["final"],
+        "committed_units": len(done),
+        "missing_units": sorted(set(rows_of) - committed_ids)[:50],
+        "planned_rows": planned_rows,
+        "committed_rows": done_rows,
+        "fraction": done_rows / planned_rows if planned_rows else 0.0,
+        "finalized": store.summary is not None,
+        "last_commit": last.isoformat() if last else None,
+        "recent_tokens_per_second": round(rate, 1) if rate else None,
+        "eta_seconds": round(eta, 1) if eta else None,
+        "per_actor": {k: {**v, "pids": sorted(p for p in v["pids"] if p is not None)}
+                      for k, v in sorted(per_actor.items())},
+        "summary": store.summary,
+    }
+
+
+def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int] | None" = None,
+            tokenizer_path: str | None = None) -> dict:
+    """Layout, run attributes and (optionally) some rows with their metadata and norms."""
+    from pipeline.store import open_store
+
+    store = open_store(url, storage_options=storage_options, read_only=True)
+    out = {k: v for k, v in store.info().items() if k != "stats"}
+    if rows is not None:
+        a, b = rows
+        tok, doc, pos = store.read_row_meta(a, b)
+        norms = {}
+        for p in store.points[:4]:
+            x = np.asarray(store.read(p, a, b)).astype(np.float32)
+            norms[p] = np.round(np.linalg.norm(x, axis=1), 3).tolist()
+        out["rows"] = {"start": a, "stop": b, "token_id": tok.tolist(), "doc_id": doc.tolist(),
+                       "position": pos.tolist(), "norms": norms}
+        path = tokenizer_path or (store.attrs or {}).get("model_path")
+        if path:
+            try:
+                from transformers import AutoTokenizer
+
+                t = AutoTokenizer.from_pretrained(path)
+                out["rows"]["text"] = [t.decode([int(i)]) for i in tok.tolist()]
+            except Exception:
+                pass
+    return out
