@@ -122,26 +122,20 @@ def test_norm_outlier_filter_drops_the_sinks_and_only_them(sinky):
         np.testing.assert_allclose((y[:, p] ** 2).sum(1).mean(), W, rtol=1e-4)
 
 
-class _KeptStatsStore(Store):
-    """A store whose writer recorded kept-row statistics (interfaces item 2), faked by a recount."""
+def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky, tmp_path, caplog):
+    """A real layout-v2 store: its writers recorded kept-row statistics for the special ids the
+    driver put in the format attributes; the reader uses them only when its filters select exactly
+    those rows, and they equal a recount over those rows."""
+    from pipeline.store import create_store, synthetic
 
-    def stats(self, points=None, subset="all"):
-        if subset != "kept":
-            return super().stats(points)
-        tok = np.asarray(self.read_row_meta(0, self.n_rows)[0])
-        keep = ~np.isin(tok, [BOS, 2])
-        out = {}
-        for p in points or self.points:
-            x = np.asarray(self.array(p)[:]).astype(np.float64)[keep]
-            out[p] = {"count": int(keep.sum()), "mean": x.mean(0), "var": x.var(0),
-                      "mean_sq_norm": float((x * x).sum(1).mean()), "nonfinite_rows": 0}
-        return out
-
-
-def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky, caplog):
-    s, data, tok, _, _ = sinky
-    fake = _KeptStatsStore.__new__(_KeptStatsStore)
-    fake.__dict__.update(open_store(s.url).__dict__)
+    _, data, tok, doc, _ = sinky
+    pos = np.where(doc < 0, -2, np.arange(N) % C).astype(np.int32)
+    real = create_store(str(tmp_path / "k.zarr"), points=["resid_post.3", "resid_post.7"], width=W,
+                        n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
+                        special_token_ids=[BOS, 2], bos_token_id=BOS, stats_skip_positions=0)
+    real.write_plan(real.default_plan(1))
+    synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
+    store = open_store(real.url)
     with caplog.at_level(logging.INFO, logger="pipeline.store.reader"):
         ds = ActivationDataset(fake, batch_size=500, exclude_special=True, normalize="standardize",
                                norm_sample_rows=64)

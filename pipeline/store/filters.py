@@ -73,6 +73,18 @@ def store_special_ids(attrs: dict) -> list[int] | None:
     return sorted(out)
 
 
+def store_facts(store) -> dict:
+    """The run attributes with the format facts layout v2 keeps in the `harvest` block laid over
+    them (context_size, special/BOS ids, tokenizer, stats_skip_positions): one dict for every
+    lookup below, so a v2 store's recorded facts win over a stale copy in the run config."""
+    facts = dict(store.attrs or {})
+    h = getattr(store, "_h", None) or {}
+    for k in ("context_size", "special_token_ids", "bos_token_id", "tokenizer", "stats_skip_positions"):
+        if h.get(k) is not None:
+            facts[k] = h[k]
+    return facts
+
+
 def recorded_stats_filter(attrs: dict) -> tuple[frozenset, int] | None:
     """(excluded token ids, skipped leading context positions) of the store's "kept" statistics.
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .dtypes import BF16
-from .filters import MetaColumns, RowFilter, matches_recorded, recorded_stats_filter
+from .filters import MetaColumns, RowFilter, matches_recorded, recorded_stats_filter, store_facts
 from .stats import Moments
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
 # ---- store kept stats ---------------------------------------------------------------------------
 def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
     """The store's kept-row statistics when `filt` selects exactly that row class, else None."""
-    if not matches_recorded(filt, recorded_stats_filter(store.attrs)):
+    if not matches_recorded(filt, recorded_stats_filter(store_facts(store))):
         return None
     try:
         st = store.stats(list(points), subset="kept")

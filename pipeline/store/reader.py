@@ -37,7 +37,7 @@ import torch
 from . import normalize as _norm
 from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
-from .filters import MetaColumns, RowFilter, store_context_size, store_special_ids
+from .filters import MetaColumns, RowFilter, store_context_size, store_facts, store_special_ids
 from .loader import ActivationLoader
 from .readahead import Arenas, WindowFinisher, WindowReader, WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan, worker_share
@@ -155,7 +155,7 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         self._raw = raw_dtype(st.np_dtype)
 
         # ---- what the store records about its tokens ----
-        attrs = st.attrs or {}
+        attrs = store_facts(st)
         self.context_size = int(context_size) if context_size else store_context_size(attrs)
         self.special_token_ids = store_special_ids(attrs)
         self.bos_token_id = attrs.get("bos_token_id")
