@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.store import Store, open_store
+from pipeline.store import open_store
 from pipeline.store.reader import ActivationDataset
 from tests.reader_stores import BOS, make_store
 
@@ -137,7 +137,7 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
     synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
     store = open_store(real.url)
     with caplog.at_level(logging.INFO, logger="pipeline.store.reader"):
-        ds = ActivationDataset(fake, batch_size=500, exclude_special=True, normalize="standardize",
+        ds = ActivationDataset(store, batch_size=500, exclude_special=True, normalize="standardize",
                                norm_sample_rows=64)
     assert ds.norm_constants.source == "store:kept" and "constants from store:kept" in caplog.text
     keep = ~np.isin(tok, [BOS, 2])
@@ -145,12 +145,12 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
     np.testing.assert_allclose(ds.norm_constants.shift.numpy(), mean, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(ds.norm_constants.scale.numpy(), 1 / np.sqrt(var + 1e-6), rtol=1e-5)
     # other filters than the recorded ones: the stored stats do not describe the rows -> sample
-    other = ActivationDataset(fake, batch_size=500, exclude_special=True, seqpos=slice(1, None),
+    other = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(1, None),
                               normalize="standardize")
     assert other.norm_constants.source == "sample"
     # a held-out split reuses its train split's constants
-    test = ActivationDataset(fake, batch_size=500, exclude_special=True, split="test", normalize="standardize",
+    test = ActivationDataset(store, batch_size=500, exclude_special=True, split="test", normalize="standardize",
                              norm_constants=ds.norm_constants)
     assert test.norm_constants is ds.norm_constants
     with pytest.raises(ValueError, match="norm_constants are for points"):
-        ActivationDataset(fake, points="resid_post.3", normalize="standardize", norm_constants=ds.norm_constants)
+        ActivationDataset(store, points="resid_post.3", normalize="standardize", norm_constants=ds.norm_constants)
