@@ -80,11 +80,8 @@ def store_facts(store) -> dict:
     facts = dict(store.attrs or {})
     h = getattr(store, "_h", None) or {}
     for k in ("context_size", "special_token_ids", "bos_token_id", "tokenizer", "stats_skip_positions"):
-        v = h.get(k)
-        if v not in (None, [], 0):  # create_store's defaults say "not recorded", not "none"
-            facts[k] = v
-        elif v is not None:
-            facts.setdefault(k, v)
+        if h.get(k) not in (None, [], 0):  # create_store's defaults mean "not recorded"
+            facts[k] = h[k]
     return facts
 
 
