@@ -82,6 +82,8 @@ def store_facts(store) -> dict:
     for k in ("context_size", "special_token_ids", "bos_token_id", "tokenizer", "stats_skip_positions"):
         if h.get(k) not in (None, [], 0):  # create_store's defaults mean "not recorded"
             facts[k] = h[k]
+    if h.get("special_token_ids"):  # the kept-stats filter is recorded whole: 0 skipped is a value
+        facts["stats_skip_positions"] = int(h.get("stats_skip_positions") or 0)
     return facts
 
 
