@@ -92,6 +92,11 @@ class HarvestActor:
         t0 = time.perf_counter()
         self.engine = self._engine_thread.submit(self._load_engine, spec).result()
         self.load_seconds = time.perf_counter() - t0
+        self.check = None
+        if spec.get("check_model"):
+            t1 = time.perf_counter()
+            self.check = self._engine_thread.submit(self._check_engine).result()
+            self.check["seconds"] = round(time.perf_counter() - t1, 1)
         self.points = list(spec["points"])
         self.context_size = int(spec["context_size"])
         self._store = None
@@ -104,10 +109,25 @@ class HarvestActor:
         self.units_done = 0
         self.tokens_done = 0
         self.streams = 0
+        self.rows_in_place = 0  # rows the engine wrote straight into shard buffers
         self._engine_thread.submit(self._engine_loop)
 
     def _load_engine(self, spec: dict):
-        threads = int(spec.get("threads") or 1)
+        from engine import platform
+
+        profile = platform.detect()
+        share = platform.cpu_share()
+        if profile.name == "cpu":
+            # the forward runs on these threads: the driver's default splits this node's cores
+            # over its actors (Ray's fractional CPU share of a CPU actor says nothing about them)
+            threads = int(spec.get("threads") or 1)
+        else:
+            # a GPU actor's host threads come from its own CPU share, never the driver's cores
+            threads = platform.engine_threads(profile, spec.get("threads_requested"), share)
+        # the writer's compression pool (pipeline.store stays free of engine imports: it reads
+        # the size from the environment, set here before the first encode)
+        os.environ.setdefault("HARVEST_CODEC_THREADS", str(platform.codec_threads(profile, share)))
+        self.profile = profile.name
         # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; OpenMP reads it when torch loads.
         # PASSIVE: OpenMP threads that spin at barriers take the cores the writer's compression
         # threads and Ray's own threads need; measured in a Ray actor on 2 shared cores, tiny
@@ -133,6 +153,15 @@ class HarvestActor:
 
         return load_model(spec["model_path"], **spec["engine_kwargs"])
 
+    def _check_engine(self) -> dict:
+        """engine.check_loaded on this actor's engine: its rows against an HF fp32 reference."""
+        from engine import check_loaded
+
+        try:
+            return check_loaded(self.engine)
+        except Exception as e:  # noqa: BLE001 -- reported to the driver, which stops the run
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
     # -- introspection ----------------------------------------------------------------------
     @staticmethod
     def _gpu_ids() -> list:
@@ -151,7 +180,8 @@ class HarvestActor:
             "gpus": self._gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
             "max_model_len": int(e.max_model_len), "dtype": str(e.dtype).replace("torch.", ""),
             "describe": e.describe(), "load_seconds": round(self.load_seconds, 3),
-            "threads": int(self.spec.get("threads") or 1),
+            "threads": int(self.spec.get("threads") or 1), "platform": getattr(self, "profile", None),
+            "check": self.check,
             # rows the driver keeps queued here so the engine never runs dry between units
             "queue_tokens": 4 * self._step_tokens,
         }
@@ -162,7 +192,8 @@ class HarvestActor:
     def figures(self) -> dict:
         """Units, tokens and step fill (scheduled tokens / (steps x max_num_batched_tokens))."""
         out = {"index": self.index, "pid": os.getpid(), "units": self.units_done,
-               "tokens": self.tokens_done, "streams": self.streams}
+               "tokens": self.tokens_done, "streams": self.streams,
+               "rows_in_place": self.rows_in_place}
         now, base = step_stats(self.engine), self._steps0
         if now and base is not None:
             steps = now["steps"] - base["steps"]
@@ -272,14 +303,28 @@ class HarvestActor:
                     return
 
         self.streams += 1
+        reserved: set[int] = set()  # request indices whose rows the engine writes in place
+        kw = {}
+        if self._in_place():
+            def destination(index: int, n: int):
+                job, i = routes[index]
+                if job.error is not None:
+                    return None
+                view = job.writer.reserve(job.row_start + i * self.context_size, n)
+                if view is None:
+                    return None
+                reserved.add(index)
+                return self._as_tensor(view)
+            kw["destinations"] = destination
         try:
-            for req in self.engine.capture(feed(), self.points):
+            for req in self.engine.capture(feed(), self.points, **kw):
                 job, i = routes[req.index]
                 if job.error is None:
                     try:
-                        self._deliver(job, i, req)
+                        self._deliver(job, i, req, req.index in reserved)
                     except BaseException as e:  # noqa: BLE001 -- the unit fails, the stream goes on
                         job.fail(e)
+                reserved.discard(req.index)
         except BaseException as e:  # noqa: BLE001 -- the engine failed: every unit in it fails
             for job, _ in routes:
                 job.fail(e)
@@ -291,17 +336,54 @@ class HarvestActor:
                 job.fail(RuntimeError(f"unit {job.unit_id}: the engine returned {job.received} of "
                                       f"{len(job.contexts)} contexts"))
 
-    def _deliver(self, job: _Job, i: int, req) -> None:
-        """The capture -> writer hand-off, and the only place it happens (a destination provider
-        for one host copy plugs in here)."""
+    def _deliver(self, job: _Job, i: int, req, in_place: bool) -> None:
+        """The capture -> writer hand-off, and the only place it happens. In place: the engine
+        already wrote the rows into the writer's shard buffer (one host copy), this marks them
+        final; otherwise they are copied from the request's own tensor."""
         if not np.array_equal(np.asarray(req.token_ids), job.contexts[i]):
             raise RuntimeError(
                 f"unit {job.unit_id}: engine returned context {i} with other tokens than "
                 "submitted; refusing to write rows that do not match their metadata")
-        job.writer.write(job.row_start + i * self.context_size, req.acts)
+        row = job.row_start + i * self.context_size
+        if in_place:
+            job.writer.fill_reserved(row, len(req))
+            self.rows_in_place += len(req)
+        else:
+            job.writer.write(row, req.acts)
         job.received += 1
         if job.received == len(job.contexts):
             job.done.set()
+
+    # -- one host copy ----------------------------------------------------------------------
+    def _in_place(self) -> bool:
+        """Whether the engine can write rows straight into the writers' shard buffers: it takes
+        a destination provider (vLLM; the eager reference does not), captures exactly the store's
+        points in the store's order and dtype, and, on CUDA, the buffers are page-locked."""
+        ok = getattr(self, "_in_place_ok", None)
+        if ok is None:
+            import inspect
+
+            import torch
+
+            store = self._open_store()
+            e = self.engine
+            ok = ("destinations" in inspect.signature(e.capture).parameters
+                  and list(store.points) == list(self.points)
+                  and getattr(e, "dtype", None) == _torch_dtype(store.np_dtype))
+            if ok and torch.cuda.is_available():
+                from pipeline.store.shards import use_allocator
+
+                use_allocator(store, _pinned_empty)
+            self._in_place_ok = ok
+        return ok
+
+    def _as_tensor(self, view: np.ndarray):
+        """A writer view (raw integer bits of the store dtype) as an engine-dtype tensor over the
+        same memory: the engine's copies land in the shard buffer itself."""
+        import torch
+
+        signed = {2: np.int16, 4: np.int32}[view.dtype.itemsize]
+        return torch.from_numpy(view.view(signed)).view(_torch_dtype(self._open_store().np_dtype))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -309,6 +391,23 @@ class HarvestActor:
             self._engine_thread.submit(self.engine.close).result()
         except Exception:
             pass
+
+
+def _torch_dtype(np_dtype):
+    import torch
+
+    from pipeline.store.dtypes import BF16
+
+    return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np.dtype(np_dtype).name)
+
+
+def _pinned_empty(shape, dtype) -> np.ndarray:
+    """Page-locked host memory as a numpy array: CUDA copies into it run asynchronously (into
+    pageable memory torch stages through a bounce buffer and synchronises)."""
+    import torch
+
+    t = torch.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=torch.uint8, pin_memory=True)
+    return t.numpy().view(dtype).reshape(shape)
 
 
 def _is_conflict(e: BaseException) -> bool:

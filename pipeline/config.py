@@ -220,6 +220,11 @@ class CaptureConfig:
 
     points: list = field(default_factory=lambda: ["resid_post.*"])
     batch_contexts: int = 32
+    # Before dispatch, actor 0 compares its loaded engine with a Hugging Face fp32 reference on a
+    # few prompts (engine.check_loaded) and the run stops if any point is off: a trunk captured
+    # wrongly would otherwise fill the store with rows that look fine. Costs one fp32 forward of
+    # the model on CPU in a subprocess; set false to skip (the result is in the store attributes).
+    check_model: bool = True
 
     def validate(self) -> None:
         if not isinstance(self.points, list) or not self.points:
@@ -233,6 +238,7 @@ class CaptureConfig:
                     "(e.g. resid_post.3) or '<point>.*' for every layer"
                 )
         check_int("capture.batch_contexts", self.batch_contexts, 1)
+        check_bool("capture.check_model", self.check_model)
 
 
 @dataclass

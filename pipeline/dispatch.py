@@ -52,6 +52,7 @@ class ActorFigures:
                                   if self.engine_seconds else None),
             "failures": self.failures, "step_fill": self.step.get("step_fill"),
             "steps": self.step.get("steps"), "streams": self.step.get("streams"),
+            "rows_in_place": self.step.get("rows_in_place"),
         }
 
 

@@ -123,6 +123,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
         pending = [r for r in pending if not any(r is g for g in got)]
         if not pending and infos is None:
             infos = collect_infos(refs, cfg, prep)
+            _model_check(infos[0], cfg)
             emit({"event": "actors_ready", "actors": infos})
             log.info("%d actors ready: %s", len(infos), ", ".join(
                 f"#{i['index']} pid {i['pid']} ({i['describe'].get('backend')}/"
@@ -154,6 +155,29 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
     return store
 
 
+def _model_check(info0: dict, cfg: HarvestConfig) -> None:
+    """Stop before anything is written when actor 0's engine disagrees with Hugging Face fp32
+    (capture.check_model): the store would otherwise fill with rows that look fine and are not."""
+    check = info0.get("check")
+    if check is None:
+        return
+    if check.get("ok"):
+        worst = (check.get("points") or {}).get(check.get("worst_point"), {})
+        log.info("model check passed on actor 0 in %s s (worst point %s: p99 error %.4f vs HF fp32)",
+                 check.get("seconds"), check.get("worst_point"), worst.get("p99", float("nan")))
+        return
+    if check.get("error"):
+        why = check["error"]
+    else:
+        from engine.check import format_check
+
+        why = "\n" + format_check(check)
+    raise HarvestError(
+        f"model check failed on actor 0: the engine's rows for model.path={cfg.model.path!r} do "
+        f"not match Hugging Face fp32: {why}\nNothing was written. Run `harvest check-model "
+        f"{cfg.model.path}` for details; set capture.check_model: false only if you know why.")
+
+
 def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int):
     from pipeline.store import create_store
 
@@ -162,6 +186,7 @@ def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int
         "config": cfg.to_dict(redact=True),
         "model": info0["describe"],
         "model_path": prep.model_path,
+        "model_check": info0.get("check"),
         "points": prep.points,
         "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
         "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,

@@ -29,9 +29,15 @@ def test_two_vllm_freeze_actors_match_single_process_eager(ray_cluster, tiny_lla
     assert [a["describe"]["mode"] for a in ready] == ["freeze", "freeze"]
     # the engines froze exactly the capture points, not every layer by default
     assert ready[0]["describe"]["frozen_reads"] == reference[0].points
-    check_store(open_store(cfg.store.resolved_url), reference, rel_tol=REL_TOL)
+    store = open_store(cfg.store.resolved_url)
+    check_store(store, reference, rel_tol=REL_TOL)
     assert all(a["units"] > 0 for a in summary["per_actor"])
     assert summary["model"]["backend"] == "vllm"
+    # one host copy: every row went from the tap buffer straight into a writer's shard buffer
+    assert sum(a["rows_in_place"] for a in summary["per_actor"]) == summary["tokens"]
+    # actor 0 checked its engine against HF fp32 before anything was written, and said so
+    check = store.attrs["model_check"]
+    assert check["ok"] and set(check["points"]) == set(reference[0].points), check
 
 
 def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_llama, corpus,

@@ -10,6 +10,7 @@ shuffled S3 read. Only a few buffers are live at once, so keeping them removes t
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -21,21 +22,32 @@ class BufferPool:
     what they take; `give` resolves a view to its buffer, and ignores arrays it did not hand out.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype, keep: int):
+    def __init__(self, shape: tuple[int, ...], dtype, keep: int,
+                 allocate: "Callable[[tuple, np.dtype], np.ndarray] | None" = None):
         self.shape, self.dtype, self.keep = tuple(shape), np.dtype(dtype), int(keep)
+        # `allocate(shape, dtype)`: where new buffers come from. np.empty by default; the capture
+        # actor on CUDA passes page-locked memory so the engine's device-to-host copies land in
+        # the shard buffers directly (pinned memory's numpy view has no numpy base to resolve).
+        self.allocate = allocate or (lambda shape, dtype: np.empty(shape, dtype))
         self._free: list[np.ndarray] = []
+        self._out: dict[int, np.ndarray] = {}  # address of a handed-out buffer -> the buffer
         self._lock = threading.Lock()
 
     def take(self) -> np.ndarray:
         with self._lock:
-            if self._free:
-                return self._free.pop()
-        return np.empty(self.shape, self.dtype)
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = self.allocate(self.shape, self.dtype)
+        with self._lock:
+            self._out[buf.ctypes.data] = buf
+        return buf
 
     def give(self, view: np.ndarray | None) -> None:
-        buf = view.base if view is not None and view.base is not None else view
-        if buf is None or buf.shape != self.shape or buf.dtype != self.dtype:
+        """Take back a buffer from any view that starts where it starts (callers slice `[:n]` or
+        `[:, :n]`); views that start elsewhere and foreign arrays are ignored."""
+        if view is None:
             return
         with self._lock:
-            if len(self._free) < self.keep:
+            buf = self._out.pop(view.ctypes.data, None)
+            if buf is not None and len(self._free) < self.keep:
                 self._free.append(buf)

@@ -62,6 +62,14 @@ def name_native_thread() -> None:
         pass
 
 
+def _codec_threads() -> int:
+    """HARVEST_CODEC_THREADS when set (a capture actor sets it from its platform profile: on a GPU
+    node with eight actors, `os.cpu_count()` threads in each would oversubscribe the host
+    eightfold), else this machine's cores (a trainer's reader owns its process)."""
+    env = os.environ.get("HARVEST_CODEC_THREADS")
+    return max(1, int(env)) if env and env.isdigit() else max(2, os.cpu_count() or 2)
+
+
 def codec_pool(background: bool = False) -> cf.ThreadPoolExecutor:
     """Threads for chunk (de)compression; blosc and zstd release the GIL. One pool per kind per
     process: `background` (the writer's encodes) runs at lower priority, see lower_priority."""
@@ -73,7 +81,7 @@ def codec_pool(background: bool = False) -> cf.ThreadPoolExecutor:
         pool = _pools.get(background)
         if pool is None:
             pool = _pools[background] = cf.ThreadPoolExecutor(
-                max(2, os.cpu_count() or 2), thread_name_prefix="harvest-encode" if background else "harvest-codec",
+                _codec_threads(), thread_name_prefix="harvest-encode" if background else "harvest-codec",
                 initializer=lower_priority if background else name_native_thread)
         return pool
 

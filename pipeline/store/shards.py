@@ -9,7 +9,8 @@ from .dtypes import BF16, raw_dtype
 
 
 class Shard:
-    __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq", "keep")
+    __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq", "keep",
+                 "reserved", "pins")
 
     def __init__(self, index: int, start: int, end: int):
         self.index, self.start, self.end = index, start, end
@@ -20,6 +21,10 @@ class Shard:
         self.n_filled = 0
         self.flushed: np.ndarray | None = None  # set once the shard has been evicted
         self.seq = 0
+        # rows handed out by RegionWriter.reserve and not yet filled: the engine may be writing
+        # them, so the buffer must stay where it is (never evicted or recycled) while pins > 0
+        self.reserved = np.zeros(self.n, bool)
+        self.pins = 0
 
 
 def shard_buffers(store, keep: int) -> BufferPool:
@@ -31,6 +36,12 @@ def shard_buffers(store, keep: int) -> BufferPool:
                                                  raw_dtype(store.np_dtype), keep)
     pool.keep = max(pool.keep, keep)
     return pool
+
+
+def use_allocator(store, allocate) -> None:
+    """Make the store's shard buffers come from `allocate(shape, dtype)` (page-locked memory on
+    CUDA, see BufferPool). Call before the first writer: buffers already handed out stay as they are."""
+    shard_buffers(store, 0).allocate = allocate
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -152,7 +152,8 @@ class RegionWriter:
             r = e
         for si, o0, o1, _, _ in pieces:  # refuse duplicates before touching anything
             st = self._states.get(si)
-            if si in self._done or si in self._pending or (st is not None and st.filled[o0:o1].any()):
+            if si in self._done or si in self._pending or (
+                    st is not None and (st.filled[o0:o1].any() or st.reserved[o0:o1].any())):
                 raise ValueError(f"write: rows of [{lo}, {hi}) in shard {si} were already written to unit "
                                  f"{self.unit_id}; each row is written once (stats would count it twice)")
         if self.t_first_write is None:
@@ -160,12 +161,67 @@ class RegionWriter:
         for si, o0, o1, a0, a1 in pieces:
             sh = self._shard_for_write(si)
             sh.data[:, o0:o1] = a[:, a0:a1]
-            sh.filled[o0:o1] = True
-            sh.n_filled += o1 - o0
-            self.rows_written += o1 - o0
-            if sh.n_filled == sh.n:
-                self._complete(sh)
+            self._filled(sh, o0, o1)
         self._reap()
+
+    # ---- one host copy: rows the engine writes in place ----------------------------------------
+    def reserve(self, row_start: int, n: int) -> "np.ndarray | None":
+        """Where rows [row_start, row_start + n) go, as a writable view [n_points, n, width] of
+        the shard buffer (raw bits of the store dtype), for a producer that writes them in place
+        (the engine's destination provider: one host copy instead of two). None when the rows
+        straddle a shard boundary: `write` them instead.
+
+        The rows count as written only when `fill_reserved` says so; until then the shard is
+        pinned: it is neither evicted nor recycled, because the producer may still be writing
+        (asynchronously, on CUDA). Rows already written or reserved are refused, as in `write`.
+        After `abort` an outstanding view stays valid memory (it is dropped, never reused)."""
+        if self.already_committed:
+            return None
+        self._check_usable()
+        lo, hi = int(row_start), int(row_start) + int(n)
+        if n <= 0 or lo < self.row_start or hi > self.row_end:
+            raise ValueError(f"reserve: rows [{lo}, {hi}) fall outside unit {self.unit_id}'s region "
+                             f"[{self.row_start}, {self.row_end})")
+        si = lo // self._store.shard_rows
+        s0, s1 = self.shard_span(si)
+        if hi > s1:
+            return None
+        o0, o1 = lo - s0, hi - s0
+        st = self._states.get(si)
+        if si in self._done or si in self._pending or (
+                st is not None and (st.filled[o0:o1].any() or st.reserved[o0:o1].any())):
+            raise ValueError(f"reserve: rows of [{lo}, {hi}) in shard {si} were already written or "
+                             f"reserved in unit {self.unit_id}; each row is written once")
+        if self.t_first_write is None:
+            self.t_first_write = time.perf_counter()
+        sh = self._shard_for_write(si)
+        sh.reserved[o0:o1] = True
+        sh.pins += 1
+        return sh.data[:, o0:o1]
+
+    def fill_reserved(self, row_start: int, n: int) -> None:
+        """The producer finished rows [row_start, row_start + n) of an earlier `reserve`."""
+        if self.already_committed:
+            return
+        self._check_usable()
+        si = int(row_start) // self._store.shard_rows
+        s0, _ = self.shard_span(si)
+        o0, o1 = int(row_start) - s0, int(row_start) - s0 + int(n)
+        sh = self._open.get(si)
+        if sh is None or not sh.reserved[o0:o1].all():
+            raise ValueError(f"fill_reserved: rows [{row_start}, {row_start + n}) of unit "
+                             f"{self.unit_id} were not reserved")
+        sh.reserved[o0:o1] = False
+        sh.pins -= 1
+        self._filled(sh, o0, o1)
+        self._reap()
+
+    def _filled(self, sh: Shard, o0: int, o1: int) -> None:
+        sh.filled[o0:o1] = True
+        sh.n_filled += o1 - o0
+        self.rows_written += o1 - o0
+        if sh.n_filled == sh.n:
+            self._complete(sh)
 
     def commit(self, extra: dict | None = None) -> dict:
         """Wait for uploads, check every row was written, write the create-once commit marker."""
@@ -304,7 +360,12 @@ class RegionWriter:
                 s0, s1 = self.shard_span(si)
                 sh = self._states[si] = Shard(si, s0, s1)
             while len(self._open) >= self.max_open_shards:
-                self._evict(next(iter(self._open)))
+                # the least recently touched shard nobody is writing in place; when all are
+                # pinned, open one more (memory then bounded by the producer's rows in flight)
+                victim = next((i for i, o in self._open.items() if not o.pins), None)
+                if victim is None:
+                    break
+                self._evict(victim)
             sh.data = self._buffers.take()[:, :sh.n]  # each point's rows stay contiguous
             self._open[si] = sh
         self._open.move_to_end(si)
