@@ -49,12 +49,12 @@ def _meta(n_rows: int, seed: int = 0):
     lengths = np.maximum(1, rng.lognormal(np.log(300), 1.0, n_rows // 50 + 10).astype(np.int64))
     doc_of_token = np.repeat(np.arange(lengths.size), lengths)
     body = n_rows // CTX * (CTX - 1)
-    doc = np.full(n_rows, -1, np.int64)
+    doc = np.full(n_rows, -2, np.int64)
     mask = np.arange(n_rows) % CTX != 0
     doc[mask] = doc_of_token[:body]
     tok = rng.integers(2, 49152, n_rows).astype(np.int32)
     tok[~mask] = BOS
-    return tok, doc, np.where(mask, 0, -1).astype(np.int32)
+    return tok, doc, np.where(mask, 0, -2).astype(np.int32)
 
 
 def build_store(path: str, n_rows: int):
@@ -63,7 +63,6 @@ def build_store(path: str, n_rows: int):
     s = create_store(path, points=["resid_post.20"], width=WIDTH, n_rows=n_rows,
                      attrs={"config": {"packing": {"context_size": CTX}}}, overwrite=True)
     tok, doc, pos = _meta(n_rows)
-    s.write_row_meta(0, tok, doc, pos)
     s.write_plan(s.default_plan(1))
     rng = np.random.default_rng(1)
     import ml_dtypes
@@ -71,6 +70,7 @@ def build_store(path: str, n_rows: int):
     for u in s.plan():
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
+        w.write_meta(a, tok[a:b], doc[a:b], pos[a:b])
         w.write(a, rng.standard_normal((1, b - a, WIDTH), np.float32).astype(ml_dtypes.bfloat16))
         w.commit()
     return s, doc, tok

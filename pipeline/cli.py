@@ -200,7 +200,7 @@ def cmd_check_model(args) -> int:
     refuses the trunk at load (README, "Supported model families")."""
     from engine.check import run_command
 
-    from .driver import resolve_model_path
+    from .prepare import resolve_model_path
 
     return run_command(resolve_model_path(args.model), args)
 

@@ -39,8 +39,8 @@ def smol_store(smollm2, tmp_path_factory):
     body = N_CTX * (CTX - 1)
     ctx = np.asarray(ids[:body]).reshape(N_CTX, CTX - 1)
     token_id = np.concatenate([np.full((N_CTX, 1), bos), ctx], axis=1).reshape(-1).astype(np.int32)
-    doc_id = np.concatenate([np.full((N_CTX, 1), -1), np.asarray(docs[:body]).reshape(N_CTX, -1)], 1).reshape(-1)
-    position = np.concatenate([np.full((N_CTX, 1), -1), np.asarray(pos[:body]).reshape(N_CTX, -1)], 1).reshape(-1)
+    doc_id = np.concatenate([np.full((N_CTX, 1), -2), np.asarray(docs[:body]).reshape(N_CTX, -1)], 1).reshape(-1)
+    position = np.concatenate([np.full((N_CTX, 1), -2), np.asarray(pos[:body]).reshape(N_CTX, -1)], 1).reshape(-1)
 
     model = load_model(smollm2, backend="eager", dtype="float32")
     points = [f"resid_post.{i}" for i in range(LAYERS)]
@@ -56,11 +56,12 @@ def smol_store(smollm2, tmp_path_factory):
     s = create_store(str(tmp_path_factory.mktemp("smol") / "s.zarr"), points=points, width=WIDTH, n_rows=n,
                      shard_rows=512, chunk_rows=128,
                      attrs={"config": {"packing": {"context_size": CTX, "bos": "context"}}})
-    s.write_row_meta(0, token_id, doc_id, position)
     s.write_plan(s.default_plan(1))
     for u in s.plan():
-        w = s.region_writer(u["unit_id"], u["row_start"], u["row_end"])
-        w.write(u["row_start"], acts[:, u["row_start"]:u["row_end"]])
+        a, b = u["row_start"], u["row_end"]
+        w = s.region_writer(u["unit_id"], a, b)
+        w.write_meta(a, token_id[a:b], doc_id[a:b], position[a:b])
+        w.write(a, acts[:, a:b])
         w.commit()
     return s, token_id, bos
 
