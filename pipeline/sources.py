@@ -223,8 +223,13 @@ def _read_lines(seg: dict, cfg: DataConfig, at: "list | None") -> Iterator[tuple
                 if not body.strip():
                     continue  # blank lines are not rows (as in the datasets json loader)
                 try:
+                    body = body.decode("utf-8")
+                except UnicodeDecodeError:  # counted apart: the fix is the file's encoding
+                    yield [here, 0], Refused("bad_encoding")
+                    continue
+                try:
                     obj = json.loads(body)
-                except (ValueError, UnicodeDecodeError):
+                except ValueError:
                     yield [here, 0], Refused("bad_json")
                     continue
                 yield [here, 0], (obj.get(cfg.text_column) if isinstance(obj, dict)
