@@ -27,6 +27,8 @@ log = logging.getLogger("harvest.pipeline")
 
 INDEX_EVERY = 256          # markers per compacted-index segment, at least
 PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units are waiting
+WAIT_LINE_SECONDS = 30.0   # a log line at least this often while nothing finishes
+DEADLINE_MEDIAN_FACTOR = 10  # the derived unit deadline: this many times the median unit time
 
 
 @dataclass
@@ -41,6 +43,8 @@ class ActorFigures:
     engine_seconds: float = 0.0
     unit_seconds: float = 0.0
     failures: int = 0
+    already_committed: int = 0   # units this actor found committed (an earlier attempt's)
+    restarts: int = 0            # new processes seen for this actor (Ray restarts, ours)
     step: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -50,7 +54,8 @@ class ActorFigures:
             "unit_seconds": round(self.unit_seconds, 3),
             "tokens_per_second": (round(self.tokens / self.engine_seconds, 1)
                                   if self.engine_seconds else None),
-            "failures": self.failures, "step_fill": self.step.get("step_fill"),
+            "failures": self.failures, "already_committed": self.already_committed,
+            "restarts": self.restarts, "step_fill": self.step.get("step_fill"),
             "steps": self.step.get("steps"), "streams": self.step.get("streams"),
             "rows_in_place": self.step.get("rows_in_place"),
         }
@@ -67,8 +72,9 @@ class _Held:
 class Scheduler:
     """One run's loop; `driver.run` builds it, `run()` returns when every unit is committed."""
 
-    def __init__(self, cfg, prep, state, pool, emit):
+    def __init__(self, cfg, prep, state, pool, emit, lease=None):
         self.cfg, self.prep, self.state, self.pool, self.emit = cfg, prep, state, pool, emit
+        self.lease = lease
         self.C = cfg.packing.context_size
         self.frontier = state.frontier
         self.held: dict[str, _Held] = {}
@@ -92,7 +98,17 @@ class Scheduler:
         self.probing: dict = {}
         self.slots = cfg.ray.max_in_flight
         self.retries = self.deaths = 0
+        self.ray_retries = 0        # units Ray re-ran itself on a restarted actor (pid changed)
+        self.deadline_kills = 0     # actors killed for missing the unit deadline
+        self.found_committed = 0    # units whose run found them committed already
         self.units_run = 0
+        self.pid: dict[int, int] = {}           # actor -> its current process id
+        self.seen_pids: dict[int, set] = {}     # actor -> every process id it ran in
+        self.progress: dict[int, float] = {}    # actor -> when it last finished something
+        self.unit_seconds: deque = deque(maxlen=256)
+        self.probe_sent: dict = {}
+        self.load_seconds = 0.0
+        self.last_event = self.last_line = time.monotonic()
         self.index = None
         self.indexed = 0
         self.window = 0
@@ -184,6 +200,8 @@ class Scheduler:
             chunks.update(e.chunks)
         payload = {"chunks": chunks, "state": batch[-1].state}
         final = any(e.final for e in batch)
+        if self.lease is not None:
+            self.lease.assert_held(f"writing plan segment {self.seq}")
         if not self.store.plans.write_segment(self.seq, units, payload, final=final):
             raise HarvestError(
                 f"plan segment {self.seq} of {self.store.url} already exists: another driver is "
@@ -207,6 +225,12 @@ class Scheduler:
         self.figures = {i: ActorFigures(i) for i in range(len(actors))}
         self.load = [0] * len(actors)
         self.alive = set(range(len(actors)))
+        now = time.monotonic()
+        for i, inf in enumerate(infos):
+            self.pid[i] = inf["pid"]
+            self.seen_pids[i] = {inf["pid"]}
+            self.progress[i] = now
+        self.load_seconds = max(float(i.get("load_seconds") or 0.0) for i in infos)
         unit_rows = self.prep.layout.unit_rows
         queue = max(i.get("queue_tokens", 0) for i in infos)
         # enough units in flight per actor that its engine never runs dry between units
@@ -226,7 +250,7 @@ class Scheduler:
                 return
             unit, attempt = self.ready.popleft()
             ref = self.actors[a].run_unit.remote(self._unit_message(unit), attempt)
-            self.inflight[ref] = (unit, a, attempt)
+            self.inflight[ref] = (unit, a, attempt, time.monotonic(), self.pid.get(a))
             self.load[a] += 1
 
     def _on_results(self, refs: list, bar) -> None:
@@ -246,8 +270,9 @@ class Scheduler:
 
         from .cluster import root_cause
 
-        unit, a, attempt = self.inflight.pop(ref)
+        unit, a, attempt, _, pid0 = self.inflight.pop(ref)
         self.load[a] -= 1
+        self.progress[a] = self.last_event = time.monotonic()
         try:
             if res is None:
                 res = ray.get(ref)
@@ -267,13 +292,24 @@ class Scheduler:
                        "error": why})
             self.ready.appendleft((unit, attempt + 1))
             if died and a in self.alive and a not in self.probing.values():
-                self.probing[self.actors[a].ping.remote()] = a
+                ping = self.actors[a].ping.remote()
+                self.probing[ping] = a
+                self.probe_sent[ping] = time.monotonic()
             return
         f = self.figures[a]
         if res["pid"] not in f.pids:
             f.pids.append(res["pid"])
+        if pid0 is not None and res["pid"] != pid0:
+            # the actor died with this unit in flight and Ray ran it again in the new process
+            # (max_task_retries): a retry and a restart, though no error reached this loop
+            self.ray_retries += 1
+        self._saw_pid(a, res["pid"])
         marker = res.pop("marker", None)
+        if res["status"] == "already_committed":
+            f.already_committed += 1
+            self.found_committed += 1
         if res["status"] == "committed":
+            self.unit_seconds.append(float(res["seconds"]))
             f.units += 1
             f.tokens += res["tokens"]
             f.unit_seconds += res["seconds"]
@@ -299,18 +335,121 @@ class Scheduler:
             self.indexed += self.index.count
             self.index = IndexBuilder()
 
+    def _saw_pid(self, a: int, pid: int) -> None:
+        seen = self.seen_pids.setdefault(a, set())
+        if pid not in seen:
+            if seen:
+                self.figures[a].restarts += 1
+                log.info("actor %d runs in a new process (pid %d, was %s)", a, pid, self.pid.get(a))
+            seen.add(pid)
+        self.pid[a] = pid
+
     def _on_probe(self, ref) -> None:
         import ray
 
         a = self.probing.pop(ref)
+        self.probe_sent.pop(ref, None)
+        self.progress[a] = self.last_event = time.monotonic()
         try:
-            ray.get(ref)
-            log.info("actor %d answers again after a failure", a)
+            pid = ray.get(ref)
+            self._saw_pid(a, int(pid))
+            log.info("actor %d answers again after a failure (pid %d)", a, pid)
         except Exception:  # noqa: BLE001
-            self.alive.discard(a)
-            self.deaths += 1
-            log.warning("actor %d is gone for good; %d actors left", a, len(self.alive))
-            self.emit({"event": "actor_lost", "actor": a})
+            self._lose(a)
+
+    def _lose(self, a: int) -> None:
+        self.alive.discard(a)
+        self.deaths += 1
+        log.warning("actor %d is gone for good; %d actors left", a, len(self.alive))
+        self.emit({"event": "actor_lost", "actor": a})
+
+    # ---- deadlines ---------------------------------------------------------------------------
+    def unit_deadline(self) -> float:
+        """Seconds an actor with units in flight may go without finishing one."""
+        r = self.cfg.ray
+        if r.unit_timeout_s is not None:
+            return float(r.unit_timeout_s)
+        times = sorted(self.unit_seconds)
+        median = times[len(times) // 2] if times else 0.0
+        return max(r.unit_timeout_min_s, DEADLINE_MEDIAN_FACTOR * median)
+
+    def probe_deadline(self) -> float:
+        """A restarted actor loads its engine again before it answers."""
+        return max(self.unit_deadline(), 3 * self.load_seconds)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        limit = self.unit_deadline()
+        by_actor: dict[int, list] = {}
+        for ref, (_, a, _, sent, _) in self.inflight.items():
+            by_actor.setdefault(a, []).append((ref, sent))
+        for a, refs in by_actor.items():
+            since = max(self.progress.get(a, 0.0), min(t for _, t in refs))
+            if now - since > limit:
+                self._hung(a, [r for r, _ in refs], now - since, limit)
+        for ref, sent in list(self.probe_sent.items()):
+            if now - sent > self.probe_deadline():
+                a = self.probing.pop(ref)
+                del self.probe_sent[ref]
+                log.warning("actor %d did not answer a ping in %.0f s", a, now - sent)
+                self._kill(a, restart=False)
+                self._lose(a)
+
+    def _kill(self, a: int, restart: bool) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actors[a], no_restart=not restart)
+        except Exception as e:  # noqa: BLE001 -- already gone
+            log.debug("ray.kill of actor %d: %s", a, e)
+
+    def _hung(self, a: int, refs: list, stalled: float, limit: float) -> None:
+        """Actor `a` finished nothing within the deadline (a hung engine, a SIGSTOPped process,
+        storage that never answers): its units go to other actors and it is killed; Ray
+        restarts it (max_restarts) and a ping tells when it is back."""
+        import ray
+
+        log.warning("actor %d (pid %s) finished no unit in %.0f s (unit deadline %.0f s): "
+                    "killing it; its %d units in flight go to other actors", a, self.pid.get(a),
+                    stalled, limit, len(refs))
+        for ref in refs:
+            unit, _, attempt, _, _ = self.inflight.pop(ref)
+            self.load[a] -= 1
+            try:  # so Ray does not run it again in the restarted process as well
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001
+                pass
+            why = f"no result within the unit deadline of {limit:.0f} s"
+            if attempt >= self.cfg.ray.unit_attempts:
+                raise HarvestError(
+                    f"unit {unit.unit_id} rows [{unit.row_start}, {unit.row_end}) failed {attempt} "
+                    f"times, last on actor {a}: {why}. The store is resumable: fix the cause and "
+                    "re-run the same config (ray.unit_timeout_s sets the deadline)")
+            self.retries += 1
+            self.figures[a].failures += 1
+            self.emit({"event": "unit_retry", "unit": unit.unit_id, "actor": a,
+                       "attempt": attempt, "error": why})
+            self.ready.appendleft((unit, attempt + 1))
+        self.deadline_kills += 1
+        self.emit({"event": "actor_deadline", "actor": a, "pid": self.pid.get(a),
+                   "stalled_seconds": round(stalled, 1)})
+        self._kill(a, restart=True)
+        ping = self.actors[a].ping.remote()
+        self.probing[ping] = a
+        self.probe_sent[ping] = time.monotonic()
+        self.progress[a] = time.monotonic()
+
+    def _wait_line(self) -> None:
+        """No silent waits: say what the loop waits for while nothing finishes."""
+        now = time.monotonic()
+        if now - max(self.last_event, self.last_line) < WAIT_LINE_SECONDS:
+            return
+        self.last_line = now
+        per = {a: n for a, n in enumerate(self.load) if n}
+        log.info("nothing finished for %.0f s: %d units in flight %s, %d ready, %d waiting for "
+                 "tokens, %d actors restarting; unit deadline %.0f s", now - self.last_event,
+                 len(self.inflight), per or "", len(self.ready), len(self.waiting),
+                 len(self.probing), self.unit_deadline())
 
     # ---- the loop ----------------------------------------------------------------------------
     def finished(self) -> bool:
@@ -325,6 +464,7 @@ class Scheduler:
         self.pool.fill(self.held_tokens, self.window or 8 * self.prep.layout.unit_rows)
         self.flush_plan()
         if self.actors:
+            self._check_deadlines()
             self._dispatch()
             if not self.alive and not self.probing and (self.ready or self.inflight):
                 raise HarvestError(
@@ -334,7 +474,13 @@ class Scheduler:
         waits = list(self.inflight) + list(self.probing) + gens + list(extra)
         if not waits:
             return []
+        if self.actors:
+            timeout = min(timeout, max(0.5, self.unit_deadline() / 4))
         ready, rest = ray.wait(waits, num_returns=1, timeout=timeout)
+        if not ready and self.actors:
+            self._wait_line()
+        elif ready:
+            self.last_event = time.monotonic()
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
