@@ -100,6 +100,7 @@ class Scheduler:
         self.retries = self.deaths = 0
         self.ray_retries = 0        # units Ray re-ran itself on a restarted actor (pid changed)
         self.deadline_kills = 0     # actors killed for missing the unit deadline
+        self.killed_unseen: set = set()  # of those, actors neither back (new pid) nor lost yet
         self.found_committed = 0    # units whose run found them committed already
         self.units_run = 0
         self.pid: dict[int, int] = {}           # actor -> its current process id
@@ -338,6 +339,7 @@ class Scheduler:
     def _saw_pid(self, a: int, pid: int) -> None:
         seen = self.seen_pids.setdefault(a, set())
         if pid not in seen:
+            self.killed_unseen.discard(a)
             if seen:
                 self.figures[a].restarts += 1
                 log.info("actor %d runs in a new process (pid %d, was %s)", a, pid, self.pid.get(a))
@@ -358,6 +360,7 @@ class Scheduler:
             self._lose(a)
 
     def _lose(self, a: int) -> None:
+        self.killed_unseen.discard(a)
         self.alive.discard(a)
         self.deaths += 1
         log.warning("actor %d is gone for good; %d actors left", a, len(self.alive))
@@ -431,6 +434,7 @@ class Scheduler:
                        "attempt": attempt, "error": why})
             self.ready.appendleft((unit, attempt + 1))
         self.deadline_kills += 1
+        self.killed_unseen.add(a)
         self.emit({"event": "actor_deadline", "actor": a, "pid": self.pid.get(a),
                    "stalled_seconds": round(stalled, 1)})
         self._kill(a, restart=True)

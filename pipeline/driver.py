@@ -296,7 +296,8 @@ def _fault_figures(sched: "Scheduler | None", figures: dict) -> dict:
         "unit_deadlines": sched.deadline_kills,
         "actor_restarts": restarts,
         "actors_lost": sched.deaths,
-        "actor_deaths_seen": restarts + sched.deaths,
+        # an actor killed at the deadline and not seen since (back or lost) died all the same
+        "actor_deaths_seen": restarts + sched.deaths + len(sched.killed_unseen),
         # units_skipped + units_run + units_found_committed == units; per_actor units plus
         # already_committed sum to units_run + units_found_committed
         "units_found_committed": sched.found_committed,
