@@ -173,6 +173,10 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
         store.location.budget_s = cfg.store.retry_budget_s  # re-opened by create_store
     else:
         store = existing
+        if store.plans.read_sources() is None:  # its creator died before recording them
+            lease.assert_held("recording the store's sources")
+            store.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
+                                       "chunk_contexts": chunk_contexts})
     for i, ref in enumerate([a.open_store.remote() for a in actors]):
         try:
             ray.get(ref)

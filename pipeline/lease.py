@@ -14,7 +14,9 @@ So a driver holds a lease before it writes anything, and keeps it fresh while it
   owner id), what (the run identity: content key, points, layout) and `heartbeat`;
 - the holder rewrites its own generation's object every `lease_seconds / 4` (a thread); a lease
   whose heartbeat is older than `lease_seconds`, or marked released, is free to take;
-- a second driver that finds a live lease is refused before it writes anything, naming the holder;
+- a second driver that finds a live lease is refused before it writes anything, naming the holder
+  (a lease whose holder ran on this machine and whose process is gone is not live: a driver
+  killed by SIGKILL or the OOM killer is restarted at once, not after `lease_seconds`);
 - before each write of the run's control objects (store creation, plan segments, finalize) the
   holder checks that no later generation exists (`assert_held`): a driver that was paused past
   its lease (SIGSTOP, a VM freeze) and finds it taken stops without writing more.
@@ -64,12 +66,34 @@ class LeaseRecord:
         return time.time() - float(self.record.get("heartbeat", 0))
 
     def live(self, ttl: float) -> bool:
-        return not self.record.get("released") and self.age() < ttl
+        return not self.record.get("released") and self.age() < ttl and not self.holder_dead()
+
+    def holder_dead(self) -> bool:
+        """The holder ran on this machine (same boot) and its process is gone: a driver killed
+        with SIGKILL (or OOM) does not make its restart wait out the lease."""
+        r = self.record
+        me = _process_id(os.getpid())
+        if not me or r.get("host") != socket.gethostname() or r.get("boot") != me[0]:
+            return False
+        them = _process_id(int(r.get("pid") or 0))
+        return them is None or them[1] != r.get("start")
 
     def who(self) -> str:
         r = self.record
         return (f"driver pid {r.get('pid')} on {r.get('host')} (run {r.get('name')!r}, lease "
                 f"{self.gen}, last heartbeat {self.age():.0f} s ago)")
+
+
+def _process_id(pid: int) -> "tuple[str, str] | None":
+    """(boot id, start time in clock ticks) of a live process, None if there is none (Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return boot, stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def current(loc) -> "LeaseRecord | None":
@@ -101,8 +125,10 @@ class Lease:
 
     def __init__(self, loc, ttl: float, shown_url: str, identity: dict, name: str):
         self.loc, self.ttl, self.shown_url = loc, float(ttl), shown_url
+        me = _process_id(os.getpid()) or (None, None)
         self.record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                       "name": name, "identity": identity, "acquired": time.time()}
+                       "boot": me[0], "start": me[1], "name": name, "identity": identity,
+                       "acquired": time.time()}
         self.gen: int | None = None
         self.root_existed = True
         self.lost: "LeaseRecord | None" = None
