@@ -177,9 +177,10 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
             lease.assert_held("recording the store's sources")
             store.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
                                        "chunk_contexts": chunk_contexts})
+    limit = cfg.ray.unit_timeout_s or cfg.ray.unit_timeout_min_s
     for i, ref in enumerate([a.open_store.remote() for a in actors]):
-        try:
-            ray.get(ref)
+        try:  # bounded: a hung actor is the dispatch loop's to handle (its unit deadline)
+            ray.get(ref, timeout=limit)
         except Exception as e:  # the dispatch loop handles a dead actor
             log.warning("actor %d could not open the store: %s", i, e)
     sched.attach(store, actors, infos)
