@@ -117,3 +117,42 @@ def test_stopped_actor_units_finish_elsewhere(ray_cluster, tiny_llama, corpus, r
         summary["units_found_committed"]
     assert summary["units_skipped"] + summary["units_run"] + summary["units_found_committed"] \
         == summary["units"]
+
+
+def test_retries_stop_at_the_budget():
+    """Transient errors are retried until the next try would start past the budget, not for
+    attempts x (botocore retries x s3fs retries x read timeout)."""
+    from pipeline.store.backend import RetryBudgetExceeded, with_retries
+
+    calls = []
+
+    def slow_failure():
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        raise ConnectionError("no answer")
+
+    t0 = time.monotonic()
+    with pytest.raises(RetryBudgetExceeded, match=r"read x: no success within the retry budget "
+                                                  r"of 1 s .*ConnectionError: no answer"):
+        with_retries(slow_failure, "read x", attempts=50, base_delay=0.05, budget_s=1.0)
+    assert 1 < len(calls) < 6 and time.monotonic() - t0 < 1.5
+    with pytest.raises(PermissionError):  # permanent errors are not retried at all
+        with_retries(lambda: (_ for _ in ()).throw(PermissionError("denied")), "x", budget_s=9)
+
+
+def test_store_deadlines_reach_s3_options(tiny_llama, tmp_path):
+    """store.timeout_s becomes botocore's connect/read timeouts with one try per request (our
+    retries, within store.retry_budget_s, are the only ones); explicit storage_options win."""
+    from pipeline.store.backend import locate
+
+    cfg = make_cfg(tiny_llama, "s3://bucket/run", tmp_path, "store.timeout_s=7",
+                   "store.retry_budget_s=50",
+                   storage_options={"config_kwargs": {"connect_timeout": 2}})
+    so = cfg.store.fs_options()
+    assert so["config_kwargs"] == {"connect_timeout": 2, "read_timeout": 7.0,
+                                   "retries": {"total_max_attempts": 1}}
+    loc = locate(cfg.store.resolved_url, {**so, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}})
+    assert loc.budget_s == 50 and loc.fs.retries == 1 and "retry_budget_s" not in loc.storage_options
+    local = make_cfg(tiny_llama, str(tmp_path / "s"), tmp_path).store.fs_options()
+    assert local == {"retry_budget_s": 120.0}
+    assert cfg.store.storage_options == {"config_kwargs": {"connect_timeout": 2}}  # not mutated
