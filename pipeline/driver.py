@@ -2,8 +2,11 @@
 summarized store.
 
 Order matters and is chosen so that bad input costs nothing: the store URL is probed first
-(credentials, endpoint), then the model's config, tokenizer and the data source are checked from
-metadata (prepare.py); only then does Ray start. Tokenising workers and capture actors start
+(credentials, endpoint; every request under store.timeout_s), a live lease of another driver
+refuses the run, then this driver's lease is taken (lease.py: the first write, so a read-only
+location fails here), then the model's config, tokenizer and the data source are checked from
+metadata (prepare.py); only then does Ray start. A run that fails before the store is created
+removes its lease again: bad input leaves nothing behind. Tokenising workers and capture actors start
 together; the store is created when the actors are ready and the first unit is placed, so a
 corpus that yields no complete context leaves nothing behind either.
 
