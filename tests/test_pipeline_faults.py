@@ -29,6 +29,7 @@ class Killer:
     def __init__(self):
         self.pids: dict[int, int] = {}
         self.killed: tuple[int, int] | None = None
+        self.had_units = False
         self.events: list[dict] = []
 
     def __call__(self, e: dict) -> None:
@@ -40,6 +41,7 @@ class Killer:
             victim = busy[0] if busy else 1 - e["actor"]
             os.kill(self.pids[victim], signal.SIGKILL)
             self.killed = (victim, self.pids[victim])
+            self.had_units = victim in busy
 
 
 def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_llama, corpus,
@@ -57,6 +59,13 @@ def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_l
                for m in store.committed_units().values())
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
     assert sorted(done) == reference[0].unit_ids  # each unit reported once
+    # the summary says what happened, Ray's own retries included: the victim had units in
+    # flight, each re-run (by Ray in the new process, or re-queued here) counts as a retry
+    assert summary["actor_restarts"] >= 1 and summary["actor_deaths_seen"] >= 1
+    assert summary["per_actor"][victim]["restarts"] >= 1
+    assert summary["unit_retries"] >= int(k.had_units)
+    assert sum(a["units"] + a["already_committed"] for a in summary["per_actor"]) == \
+        summary["units_run"] + summary["units_found_committed"] == summary["units"]
 
 
 def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, corpus,
