@@ -261,9 +261,12 @@ class StoreConfig:
     # Rows of the `kept` statistics skip this many leading context positions (None: 1 when a BOS
     # starts every context, else 0) besides special tokens; see pipeline/store/FORMAT.md.
     stats_skip_positions: int | None = None
+    # A missing S3 bucket is an error (a typo would otherwise make a new bucket); true creates it.
+    create_bucket: bool = False
 
     def validate(self) -> None:
         check_str("store.url", self.url)
+        check_bool("store.create_bucket", self.create_bucket)
         check_int("store.shard_rows", self.shard_rows, 1, optional=True)
         check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
         if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
@@ -418,9 +421,7 @@ SECTIONS = {
 TOP_LEVEL = ("name", "progress")
 
 
-def redact_url(url: str) -> str:
-    """Drop `user:secret@` from URLs so credentials never reach logs, errors or store attrs."""
-    return re.sub(r"(://)[^/@]*@", r"\1<redacted>@", url)
+from .store.credentials import redact_url  # noqa: E402,F401 -- one definition, in the lower layer
 
 
 # --------------------------------------------------------------------------------------------------
