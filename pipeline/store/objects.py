@@ -126,6 +126,41 @@ def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
 
 
+class CommittedMeta:
+    """Row metadata of a reader's pieces, each chunk checked against its marker before use.
+
+    `read(name, a, b)` takes rows inside one piece (a shard's committed rows); the piece's whole
+    column is read once (4-8 bytes a row) and the last few are kept, since the normalisation
+    sample reads chunk-sized blocks of the same pieces."""
+
+    def __init__(self, store, pieces: list, sources: list, keep: int = 16):
+        import bisect
+        import threading
+
+        self._store, self._pieces, self._sources, self._keep = store, pieces, sources, keep
+        self._starts = [a for a, _ in pieces]
+        self._bisect = bisect.bisect_right
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def read(self, name: str, a: int, b: int) -> np.ndarray:
+        i = self._bisect(self._starts, a) - 1
+        if i < 0 or not self._pieces[i][0] <= a <= b <= self._pieces[i][1]:
+            raise ValueError(f"rows [{a}, {b}) are not inside one committed piece")
+        key = (name, i)
+        with self._lock:
+            col = self._cache.get(key)
+        if col is None:
+            m, sh = self._sources[i]
+            col = read_meta(self._store, m, sh, name)
+            with self._lock:
+                if len(self._cache) >= self._keep:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[key] = col
+        p0 = self._pieces[i][0]
+        return col[a - p0:b - p0]
+
+
 def publish(store, marker: dict) -> int:
     """Move a committed unit's attempt objects to their zarr keys; returns how many moved (0 when
     it was published already). Only the writer that created the marker, or finalize for a unit
@@ -144,21 +179,26 @@ def publish(store, marker: dict) -> int:
     return moved
 
 
-def attempt_objects(loc) -> dict[str, list[tuple[str, int, str]]]:
-    """Every attempt object now present: array path -> [(key, shard, attempt)], one listing.
-    Temp files of failed writes are not objects."""
+def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
+    """Every attempt object now present: array path -> [(key, shard, attempt, size)], one
+    listing. Temp files of failed writes are not objects."""
+    from .backend import with_retries
+
     base = loc.key(layout.OBJECTS_DIR)
+    if not loc.is_local:
+        loc.fs.invalidate_cache(base)
     try:
-        found = loc.fs.find(base)
+        found = with_retries(lambda: loc.fs.find(base, detail=True), "list attempt objects")
     except FileNotFoundError:
         return {}
     out: dict = {}
-    for path in found:
+    for path, info in found.items():
         rel = path[len(base):].strip("/")
         arr, _, name = rel.rpartition("/")
         parsed = layout.parse_attempt_object(name)
         if parsed is not None and arr:
-            out.setdefault(arr, []).append((f"{layout.OBJECTS_DIR}/{rel}", *parsed))
+            out.setdefault(arr, []).append((f"{layout.OBJECTS_DIR}/{rel}", *parsed,
+                                            int(info.get("size") or 0)))
     return out
 
 

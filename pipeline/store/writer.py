@@ -394,6 +394,8 @@ class RegionWriter:
         other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end, fresh=True)
         if other is not None and other.get("attempt") != self.attempt:
             self._closed = True
+            self._shutdown()
+            self._cleanup()
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
                                  f"{other.get('attempt')}); this writer stopped before uploading more")
 
