@@ -136,7 +136,8 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(s, indent=2, default=str))
         return 0
-    state = "finalized" if s["finalized"] else (
+    state = (f"finalized, but {s['n_missing_units']} planned units have lost their commit marker "
+             "(damaged: run harvest verify)") if s.get("damaged") else "finalized" if s["finalized"] else (
         "complete, not finalized" if s["committed_units"] == s["planned_units"] and s["plan_complete"]
         else "in progress or interrupted")
     print(f"{s['url']}: {s['committed_units']}/{s['planned_units']} units, "
@@ -148,7 +149,7 @@ def cmd_status(args) -> int:
         print(f"  last commit {s['last_commit']}")
     for k, v in s["per_actor"].items():
         print(f"  {k}: {v['units']} units, {v['tokens']} tokens, pids {v['pids']}")
-    if s["missing_units"] and not s["finalized"]:
+    if s["missing_units"]:
         print(f"  uncommitted units: {s['missing_units'][:20]}")
     return 0
 
@@ -168,6 +169,11 @@ def cmd_verify(args) -> int:
               f"{v['committed_rows']}/{v['planned_rows']} rows committed"
               + (f"; uncommitted units {v['missing_units'][:20]}" if v["missing_units"] else "")
               + ("\n  " + "\n  ".join(v["errors"][:20]) if v["errors"] else ""))
+        c = v["checked"]
+        print(f"  checked {c['markers']} markers, {c['objects']} objects present at their recorded size"
+              + (f"; deep: {c['shards']} shard objects, {c['meta_chunks']} metadata chunks, "
+                 f"{c['sidecars']} stats sidecars, {c['bytes_read'] / 1e6:.1f} MB read and checked"
+                 if v["deep_checked"] else ""))
     return 0 if complete else 1
 
 

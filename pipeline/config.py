@@ -288,9 +288,12 @@ class StoreConfig:
     # The driver's lease on the store (pipeline/lease.py): a lease younger than this is another
     # driver's live run, and a second driver is refused before it writes anything.
     lease_seconds: float = 120.0
+    # A missing S3 bucket is an error (a typo would otherwise make a new bucket); true creates it.
+    create_bucket: bool = False
 
     def validate(self) -> None:
         check_str("store.url", self.url)
+        check_bool("store.create_bucket", self.create_bucket)
         check_float("store.timeout_s", self.timeout_s, 0.1, None)
         check_float("store.retry_budget_s", self.retry_budget_s, 0.1, None)
         check_float("store.lease_seconds", self.lease_seconds, 1.0, None)
@@ -477,9 +480,7 @@ SECTIONS = {
 TOP_LEVEL = ("name", "progress")
 
 
-def redact_url(url: str) -> str:
-    """Drop `user:secret@` from URLs so credentials never reach logs, errors or store attrs."""
-    return re.sub(r"(://)[^/@]*@", r"\1<redacted>@", url)
+from .store.credentials import redact_url  # noqa: E402,F401 -- one definition, in the lower layer
 
 
 # --------------------------------------------------------------------------------------------------

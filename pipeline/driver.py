@@ -234,7 +234,8 @@ def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int
         cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
         shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.model.dtype,
         compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
-        context_size=cfg.packing.context_size, special_token_ids=prep.special_token_ids,
+        create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
+        special_token_ids=prep.special_token_ids,
         bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
         stats_skip_positions=prep.stats_skip_positions)
     store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,

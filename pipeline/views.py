@@ -46,17 +46,22 @@ def status(url: str, storage_options: dict | None = None) -> dict:
         if plan["final"]:
             eta = (planned_rows - done_rows) / rate if rate > 0 else None
     committed_ids = {n.unit_id for n in done}
+    missing = sorted(set(rows_of) - committed_ids)
+    finalized = store.summary is not None
     return {
         "url": store.url,
         "name": ((store.attrs or {}).get("config") or {}).get("name"),
         "planned_units": len(units),
         "plan_complete": plan["final"],
         "committed_units": len(done),
-        "missing_units": sorted(set(rows_of) - committed_ids)[:50],
+        "missing_units": missing[:50],
+        "n_missing_units": len(missing),
+        # finalized, yet planned units have no marker: markers were lost after finalize
+        "damaged": finalized and bool(missing),
         "planned_rows": planned_rows,
         "committed_rows": done_rows,
         "fraction": done_rows / planned_rows if planned_rows else 0.0,
-        "finalized": store.summary is not None,
+        "finalized": finalized,
         "last_commit": last.isoformat() if last else None,
         "recent_tokens_per_second": round(rate, 1) if rate else None,
         "eta_seconds": round(eta, 1) if eta else None,

@@ -10,6 +10,7 @@ from . import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" d
 __version__ = "2.0"
 
 from .errors import (  # noqa: E402
+    DataIntegrityError,
     NotAHarvestStore,
     RegionConflict,
     RegionWriteFailed,
@@ -23,5 +24,5 @@ from .store import Store, open_store  # noqa: E402
 
 __all__ = [
     "Store", "Unit", "create_store", "open_store", "StoreError", "NotAHarvestStore", "UnknownLayoutVersion",
-    "StoreAccessError", "RegionWriteFailed", "RegionConflict",
+    "StoreAccessError", "RegionWriteFailed", "RegionConflict", "DataIntegrityError",
 ]

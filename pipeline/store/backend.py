@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 
 import fsspec
 
-from .credentials import scrub
+from .credentials import scrub, userinfo
 from .errors import StoreAccessError
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,28 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _write_temp(path: str, data: bytes) -> str:
+    """`data` in a fsync'ed temp file beside `path`; the temp file is removed if anything fails
+    (a full disk used to leave `.tmp-*` files behind on every failed write)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return tmp
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 @dataclass
 class Location:
     """A store root: display URL (no secrets), fsspec filesystem and path, zarr store factory."""
@@ -189,15 +211,36 @@ class Location:
         path = self.key(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # readers never see a half-written file
+            tmp = _write_temp(path, data)
+            try:
+                os.replace(tmp, path)  # readers never see a half-written file
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
             _fsync_dir(os.path.dirname(path))
             return
         with_retries(lambda: self.fs.pipe_file(path, data), f"write {rel}", attempts=attempts, budget_s=self.budget_s)
+
+    def move(self, src: str, dst: str) -> bool:
+        """Move object `src` to `dst` (replacing it); False if `src` is gone (moved already).
+
+        Local: one rename (atomic, no copy). Object stores: a server-side copy, then the source
+        is deleted (no bytes pass through this process)."""
+        s, d = self.key(src), self.key(dst)
+        if self.is_local:
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            try:
+                os.replace(s, d)
+            except FileNotFoundError:
+                return False
+            _fsync_dir(os.path.dirname(d))
+            return True
+        try:
+            with_retries(lambda: self.fs.copy(s, d), f"publish {dst}")
+        except FileNotFoundError:
+            return False
+        self.delete(src)
+        return True
 
     def read_many(self, paths: list[str], what: str) -> dict:
         """{full path: bytes} of the objects at `paths` that exist: one concurrent batch request on
@@ -245,11 +288,7 @@ class Location:
         path = self.key(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp = _write_temp(path, data)
             try:
                 os.link(tmp, path)
                 _fsync_dir(os.path.dirname(path))
@@ -257,7 +296,7 @@ class Location:
             except FileExistsError:
                 return False
             finally:
-                os.unlink(tmp)
+                _unlink_quietly(tmp)
         if self.protocol in ("s3", "s3a") and self.honours_if_none_match():
             def put() -> bool:
                 try:
@@ -318,6 +357,11 @@ def locate(url: str, storage_options: dict | None = None) -> Location:
         raise ValueError(f"store url must be a local path or fsspec URL, got {url!r}")
     url = os.fspath(url)
     display = scrub(url, storage_options)
+    if userinfo(url):
+        raise StoreAccessError(
+            f"store url {display} carries credentials (user:secret@ before the bucket): they would "
+            "end up in logs and error messages; pass them in AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY or storage_options key/secret instead")
     if "://" not in url or url.startswith("file://"):
         root = os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
         return Location(url=root, protocol="file", root=root, storage_options={},

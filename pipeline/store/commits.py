@@ -93,14 +93,16 @@ def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dic
 def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str, shards: list,
                  meta_crc32c: dict, stats: dict, seconds: float, extra: dict) -> dict:
     """The marker (FORMAT.md, "Work units and commits"); `shards`: (index, row_start, row_end,
-    crc32c per point, stored bytes per point)."""
+    crc32c of the rows per point, stored bytes per point, CRC32C of the stored object per point,
+    {column: {crc32c, nbytes}} of its metadata chunks)."""
     nbytes = (row_end - row_start) * len(store.points) * store.row_bytes
     return {
         "layout_version": store.layout_version, "unit_id": unit_id,
         "row_start": row_start, "row_end": row_end, "n_rows": row_end - row_start,
         "points": list(store.points), "attempt": attempt,
-        "shards": [{"index": i, "row_start": a, "row_end": b, "crc32c": crc, "nbytes": nb}
-                   for i, a, b, crc, nb in shards],
+        "shards": [{"index": i, "row_start": a, "row_end": b, "crc32c": crc, "nbytes": nb,
+                    "object_crc32c": ocrc, "meta": meta}
+                   for i, a, b, crc, nb, ocrc, meta in shards],
         "row_meta": {"crc32c": meta_crc32c},
         "stats": stats,
         "bytes": nbytes, "seconds": round(seconds, 6),

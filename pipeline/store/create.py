@@ -17,7 +17,7 @@ from . import layout
 from .backend import Location, locate, with_retries
 from .credentials import redact_attrs
 from .dtypes import dtype_name, resolve_dtype, zarr_dtype
-from .errors import StoreError
+from .errors import StoreAccessError, StoreError
 from .store import Store, _jsonable, _now, open_store
 
 
@@ -42,12 +42,14 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                  attrs: dict | None = None, storage_options: dict | None = None,
                  overwrite: bool = False, *, context_size: int | None = None,
                  special_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
-                 tokenizer: str | None = None, stats_skip_positions: int = 0) -> Store:
+                 tokenizer: str | None = None, stats_skip_positions: int = 0,
+                 create_bucket: bool = False) -> Store:
     """Create the group and every array pre-sized (driver only). See FORMAT.md for the layout.
 
     context_size, special_token_ids, bos_token_id, tokenizer and stats_skip_positions are format
     facts readers rely on (context geometry, the `kept` row statistics) and go into the
-    `harvest` attributes; `attrs` are the run's free-form attributes.
+    `harvest` attributes; `attrs` are the run's free-form attributes. A missing S3 bucket is an
+    error unless `create_bucket` (a typo in the URL would otherwise create a bucket).
     """
     points = [str(p) for p in points]
     if not points:
@@ -94,7 +96,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
         raise StoreError(f"create_store: {loc.url} already holds a zarr node; open it with open_store, "
                          "choose a new URL, or pass overwrite=True")
     if not loc.is_local and loc.protocol in ("s3", "s3a"):
-        _ensure_bucket(loc)
+        _ensure_bucket(loc, create_bucket)
     if overwrite and existing is not None:
         _clear_control(loc)
     zstore = loc.zarr_store()
@@ -131,11 +133,18 @@ def _clear_control(loc: Location) -> None:
         pass
 
 
-def _ensure_bucket(loc: Location) -> None:
+def _ensure_bucket(loc: Location, create: bool) -> None:
     bucket = loc.root.split("/", 1)[0]
     try:
         if with_retries(lambda: loc.fs.exists(bucket), "stat bucket"):
             return
+    except Exception as e:  # noqa: BLE001
+        raise loc.error(f"checking bucket {bucket!r}", e) from None
+    if not create:
+        raise StoreAccessError(
+            f"create_store: bucket {bucket!r} does not exist at {loc.url} (a typo in store.url?); "
+            "create it, or set store.create_bucket: true (create_store(..., create_bucket=True))")
+    try:
         loc.fs.mkdir(bucket)
     except FileExistsError:
         return

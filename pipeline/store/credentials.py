@@ -20,7 +20,22 @@ _SECRET_KEY_NAMES = re.compile(
 )
 _ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 _USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
+# `user:secret@host` with the scheme already cut off: how botocore and s3fs quote a bucket name
+# parsed from such a URL ("Invalid bucket name \"KEY:SECRET@bucket\"")
+_BARE_USERINFO = re.compile(r"(?<![\w/:@.+-])[^\s/@:'\"]+:[^\s/@'\"]+@(?=[\w.-])")
 REDACTED = "***"
+
+
+def userinfo(url: str) -> str | None:
+    """The `user:secret` part of a URL, or None."""
+    m = re.match(r"^[a-z][a-z0-9+.-]*://([^/@\s]+)@", str(url), re.I)
+    return m.group(1) if m else None
+
+
+def redact_url(url: str) -> str:
+    """Drop `user:secret@` from a URL so credentials never reach logs, errors or store attrs.
+    The one definition (pipeline.config imports it): the store is the lower layer."""
+    return re.sub(r"(://)[^/@]*@", r"\1<redacted>@", str(url))
 
 
 def known_secrets(storage_options: dict | None = None) -> list[str]:
@@ -49,6 +64,7 @@ def known_secrets(storage_options: dict | None = None) -> list[str]:
 def scrub(text: str, storage_options: dict | None = None) -> str:
     """Remove userinfo from URLs and every known secret value from `text`."""
     text = _USERINFO.sub(lambda m: m.group("scheme") + REDACTED + "@", str(text))
+    text = _BARE_USERINFO.sub(REDACTED + "@", text)
     for s in known_secrets(storage_options):
         text = text.replace(s, REDACTED)
     return text

@@ -25,3 +25,8 @@ class RegionWriteFailed(StoreError):
 
 class RegionConflict(StoreError):
     """Another writer committed the same unit while this one was writing."""
+
+
+class DataIntegrityError(StoreError):
+    """Committed data is missing or differs from what its writer recorded in the commit marker
+    (deleted, truncated, overwritten or corrupt objects, edited metadata). Never read as data."""

@@ -13,37 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import threading
 
 import numpy as np
 
 SPLITS = (None, "train", "test")
-
-
-class MetaColumns:
-    """Row metadata arrays (token_id, doc_id, position) of a store, opened once per process.
-
-    Read column by column: a filter on token ids reads 4 bytes a row, not the 16 of all three.
-    Built on the store's public location, so the reader needs nothing private from Store.
-    """
-
-    def __init__(self, store):
-        self._store = store
-        self._arrays: dict = {}
-        self._lock = threading.Lock()
-
-    def __getitem__(self, name: str):
-        with self._lock:
-            arr = self._arrays.get(name)
-            if arr is None:
-                import zarr
-
-                zs = self._store.location.zarr_store(read_only=True)
-                arr = self._arrays[name] = zarr.open_array(store=zs, path=name, mode="r", zarr_format=3)
-            return arr
-
-    def read(self, name: str, a: int, b: int) -> np.ndarray:
-        return np.asarray(self[name][a:b])
 
 
 # ---- what the store's attributes say ------------------------------------------------------------

@@ -31,7 +31,10 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     rows = 0
     end = 0
     index = _commits.IndexBuilder()
+    owner: dict[int, str] = {}   # shard -> attempt of the marker that vouches for it
     for m in store.iter_committed():
+        for sh in m["shards"]:
+            owner[sh["index"]] = m.get("attempt")
         refs.append((m["unit_id"], m["stats"]))
         rows += m["row_end"] - m["row_start"]
         end = max(end, m["row_end"])
@@ -59,6 +62,7 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
                         "nonfinite_rows": [m.nonfinite for m in moments]})
     # one index object: status, verify and the reader then read one object instead of a marker each
     _commits.compact_index(loc, index)
+    _settle_attempt_objects(store, owner)
     logical = rows * store.row_bytes
     if not recorded:  # a marker without sizes (zarr fallback codec): list what it wrote
         stored = np.array([_listed_bytes(store, p) for p in store.points], np.int64)
@@ -84,6 +88,25 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     store._meta["attributes"].update({**attrs_update, "harvest": h})
     return {"committed_units": len(refs), "committed_rows": rows, "compression_ratio": ratio,
             "stats": attrs_update["stats"], "stats_kept": attrs_update["stats_kept"]}
+
+
+def _settle_attempt_objects(store: Store, owner: dict) -> None:
+    """Objects still under an attempt's name: a committed attempt's are published (its writer
+    died between its marker and the move), a losing attempt's of a committed shard are garbage
+    and removed. Those of uncommitted shards stay (a writer may still be at work on them)."""
+    from .objects import attempt_objects
+
+    loc = store.location
+    for arr, objs in attempt_objects(loc).items():
+        for key, shard, attempt, _ in objs:
+            if shard not in owner:
+                continue
+            if attempt == owner[shard]:
+                dst = layout.meta_chunk_key(arr, shard) if arr in layout.ROW_META else \
+                    f"{arr}/c/{int(shard)}/0"
+                loc.move(key, dst)
+            else:
+                loc.delete(key)
 
 
 def _shrink(store: Store, n_rows: int) -> None:

@@ -30,6 +30,11 @@ COMMITS_DIR = f"{CONTROL_DIR}/commits"   # one create-once marker per committed 
 SIDECAR_DIR = f"{CONTROL_DIR}/stats"     # per-unit stats partials, written before their marker
 INDEX_DIR = f"{CONTROL_DIR}/index"       # compacted copies of markers (a cache, see commits.py)
 PROBE_DIR = f"{CONTROL_DIR}/probe"
+# A writer puts each shard and metadata chunk under a name of its own attempt, and only the
+# writer whose marker was created moves them to the zarr keys: a late writer of the same unit can
+# never land bytes on an object a marker vouches for (see FORMAT.md, "Work units and commits").
+OBJECTS_DIR = f"{CONTROL_DIR}/objects"
+SCRATCH_DIR = f"{CONTROL_DIR}/scratch"   # rows of shards a writer had to evict before completing
 STATS_GROUP = "stats"             # zarr group: stats/<subset>/{mean,var} [points, width], finalize
 STATS_SUBSETS = ("all", "kept")
 
@@ -98,6 +103,24 @@ def shard_object_key(point: str, shard: int) -> str:
 
 def meta_chunk_key(name: str, shard: int) -> str:
     return f"{name}/c/{int(shard)}"
+
+
+def attempt_object_key(array_path: str, shard: int, attempt: str) -> str:
+    """Where attempt `attempt` writes shard `shard` of the array at `array_path` (a point's path
+    or a metadata array's name) before its marker exists."""
+    return f"{OBJECTS_DIR}/{array_path}/{int(shard)}.{attempt}"
+
+
+def parse_attempt_object(name: str) -> "tuple[int, str] | None":
+    """(shard, attempt) from an attempt object's file name, None for anything else (temp files)."""
+    shard, dot, attempt = name.partition(".")
+    if not dot or not shard.isdigit() or not attempt.isalnum():
+        return None
+    return int(shard), attempt
+
+
+def scratch_key(unit_id: int, attempt: str, shard: int, a: int, b: int) -> str:
+    return f"{SCRATCH_DIR}/unit-{int(unit_id):08d}.{attempt}/{int(shard)}.{int(a)}-{int(b)}.bin"
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .dtypes import BF16
-from .filters import MetaColumns, RowFilter, matches_recorded, recorded_stats_filter, store_facts
+from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
 from .stats import Moments
 
 log = logging.getLogger(__name__)
@@ -144,13 +144,15 @@ def _blocks(pieces, chunk_rows: int):
     return first, counts, starts, ends
 
 
-def read_sample(store, meta: MetaColumns, points, pieces, filt: RowFilter, n_rows: int, seed: int,
+def read_sample(store, meta, points, pieces, filt: RowFilter, n_rows: int, seed: int,
                 max_norm_ratio: float | None, threads: int = 8) -> Sample:
     """Up to `n_rows` filtered rows from chunk-sized blocks at seeded random places.
 
     Blocks, not whole shards: one 32 MiB shard is a handful of documents, while the same bytes
     as 1 MiB blocks from 32 places span 32 times as many. Blocks are drawn without replacement
-    until the filtered rows reach n_rows (all of a small store).
+    until the filtered rows reach n_rows (all of a small store). `meta`: objects.CommittedMeta
+    (metadata checked against the markers); the sample's rows are read through zarr, from the
+    published objects, without a digest check (a whole shard per block would be read for one).
     """
     chunk = store.chunk_rows
     first, counts, starts, ends = _blocks(pieces, chunk)

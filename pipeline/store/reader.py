@@ -37,8 +37,10 @@ import torch
 from . import normalize as _norm
 from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
-from .filters import MetaColumns, RowFilter, store_context_size, store_facts, store_special_ids
+from .errors import DataIntegrityError
+from .filters import RowFilter, store_context_size, store_facts, store_special_ids
 from .loader import ActivationLoader
+from .objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader, WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan, worker_share
 from .store import Store, open_store
@@ -70,6 +72,40 @@ def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
     if np_dtype == BF16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(raw.view(np_dtype))
+
+
+def _committed_pieces(st: Store) -> tuple[list, list]:
+    """(pieces, sources): each committed shard's rows and (marker facts, shard entry), sorted.
+
+    Refuses a store whose facts disagree with themselves (n_rows edited, markers lost after
+    finalize): reading it would yield wrong or fewer rows without a word."""
+    src = []
+    for m in st.committed_units().values():
+        lite = {k: m.get(k) for k in ("unit_id", "row_start", "row_end", "attempt", "row_meta")}
+        for sh in m["shards"]:
+            src.append(((sh["row_start"], sh["row_end"]), (lite, sh)))
+    src.sort(key=lambda t: t[0])
+    pieces = [pc for pc, _ in src]
+    for p in st.points:
+        codec = st.shard_codec(p)
+        if codec is not None and codec.n_rows != st.n_rows:
+            raise DataIntegrityError(
+                f"{st.url}: array {p} holds {codec.n_rows} rows but the store's attributes say "
+                f"n_rows={st.n_rows} (zarr.json edited?); run `harvest verify`")
+    if pieces and pieces[-1][1] > st.n_rows:
+        raise DataIntegrityError(f"{st.url}: committed rows reach {pieces[-1][1]} beyond n_rows="
+                                 f"{st.n_rows} (attributes edited?); run `harvest verify`")
+    for (a0, b0), (a1, _) in zip(pieces, pieces[1:]):
+        if a1 < b0:
+            raise DataIntegrityError(f"{st.url}: committed rows [{a0}, {b0}) and [{a1}, ...) overlap "
+                                     "(markers disagree with the plan); run `harvest verify`")
+    final_rows = st._meta["attributes"].get("committed_rows") if st.summary is not None else None
+    have = sum(b - a for a, b in pieces)
+    if final_rows is not None and have != final_rows:
+        raise DataIntegrityError(
+            f"{st.url} was finalized with {final_rows} committed rows but its markers now cover "
+            f"{have}: commit markers were lost or added; run `harvest verify`")
+    return pieces, [s for _, s in src]
 
 
 class ActivationDataset(torch.utils.data.IterableDataset):
@@ -170,12 +206,9 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             exclude |= set(self.special_token_ids)
         self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction, split_seed)
 
-        # ---- committed pieces, fixed here so every worker and rank agrees on them ----
-        pieces = set()
-        for m in st.committed_units().values():
-            for sh in m["shards"]:
-                pieces.add((max(sh["row_start"], m["row_start"]), min(sh["row_end"], m["row_end"])))
-        self.pieces: list[tuple[int, int]] = sorted(pieces)
+        # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
+        # the marker facts that check its bytes (objects.py) ----
+        self.pieces, self._sources = _committed_pieces(st)
         self.n_rows = sum(b - a for a, b in self.pieces)
         self._slot_rows = max((b - a for a, b in self.pieces), default=1)
         self._counts = np.full(len(self.pieces), -1, np.int64)
@@ -197,10 +230,11 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         self.normalize, self.max_norm_ratio = normalize, max_norm_ratio
         self.norm_constants: _norm.NormConstants | None = None
         self.norm_limit: np.ndarray | None = None   # per point: max ||x||^2 kept
-        self._meta_cols: MetaColumns | None = None
+        self._meta_cols: CommittedMeta | None = None
         self._arenas: Arenas | None = None
         self._served = self._resumed = 0
         self._store, self._store_pid = st, os.getpid()
+        self._index_of: dict | None = None
         self._setup_norm(st, norm_constants, norm_sample_rows)
         if out_dtype is None:
             out_dtype = torch.float32 if normalize else (torch.bfloat16 if st.np_dtype == BF16
@@ -254,10 +288,10 @@ class ActivationDataset(torch.utils.data.IterableDataset):
             self._arenas = None  # a forked copy's arenas are the parent's pages (copy-on-write)
         return self._store
 
-    def _meta(self) -> MetaColumns:
+    def _meta(self) -> CommittedMeta:
         st = self._open()
         if self._meta_cols is None:
-            self._meta_cols = MetaColumns(st)
+            self._meta_cols = CommittedMeta(st, self.pieces, self._sources)
         return self._meta_cols
 
     def __getstate__(self):
@@ -348,13 +382,16 @@ class ActivationDataset(torch.utils.data.IterableDataset):
 
     # ---- decoding ----------------------------------------------------------------------------
     def _fetch(self, piece: tuple[int, int], p: int, out: np.ndarray) -> None:
+        """One GET, the object checked against its marker's CRC32C, decoded in place."""
         st = self._open()
-        a, b = piece
-        shard = a // st.shard_rows
-        if (a, b) == st.shard_range(shard):
-            st.read_shard(self.points[p], shard, out=out)  # one GET, decoded in place
-        else:
-            out[...] = np.asarray(st.array(self.points[p])[a:b]).view(self._raw)
+        i = self._piece_index(piece)
+        m, sh = self._sources[i]
+        read_point(st, m, sh, st.points.index(self.points[p]), out=out, rows=piece[1] - piece[0])
+
+    def _piece_index(self, piece: tuple[int, int]) -> int:
+        if self._index_of is None:
+            self._index_of = {pc: i for i, pc in enumerate(self.pieces)}
+        return self._index_of[piece]
 
     def _meta_names(self) -> list[str]:
         if self.return_meta:

@@ -90,6 +90,57 @@ class Unsupported(Exception):
     """The array's codec chain is not one this module implements; use zarr instead."""
 
 
+def _compressor(codecs: list):
+    """The numcodecs compressor of a `bytes` (little endian) + optional blosc/zstd chain."""
+    if codecs[0]["name"] != "bytes" or codecs[0].get("configuration", {}).get("endian", "little") != "little":
+        raise Unsupported("array->bytes codec")
+    if len(codecs) == 1:
+        return None
+    if len(codecs) == 2 and codecs[1]["name"] == "blosc":
+        b = codecs[1]["configuration"]
+        return Blosc(cname=b["cname"], clevel=int(b["clevel"]), shuffle=_SHUFFLE[b["shuffle"]],
+                     blocksize=int(b.get("blocksize", 0)), typesize=int(b["typesize"]))
+    if len(codecs) == 2 and codecs[1]["name"] == "zstd":
+        z = codecs[1]["configuration"]
+        return Zstd(level=int(z["level"]), checksum=bool(z.get("checksum", False)))
+    raise Unsupported(f"codec chain {[x['name'] for x in codecs]}")
+
+
+class MetaCodec:
+    """Encode/decode one chunk of a row metadata array (1-D ints, one chunk per shard, not
+    sharded), byte-compatible with zarr: the writer puts it under its attempt's name and moves
+    it to the zarr key once its marker exists, which zarr's own write cannot do."""
+
+    def __init__(self, meta: dict):
+        try:
+            if meta.get("zarr_format") != 3 or meta.get("node_type") != "array" or len(meta["shape"]) != 1:
+                raise Unsupported("not a 1-D zarr v3 array")
+            enc = meta["chunk_key_encoding"]
+            if enc["name"] != "default" or enc.get("configuration", {}).get("separator", "/") != "/":
+                raise Unsupported("chunk key encoding")
+            self.chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+            self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
+            if self.dtype.kind not in "iu":
+                raise Unsupported("not an integer array")
+            self.fill = int(meta.get("fill_value", 0))
+            self._comp = _compressor(meta["codecs"])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise Unsupported(f"unexpected array metadata: {e}") from None
+
+    def encode(self, values: np.ndarray) -> bytes:
+        """A chunk holding `values` in its first rows (an edge chunk is fill-padded, as zarr does)."""
+        full = np.full(self.chunk, self.fill, self.dtype)
+        full[: values.shape[0]] = values
+        raw = full.tobytes()
+        return raw if self._comp is None else bytes(self._comp.encode(raw))
+
+    def decode(self, blob: bytes, n: int) -> np.ndarray:
+        raw = blob if self._comp is None else self._comp.decode(blob)
+        if len(raw) != self.chunk * self.dtype.itemsize:
+            raise ValueError(f"chunk decodes to {len(raw)} bytes, expected {self.chunk * self.dtype.itemsize}")
+        return np.frombuffer(raw, self.dtype)[:n].astype(self.dtype.newbyteorder("="))
+
+
 class ShardCodec:
     """Encode/decode one point array's shards (`[shard_rows, width]`, last shard may be short)."""
 
@@ -123,20 +174,7 @@ class ShardCodec:
         self.chunk_rows = int(c["chunk_shape"][0])
         if int(c["chunk_shape"][1]) != self.width or self.shard_rows % self.chunk_rows:
             raise Unsupported("inner chunk shape")
-        codecs = c["codecs"]
-        if codecs[0]["name"] != "bytes" or codecs[0].get("configuration", {}).get("endian", "little") != "little":
-            raise Unsupported("array->bytes codec")
-        if len(codecs) == 1:
-            self._comp = None
-        elif len(codecs) == 2 and codecs[1]["name"] == "blosc":
-            b = codecs[1]["configuration"]
-            self._comp = Blosc(cname=b["cname"], clevel=int(b["clevel"]), shuffle=_SHUFFLE[b["shuffle"]],
-                               blocksize=int(b.get("blocksize", 0)), typesize=int(b["typesize"]))
-        elif len(codecs) == 2 and codecs[1]["name"] == "zstd":
-            z = codecs[1]["configuration"]
-            self._comp = Zstd(level=int(z["level"]), checksum=bool(z.get("checksum", False)))
-        else:
-            raise Unsupported(f"codec chain {[x['name'] for x in codecs]}")
+        self._comp = _compressor(c["codecs"])
         self.dtype = np.dtype(np_dtype)
         if self.dtype.byteorder == ">":
             raise Unsupported("big-endian dtype")
@@ -190,16 +228,19 @@ class ShardCodec:
         return b"".join([*parts, ib, crc])
 
     # ---- decode ------------------------------------------------------------------------------
-    def decode(self, blob: bytes, shard: int, out: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, blob: bytes, shard: int, out: np.ndarray | None = None,
+               rows: int | None = None) -> np.ndarray:
         """[shard_len, width] rows from shard object bytes (absent chunks read as fill value 0).
 
         `out` (optional): a [shard_len, width] array of this dtype or its raw bits whose rows are
         contiguous but may be strided (one point's slot of a reader's [n, n_points, width]
         buffer). Chunks decode straight into it where the rows are dense, else through a small
         per-thread buffer that stays in cache: either way no shard-sized temporary is made,
-        which on fresh memory costs a page fault per 4 KiB.
+        which on fresh memory costs a page fault per 4 KiB. `rows`: decode the first `rows` rows
+        only (the object of a last unit that ends inside its shard, before finalize shrinks the
+        array to it).
         """
-        n = self.shard_len(shard)
+        n = self.shard_len(shard) if rows is None else int(rows)
         isz = self.per_shard * 16
         if len(blob) < isz + 4:
             raise ValueError(f"shard {shard} object is truncated ({len(blob)} bytes)")

@@ -10,7 +10,7 @@ from .dtypes import BF16, raw_dtype
 
 class Shard:
     __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq", "keep",
-                 "reserved", "pins")
+                 "reserved", "pins", "scratch")
 
     def __init__(self, index: int, start: int, end: int):
         self.index, self.start, self.end = index, start, end
@@ -21,6 +21,7 @@ class Shard:
         self.n_filled = 0
         self.flushed: np.ndarray | None = None  # set once the shard has been evicted
         self.seq = 0
+        self.scratch: list = []  # (a, b, key) of rows an eviction put in scratch objects
         # rows handed out by RegionWriter.reserve and not yet filled: the engine may be writing
         # them, so the buffer must stay where it is (never evicted or recycled) while pins > 0
         self.reserved = np.zeros(self.n, bool)

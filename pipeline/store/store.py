@@ -72,6 +72,7 @@ class Store:
         self._zstore_obj = None
         self._arrays: dict = {}
         self._markers: dict = {}   # MarkerName -> marker: create-once objects, safe to cache
+        self._shard_map: dict | None = None   # shard -> (marker, entry), for read_shard
         self.plans = PlanStore(loc)
 
     @property
@@ -200,32 +201,54 @@ class Store:
                 self._arrays[key] = None
         return self._arrays[key]
 
-    def shard_key(self, point: str, shard: int) -> str:
-        return layout.shard_object_key(point, shard)
+    def meta_codec(self, name: str):
+        """Our codec for one chunk of row metadata array `name`, or None where zarr must do it."""
+        from .shardio import MetaCodec, Unsupported
+
+        key = ("meta_codec", name)
+        if key not in self._arrays:
+            raw = self._loc.read_bytes(f"{name}/zarr.json")
+            try:
+                self._arrays[key] = MetaCodec(json.loads(raw)) if raw else None
+            except Unsupported as e:
+                log.info("%s: zarr does the (de)coding (%s)", name, e)
+                self._arrays[key] = None
+        return self._arrays[key]
+
+    def committed_shard(self, shard: int) -> "tuple[dict, dict]":
+        """(marker, its entry for `shard`) of the committed unit holding that shard."""
+        if self._shard_map is None:
+            self._shard_map = {}
+            for m in self.iter_committed():
+                lite = {k: m.get(k) for k in ("unit_id", "row_start", "row_end", "attempt", "row_meta")}
+                for sh in m.get("shards", []):
+                    self._shard_map[sh["index"]] = (lite, sh)
+        got = self._shard_map.get(int(shard))
+        if got is None:
+            raise StoreError(f"shard {shard} of {self.url} is not committed (no marker covers it)")
+        return got
 
     def read_shard(self, point: str, shard: int, out: np.ndarray | None = None) -> np.ndarray:
-        """All rows of one shard of one point: one GET and a direct decode when possible.
+        """The committed rows of one shard of one point: one GET, the object checked against its
+        marker's digest, a direct decode. A missing or damaged object is a DataIntegrityError.
 
         `out`: optional destination rows (see ShardCodec.decode); the result is then `out`.
         """
-        codec = self.shard_codec(point)
-        if codec is None:
-            rows = self.array(point)[slice(*self.shard_range(shard))]
-            if out is None:
-                return rows
-            out[...] = rows.view(out.dtype)
-            return out
-        blob = self._loc.read_bytes(self.shard_key(point, shard))
-        if blob is None:
-            if out is None:
-                return np.zeros((codec.shard_len(shard), self.width), self.np_dtype)
-            out[...] = 0
-            return out
-        return codec.decode(blob, shard, out=out)
+        from .objects import read_point
+
+        self.array(point)  # names the store's points when `point` is not one
+        m, sh = self.committed_shard(shard)
+        return read_point(self, m, sh, self.points.index(point), out=out)
 
     def read(self, point: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of one point, as stored (no commit check: see reader for that)."""
-        return self.array(point)[start:stop]
+        """Rows [start, stop) of one point, committed rows only, each shard checked."""
+        parts = []
+        for s in range(start // self.shard_rows, -(-stop // self.shard_rows)):
+            m, sh = self.committed_shard(s)
+            a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
+            if b > a:
+                parts.append(self.read_shard(point, s)[a - sh["row_start"]:b - sh["row_start"]])
+        return np.concatenate(parts) if parts else np.empty((0, self.width), self.np_dtype)
 
     def _meta_array(self, name: str) -> zarr.Array:
         arr = self._arrays.get(name)
@@ -239,6 +262,18 @@ class Store:
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
         return tuple(self._meta_array(n)[start:stop] for n in layout.ROW_META)
+
+    def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Like read_row_meta, committed rows only, each chunk checked against its marker."""
+        from .objects import read_meta
+
+        cols = {n: [] for n in layout.ROW_META}
+        for s in range(start // self.shard_rows, -(-stop // self.shard_rows)):
+            m, sh = self.committed_shard(s)
+            a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
+            for n in layout.ROW_META:
+                cols[n].append(read_meta(self, m, sh, n)[a - sh["row_start"]:b - sh["row_start"]])
+        return tuple(np.concatenate(cols[n]) for n in layout.ROW_META)
 
     # ---- plan --------------------------------------------------------------------------------
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
@@ -286,6 +321,7 @@ class Store:
         return _commits.list_markers(self._loc)
 
     def _remember_marker(self, m: dict) -> None:
+        self._shard_map = None
         self._markers[_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"])] = m
 
     def commit_manifest(self, unit_id: int, row_start: int | None = None, row_end: int | None = None,
@@ -332,6 +368,7 @@ class Store:
             if n.unit_id == int(unit_id):
                 _commits.delete_marker(self._loc, n)
                 self._markers.pop(n, None)
+                self._shard_map = None
 
     def write_index(self, markers) -> int:
         """Append markers to the compacted commit index (the driver, as units commit)."""

@@ -1,35 +1,54 @@
 """verify: is every planned row committed exactly once, and is what the markers vouch for there?
 
 Default mode: the plan against the markers (one listing; a marker whose row range disagrees with
-the plan never counts), each marker against its own region, and every committed object against
-the size its writer recorded, from one listing per array (temp files of failed writes are not
-objects). Deep mode reads every committed byte back: each shard's rows against the CRC32C in its
-marker, each unit's row metadata against the marker's metadata digests.
+the plan never counts), each marker against its own region, and every committed object (shards
+and metadata chunks, published or still under their attempt's name) present at the size its
+writer recorded, from one listing per array (temp files of failed writes are not objects).
+Deep mode reads every committed byte back: each object against the CRC32C its marker records,
+the decoded rows against the rows' CRC32C, each unit's metadata against its digests, each stats
+sidecar against its sha256; it reports how many objects and bytes it checked.
+
+A damaged store is what verify exists for, so nothing in it may crash: every check runs guarded,
+and whatever it cannot read is reported as damage (exit 1 in the CLI), never as a traceback.
 """
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
+
 from . import layout
 from . import stats as _stats
 from .backend import with_retries
+from .objects import attempt_objects, read_meta, read_point
 from .plans import check_units
 from .store import Store
 
 _MAX_ERRORS = 200
 
 
+def _guard(errors: list[str], what: str, fn, default=None):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 -- damage is reported, never a crash
+        errors.append(f"{what}: {type(e).__name__}: {e}")
+        return default
+
+
 def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
     errors: list[str] = []
-    checked: dict = {"markers": 0, "objects": 0, "bytes_read": 0}
-    plan_units = store.plan_units()
+    checked: dict = {"markers": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
+                     "bytes_read": 0}
+    plan_units = _guard(errors, "the plan cannot be read", store.plan_units, []) or []
     plan = {u.unit_id: u for u in plan_units}
-    if not plan:
+    if not plan and not errors:
         errors.append("no plan recorded (write_plan was never called)")
     try:
         check_units(plan_units, store.shard_rows, store.n_rows)
-    except ValueError as e:
-        errors.append(str(e))
-    names = store.marker_names()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"plan against the store's n_rows={store.n_rows}: {e}")
+    names = _guard(errors, "the commit markers cannot be listed", store.marker_names, []) or []
     matching = []
     seen_ids: dict[int, int] = {}
     for n in names:
@@ -55,32 +74,38 @@ def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
                       f"{missing_units[:10]}); run the harvest again to resume them")
     planned_rows = sum(u.n_rows for u in plan_units)
     committed_rows = sum(n[2] - n[1] for n in matching)
-    _check_arrays(store, errors)
-    want: dict[int, list] = {}  # shard -> recorded sizes per point
+    if store.summary is not None and store._meta["attributes"].get("committed_rows") not in (None, committed_rows):
+        errors.append(f"the store was finalized with {store._meta['attributes']['committed_rows']} committed "
+                      f"rows, its markers now cover {committed_rows}: markers were lost or added since")
+    _guard(errors, "array metadata", lambda: _check_arrays(store, errors))
+    want: list[tuple[dict, dict]] = []   # (marker, shard entry) of every committed shard
     stored = 0
-    meta_want: set[int] = set()
-    for m in store.iter_committed(matching, planned=True):
+    markers = _guard(errors, "the commit markers cannot be read",
+                     lambda: store.iter_committed(matching, planned=True), iter(()))
+    got_ids = set()
+    while True:
+        m = _guard(errors, "a commit marker cannot be read", lambda: next(markers, None))
+        if m is None:
+            break
         checked["markers"] += 1
-        uid = m["unit_id"]
-        if m.get("points") != store.points:
-            errors.append(f"unit {uid} was written with points {m.get('points')}, store has {store.points}")
-        if m.get("layout_version") != store.layout_version:
-            errors.append(f"unit {uid} marker has layout_version {m.get('layout_version')}")
-        exp = list(range(m["row_start"] // store.shard_rows, -(-m["row_end"] // store.shard_rows)))
-        got = [sh["index"] for sh in m.get("shards", [])]
-        if got != exp:
-            errors.append(f"unit {uid} marker lists shards {got[:10]}, expected {exp[:10]}")
-        for sh in m.get("shards", []):
-            want[sh["index"]] = sh.get("nbytes")
-            meta_want.add(sh["index"])
+        got_ids.add(m.get("unit_id"))
+        errs = _guard(errors, f"marker of unit {m.get('unit_id')}", lambda: _check_marker(store, m), [])
+        errors += errs
+        if errs:
+            continue
+        for sh in m["shards"]:
+            want.append((m, sh))
             stored += sum(x for x in (sh.get("nbytes") or []) if x is not None)
         if deep:
             errors += _deep_unit(store, m, checked)
         if len(errors) > _MAX_ERRORS:
             break
-    if objects:
-        errors += _check_objects(store, want, meta_want, checked)
-    return {"ok": not errors, "errors": errors, "n_rows": store.n_rows,
+    lost = sorted(committed_ids - got_ids)
+    if lost and len(errors) <= _MAX_ERRORS:
+        errors.append(f"markers of units {lost[:10]} are listed but cannot be read (deleted or not JSON)")
+    if objects and len(errors) <= _MAX_ERRORS:
+        _guard(errors, "object listing", lambda: errors.extend(_check_objects(store, want, checked)))
+    return {"ok": not errors, "errors": errors[:_MAX_ERRORS + 10], "n_rows": store.n_rows,
             "planned_units": len(plan), "committed_units": len(committed_ids),
             "missing_units": missing_units, "planned_rows": planned_rows,
             "committed_rows": committed_rows,
@@ -88,27 +113,46 @@ def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
             "deep_checked": deep, "checked": checked, "stored_bytes": stored}
 
 
-def _check_arrays(store: Store, errors: list[str]) -> None:
-    import numpy as np
+def _check_marker(store: Store, m: dict) -> list[str]:
+    out = []
+    uid = m["unit_id"]
+    if m.get("points") != store.points:
+        out.append(f"unit {uid} was written with points {m.get('points')}, store has {store.points}")
+    if m.get("layout_version") != store.layout_version:
+        out.append(f"unit {uid} marker has layout_version {m.get('layout_version')}")
+    if not 0 <= m["row_start"] < m["row_end"] <= store.n_rows:
+        out.append(f"unit {uid} rows [{m['row_start']}, {m['row_end']}) lie outside the store's "
+                   f"{store.n_rows} rows (n_rows edited?)")
+    exp = list(range(m["row_start"] // store.shard_rows, -(-m["row_end"] // store.shard_rows)))
+    got = [sh["index"] for sh in m.get("shards", [])]
+    if got != exp:
+        out.append(f"unit {uid} marker lists shards {got[:10]}, expected {exp[:10]}")
+    return out
 
+
+def _check_arrays(store: Store, errors: list[str]) -> None:
     for name, dt in layout.ROW_META.items():
         a = store._meta_array(name)
         if a.shape != (store.n_rows,) or a.dtype != np.dtype(dt):
             errors.append(f"row metadata {name} has shape {a.shape} dtype {a.dtype}, expected "
-                          f"({store.n_rows},) {dt}")
+                          f"({store.n_rows},) {dt} (zarr.json or the harvest attributes were edited)")
     for p in store.points:
         a = store.array(p)
         if a.shape != (store.n_rows, store.width) or a.dtype != store.np_dtype:
             errors.append(f"array {p} has shape {a.shape} dtype {a.dtype}, expected "
-                          f"({store.n_rows}, {store.width}) {store.dtype}")
+                          f"({store.n_rows}, {store.width}) {store.dtype} (zarr.json or the harvest "
+                          "attributes were edited)")
         if tuple(a.shards or a.chunks) != (store.shard_rows, store.width):
             errors.append(f"array {p} shards {a.shards} do not match shard_rows={store.shard_rows}")
 
 
-def _listing(store: Store, rel: str) -> dict[int, int]:
-    """shard index -> object size under `rel`, from one listing; temp files do not count."""
+def _listing(store: Store, rel: str, leaf: bool) -> dict[int, int]:
+    """shard -> object size of the zarr keys under `rel` (`<shard>/0` when `leaf`, else
+    `<shard>`), from one listing; anything else (temp files of failed writes) does not count."""
     loc = store.location
     base = loc.key(rel)
+    if not loc.is_local:
+        loc.fs.invalidate_cache(base)
     try:
         found = with_retries(lambda: loc.fs.find(base, detail=True), f"list {rel}")
     except FileNotFoundError:
@@ -116,32 +160,34 @@ def _listing(store: Store, rel: str) -> dict[int, int]:
     out = {}
     for path, info in found.items():
         parts = path[len(base):].strip("/").split("/")
-        if parts and parts[0].isdigit() and ".tmp-" not in parts[-1]:
+        if parts[0].isdigit() and (parts[1:] == ["0"] if leaf else len(parts) == 1):
             out[int(parts[0])] = int(info.get("size") or 0)
     return out
 
 
-def _check_objects(store: Store, want: dict, meta_want: set, checked: dict) -> list[str]:
+def _check_objects(store: Store, want: list, checked: dict) -> list[str]:
     out = []
-    for pi, p in enumerate(store.points):
-        have = _listing(store, f"{layout.point_path(p)}/c")
-        for s in sorted(want):
+    attempts = {arr: {(s, a): size for _, s, a, size in v} for arr, v in attempt_objects(store.location).items()}
+    arrays = [(layout.point_path(p), True, pi, None) for pi, p in enumerate(store.points)] + \
+        [(name, False, None, name) for name in layout.ROW_META]
+    for path, leaf, pi, meta_name in arrays:
+        published = _listing(store, f"{path}/c", leaf)
+        mine = attempts.get(path, {})
+        for m, sh in want:
+            s = sh["index"]
+            if meta_name is None:
+                size = (sh.get("nbytes") or [None] * (pi + 1))[pi]
+            else:
+                size = ((sh.get("meta") or {}).get(meta_name) or {}).get("nbytes")
             checked["objects"] += 1
-            sizes = want[s]
-            if s not in have:
-                out.append(f"array {p}: shard {s} is committed but its object is missing")
-            elif sizes is not None and sizes[pi] is not None and have[s] != sizes[pi]:
-                out.append(f"array {p}: shard {s} object is {have[s]} bytes, its writer recorded "
-                           f"{sizes[pi]} (truncated or overwritten)")
+            have = [x for x in (published.get(s), mine.get((s, m.get("attempt")))) if x is not None]
+            if not have:
+                out.append(f"{path}: shard {s} is committed (unit {m['unit_id']}) but its object is missing")
+            elif size is not None and size not in have:
+                out.append(f"{path}: shard {s} object is {have[0]} bytes, its writer (unit {m['unit_id']}) "
+                           f"recorded {size} (truncated or overwritten)")
             if len(out) > _MAX_ERRORS:
                 return out
-    for name in layout.ROW_META:
-        have = _listing(store, f"{name}/c")
-        lost = sorted(meta_want - set(have))
-        checked["objects"] += len(meta_want)
-        if lost:
-            out.append(f"row metadata {name}: {len(lost)} committed chunks are missing (e.g. shard "
-                       f"{lost[:5]})")
     return out
 
 
@@ -149,28 +195,42 @@ def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
     bad = []
     uid = m["unit_id"]
     for sh in m.get("shards", []):
-        s, e = sh["row_start"], sh["row_end"]
         for pi, p in enumerate(store.points):
             try:
-                rows = store.array(p)[s:e]
+                rows = read_point(store, m, sh, pi)
             except Exception as exc:  # noqa: BLE001 -- damage is reported, never a crash
-                bad.append(f"unit {uid} shard {sh['index']} of {p} cannot be read: "
-                           f"{type(exc).__name__}: {exc}")
+                bad.append(f"unit {uid} shard {sh['index']} of {p}: {type(exc).__name__}: {exc}")
                 continue
-            checked["bytes_read"] += rows.nbytes
-            if _stats.crc32c(rows) != sh["crc32c"][pi]:
-                bad.append(f"unit {uid} shard {sh['index']} of {p}: data differs from what its "
-                           "writer committed (overwritten or corrupt); uncommit and rewrite")
+            checked["shards"] += 1
+            checked["bytes_read"] += ((sh.get("nbytes") or [None] * len(store.points))[pi] or rows.nbytes)
+            if _stats.crc32c(np.ascontiguousarray(rows)) != sh["crc32c"][pi]:
+                bad.append(f"unit {uid} shard {sh['index']} of {p}: rows differ from what its writer "
+                           "committed (overwritten or corrupt); uncommit and rewrite")
     want = (m.get("row_meta") or {}).get("crc32c")
     if want is None:
         bad.append(f"unit {uid}: marker has no row metadata digest")
-        return bad
-    try:
-        cols = store.read_row_meta(m["row_start"], m["row_end"])
-    except Exception as exc:  # noqa: BLE001
-        return bad + [f"unit {uid}: row metadata cannot be read: {type(exc).__name__}: {exc}"]
-    for name, col in zip(layout.ROW_META, cols):
-        checked["bytes_read"] += col.nbytes
-        if _stats.crc32c(col) != want.get(name):
-            bad.append(f"unit {uid}: row metadata {name} differs from what its writer committed")
+    else:
+        for name in layout.ROW_META:
+            try:
+                col = np.concatenate([read_meta(store, m, sh, name) for sh in m.get("shards", [])])
+            except Exception as exc:  # noqa: BLE001
+                bad.append(f"unit {uid}: row metadata {name}: {type(exc).__name__}: {exc}")
+                continue
+            checked["meta_chunks"] += len(m.get("shards", []))
+            checked["bytes_read"] += col.nbytes
+            if _stats.crc32c(col) != want.get(name):
+                bad.append(f"unit {uid}: row metadata {name} differs from what its writer committed")
+    st = m.get("stats") or {}
+    if st.get("key"):
+        try:
+            blob = store.location.read_bytes(st["key"])
+        except Exception as exc:  # noqa: BLE001
+            return bad + [f"unit {uid}: stats sidecar {st['key']}: {type(exc).__name__}: {exc}"]
+        checked["sidecars"] += 1
+        if blob is None:
+            bad.append(f"unit {uid}: stats sidecar {st['key']} is missing")
+        elif st.get("sha256") and hashlib.sha256(blob).hexdigest() != st["sha256"]:
+            bad.append(f"unit {uid}: stats sidecar {st['key']} differs from what its writer committed")
+        else:
+            checked["bytes_read"] += len(blob)
     return bad

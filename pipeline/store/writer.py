@@ -38,12 +38,12 @@ import time
 import uuid
 from collections import OrderedDict
 
+import google_crc32c
 import numpy as np
 
 from . import commits as _commits
 from . import layout
 from . import stats as _stats
-from .backend import with_retries
 from .credentials import redact_attrs, scrub
 from .dtypes import dtype_name, raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
@@ -74,6 +74,13 @@ class RegionWriter:
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._codecs = [store.shard_codec(p) for p in store.points]
+        self._meta_codecs = {n: store.meta_codec(n) for n in layout.ROW_META}
+        foreign = [p for p, c in zip(store.points, self._codecs) if c is None] + \
+            [n for n, c in self._meta_codecs.items() if c is None]
+        if foreign:
+            raise StoreError(f"region_writer: arrays {foreign} of {store.url} use a codec chain harvest "
+                             "does not write (it moves whole objects it encodes itself); create the "
+                             "store with create_store")
         self._buffers = shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
@@ -86,6 +93,9 @@ class RegionWriter:
         self._parts: dict[tuple[int, int], dict] = {}
         self._crc: dict[int, list] = {}
         self._nbytes: dict[int, list] = {}
+        self._ocrc: dict[int, list] = {}         # CRC32C of each stored object, per point
+        self._meta_rec: dict[int, dict] = {}     # shard -> column -> {crc32c, nbytes} of its chunk
+        self._written: list[str] = []            # this attempt's objects, removed if it never commits
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(upload_threads, thread_name_prefix=f"harvest-up-{unit_id}",
                                            initializer=lower_priority)
@@ -266,7 +276,8 @@ class RegionWriter:
         seconds = time.perf_counter() - (self.t_first_write or self.t_created)
         manifest = _commits.build_marker(
             self._store, self.unit_id, self.row_start, self.row_end, self.attempt,
-            [(si, *self.shard_span(si), self._crc[si], self._nbytes.get(si)) for si in self._shard_ids],
+            [(si, *self.shard_span(si), self._crc[si], self._nbytes.get(si), self._ocrc.get(si),
+              self._meta_rec.get(si)) for si in self._shard_ids],
             self._meta.crc32c(), {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
                                   "count": merged["all"][0].count if merged["all"] else 0,
                                   "kept": merged["kept"][0].count if merged["kept"] else 0},
@@ -276,16 +287,20 @@ class RegionWriter:
             created = _commits.create_marker(self._store.location, manifest)
         except Exception as e:  # noqa: BLE001 -- reported without secrets, region left uncommitted
             self._fail(e, "writing the commit marker")
+            self._cleanup(skey)
             raise RegionWriteFailed(self._failed_msg) from None
-        if not created:
+        if created:
+            self._publish(manifest)
+        else:
             other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
                                                 fresh=True) or {}
             if other.get("attempt") != self.attempt:
                 self._shutdown()
+                self._cleanup(skey)
                 raise RegionConflict(
                     f"commit: unit {self.unit_id} was committed by another writer (attempt "
-                    f"{other.get('attempt')}) while this one was writing; its shards may now hold this "
-                    "writer's rows. Run store.verify(deep=True); if it fails, store.uncommit() and rewrite.")
+                    f"{other.get('attempt')}) while this one was writing; this writer's objects are "
+                    "removed and the committed ones are untouched (each attempt writes its own).")
             manifest = other
         self._store._remember_marker(manifest)
         self._manifest = manifest
@@ -295,7 +310,8 @@ class RegionWriter:
         return manifest
 
     def abort(self) -> None:
-        """Drop buffers and stop uploads; the region stays uncommitted (rewrite it later)."""
+        """Drop buffers, stop uploads and remove what this attempt wrote; the region stays
+        uncommitted (rewrite it later)."""
         self._closed = True
         for futs in self._pending.values():
             for f in futs:
@@ -304,6 +320,35 @@ class RegionWriter:
         self._open.clear()
         self._pending.clear()
         self._states.clear()
+        if self._manifest is None and not self.already_committed:
+            self._cleanup()
+
+    def _publish(self, manifest: dict) -> None:
+        """Move this attempt's objects to their zarr keys (only the marker's creator does): until
+        then readers take them under the attempt's name, and finalize finishes a move a crash cut."""
+        from .objects import publish
+
+        try:
+            publish(self._store, manifest)
+        except Exception as e:  # noqa: BLE001 -- committed already; readers fall back, finalize repairs
+            log.warning("unit %d: moving its objects to their zarr keys failed (%s); they stay under "
+                        "attempt %s until finalize", self.unit_id,
+                        scrub(f"{type(e).__name__}: {e}", self._store.location.storage_options), self.attempt)
+        self._remove([k for k in self._written if k.startswith(layout.SCRATCH_DIR)])
+
+    def _cleanup(self, *extra: str) -> None:
+        """Best effort: remove this attempt's objects and scratch (it never committed)."""
+        with self._lock:
+            keys = list(self._written) + list(extra)
+            self._written.clear()
+        self._remove(keys)
+
+    def _remove(self, keys: list[str]) -> None:
+        for k in keys:
+            try:
+                self._store.location.delete(k)
+            except Exception as e:  # noqa: BLE001 -- garbage under an attempt name harms nothing
+                log.warning("unit %d: could not remove %s (%s)", self.unit_id, k, type(e).__name__)
 
     def throughput(self) -> dict:
         now = time.perf_counter()
@@ -332,7 +377,7 @@ class RegionWriter:
     # ---- internals ---------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._failed is not None:
-            raise RegionWriteFailed(self._failed_msg)
+            self._raise_failed()
         if self._closed:
             raise StoreError(f"region writer of unit {self.unit_id} is closed (aborted or committed)")
 
@@ -349,6 +394,8 @@ class RegionWriter:
         other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end, fresh=True)
         if other is not None and other.get("attempt") != self.attempt:
             self._closed = True
+            self._shutdown()
+            self._cleanup()
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
                                  f"{other.get('attempt')}); this writer stopped before uploading more")
 
@@ -371,12 +418,10 @@ class RegionWriter:
         self._open.move_to_end(si)
         return sh
 
-    def _write_rows(self, p: int, start: int, rows: np.ndarray, what: str) -> None:
-        arr = self._store.array(self._store.points[p])  # zarr: only the partial-shard path
-        with_retries(lambda: arr.__setitem__(slice(start, start + rows.shape[0]), rows),
-                     f"{what} ({self._store.points[p]})", attempts=self.retries)
+    def _put(self, key: str, blob: bytes) -> None:
         with self._lock:
-            self.bytes_uploaded += rows.nbytes
+            self._written.append(key)
+        self._store.location.write_bytes(key, blob, attempts=self.retries)
 
     def _evict(self, si: int) -> None:
         sh = self._open.pop(si)
@@ -390,42 +435,41 @@ class RegionWriter:
         sh.data = None
 
     def _flush_partial(self, sh: Shard) -> None:
+        """An evicted shard's filled rows go to scratch objects of this attempt (raw rows of every
+        point), read back when the shard completes; never into an object a reader may trust."""
         if sh.flushed is None:
             sh.flushed = np.zeros(sh.n, bool)
         rows = sh.filled & ~sh.flushed
-        spans = runs(rows)
         try:
-            for p in range(self._P):
-                for a, b in spans:
-                    self._write_rows(p, sh.start + a, sh.data[p, a:b].view(self._dtype),
-                                     f"partial shard {sh.index}")
+            for a, b in runs(rows):
+                key = layout.scratch_key(self.unit_id, self.attempt, sh.index, a, b)
+                self._put(key, np.ascontiguousarray(sh.data[:, a:b]).tobytes())
+                sh.scratch.append((a, b, key))
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"upload of shard {sh.index}")
-            raise RegionWriteFailed(self._failed_msg) from None
-        keep = self._meta.keep_mask(sh.start, sh.end)
-        pairs = [_stats.subsets_of(sh.data[p][rows].view(self._dtype),
-                                   None if keep is None else keep[rows]) for p in range(self._P)]
-        self._parts[(sh.index, sh.seq)] = {"all": [a for a, _ in pairs], "kept": [k for _, k in pairs]}
-        sh.seq += 1
+            self._raise_failed()
         sh.flushed |= rows
+
+    def _unflush(self, sh: Shard) -> None:
+        """Rows an eviction put in scratch objects, back into the shard's buffer."""
+        try:
+            for a, b, key in sh.scratch:
+                raw = self._store.location.read_bytes(key, attempts=self.retries)
+                if raw is None:
+                    raise StoreError(f"scratch object {key} of this writer vanished")
+                sh.data[:, a:b] = np.frombuffer(raw, self._raw).reshape(self._P, b - a, self._W)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e, f"reading back evicted rows of shard {sh.index}")
+            self._raise_failed()
 
     def _complete(self, sh: Shard) -> None:
         del self._open[sh.index]
         self._check_conflict()
         self._wait_pending(all_=False)
         sh.keep = self._meta.keep_mask(sh.start, sh.end)
-        if sh.flushed is None:
-            futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
-        else:
-            self._flush_partial(sh)  # the slow path: finish in place, CRC from a read-back
-            crcs = []
-            for p in range(self._P):
-                back = np.ascontiguousarray(self._store.array(self._store.points[p])[sh.start:sh.end])
-                crcs.append(_stats.crc32c(back))
-            self._crc[sh.index] = crcs
-            self._buffers.give(sh.data)
-            sh.data = None
-            futs = []
+        if sh.scratch:
+            self._unflush(sh)  # the slow path: the evicted rows come back, then as any shard
+        futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         if self._meta.complete(sh.start, sh.end):
             futs.append(self._pool.submit(self._upload_meta, sh.index))
         self._pending[sh.index] = futs
@@ -435,15 +479,17 @@ class RegionWriter:
         if self._failed is not None or self._closed:
             return
         s0, s1 = self.shard_span(si)
+        rec = {}
         try:
             for name, col in self._meta.columns(s0, s1).items():
-                arr = self._store._meta_array(name)
-                with_retries(lambda arr=arr, v=col: arr.__setitem__(slice(s0, s1), v),
-                             f"write {name} of shard {si}", attempts=self.retries)
+                blob = self._meta_codecs[name].encode(col)
+                self._put(layout.attempt_object_key(name, si, self.attempt), blob)
+                rec[name] = {"crc32c": google_crc32c.value(blob), "nbytes": len(blob)}
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"metadata upload of shard {si}")
             return
         with self._lock:
+            self._meta_rec[si] = rec
             self._meta_uploaded.add(si)
 
     def _upload_point(self, sh: Shard, p: int) -> None:
@@ -451,29 +497,25 @@ class RegionWriter:
             return
         x = sh.data[p].view(self._dtype)
         crc = _stats.crc32c(sh.data[p])
-        nbytes = None
         try:
             codec = self._codecs[p]
-            if codec is None:
-                mom_all, mom_kept = _stats.subsets_of(x, sh.keep)
-                self._write_rows(p, sh.start, x, f"upload of shard {sh.index}")
-            else:
-                parts: list = [None] * -(-x.shape[0] // codec.chunk_rows)
-                cr = codec.chunk_rows
+            parts: list = [None] * -(-x.shape[0] // codec.chunk_rows)
+            cr = codec.chunk_rows
 
-                def moments(i, rows):  # in the codec thread, while the chunk is in cache
-                    keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
-                    parts[i] = _stats.subsets_of(rows, keep)
+            def moments(i, rows):  # in the codec thread, while the chunk is in cache
+                keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
+                parts[i] = _stats.subsets_of(rows, keep)
 
-                blob = codec.encode(x, sh.index, visit=moments)
-                # in chunk order: deterministic
-                mom_all = _stats.merge_all([[q[0]] for q in parts], 1, self._W)[0]
-                mom_kept = _stats.merge_all([[q[1]] for q in parts], 1, self._W)[0]
-                key = self._store.shard_key(self._store.points[p], sh.index)
-                self._store.location.write_bytes(key, blob, attempts=self.retries)
-                nbytes = len(blob)
-                with self._lock:
-                    self.bytes_uploaded += x.nbytes
+            blob = codec.encode(x, sh.index, visit=moments)
+            # in chunk order: deterministic
+            mom_all = _stats.merge_all([[q[0]] for q in parts], 1, self._W)[0]
+            mom_kept = _stats.merge_all([[q[1]] for q in parts], 1, self._W)[0]
+            ocrc = google_crc32c.value(blob)  # what readers check before decoding
+            point = self._store.points[p]
+            self._put(layout.attempt_object_key(layout.point_path(point), sh.index, self.attempt), blob)
+            nbytes = len(blob)
+            with self._lock:
+                self.bytes_uploaded += x.nbytes
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"upload of shard {sh.index} ({self._store.points[p]})")
             return
@@ -483,6 +525,7 @@ class RegionWriter:
             part["all"][p], part["kept"][p] = mom_all, mom_kept
             self._crc.setdefault(sh.index, [None] * self._P)[p] = crc
             self._nbytes.setdefault(sh.index, [None] * self._P)[p] = nbytes
+            self._ocrc.setdefault(sh.index, [None] * self._P)[p] = ocrc
 
     def _reap(self) -> None:
         for si in [si for si, fs in self._pending.items() if all(f.done() for f in fs)]:
@@ -506,7 +549,15 @@ class RegionWriter:
             self._finish(si)
         self._reap()
         if self._failed is not None:
-            raise RegionWriteFailed(self._failed_msg)
+            self._raise_failed()
+
+    def _raise_failed(self):
+        """Stop every upload, remove what this attempt wrote (a full disk must not keep its
+        half-written unit's objects), then raise."""
+        self._closed = True
+        self._shutdown()
+        self._cleanup()
+        raise RegionWriteFailed(self._failed_msg)
 
     def _shutdown(self) -> None:
         self._closed = True
