@@ -18,25 +18,9 @@ EXIT_BAD_INPUT = 2
 
 
 def _setup_logging(verbose: bool) -> None:
-    from tqdm import tqdm
+    from .logs import setup_console
 
-    class TqdmHandler(logging.StreamHandler):
-        """Log lines above the progress bar instead of through it."""
-
-        def emit(self, record):
-            try:
-                tqdm.write(self.format(record), file=sys.stderr)
-            except Exception:
-                self.handleError(record)
-
-    h = TqdmHandler()
-    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    root = logging.getLogger("harvest")
-    root.handlers[:] = [h]
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    root.propagate = False
-    logging.getLogger("pipeline").handlers[:] = [h]
-    logging.getLogger("pipeline").setLevel(logging.WARNING if not verbose else logging.DEBUG)
+    setup_console(verbose)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -83,13 +67,28 @@ def format_summary(s: dict) -> str:
 
 
 def cmd_run(args) -> int:
+    """Quiet by default (pipeline/logs.py): third-party output to a log folder, named once."""
+    from .config import cache_dir
     from .driver import run
+    from .logs import new_log_dir, quiet_run
 
     cfg = _load(args)
-    summary = run(cfg)
-    print(format_summary(summary))
+    if args.verbose:
+        summary = run(cfg)
+        log_dir = None
+    else:
+        log_dir = new_log_dir(cache_dir(), cfg.name)
+        if not args.json:
+            print(f"logs: {log_dir} (vLLM, Ray, torch; --verbose prints them here)", flush=True)
+        with quiet_run(log_dir):
+            summary = run(cfg)
     if args.json:
-        print(json.dumps(summary, indent=2, default=str))
+        print(json.dumps({**summary, "log_dir": str(log_dir) if log_dir else None},
+                         indent=2, default=str))
+        return 0
+    print(format_summary(summary))
+    if not summary.get("noop"):
+        print(f"next: harvest report {summary['store']}   (norms, variances, top tokens as PNG/HTML)")
     return 0
 
 
