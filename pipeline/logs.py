@@ -243,8 +243,10 @@ class LineProgress:
         self.t0 = self.last = time.time()
 
     def update(self, k: int) -> None:
-        self.n += int(k)
         now = time.time()
+        if self.n == 0:  # the clock starts at the first commit, not during engine start
+            self.t0 = self.last = now
+        self.n += int(k)
         if now - self.last >= self.every:
             self.last = now
             of = f" of {self.total} ({100 * self.n / self.total:.0f}%)" if self.total else ""

@@ -12,10 +12,32 @@ import datetime as _dt
 import numpy as np
 
 
-def status(url: str, storage_options: dict | None = None) -> dict:
+# A run is taken as alive while its last commit is younger than this many times its typical gap
+# between commits (and at least ACTIVE_MIN_SECONDS): the store has no heartbeat, and a rate and
+# ETA shown for a run killed an hour ago are worse than none.
+ACTIVE_GAPS = 5
+ACTIVE_MIN_SECONDS = 120.0
+
+
+def store_missing(url: str, storage_options: dict | None = None) -> bool:
+    """True when nothing is at `url` yet (a job still starting), as opposed to a store we
+    cannot read (open_store's errors say why)."""
+    from pipeline.store.backend import locate
+
+    try:
+        return locate(url, storage_options).read_bytes("zarr.json", attempts=2) is None
+    except Exception:  # noqa: BLE001 -- open_store reports access errors properly
+        return False
+
+
+def status(url: str, storage_options: dict | None = None, now: "_dt.datetime | None" = None) -> dict:
     """Progress of a running or interrupted job, from the store alone."""
     from pipeline.store import open_store
 
+    if store_missing(url, storage_options):
+        from pipeline.config import redact_url
+
+        return {"url": redact_url(url), "missing_store": True}
     store = open_store(url, storage_options=storage_options, read_only=True)
     plan = store.plans.read()
     units = plan["units"]
@@ -40,8 +62,15 @@ def status(url: str, storage_options: dict | None = None) -> dict:
             if first is None or t < first:
                 first, first_rows = t, m["row_end"] - m["row_start"]
             last = t if last is None or t > last else last
-    rate = eta = None
-    if first is not None and last > first:
+    rate = eta = since = None
+    finalized = store.summary is not None
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    active = False
+    if last is not None:
+        since = max(0.0, (now - last).total_seconds())
+        gap = (last - first).total_seconds() / max(1, len(done) - 1)
+        active = not finalized and since < max(ACTIVE_MIN_SECONDS, ACTIVE_GAPS * gap)
+    if first is not None and last > first and active:
         rate = (done_rows - first_rows) / (last - first).total_seconds()
         if plan["final"]:
             eta = (planned_rows - done_rows) / rate if rate > 0 else None
@@ -56,8 +85,10 @@ def status(url: str, storage_options: dict | None = None) -> dict:
         "planned_rows": planned_rows,
         "committed_rows": done_rows,
         "fraction": done_rows / planned_rows if planned_rows else 0.0,
-        "finalized": store.summary is not None,
+        "finalized": finalized,
+        "active": active,
         "last_commit": last.isoformat() if last else None,
+        "seconds_since_last_commit": round(since, 1) if since is not None else None,
         "recent_tokens_per_second": round(rate, 1) if rate else None,
         "eta_seconds": round(eta, 1) if eta else None,
         "per_actor": {k: {**v, "pids": sorted(p for p in v["pids"] if p is not None)}
@@ -73,6 +104,7 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     out = {k: v for k, v in store.info().items() if k != "stats"}
+    out["stats_summary"] = stats_summary(store) if out.get("finalized") else None
     if rows is not None:
         a, b = rows
         tok, doc, pos = store.read_row_meta(a, b)
@@ -91,4 +123,19 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
                 out["rows"]["text"] = [t.decode([int(i)]) for i in tok.tolist()]
             except Exception:
                 pass
+    return out
+
+
+def stats_summary(store) -> dict:
+    """Per point, the kept rows' statistics in a few numbers (README: inspect shows stats)."""
+    out = {}
+    try:
+        st = store.stats(None, subset="kept")
+    except Exception:  # noqa: BLE001 -- a store finalized before kept stats existed
+        st = store.stats(None, subset="all")
+    for p, d in st.items():
+        mean, var = np.asarray(d["mean"], np.float64), np.asarray(d["var"], np.float64)
+        out[p] = {"count": int(d["count"]), "rms_norm": float(np.sqrt(d["mean_sq_norm"])),
+                  "mean_norm": float(np.linalg.norm(mean)), "var_mean": float(var.mean()),
+                  "var_max": float(var.max()), "nonfinite_rows": int(d["nonfinite_rows"])}
     return out
