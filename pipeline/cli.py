@@ -112,7 +112,7 @@ def cmd_run(args) -> int:
 
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
-    from .estimate import plan_estimate
+    from .estimate import corpus_bytes, plan_estimate
     from .prepare import prepare
     from .render import plan_text
     from .resume import probe_store
@@ -137,6 +137,7 @@ def cmd_plan(args) -> int:
         "shard_rows": L.shard_rows,
         "chunk_rows": L.chunk_rows,
         "bytes_per_token": len(prep.points) * prep.width * prep.itemsize,
+        "corpus_bytes": corpus_bytes(prep.sources),
     }
     if existing is not None:
         plan = existing.plans.read()
@@ -271,6 +272,8 @@ def main(argv: "list[str] | None" = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `harvest inspect | head`
+        return 0
     except KeyboardInterrupt:
         print("interrupted: the store is resumable, re-run the same command", file=sys.stderr)
         return 130

@@ -46,7 +46,9 @@ def plan_text(p: dict) -> str:
     lines = [f"store     {p['store']}" + ("  (exists: a run resumes it)" if p["store_exists"] else "")]
     lines.append(f"model     {p['model_path']}: {p['points']} points x width {p['width']}, "
                  f"{size(p['bytes_per_token'])} per token")
-    lines.append(f"data      {p['data']}: {p['blocks']} blocks of ~{size(p['block_bytes'])}")
+    text = f"{size(p['corpus_bytes'])} of text, " if p.get("corpus_bytes") else ""
+    lines.append(f"data      {p['data']}: {text}{p['blocks']} block(s) of up to "
+                 f"{size(p['block_bytes'])}")
     budget = f"{p['max_tokens']:,} tokens" if p.get("max_tokens") else "the whole corpus"
     lines.append(f"budget    {budget}, contexts of {p['context_size']}")
     lines.append(f"layout    units of {p['unit_rows']:,} rows, shards of {p['shard_rows']:,}, "
@@ -98,9 +100,9 @@ def status_text(s: dict) -> str:
                      + (f" ({duration(s['seconds_since_last_commit'])} ago)"
                         if s.get("seconds_since_last_commit") is not None else ""))
     if s["per_actor"]:
-        lines.append(table([[k, v["units"], f"{v['tokens']:,}", ",".join(map(str, v["pids"]))]
+        lines.append(_indent(table([[k, v["units"], f"{v['tokens']:,}", ",".join(map(str, v["pids"]))]
                             for k, v in s["per_actor"].items()],
-                           ["actor", "units", "tokens", "pids"]))
+                           ["actor", "units", "tokens", "pids"])))
     if s["missing_units"] and not s["finalized"]:
         more = "" if len(s["missing_units"]) < 50 else " ..."
         lines.append(f"  uncommitted units: {s['missing_units'][:20]}{more}")
@@ -137,8 +139,7 @@ def inspect_text(i: dict) -> str:
              f"({i['committed_units']}/{i['planned_units']} units), context {i['context_size']}",
              f"  arrays     {len(i['points'])} points x width {i['width']} {i['dtype']}, shards of "
              f"{i['shard_rows']:,} rows, chunks of {i['chunk_rows']:,}",
-             f"  codec      {i.get('compression')}"
-             + (f", ratio {i['compression_ratio']}x" if i.get("compression_ratio") else ""),
+             f"  codec      {codec(i.get('compression'))}" + _ratio(i.get("compression_ratio")),
              f"  tokens     BOS {i.get('bos_token_id')}, special {i.get('special_token_ids')}, "
              f"stats skip {i.get('stats_skip_positions')} leading positions"]
     st = i.get("stats_summary")
@@ -159,9 +160,26 @@ def inspect_text(i: dict) -> str:
         for k in range(r["stop"] - r["start"]):
             text = (r.get("text") or [""] * (k + 1))[k]
             body.append([r["start"] + k, r["token_id"][k], repr(text)[:20], r["doc_id"][k],
-                         r["position"][k]] + ([r["norms"][first][k]] if first else []))
+                         r["position"][k]] + ([f"{r['norms'][first][k]:.2f}"] if first else []))
         lines.append(_indent(table(body, hdr)))
     return "\n".join(lines)
+
+
+def codec(c) -> str:
+    if not isinstance(c, dict):
+        return str(c)
+    if c.get("codec") == "blosc":
+        return (f"blosc {c.get('cname')}-{c.get('clevel')}, {c.get('shuffle')}, "
+                f"{size(c.get('blocksize'))} blocks")
+    return ", ".join(f"{k}={v}" for k, v in c.items())
+
+
+def _ratio(r) -> str:
+    if isinstance(r, dict):
+        r = r.get("overall")
+    if not r:
+        return ""
+    return f"; stored at {r}x"
 
 
 def _indent(text: str, pad: str = "  ") -> str:
