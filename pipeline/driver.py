@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Callable
 
+from . import runstate
 from .cluster import collect_infos, ensure_ray, kill_all, start_actors
 from .config import HarvestConfig, redact_url
 from .dispatch import Scheduler
@@ -83,14 +84,20 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
         actors = start_actors(cfg, prep, engine_factory)
         sched = Scheduler(cfg, prep, state, pool, emit)
         bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
+        store = None
         try:
             store = _start(cfg, prep, sched, actors, existing, chunk_contexts, bar, emit)
+            runstate.mark(store, "running")
             t_dispatch = time.perf_counter()
             while not sched.finished():
                 sched.step(bar)
             dispatch_seconds = time.perf_counter() - t_dispatch
             sched.flush_plan(force=True)
             sched.collect_figures()
+        except BaseException as e:  # Ctrl-C included: `status` must not show an ETA for it
+            if store is not None:
+                runstate.mark(store, "stopped", f"{type(e).__name__}: {e}"[:300])
+            raise
         finally:
             bar.close()
     finally:

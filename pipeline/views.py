@@ -11,6 +11,8 @@ import datetime as _dt
 
 import numpy as np
 
+from .runstate import read as read_driver
+
 
 # A run is taken as alive while its last commit is younger than this many times its typical gap
 # between commits (and at least ACTIVE_MIN_SECONDS): the store has no heartbeat, and a rate and
@@ -70,6 +72,11 @@ def status(url: str, storage_options: dict | None = None, now: "_dt.datetime | N
         since = max(0.0, (now - last).total_seconds())
         gap = (last - first).total_seconds() / max(1, len(done) - 1)
         active = not finalized and since < max(ACTIVE_MIN_SECONDS, ACTIVE_GAPS * gap)
+    driver = read_driver(store)
+    if driver and driver.get("state") == "stopped":
+        active = False
+    elif driver and last is None and not finalized:
+        active = True  # dispatching, nothing committed yet
     if first is not None and last > first and active:
         rate = (done_rows - first_rows) / (last - first).total_seconds()
         if plan["final"]:
@@ -87,6 +94,7 @@ def status(url: str, storage_options: dict | None = None, now: "_dt.datetime | N
         "fraction": done_rows / planned_rows if planned_rows else 0.0,
         "finalized": finalized,
         "active": active,
+        "driver": driver,
         "last_commit": last.isoformat() if last else None,
         "seconds_since_last_commit": round(since, 1) if since is not None else None,
         "recent_tokens_per_second": round(rate, 1) if rate else None,
