@@ -91,7 +91,7 @@ def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, 
     assert v["ok"] and v["committed_units"] == 8, v
     assert store.summary["tokens"] == 2048 and len(store.summary["per_actor"]) == 2
 
-    again = _submit(ray_head, sid + "-again", path)
+    again = _submit(ray_head, sid, path)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "is already complete" in again.stdout + again.stderr
     dup = _submit(ray_head, sid, path, timeout=120)
