@@ -83,6 +83,7 @@ class HarvestActor:
         from .logs import mark_phase, redirect_actor
 
         redirect_actor(self.index)  # quiet runs: vLLM's and torch's output to actor-<i>.log
+        mark_phase("engine")
         # Every engine call runs on this one thread. Ray runs a threaded actor's methods on pool
         # threads, and vLLM CPU's attention checks that the OpenMP thread count of the thread that
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").

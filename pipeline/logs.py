@@ -35,6 +35,7 @@ CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # (text in an actor's log, phase shown). Order is progress: an actor's phase is the last one seen.
 # vLLM 0.32's CPU and GPU runners both log the first three; the marks are the actor's own.
 PHASES = (
+    (f"{PHASE_MARK} engine", "importing the engine (vLLM, torch)"),
     ("Starting to load model", "loading weights"),
     ("Warming up model for the compilation", "compiling (torch.compile; reused from the cache "
                                              "after the first start on this host)"),

@@ -73,3 +73,24 @@ def test_budget_shortfall_names_the_numbers(tiny_llama, tmp_path):
         "the budget); add data or lower packing.max_tokens")
     assert budget_shortfall(cfg, {"tokens": 5_000_000, "packing": {"budget_reached": True}}) is None
     assert budget_shortfall(cfg, {**short, "noop": True}) is None
+
+
+def test_start_watch_reports_the_slowest_actors_phase(tmp_path, monkeypatch):
+    """Phases come from the actors' own log files: a line when the slowest actor moves on, a
+    heartbeat otherwise, nothing in between."""
+    from pipeline.logs import LOG_DIR_ENV, StartWatch
+
+    monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path))
+    a0, a1 = tmp_path / "actor-0.log", tmp_path / "actor-1.log"
+    w = StartWatch(2, t0=1000.0, every=30.0)
+    a0.write_text("harvest-phase: engine pid 1\nINFO [cpu_model_runner.py:68] Starting to load model x\n")
+    a1.write_text("harvest-phase: engine pid 2\n")
+    assert w.line(2, now=1005.0) == ("engines starting, 5 s: importing the engine (vLLM, torch) "
+                                     "(1 of 2); loading weights (1 of 2)")
+    assert w.line(2, now=1010.0) is None  # nothing new, no heartbeat due
+    with open(a1, "a") as f:
+        f.write("INFO Starting to load model x\nINFO Warming up model for the compilation...\n")
+    assert w.line(2, now=1012.0).startswith("engines starting, 12 s: loading weights (1 of 2); "
+                                            "compiling (torch.compile")
+    assert w.line(2, now=1030.0) is None
+    assert w.line(2, now=1043.0).startswith("engines starting, 43 s: loading weights")  # heartbeat
