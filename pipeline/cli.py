@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from .config import ConfigError, HarvestConfig, default_config_path, load_config, redact_url

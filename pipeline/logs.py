@@ -37,8 +37,7 @@ CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PHASES = (
     (f"{PHASE_MARK} engine", "importing the engine (vLLM, torch)"),
     ("Starting to load model", "loading weights"),
-    ("Warming up model for the compilation", "compiling (torch.compile; reused from the cache "
-                                             "after the first start on this host)"),
+    ("Warming up model for the compilation", "compiling (later starts reuse the compile cache)"),
     ("Warming up done", "sizing the KV cache"),
     ("init engine", "engine up"),
     (f"{PHASE_MARK} model check", "checking the model against Hugging Face fp32"),
@@ -181,9 +180,10 @@ def mark_phase(name: str) -> None:
 class StartWatch:
     """Console lines while actors start: each actor's phase from its log, a line when the
     slowest actor reaches a new phase and every `every` seconds otherwise; without a log folder
-    (verbose) only the periodic line, since vLLM's own lines are on the console then."""
+    (verbose) only the periodic line, since vLLM's own lines are on the console then. A cold
+    compile of a large model takes minutes: one heartbeat a minute keeps the console short."""
 
-    def __init__(self, n_actors: int, t0: float, every: float = 30.0):
+    def __init__(self, n_actors: int, t0: float, every: float = 60.0):
         d = os.environ.get(LOG_DIR_ENV)
         self.dir = Path(d) if d else None
         self.n, self.t0, self.every = n_actors, t0, every

@@ -16,7 +16,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline.config import REPO_ROOT
