@@ -41,7 +41,7 @@ def _store_target(args) -> tuple[str, dict | None]:
     if args.url:
         return args.url, None
     cfg = _load(args)
-    return cfg.store.resolved_url, cfg.store.storage_options
+    return cfg.store.resolved_url, cfg.store.fs_options()
 
 
 def format_summary(s: dict) -> str:

@@ -58,7 +58,7 @@ def actor_spec(cfg: HarvestConfig, prep, index: int, engine_factory: str | None 
         "points": prep.points,
         "context_size": cfg.packing.context_size,
         "store_url": cfg.store.resolved_url,
-        "storage_options": cfg.store.storage_options,
+        "storage_options": cfg.store.fs_options(),
         "threads": threads,  # the CPU build's default: this node's cores over its actors
         "threads_requested": cfg.ray.threads_per_actor,  # GPU actors size from their own share
         "check_model": index == 0 and cfg.capture.check_model and cfg.model.backend == "vllm",

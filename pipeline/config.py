@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from .checks import (ConfigError, check_bool, check_choice, check_float, check_int,  # noqa: F401
-                     check_str)
+                     check_str, load_yaml_unique)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,6 +175,9 @@ class DataConfig:
 
 
 BOS_MODES = ("context", "document", "none")
+# Default cap on one document's tokens when nothing bounds it (about 1 MB of text): a longer
+# document is cut there, counted in the run's packing figures.
+DOC_TOKENS_DEFAULT = 1 << 18
 OVERFLOW_MODES = ("split", "truncate")
 
 
@@ -197,9 +200,15 @@ class PackingConfig:
     # a resumed run re-creates them. It does not change the rows; a store keeps the value it was
     # planned with.
     chunk_tokens: int = 1 << 16
+    # Tokens kept of one document, at most: only a bounded prefix of its text is tokenised, so a
+    # single 30 MB document cannot take the tokenising worker's memory (whole, it took 6.3 GB).
+    # None: derived (doc_token_cap): context_size with overflow=truncate, max_tokens when set,
+    # else DOC_TOKENS_DEFAULT. Documents cut here are counted (docs_capped).
+    max_doc_tokens: int | None = None
 
     def validate(self) -> None:
         check_int("packing.context_size", self.context_size, 2)
+        check_int("packing.max_doc_tokens", self.max_doc_tokens, 1, optional=True)
         check_choice("packing.bos", self.bos, BOS_MODES)
         check_int("packing.bos_token_id", self.bos_token_id, 0, optional=True)
         check_choice("packing.overflow", self.overflow, OVERFLOW_MODES)
@@ -212,6 +221,16 @@ class PackingConfig:
             )
         check_int("packing.tokenize_batch", self.tokenize_batch, 1)
         check_int("packing.chunk_tokens", self.chunk_tokens, 1)
+
+    def doc_token_cap(self) -> int:
+        """Tokens kept of one document (see max_doc_tokens): more could never reach a row."""
+        if self.max_doc_tokens is not None:
+            return self.max_doc_tokens
+        if self.overflow == "truncate":
+            return self.context_size
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return DOC_TOKENS_DEFAULT
 
 
 @dataclass
@@ -261,9 +280,20 @@ class StoreConfig:
     # Rows of the `kept` statistics skip this many leading context positions (None: 1 when a BOS
     # starts every context, else 0) besides special tokens; see pipeline/store/FORMAT.md.
     stats_skip_positions: int | None = None
+    # Deadlines on object storage. timeout_s: one request's connect/read timeout (botocore and
+    # s3fs retry inside it otherwise: an endpoint that accepts and never answers took 14 min to
+    # fail). retry_budget_s: one operation's total time over its retries.
+    timeout_s: float = 30.0
+    retry_budget_s: float = 120.0
+    # The driver's lease on the store (pipeline/lease.py): a lease younger than this is another
+    # driver's live run, and a second driver is refused before it writes anything.
+    lease_seconds: float = 120.0
 
     def validate(self) -> None:
         check_str("store.url", self.url)
+        check_float("store.timeout_s", self.timeout_s, 0.1, None)
+        check_float("store.retry_budget_s", self.retry_budget_s, 0.1, None)
+        check_float("store.lease_seconds", self.lease_seconds, 1.0, None)
         check_int("store.shard_rows", self.shard_rows, 1, optional=True)
         check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
         if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
@@ -280,6 +310,27 @@ class StoreConfig:
             raise ConfigError(
                 "store.compression must be a codec name, a mapping of codec settings, or null"
             )
+        from pipeline.store.compression import normalize
+
+        try:  # here, not when the store is created after the actors started
+            normalize(self.compression)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"store.{e}") from None
+
+    def fs_options(self) -> "dict | None":
+        """storage_options plus the deadlines (see timeout_s); explicit settings win."""
+        url = self.resolved_url
+        so = dict(self.storage_options or {})
+        if url.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in url:
+            ck = dict(so.get("config_kwargs") or {})
+            ck.setdefault("connect_timeout", min(self.timeout_s, 10.0))
+            ck.setdefault("read_timeout", self.timeout_s)
+            # one try per request: with_retries retries within retry_budget_s (botocore's and
+            # s3fs's own retries multiply with ours and ignore the budget)
+            ck.setdefault("retries", {"total_max_attempts": 1})
+            so["config_kwargs"] = ck
+        so.setdefault("retry_budget_s", self.retry_budget_s)
+        return so
 
     @property
     def resolved_url(self) -> str:
@@ -307,6 +358,11 @@ class RayConfig:
     # a GPU cluster, 0.25 on a CPU-only one, where the capture actors need the cores).
     tokenize_workers: int = 2
     tokenize_cpus: float | None = None
+    # Per-unit deadline: an actor with units in flight that finishes none for this long is
+    # killed (Ray restarts it) and its units go elsewhere. None: max(unit_timeout_min_s, 10x the
+    # median unit time seen so far); a SIGSTOPped actor otherwise held its units for ever.
+    unit_timeout_s: float | None = None
+    unit_timeout_min_s: float = 300.0
 
     def validate(self) -> None:
         if self.address is not None:
@@ -325,6 +381,9 @@ class RayConfig:
         check_int("ray.tokenize_workers", self.tokenize_workers, 1)
         if self.tokenize_cpus is not None:
             check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, None)
+        if self.unit_timeout_s is not None:
+            check_float("ray.unit_timeout_s", self.unit_timeout_s, 0.1, None)
+        check_float("ray.unit_timeout_min_s", self.unit_timeout_min_s, 0.1, None)
 
     def actor_resources(self, cluster: dict) -> tuple[float, float]:
         """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.
@@ -444,7 +503,7 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist: pass --config <file.yaml>")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = load_yaml_unique(_read_text(p), f"config file {str(p)!r}") or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -454,6 +513,14 @@ def load_config(
     for item in overrides or []:
         raw = _deep_merge(raw, parse_override(item))
     return from_dict(raw)
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}): save it "
+                          "as UTF-8") from None
 
 
 def parse_override(item: str) -> dict:

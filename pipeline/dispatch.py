@@ -18,42 +18,16 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import HarvestError, ResumeMismatch
+from .health import ActorFigures, ActorHealth
 from .placement import Emitted, chunk_key, sum_stats
 
 log = logging.getLogger("harvest.pipeline")
 
 INDEX_EVERY = 256          # markers per compacted-index segment, at least
 PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units are waiting
-
-
-@dataclass
-class ActorFigures:
-    """Per-actor figures. Units in flight overlap (one captures while the other commits), so a
-    rate over summed unit times would understate the actor: the rate is over capture time."""
-
-    index: int
-    pids: list = field(default_factory=list)
-    units: int = 0
-    tokens: int = 0
-    engine_seconds: float = 0.0
-    unit_seconds: float = 0.0
-    failures: int = 0
-    step: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {
-            "index": self.index, "pids": self.pids, "units": self.units, "tokens": self.tokens,
-            "engine_seconds": round(self.engine_seconds, 3),
-            "unit_seconds": round(self.unit_seconds, 3),
-            "tokens_per_second": (round(self.tokens / self.engine_seconds, 1)
-                                  if self.engine_seconds else None),
-            "failures": self.failures, "step_fill": self.step.get("step_fill"),
-            "steps": self.step.get("steps"), "streams": self.step.get("streams"),
-            "rows_in_place": self.step.get("rows_in_place"),
-        }
 
 
 @dataclass
@@ -64,11 +38,12 @@ class _Held:
     users: int = 0
 
 
-class Scheduler:
+class Scheduler(ActorHealth):
     """One run's loop; `driver.run` builds it, `run()` returns when every unit is committed."""
 
-    def __init__(self, cfg, prep, state, pool, emit):
+    def __init__(self, cfg, prep, state, pool, emit, lease=None):
         self.cfg, self.prep, self.state, self.pool, self.emit = cfg, prep, state, pool, emit
+        self.lease = lease
         self.C = cfg.packing.context_size
         self.frontier = state.frontier
         self.held: dict[str, _Held] = {}
@@ -92,7 +67,18 @@ class Scheduler:
         self.probing: dict = {}
         self.slots = cfg.ray.max_in_flight
         self.retries = self.deaths = 0
+        self.ray_retries = 0        # units Ray re-ran itself on a restarted actor (pid changed)
+        self.deadline_kills = 0     # actors killed for missing the unit deadline
+        self.killed_unseen: set = set()  # of those, actors neither back (new pid) nor lost yet
+        self.found_committed = 0    # units whose run found them committed already
         self.units_run = 0
+        self.pid: dict[int, int] = {}           # actor -> its current process id
+        self.seen_pids: dict[int, set] = {}     # actor -> every process id it ran in
+        self.progress: dict[int, float] = {}    # actor -> when it last finished something
+        self.unit_seconds: deque = deque(maxlen=256)
+        self.probe_sent: dict = {}
+        self.load_seconds = 0.0
+        self.last_event = self.last_line = time.monotonic()
         self.index = None
         self.indexed = 0
         self.window = 0
@@ -184,6 +170,8 @@ class Scheduler:
             chunks.update(e.chunks)
         payload = {"chunks": chunks, "state": batch[-1].state}
         final = any(e.final for e in batch)
+        if self.lease is not None:
+            self.lease.assert_held(f"writing plan segment {self.seq}")
         if not self.store.plans.write_segment(self.seq, units, payload, final=final):
             raise HarvestError(
                 f"plan segment {self.seq} of {self.store.url} already exists: another driver is "
@@ -207,6 +195,12 @@ class Scheduler:
         self.figures = {i: ActorFigures(i) for i in range(len(actors))}
         self.load = [0] * len(actors)
         self.alive = set(range(len(actors)))
+        now = time.monotonic()
+        for i, inf in enumerate(infos):
+            self.pid[i] = inf["pid"]
+            self.seen_pids[i] = {inf["pid"]}
+            self.progress[i] = now
+        self.load_seconds = max(float(i.get("load_seconds") or 0.0) for i in infos)
         unit_rows = self.prep.layout.unit_rows
         queue = max(i.get("queue_tokens", 0) for i in infos)
         # enough units in flight per actor that its engine never runs dry between units
@@ -226,7 +220,7 @@ class Scheduler:
                 return
             unit, attempt = self.ready.popleft()
             ref = self.actors[a].run_unit.remote(self._unit_message(unit), attempt)
-            self.inflight[ref] = (unit, a, attempt)
+            self.inflight[ref] = (unit, a, attempt, time.monotonic(), self.pid.get(a))
             self.load[a] += 1
 
     def _on_results(self, refs: list, bar) -> None:
@@ -246,8 +240,9 @@ class Scheduler:
 
         from .cluster import root_cause
 
-        unit, a, attempt = self.inflight.pop(ref)
+        unit, a, attempt, _, pid0 = self.inflight.pop(ref)
         self.load[a] -= 1
+        self.progress[a] = self.last_event = time.monotonic()
         try:
             if res is None:
                 res = ray.get(ref)
@@ -267,13 +262,24 @@ class Scheduler:
                        "error": why})
             self.ready.appendleft((unit, attempt + 1))
             if died and a in self.alive and a not in self.probing.values():
-                self.probing[self.actors[a].ping.remote()] = a
+                ping = self.actors[a].ping.remote()
+                self.probing[ping] = a
+                self.probe_sent[ping] = time.monotonic()
             return
         f = self.figures[a]
         if res["pid"] not in f.pids:
             f.pids.append(res["pid"])
+        if pid0 is not None and res["pid"] != pid0:
+            # the actor died with this unit in flight and Ray ran it again in the new process
+            # (max_task_retries): a retry and a restart, though no error reached this loop
+            self.ray_retries += 1
+        self._saw_pid(a, res["pid"])
         marker = res.pop("marker", None)
+        if res["status"] == "already_committed":
+            f.already_committed += 1
+            self.found_committed += 1
         if res["status"] == "committed":
+            self.unit_seconds.append(float(res["seconds"]))
             f.units += 1
             f.tokens += res["tokens"]
             f.unit_seconds += res["seconds"]
@@ -299,19 +305,6 @@ class Scheduler:
             self.indexed += self.index.count
             self.index = IndexBuilder()
 
-    def _on_probe(self, ref) -> None:
-        import ray
-
-        a = self.probing.pop(ref)
-        try:
-            ray.get(ref)
-            log.info("actor %d answers again after a failure", a)
-        except Exception:  # noqa: BLE001
-            self.alive.discard(a)
-            self.deaths += 1
-            log.warning("actor %d is gone for good; %d actors left", a, len(self.alive))
-            self.emit({"event": "actor_lost", "actor": a})
-
     # ---- the loop ----------------------------------------------------------------------------
     def finished(self) -> bool:
         return self.frontier.done and not self.unplanned and not self.ready and not self.waiting \
@@ -325,6 +318,7 @@ class Scheduler:
         self.pool.fill(self.held_tokens, self.window or 8 * self.prep.layout.unit_rows)
         self.flush_plan()
         if self.actors:
+            self._check_deadlines()
             self._dispatch()
             if not self.alive and not self.probing and (self.ready or self.inflight):
                 raise HarvestError(
@@ -334,7 +328,13 @@ class Scheduler:
         waits = list(self.inflight) + list(self.probing) + gens + list(extra)
         if not waits:
             return []
+        if self.actors:
+            timeout = min(timeout, max(0.5, self.unit_deadline() / 4))
         ready, rest = ray.wait(waits, num_returns=1, timeout=timeout)
+        if not ready and self.actors:
+            self._wait_line()
+        elif ready:
+            self.last_event = time.monotonic()
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more

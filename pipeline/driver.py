@@ -2,8 +2,11 @@
 summarized store.
 
 Order matters and is chosen so that bad input costs nothing: the store URL is probed first
-(credentials, endpoint), then the model's config, tokenizer and the data source are checked from
-metadata (prepare.py); only then does Ray start. Tokenising workers and capture actors start
+(credentials, endpoint; every request under store.timeout_s), a live lease of another driver
+refuses the run, then this driver's lease is taken (lease.py: the first write, so a read-only
+location fails here), then the model's config, tokenizer and the data source are checked from
+metadata (prepare.py); only then does Ray start. A run that fails before the store is created
+removes its lease again: bad input leaves nothing behind. Tokenising workers and capture actors start
 together; the store is created when the actors are ready and the first unit is placed, so a
 corpus that yields no complete context leaves nothing behind either.
 
@@ -18,7 +21,6 @@ import logging
 import time
 from typing import Callable
 
-from . import runstate
 from .cluster import collect_infos, ensure_ray, kill_all, start_actors
 from .config import HarvestConfig, redact_url
 from .dispatch import Scheduler
@@ -27,7 +29,9 @@ from .logs import StartWatch, progress_bar
 from .packing import PackingError
 from .placement import sum_stats
 from .prepare import Prepared, prepare
+from .lease import Lease, refuse_if_held
 from .resume import RUN_ATTR, check_resume, fresh_state, probe_store, resume_state
+from .store.backend import locate
 from .tokenpool import TokenPool, env_for_workers
 
 log = logging.getLogger("harvest.pipeline")
@@ -43,11 +47,29 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     bookkeeping alone); runs never set it.
     """
     t_start = time.perf_counter()
-    emit = on_event or (lambda e: None)
     shown_url = redact_url(cfg.store.resolved_url)
     existing = probe_store(cfg)
+    loc = existing.location if existing is not None else locate(cfg.store.resolved_url,
+                                                                cfg.store.fs_options())
+    refuse_if_held(loc, cfg.store.lease_seconds, shown_url)
     if existing is not None:
         check_resume(existing, cfg)
+    # the first write, before the data is read or Ray starts: a read-only place fails here
+    lease = Lease(loc, cfg.store.lease_seconds, shown_url, cfg.content_key(), cfg.name).acquire()
+    created = [existing is not None]
+    try:
+        return _run(cfg, on_event, engine_factory, existing, lease, created, t_start)
+    finally:
+        if created[0]:
+            lease.release()
+        else:  # failed before the store existed: leave nothing behind
+            lease.remove_if_alone()
+
+
+def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, created: list,
+         t_start: float) -> dict:
+    emit = on_event or (lambda e: None)
+    shown_url = redact_url(cfg.store.resolved_url)
     prep = prepare(cfg, existing)
     log.info("prepared in %.1f s: %d blocks of %s, %d points x width %d", prep.seconds,
              len(prep.sources["blocks"]), prep.sources["description"], len(prep.points), prep.width)
@@ -68,6 +90,7 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     if existing is not None and state.complete:
         # every unit committed but never finalized (the driver died at the very end): no actors
         log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
+        lease.assert_held("finalizing")
         return _finish(cfg, prep, existing, None, t_start, emit, len(state.units))
     if existing is not None and state.committed:
         log.info("resuming %s: %d of %d planned units committed, %d to run; %d tokenising jobs",
@@ -82,22 +105,17 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
         pool = TokenPool.start(cfg, prep, list(state.jobs), state.fresh_from, chunk_contexts,
                                max_contexts, env_for_workers())
         actors = start_actors(cfg, prep, engine_factory)
-        sched = Scheduler(cfg, prep, state, pool, emit)
+        sched = Scheduler(cfg, prep, state, pool, emit, lease)
         bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
-        store = None
         try:
-            store = _start(cfg, prep, sched, actors, existing, chunk_contexts, bar, emit)
-            runstate.mark(store, "running")
+            store = _start(cfg, prep, sched, actors, existing, chunk_contexts, bar, emit, lease,
+                           created)
             t_dispatch = time.perf_counter()
             while not sched.finished():
                 sched.step(bar)
             dispatch_seconds = time.perf_counter() - t_dispatch
             sched.flush_plan(force=True)
             sched.collect_figures()
-        except BaseException as e:  # Ctrl-C included: `status` must not show an ETA for it
-            if store is not None:
-                runstate.mark(store, "stopped", f"{type(e).__name__}: {e}"[:300])
-            raise
         finally:
             bar.close()
     finally:
@@ -111,12 +129,13 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
             import ray
 
             ray.shutdown()
+    lease.assert_held("finalizing")
     return _finish(cfg, prep, store, sched, t_start, emit, len(state.committed),
                    dispatch_seconds=dispatch_seconds)
 
 
 def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_contexts: int,
-           bar, emit):
+           bar, emit, lease: Lease, created: list):
     """Tokenise while the actors load; create the store once both are ready. Returns the store."""
     import ray
 
@@ -148,10 +167,21 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
             break
         if pending:
             watch.tick(len(pending))
-    store = existing if existing is not None else _create(cfg, prep, infos[0], chunk_contexts)
+    if existing is None:
+        lease.assert_held("creating the store")
+        store = _create(cfg, prep, infos[0], chunk_contexts)
+        created[0] = True
+        store.location.budget_s = cfg.store.retry_budget_s  # re-opened by create_store
+    else:
+        store = existing
+        if store.plans.read_sources() is None:  # its creator died before recording them
+            lease.assert_held("recording the store's sources")
+            store.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
+                                       "chunk_contexts": chunk_contexts})
+    limit = cfg.ray.unit_timeout_s or cfg.ray.unit_timeout_min_s
     for i, ref in enumerate([a.open_store.remote() for a in actors]):
-        try:
-            ray.get(ref)
+        try:  # bounded: a hung actor is the dispatch loop's to handle (its unit deadline)
+            ray.get(ref, timeout=limit)
         except Exception as e:  # the dispatch loop handles a dead actor
             log.warning("actor %d could not open the store: %s", i, e)
     sched.attach(store, actors, infos)
@@ -201,7 +231,7 @@ def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int
     store = create_store(
         cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
         shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.model.dtype,
-        compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.storage_options,
+        compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
         context_size=cfg.packing.context_size, special_token_ids=prep.special_token_ids,
         bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
         stats_skip_positions=prep.stats_skip_positions)
@@ -244,8 +274,7 @@ def _finish(cfg, prep: Prepared, store, sched: "Scheduler | None", t_start: floa
         "wall_seconds": round(time.perf_counter() - t_start, 3),
         "tokens_per_second": round(tokens_run / dispatch_seconds, 1) if dispatch_seconds else None,
         "per_actor": [f.as_dict() for f in figures.values()],
-        "unit_retries": sched.retries if sched is not None else 0,
-        "actor_deaths_seen": sched.deaths if sched is not None else 0,
+        **_fault_figures(sched, figures),
         "blocks": len(prep.sources["blocks"]),
         "tokenised_jobs": len(sched.pool.blocks_tokenised) if sched is not None else 0,
         "data": {"source": prep.sources["description"], **{k: stats.get(k, 0) for k in DATA_KEYS}},
@@ -256,6 +285,29 @@ def _finish(cfg, prep: Prepared, store, sched: "Scheduler | None", t_start: floa
     store.finalize(summary)
     emit({"event": "done", "summary": summary})
     return summary
+
+
+def _fault_figures(sched: "Scheduler | None", figures: dict) -> dict:
+    """Retries and deaths counted from what happened, Ray's own included: a unit Ray re-ran in
+    a restarted actor (max_task_retries) reaches the loop as a success, seen only as a new pid
+    (45 actor kills once read `unit_retries 0, actor deaths 0`)."""
+    if sched is None:
+        return {"unit_retries": 0, "ray_task_retries": 0, "unit_deadlines": 0,
+                "actor_restarts": 0, "actors_lost": 0, "actor_deaths_seen": 0,
+                "units_found_committed": 0}
+    restarts = sum(f.restarts for f in figures.values())
+    return {
+        "unit_retries": sched.retries + sched.ray_retries,
+        "ray_task_retries": sched.ray_retries,
+        "unit_deadlines": sched.deadline_kills,
+        "actor_restarts": restarts,
+        "actors_lost": sched.deaths,
+        # an actor killed at the deadline and not seen since (back or lost) died all the same
+        "actor_deaths_seen": restarts + sched.deaths + len(sched.killed_unseen),
+        # units_skipped + units_run + units_found_committed == units; per_actor units plus
+        # already_committed sum to units_run + units_found_committed
+        "units_found_committed": sched.found_committed,
+    }
 
 
 def _plan_stats(store) -> dict:

@@ -45,6 +45,7 @@ class PackStats:
     tokens_truncated: int = 0
     tokens_tail_dropped: int = 0
     bos_inserted: int = 0
+    docs_capped: int = 0  # documents cut at packing.max_doc_tokens (only a prefix tokenised)
     budget_reached: bool = False
 
     def as_dict(self) -> dict:

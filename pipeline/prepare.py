@@ -133,6 +133,12 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         if stored_sources is not None:
             stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
     layout = choose_layout(cfg, info.width, itemsize, len(points), stored_layout)
+    if existing is not None and stored_layout is None:
+        # a store created by a driver that died before recording its sources: its arrays fix
+        # the shards; this run's units are whole shards of them (the plan is still empty)
+        per = max(1, layout.unit_rows // existing.shard_rows)
+        layout = Layout(existing.shard_rows, existing.chunk_rows, per * existing.shard_rows,
+                        layout.capacity_rows, C)
     if stored_sources is not None:
         sources = {k: stored_sources[k] for k in ("kind", "description", "blocks")}
     else:

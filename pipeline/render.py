@@ -80,8 +80,12 @@ def status_state(s: dict) -> str:
 
 def status_text(s: dict) -> str:
     if s.get("missing_store"):
-        return (f"no store at {s['url']} yet: the job may still be starting "
-                "(the store is created once the engines are up)")
+        d = s.get("driver") or {}
+        who = (f"driver pid {d.get('pid')} on {d.get('host')} holds the lease (heartbeat "
+               f"{d.get('heartbeat_age_s'):.0f} s ago): the job is starting"
+               if d.get("live") else "the job may still be starting")
+        return (f"no store at {s['url']} yet: {who} (the store is created once the engines "
+                "are up)")
     state = status_state(s)
     lines = [f"{s['url']}: {state}",
              f"  {s['committed_units']}/{s['planned_units']} units, "

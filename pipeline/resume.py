@@ -35,15 +35,17 @@ def probe_store(cfg: HarvestConfig):
 
     url = cfg.store.resolved_url
     try:
-        return open_store(url, storage_options=cfg.store.storage_options)
+        return open_store(url, storage_options=cfg.store.fs_options())
     except NotAHarvestStore as e:
-        loc = locate(url, cfg.store.storage_options)
+        loc = locate(url, cfg.store.fs_options())
         try:
             entries = loc.fs.ls(loc.root, detail=False) if loc.fs.exists(loc.root) else []
         except FileNotFoundError:
             entries = []
         except Exception as exc:
             raise loc.error("listing store.url", exc) from None
+        # a store being created holds only the driver's lease so far (pipeline/lease.py)
+        entries = [e for e in entries if e.rstrip("/").rsplit("/", 1)[-1] != "_harvest"]
         if entries:
             raise HarvestError(
                 f"store.url={redact_url(url)} is not empty and is not a harvest store ({e}): "

@@ -47,6 +47,8 @@ def plan_blocks(cfg: DataConfig) -> dict:
     if cfg.max_docs is not None or cfg.streaming or not local and src.kind != "disk" \
             or (local and src.builder not in ("json", "text", "parquet")) \
             or (src.kind == "files" and isinstance(cfg.data_files, dict)):
+        if local and src.builder in ("json", "text", "csv"):
+            check_utf8(src.files, cfg.source)
         out["blocks"] = _dataset_blocks(cfg, src)
         return out
     if src.kind == "disk":
@@ -61,6 +63,30 @@ def plan_blocks(cfg: DataConfig) -> dict:
             return out
         out["blocks"] = _line_blocks(files, LINE_FORMATS[src.builder], cfg.block_bytes)
     return out
+
+
+def check_utf8(files: list[str], source: str, block: int = 1 << 20) -> None:
+    """Refuse, before anything is written, local text files the `datasets` loader would die on
+    mid-run with a UnicodeDecodeError traceback (our own line readers skip and count such rows
+    instead). One incremental decode pass: about a second per GB."""
+    import codecs
+
+    for path in files:
+        dec = codecs.getincrementaldecoder("utf-8")()
+        off = 0
+        with open(path, "rb") as f:
+            while True:
+                buf = f.read(block)
+                try:
+                    dec.decode(buf, final=not buf)
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"data.source={source!r}: {path} is not UTF-8 (byte {off + e.start}); "
+                        "re-encode it as UTF-8, or read it with data.streaming: false and without "
+                        "data.max_docs, which skip and count undecodable rows") from None
+                if not buf:
+                    break
+                off += len(buf)
 
 
 def _is_json_lines(path: str) -> bool:
@@ -223,8 +249,13 @@ def _read_lines(seg: dict, cfg: DataConfig, at: "list | None") -> Iterator[tuple
                 if not body.strip():
                     continue  # blank lines are not rows (as in the datasets json loader)
                 try:
+                    body = body.decode("utf-8")
+                except UnicodeDecodeError:  # counted apart: the fix is the file's encoding
+                    yield [here, 0], Refused("bad_encoding")
+                    continue
+                try:
                     obj = json.loads(body)
-                except (ValueError, UnicodeDecodeError):
+                except ValueError:
                     yield [here, 0], Refused("bad_json")
                     continue
                 yield [here, 0], (obj.get(cfg.text_column) if isinstance(obj, dict)

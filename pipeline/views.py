@@ -11,14 +11,31 @@ import datetime as _dt
 
 import numpy as np
 
-from .runstate import read as read_driver
 
 
-# A run is taken as alive while its last commit is younger than this many times its typical gap
-# between commits (and at least ACTIVE_MIN_SECONDS): the store has no heartbeat, and a rate and
-# ETA shown for a run killed an hour ago are worse than none.
+# Without a driver lease (stores written before leases existed) a run is taken as alive while its
+# last commit is younger than this many times its typical gap between commits (and at least
+# ACTIVE_MIN_SECONDS): a rate and an ETA shown for a run killed an hour ago are worse than none.
 ACTIVE_GAPS = 5
 ACTIVE_MIN_SECONDS = 120.0
+
+
+def driver_state(loc, ttl: "float | None" = None) -> "dict | None":
+    """The driver's lease (pipeline/lease.py) as status shows it: a live lease is a running
+    driver; a released or expired one, a stopped run. None when the store has no lease."""
+    from .config import StoreConfig
+    from .lease import current
+
+    try:
+        cur = current(loc)
+    except Exception:  # noqa: BLE001 -- status must not fail on an unreadable lease
+        return None
+    if cur is None:
+        return None
+    ttl = float(ttl or StoreConfig.lease_seconds)
+    return {"live": cur.live(ttl), "released": bool(cur.record.get("released")),
+            "heartbeat_age_s": round(cur.age(), 1), "pid": cur.record.get("pid"),
+            "host": cur.record.get("host"), "generation": cur.gen}
 
 
 def store_missing(url: str, storage_options: dict | None = None) -> bool:
@@ -37,9 +54,12 @@ def status(url: str, storage_options: dict | None = None, now: "_dt.datetime | N
     from pipeline.store import open_store
 
     if store_missing(url, storage_options):
-        from pipeline.config import redact_url
+        from pipeline.store.backend import locate
 
-        return {"url": redact_url(url), "missing_store": True}
+        from .config import redact_url
+
+        return {"url": redact_url(url), "missing_store": True,
+                "driver": driver_state(locate(url, storage_options))}
     store = open_store(url, storage_options=storage_options, read_only=True)
     plan = store.plans.read()
     units = plan["units"]
@@ -72,11 +92,9 @@ def status(url: str, storage_options: dict | None = None, now: "_dt.datetime | N
         since = max(0.0, (now - last).total_seconds())
         gap = (last - first).total_seconds() / max(1, len(done) - 1)
         active = not finalized and since < max(ACTIVE_MIN_SECONDS, ACTIVE_GAPS * gap)
-    driver = read_driver(store)
-    if driver and driver.get("state") == "stopped":
-        active = False
-    elif driver and last is None and not finalized:
-        active = True  # dispatching, nothing committed yet
+    driver = driver_state(store.location)
+    if driver is not None:  # the lease says it, whatever the commit times suggest
+        active = driver["live"] and not finalized
     if first is not None and last > first and active:
         rate = (done_rows - first_rows) / (last - first).total_seconds()
         if plan["final"]:

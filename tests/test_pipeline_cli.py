@@ -91,7 +91,7 @@ def test_plan_warns_when_the_budget_exceeds_the_corpus(half_done, tmp_path, caps
 
 
 def test_status_of_an_interrupted_store(half_done, capsys):
-    """Stopped moments ago, yet no rate and no ETA: the driver marked the store stopped."""
+    """Stopped moments ago, yet no rate and no ETA: the driver released its lease."""
     cfg, done, path = half_done
     missing = [u for u in range(8) if u not in done]
     assert main(["status", cfg.store.resolved_url]) == 0
@@ -103,8 +103,7 @@ def test_status_of_an_interrupted_store(half_done, capsys):
     assert main(["status", "--config", str(path), "--json"]) == 0
     s = _json(capsys.readouterr().out)
     assert s["committed_units"] == 3 and s["finalized"] is False and s["active"] is False
-    assert s["eta_seconds"] is None and s["driver"]["state"] == "stopped"
-    assert "_Stop" in s["driver"]["reason"]
+    assert s["eta_seconds"] is None and s["driver"]["released"] and not s["driver"]["live"]
 
 
 def test_status_and_verify_before_the_store_exists(tmp_path, capsys):
@@ -112,7 +111,7 @@ def test_status_and_verify_before_the_store_exists(tmp_path, capsys):
     assert main(["status", url]) == 0
     assert f"no store at {url} yet: the job may still be starting" in capsys.readouterr().out
     assert main(["status", url, "--json"]) == 0
-    assert _json(capsys.readouterr().out) == {"url": url, "missing_store": True}
+    assert _json(capsys.readouterr().out) == {"url": url, "missing_store": True, "driver": None}
     assert main(["verify", url]) == 1
     assert "nothing to verify" in capsys.readouterr().err
 

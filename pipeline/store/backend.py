@@ -45,12 +45,21 @@ def is_transient(exc: BaseException) -> bool:
     return mod.startswith(("botocore", "aiohttp", "urllib3", "requests"))
 
 
+class RetryBudgetExceeded(TimeoutError):
+    """An operation's retries ran past its time budget (store.retry_budget_s)."""
+
+
 def with_retries(fn: Callable[[], T], what: str, *, attempts: int = 5, base_delay: float = 0.5,
-                 max_delay: float = 8.0, sleep: Callable[[float], None] = time.sleep) -> T:
+                 max_delay: float = 8.0, sleep: Callable[[float], None] = time.sleep,
+                 budget_s: float | None = None) -> T:
     """Call `fn`, retrying transient errors with full-jitter exponential backoff.
 
-    Permanent errors propagate at once; after `attempts` transient failures the last one does.
+    Permanent errors propagate at once; after `attempts` transient failures the last one does,
+    and so does the one after which the next try would start past `budget_s` (as
+    RetryBudgetExceeded, naming the budget: an endpoint that never answers must fail in a known
+    time, not after attempts x botocore retries x s3fs retries x read timeouts).
     """
+    t0 = time.monotonic()
     for i in range(attempts):
         try:
             return fn()
@@ -58,6 +67,12 @@ def with_retries(fn: Callable[[], T], what: str, *, attempts: int = 5, base_dela
             if not is_transient(e) or i == attempts - 1:
                 raise
             delay = min(max_delay, base_delay * (2 ** i)) * (0.5 + random.random() / 2)
+            spent = time.monotonic() - t0
+            if budget_s is not None and spent + delay > budget_s:
+                raise RetryBudgetExceeded(
+                    f"{what}: no success within the retry budget of {budget_s:g} s ({i + 1} "
+                    f"tries over {spent:.1f} s; last error {type(e).__name__}: {e}); raise "
+                    "store.retry_budget_s / store.timeout_s if the storage is just slow") from e
             log.warning("%s failed (%s), retry %d/%d in %.1fs", what, type(e).__name__, i + 1,
                         attempts - 1, delay)
             sleep(delay)
@@ -117,6 +132,7 @@ class Location:
     root: str
     storage_options: dict = field(repr=False)
     fs: Any = field(repr=False)
+    budget_s: float | None = None  # total time of one operation's retries (store.retry_budget_s)
 
     @property
     def is_local(self) -> bool:
@@ -133,6 +149,11 @@ class Location:
                 or "InvalidAccessKeyId" in cause:
             hint = (" -- check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
                     "storage_options key/secret) and that they may access this bucket")
+        elif isinstance(exc, RetryBudgetExceeded) or "timeout" in cause.lower() \
+                or "timed out" in cause.lower():
+            hint = (" -- the endpoint did not answer in time: check that it is up and is the "
+                    "right one (AWS_ENDPOINT_URL or storage_options client_kwargs.endpoint_url); "
+                    "store.timeout_s and store.retry_budget_s bound the wait")
         elif "connect" in cause.lower() or isinstance(exc, (ConnectionError, TimeoutError)):
             hint = " -- check the endpoint (AWS_ENDPOINT_URL or storage_options client_kwargs.endpoint_url)"
         return StoreAccessError(f"{what} at {self.url} failed: {cause}{hint}")
@@ -153,7 +174,7 @@ class Location:
     def read_bytes(self, rel: str, attempts: int = 5) -> bytes | None:
         """Object bytes, or None if absent."""
         try:
-            return with_retries(lambda: self.fs.cat_file(self.key(rel)), f"read {rel}", attempts=attempts)
+            return with_retries(lambda: self.fs.cat_file(self.key(rel)), f"read {rel}", attempts=attempts, budget_s=self.budget_s)
         except FileNotFoundError:
             return None
 
@@ -176,13 +197,13 @@ class Location:
             os.replace(tmp, path)  # readers never see a half-written file
             _fsync_dir(os.path.dirname(path))
             return
-        with_retries(lambda: self.fs.pipe_file(path, data), f"write {rel}", attempts=attempts)
+        with_retries(lambda: self.fs.pipe_file(path, data), f"write {rel}", attempts=attempts, budget_s=self.budget_s)
 
     def read_many(self, paths: list[str], what: str) -> dict:
         """{full path: bytes} of the objects at `paths` that exist: one concurrent batch request on
         object stores (a GET each, one after the other, is what made 10^5 markers slow)."""
         if not self.is_local:
-            got = with_retries(lambda: self.fs.cat(sorted(set(paths)), on_error="return"), what)
+            got = with_retries(lambda: self.fs.cat(sorted(set(paths)), on_error="return"), what, budget_s=self.budget_s)
             return {k: v for k, v in got.items() if isinstance(v, (bytes, bytearray))}
         out = {}
         for p in paths:
@@ -194,21 +215,21 @@ class Location:
         return out
 
     def exists(self, rel: str) -> bool:
-        return bool(with_retries(lambda: self.fs.exists(self.key(rel)), f"stat {rel}"))
+        return bool(with_retries(lambda: self.fs.exists(self.key(rel)), f"stat {rel}", budget_s=self.budget_s))
 
     def list_dir(self, rel: str) -> list[str]:
         """Names (not paths) directly under `rel`; [] if it does not exist."""
         path = self.key(rel)
         try:
             self.fs.invalidate_cache(path)
-            entries = with_retries(lambda: self.fs.ls(path, detail=False), f"list {rel}")
+            entries = with_retries(lambda: self.fs.ls(path, detail=False), f"list {rel}", budget_s=self.budget_s)
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def delete(self, rel: str) -> None:
         try:
-            with_retries(lambda: self.fs.rm_file(self.key(rel)), f"delete {rel}")
+            with_retries(lambda: self.fs.rm_file(self.key(rel)), f"delete {rel}", budget_s=self.budget_s)
         except FileNotFoundError:
             pass
 
@@ -250,15 +271,15 @@ class Location:
                         return False
                     raise
 
-            return with_retries(put, f"commit {rel}")
+            return with_retries(put, f"commit {rel}", budget_s=self.budget_s)
         if self._exists_fresh(path):
             return False
-        with_retries(lambda: self.fs.pipe_file(path, data), f"commit {rel}")
+        with_retries(lambda: self.fs.pipe_file(path, data), f"commit {rel}", budget_s=self.budget_s)
         return self.fs.cat_file(path) == data
 
     def _exists_fresh(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
-        return bool(with_retries(lambda: self.fs.exists(path), "stat"))
+        return bool(with_retries(lambda: self.fs.exists(path), "stat", budget_s=self.budget_s))
 
     def honours_if_none_match(self) -> bool:
         """Probe the server once: does a second create-once PUT of the same key fail?"""
@@ -303,9 +324,14 @@ def locate(url: str, storage_options: dict | None = None) -> Location:
                         fs=fsspec.filesystem("file"))
     protocol = url.split("://", 1)[0].lower()
     so = _s3_options(storage_options) if protocol in ("s3", "s3a") else dict(storage_options or {})
+    budget = so.pop("retry_budget_s", None)  # ours (StoreConfig.fs_options), not fsspec's
     try:
         fs, root = fsspec.url_to_fs(url, **so)
     except Exception as e:  # noqa: BLE001 -- reported without secrets
         raise StoreAccessError(f"cannot open filesystem for {display}: "
                                f"{scrub(f'{type(e).__name__}: {e}', so)}") from None
-    return Location(url=display, protocol=protocol, root=root.rstrip("/"), storage_options=so, fs=fs)
+    if budget is not None and protocol in ("s3", "s3a"):
+        # s3fs retries timeouts 5 times itself, outside any budget: with_retries does it
+        fs.retries = 1
+    return Location(url=display, protocol=protocol, root=root.rstrip("/"), storage_options=so, fs=fs,
+                    budget_s=budget)

@@ -1,0 +1,174 @@
+"""Actor health for the dispatch loop: per-actor figures, deadlines, restarts, deaths.
+
+No wait is silent or endless: an actor with units in flight that finishes none within the unit
+deadline (a hung engine, a SIGSTOPped process, storage that never answers) loses its units to
+the other actors and is killed (Ray restarts it); a restarted actor that does not answer a ping
+in time is given up. Retries and deaths are counted from what happened: Ray re-running a unit in
+a restarted actor reaches the loop as a success, seen only as a new process id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .errors import HarvestError
+
+log = logging.getLogger("harvest.pipeline")
+
+WAIT_LINE_SECONDS = 30.0     # a log line at least this often while nothing finishes
+DEADLINE_MEDIAN_FACTOR = 10  # the derived unit deadline: this many times the median unit time
+
+
+@dataclass
+class ActorFigures:
+    """Per-actor figures. Units in flight overlap (one captures while the other commits), so a
+    rate over summed unit times would understate the actor: the rate is over capture time."""
+
+    index: int
+    pids: list = field(default_factory=list)
+    units: int = 0
+    tokens: int = 0
+    engine_seconds: float = 0.0
+    unit_seconds: float = 0.0
+    failures: int = 0
+    already_committed: int = 0   # units this actor found committed (an earlier attempt's)
+    restarts: int = 0            # new processes seen for this actor (Ray restarts, ours)
+    step: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "index": self.index, "pids": self.pids, "units": self.units, "tokens": self.tokens,
+            "engine_seconds": round(self.engine_seconds, 3),
+            "unit_seconds": round(self.unit_seconds, 3),
+            "tokens_per_second": (round(self.tokens / self.engine_seconds, 1)
+                                  if self.engine_seconds else None),
+            "failures": self.failures, "already_committed": self.already_committed,
+            "restarts": self.restarts, "step_fill": self.step.get("step_fill"),
+            "steps": self.step.get("steps"), "streams": self.step.get("streams"),
+            "rows_in_place": self.step.get("rows_in_place"),
+        }
+
+
+class ActorHealth:
+    """Mixed into `dispatch.Scheduler` (its state: inflight, load, alive, probing, figures...)."""
+
+    def _saw_pid(self, a: int, pid: int) -> None:
+        seen = self.seen_pids.setdefault(a, set())
+        if pid not in seen:
+            self.killed_unseen.discard(a)
+            if seen:
+                self.figures[a].restarts += 1
+                log.info("actor %d runs in a new process (pid %d, was %s)", a, pid, self.pid.get(a))
+            seen.add(pid)
+        self.pid[a] = pid
+
+    def _on_probe(self, ref) -> None:
+        import ray
+
+        a = self.probing.pop(ref)
+        self.probe_sent.pop(ref, None)
+        self.progress[a] = self.last_event = time.monotonic()
+        try:
+            pid = ray.get(ref)
+            self._saw_pid(a, int(pid))
+            log.info("actor %d answers again after a failure (pid %d)", a, pid)
+        except Exception:  # noqa: BLE001
+            self._lose(a)
+
+    def _lose(self, a: int) -> None:
+        self.killed_unseen.discard(a)
+        self.alive.discard(a)
+        self.deaths += 1
+        log.warning("actor %d is gone for good; %d actors left", a, len(self.alive))
+        self.emit({"event": "actor_lost", "actor": a})
+
+    # ---- deadlines ---------------------------------------------------------------------------
+    def unit_deadline(self) -> float:
+        """Seconds an actor with units in flight may go without finishing one."""
+        r = self.cfg.ray
+        if r.unit_timeout_s is not None:
+            return float(r.unit_timeout_s)
+        times = sorted(self.unit_seconds)
+        median = times[len(times) // 2] if times else 0.0
+        return max(r.unit_timeout_min_s, DEADLINE_MEDIAN_FACTOR * median)
+
+    def probe_deadline(self) -> float:
+        """A restarted actor loads its engine again before it answers."""
+        return max(self.unit_deadline(), 3 * self.load_seconds)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        limit = self.unit_deadline()
+        by_actor: dict[int, list] = {}
+        for ref, (_, a, _, sent, _) in self.inflight.items():
+            by_actor.setdefault(a, []).append((ref, sent))
+        for a, refs in by_actor.items():
+            since = max(self.progress.get(a, 0.0), min(t for _, t in refs))
+            if now - since > limit:
+                self._hung(a, [r for r, _ in refs], now - since, limit)
+        for ref, sent in list(self.probe_sent.items()):
+            if now - sent > self.probe_deadline():
+                a = self.probing.pop(ref)
+                del self.probe_sent[ref]
+                log.warning("actor %d did not answer a ping in %.0f s", a, now - sent)
+                self._kill(a, restart=False)
+                self._lose(a)
+
+    def _kill(self, a: int, restart: bool) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actors[a], no_restart=not restart)
+        except Exception as e:  # noqa: BLE001 -- already gone
+            log.debug("ray.kill of actor %d: %s", a, e)
+
+    def _hung(self, a: int, refs: list, stalled: float, limit: float) -> None:
+        """Actor `a` finished nothing within the deadline (a hung engine, a SIGSTOPped process,
+        storage that never answers): its units go to other actors and it is killed; Ray
+        restarts it (max_restarts) and a ping tells when it is back."""
+        import ray
+
+        log.warning("actor %d (pid %s) finished no unit in %.0f s (unit deadline %.0f s): "
+                    "killing it; its %d units in flight go to other actors", a, self.pid.get(a),
+                    stalled, limit, len(refs))
+        for ref in refs:
+            unit, _, attempt, _, _ = self.inflight.pop(ref)
+            self.load[a] -= 1
+            try:  # so Ray does not run it again in the restarted process as well
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001
+                pass
+            why = f"no result within the unit deadline of {limit:.0f} s"
+            if attempt >= self.cfg.ray.unit_attempts:
+                raise HarvestError(
+                    f"unit {unit.unit_id} rows [{unit.row_start}, {unit.row_end}) failed {attempt} "
+                    f"times, last on actor {a}: {why}. The store is resumable: fix the cause and "
+                    "re-run the same config (ray.unit_timeout_s sets the deadline)")
+            self.retries += 1
+            self.figures[a].failures += 1
+            self.emit({"event": "unit_retry", "unit": unit.unit_id, "actor": a,
+                       "attempt": attempt, "error": why})
+            self.ready.appendleft((unit, attempt + 1))
+        self.deadline_kills += 1
+        self.killed_unseen.add(a)
+        self.emit({"event": "actor_deadline", "actor": a, "pid": self.pid.get(a),
+                   "stalled_seconds": round(stalled, 1)})
+        self._kill(a, restart=True)
+        ping = self.actors[a].ping.remote()
+        self.probing[ping] = a
+        self.probe_sent[ping] = time.monotonic()
+        self.progress[a] = time.monotonic()
+
+    def _wait_line(self) -> None:
+        """No silent waits: say what the loop waits for while nothing finishes."""
+        now = time.monotonic()
+        if now - max(self.last_event, self.last_line) < WAIT_LINE_SECONDS:
+            return
+        self.last_line = now
+        per = {a: n for a, n in enumerate(self.load) if n}
+        log.info("nothing finished for %.0f s: %d units in flight %s, %d ready, %d waiting for "
+                 "tokens, %d actors restarting; unit deadline %.0f s", now - self.last_event,
+                 len(self.inflight), per or "", len(self.ready), len(self.waiting),
+                 len(self.probing), self.unit_deadline())

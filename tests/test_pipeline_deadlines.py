@@ -1,0 +1,158 @@
+"""Deadlines: nothing waits for ever on storage or an actor.
+
+A black-hole S3 endpoint (accepts connections, never answers) fails within store.timeout_s and
+store.retry_budget_s with a clear error, where it once took 14 min; a SIGSTOPped actor has its
+units taken away after the unit deadline and the run finishes on the other actor, the store
+exact against the single-process reference.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from pipeline.driver import run
+from pipeline.store import StoreAccessError, open_store
+from tests.test_pipeline_support import check_store, make_cfg
+
+
+@pytest.fixture
+def black_hole():
+    """A TCP server on loopback that accepts every connection and never sends a byte."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held: list = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join(2)
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_black_hole_endpoint_fails_within_the_budget(tiny_llama, black_hole, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "some text"}\n')
+    so = {"key": "k", "secret": "s3cr3t-value", "client_kwargs": {"endpoint_url": black_hole}}
+    cfg = make_cfg(tiny_llama, "s3://bucket/run", data, "store.timeout_s=1",
+                   "store.retry_budget_s=4", storage_options=so)
+    t0 = time.monotonic()
+    with pytest.raises(StoreAccessError, match=r"s3://bucket/run.*did not answer in time") as info:
+        run(cfg)
+    took = time.monotonic() - t0
+    # one read of 1 s, retries until the 4 s budget: far from the 14 min of botocore x s3fs retries
+    assert took < 12, took
+    assert "s3cr3t-value" not in str(info.value)
+
+
+class Stopper:
+    """on_event hook: SIGSTOP actor 1's process once it has units in flight."""
+
+    def __init__(self):
+        self.pids: dict[int, int] = {}
+        self.stopped: int | None = None
+        self.events: list[dict] = []
+
+    def __call__(self, e: dict) -> None:
+        self.events.append(e)
+        if e["event"] == "actors_ready":
+            self.pids = {a["index"]: a["pid"] for a in e["actors"]}
+        elif e["event"] == "unit_done" and self.stopped is None and e["in_flight"].get(1):
+            self.stopped = self.pids[1]
+            os.kill(self.stopped, signal.SIGSTOP)
+
+
+def test_stopped_actor_units_finish_elsewhere(ray_cluster, tiny_llama, corpus, reference,
+                                               tmp_path):
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "ray.unit_timeout_min_s=4",
+                   "ray.max_restarts=0", "ray.max_task_retries=0")
+    s = Stopper()
+    try:
+        summary = run(cfg, on_event=s)
+    finally:
+        if s.stopped is not None:  # by pid, the one process this test stopped
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(s.stopped, sig)
+                except ProcessLookupError:
+                    pass
+    assert s.stopped is not None, "actor 1 never had a unit in flight"
+    check_store(open_store(cfg.store.resolved_url), reference)
+    assert summary["unit_deadlines"] == 1
+    assert any(e["event"] == "actor_deadline" and e["actor"] == 1 for e in s.events)
+    retried = {e["unit"] for e in s.events if e["event"] == "unit_retry"}
+    assert retried and summary["unit_retries"] >= len(retried)
+    by = {u: m["extra"]["actor"] for u, m in open_store(cfg.store.resolved_url)
+          .committed_units().items()}
+    # the stopped actor's units finished on the other, except those it committed just before
+    # it was stopped (their retry finds them committed)
+    found = {e["unit_id"] for e in s.events
+             if e["event"] == "unit_done" and e["status"] == "already_committed"}
+    assert all(by[u] == 0 for u in retried - found) and retried - found
+    assert all(by[u] == 1 for u in found)
+    done = [e["unit_id"] for e in s.events if e["event"] == "unit_done"]
+    assert sorted(done) == reference[0].unit_ids  # each unit reported once
+    # killed at the deadline; with max_restarts=0 it never comes back (seen lost, or not yet)
+    assert summary["actor_deaths_seen"] == 1 and summary["actor_restarts"] == 0
+    per = summary["per_actor"]
+    assert sum(a["units"] + a["already_committed"] for a in per) == summary["units_run"] + \
+        summary["units_found_committed"]
+    assert summary["units_skipped"] + summary["units_run"] + summary["units_found_committed"] \
+        == summary["units"]
+
+
+def test_retries_stop_at_the_budget():
+    """Transient errors are retried until the next try would start past the budget, not for
+    attempts x (botocore retries x s3fs retries x read timeout)."""
+    from pipeline.store.backend import RetryBudgetExceeded, with_retries
+
+    calls = []
+
+    def slow_failure():
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        raise ConnectionError("no answer")
+
+    t0 = time.monotonic()
+    with pytest.raises(RetryBudgetExceeded, match=r"read x: no success within the retry budget "
+                                                  r"of 1 s .*ConnectionError: no answer"):
+        with_retries(slow_failure, "read x", attempts=50, base_delay=0.05, budget_s=1.0)
+    assert 1 < len(calls) < 6 and time.monotonic() - t0 < 1.5
+    with pytest.raises(PermissionError):  # permanent errors are not retried at all
+        with_retries(lambda: (_ for _ in ()).throw(PermissionError("denied")), "x", budget_s=9)
+
+
+def test_store_deadlines_reach_s3_options(tiny_llama, tmp_path):
+    """store.timeout_s becomes botocore's connect/read timeouts with one try per request (our
+    retries, within store.retry_budget_s, are the only ones); explicit storage_options win."""
+    from pipeline.store.backend import locate
+
+    cfg = make_cfg(tiny_llama, "s3://bucket/run", tmp_path, "store.timeout_s=7",
+                   "store.retry_budget_s=50",
+                   storage_options={"config_kwargs": {"connect_timeout": 2}})
+    so = cfg.store.fs_options()
+    assert so["config_kwargs"] == {"connect_timeout": 2, "read_timeout": 7.0,
+                                   "retries": {"total_max_attempts": 1}}
+    loc = locate(cfg.store.resolved_url, {**so, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}})
+    assert loc.budget_s == 50 and loc.fs.retries == 1 and "retry_budget_s" not in loc.storage_options
+    local = make_cfg(tiny_llama, str(tmp_path / "s"), tmp_path).store.fs_options()
+    assert local == {"retry_budget_s": 120.0}
+    assert cfg.store.storage_options == {"config_kwargs": {"connect_timeout": 2}}  # not mutated

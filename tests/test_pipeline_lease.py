@@ -1,0 +1,109 @@
+"""One driver per store: the lease (pipeline/lease.py).
+
+The scenario that once corrupted a store for good: driver A creates the store and is paused;
+driver B, whose config differs only in store.unit_shards (not part of the run's identity, so B
+took the store for its own resume), started planning units of another size. Now B is refused
+before it writes anything, naming A, and A, continued, finishes a store that verifies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.cli import main
+from pipeline.config import REPO_ROOT
+from pipeline.errors import HarvestError
+from pipeline.lease import Lease, current, refuse_if_held
+from pipeline.store import open_store
+from pipeline.store.backend import locate
+from tests.test_pipeline_support import make_cfg
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+def test_lease_is_exclusive_and_a_paused_holder_stops(tmp_path):
+    loc = locate(str(tmp_path / "store"))
+    a = Lease(loc, 2.0, "store", {"run": 1}, "a").acquire()
+    with pytest.raises(HarvestError, match=r"being written by another driver pid \d+ .*lease 0"):
+        Lease(loc, 2.0, "store", {"run": 2}, "b").acquire()
+    a.assert_held("writing")  # still ours
+    # A is "paused": its heartbeats stop (the thread is stopped without releasing)
+    a._stop.set()
+    a._thread.join()
+    time.sleep(2.2)
+    b = Lease(loc, 2.0, "store", {"run": 2}, "b").acquire()  # expired: free to take
+    assert b.gen == 1 and current(loc).gen == 1
+    a.last_beat = 0.0  # A wakes up after the pause: its next control write checks first
+    with pytest.raises(HarvestError, match=r"lost the lease .* stopped before writing plan"):
+        a.assert_held("writing plan segment 3")
+    b.release()
+    refuse_if_held(loc, 60.0, "store")  # released: free at once
+    c = Lease(loc, 60.0, "store", {"run": 3}, "c").acquire()
+    assert c.gen == 2
+    c.remove_if_alone()  # no store was created: no lease object or directory of ours is left
+    assert list((tmp_path / "store").iterdir()) == []  # (A made this directory, not C)
+
+
+@pytest.fixture
+def driver_a(ray_cluster, tiny_llama, corpus, tmp_path):
+    """Driver A in its own process (so it can be paused), on the shared test cluster."""
+    store = tmp_path / "store"
+    cfg = make_cfg(tiny_llama, str(store), corpus, "ray.num_actors=1", "ray.max_in_flight=1")
+    conf = cfg.to_dict(redact=False)
+    conf["ray"]["address"] = ray_cluster.address
+    path = tmp_path / "a.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    log = open(tmp_path / "a.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "--config", str(path)],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **ray_cluster.env})
+    try:
+        yield proc, store, conf
+    finally:
+        if proc.poll() is None:  # by pid: the one process this fixture started
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(30)
+        log.close()
+
+
+def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, capsys):
+    proc, store, conf = driver_a
+    deadline = time.time() + 180
+    while not (store / "zarr.json").exists():
+        assert proc.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
+        assert time.time() < deadline, "driver A created no store in 180 s"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        before = _tree(store)
+        conf_b = {**conf, "store": {**conf["store"], "unit_shards": 2}}
+        conf_b["ray"] = {**conf["ray"], "address": None}
+        path_b = tmp_path / "b.yaml"
+        path_b.write_text(yaml.safe_dump(conf_b))
+        t0 = time.monotonic()
+        assert main(["run", "--config", str(path_b)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert time.monotonic() - t0 < 30
+        assert err.startswith("harvest run: error: store.url=") and \
+            f"being written by another driver pid {proc.pid}" in err, err
+        assert _tree(store) == before  # B wrote nothing
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(300) == 0, (tmp_path / "a.log").read_text()[-3000:]
+    st = open_store(str(store))
+    v = st.verify()
+    assert v["ok"] and not v["missing_units"], v
+    assert st.summary is not None and st.summary["status"] == "complete"
+    assert current(st.location).record.get("released") is True
