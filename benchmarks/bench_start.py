@@ -74,7 +74,8 @@ def main(argv=None) -> dict:
             print(f"{name:10s} start {r['start_s']:6.1f} s (load {r['load_s']:.1f} s, first "
                   f"capture {r['first_capture_s']:.1f} s; process {r['process_s']:.1f} s)",
                   flush=True)
-        out["cache_mb"] = round(sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 1e6, 1)
+        files = [f for f in cache.rglob("*") if f.is_file()]
+        out["cache_mb"] = round(sum(f.stat().st_size for f in files) / 1e6, 1)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return out
 

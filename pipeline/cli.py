@@ -105,7 +105,8 @@ def cmd_run(args) -> int:
     if short:
         print(f"warning: {short}")
     if not summary.get("noop"):
-        print(f"next: harvest report {summary['store']}   (norms, variances, top tokens as PNG/HTML)")
+        print(f"next: harvest report {summary['store']}   "
+              "(norms, variances, top tokens as PNG/HTML)")
     return 0
 
 

@@ -57,8 +57,8 @@ def plan_estimate(cfg, prep, out: dict) -> "tuple[dict, list[str]]":
     budget = cfg.packing.max_tokens
     if budget and corpus_tokens and budget > BUDGET_SLACK * corpus_tokens:
         warnings.append(
-            f"packing.max_tokens={budget:,} is more than the corpus likely holds (~{corpus_tokens:,} "
-            f"tokens from {text / 1e6:.1f} MB of text at ~{BYTES_PER_TOKEN:g} bytes per token): "
+            f"packing.max_tokens={budget:,} is more than the corpus likely holds "
+            f"(~{corpus_tokens:,} tokens from {text / 1e6:.1f} MB of text at ~{BYTES_PER_TOKEN:g} bytes per token): "
             "the run will stop at the end of the corpus, short of the budget")
     if out.get("planned_tokens") and out.get("plan_complete"):
         tokens, source = out["planned_tokens"], "the stored plan"

@@ -127,7 +127,8 @@ def quiet_run(log_dir: Path):
             h.setStream(console)
         for lg in loggers:
             lg.addHandler(file_handler)
-        root.addHandler(file_handler)  # third-party loggers without handlers: the file, not lastResort
+        # third-party loggers without handlers: the file, not logging's lastResort (stderr)
+        root.addHandler(file_handler)
         yield path
     finally:
         root.removeHandler(file_handler)
@@ -218,13 +219,15 @@ class StartWatch:
         self.shown, self.last = slowest, now
         elapsed = f"{now - self.t0:.0f} s"
         if self.dir is None or max(self.phase) < 0:
-            from .cluster import waiting_line  # names the cluster's resources: a start that waits for them
+            # names the cluster's resources: a start may be waiting for them
+            from .cluster import waiting_line
 
             return waiting_line(pending, self.n, self.t0)
         counts: dict[int, int] = {}
         for k in self.phase:
             counts[k] = counts.get(k, 0) + 1
-        parts = [f"{PHASES[k][1] if k >= 0 else 'starting'}" + (f" ({c} of {self.n})" if self.n > 1 else "")
+        parts = [(PHASES[k][1] if k >= 0 else "starting")
+                 + (f" ({c} of {self.n})" if self.n > 1 else "")
                  for k, c in sorted(counts.items())]
         return f"engines starting, {elapsed}: " + "; ".join(parts)
 

@@ -43,7 +43,8 @@ def table(rows: list[list], header: list[str]) -> str:
 
 def plan_text(p: dict) -> str:
     """`harvest plan`: what the run will write and roughly how long it takes."""
-    lines = [f"store     {p['store']}" + ("  (exists: a run resumes it)" if p["store_exists"] else "")]
+    lines = [f"store     {p['store']}"
+             + ("  (exists: a run resumes it)" if p["store_exists"] else "")]
     lines.append(f"model     {p['model_path']}: {p['points']} points x width {p['width']}, "
                  f"{size(p['bytes_per_token'])} per token")
     text = f"{size(p['corpus_bytes'])} of text, " if p.get("corpus_bytes") else ""
@@ -94,7 +95,8 @@ def status_text(s: dict) -> str:
     if s.get("finalized") and s.get("summary"):
         sm = s["summary"]
         lines.append(f"  {size(sm.get('bytes_stored'))} stored, compression "
-                     f"{sm.get('compression_ratio')}x, {sm.get('tokens_per_second') or 0:.0f} tok/s, "
+                     f"{sm.get('compression_ratio')}x, "
+                     f"{sm.get('tokens_per_second') or 0:.0f} tok/s, "
                      f"finished {sm.get('finished_at')}")
     elif s.get("active") and s.get("recent_tokens_per_second"):
         lines.append(f"  {s['recent_tokens_per_second']:.0f} tok/s from commit times"
@@ -104,9 +106,9 @@ def status_text(s: dict) -> str:
                      + (f" ({duration(s['seconds_since_last_commit'])} ago)"
                         if s.get("seconds_since_last_commit") is not None else ""))
     if s["per_actor"]:
-        lines.append(_indent(table([[k, v["units"], f"{v['tokens']:,}", ",".join(map(str, v["pids"]))]
-                            for k, v in s["per_actor"].items()],
-                           ["actor", "units", "tokens", "pids"])))
+        rows = [[k, v["units"], f"{v['tokens']:,}", ",".join(map(str, v["pids"]))]
+                for k, v in s["per_actor"].items()]
+        lines.append(_indent(table(rows, ["actor", "units", "tokens", "pids"])))
     if s["missing_units"] and not s["finalized"]:
         more = "" if len(s["missing_units"]) < 50 else " ..."
         lines.append(f"  uncommitted units: {s['missing_units'][:20]}{more}")

@@ -49,7 +49,8 @@ def store_missing(url: str, storage_options: dict | None = None) -> bool:
         return False
 
 
-def status(url: str, storage_options: dict | None = None, now: "_dt.datetime | None" = None) -> dict:
+def status(url: str, storage_options: dict | None = None,
+           now: "_dt.datetime | None" = None) -> dict:
     """Progress of a running or interrupted job, from the store alone."""
     from pipeline.store import open_store
 

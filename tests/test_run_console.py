@@ -66,7 +66,8 @@ def test_quiet_run_prints_a_short_console_and_keeps_the_rest_in_a_log_folder(
 
 
 def test_budget_shortfall_names_the_numbers(tiny_llama, tmp_path):
-    cfg = make_cfg(tiny_llama, str(tmp_path / "s"), tmp_path / "d.jsonl", "packing.max_tokens=5000000")
+    cfg = make_cfg(tiny_llama, str(tmp_path / "s"), tmp_path / "d.jsonl",
+                   "packing.max_tokens=5000000")
     short = {"tokens": 220_416, "packing": {"budget_reached": False}}
     assert budget_shortfall(cfg, short) == (
         "packing.max_tokens=5,000,000 was not reached: the corpus gave 220,416 tokens (4.4% of "
@@ -83,7 +84,8 @@ def test_start_watch_reports_the_slowest_actors_phase(tmp_path, monkeypatch):
     monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path))
     a0, a1 = tmp_path / "actor-0.log", tmp_path / "actor-1.log"
     w = StartWatch(2, t0=1000.0)  # heartbeat every 60 s
-    a0.write_text("harvest-phase: engine pid 1\nINFO [cpu_model_runner.py:68] Starting to load model x\n")
+    a0.write_text("harvest-phase: engine pid 1\n"
+                  "INFO [cpu_model_runner.py:68] Starting to load model x\n")
     a1.write_text("harvest-phase: engine pid 2\n")
     assert w.line(2, now=1005.0) == ("engines starting, 5 s: importing the engine (vLLM, torch) "
                                      "(1 of 2); loading weights (1 of 2)")
