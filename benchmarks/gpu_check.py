@@ -209,7 +209,8 @@ def pipeline_step(dry: bool, timeout: float) -> dict:
         out["error"] = (r.stderr or r.stdout)[-1500:]
         return out
     text = r.stdout
-    summary = json.loads(text[text.index("\n{") + 1:]) if "\n{" in text else {}
+    # `run --json` prints only the JSON (a log line of Ray's may still precede it)
+    summary = json.loads(text[text.index("{"):]) if "{" in text else {}
     gb = summary.get("bytes_logical", 0) / 1e9
     out.update(tokens=summary.get("tokens_this_run"), tok_s=summary.get("tokens_per_second"),
                captured_gb=round(gb, 3), compression=summary.get("compression_ratio"))

@@ -5,12 +5,13 @@
         req.index, req.token_ids, req.positions, req.acts           # acts: [points, n, width]
     model.capture(batches, points, destinations=fn)   # fn(index, n): rows land in caller memory
     caches = run_with_cache(model, token_lists, ["resid_post.3"])   # per request {Address: [n, width]}
+    caches[0]["resid_post.3"]                                      # string keys work too
 """
 
 from __future__ import annotations
 
 from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
-from .captured import CapturedRequest, to_numpy
+from .captured import ActivationCache, CapturedRequest, to_numpy
 from .check import CheckConfig, check_loaded, check_model
 from .probe import TrunkRefused
 
@@ -18,7 +19,14 @@ BACKENDS = ("vllm", "eager")
 
 
 def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", **engine_args):
-    """Load a model for capture through the same from_pretrained path for hub names and paths."""
+    """Load a model for capture through the same from_pretrained path for hub names and paths.
+
+    `smollm2` and `tiny:<arch>` resolve here as in pipeline configs (engine.models.resolve_model):
+    offline checkpoints built once under the cache, so a snippet runs without the hub.
+    """
+    from .models import resolve_model
+
+    name_or_path = resolve_model(name_or_path)
     if backend == "vllm":
         from .vllm_backend import VLLMModel
 
@@ -32,14 +40,15 @@ def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", *
     raise ValueError(f"backend={backend!r} is not known: use one of {', '.join(BACKENDS)}")
 
 
-def run_with_cache(model, tokens, points=None) -> list[dict[Address, "torch.Tensor"]]:
-    """Capture a list of token lists; results in submission order, one {Address: [n, width]} each."""
+def run_with_cache(model, tokens, points=None) -> list[ActivationCache]:
+    """Capture a list of token lists; results in submission order, one {Address: [n, width]} each
+    (string keys work too: `caches[0]["resid_post.3"]`)."""
     out: list = [None] * len(tokens)
     for req in model.capture([tokens], points):
         out[req.index] = req.as_dict()
     return out
 
 
-__all__ = ["Address", "CapturedRequest", "CheckConfig", "FreezePlan", "FreezeSet", "KNOWN_POINTS",
+__all__ = ["ActivationCache", "Address", "CapturedRequest", "CheckConfig", "FreezePlan", "FreezeSet", "KNOWN_POINTS",
            "TrunkRefused", "check_loaded", "check_model", "load_model", "resolve_freeze_points",
            "run_with_cache", "to_numpy"]

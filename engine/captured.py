@@ -10,6 +10,30 @@ import torch
 from .addresses import Address
 
 
+class ActivationCache(dict):
+    """`{Address: [n, width]}` that also answers string keys: `cache["resid_post.3"]`.
+
+    Keys stay `Address` objects (iteration, `keys()`), so code written against them keeps working;
+    a string is parsed on lookup, as TransformerLens users write it, instead of a KeyError.
+    """
+
+    @staticmethod
+    def _key(k):
+        return k if isinstance(k, Address) else Address.parse(k)
+
+    def __getitem__(self, k):
+        return super().__getitem__(self._key(k))
+
+    def __contains__(self, k) -> bool:
+        try:
+            return super().__contains__(self._key(k))
+        except (TypeError, ValueError):
+            return False
+
+    def get(self, k, default=None):
+        return super().get(self._key(k), default)
+
+
 @dataclass
 class CapturedRequest:
     """Rows of one finished request, aligned row for row with `token_ids` and `positions`.
@@ -31,8 +55,9 @@ class CapturedRequest:
     def point(self, addr: "Address | str") -> torch.Tensor:
         return self.acts[self.points.index(Address.parse(addr))]
 
-    def as_dict(self) -> dict[Address, torch.Tensor]:
-        return {a: self.acts[i] for i, a in enumerate(self.points)}
+    def as_dict(self) -> ActivationCache:
+        """`{Address: [n, width]}`; string keys work too (`d["resid_post.3"]`)."""
+        return ActivationCache((a, self.acts[i]) for i, a in enumerate(self.points))
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

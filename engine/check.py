@@ -189,7 +189,9 @@ def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig()
     computed first, before this process holds an engine."""
     from . import load_model
     from .common import read_model_info
+    from .models import resolve_model
 
+    name_or_path = resolve_model(name_or_path)  # smollm2, tiny:<arch> as in load_model
     info = read_model_info(name_or_path, engine_args.get("revision"))
     pts = [str(p) for p in points] if points else [f"resid_post.{i}" for i in range(info.n_layers)]
     tokens = check_prompts(name_or_path, cfg.lengths, cfg.seed, info.vocab_size)

@@ -45,8 +45,33 @@ class VLLMIncompatible(RuntimeError):
 
 # -- process environment -------------------------------------------------------------------------
 
+def compile_cache_environment() -> dict:
+    """vLLM's and inductor's compile caches under the harvest cache (`$HARVEST_CACHE/compile`),
+    unless the operator set them: every run and every actor on a host (and every pod that mounts
+    the same cache volume) reuses the compiled graphs instead of compiling again. Torch's own
+    default, /tmp/torchinductor_<user>, is per machine and gone with the container."""
+    from .models import cache_dir
+
+    root = cache_dir() / "compile"
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == _inductor_default():  # torch may have filled in its default
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    return {k: os.environ[k] for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
+
+
+def _inductor_default() -> "str | None":
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return default_cache_dir()
+    except Exception:  # noqa: BLE001 -- a torch without it: nothing to compare with
+        return None
+
+
 def engine_environment(on_cpu: bool) -> None:
     """Environment the engine needs before `vllm.LLM` is built (read by vllm.envs)."""
+    compile_cache_environment()
     # One process: the capture loop and the runner share tap buffers and request state.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # V2 reorders requests per step and has no persistent input batch: the row map is for V1.

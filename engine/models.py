@@ -24,6 +24,24 @@ def cache_dir() -> Path:
     return d
 
 
+def resolve_model(name_or_path: str) -> str:
+    """`smollm2` and `tiny:<arch>` -> checkpoint dirs (built once under the cache); a local path
+    -> its absolute path; anything else (a hub name) unchanged.
+
+    The same aliases work in `load_model`, `harvest check-model` and pipeline configs: a README
+    snippet that names `smollm2` must not need the network a hub name needs.
+    """
+    if name_or_path == "smollm2":
+        return smollm2_path()
+    if name_or_path.startswith("tiny:"):
+        arch = name_or_path.split(":", 1)[1] or "llama"
+        if arch not in TINY_ARCHS:
+            raise ValueError(f"unknown tiny arch {arch!r}: use one of {', '.join(TINY_ARCHS)}")
+        return build_tiny_model(cache_dir() / "models" / f"tiny-{arch}", arch)
+    local = os.path.expanduser(name_or_path)
+    return os.path.abspath(local) if os.path.exists(local) else name_or_path
+
+
 def _corpus_text() -> list[str]:
     from pydoc_data.topics import topics
 

@@ -38,6 +38,21 @@ class _Req:
     internal: str
 
 
+class _NoChatWarmupTrace(logging.Filter):
+    """vLLM's LLM() renders a chat template to warm up and, with skip_tokenizer_init=True (we feed
+    token ids, never text), logs the failure as a 15-line WARNING traceback per engine that reads
+    like an error and is not. Only that record is dropped; every other vLLM warning stays."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Chat template warmup failed")
+
+
+def _quiet_chat_warmup() -> None:
+    lg = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _NoChatWarmupTrace) for f in lg.filters):
+        lg.addFilter(_NoChatWarmupTrace())
+
+
 class VLLMModel:
     backend = "vllm"
 
@@ -75,6 +90,8 @@ class VLLMModel:
         compat.engine_environment(on_cpu=self.profile.name == "cpu")
         compat.require()
         from vllm import LLM
+
+        _quiet_chat_warmup()
 
         extra = dict(eng.pop("additional_config", None) or {})
         extra["harvest"] = {

@@ -80,6 +80,10 @@ class HarvestActor:
         self.index = int(spec["index"])
         for k, v in (spec.get("env") or {}).items():
             os.environ[k] = v
+        from .logs import mark_phase, redirect_actor
+
+        redirect_actor(self.index)  # quiet runs: vLLM's and torch's output to actor-<i>.log
+        mark_phase("engine")
         # Every engine call runs on this one thread. Ray runs a threaded actor's methods on pool
         # threads, and vLLM CPU's attention checks that the OpenMP thread count of the thread that
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
@@ -94,6 +98,7 @@ class HarvestActor:
         self.load_seconds = time.perf_counter() - t0
         self.check = None
         if spec.get("check_model"):
+            mark_phase("model check")
             t1 = time.perf_counter()
             self.check = self._engine_thread.submit(self._check_engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
@@ -111,6 +116,7 @@ class HarvestActor:
         self.streams = 0
         self.rows_in_place = 0  # rows the engine wrote straight into shard buffers
         self._engine_thread.submit(self._engine_loop)
+        mark_phase("ready")
 
     def _load_engine(self, spec: dict):
         from engine import platform

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from .config import ConfigError, HarvestConfig, default_config_path, load_config, redact_url
@@ -18,25 +17,9 @@ EXIT_BAD_INPUT = 2
 
 
 def _setup_logging(verbose: bool) -> None:
-    from tqdm import tqdm
+    from .logs import setup_console
 
-    class TqdmHandler(logging.StreamHandler):
-        """Log lines above the progress bar instead of through it."""
-
-        def emit(self, record):
-            try:
-                tqdm.write(self.format(record), file=sys.stderr)
-            except Exception:
-                self.handleError(record)
-
-    h = TqdmHandler()
-    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    root = logging.getLogger("harvest")
-    root.handlers[:] = [h]
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    root.propagate = False
-    logging.getLogger("pipeline").handlers[:] = [h]
-    logging.getLogger("pipeline").setLevel(logging.WARNING if not verbose else logging.DEBUG)
+    setup_console(verbose)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -82,20 +65,56 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def budget_shortfall(cfg: HarvestConfig, summary: dict) -> "str | None":
+    """The corpus ended before packing.max_tokens: say so with the numbers (the summary's
+    budget_reached flag alone went unnoticed)."""
+    budget = cfg.packing.max_tokens
+    packing = summary.get("packing") or {}
+    if not budget or summary.get("noop") or packing.get("budget_reached", True):
+        return None
+    tokens = summary.get("tokens") or 0
+    if tokens >= budget - cfg.packing.context_size:
+        return None
+    return (f"packing.max_tokens={budget:,} was not reached: the corpus gave {tokens:,} tokens "
+            f"({100 * tokens / budget:.1f}% of the budget); add data or lower packing.max_tokens")
+
+
 def cmd_run(args) -> int:
+    """Quiet by default (pipeline/logs.py): third-party output to a log folder, named once."""
+    from .config import cache_dir
     from .driver import run
+    from .logs import new_log_dir, quiet_run
 
     cfg = _load(args)
-    summary = run(cfg)
-    print(format_summary(summary))
+    if args.verbose:
+        summary = run(cfg)
+        log_dir = None
+    else:
+        log_dir = new_log_dir(cache_dir(), cfg.name)
+        if not args.json:
+            print(f"logs: {log_dir} (vLLM, Ray, torch; --verbose prints them here)", flush=True)
+        with quiet_run(log_dir):
+            summary = run(cfg)
     if args.json:
-        print(json.dumps(summary, indent=2, default=str))
+        print(json.dumps({**summary, "log_dir": str(log_dir) if log_dir else None,
+                          "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]},
+                         indent=2, default=str))
+        return 0
+    print(format_summary(summary))
+    short = budget_shortfall(cfg, summary)
+    if short:
+        print(f"warning: {short}")
+    if not summary.get("noop"):
+        print(f"next: harvest report {summary['store']}   "
+              "(norms, variances, top tokens as PNG/HTML)")
     return 0
 
 
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
+    from .estimate import corpus_bytes, plan_estimate
     from .prepare import prepare
+    from .render import plan_text
     from .resume import probe_store
 
     cfg = _load(args)
@@ -118,39 +137,25 @@ def cmd_plan(args) -> int:
         "shard_rows": L.shard_rows,
         "chunk_rows": L.chunk_rows,
         "bytes_per_token": len(prep.points) * prep.width * prep.itemsize,
+        "corpus_bytes": corpus_bytes(prep.sources),
     }
     if existing is not None:
         plan = existing.plans.read()
         out["planned_units"] = len(plan["units"])
         out["planned_tokens"] = sum(u.n_rows for u in plan["units"])
         out["plan_complete"] = plan["final"]
-    print(json.dumps(out, indent=2))
+    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out)
+    print(json.dumps(out, indent=2) if args.json else plan_text(out))
     return 0
 
 
 def cmd_status(args) -> int:
+    from .render import status_text
     from .views import status
 
     url, so = _store_target(args)
     s = status(url, so)
-    if args.json:
-        print(json.dumps(s, indent=2, default=str))
-        return 0
-    state = (f"finalized, but {s['n_missing_units']} planned units have lost their commit marker "
-             "(damaged: run harvest verify)") if s.get("damaged") else "finalized" if s["finalized"] else (
-        "complete, not finalized" if s["committed_units"] == s["planned_units"] and s["plan_complete"]
-        else "in progress or interrupted")
-    print(f"{s['url']}: {s['committed_units']}/{s['planned_units']} units, "
-          f"{s['committed_rows']}/{s['planned_rows']} rows ({100 * s['fraction']:.1f}%), {state}")
-    if s["recent_tokens_per_second"]:
-        print(f"  rate {s['recent_tokens_per_second']:.0f} tok/s from commit times"
-              + (f", ETA {s['eta_seconds']:.0f} s" if s["eta_seconds"] and not s["finalized"] else ""))
-    if s["last_commit"]:
-        print(f"  last commit {s['last_commit']}")
-    for k, v in s["per_actor"].items():
-        print(f"  {k}: {v['units']} units, {v['tokens']} tokens, pids {v['pids']}")
-    if s["missing_units"]:
-        print(f"  uncommitted units: {s['missing_units'][:20]}")
+    print(json.dumps(s, indent=2, default=str) if args.json else status_text(s))
     return 0
 
 
@@ -158,26 +163,25 @@ def cmd_verify(args) -> int:
     """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
     from pipeline.store import open_store
 
+    from .render import verify_text
+    from .views import store_missing
+
     url, so = _store_target(args)
+    if store_missing(url, so):
+        print(f"no store at {redact_url(url)} yet: nothing to verify (the job may still be "
+              "starting)", file=sys.stderr)
+        return 1
     v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep)
     complete = v["ok"] and not v["missing_units"]
     if args.json:
         print(json.dumps({**v, "complete": complete}, indent=2, default=str))
     else:
-        state = "OK" if complete else ("INCOMPLETE" if v["missing_units"] else "FAILED")
-        print(f"{state}: {v['committed_units']}/{v['planned_units']} units, "
-              f"{v['committed_rows']}/{v['planned_rows']} rows committed"
-              + (f"; uncommitted units {v['missing_units'][:20]}" if v["missing_units"] else "")
-              + ("\n  " + "\n  ".join(v["errors"][:20]) if v["errors"] else ""))
-        c = v["checked"]
-        print(f"  checked {c['markers']} markers, {c['objects']} objects present at their recorded size"
-              + (f"; deep: {c['shards']} shard objects, {c['meta_chunks']} metadata chunks, "
-                 f"{c['sidecars']} stats sidecars, {c['bytes_read'] / 1e6:.1f} MB read and checked"
-                 if v["deep_checked"] else ""))
+        print(verify_text(v, complete))
     return 0 if complete else 1
 
 
 def cmd_inspect(args) -> int:
+    from .render import inspect_text
     from .views import inspect
 
     url, so = _store_target(args)
@@ -185,7 +189,8 @@ def cmd_inspect(args) -> int:
     if args.rows:
         a, _, b = args.rows.partition(":")
         rows = (int(a), int(b) if b else int(a) + 8)
-    print(json.dumps(inspect(url, so, rows), indent=2, default=str))
+    info = inspect(url, so, rows)
+    print(json.dumps(info, indent=2, default=str) if args.json else inspect_text(info))
     return 0
 
 
@@ -213,14 +218,16 @@ def cmd_check_model(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harvest", description=__doc__.splitlines()[0])
-    p.add_argument("--verbose", "-v", action="store_true")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show vLLM's, Ray's and torch's output too (run: instead of a log file)")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run or resume a harvest (connects to Ray or starts it)")
     _config_args(r)
-    r.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    r.add_argument("--json", action="store_true", help="print only the summary, as JSON")
     r.set_defaults(fn=cmd_run)
-    pl = sub.add_parser("plan", help="layout and blocks of a run, from metadata; nothing runs")
+    pl = sub.add_parser("plan", help="layout, blocks, estimated size and time; nothing runs")
     _config_args(pl)
+    pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plan)
     st = sub.add_parser("status", help="progress of a store, from the store alone")
     _store_args(st)
@@ -231,9 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--deep", action="store_true", help="also check every shard's CRC")
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
-    i = sub.add_parser("inspect", help="layout, run attributes, and rows with --rows A:B")
+    i = sub.add_parser("inspect", help="layout, statistics, run attributes, rows with --rows A:B")
     _store_args(i)
     i.add_argument("--rows", help="rows to show, e.g. 0:16")
+    i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
     rp = sub.add_parser("report", help="PNG + HTML: norms, variances, top tokens, compression, rate")
     _store_args(rp)
@@ -254,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="capture even if the block-semantics probe refuses the trunk")
     cm.add_argument("--json", action="store_true")
     cm.set_defaults(fn=cmd_check_model)
+    for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
+        sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     return p
 
 
@@ -262,6 +272,8 @@ def main(argv: "list[str] | None" = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `harvest inspect | head`
+        return 0
     except KeyboardInterrupt:
         print("interrupted: the store is resumable, re-run the same command", file=sys.stderr)
         return 130

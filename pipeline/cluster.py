@@ -19,7 +19,8 @@ log = logging.getLogger("harvest.pipeline")
 
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
                  "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "HARVEST_CACHE",
-                 "HF_HOME", "HF_HUB_OFFLINE")
+                 "HF_HOME", "HF_HUB_OFFLINE", "HARVEST_LOG_DIR", "VLLM_CACHE_ROOT",
+                 "TORCHINDUCTOR_CACHE_DIR")
 # Threads a capture actor runs method calls on: units in flight plus info/ping/figures calls.
 ACTOR_CONCURRENCY = 64
 
@@ -34,7 +35,10 @@ def ensure_ray(cfg: HarvestConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    kw: dict[str, Any] = {"log_to_driver": True}
+    from .logs import quiet
+
+    # quiet runs (logs.quiet_run): worker output stays in the run's log folder, not on the console
+    kw: dict[str, Any] = {"log_to_driver": not quiet()}
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         kw["address"] = address

@@ -291,7 +291,7 @@ class Scheduler(ActorHealth):
         self._track(unit, -1)
         self._release([chunk_key(b, j) for b, j, *_ in unit.pieces])
         bar.update(unit.n_rows)
-        log.info("unit %d rows [%d, %d) %s by actor %d pid %d in %.2f s (attempt %d)", unit.unit_id,
+        log.debug("unit %d rows [%d, %d) %s by actor %d pid %d in %.2f s (attempt %d)", unit.unit_id,
                  unit.row_start, unit.row_end, res["status"], a, res["pid"], res.get("seconds", 0.0),
                  attempt)
         self.emit({"event": "unit_done", **res, "in_flight": dict(enumerate(self.load))})

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import sys
 import time
 from typing import Callable
 
-from .cluster import collect_infos, ensure_ray, kill_all, start_actors, waiting_line
+from .cluster import collect_infos, ensure_ray, kill_all, start_actors
 from .config import HarvestConfig, redact_url
 from .dispatch import Scheduler
 from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
+from .logs import StartWatch, progress_bar
 from .packing import PackingError
 from .placement import sum_stats
 from .prepare import Prepared, prepare
@@ -141,8 +141,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
 
     refs = [a.info.remote() for a in actors]
     pending = list(refs)
-    t0 = time.time()
-    last_line = t0
+    watch = StartWatch(len(refs), time.time())
     infos = None
     while True:
         got = sched.step(bar, extra=pending, timeout=2.0)
@@ -166,9 +165,8 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
         have_work = sched.unplanned or sched.ready or sched.waiting or existing is not None
         if infos is not None and have_work:
             break
-        if pending and time.time() - last_line > 30:
-            log.info(waiting_line(len(pending), len(refs), t0))
-            last_line = time.time()
+        if pending:
+            watch.tick(len(pending))
     if existing is None:
         lease.assert_held("creating the store")
         store = _create(cfg, prep, infos[0], chunk_contexts)
@@ -321,10 +319,7 @@ def _plan_stats(store) -> dict:
 
 
 def _progress(cfg: HarvestConfig, total: int | None):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1,
-                disable=not cfg.progress, file=sys.stderr, desc=cfg.name, mininterval=0.5)
+    return progress_bar(cfg.progress, total, cfg.name)
 
 
 # Kept importable from here (the CLI and older callers): the read-only views and preparation.

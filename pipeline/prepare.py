@@ -8,30 +8,25 @@ addresses against its layers, the data source's existence and text column.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, HarvestConfig, cache_dir
+from .config import ConfigError, HarvestConfig
 from .packing import resolve_bos
 from .plan import Layout, choose_layout
 from .sources import plan_blocks, probe_text_column
 
 
 def resolve_model_path(path: str) -> str:
-    """`smollm2` and `tiny:<arch>` aliases -> checkpoint dirs (built once); others unchanged."""
-    if path == "smollm2":
-        from engine.models import smollm2_path
+    """`smollm2` and `tiny:<arch>` aliases -> checkpoint dirs (built once); others unchanged.
+    One resolver for configs, the CLI and `engine.load_model` (engine.models.resolve_model)."""
+    from engine.models import resolve_model
 
-        return smollm2_path()
-    if path.startswith("tiny:"):
-        from engine.models import build_tiny_model
-
-        arch = path.split(":", 1)[1] or "llama"
-        return build_tiny_model(cache_dir() / "models" / f"tiny-{arch}", arch)
-    local = os.path.expanduser(path)
-    return os.path.abspath(local) if os.path.exists(local) else path
+    try:
+        return resolve_model(path)
+    except ValueError as e:
+        raise ConfigError(f"model.path={path!r}: {e}") from None
 
 
 def resolve_points(points: list[str], n_layers: int) -> list[str]:

@@ -12,10 +12,55 @@ import datetime as _dt
 import numpy as np
 
 
-def status(url: str, storage_options: dict | None = None) -> dict:
+
+# Without a driver lease (stores written before leases existed) a run is taken as alive while its
+# last commit is younger than this many times its typical gap between commits (and at least
+# ACTIVE_MIN_SECONDS): a rate and an ETA shown for a run killed an hour ago are worse than none.
+ACTIVE_GAPS = 5
+ACTIVE_MIN_SECONDS = 120.0
+
+
+def driver_state(loc, ttl: "float | None" = None) -> "dict | None":
+    """The driver's lease (pipeline/lease.py) as status shows it: a live lease is a running
+    driver; a released or expired one, a stopped run. None when the store has no lease."""
+    from .config import StoreConfig
+    from .lease import current
+
+    try:
+        cur = current(loc)
+    except Exception:  # noqa: BLE001 -- status must not fail on an unreadable lease
+        return None
+    if cur is None:
+        return None
+    ttl = float(ttl or StoreConfig.lease_seconds)
+    return {"live": cur.live(ttl), "released": bool(cur.record.get("released")),
+            "heartbeat_age_s": round(cur.age(), 1), "pid": cur.record.get("pid"),
+            "host": cur.record.get("host"), "generation": cur.gen}
+
+
+def store_missing(url: str, storage_options: dict | None = None) -> bool:
+    """True when nothing is at `url` yet (a job still starting), as opposed to a store we
+    cannot read (open_store's errors say why)."""
+    from pipeline.store.backend import locate
+
+    try:
+        return locate(url, storage_options).read_bytes("zarr.json", attempts=2) is None
+    except Exception:  # noqa: BLE001 -- open_store reports access errors properly
+        return False
+
+
+def status(url: str, storage_options: dict | None = None,
+           now: "_dt.datetime | None" = None) -> dict:
     """Progress of a running or interrupted job, from the store alone."""
     from pipeline.store import open_store
 
+    if store_missing(url, storage_options):
+        from pipeline.store.backend import locate
+
+        from .config import redact_url
+
+        return {"url": redact_url(url), "missing_store": True,
+                "driver": driver_state(locate(url, storage_options))}
     store = open_store(url, storage_options=storage_options, read_only=True)
     plan = store.plans.read()
     units = plan["units"]
@@ -40,8 +85,18 @@ def status(url: str, storage_options: dict | None = None) -> dict:
             if first is None or t < first:
                 first, first_rows = t, m["row_end"] - m["row_start"]
             last = t if last is None or t > last else last
-    rate = eta = None
-    if first is not None and last > first:
+    rate = eta = since = None
+    finalized = store.summary is not None
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    active = False
+    if last is not None:
+        since = max(0.0, (now - last).total_seconds())
+        gap = (last - first).total_seconds() / max(1, len(done) - 1)
+        active = not finalized and since < max(ACTIVE_MIN_SECONDS, ACTIVE_GAPS * gap)
+    driver = driver_state(store.location)
+    if driver is not None:  # the lease says it, whatever the commit times suggest
+        active = driver["live"] and not finalized
+    if first is not None and last > first and active:
         rate = (done_rows - first_rows) / (last - first).total_seconds()
         if plan["final"]:
             eta = (planned_rows - done_rows) / rate if rate > 0 else None
@@ -62,7 +117,10 @@ def status(url: str, storage_options: dict | None = None) -> dict:
         "committed_rows": done_rows,
         "fraction": done_rows / planned_rows if planned_rows else 0.0,
         "finalized": finalized,
+        "active": active,
+        "driver": driver,
         "last_commit": last.isoformat() if last else None,
+        "seconds_since_last_commit": round(since, 1) if since is not None else None,
         "recent_tokens_per_second": round(rate, 1) if rate else None,
         "eta_seconds": round(eta, 1) if eta else None,
         "per_actor": {k: {**v, "pids": sorted(p for p in v["pids"] if p is not None)}
@@ -78,6 +136,7 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     out = {k: v for k, v in store.info().items() if k != "stats"}
+    out["stats_summary"] = stats_summary(store) if out.get("finalized") else None
     if rows is not None:
         a, b = rows
         tok, doc, pos = store.read_row_meta(a, b)
@@ -96,4 +155,19 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
                 out["rows"]["text"] = [t.decode([int(i)]) for i in tok.tolist()]
             except Exception:
                 pass
+    return out
+
+
+def stats_summary(store) -> dict:
+    """Per point, the kept rows' statistics in a few numbers (README: inspect shows stats)."""
+    out = {}
+    try:
+        st = store.stats(None, subset="kept")
+    except Exception:  # noqa: BLE001 -- a store finalized before kept stats existed
+        st = store.stats(None, subset="all")
+    for p, d in st.items():
+        mean, var = np.asarray(d["mean"], np.float64), np.asarray(d["var"], np.float64)
+        out[p] = {"count": int(d["count"]), "rms_norm": float(np.sqrt(d["mean_sq_norm"])),
+                  "mean_norm": float(np.linalg.norm(mean)), "var_mean": float(var.mean()),
+                  "var_max": float(var.max()), "nonfinite_rows": int(d["nonfinite_rows"])}
     return out

@@ -1,9 +1,11 @@
 """`ray job submit` against `ray start --head` on 127.0.0.1 runs the entrypoint to completion.
 
-The job is submitted the way a user would (`--working-dir` of the repo, token auth on), runs
-`python -m jobs.harvest --config run.yaml` inside the cluster (RAY_ADDRESS set by Ray), and the
-store it leaves is checked from the test. A second submission of the finished config is a no-op
-that says so, and reusing a submission id is refused by Ray (the guard against double submission).
+The first submission is README.md's own block (the `export RAY_AUTH_MODE=token ...` lines, run by
+bash), with only its placeholders filled in: the head's address, the cache folder, the
+interpreter and the config path. It runs `python -m jobs.harvest --config run.yaml` inside the
+cluster (RAY_ADDRESS set by Ray), and the store it leaves is checked from the test. A second
+submission of the finished config is a no-op that says so, and reusing a submission id is
+refused by Ray (the guard against double submission).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import REPO_ROOT, cache_dir, default_config_path, load_config
+from tests.test_readme import blocks
 from pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, write_corpus
 
@@ -42,6 +45,30 @@ def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.Comp
         time.sleep(2)
 
 
+# README placeholders -> this test's values (each must be in the block: the README cannot drift)
+def readme_submit(head, config: Path, timeout: int = 420) -> subprocess.CompletedProcess:
+    block = [b for b in blocks("bash") if "ray job submit" in b]
+    assert len(block) == 1, "README.md must hold one ray job submit block"
+    script = block[0]
+    subs = {"http://HEAD:8265": head.dashboard_url, "/shared/cache": str(cache_dir()),
+            "/opt/harvest/.venv/bin/python": sys.executable,
+            "jobs/configs/default.yaml": str(config)}
+    for k, v in subs.items():
+        assert k in script, f"README's ray job submit block no longer has {k!r}"
+        script = script.replace(k, v)
+    # the user's shell: the venv's `ray` on PATH, the head's token where `ray get-auth-token` reads
+    # it; RAY_AUTH_MODE / RAY_AUTH_TOKEN come from the block's own export
+    env = {k: v for k, v in {**os.environ, **head.env}.items() if k != "RAY_AUTH_MODE"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    deadline = time.time() + 90
+    while True:
+        r = subprocess.run(["bash", "-euc", script], env=env, capture_output=True, text=True,
+                           timeout=timeout, cwd=REPO_ROOT)
+        if "No available agent" not in r.stderr + r.stdout or time.time() > deadline:
+            return r
+        time.sleep(2)
+
+
 def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, tmp_path):
     corpus = write_corpus(tmp_path / "docs.jsonl")
     store_dir = tmp_path / "store"
@@ -52,17 +79,19 @@ def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, 
     path.write_text(yaml.safe_dump(conf))
 
     sid = f"harvest-test-{uuid.uuid4().hex[:8]}"
-    r = _submit(ray_head, sid, path)
+    r = readme_submit(ray_head, path)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "succeeded" in out, out[-4000:]
     assert "harvest test: 2048 tokens in 8 units (8 run, 0 already committed)" in out, out[-3000:]
+    # the job log is the quiet console: harvest's lines, the log folder named once, no bar frames
+    assert "logs: " in out and "Traceback" not in out and "it/s]" not in out, out[-3000:]
 
     store = open_store(str(store_dir))
     v = store.verify()
     assert v["ok"] and v["committed_units"] == 8, v
     assert store.summary["tokens"] == 2048 and len(store.summary["per_actor"]) == 2
 
-    again = _submit(ray_head, sid + "-again", path)
+    again = _submit(ray_head, sid, path)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "is already complete" in again.stdout + again.stderr
     dup = _submit(ray_head, sid, path, timeout=120)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -62,35 +63,75 @@ def half_done(ray_cluster, tiny_llama, tmp_path_factory):
 
 def test_plan_prints_the_layout_without_running(half_done, capsys):
     cfg, done, path = half_done
-    assert main(["plan", "--config", str(path)]) == 0
+    assert main(["plan", "--config", str(path), "--json"]) == 0
     out = _json(capsys.readouterr().out)
     assert out["store_exists"] is True and out["plan_complete"] is True
     assert out["planned_units"] == 8 and out["planned_tokens"] == 2048 and out["max_units"] == 8
     assert out["unit_rows"] == out["shard_rows"] == 256 and out["blocks"] == 1
+    est = out["estimate"]  # 4 layers x width 128 x 2 B per token, from the stored plan
+    assert est["tokens"] == 2048 and est["bytes_logical"] == 2048 * 4 * 128 * 2
+    assert main(["plan", "--config", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "units of 256 rows, shards of 256, chunks of" in text
+    assert f"estimate  2,048 tokens (the stored plan): {2048 * 4 * 128 * 2 / 1e6:.1f} MB logical" in text
+    assert "plan of 8 units, 2,048 tokens" in text and not text.lstrip().startswith("{")
+
+
+def test_plan_warns_when_the_budget_exceeds_the_corpus(half_done, tmp_path, capsys):
+    """packing.max_tokens far above what the corpus holds: a warning with the numbers."""
+    cfg, done, path = half_done
+    args = ["plan", "--config", str(path), "--set", f"store.url={tmp_path / 'new'}"]
+    assert main(args + ["--set", "packing.max_tokens=500000000"]) == 0
+    text = capsys.readouterr().out
+    corpus = Path(cfg.data.source).stat().st_size
+    assert "warning   packing.max_tokens=500,000,000 is more than the corpus likely holds" in text
+    assert f"from {corpus / 1e6:.1f} MB of text" in text
+    assert main(args + ["--set", "packing.max_tokens=4096"]) == 0
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_status_of_an_interrupted_store(half_done, capsys):
+    """Stopped moments ago, yet no rate and no ETA: the driver released its lease."""
     cfg, done, path = half_done
     missing = [u for u in range(8) if u not in done]
     assert main(["status", cfg.store.resolved_url]) == 0
     out = capsys.readouterr().out
-    assert "3/8 units, 768/2048 rows (37.5%), in progress or interrupted" in out
+    assert ": interrupted (re-run the same config to resume)" in out
+    assert "3/8 units, 768/2,048 tokens (37.5%)" in out
+    assert "tok/s" not in out and "left" not in out
     assert f"uncommitted units: {missing}" in out
     assert main(["status", "--config", str(path), "--json"]) == 0
     s = _json(capsys.readouterr().out)
-    assert s["committed_units"] == 3 and s["finalized"] is False
+    assert s["committed_units"] == 3 and s["finalized"] is False and s["active"] is False
+    assert s["eta_seconds"] is None and s["driver"]["released"] and not s["driver"]["live"]
+
+
+def test_status_and_verify_before_the_store_exists(tmp_path, capsys):
+    url = str(tmp_path / "not-yet")
+    assert main(["status", url]) == 0
+    assert f"no store at {url} yet: the job may still be starting" in capsys.readouterr().out
+    assert main(["status", url, "--json"]) == 0
+    assert _json(capsys.readouterr().out) == {"url": url, "missing_store": True, "driver": None}
+    assert main(["verify", url]) == 1
+    assert "nothing to verify" in capsys.readouterr().err
 
 
 def test_verify_fails_until_complete_and_inspect_shows_rows(half_done, capsys):
     cfg, done, path = half_done
     missing = [u for u in range(8) if u not in done]
     assert main(["verify", cfg.store.resolved_url]) == 1
-    assert "INCOMPLETE: 3/8 units, 768/2048 rows committed" in capsys.readouterr().out
+    assert "INCOMPLETE: 3/8 units, 768/2,048 rows committed" in capsys.readouterr().out
     assert main(["verify", cfg.store.resolved_url, "--json"]) == 1
     v = _json(capsys.readouterr().out)
     assert not v["complete"] and v["missing_units"] == missing
+    # --deep says what it read: 3 units x 1 shard x (4 points + 3 metadata arrays), and every
+    # committed row's bytes (4 x 128 bf16 + token_id, doc_id, position)
+    assert main(["verify", cfg.store.resolved_url, "--deep"]) == 1
+    text = capsys.readouterr().out
+    assert f"deep: read back 21 shard objects, {768 * (4 * 128 * 2 + 16) / 1e3:.1f} kB, of 3 " \
+           "committed units" in text
     first = 256 * done[0]
-    assert main(["inspect", cfg.store.resolved_url, "--rows", f"{first}:{first + 4}"]) == 0
+    assert main(["inspect", cfg.store.resolved_url, "--rows", f"{first}:{first + 4}", "--json"]) == 0
     out = _json(capsys.readouterr().out)
     ref = reference_rows(cfg)
     assert out["rows"]["token_id"] == ref.token_ids[first:first + 4].tolist()
@@ -98,6 +139,11 @@ def test_verify_fails_until_complete_and_inspect_shows_rows(half_done, capsys):
     assert out["rows"]["text"][0] == "<|bos|>"
     assert len(out["rows"]["norms"]["resid_post.0"]) == 4
     assert out["context_size"] == 32 and out["bos_token_id"] == ref.token_ids[0]
+    assert main(["inspect", cfg.store.resolved_url, "--rows", f"{first}:{first + 4}"]) == 0
+    text = capsys.readouterr().out
+    assert "768 committed of" in text and "statistics: written when the run finalizes" in text
+    row0 = [ln for ln in text.splitlines() if ln.split()[:1] == [str(first)]]
+    assert row0 and "'<|bos|>'" in row0[0] and f"{out['rows']['norms']['resid_post.0'][0]:.2f}" in row0[0]
 
 
 def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, tiny_llama):
