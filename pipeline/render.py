@@ -73,7 +73,7 @@ def status_state(s: dict) -> str:
     if s.get("missing_store"):
         return "no store yet"
     if s["finalized"]:
-        return "finished, but DAMAGED (run harvest verify)" if s.get("damaged") else "finished"
+        return "finished, but damaged (run harvest verify)" if s.get("damaged") else "finished"
     if s["plan_complete"] and s["committed_units"] == s["planned_units"] and s["planned_units"]:
         return "all units committed, not finalized (re-run to finalize)"
     return "running" if s.get("active") else "interrupted (re-run the same config to resume)"
@@ -110,7 +110,7 @@ def status_text(s: dict) -> str:
                 for k, v in s["per_actor"].items()]
         lines.append(_indent(table(rows, ["actor", "units", "tokens", "pids"])))
     if s.get("damaged"):
-        lines.append(f"  DAMAGED: finalized, but {s.get('n_missing_units')} planned units have lost "
+        lines.append(f"  damaged: finalized, but {s.get('n_missing_units')} planned units have lost "
                      "their commit marker: run harvest verify")
     if s["missing_units"] and (not s["finalized"] or s.get("damaged")):
         more = "" if len(s["missing_units"]) < 50 else " ..."
@@ -124,10 +124,11 @@ def verify_text(v: dict, complete: bool) -> str:
              f"{v['committed_rows']:,}/{v['planned_rows']:,} rows committed"]
     c = v.get("checked") or {}
     if v.get("deep_checked"):
-        lines.append(f"  deep: read back {c.get('shards', c.get('objects', 0)):,} shard objects, "
-                     f"{c.get('meta_chunks', 0):,} metadata chunks and {c.get('sidecars', 0):,} "
-                     f"stats sidecars, {size(c.get('bytes_read', 0))}, of {c.get('markers', 0):,} "
-                     "committed units, against the digests in their markers")
+        lines.append(f"  deep: {c.get('shards', c.get('objects', 0)):,} shard objects, "
+                     f"{c.get('meta_chunks', 0):,} metadata chunks, {c.get('sidecars', 0):,} stats "
+                     f"sidecars read back ({size(c.get('bytes_read', 0))}) for "
+                     f"{c.get('markers', 0):,} committed units, checked against their markers' "
+                     "digests")
     else:
         lines.append(f"  sizes of {c.get('objects', 0):,} objects of {c.get('markers', 0):,} "
                      f"committed units checked ({size(v.get('stored_bytes'))}); --deep reads "

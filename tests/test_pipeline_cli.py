@@ -124,12 +124,12 @@ def test_verify_fails_until_complete_and_inspect_shows_rows(half_done, capsys):
     assert main(["verify", cfg.store.resolved_url, "--json"]) == 1
     v = _json(capsys.readouterr().out)
     assert not v["complete"] and v["missing_units"] == missing
-    # --deep says what it read: 3 units x 1 shard x (4 points + 3 metadata arrays), and every
-    # committed row's bytes (4 x 128 bf16 + token_id, doc_id, position)
+    # --deep says what it read: 3 units x 1 shard x 4 points, 3 metadata arrays per unit and
+    # one stats sidecar per unit, every one checked against the digests in its marker
     assert main(["verify", cfg.store.resolved_url, "--deep"]) == 1
     text = capsys.readouterr().out
-    assert f"deep: read back 21 shard objects, {768 * (4 * 128 * 2 + 16) / 1e3:.1f} kB, of 3 " \
-           "committed units" in text
+    assert "deep: 12 shard objects, 9 metadata chunks, 3 stats sidecars read back" in text
+    assert "for 3 committed units" in text
     first = 256 * done[0]
     assert main(["inspect", cfg.store.resolved_url, "--rows", f"{first}:{first + 4}", "--json"]) == 0
     out = _json(capsys.readouterr().out)
