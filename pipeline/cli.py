@@ -95,8 +95,10 @@ def cmd_run(args) -> int:
             print(f"logs: {log_dir} (vLLM, Ray, torch; --verbose prints them here)", flush=True)
         with quiet_run(log_dir):
             summary = run(cfg)
+    report = None if args.no_report or summary.get("noop") else _run_report(cfg, summary)
     if args.json:
         print(json.dumps({**summary, "log_dir": str(log_dir) if log_dir else None,
+                          "report": report,
                           "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]},
                          indent=2, default=str))
         return 0
@@ -104,10 +106,26 @@ def cmd_run(args) -> int:
     short = budget_shortfall(cfg, summary)
     if short:
         print(f"warning: {short}")
-    if not summary.get("noop"):
-        print(f"next: harvest report {summary['store']}   "
-              "(norms, variances, top tokens as PNG/HTML)")
+    if isinstance(report, dict):
+        print(f"report: {report['png']} (and {report['html']})")
+    elif report:
+        print(f"warning: no report ({report}); try: harvest report {summary['store']}")
     return 0
+
+
+def _run_report(cfg, summary: dict):
+    """The finished store's report (pipeline/report.py): it reads a fixed sample of shards, so it
+    costs seconds whatever the corpus size. A report that fails is a warning, never a failed run:
+    the data is committed and verified by then. Returns the paths, or the reason as a string."""
+    from .prepare import resolve_model_path
+    from .report import write_report
+
+    try:
+        r = write_report(summary["store"], cfg.store.fs_options(),
+                         tokenizer_path=resolve_model_path(cfg.model.path))
+        return {k: r[k] for k in ("png", "html", "json")}
+    except Exception as e:  # noqa: BLE001 -- see the docstring
+        return f"{type(e).__name__}: {e}"
 
 
 def cmd_plan(args) -> int:
@@ -224,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run or resume a harvest (connects to Ray or starts it)")
     _config_args(r)
     r.add_argument("--json", action="store_true", help="print only the summary, as JSON")
+    r.add_argument("--no-report", action="store_true",
+                   help="skip the report (PNG/HTML of norms, variances, top tokens) at the end")
     r.set_defaults(fn=cmd_run)
     pl = sub.add_parser("plan", help="layout, blocks, estimated size and time; nothing runs")
     _config_args(pl)

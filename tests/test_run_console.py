@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -48,7 +49,9 @@ def test_quiet_run_prints_a_short_console_and_keeps_the_rest_in_a_log_folder(
     assert len(lines) <= MAX_LINES, console
     assert "Traceback" not in console and "WARNING" not in console, console
     assert lines[0].startswith("logs: ") and "harvest test: 2048 tokens in 8 units" in console
-    assert f"next: harvest report {cfg.store.resolved_url}" in console
+    # the run ends with its report written beside the data, and says where
+    png = Path(cfg.store.resolved_url) / "_report" / "report.png"
+    assert f"report: {png} (and " in console and png.stat().st_size > 10_000
     log_dir = tmp_path / "cache" / "logs"
     (run_dir,) = list(log_dir.iterdir())
     assert str(run_dir) in lines[0]
