@@ -84,6 +84,44 @@ def engine_environment(on_cpu: bool) -> None:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
+# -- model-class facts vLLM caches ----------------------------------------------------------------
+
+_WARM_MODEL_INFO = """
+import importlib.util, sys
+from pathlib import Path
+from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _ModelInfo
+for arch in sys.argv[1:]:
+    m = ModelRegistry.models.get(arch)
+    spec = importlib.util.find_spec(m.module_name) if isinstance(m, _LazyRegisteredModel) else None
+    if spec is None or not spec.origin:
+        continue
+    h = m._get_modelinfo_module_hash(Path(spec.origin))
+    if m._load_modelinfo_from_cache(h) is None:
+        m._save_modelinfo_to_cache(_ModelInfo.from_model_cls(m.load_model_cls()), h)
+"""
+
+
+def warm_model_info(architectures) -> None:
+    """Fill vLLM's model-info cache (`$VLLM_CACHE_ROOT/modelinfos`) for these HF architecture
+    names in one subprocess.
+
+    On a miss, vLLM inspects a model class in a fresh Python that imports vLLM (~8 s on this
+    VM). It does this once per architecture, even on CPU, where the subprocess exists only to
+    keep CUDA uninitialised. A cold machine that loads many families, such as CI running
+    tests/test_families.py, paid that ~8 s for each family. This pays the import once and writes
+    the same cache entries in vLLM's own format: `_LazyRegisteredModel._get_modelinfo_module_hash`,
+    `_load_modelinfo_from_cache`, `_save_modelinfo_to_cache` and `_ModelInfo.from_model_cls`, as
+    in vLLM 0.32.0. vLLM checks each entry's source hash itself, so an entry written here that goes
+    stale is inspected again, never trusted. Best effort: on a vLLM where these names moved the
+    subprocess fails and vLLM inspects each class itself, as before (slower, not wrong)."""
+    import subprocess
+    import sys
+
+    compile_cache_environment()
+    subprocess.run([sys.executable, "-c", _WARM_MODEL_INFO, *architectures], check=False,
+                   capture_output=True, env=os.environ.copy(), timeout=600)
+
+
 # -- runner state of one step --------------------------------------------------------------------
 
 @dataclass(frozen=True)
