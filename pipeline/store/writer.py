@@ -28,6 +28,7 @@ from . import stats as _stats
 from .credentials import redact_attrs, scrub
 from .dtypes import dtype_name
 from .errors import RegionConflict, RegionWriteFailed
+from .jsonattrs import jsonable as _jsonable
 from .shards import Shard, runs, to_numpy
 from .uploads import ShardUploads
 
@@ -182,8 +183,6 @@ class RegionWriter(ShardUploads):
             self._shutdown()
             return m
         self._check_usable()
-        from .store import _jsonable
-
         extra = redact_attrs(_jsonable(extra or {}, "commit extra"), self._store.location.storage_options)
         missing = []
         for si in self._shard_ids:
