@@ -1,7 +1,7 @@
 """Where the repo, the cache and user paths are: `{cache}`, `~` and `$VARS` expanded one way.
 
-Its own module so the section dataclasses (pipeline/sections.py), the CLI and the corpus code
-share one definition of the cache without importing the whole run configuration.
+Its own module so the section dataclasses (pipeline/sections.py) and pipeline/config.py, which
+re-exports these names for the CLI, data and corpus code, share one definition of the cache.
 """
 
 from __future__ import annotations

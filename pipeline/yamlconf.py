@@ -36,7 +36,8 @@ def load_yaml_unique(text: str, where: str) -> Any:
             seen[key] = key_node.start_mark.line
         return loader.construct_mapping(node, deep=deep)
 
-    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                    construct_mapping)
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
 
 

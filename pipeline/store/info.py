@@ -1,4 +1,4 @@
-"""Store.info(): what a user inspecting a store wants in one dict (shape, progress, stats, attrs)."""
+"""Store.info(): what a user inspecting a store wants, in one dict."""
 
 from __future__ import annotations
 
