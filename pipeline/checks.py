@@ -39,30 +39,3 @@ def check_float(name: str, v: Any, lo: float, hi: float | None) -> None:
     if v < lo or (hi is not None and v > hi):
         rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
         raise ConfigError(f"{name} must be {rng}, got {v}")
-
-
-def load_yaml_unique(text: str, where: str) -> Any:
-    """yaml.safe_load that refuses a key written twice in one mapping.
-
-    PyYAML keeps the last of two equal keys without a word: a config with two `packing:`
-    sections ran with the second one only, and the first one's settings were silently lost.
-    """
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        pass
-
-    def construct_mapping(loader, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise ConfigError(
-                    f"{where}: {key!r} is written twice (lines {seen[key] + 1} and "
-                    f"{key_node.start_mark.line + 1}); YAML would keep only the last one: merge "
-                    "them into one")
-            seen[key] = key_node.start_mark.line
-        return loader.construct_mapping(node, deep=deep)
-
-    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass

@@ -3,15 +3,15 @@
 Everything is validated before any data is read, any actor starts or any byte is written, because
 a typo found after an hour of capture (or, worse, silently ignored) costs the hour. Every error
 names the field as it is written in YAML (`packing.context_size`) and says how to fix it.
+
+The sections live in pipeline/sections.py, the YAML and override helpers in pipeline/yamlconf.py,
+the cache paths in pipeline/paths.py; the names callers import from here are re-exported.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,397 +19,14 @@ from typing import Any
 import yaml
 
 from .checks import (ConfigError, check_bool, check_choice, check_float, check_int,  # noqa: F401
-                     check_str, load_yaml_unique)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def cache_dir() -> Path:
-    """Where default corpora, tiny models and default stores live.
-
-    `$HARVEST_CACHE` wins so that a `ray job submit --working-dir` run (whose cwd is a throwaway
-    copy of the repo) can still write to a lasting place.
-    """
-    env = os.environ.get("HARVEST_CACHE")
-    return Path(env).expanduser() if env else REPO_ROOT / ".harvest"
-
-
-def expand_path(value: str) -> str:
-    """`{cache}`, `~` and `$VARS` in paths; URLs with a scheme are left alone except `{cache}`."""
-    value = value.replace("{cache}", str(cache_dir()))
-    if "://" in value:
-        return value
-    return os.path.expandvars(os.path.expanduser(value))
-
-
-# --------------------------------------------------------------------------------------------------
-# Component configs
-# --------------------------------------------------------------------------------------------------
-
-BACKENDS = ("vllm", "eager")
-DTYPES = ("bfloat16", "float16", "float32")
-
-
-@dataclass
-class ModelConfig:
-    """The engine each actor hosts; unknown engine options go in `engine_args` and pass through.
-
-    `path` accepts a local checkpoint dir, a hub name, `smollm2` (the offline SmolLM2-135M
-    checkpoint, `engine.models.smollm2_path`) or `tiny:<arch>` (a random-weight tiny model built
-    once under the cache, for tests and smoke runs).
-    """
-
-    path: str = "smollm2"
-    backend: str = "vllm"
-    dtype: str = "bfloat16"
-    # None: freeze exactly the capture points (freezing every layer when three are asked for wastes
-    # tap memory); "auto" or a list pass through to the engine.
-    freeze_points: Any = None
-    enforce_eager: bool | None = None
-    max_num_batched_tokens: int | None = None
-    # None: the engine's platform profile decides (engine/platform.py): an explicit KV size on
-    # the CPU build, 0.90 of device memory on CUDA. A CPU figure here would cap every GPU run.
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    engine_args: dict = field(default_factory=dict)
-
-    def validate(self) -> None:
-        check_str("model.path", self.path)
-        check_choice("model.backend", self.backend, BACKENDS)
-        check_choice("model.dtype", self.dtype, DTYPES)
-        if self.freeze_points is not None and self.freeze_points != "auto":
-            if not isinstance(self.freeze_points, list) or not all(
-                isinstance(p, str) for p in self.freeze_points
-            ):
-                raise ConfigError(
-                    f"model.freeze_points={self.freeze_points!r}: write 'auto', a list such as "
-                    "[resid_post.3], or leave it out to freeze exactly capture.points"
-                )
-        if self.enforce_eager is not None:
-            check_bool("model.enforce_eager", self.enforce_eager)
-        if self.enforce_eager and self.freeze_points is not None:
-            raise ConfigError(
-                "model.enforce_eager: true runs Python hooks and cannot be combined with "
-                "model.freeze_points: drop one of them"
-            )
-        check_int("model.max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
-        if self.gpu_memory_utilization is not None:
-            check_float("model.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
-            if self.gpu_memory_utilization <= 0:
-                raise ConfigError("model.gpu_memory_utilization must be > 0 (vLLM CPU: try 0.2)")
-        check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
-        check_int("model.max_model_len", self.max_model_len, 1, optional=True)
-        if not isinstance(self.engine_args, dict):
-            raise ConfigError("model.engine_args must be a mapping of extra engine options")
-        clash = set(self.engine_args) & {f.name for f in dataclasses.fields(self)}
-        if clash:
-            raise ConfigError(
-                f"model.engine_args repeats {sorted(clash)}: set them as model.<name> instead"
-            )
-
-    def engine_kwargs(self, points: list[str]) -> dict:
-        """Keyword arguments for `engine.load_model` (everything but the path)."""
-        kw: dict[str, Any] = {"backend": self.backend, "dtype": self.dtype}
-        if not self.enforce_eager:
-            kw["freeze_points"] = list(points) if self.freeze_points is None else self.freeze_points
-        if self.enforce_eager is not None:
-            kw["enforce_eager"] = self.enforce_eager
-        for name in ("max_num_batched_tokens", "gpu_memory_utilization", "max_model_len"):
-            if getattr(self, name) is not None:
-                kw[name] = getattr(self, name)
-        if self.tensor_parallel_size != 1:
-            kw["tensor_parallel_size"] = self.tensor_parallel_size
-        kw.update(self.engine_args)
-        return kw
-
-
-DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub")
-
-
-@dataclass
-class DataConfig:
-    """Where documents come from. `source: pydoc` is the offline default corpus.
-
-    `source` may be a hub dataset name, a local file, directory or glob (a date-partitioned path
-    such as `/data/crawl/date=2025-06-01/*.parquet` is just a glob), or a `save_to_disk` dir.
-    `format` is inferred from the file suffix unless given.
-
-    `block_bytes`: the corpus is cut into blocks of about this much text, each tokenised and
-    packed on its own by a worker (contexts never straddle blocks). It decides the rows, so it is
-    part of the run's identity. `streaming: true` reads through `datasets`' streaming loader,
-    one block per data file (shard); local json-lines, text and parquet files are otherwise split
-    by byte range or row group.
-    """
-
-    source: str = "pydoc"
-    format: str | None = None
-    name: str | None = None
-    split: str = "train"
-    revision: str | None = None
-    data_files: Any = None
-    text_column: str = "text"
-    streaming: bool = False
-    max_docs: int | None = None
-    block_bytes: int = 8 << 20
-
-    def validate(self) -> None:
-        check_str("data.source", self.source)
-        check_int("data.block_bytes", self.block_bytes, 1024)
-        if self.format is not None:
-            check_choice("data.format", self.format, DATA_FORMATS)
-        if self.name is not None:
-            check_str("data.name", self.name)
-        check_str("data.split", self.split)
-        if self.revision is not None:
-            if not isinstance(self.revision, str) or not self.revision:
-                raise ConfigError(
-                    "data.revision must be a git revision string (branch, tag or commit sha); "
-                    "quote dates in YAML, e.g. revision: '2025-06-01'"
-                )
-        if self.data_files is not None and not isinstance(self.data_files, (str, list, dict)):
-            raise ConfigError("data.data_files must be a path, a list of paths or {split: paths}")
-        check_str("data.text_column", self.text_column)
-        check_bool("data.streaming", self.streaming)
-        check_int("data.max_docs", self.max_docs, 1, optional=True)
-
-
-BOS_MODES = ("context", "document", "none")
-# Default cap on one document's tokens when nothing bounds it (about 1 MB of text): a longer
-# document is cut there, counted in the run's packing figures.
-DOC_TOKENS_DEFAULT = 1 << 18
-OVERFLOW_MODES = ("split", "truncate")
-
-
-@dataclass
-class PackingConfig:
-    """How documents become fixed contexts (rows of the store are their tokens, in order).
-
-    `bos: context` starts every context with BOS (SAELens' default, which keeps every context a
-    well-formed prompt); `document` puts BOS before every document instead. `overflow: split`
-    carries the rest of a long document into the next context; `truncate` drops it.
-    """
-
-    context_size: int = 128
-    bos: str = "context"
-    bos_token_id: int | None = None
-    overflow: str = "split"
-    max_tokens: int | None = None
-    tokenize_batch: int = 256
-    # Tokens per chunk of tokenised output: the granularity at which workers hand tokens over and
-    # a resumed run re-creates them. It does not change the rows; a store keeps the value it was
-    # planned with.
-    chunk_tokens: int = 1 << 16
-    # Tokens kept of one document, at most: only a bounded prefix of its text is tokenised, so a
-    # single 30 MB document cannot take the tokenising worker's memory (whole, it took 6.3 GB).
-    # None: derived (doc_token_cap): context_size with overflow=truncate, max_tokens when set,
-    # else DOC_TOKENS_DEFAULT. Documents cut here are counted (docs_capped).
-    max_doc_tokens: int | None = None
-
-    def validate(self) -> None:
-        check_int("packing.context_size", self.context_size, 2)
-        check_int("packing.max_doc_tokens", self.max_doc_tokens, 1, optional=True)
-        check_choice("packing.bos", self.bos, BOS_MODES)
-        check_int("packing.bos_token_id", self.bos_token_id, 0, optional=True)
-        check_choice("packing.overflow", self.overflow, OVERFLOW_MODES)
-        check_int("packing.max_tokens", self.max_tokens, 1, optional=True)
-        if self.max_tokens is not None and self.max_tokens < self.context_size:
-            raise ConfigError(
-                f"packing.max_tokens={self.max_tokens} is smaller than one context "
-                f"(packing.context_size={self.context_size}): raise max_tokens or lower "
-                "context_size"
-            )
-        check_int("packing.tokenize_batch", self.tokenize_batch, 1)
-        check_int("packing.chunk_tokens", self.chunk_tokens, 1)
-
-    def doc_token_cap(self) -> int:
-        """Tokens kept of one document (see max_doc_tokens): more could never reach a row."""
-        if self.max_doc_tokens is not None:
-            return self.max_doc_tokens
-        if self.overflow == "truncate":
-            return self.context_size
-        if self.max_tokens is not None:
-            return self.max_tokens
-        return DOC_TOKENS_DEFAULT
-
-
-@dataclass
-class CaptureConfig:
-    """What to capture: addresses like `resid_post.3`; `resid_post.*` means every layer."""
-
-    points: list = field(default_factory=lambda: ["resid_post.*"])
-    batch_contexts: int = 32
-    # Before dispatch, actor 0 compares its loaded engine with a Hugging Face fp32 reference on a
-    # few prompts (engine.check_loaded) and the run stops if any point is off: a trunk captured
-    # wrongly would otherwise fill the store with rows that look fine. Costs one fp32 forward of
-    # the model on CPU in a subprocess; set false to skip (the result is in the store attributes).
-    check_model: bool = True
-
-    def validate(self) -> None:
-        if not isinstance(self.points, list) or not self.points:
-            raise ConfigError(
-                "capture.points must be a non-empty list such as [resid_post.3] or [resid_post.*]"
-            )
-        for p in self.points:
-            if not isinstance(p, str) or not re.fullmatch(r"[a-z_]+\.(\d+|\*)", p):
-                raise ConfigError(
-                    f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "
-                    "(e.g. resid_post.3) or '<point>.*' for every layer"
-                )
-        check_int("capture.batch_contexts", self.batch_contexts, 1)
-        check_bool("capture.check_model", self.check_model)
-
-
-@dataclass
-class StoreConfig:
-    """The Zarr store: a local dir or an fsspec URL (s3:// reads AWS_* env vars).
-
-    `storage_options` go to fsspec and are never written to the store or to logs.
-    """
-
-    url: str = "{cache}/stores/default"
-    shard_rows: int | None = None
-    chunk_rows: int | None = None
-    # A unit (the rows one actor captures and commits together) is unit_shards shards; by default
-    # about unit_tokens rows, fewer when packing.max_tokens would otherwise give an actor fewer
-    # than four units.
-    unit_shards: int | None = None
-    unit_tokens: int = 1 << 18
-    compression: Any = None
-    storage_options: dict | None = None
-    # Rows of the `kept` statistics skip this many leading context positions (None: 1 when a BOS
-    # starts every context, else 0) besides special tokens; see pipeline/store/FORMAT.md.
-    stats_skip_positions: int | None = None
-    # Deadlines on object storage. timeout_s: one request's connect/read timeout (botocore and
-    # s3fs retry inside it otherwise: an endpoint that accepts and never answers took 14 min to
-    # fail). retry_budget_s: one operation's total time over its retries.
-    timeout_s: float = 30.0
-    retry_budget_s: float = 120.0
-    # The driver's lease on the store (pipeline/lease.py): a lease younger than this is another
-    # driver's live run, and a second driver is refused before it writes anything.
-    lease_seconds: float = 120.0
-    # A missing S3 bucket is an error (a typo would otherwise make a new bucket); true creates it.
-    create_bucket: bool = False
-
-    def validate(self) -> None:
-        check_str("store.url", self.url)
-        check_bool("store.create_bucket", self.create_bucket)
-        check_float("store.timeout_s", self.timeout_s, 0.1, None)
-        check_float("store.retry_budget_s", self.retry_budget_s, 0.1, None)
-        check_float("store.lease_seconds", self.lease_seconds, 1.0, None)
-        check_int("store.shard_rows", self.shard_rows, 1, optional=True)
-        check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
-        if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
-            raise ConfigError(
-                f"store.chunk_rows={self.chunk_rows} must divide store.shard_rows="
-                f"{self.shard_rows}: pick a divisor or leave chunk_rows out"
-            )
-        check_int("store.unit_shards", self.unit_shards, 1, optional=True)
-        check_int("store.unit_tokens", self.unit_tokens, 1)
-        check_int("store.stats_skip_positions", self.stats_skip_positions, 0, optional=True)
-        if self.storage_options is not None and not isinstance(self.storage_options, dict):
-            raise ConfigError("store.storage_options must be a mapping of fsspec options")
-        if self.compression is not None and not isinstance(self.compression, (str, dict)):
-            raise ConfigError(
-                "store.compression must be a codec name, a mapping of codec settings, or null"
-            )
-        from pipeline.store.compression import normalize
-
-        try:  # here, not when the store is created after the actors started
-            normalize(self.compression)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"store.{e}") from None
-
-    def fs_options(self) -> "dict | None":
-        """storage_options plus the deadlines (see timeout_s); explicit settings win."""
-        url = self.resolved_url
-        so = dict(self.storage_options or {})
-        if url.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in url:
-            ck = dict(so.get("config_kwargs") or {})
-            ck.setdefault("connect_timeout", min(self.timeout_s, 10.0))
-            ck.setdefault("read_timeout", self.timeout_s)
-            # one try per request: with_retries retries within retry_budget_s (botocore's and
-            # s3fs's own retries multiply with ours and ignore the budget)
-            ck.setdefault("retries", {"total_max_attempts": 1})
-            so["config_kwargs"] = ck
-        so.setdefault("retry_budget_s", self.retry_budget_s)
-        return so
-
-    @property
-    def resolved_url(self) -> str:
-        # absolute, so actors whose cwd differs from the driver's write to the same place
-        url = expand_path(self.url)
-        return url if "://" in url else os.path.abspath(url)
-
-
-@dataclass
-class RayConfig:
-    """Cluster and actor settings. `address: null` uses the cluster Ray gives the job
-    (`RAY_ADDRESS`, set by `ray job submit`) or starts a local one."""
-
-    address: str | None = None
-    num_actors: int = 2
-    num_cpus_per_actor: float | None = None
-    num_gpus_per_actor: float | None = None  # None: 1 when the cluster has GPUs, else 0
-    threads_per_actor: int | None = None
-    max_in_flight: int = 2
-    max_restarts: int = 3
-    max_task_retries: int = 3
-    unit_attempts: int = 3
-    local_num_cpus: int | None = None
-    # Tokenising workers (Ray actors, one tokenizer each) and the CPUs each asks for (None: 1 on
-    # a GPU cluster, 0.25 on a CPU-only one, where the capture actors need the cores).
-    tokenize_workers: int = 2
-    tokenize_cpus: float | None = None
-    # Per-unit deadline: an actor with units in flight that finishes none for this long is
-    # killed (Ray restarts it) and its units go elsewhere. None: max(unit_timeout_min_s, 10x the
-    # median unit time seen so far); a SIGSTOPped actor otherwise held its units for ever.
-    unit_timeout_s: float | None = None
-    unit_timeout_min_s: float = 300.0
-
-    def validate(self) -> None:
-        if self.address is not None:
-            check_str("ray.address", self.address)
-        check_int("ray.num_actors", self.num_actors, 1)
-        if self.num_cpus_per_actor is not None:
-            check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, None)
-        if self.num_gpus_per_actor is not None:
-            check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
-        check_int("ray.threads_per_actor", self.threads_per_actor, 1, optional=True)
-        check_int("ray.max_in_flight", self.max_in_flight, 1)
-        check_int("ray.max_restarts", self.max_restarts, -1)
-        check_int("ray.max_task_retries", self.max_task_retries, -1)
-        check_int("ray.unit_attempts", self.unit_attempts, 1)
-        check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
-        check_int("ray.tokenize_workers", self.tokenize_workers, 1)
-        if self.tokenize_cpus is not None:
-            check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, None)
-        if self.unit_timeout_s is not None:
-            check_float("ray.unit_timeout_s", self.unit_timeout_s, 0.1, None)
-        check_float("ray.unit_timeout_min_s", self.unit_timeout_min_s, 0.1, None)
-
-    def actor_resources(self, cluster: dict) -> tuple[float, float]:
-        """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.
-
-        One GPU per actor when the cluster has GPUs (one engine per GPU); on CPUs a fractional
-        CPU, because an actor holding a whole CPU each starves every other task on 2 cores.
-        """
-        gpus = self.num_gpus_per_actor
-        if gpus is None:
-            gpus = 1.0 if cluster.get("GPU", 0) >= 1 else 0.0
-        cpus = self.num_cpus_per_actor
-        if cpus is None:
-            cpus = 1.0 if gpus else 0.5
-        return cpus, gpus
-
-    @property
-    def actor_num_cpus(self) -> float:
-        return self.actor_resources({})[0]
-
-    def tokenizer_cpus(self, cluster: dict) -> float:
-        if self.tokenize_cpus is not None:
-            return float(self.tokenize_cpus)
-        return 1.0 if cluster.get("GPU", 0) >= 1 else 0.25
+                     check_str)
+from .paths import REPO_ROOT, cache_dir, expand_path  # noqa: F401
+from .sections import (BACKENDS, BOS_MODES, DATA_FORMATS, DOC_TOKENS_DEFAULT,  # noqa: F401
+                       DTYPES, OVERFLOW_MODES, CaptureConfig, DataConfig, ModelConfig,
+                       PackingConfig, RayConfig, StoreConfig)
+from .store.credentials import redact_url  # noqa: F401 -- one definition, in the lower layer
+from .yamlconf import (deep_merge, load_yaml_unique, parse_override, read_text,  # noqa: F401
+                       unknown_msg)
 
 
 @dataclass
@@ -480,9 +97,6 @@ SECTIONS = {
 TOP_LEVEL = ("name", "progress")
 
 
-from .store.credentials import redact_url  # noqa: E402,F401 -- one definition, in the lower layer
-
-
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
@@ -504,50 +118,23 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist: pass --config <file.yaml>")
         try:
-            raw = load_yaml_unique(_read_text(p), f"config file {str(p)!r}") or {}
+            raw = load_yaml_unique(read_text(p), f"config file {str(p)!r}") or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
     if data:
-        raw = _deep_merge(raw, data)
+        raw = deep_merge(raw, data)
     for item in overrides or []:
-        raw = _deep_merge(raw, parse_override(item))
+        raw = deep_merge(raw, parse_override(item))
     return from_dict(raw)
-
-
-def _read_text(p: Path) -> str:
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}): save it "
-                          "as UTF-8") from None
-
-
-def parse_override(item: str) -> dict:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(
-            f"override {item!r} is not 'section.field=value', e.g. packing.context_size=256"
-        )
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        parsed = value
-    out: dict = {}
-    cur = out
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        cur = cur.setdefault(part, {})
-    cur[parts[-1]] = parsed
-    return out
 
 
 def from_dict(raw: dict) -> HarvestConfig:
     raw = copy.deepcopy(raw)
     unknown = [k for k in raw if k not in SECTIONS and k not in TOP_LEVEL]
     if unknown:
-        raise ConfigError(_unknown_msg(unknown[0], list(SECTIONS) + list(TOP_LEVEL), ""))
+        raise ConfigError(unknown_msg(unknown[0], list(SECTIONS) + list(TOP_LEVEL), ""))
     kwargs: dict[str, Any] = {k: raw[k] for k in TOP_LEVEL if k in raw}
     for section, cls in SECTIONS.items():
         values = raw.get(section) or {}
@@ -556,22 +143,6 @@ def from_dict(raw: dict) -> HarvestConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for k in values:
             if k not in names:
-                raise ConfigError(_unknown_msg(k, names, section + "."))
+                raise ConfigError(unknown_msg(k, names, section + "."))
         kwargs[section] = cls(**values)
     return HarvestConfig(**kwargs).validate()
-
-
-def _unknown_msg(key: str, known: list[str], prefix: str) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"did you mean {prefix}{close[0]}? " if close else ""
-    return f"unknown field {prefix}{key}: {hint}known fields are {', '.join(known)}"
-
-
-def _deep_merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out

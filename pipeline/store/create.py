@@ -18,7 +18,8 @@ from .backend import Location, locate, with_retries
 from .credentials import redact_attrs
 from .dtypes import dtype_name, resolve_dtype, zarr_dtype
 from .errors import StoreAccessError, StoreError
-from .store import Store, _jsonable, _now, open_store
+from .jsonattrs import jsonable as _jsonable, now as _now
+from .store import Store, open_store
 
 
 def _versions() -> dict:

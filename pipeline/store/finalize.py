@@ -17,7 +17,8 @@ from . import commits as _commits
 from . import layout
 from .credentials import redact_attrs
 from .errors import StoreError
-from .store import Store, _jsonable, _now
+from .jsonattrs import jsonable as _jsonable, now as _now
+from .store import Store
 
 
 def finalize(store: Store, summary: dict | None = None) -> dict:

@@ -4,15 +4,15 @@ Division of labour that keeps many writers safe without locks: the driver create
 pre-sized and is the only process that ever writes a `zarr.json`; writers only put whole shard
 objects inside their own shard-aligned region, its row metadata, and then one create-once commit
 marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
-data. Creation is in create.py, finalize and verify in their own modules.
+data. Creation is in create.py, finalize and verify in their own modules; checked reads by
+row range in reads.py, info() in info.py, attribute JSON helpers in jsonattrs.py.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import zarr
@@ -23,32 +23,10 @@ from . import stats as _stats
 from .backend import Location, locate
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
+from .jsonattrs import jsonable as _jsonable, now as _now  # noqa: F401 -- old import path
 from .plans import PlanStore, Unit, check_units
 
 log = logging.getLogger(__name__)
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _json_default(o: Any):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, (set, frozenset)):
-        return sorted(o)
-    if hasattr(o, "__fspath__"):
-        return str(o)
-    raise TypeError(f"attribute value of type {type(o).__name__} is not JSON serialisable: {o!r}")
-
-
-def _jsonable(obj: Any, what: str) -> Any:
-    try:
-        return json.loads(json.dumps(obj, default=_json_default))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be JSON-serialisable: {e}") from None
 
 
 class Store:
@@ -150,24 +128,9 @@ class Store:
 
     def info(self) -> dict:
         """What a user inspecting a store wants: shape, progress, stats, attrs."""
-        names = self.marker_names()
-        plan = self.plan_units()
-        rows = sum(n[2] - n[1] for n in names)
-        planned = sum(u.n_rows for u in plan)
-        return {
-            "url": self.url, "layout_version": self.layout_version, "points": self.points,
-            "width": self.width, "n_rows": self.n_rows, "dtype": self.dtype,
-            "shard_rows": self.shard_rows, "chunk_rows": self.chunk_rows,
-            "context_size": self.context_size, "special_token_ids": self.special_token_ids,
-            "bos_token_id": self.bos_token_id, "tokenizer": self.tokenizer,
-            "stats_skip_positions": self.stats_skip_positions,
-            "compression": self.compression, "committed_units": len(names),
-            "committed_rows": rows, "committed_fraction": rows / planned if planned else 0.0,
-            "planned_units": len(plan), "finalized": self.summary is not None,
-            "stats": self._meta["attributes"].get("stats"),
-            "compression_ratio": self._meta["attributes"].get("compression_ratio"),
-            "attrs": self.attrs,
-        }
+        from .info import store_info
+
+        return store_info(self)
 
     # ---- arrays ------------------------------------------------------------------------------
     def array(self, point: str) -> zarr.Array:
@@ -218,11 +181,9 @@ class Store:
     def committed_shard(self, shard: int) -> "tuple[dict, dict]":
         """(marker, its entry for `shard`) of the committed unit holding that shard."""
         if self._shard_map is None:
-            self._shard_map = {}
-            for m in self.iter_committed():
-                lite = {k: m.get(k) for k in ("unit_id", "row_start", "row_end", "attempt", "row_meta")}
-                for sh in m.get("shards", []):
-                    self._shard_map[sh["index"]] = (lite, sh)
+            from .reads import committed_shard_map
+
+            self._shard_map = committed_shard_map(self)
         got = self._shard_map.get(int(shard))
         if got is None:
             raise StoreError(f"shard {shard} of {self.url} is not committed (no marker covers it)")
@@ -242,13 +203,9 @@ class Store:
 
     def read(self, point: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of one point, committed rows only, each shard checked."""
-        parts = []
-        for s in range(start // self.shard_rows, -(-stop // self.shard_rows)):
-            m, sh = self.committed_shard(s)
-            a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
-            if b > a:
-                parts.append(self.read_shard(point, s)[a - sh["row_start"]:b - sh["row_start"]])
-        return np.concatenate(parts) if parts else np.empty((0, self.width), self.np_dtype)
+        from .reads import read_rows
+
+        return read_rows(self, point, start, stop)
 
     def _meta_array(self, name: str) -> zarr.Array:
         arr = self._arrays.get(name)
@@ -265,15 +222,9 @@ class Store:
 
     def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like read_row_meta, committed rows only, each chunk checked against its marker."""
-        from .objects import read_meta
+        from .reads import read_row_meta_checked
 
-        cols = {n: [] for n in layout.ROW_META}
-        for s in range(start // self.shard_rows, -(-stop // self.shard_rows)):
-            m, sh = self.committed_shard(s)
-            a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
-            for n in layout.ROW_META:
-                cols[n].append(read_meta(self, m, sh, n)[a - sh["row_start"]:b - sh["row_start"]])
-        return tuple(np.concatenate(cols[n]) for n in layout.ROW_META)
+        return read_row_meta_checked(self, start, stop)
 
     # ---- plan --------------------------------------------------------------------------------
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
