@@ -25,12 +25,9 @@ import numpy as np
 
 from . import layout
 from .errors import DataIntegrityError
+from .stats import crc32c
 
 log = logging.getLogger(__name__)
-
-
-def crc(data) -> int:
-    return google_crc32c.value(data if isinstance(data, (bytes, bytearray)) else bytes(data))
 
 
 def point_keys(point: str, shard: int, attempt: str | None) -> list[str]:
@@ -67,7 +64,7 @@ def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | No
             tried.append(f"{k}: missing")
         elif want_size is not None and len(blob) != want_size:
             tried.append(f"{k}: {len(blob)} bytes, its writer stored {want_size}")
-        elif want_crc is not None and crc(blob) != want_crc:
+        elif want_crc is not None and google_crc32c.value(blob) != want_crc:
             tried.append(f"{k}: CRC32C differs from the marker's")
         else:
             return blob
@@ -96,8 +93,7 @@ def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = N
         raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} cannot be decoded "
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
     if ocrc is None and sh.get("crc32c") is not None:
-        raw = np.ascontiguousarray(x).view(np.uint8)
-        if crc(raw) != sh["crc32c"][p]:
+        if crc32c(x) != sh["crc32c"][p]:
             raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')}: rows differ from what "
                                      f"its writer committed; {_repair(marker)}")
     return x
@@ -112,7 +108,7 @@ def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
         col = np.asarray(store._meta_array(name)[a:b])
         want = ((marker.get("row_meta") or {}).get("crc32c") or {}).get(name)
         if want is not None and (a, b) == (marker["row_start"], marker["row_end"]) and \
-                crc(np.ascontiguousarray(col).view(np.uint8)) != want:
+                crc32c(col) != want:
             raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} differs from what its "
                                      f"writer committed; {_repair(marker)}")
         return col
@@ -161,22 +157,28 @@ class CommittedMeta:
         return col[a - p0:b - p0]
 
 
-def publish(store, marker: dict) -> int:
+def publish(store, marker: dict, threads: int = 16) -> int:
     """Move a committed unit's attempt objects to their zarr keys; returns how many moved (0 when
     it was published already). Only the writer that created the marker, or finalize for a unit
-    whose writer died between its marker and this, calls it."""
-    loc, att, moved = store.location, marker.get("attempt"), 0
+    whose writer died between its marker and this, calls it.
+
+    The moves run concurrently: on S3 each is a server-side copy and a delete, two round trips,
+    and a unit holds shards x points objects (50 x 30 for 10^5 tokens of a 30-layer model), so
+    moving them one by one would put seconds of latency on every commit of the actor's path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loc, att = store.location, marker.get("attempt")
     if not att:
         return 0
+    pairs = []
     for sh in marker.get("shards", []):
         if sh.get("object_crc32c") is not None:
-            for p in store.points:
-                src, dst = point_keys(p, sh["index"], att)[::-1]
-                moved += loc.move(src, dst)
-        for name in (sh.get("meta") or {}):
-            src, dst = meta_keys(name, sh["index"], att)[::-1]
-            moved += loc.move(src, dst)
-    return moved
+            pairs += [point_keys(p, sh["index"], att)[::-1] for p in store.points]
+        pairs += [meta_keys(name, sh["index"], att)[::-1] for name in (sh.get("meta") or {})]
+    if len(pairs) <= 1 or loc.is_local:  # renames: no round trips to overlap
+        return sum(loc.move(src, dst) for src, dst in pairs)
+    with ThreadPoolExecutor(min(threads, len(pairs)), thread_name_prefix="harvest-publish") as ex:
+        return sum(ex.map(lambda kv: loc.move(*kv), pairs))
 
 
 def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
