@@ -457,7 +457,7 @@ class StubActor:
         self.index = index
 
     def info(self) -> dict:
-        return {"index": self.index, "queue_tokens": 0}
+        return {"index": self.index, "queue_tokens": 0, "pid": os.getpid(), "load_seconds": 0.0}
 
     def run_unit(self, unit: dict, attempt: int = 1) -> dict:
         return {"unit_id": unit["unit_id"], "row_start": unit["row_start"], "actor": self.index,
