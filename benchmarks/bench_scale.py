@@ -493,7 +493,9 @@ def dispatch_child(spec: dict) -> dict:
     state = ResumeState([], set(), [], {}, f)
     pool = SimpleNamespace(active={}, fill=lambda *a: None, waitables=lambda *a: [],
                            blocks_tokenised=[])
-    sched = Scheduler(cfg, prep, state, pool, lambda e: None)
+    seen = []  # unit ids as the scheduler reports them done: each exactly once, none missing
+    sched = Scheduler(cfg, prep, state, pool,
+                      lambda e: seen.append(e["unit_id"]) if e.get("event") == "unit_done" else None)
     Remote = ray.remote(StubActor)
     actors = [Remote.options(num_cpus=0.001).remote(i) for i in range(n_actors)]
     infos = ray.get([a.info.remote() for a in actors])
@@ -522,6 +524,7 @@ def dispatch_child(spec: dict) -> dict:
     done = sum(f.units for f in sched.figures.values())
     cpu = 1000 * (time.process_time() - cpu0) / done
     return {"actors": n_actors, "units": done, "seconds": round(secs, 2),
+            "done_once": sorted(seen) == list(range(n_units)),
             "units_per_s": round(done / secs), "driver_cpu_ms_per_unit": round(cpu, 3),
             "driver_bound_units_per_s": round(1000 / cpu),
             "bare_ray_units_per_s": round(n_units / bare_s),
