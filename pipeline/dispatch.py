@@ -262,9 +262,7 @@ class Scheduler(ActorHealth):
                        "error": why})
             self.ready.appendleft((unit, attempt + 1))
             if died and a in self.alive and a not in self.probing.values():
-                ping = self.actors[a].ping.remote()
-                self.probing[ping] = a
-                self.probe_sent[ping] = time.monotonic()
+                self._probe(a)
             return
         f = self.figures[a]
         if res["pid"] not in f.pids:

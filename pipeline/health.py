@@ -156,10 +156,18 @@ class ActorHealth:
         self.emit({"event": "actor_deadline", "actor": a, "pid": self.pid.get(a),
                    "stalled_seconds": round(stalled, 1)})
         self._kill(a, restart=True)
-        ping = self.actors[a].ping.remote()
+        self._probe(a)
+        self.progress[a] = time.monotonic()
+
+    def _probe(self, a: int) -> None:
+        """Ping actor `a` to learn when it is back. The ping is retried by Ray through the
+        actor's restart whatever ray.max_task_retries says: sent right after a kill it reaches
+        the dying process first, and without a retry it failed there, so with
+        max_task_retries=0 every actor killed at the deadline was declared lost although Ray
+        restarted it. An actor with no restarts left still fails the ping at once."""
+        ping = self.actors[a].ping.options(max_task_retries=-1).remote()
         self.probing[ping] = a
         self.probe_sent[ping] = time.monotonic()
-        self.progress[a] = time.monotonic()
 
     def _wait_line(self) -> None:
         """No silent waits: say what the loop waits for while nothing finishes."""

@@ -156,3 +156,58 @@ def test_store_deadlines_reach_s3_options(tiny_llama, tmp_path):
     local = make_cfg(tiny_llama, str(tmp_path / "s"), tmp_path).store.fs_options()
     assert local == {"retry_budget_s": 120.0}
     assert cfg.store.storage_options == {"config_kwargs": {"connect_timeout": 2}}  # not mutated
+
+
+
+class StopBoth(Stopper):
+    """Stop actor 1 as Stopper does; once it is killed at the deadline, stop actor 0 too, so
+    the run can only finish on restarted processes (a run whose healthy actor finishes every
+    unit before the killed one is back would show nothing of the restart)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stopped_too: int | None = None
+
+    def __call__(self, e: dict) -> None:
+        super().__call__(e)
+        if e["event"] == "actor_deadline" and e["actor"] == 1 and self.stopped_too is None:
+            self.stopped_too = self.pids[0]
+            os.kill(self.stopped_too, signal.SIGSTOP)
+
+
+def test_actors_killed_at_the_deadline_restart_and_finish_the_run(ray_cluster, tiny_llama,
+                                                                   corpus, reference, tmp_path):
+    """The restart half of the deadline: with max_restarts, an actor killed for finishing
+    nothing comes back in a new process, answers its ping and is given units again. Both
+    actors are stopped in turn, so every unit after that is committed by a restarted process;
+    nothing is lost or doubled and the store is exact."""
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "ray.unit_timeout_min_s=4",
+                   "ray.max_restarts=1", "ray.max_task_retries=0")
+    s = StopBoth()
+    try:
+        summary = run(cfg, on_event=s)
+    finally:
+        for pid in (s.stopped, s.stopped_too):  # by pid, the processes this test stopped
+            for sig in (signal.SIGCONT, signal.SIGKILL) if pid is not None else ():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+    assert s.stopped is not None and s.stopped_too is not None, "an actor never had units"
+    check_store(open_store(cfg.store.resolved_url), reference)
+    assert summary["unit_deadlines"] == 2 and summary["actors_lost"] == 0
+    # both were killed; the first one back may finish the run before the other answers its ping
+    assert summary["actor_deaths_seen"] == 2 and summary["actor_restarts"] >= 1
+    first = {s.stopped, s.stopped_too}
+    by_pid: dict = {}
+    for e in s.events:
+        if e["event"] == "unit_done" and e["status"] == "committed":
+            by_pid.setdefault(e["pid"], []).append(e["unit_id"])
+    restarted = set(by_pid) - first
+    assert restarted, f"no unit was committed by a restarted process: {sorted(by_pid)}"
+    back = [a for a in summary["per_actor"] if a["restarts"]]
+    assert any(set(a["pids"]) & restarted for a in back), summary["per_actor"]
+    done = [e["unit_id"] for e in s.events if e["event"] == "unit_done"]
+    assert sorted(done) == reference[0].unit_ids  # each unit reported once
+    assert summary["units_skipped"] + summary["units_run"] + summary["units_found_committed"] \
+        == summary["units"]
