@@ -79,21 +79,31 @@ class Stopper:
             self.stopped = self.pids[1]
             os.kill(self.stopped, signal.SIGSTOP)
 
+    def release(self) -> None:
+        """Continue and kill, by pid, the processes this hook stopped (Ray may have already)."""
+        for pid in (self.stopped, getattr(self, "stopped_too", None)):
+            for sig in (signal.SIGCONT, signal.SIGKILL) if pid is not None else ():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+
+def run_stopping(hook: Stopper, model: str, tmp_path, corpus, restarts: int):
+    """A run with a 4 s unit deadline whose `hook` stops actors; Ray never re-runs a unit itself
+    (max_task_retries=0), so every retry is the scheduler's."""
+    cfg = make_cfg(model, str(tmp_path / "store"), corpus, "ray.unit_timeout_min_s=4",
+                   f"ray.max_restarts={restarts}", "ray.max_task_retries=0")
+    try:
+        return cfg, run(cfg, on_event=hook)
+    finally:
+        hook.release()
+
 
 def test_stopped_actor_units_finish_elsewhere(ray_cluster, tiny_llama, corpus, reference,
                                                tmp_path):
-    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "ray.unit_timeout_min_s=4",
-                   "ray.max_restarts=0", "ray.max_task_retries=0")
     s = Stopper()
-    try:
-        summary = run(cfg, on_event=s)
-    finally:
-        if s.stopped is not None:  # by pid, the one process this test stopped
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(s.stopped, sig)
-                except ProcessLookupError:
-                    pass
+    cfg, summary = run_stopping(s, tiny_llama, tmp_path, corpus, restarts=0)
     assert s.stopped is not None, "actor 1 never had a unit in flight"
     check_store(open_store(cfg.store.resolved_url), reference)
     assert summary["unit_deadlines"] == 1
@@ -181,18 +191,8 @@ def test_actors_killed_at_the_deadline_restart_and_finish_the_run(ray_cluster, t
     nothing comes back in a new process, answers its ping and is given units again. Both
     actors are stopped in turn, so every unit after that is committed by a restarted process;
     nothing is lost or doubled and the store is exact."""
-    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "ray.unit_timeout_min_s=4",
-                   "ray.max_restarts=1", "ray.max_task_retries=0")
     s = StopBoth()
-    try:
-        summary = run(cfg, on_event=s)
-    finally:
-        for pid in (s.stopped, s.stopped_too):  # by pid, the processes this test stopped
-            for sig in (signal.SIGCONT, signal.SIGKILL) if pid is not None else ():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+    cfg, summary = run_stopping(s, tiny_llama, tmp_path, corpus, restarts=1)
     assert s.stopped is not None and s.stopped_too is not None, "an actor never had units"
     check_store(open_store(cfg.store.resolved_url), reference)
     assert summary["unit_deadlines"] == 2 and summary["actors_lost"] == 0
