@@ -305,7 +305,7 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
 
     from pipeline.store import create_store, layout
     from pipeline.store import stats as _stats
-    from pipeline.store.commits import IndexBuilder
+    from pipeline.store.commits import IndexBuilder, index_batch
     from pipeline.store.plans import Unit
 
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W,
@@ -331,7 +331,7 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
     s.plans.compact(units[: n_units // seg * seg], [{"chunks": chunks, "state": state}],
                     n_units // seg - 1, False)
     markers = {}
-    index = IndexBuilder()
+    index, indexed = IndexBuilder(), 0
     for u in units:
         m = {"layout_version": 2, "unit_id": u.unit_id, "row_start": u.row_start,
              "row_end": u.row_end, "n_rows": SHARD, "points": s.points, "attempt": "synthetic",
@@ -345,13 +345,14 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
              "extra": {"actor": u.unit_id % 8}}
         markers[loc.key(layout.commit_key(u.unit_id, u.row_start, u.row_end))] = \
             json.dumps(m, separators=(",", ":")).encode()
-        if u.unit_id < n_units * 9 // 10:
-            index.add(m)
-            if index.count >= max(256, u.unit_id // 10):
-                s.write_index(index)
-                index = IndexBuilder()
-    if index.count:
-        s.write_index(index)
+        # indexed as the driver does (commits.index_batch); the markers since the last segment
+        # stay unindexed, as a driver killed between two segments leaves them (status, verify
+        # and the reader read those one GET each)
+        index.add(m)
+        if index.count >= index_batch(indexed):
+            s.write_index(index)
+            indexed += index.count
+            index = IndexBuilder()
     for objects, batch in ((sidecars, 500), (markers, 2000)):
         if loc.is_local:
             for path, data in objects.items():

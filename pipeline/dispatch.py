@@ -26,7 +26,6 @@ from .placement import Emitted, chunk_key, sum_stats
 
 log = logging.getLogger("harvest.pipeline")
 
-INDEX_EVERY = 256          # markers per compacted-index segment, at least
 PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units are waiting
 
 
@@ -295,10 +294,10 @@ class Scheduler(ActorHealth):
         self.emit({"event": "unit_done", **res, "in_flight": dict(enumerate(self.load))})
 
     def _maybe_index(self, force: bool = False) -> None:
-        """Copy markers into the compacted index geometrically (amortised linear)."""
-        if self.index.count and (force or self.index.count >= max(INDEX_EVERY, self.indexed // 10)):
-            from .store.commits import IndexBuilder
+        """Copy markers into the commit index in batches (store.commits.index_batch)."""
+        from .store.commits import IndexBuilder, index_batch
 
+        if self.index.count and (force or self.index.count >= index_batch(self.indexed)):
             self.store.write_index(self.index)
             self.indexed += self.index.count
             self.index = IndexBuilder()
