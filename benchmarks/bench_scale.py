@@ -485,7 +485,8 @@ def dispatch_child(spec: dict) -> dict:
     from pipeline.resume import ResumeState
     from pipeline.store.plans import Unit
 
-    ray.init(address=spec["address"])
+    if not ray.is_initialized():  # the suite's toy run calls this in its own connected process
+        ray.init(address=spec["address"])
     n_actors, n_units = spec["actors"], spec["units"]
     cfg = load_config(data={"ray": {"num_actors": n_actors, "max_in_flight": 2}})
     prep = SimpleNamespace(layout=SimpleNamespace(unit_rows=1 << 18))

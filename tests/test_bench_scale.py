@@ -7,15 +7,11 @@ benchmark's figures rest on (every unit done once, every committed unit counted)
 
 from __future__ import annotations
 
-import json
-
 from benchmarks import bench_scale
 
 
-def test_dispatch_child_runs_every_unit_once_on_stub_actors(ray_cluster, tmp_path):
-    spec = tmp_path / "disp.json"
-    spec.write_text(json.dumps({"address": ray_cluster.address, "actors": 3, "units": 300}))
-    r = bench_scale._child(["--dispatch-child", str(spec)], env=ray_cluster.env, timeout=300)
+def test_dispatch_child_runs_every_unit_once_on_stub_actors(ray_cluster):
+    r = bench_scale.dispatch_child({"address": ray_cluster.address, "actors": 3, "units": 300})
     assert r["units"] == 300 and r["done_once"], r
     assert r["units_per_s"] > 0 and r["bare_ray_units_per_s"] > 0
 
