@@ -18,12 +18,10 @@ from typing import Any
 
 import yaml
 
-from .checks import (ConfigError, check_bool, check_choice, check_float, check_int,  # noqa: F401
-                     check_str)
+from .checks import ConfigError, check_bool, check_str
 from .paths import REPO_ROOT, cache_dir, expand_path  # noqa: F401
-from .sections import (BACKENDS, BOS_MODES, DATA_FORMATS, DOC_TOKENS_DEFAULT,  # noqa: F401
-                       DTYPES, OVERFLOW_MODES, CaptureConfig, DataConfig, ModelConfig,
-                       PackingConfig, RayConfig, StoreConfig)
+from .sections import (CaptureConfig, DataConfig, ModelConfig, PackingConfig, RayConfig,
+                       StoreConfig)
 from .store.credentials import redact_url  # noqa: F401 -- one definition, in the lower layer
 from .yamlconf import (deep_merge, load_yaml_unique, parse_override, read_text,  # noqa: F401
                        unknown_msg)

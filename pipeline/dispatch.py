@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .errors import HarvestError, ResumeMismatch
 from .health import ActorFigures, ActorHealth
 from .placement import Emitted, chunk_key, sum_stats
+from .store.commits import IndexBuilder, index_batch
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -206,8 +207,6 @@ class Scheduler(ActorHealth):
         self.slots = max(self.cfg.ray.max_in_flight, math.ceil(queue / unit_rows) + 1)
         self.slots = min(self.slots, 60)
         self.window = max(4 * unit_rows, 2 * len(actors) * self.slots * unit_rows)
-        from .store.commits import IndexBuilder
-
         self.index = IndexBuilder()
 
     def _dispatch(self) -> None:
@@ -295,8 +294,6 @@ class Scheduler(ActorHealth):
 
     def _maybe_index(self, force: bool = False) -> None:
         """Copy markers into the commit index in batches (store.commits.index_batch)."""
-        from .store.commits import IndexBuilder, index_batch
-
         if self.index.count and (force or self.index.count >= index_batch(self.indexed)):
             self.store.write_index(self.index)
             self.indexed += self.index.count

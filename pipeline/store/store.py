@@ -23,7 +23,6 @@ from . import stats as _stats
 from .backend import Location, locate
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
-from .jsonattrs import jsonable as _jsonable, now as _now  # noqa: F401 -- old import path
 from .plans import PlanStore, Unit, check_units
 
 log = logging.getLogger(__name__)
