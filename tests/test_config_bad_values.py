@@ -84,8 +84,9 @@ def test_real_cli_process_refuses_a_nan_lease(config):
                         "--set", "store.lease_seconds=.nan"], capture_output=True, text=True,
                        cwd=REPO_ROOT, env=env, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines() == [
-        "harvest plan: error: store.lease_seconds must be between 1 and 604800, got nan"]
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("harvest plan: error: store.lease_seconds must be between 1 and ")
+    assert line.endswith(", got nan")
 
 
 # ------------------------------------------------------------------------------------------------
