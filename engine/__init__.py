@@ -10,10 +10,24 @@
 
 from __future__ import annotations
 
+import importlib
+
 from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
-from .captured import ActivationCache, CapturedRequest, to_numpy
-from .check import CheckConfig, check_loaded, check_model
-from .probe import TrunkRefused
+
+# Names whose modules import torch are loaded on first use (PEP 562), so `engine.addresses`,
+# which pipeline config validation reads (the point kinds), costs no torch import (3 s here).
+_LAZY = {"ActivationCache": "captured", "CapturedRequest": "captured", "to_numpy": "captured",
+         "CheckConfig": "check", "check_loaded": "check", "check_model": "check",
+         "TrunkRefused": "probe"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 BACKENDS = ("vllm", "eager")
 

@@ -43,6 +43,7 @@ class HarvestConfig:
         check_bool("progress", self.progress)
         for section in SECTIONS:
             getattr(self, section).validate()
+        check_shard_rows(self.store.shard_rows, self.packing.context_size)
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
@@ -82,6 +83,17 @@ class HarvestConfig:
             "capture": {"points": list(self.capture.points)},
             "store": {"stats_skip_positions": self.store.stats_skip_positions},
         }
+
+
+def check_shard_rows(shard_rows: "int | None", context_size: int) -> None:
+    """A shard holds whole contexts (store/FORMAT.md, "Sizes"): units are whole contexts that
+    start on shard boundaries, so store.shard_rows must be a multiple of packing.context_size."""
+    C = context_size
+    if shard_rows is not None and shard_rows % C:
+        lo, hi = (shard_rows // C) * C, (shard_rows // C + 1) * C
+        raise ConfigError(
+            f"store.shard_rows={shard_rows} is not a multiple of packing.context_size={C}: "
+            f"use {hi}" + (f" or {lo}" if lo else "") + ", or leave store.shard_rows out")
 
 
 SECTIONS = {

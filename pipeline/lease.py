@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -112,6 +113,7 @@ def current(loc) -> "LeaseRecord | None":
 
 def refuse_if_held(loc, ttl: float, shown_url: str) -> None:
     """Refuse a store another driver is running, before this driver writes anything."""
+    ttl = _checked_ttl(ttl)
     cur = current(loc)
     if cur is not None and cur.live(ttl):
         raise HarvestError(
@@ -120,11 +122,21 @@ def refuse_if_held(loc, ttl: float, shown_url: str) -> None:
             f"store.url; a lease not refreshed for store.lease_seconds={ttl:g} s is free again")
 
 
+def _checked_ttl(ttl) -> float:
+    """The config refuses such values already; this is the last guard, because the heartbeat
+    waits ttl / 4 between rewrites: NaN or 0 made it spin (44 fsynced rewrites in 2 s), and a NaN
+    lease is never "older than ttl", so a second driver took the live store."""
+    ttl = float(ttl)
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError(f"store.lease_seconds must be a finite number > 0, got {ttl!r}")
+    return ttl
+
+
 class Lease:
     """This driver's lease; `acquire` takes it, `assert_held` before control writes, `release`."""
 
     def __init__(self, loc, ttl: float, shown_url: str, identity: dict, name: str):
-        self.loc, self.ttl, self.shown_url = loc, float(ttl), shown_url
+        self.loc, self.ttl, self.shown_url = loc, _checked_ttl(ttl), shown_url
         me = _process_id(os.getpid()) or (None, None)
         self.record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                        "boot": me[0], "start": me[1], "name": name, "identity": identity,

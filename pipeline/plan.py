@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ConfigError, HarvestConfig
+from .config import ConfigError, HarvestConfig, check_shard_rows
 from .store.layout import CAPACITY_ROWS, choose_sizes
 from .store.plans import Unit
 
@@ -48,11 +48,7 @@ def choose_layout(cfg: HarvestConfig, width: int, itemsize: int, n_points: int,
     if stored is not None:
         return Layout(*stored, capacity, C)
     st = cfg.store
-    if st.shard_rows is not None and st.shard_rows % C:
-        lo, hi = (st.shard_rows // C) * C, (st.shard_rows // C + 1) * C
-        raise ConfigError(
-            f"store.shard_rows={st.shard_rows} is not a multiple of packing.context_size={C}: "
-            f"use {hi}" + (f" or {lo}" if lo else ""))
+    check_shard_rows(st.shard_rows, C)  # again: a config changed after validation
     target = st.unit_tokens
     if cfg.packing.max_tokens is not None:
         # enough units that every actor gets several (a straggler then costs one small unit)

@@ -15,6 +15,7 @@ from typing import Any
 from .config import ConfigError, HarvestConfig
 from .packing import resolve_bos
 from .plan import Layout, choose_layout
+from .sections import check_point
 from .sources import plan_blocks, probe_text_column
 
 
@@ -30,17 +31,14 @@ def resolve_model_path(path: str) -> str:
 
 
 def resolve_points(points: list[str], n_layers: int) -> list[str]:
-    """Expand `name.*` and range-check every address against the model; errors name the field."""
-    from engine.addresses import KNOWN_POINTS, parse_addresses
+    """Expand `name.*` and range-check every address against the model; errors name the field.
+    The grammar and point kinds were checked with the config (sections.check_point)."""
+    from engine.addresses import parse_addresses
 
     expanded: list[str] = []
     for p in points:
+        check_point(p)  # again: a config changed after validation must not pass here
         name, _, layer = p.rpartition(".")
-        if name not in KNOWN_POINTS:
-            raise ConfigError(
-                f"capture.points entry {p!r}: unknown point {name!r}; known points are "
-                f"{', '.join(KNOWN_POINTS)}"
-            )
         if layer == "*":
             expanded += [f"{name}.{i}" for i in range(n_layers)]
         else:

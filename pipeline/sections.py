@@ -12,10 +12,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.addresses import KNOWN_POINTS
+
 from .checks import ConfigError, check_bool, check_choice, check_float, check_int, check_str
 from .paths import expand_path
 
 BACKENDS = ("vllm", "eager")
+# Upper bounds of the float fields (checks.check_float refuses NaN and inf for all of them):
+# a deadline or lease over a week is a unit slip (milliseconds written as seconds), and a
+# thread's wait on 1e300 s raises OverflowError; no node has more CPUs or GPUs than this.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_UNITS = 4096.0
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -65,7 +72,7 @@ class ModelConfig:
         check_int("model.max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.gpu_memory_utilization is not None:
             check_float("model.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
-            if self.gpu_memory_utilization <= 0:
+            if self.gpu_memory_utilization == 0:
                 raise ConfigError("model.gpu_memory_utilization must be > 0 (vLLM CPU: try 0.2)")
         check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("model.max_model_len", self.max_model_len, 1, optional=True)
@@ -220,13 +227,25 @@ class CaptureConfig:
                 "capture.points must be a non-empty list such as [resid_post.3] or [resid_post.*]"
             )
         for p in self.points:
-            if not isinstance(p, str) or not re.fullmatch(r"[a-z_]+\.(\d+|\*)", p):
-                raise ConfigError(
-                    f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "
-                    "(e.g. resid_post.3) or '<point>.*' for every layer"
-                )
+            check_point(p)
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
+
+
+def check_point(p: Any) -> None:
+    """One capture.points entry: the address grammar and a known point kind. The layer range
+    needs the model's depth, so prepare.resolve_points checks it once the model config is read."""
+    if not isinstance(p, str) or not re.fullmatch(r"[A-Za-z_]+\.(\d+|\*)", p):
+        raise ConfigError(
+            f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "
+            "(e.g. resid_post.3) or '<point>.*' for every layer"
+        )
+    name = p.rpartition(".")[0]
+    if name not in KNOWN_POINTS:
+        raise ConfigError(
+            f"capture.points entry {p!r}: unknown point {name!r}; known points are "
+            f"{', '.join(KNOWN_POINTS)}"
+        )
 
 
 @dataclass
@@ -263,9 +282,9 @@ class StoreConfig:
     def validate(self) -> None:
         check_str("store.url", self.url)
         check_bool("store.create_bucket", self.create_bucket)
-        check_float("store.timeout_s", self.timeout_s, 0.1, None)
-        check_float("store.retry_budget_s", self.retry_budget_s, 0.1, None)
-        check_float("store.lease_seconds", self.lease_seconds, 1.0, None)
+        check_float("store.timeout_s", self.timeout_s, 0.1, MAX_SECONDS)
+        check_float("store.retry_budget_s", self.retry_budget_s, 0.1, MAX_SECONDS)
+        check_float("store.lease_seconds", self.lease_seconds, 1.0, MAX_SECONDS)
         check_int("store.shard_rows", self.shard_rows, 1, optional=True)
         check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
         if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
@@ -340,10 +359,10 @@ class RayConfig:
         if self.address is not None:
             check_str("ray.address", self.address)
         check_int("ray.num_actors", self.num_actors, 1)
-        if self.num_cpus_per_actor is not None:
-            check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, None)
-        if self.num_gpus_per_actor is not None:
-            check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, None)
+        check_float("ray.num_cpus_per_actor", self.num_cpus_per_actor, 0.0, MAX_UNITS,
+                    optional=True)
+        check_float("ray.num_gpus_per_actor", self.num_gpus_per_actor, 0.0, MAX_UNITS,
+                    optional=True)
         check_int("ray.threads_per_actor", self.threads_per_actor, 1, optional=True)
         check_int("ray.max_in_flight", self.max_in_flight, 1)
         check_int("ray.max_restarts", self.max_restarts, -1)
@@ -351,11 +370,9 @@ class RayConfig:
         check_int("ray.unit_attempts", self.unit_attempts, 1)
         check_int("ray.local_num_cpus", self.local_num_cpus, 1, optional=True)
         check_int("ray.tokenize_workers", self.tokenize_workers, 1)
-        if self.tokenize_cpus is not None:
-            check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, None)
-        if self.unit_timeout_s is not None:
-            check_float("ray.unit_timeout_s", self.unit_timeout_s, 0.1, None)
-        check_float("ray.unit_timeout_min_s", self.unit_timeout_min_s, 0.1, None)
+        check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, MAX_UNITS, optional=True)
+        check_float("ray.unit_timeout_s", self.unit_timeout_s, 0.1, MAX_SECONDS, optional=True)
+        check_float("ray.unit_timeout_min_s", self.unit_timeout_min_s, 0.1, MAX_SECONDS)
 
     def actor_resources(self, cluster: dict) -> tuple[float, float]:
         """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.
