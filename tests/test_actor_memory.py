@@ -166,9 +166,48 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     for p, name in enumerate(points):
         got = np.asarray(back.read(name, 0, n)).astype(np.float32)
         assert np.array_equal(got, want[p]), name
-    assert np.array_equal(np.asarray(back.read("token_id", 0, n)), tok)
+    assert np.array_equal(back.read_row_meta_checked(0, n)[0], tok)
     st = back.stats(points)
     for p, name in enumerate(points):
         assert st[name]["count"] == n
         np.testing.assert_allclose(st[name]["mean"], want[p].astype(np.float64).mean(0),
+                                   rtol=1e-12)
+
+
+def test_statistics_partials_stay_bounded_over_a_unit_of_many_shards(tmp_path):
+    """A unit's float64 partials do not grow with its shard count: each shard's partials merge
+    into the unit's running total once its uploads finish (same bits, in shard order), and a
+    committed writer keeps none. Counted as live `Moments` objects (count, mean[W], m2[W])."""
+    from pipeline.store import stats as stats_mod
+
+    shards = 40
+    n = shards * SHARD
+    url = str(tmp_path / "s.zarr")
+    points = [f"resid_post.{p}" for p in range(P)]
+    s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
+                     context_size=C)
+    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
+    tok = _tokens(0, n)
+    rows = _rows(tok).astype(s.np_dtype)
+
+    def live() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is stats_mod.Moments)
+
+    base = live()
+    w = s.region_writer(0, 0, n)
+    w.write_meta(0, tok, np.arange(n) // 50, np.arange(n) % C)
+    seen = []
+    for a in range(0, n, SHARD):
+        w.write(a, rows[:, a:a + SHARD])
+        seen.append(live() - base)
+    w.commit()
+    after = live() - base
+    del w
+    # a running total (2 subsets x P) plus the shards whose uploads are in flight; before the
+    # fix every finished shard's partials stayed until commit (2 x P more per shard)
+    assert max(seen) <= 2 * P * 6, seen
+    assert after == 0, f"{after} Moments held by a committed writer"
+    st = open_store(url).stats(points)
+    for p, name in enumerate(points):
+        np.testing.assert_allclose(st[name]["mean"], rows[p].astype(np.float64).mean(0),
                                    rtol=1e-12)
