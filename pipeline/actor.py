@@ -347,7 +347,8 @@ class HarvestActor:
             # The next unit is usually queued already; if not, it is on its way from the
             # driver: waiting a moment (longer while the stream has not filled one engine
             # step yet) costs less than a drained engine and a partly empty step.
-            wait = STREAM_START_WAIT if fed * self.context_size < self._step_tokens else STREAM_GAP_WAIT
+            filling = fed * self.context_size < self._step_tokens
+            wait = STREAM_START_WAIT if filling else STREAM_GAP_WAIT
             try:
                 job = self._queue.get(timeout=wait)
             except queue.Empty:
