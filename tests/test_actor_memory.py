@@ -58,6 +58,7 @@ class SlowEngine:
         self.max_num_batched_tokens = C
         self.dtype = torch.bfloat16
         self.in_place = bool(spec.get("in_place"))
+        self.fault = spec.get("fault")  # ("raise" | "drop", request index): first stream only
 
     def describe(self) -> dict:
         return {"backend": "slow-fake"}
@@ -90,6 +91,11 @@ class SlowEngine:
             if not window:
                 break
             i, ids, dest = window.popleft()
+            if self.fault and i == self.fault[1]:
+                kind, self.fault = self.fault[0], None
+                if kind == "raise":
+                    raise RuntimeError("the engine died")
+                continue  # "drop": this request never comes back
             time.sleep(DELAY)
             acts = torch.from_numpy(_rows(ids)).to(torch.bfloat16)
             if dest is not None:
@@ -211,3 +217,61 @@ def test_statistics_partials_stay_bounded_over_a_unit_of_many_shards(tmp_path):
     for p, name in enumerate(points):
         np.testing.assert_allclose(st[name]["mean"], rows[p].astype(np.float64).mean(0),
                                    rtol=1e-12)
+
+
+@pytest.mark.parametrize("fault", ["raise", "drop"])
+def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, monkeypatch,
+                                                                     fault):
+    """An engine that dies (or loses a request) fails exactly the units it had taken, later
+    units go on in a new stream, and no failed unit's writer outlives it."""
+    import torch
+
+    import pipeline.actor as actor_mod
+    import pipeline.rows as rows_mod
+
+    units_n, U = 6, CTX_PER_UNIT * C
+    n = units_n * U
+    url = str(tmp_path / "s.zarr")
+    points = [f"resid_post.{p}" for p in range(P)]
+    s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
+                     context_size=C)
+    units = [{"unit_id": u, "row_start": u * U, "row_end": (u + 1) * U} for u in range(units_n)]
+    s.write_plan(units)
+    monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
+    monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
+    threads = torch.get_num_threads()
+    gc.collect()
+    base = _live_writers()
+    # request 5: the second context of the second unit queued, once every context of the first
+    # came back (it must commit: it is no longer in flight) and before a third is taken
+    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 2.0)
+    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 2.0)
+    actor = actor_mod.HarvestActor({
+        "index": 0, "points": points, "context_size": C, "store_url": url, "threads": 1,
+        "engine_factory": f"{__name__}:SlowEngine", "engine_kwargs": {}, "fault": (fault, 5)})
+    try:
+        with ThreadPoolExecutor(IN_FLIGHT) as ex:
+            futs = {u["unit_id"]: ex.submit(actor.run_unit, u) for u in units}
+        outcome = {u: (str(f.exception()) if f.exception() else f.result()["status"])
+                   for u, f in futs.items()}
+        del futs  # a failed future's exception holds run_unit's frame, and so its writer
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # the stream ends STREAM_GAP_WAIT after its last unit
+            gc.collect()  # a failed unit's exception and its frames form a cycle
+            if _live_writers() == base:
+                break
+            time.sleep(0.2)
+        left = _live_writers() - base  # with the engine thread still waiting for the next unit
+    finally:
+        actor.close()
+        torch.set_num_threads(threads)
+    want_error = "the engine died" if fault == "raise" else "the engine returned 3 of 4 contexts"
+    # the second unit queued (0 or 1: two threads race to queue them) fails, nothing else
+    failed = [u for u, o in outcome.items() if o != "committed"]
+    assert len(failed) == 1 and failed[0] in (0, 1), outcome
+    assert outcome[failed[0]].endswith(want_error), outcome
+    assert left == 0, f"{left} writers alive after the stream ended"
+    v = open_store(url).verify()
+    assert v["committed_units"] == units_n - 1, v
