@@ -132,8 +132,8 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
 
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     # a gap the run_unit threads always beat: the whole run is one stream, as in production
-    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 2.0)
-    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 2.0)
+    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
+    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 3.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")        # the actor sets these for its process
     monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
     monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
@@ -246,8 +246,8 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     base = _live_writers()
     # request 5: the second context of the second unit queued, once every context of the first
     # came back (it must commit: it is no longer in flight) and before a third is taken
-    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 2.0)
-    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 2.0)
+    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
+    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 3.0)
     actor = actor_mod.HarvestActor({
         "index": 0, "points": points, "context_size": C, "store_url": url, "threads": 1,
         "engine_factory": f"{__name__}:SlowEngine", "engine_kwargs": {}, "fault": (fault, 5)})
