@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store, synthetic
 
 BOS = 1
 

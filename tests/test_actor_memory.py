@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pipeline.store import create_store, open_store
-from pipeline.store.writer import RegionWriter
+from harvest.pipeline.store import create_store, open_store
+from harvest.pipeline.store.writer import RegionWriter
 
 P, W, C = 2, 8, 16            # points, width, context size
 CTX_PER_UNIT, SHARD = 4, 32   # 64-row units of two shards each
@@ -71,8 +71,8 @@ class SlowEngine:
     def _run(self, batches, points, destinations):
         import torch
 
-        from engine.addresses import parse_addresses
-        from engine.captured import CapturedRequest
+        from harvest.engine.addresses import parse_addresses
+        from harvest.engine.captured import CapturedRequest
 
         pts = tuple(parse_addresses(list(points), self.n_layers))
         window: collections.deque = collections.deque()
@@ -118,8 +118,8 @@ def _unit_rows(unit: dict, context_size: int):
 def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_place):
     import torch
 
-    import pipeline.actor as actor_mod
-    import pipeline.rows as rows_mod
+    import harvest.pipeline.actor as actor_mod
+    import harvest.pipeline.rows as rows_mod
 
     U = CTX_PER_UNIT * C
     n = UNITS * U
@@ -184,7 +184,7 @@ def test_statistics_partials_stay_bounded_over_a_unit_of_many_shards(tmp_path):
     """A unit's float64 partials do not grow with its shard count: each shard's partials merge
     into the unit's running total once its uploads finish (same bits, in shard order), and a
     committed writer keeps none. Counted as live `Moments` objects (count, mean[W], m2[W])."""
-    from pipeline.store import stats as stats_mod
+    from harvest.pipeline.store import stats as stats_mod
 
     shards = 40
     n = shards * SHARD
@@ -226,8 +226,8 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     units go on in a new stream, and no failed unit's writer outlives it."""
     import torch
 
-    import pipeline.actor as actor_mod
-    import pipeline.rows as rows_mod
+    import harvest.pipeline.actor as actor_mod
+    import harvest.pipeline.rows as rows_mod
 
     units_n, U = 6, CTX_PER_UNIT * C
     n = units_n * U

@@ -197,7 +197,7 @@ def test_config_path_is_the_mounted_configmap_key():
 
 
 def test_run_config_is_accepted_by_the_pipeline_loader():
-    from pipeline.config import load_config
+    from harvest.pipeline.config import load_config
 
     cfg = load_config(K8S / "run.yaml")
     assert cfg.store.url.startswith("s3://")
@@ -212,7 +212,7 @@ def test_run_config_is_accepted_by_the_pipeline_loader():
 
 
 def test_a_typo_in_the_run_config_is_caught(tmp_path):
-    from pipeline.config import ConfigError, load_config
+    from harvest.pipeline.config import ConfigError, load_config
 
     raw = yaml.safe_load((K8S / "run.yaml").read_text())
     raw["packing"]["context_sise"] = raw["packing"].pop("context_size")
@@ -396,14 +396,14 @@ def test_dockerfiles_pass_hadolint():
 # ------------------------------------------------------------------------------------------------
 
 def test_suite_runner_marks_a_missing_section_not_run():
-    from benchmarks import run_all
+    from harvest.benchmarks import run_all
 
     with pytest.raises(run_all.NotRun, match="does not exist yet"):
-        run_all.call_section("benchmarks.no_such_bench", {})
+        run_all.call_section("harvest.benchmarks.no_such_bench", {})
 
 
 def test_suite_runner_passes_only_the_kwargs_a_section_declares(tmp_path, monkeypatch):
-    from benchmarks import run_all
+    from harvest.benchmarks import run_all
 
     mod = tmp_path / "fake_bench_mod.py"
     mod.write_text("def run(model, repeats=1):\n    return [{'mode': 'x', 'tok_s': 10.0,"
@@ -418,7 +418,7 @@ def test_suite_runner_passes_only_the_kwargs_a_section_declares(tmp_path, monkey
 
 
 def test_suite_runner_targets_use_the_measured_rows():
-    from benchmarks import run_all
+    from harvest.benchmarks import run_all
 
     res = {"sections": {
         "engine": {"rows": [{"mode": "plain", "tok_s": 1000.0}, {"mode": "freeze", "tok_s": 900.0},

@@ -94,7 +94,7 @@ def test_light_package_reads_the_store_without_vllm_or_ray(sparse_store):
     (no checkout on the path), and neither vLLM nor Ray is installed there."""
     py = _trainers_venv()
     code = ("import importlib.util as u, sys, numpy as np, pipeline.store as ps\n"
-            "from pipeline.store.reader import ActivationDataset\n"
+            "from harvest.pipeline.store.reader import ActivationDataset\n"
             "assert u.find_spec('vllm') is None and u.find_spec('ray') is None\n"
             "assert 'site-packages' in ps.__file__, ps.__file__\n"
             f"ds = ActivationDataset({sparse_store!r}, batch_size=1000, exclude_special=True, return_meta=True)\n"

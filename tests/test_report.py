@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from pipeline.store import create_store, synthetic
+from harvest.pipeline.cli import main
+from harvest.pipeline.store import create_store, synthetic
 
 P, W, N, SHARD = 3, 32, 3000, 512   # 6 shards, the last one partial
 

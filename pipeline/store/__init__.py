@@ -1,7 +1,7 @@
 """Activation store: chunked, sharded Zarr v3 on local disk or object storage, plus its reader.
 
 Import-light: no torch, Ray or engine imports here (the reader imports torch lazily), so an SAE
-training job can `from pipeline.store import open_store` on a machine without the engine.
+training job can `from harvest.pipeline.store import open_store` on a machine without the engine.
 See FORMAT.md for the layout.
 """
 
