@@ -313,12 +313,14 @@ class Store:
         return {m["unit_id"]: m for m in sorted(self.iter_committed(), key=lambda m: m["unit_id"])}
 
     def uncommit(self, unit_id: int) -> None:
-        """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict)."""
-        for n in self.marker_names():
-            if n.unit_id == int(unit_id):
-                _commits.delete_marker(self._loc, n)
-                self._markers.pop(n, None)
-                self._shard_map = None
+        """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict).
+        Its index entries are voided first, so the rewrite's marker is the one every reader
+        takes, even where its bytes differ (commits.uncommit)."""
+        if self.read_only:
+            raise StoreError("uncommit: store was opened read-only")
+        for n in _commits.uncommit(self._loc, unit_id):
+            self._markers.pop(n, None)
+        self._shard_map = None
 
     def write_index(self, markers) -> int:
         """Append markers to the compacted commit index (the driver, as units commit)."""
