@@ -178,6 +178,13 @@ def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path
     np.testing.assert_allclose(c.scale.numpy(), np.sqrt(W / msq), rtol=1e-6)
     y = torch.cat(list(ds)).double().numpy()
     np.testing.assert_allclose((y * y).sum(1).mean(), W, rtol=1e-4)
+    # a held-out split: blocks whose every row is filtered out; the reference is the rows it yields
+    test = ActivationDataset(store, point, batch_size=256, split="test", test_fraction=0.2,
+                             normalize="norm_scale", norm_sample_rows=n, return_meta=True)
+    rows = np.concatenate([b["row"].numpy() for b in test])
+    assert 0 < len(rows) < n // 2 and test.norm_constants.rows == len(rows)
+    msq = (data[0, rows].astype(np.float64) ** 2).sum(1).mean()
+    np.testing.assert_allclose(test.norm_constants.mean_sq_norm[0], msq, rtol=1e-9)
 
 
 def test_normalize_without_usable_rows_says_why(tmp_path):

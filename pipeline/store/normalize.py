@@ -213,7 +213,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
                 for k, (a, b) in enumerate(spans):
                     if live[k]:
                         out[k][:, j] = x[a - s0:b - s0]
-        return [x if mk is None else x[mk] for x, mk in zip(out, masks)]
+        return [x if mk is None or not ok else x[mk] for x, mk, ok in zip(out, masks, live)]
 
     def read_batch(ex, batch: list[int]) -> list[np.ndarray]:
         """Each block's rows in `batch` order (the sample stays a function of the seed)."""
