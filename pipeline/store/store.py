@@ -214,7 +214,10 @@ class Store:
 
     def read_row_meta(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """token_id, doc_id, position of rows [start, stop). doc_id and position are -2
-        (layout.META_INSERTED) for an inserted BOS and -1 for a row never written."""
+        (layout.META_INSERTED) for an inserted BOS and -1 for a row never written.
+
+        Plain zarr, unchecked: a committed unit not yet published (its objects still under its
+        attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
         return tuple(self._meta_array(n)[start:stop] for n in layout.ROW_META)
