@@ -1,11 +1,11 @@
 """End to end: tokens/s from a dataset to a committed, verified store, beside the engine alone.
 
-    flock /tmp/harvest-vllm.lock .venv/bin/python -m benchmarks.bench_e2e            # tiny llama
-    flock /tmp/harvest-vllm.lock .venv/bin/python -m benchmarks.bench_e2e --model smollm2 \
+    flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_e2e            # tiny llama
+    flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_e2e --model smollm2 \
         --max-tokens 16384 --context-size 128
 
 One row per (storage, actors): local dir and SeaweedFS S3 on 127.0.0.1, 1 and 2 Ray actors, each
-a full `pipeline.driver.run` (pack the pydoc corpus, plan, create the store, dispatch, commit,
+a full `harvest.pipeline.driver.run` (pack the pydoc corpus, plan, create the store, dispatch, commit,
 verify, finalize). `tok_s` is committed tokens over the dispatch phase (actors loaded: the
 steady state a long run sees); `wall_tok_s` includes actor start-up and store creation. In the
 same run, before any actor starts, the freeze engine alone captures the *same* token ids in the
@@ -45,7 +45,7 @@ def _engine_alone(model_path: str, engine_kwargs: dict, token_ids, context_size:
     np.save(spec["tokens"], np.asarray(token_ids, dtype=np.int32))
     spec_path = Path(workdir) / "engine_spec.json"
     spec_path.write_text(json.dumps(spec))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_e2e", "--engine-alone", str(spec_path)],
+    r = subprocess.run([sys.executable, "-m", "harvest.benchmarks.bench_e2e", "--engine-alone", str(spec_path)],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -57,7 +57,7 @@ def _engine_alone_child(spec_path: str) -> dict:
     import numpy as np
     import torch
 
-    from engine import load_model
+    from harvest.engine import load_model
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(int(spec["threads"]))
@@ -110,11 +110,11 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
     """Result rows for the benchmark suite (see the module docstring for what is timed)."""
     import ray
 
-    from pipeline.config import load_config
-    from pipeline.data import iter_texts
-    from pipeline.driver import run as run_pipeline
-    from pipeline.packing import pack_texts
-    from pipeline.prepare import prepare
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.data import iter_texts
+    from harvest.pipeline.driver import run as run_pipeline
+    from harvest.pipeline.packing import pack_texts
+    from harvest.pipeline.prepare import prepare
 
     model = model or "tiny:llama"
     own_dir = workdir is None
@@ -157,7 +157,7 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
                 if seaweed is None:
                     import s3fs
 
-                    from pipeline.store import seaweed as sw
+                    from harvest.pipeline.store import seaweed as sw
 
                     seaweed = sw.start(nice=10)  # see seaweed.start: stands in for remote S3
                     s3fs.S3FileSystem(skip_instance_cache=True, **seaweed.storage_options).mkdir("bench")

@@ -7,7 +7,7 @@ drift on a noisy machine shows up as a gap between plain runs rather than as a f
 `--rounds N` alternates the modes N times (plain, freeze, plain, freeze, ..., plain) and reports
 the median of the paired ratios: the figure for the freeze target (>= 0.95x plain).
 
-    flock /tmp/harvest-vllm.lock .venv/bin/python -m benchmarks.bench_engine \
+    flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_engine \
         [--model PATH] [--prompts 32] [--len 256] [--modes plain freeze] [--rounds 3]
 """
 
@@ -43,7 +43,7 @@ def _timed_capture(model, prompts, points, repeats: int) -> tuple[float, int]:
 
 
 def _vllm_mode(path, prompts, repeats, mode, max_batched):
-    from engine import load_model
+    from harvest.engine import load_model
 
     kw = dict(max_num_batched_tokens=max_batched)
     if mode == "plain":
@@ -63,7 +63,7 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched):
 
 
 def _eager_mode(path, prompts, repeats):
-    from engine import load_model
+    from harvest.engine import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     m = load_model(path, backend="eager", dtype="bfloat16", max_batch_tokens=4096)
@@ -137,8 +137,8 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
         max_batched: int = 2048, modes=("plain", "freeze", "hooked", "extract_hidden_states",
                                         "hf_eager"),
         prompts: list[list[int]] | None = None, rounds: int = 1) -> list[dict]:
-    from engine.common import read_model_info
-    from engine.models import smollm2_path
+    from harvest.engine.common import read_model_info
+    from harvest.engine.models import smollm2_path
 
     path = model or smollm2_path()
     info = read_model_info(path)

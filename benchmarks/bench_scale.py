@@ -1,10 +1,10 @@
 """Scale: the driver and the bookkeeping at 1 M-100 M tokens and 1 k-100 k units.
 
-    .venv/bin/python -m benchmarks.bench_scale                       # everything, local + S3
-    .venv/bin/python -m benchmarks.bench_scale --only driver --tokens 1e6 1e7 1e8
+    .venv/bin/python -m harvest.benchmarks.bench_scale                       # everything, local + S3
+    .venv/bin/python -m harvest.benchmarks.bench_scale --only driver --tokens 1e6 1e7 1e8
 
 Sections (each row says what it measured):
-- driver: a full `pipeline.driver.run` over a local corpus built from text already on the machine
+- driver: a full `harvest.pipeline.driver.run` over a local corpus built from text already on the machine
   (the Python standard library's and site-packages' .py/.txt/.rst/.md files, /usr/share/doc),
   tokenised with SmolLM2's tokenizer by 2 workers, captured by one actor whose engine is a stub
   (zeros of a 16-wide, 1-layer model: the measured quantity is the driver and the bookkeeping,
@@ -50,7 +50,7 @@ def _peak_rss_mb() -> float:
 
 
 def _cache() -> Path:
-    from pipeline.config import cache_dir
+    from harvest.pipeline.config import cache_dir
 
     return cache_dir()
 
@@ -116,7 +116,7 @@ def scale_model(out: Path | None = None) -> str:
     out = out or _cache() / "bench-scale-model"
     if (out / "config.json").is_file():
         return str(out)
-    from engine.models import smollm2_path
+    from harvest.engine.models import smollm2_path
 
     src = Path(smollm2_path())
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ class StubEngine:
     through `engine_factory`; the driver, tokenisers, writer and commits are all the real ones."""
 
     def __init__(self, spec: dict):
-        from engine.common import read_model_info
+        from harvest.engine.common import read_model_info
 
         info = read_model_info(spec["model_path"])
         self.n_layers, self.width = info.n_layers, info.width
@@ -150,8 +150,8 @@ class StubEngine:
         import numpy as np
         import torch
 
-        from engine.addresses import parse_addresses
-        from engine.captured import CapturedRequest
+        from harvest.engine.addresses import parse_addresses
+        from harvest.engine.captured import CapturedRequest
 
         pts = tuple(parse_addresses(list(points), self.n_layers))
         zeros = None
@@ -191,7 +191,7 @@ class Head:
 
 
 def _child(args: list[str], env: dict | None = None, timeout: int = 3600) -> dict:
-    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", *args], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "harvest.benchmarks.bench_scale", *args], cwd=REPO,
                        capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -203,8 +203,8 @@ def _child(args: list[str], env: dict | None = None, timeout: int = 3600) -> dic
 # ---- driver ------------------------------------------------------------------------------------
 
 def driver_child(spec: dict) -> dict:
-    from pipeline.config import load_config
-    from pipeline.driver import run
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.driver import run
 
     cfg = load_config(data=spec["config"])
     t0 = time.perf_counter()
@@ -214,7 +214,7 @@ def driver_child(spec: dict) -> dict:
         if e["event"] == "unit_done" and e.get("status") == "committed" and not first:
             first.append(time.perf_counter() - t0)
 
-    s = run(cfg, on_event=hook, engine_factory="benchmarks.bench_scale:StubEngine")
+    s = run(cfg, on_event=hook, engine_factory="harvest.benchmarks.bench_scale:StubEngine")
     return {"tokens": s["tokens"], "units": s["units"], "blocks": s["blocks"],
             "first_commit_s": round(first[0], 2) if first else None,
             "wall_s": round(time.perf_counter() - t0, 1), "driver_peak_rss_mb": round(_peak_rss_mb(), 1),
@@ -251,9 +251,9 @@ def tokenize_child(spec: dict) -> dict:
     """Every chunk of the first `blocks` blocks through `workers` tokenising workers."""
     import ray
 
-    from pipeline.config import load_config
-    from pipeline.prepare import prepare
-    from pipeline.tokenpool import Job, TokenPool, env_for_workers
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.prepare import prepare
+    from harvest.pipeline.tokenpool import Job, TokenPool, env_for_workers
 
     ray.init(address=spec["address"])
     cfg = load_config(data=spec["config"])
@@ -303,10 +303,10 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
 
     import numpy as np
 
-    from pipeline.store import create_store, layout
-    from pipeline.store import stats as _stats
-    from pipeline.store.commits import IndexBuilder, index_batch
-    from pipeline.store.plans import Unit
+    from harvest.pipeline.store import create_store, layout
+    from harvest.pipeline.store import stats as _stats
+    from harvest.pipeline.store.commits import IndexBuilder, index_batch
+    from harvest.pipeline.store.plans import Unit
 
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W,
                      n_rows=n_units * SHARD, shard_rows=SHARD, chunk_rows=SHARD, context_size=128,
@@ -368,12 +368,12 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
 def bookkeeping_child(spec: dict) -> dict:
     from types import SimpleNamespace
 
-    from pipeline.store import open_store
+    from harvest.pipeline.store import open_store
 
     url, so, op = spec["url"], spec.get("storage_options"), spec["op"]
     t0 = time.perf_counter()
     if op == "resume":
-        from pipeline.resume import resume_state
+        from harvest.pipeline.resume import resume_state
 
         s = open_store(url, storage_options=so)
         n = spec["units"]
@@ -383,7 +383,7 @@ def bookkeeping_child(spec: dict) -> dict:
         st = resume_state(s, prep, None)
         out = {"todo": len(st.todo), "committed": len(st.committed)}
     elif op == "status":
-        from pipeline.views import status
+        from harvest.pipeline.views import status
 
         st = status(url, so)
         out = {"committed": st["committed_units"]}
@@ -392,7 +392,7 @@ def bookkeeping_child(spec: dict) -> dict:
         out = {"committed": v["committed_units"], "ok": v["ok"]}
     elif op == "raw_get":
         # what finalize cannot avoid: one GET per unit's stats sidecar (batched the same way)
-        from pipeline.store import layout
+        from harvest.pipeline.store import layout
 
         s = open_store(url, storage_options=so)
         keys = [s.location.key(layout.stats_key(u, "synthetic")) for u in range(spec["units"])]
@@ -420,7 +420,7 @@ def bookkeeping_rows(sizes, storages, workdir: Path) -> list[dict]:
             if where == "s3":
                 import s3fs
 
-                from pipeline.store import seaweed
+                from harvest.pipeline.store import seaweed
 
                 srv = srv or seaweed.start()
                 s3fs.S3FileSystem(skip_instance_cache=True, **srv.storage_options).mkdir("bench")
@@ -479,11 +479,11 @@ def dispatch_child(spec: dict) -> dict:
 
     import ray
 
-    from pipeline.config import load_config
-    from pipeline.dispatch import Scheduler
-    from pipeline.placement import Frontier
-    from pipeline.resume import ResumeState
-    from pipeline.store.plans import Unit
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.dispatch import Scheduler
+    from harvest.pipeline.placement import Frontier
+    from harvest.pipeline.resume import ResumeState
+    from harvest.pipeline.store.plans import Unit
 
     if not ray.is_initialized():  # the suite's toy run calls this in its own connected process
         ray.init(address=spec["address"])

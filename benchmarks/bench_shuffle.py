@@ -23,7 +23,7 @@ of lognormal lengths (median ~300 tokens) packed across context boundaries, like
 run; `--rows` rows (default 2^19, 0.6 GB: a store that fits one default shuffle window, the
 small-store case where a whole-shard split narrowed each worker's batches).
 
-    .venv/bin/python -m benchmarks.bench_shuffle [--rows 524288] [--repeats 3] [--baseline REV]
+    .venv/bin/python -m harvest.benchmarks.bench_shuffle [--rows 524288] [--repeats 3] [--baseline REV]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _meta(n_rows: int, seed: int = 0):
 
 
 def build_store(path: str, n_rows: int):
-    from pipeline.store import create_store
+    from harvest.pipeline.store import create_store
 
     s = create_store(path, points=["resid_post.20"], width=WIDTH, n_rows=n_rows,
                      attrs={"config": {"packing": {"context_size": CTX}}}, overwrite=True)
@@ -82,7 +82,7 @@ def load_reader(rev: str):
                          capture_output=True, text=True).stdout
     f = Path(tempfile.mkdtemp()) / "reader_baseline.py"
     f.write_text(src)
-    spec = importlib.util.spec_from_file_location("pipeline.store._reader_baseline", f)
+    spec = importlib.util.spec_from_file_location("harvest.pipeline.store._reader_baseline", f)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -126,8 +126,8 @@ def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
             "def hwm():\n"
             "    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
-            "from benchmarks.bench_shuffle import load_reader\n"
-            "from pipeline.store.reader import ActivationDataset as D\n"
+            "from harvest.benchmarks.bench_shuffle import load_reader\n"
+            "from harvest.pipeline.store.reader import ActivationDataset as D\n"
             + (f"D = load_reader({rev!r})\n" if rev else "")
             + "base = hwm()\n"
             + f"ds = D({url!r}, batch_size={BATCH}, seed=0, **{kw!r})\n"
@@ -151,7 +151,7 @@ def raw_decode(store) -> float:
 
 
 def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root: str | None = None) -> dict:
-    from pipeline.store.reader import ActivationDataset
+    from harvest.pipeline.store.reader import ActivationDataset
 
     root = root or tempfile.mkdtemp(prefix="bench-shuffle-")
     url = os.path.join(root, "store.zarr")

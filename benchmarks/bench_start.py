@@ -10,7 +10,7 @@ compile_cache_environment` shares `$HARVEST_CACHE/compile` across runs and actor
             host has them (does the cache carry across actors?)
   eager     compilation_config mode 0 (no torch.compile), the floor
 
-    flock /tmp/harvest-vllm.lock .venv/bin/python -m benchmarks.bench_start [--model smollm2]
+    flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_start [--model smollm2]
 
 Writes benchmarks/results/start.json; RESULTS.md quotes it.
 """
@@ -31,7 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from engine import load_model
+from harvest.engine import load_model
 kw = json.loads(sys.argv[2])
 m = load_model(sys.argv[1], backend="vllm", freeze_points="auto", **kw)
 t1 = time.perf_counter()

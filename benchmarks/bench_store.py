@@ -34,7 +34,7 @@ Targets: writer >= 0.7x raw put, shuffled reader >= 0.7x raw get.
   "codec-bound": the cores cannot compress (decompress) as fast as the storage moves bytes
   ("copy-bound" for `none`, whose codec step is the shard's assembly into one object).
 
-    .venv/bin/python -m benchmarks.bench_store [--mb 512] [--width 1024] [--points 4] [--storage local s3]
+    .venv/bin/python -m harvest.benchmarks.bench_store [--mb 512] [--width 1024] [--points 4] [--storage local s3]
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def _codec_only(s, data):
 def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_unit, piece_rows,
          threads, batch_size):
     """One repeat: raw put, store write, raw get, store shuffled read, back to back."""
-    from pipeline.store import create_store
-    from pipeline.store.reader import ActivationDataset
+    from harvest.pipeline.store import create_store
+    from harvest.pipeline.store.reader import ActivationDataset
 
     P, N, W = data.shape
     logical = data.nbytes
@@ -270,8 +270,8 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     store timed back to back), which a busy shared machine disturbs far less than either speed.
     """
     global _SERVER_PID
-    from pipeline.store import seaweed, synthetic
-    from pipeline.store.layout import default_sizes
+    from harvest.pipeline.store import seaweed, synthetic
+    from harvest.pipeline.store.layout import default_sizes
 
     n_points = max(1, min(int(n_points), 64))
     row_bytes = width * 2

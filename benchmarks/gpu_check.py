@@ -1,7 +1,7 @@
 """The first GPU run, prepared: one command, under 8 minutes on one H100/H200.
 
     HARVEST_GPU=1 bash .ci/install           # once, on the GPU host (installs vllm==0.32.0)
-    .venv/bin/python -m benchmarks.gpu_check  # prints the report, writes benchmarks/results/gpu_check.{json,md}
+    .venv/bin/python -m harvest.benchmarks.gpu_check  # prints the report, writes benchmarks/results/gpu_check.{json,md}
 
 What it prints, each step in its own process (a GPU engine is never reused after close, and a
 crash in one step is reported, not fatal):
@@ -40,7 +40,7 @@ NO_CUDA = "skipped: no CUDA"
 # -- child side: one check per process --------------------------------------------------------------
 
 def _model_path(name: str) -> str:
-    from engine.models import build_tiny_model, cache_dir, smollm2_path
+    from harvest.engine.models import build_tiny_model, cache_dir, smollm2_path
 
     if name.startswith("tiny-"):
         arch = name.split("-", 1)[1]
@@ -105,8 +105,8 @@ def _capture(m, prompts, in_flight):
 def child_engine(model: str, sizes, dry: bool, compare_hf: bool, tok_s: bool) -> dict:
     import torch
 
-    from engine import load_model
-    from engine.common import read_model_info
+    from harvest.engine import load_model
+    from harvest.engine.common import read_model_info
 
     path = _model_path(model)
     info = read_model_info(path)
@@ -159,8 +159,8 @@ def _best_tok_s(m, prompts, repeats: int = 2) -> float:
 
 
 def child_plain(model: str) -> dict:
-    from engine import load_model
-    from engine.common import read_model_info
+    from harvest.engine import load_model
+    from harvest.engine.common import read_model_info
 
     path = _model_path(model)
     info = read_model_info(path)
@@ -196,7 +196,7 @@ def pipeline_step(dry: bool, timeout: float) -> dict:
         sets = ["model.path=smollm2", "model.backend=vllm", "packing.context_size=1024",
                 "packing.max_tokens=131072", "capture.batch_contexts=64"]
     sets += ["ray.num_actors=1", f"store.url={store}", "progress=false"]
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--config",
+    cmd = [sys.executable, "-m", "harvest.pipeline.cli", "run", "--config",
            str(REPO / "jobs" / "configs" / "default.yaml"), "--json"]
     for s in sets:
         cmd += ["--set", s]
@@ -218,7 +218,7 @@ def pipeline_step(dry: bool, timeout: float) -> dict:
         core_s = (j1 - j0) / os.sysconf("SC_CLK_TCK")
         out["host_core_s_per_gb"] = round(core_s / gb, 1)
         out["host_core_s_note"] = "whole host, all processes (/proc/stat): run it on an idle host"
-    v = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(store), "--deep", "--json"],
+    v = subprocess.run([sys.executable, "-m", "harvest.pipeline.cli", "verify", str(store), "--deep", "--json"],
                        capture_output=True, text=True, timeout=max(30.0, timeout - wall), cwd=REPO,
                        env=env)
     out["verify_deep"] = "OK" if v.returncode == 0 else f"FAILED: {(v.stdout or v.stderr)[-800:]}"
@@ -263,7 +263,7 @@ def plan(dry: bool) -> list[dict]:
 
 
 def run_child(step: dict, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", step["child"],
+    cmd = [sys.executable, "-m", "harvest.benchmarks.gpu_check", "--child", step["child"],
            "--args", json.dumps(step["args"])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:

@@ -2,13 +2,13 @@
 engine modes, the SAELens peer, end to end, storage. Writes `benchmarks/results/RESULTS.md`
 (Markdown tables + the targets), `results.json` (every raw row) and `tok_s.png`.
 
-    flock /tmp/harvest-vllm.lock .venv/bin/python -m benchmarks.run_all
-    flock /tmp/harvest-vllm.lock .venv/bin/python -m benchmarks.run_all --model tiny --prompts 16
+    flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.run_all
+    flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.run_all --model tiny --prompts 16
 
 Why one command: a ratio between two tools is only meaningful when both ran on the same tokens,
 the same weights and the same machine in the same hour; figures copied from separate runs on a
 shared 2-core box differ by more than the effects we claim. So the token ids are generated once
-(`benchmarks.bench_engine.make_prompts`), saved as `tokens.npy`, and the peer (a separate venv:
+(`harvest.benchmarks.bench_engine.make_prompts`), saved as `tokens.npy`, and the peer (a separate venv:
 sae-lens cannot share the main venv's pins) reads that file; its digest is in the report.
 
 Sections whose module is missing or fails are marked "not run: <reason>" and the rest still run:
@@ -125,7 +125,7 @@ def machine_info() -> dict:
 
 
 def resolve_model(spec: str | None) -> str:
-    from engine.models import build_tiny_model, cache_dir, smollm2_path
+    from harvest.engine.models import build_tiny_model, cache_dir, smollm2_path
 
     if spec in (None, "smollm2"):
         return smollm2_path()
@@ -143,11 +143,11 @@ def make_tokens(model_path: str, n_prompts: int, prompt_len: int, out: Path) -> 
     """The prompts every section gets, written where the peer can read them."""
     import numpy as np
 
-    from engine.common import read_model_info
+    from harvest.engine.common import read_model_info
 
     info = read_model_info(model_path)
     try:
-        from benchmarks.bench_engine import make_prompts
+        from harvest.benchmarks.bench_engine import make_prompts
     except ImportError:  # engine bench missing: the same generator, so the peer still runs
         import random
 
@@ -167,7 +167,7 @@ def make_tokens(model_path: str, n_prompts: int, prompt_len: int, out: Path) -> 
 # ------------------------------------------------------------------------------------------------
 
 def run_engine(model: str, tokens: dict, a) -> list[dict]:
-    return call_section("benchmarks.bench_engine", {
+    return call_section("harvest.benchmarks.bench_engine", {
         "model": model, "n_prompts": tokens["n_prompts"], "prompt_len": tokens["prompt_len"],
         "prompts": tokens["prompts"], "repeats": a.repeats, "max_batched": a.max_batched,
     })
@@ -202,7 +202,7 @@ def run_peer(model: str, tokens: dict, a) -> list[dict]:
 def run_e2e(model: str, tokens: dict, a) -> list[dict]:
     # From a dataset (the offline pydoc corpus) through packing to a committed store: its tokens
     # are the corpus's, not tokens.npy; same model, context size and engine batch limit.
-    return call_section("benchmarks.bench_e2e", {
+    return call_section("harvest.benchmarks.bench_e2e", {
         "model": model, "context_size": tokens["prompt_len"], "max_tokens": a.e2e_tokens,
         "repeats": a.repeats, "max_batched": a.max_batched,
     })
@@ -213,7 +213,7 @@ def run_store(model: str, tokens: dict, a) -> list[dict]:
     # 16 shards per point, so the reader's prefetch and the writer's uploads reach their steady
     # state. With all 30 layers in 512 MB each point held ~1 shard, and a "shuffled read" was one
     # bulk fetch of a single [rows, 30, width] piece followed by one gather: a start-up figure.
-    return call_section("benchmarks.bench_store", {
+    return call_section("harvest.benchmarks.bench_store", {
         "width": tokens["width"], "n_points": min(4, tokens["n_layers"]),
         "points": min(4, tokens["n_layers"]), "mb": 1024, "repeats": a.repeats,
     })
@@ -222,7 +222,7 @@ def run_store(model: str, tokens: dict, a) -> list[dict]:
 def run_scale(model: str, tokens: dict, a) -> list[dict]:
     # The driver and the bookkeeping at corpus scale (bench_scale's own corpus and stub engine:
     # the quantity measured is the driver, not the model).
-    return call_section("benchmarks.bench_scale", {
+    return call_section("harvest.benchmarks.bench_scale", {
         "tokens": [float(x) for x in a.scale_tokens.split(",")],
         "units": [int(x) for x in a.scale_units.split(",")],
     })
@@ -475,7 +475,7 @@ def write_report(res: dict, out: Path) -> None:
                       f"versions: {json.dumps(r0.get('versions', {}))}", ""]
             continue
         if name == "scale":
-            from benchmarks.bench_scale import report_tables
+            from harvest.benchmarks.bench_scale import report_tables
 
             lines += report_tables(rows, md_table) + [f"({sec['seconds']:.0f} s)", ""]
             continue
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(a.model)
     tokens = make_tokens(model, a.prompts, a.len, out / "tokens.npy")
     res = {
-        "command": "python -m benchmarks.run_all " + " ".join(argv if argv is not None
+        "command": "python -m harvest.benchmarks.run_all " + " ".join(argv if argv is not None
                                                                 else sys.argv[1:]),
         "started": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -559,7 +559,7 @@ def finish(res: dict, out: Path) -> None:
     """Derived ratios, targets, plot, results.json and RESULTS.md from the measured rows."""
     engine = res["sections"].get("engine", {}).get("rows", [])
     base, freeze = plain_base(engine), best(engine, "freeze")
-    from benchmarks.peer_saelens import best_pace_tok_s
+    from harvest.benchmarks.peer_saelens import best_pace_tok_s
 
     for r in res["sections"].get("peer", {}).get("rows", []):
         r["ratio_to_plain"] = r["tok_s"] / base if base and r.get("tok_s") else None

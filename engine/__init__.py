@@ -14,7 +14,7 @@ import importlib
 
 from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
 
-# Names whose modules import torch are loaded on first use (PEP 562), so `engine.addresses`,
+# Names whose modules import torch are loaded on first use (PEP 562), so `harvest.engine.addresses`,
 # which pipeline config validation reads (the point kinds), costs no torch import (3 s here).
 _LAZY = {"ActivationCache": "captured", "CapturedRequest": "captured", "to_numpy": "captured",
          "CheckConfig": "check", "check_loaded": "check", "check_model": "check",

@@ -100,7 +100,7 @@ def reference_many(jobs: list[dict], hidden_states: bool = False) -> list[list[d
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run([sys.executable, "-m", "engine.check", str(spec), str(out)],
+        proc = subprocess.run([sys.executable, "-m", "harvest.engine.check", str(spec), str(out)],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"the Hugging Face fp32 reference failed:\n{proc.stderr[-4000:]}")

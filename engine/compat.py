@@ -35,8 +35,8 @@ VLLM_CHECKED = "0.32.0"
 
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
-HARVEST_CPU_WORKER = "engine.runner.HarvestCPUWorker"
-HARVEST_GPU_WORKER = "engine.runner.HarvestGPUWorker"
+HARVEST_CPU_WORKER = "harvest.engine.runner.HarvestCPUWorker"
+HARVEST_GPU_WORKER = "harvest.engine.runner.HarvestGPUWorker"
 
 
 class VLLMIncompatible(RuntimeError):

@@ -32,7 +32,7 @@ CLUSTER_NOTE = (
     "#   kubectl apply -f infra/k8s/raycluster.yaml\n"
     "#   kubectl port-forward svc/harvest-head-svc 8265:8265\n"
     "#   ray job submit --address http://127.0.0.1:8265 -- \\\n"
-    "#       python -m jobs.harvest --config /config/run.yaml\n"
+    "#       python -m harvest.jobs.harvest --config /config/run.yaml\n"
 )
 
 CRON_NOTE = (

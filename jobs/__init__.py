@@ -1,1 +1,1 @@
-"""Entrypoints for `ray job submit` (`python -m jobs.harvest --config run.yaml`)."""
+"""Entrypoints for `ray job submit` (`python -m harvest.jobs.harvest --config run.yaml`)."""

@@ -1,4 +1,4 @@
-"""`ray job submit` entrypoint: `python -m jobs.harvest --config run.yaml [--set k=v ...]`.
+"""`ray job submit` entrypoint: `python -m harvest.jobs.harvest --config run.yaml [--set k=v ...]`.
 
 Inside a submitted job Ray sets RAY_ADDRESS and the driver connects to that cluster; run by hand
 it starts a local one. Same exit codes as `harvest run`: 0 done (or already done), 2 bad input.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli import main as cli_main
+from harvest.pipeline.cli import main as cli_main
 
 
 def main(argv: "list[str] | None" = None) -> int:

@@ -89,7 +89,7 @@ class HarvestActor:
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
         # Named at the OS level before the engine loads, so its OpenMP team (spawned from this
         # thread) carries the name too: per-thread CPU in /proc then splits engine from writer.
-        from pipeline.store.shardio import name_native_thread
+        from harvest.pipeline.store.shardio import name_native_thread
 
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine",
                                                  initializer=name_native_thread)
@@ -119,7 +119,7 @@ class HarvestActor:
         mark_phase("ready")
 
     def _load_engine(self, spec: dict):
-        from engine import platform
+        from harvest.engine import platform
 
         profile = platform.detect()
         share = platform.cpu_share()
@@ -155,13 +155,13 @@ class HarvestActor:
             cores = _cpu_slice(self.index, threads)
             if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        from engine import load_model
+        from harvest.engine import load_model
 
         return load_model(spec["model_path"], **spec["engine_kwargs"])
 
     def _check_engine(self) -> dict:
-        """engine.check_loaded on this actor's engine: its rows against an HF fp32 reference."""
-        from engine import check_loaded
+        """harvest.engine.check_loaded on this actor's engine: its rows against an HF fp32 reference."""
+        from harvest.engine import check_loaded
 
         try:
             return check_loaded(self.engine)
@@ -214,7 +214,7 @@ class HarvestActor:
     def _open_store(self):
         with self._store_lock:
             if self._store is None:
-                from pipeline.store import open_store
+                from harvest.pipeline.store import open_store
 
                 self._store = open_store(self.spec["store_url"],
                                          storage_options=self.spec.get("storage_options"))
@@ -223,7 +223,7 @@ class HarvestActor:
                     # writer's own threads (see shardio.lower_priority)
                     from fsspec.asyn import get_loop
 
-                    from pipeline.store.shardio import lower_priority
+                    from harvest.pipeline.store.shardio import lower_priority
 
                     get_loop().call_soon_threadsafe(lower_priority)
             return self._store
@@ -377,7 +377,7 @@ class HarvestActor:
                   and list(store.points) == list(self.points)
                   and getattr(e, "dtype", None) == _torch_dtype(store.np_dtype))
             if ok and torch.cuda.is_available():
-                from pipeline.store.shards import use_allocator
+                from harvest.pipeline.store.shards import use_allocator
 
                 use_allocator(store, _pinned_empty)
             self._in_place_ok = ok
@@ -402,7 +402,7 @@ class HarvestActor:
 def _torch_dtype(np_dtype):
     import torch
 
-    from pipeline.store.dtypes import BF16
+    from harvest.pipeline.store.dtypes import BF16
 
     return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np.dtype(np_dtype).name)
 
@@ -418,7 +418,7 @@ def _pinned_empty(shape, dtype) -> np.ndarray:
 
 def _is_conflict(e: BaseException) -> bool:
     try:
-        from pipeline.store.errors import RegionConflict
+        from harvest.pipeline.store.errors import RegionConflict
 
         return isinstance(e, RegionConflict)
     except Exception:

@@ -179,7 +179,7 @@ def cmd_status(args) -> int:
 
 def cmd_verify(args) -> int:
     """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
-    from pipeline.store import open_store
+    from harvest.pipeline.store import open_store
 
     from .render import verify_text
     from .views import store_missing
@@ -227,7 +227,7 @@ def cmd_report(args) -> int:
 def cmd_check_model(args) -> int:
     """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
     refuses the trunk at load (README, "Supported model families")."""
-    from engine.check import run_command
+    from harvest.engine.check import run_command
 
     from .prepare import resolve_model_path
 
@@ -310,7 +310,7 @@ def _is_user_error(e: BaseException) -> bool:
     from .packing import PackingError
 
     try:
-        from pipeline.store import StoreError
+        from harvest.pipeline.store import StoreError
     except Exception:  # pragma: no cover
         StoreError = ()  # type: ignore
     return isinstance(e, (ConfigError, DataError, PackingError, HarvestError, StoreError))

@@ -204,7 +204,7 @@ def _model_check(info0: dict, cfg: HarvestConfig) -> None:
     if check.get("error"):
         why = check["error"]
     else:
-        from engine.check import format_check
+        from harvest.engine.check import format_check
 
         why = "\n" + format_check(check)
     raise HarvestError(
@@ -214,7 +214,7 @@ def _model_check(info0: dict, cfg: HarvestConfig) -> None:
 
 
 def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int):
-    from pipeline.store import create_store
+    from harvest.pipeline.store import create_store
 
     attrs = {
         RUN_ATTR: prep.run_key(),

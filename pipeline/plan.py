@@ -7,7 +7,7 @@ units are dense (no holes in the row space), all the same size, and start on sha
 share a shard, so two actors never write the same object, and a retried unit rewrites exactly the
 objects it owns.
 
-Sizes: shards and chunks follow the store's one policy (`pipeline.store.layout.choose_sizes`);
+Sizes: shards and chunks follow the store's one policy (`harvest.pipeline.store.layout.choose_sizes`);
 a unit is about `store.unit_tokens` rows (10^5-10^6: one engine call streams many steps of it and
 a commit covers many shards), fewer when the run is bounded and small, so every actor gets
 several units.

@@ -21,8 +21,8 @@ from .sources import plan_blocks, probe_text_column
 
 def resolve_model_path(path: str) -> str:
     """`smollm2` and `tiny:<arch>` aliases -> checkpoint dirs (built once); others unchanged.
-    One resolver for configs, the CLI and `engine.load_model` (engine.models.resolve_model)."""
-    from engine.models import resolve_model
+    One resolver for configs, the CLI and `harvest.engine.load_model` (engine.models.resolve_model)."""
+    from harvest.engine.models import resolve_model
 
     try:
         return resolve_model(path)
@@ -33,7 +33,7 @@ def resolve_model_path(path: str) -> str:
 def resolve_points(points: list[str], n_layers: int) -> list[str]:
     """Expand `name.*` and range-check every address against the model; errors name the field.
     The grammar and point kinds were checked with the config (sections.check_point)."""
-    from engine.addresses import parse_addresses
+    from harvest.engine.addresses import parse_addresses
 
     expanded: list[str] = []
     for p in points:
@@ -50,7 +50,7 @@ def resolve_points(points: list[str], n_layers: int) -> list[str]:
 
 
 def model_facts(cfg: HarvestConfig) -> tuple[str, Any]:
-    from engine.common import read_model_info
+    from harvest.engine.common import read_model_info
 
     path = resolve_model_path(cfg.model.path)
     try:

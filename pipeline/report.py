@@ -232,7 +232,7 @@ def write_report(url: str, storage_options: dict | None = None, out_dir: "str | 
     `out_dir` defaults to `<store>/_report` for a local store (beside the data it describes) and to
     `./harvest-report` for a remote one (a PNG on S3 is no use to a person at a terminal).
     """
-    from pipeline.store import open_store
+    from harvest.pipeline.store import open_store
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     if out_dir is None:

@@ -30,8 +30,8 @@ def probe_store(cfg: HarvestConfig):
     Fails fast (before any data is read) on a wrong endpoint or credentials, and refuses a
     location that holds something that is not a harvest store.
     """
-    from pipeline.store import NotAHarvestStore, open_store
-    from pipeline.store.backend import locate
+    from harvest.pipeline.store import NotAHarvestStore, open_store
+    from harvest.pipeline.store.backend import locate
 
     url = cfg.store.resolved_url
     try:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.addresses import KNOWN_POINTS
+from harvest.engine.addresses import KNOWN_POINTS
 
 from .checks import ConfigError, check_bool, check_choice, check_float, check_int, check_str
 from .paths import expand_path
@@ -31,7 +31,7 @@ class ModelConfig:
     """The engine each actor hosts; unknown engine options go in `engine_args` and pass through.
 
     `path` accepts a local checkpoint dir, a hub name, `smollm2` (the offline SmolLM2-135M
-    checkpoint, `engine.models.smollm2_path`) or `tiny:<arch>` (a random-weight tiny model built
+    checkpoint, `harvest.engine.models.smollm2_path`) or `tiny:<arch>` (a random-weight tiny model built
     once under the cache, for tests and smoke runs).
     """
 
@@ -85,7 +85,7 @@ class ModelConfig:
             )
 
     def engine_kwargs(self, points: list[str]) -> dict:
-        """Keyword arguments for `engine.load_model` (everything but the path)."""
+        """Keyword arguments for `harvest.engine.load_model` (everything but the path)."""
         kw: dict[str, Any] = {"backend": self.backend, "dtype": self.dtype}
         if not self.enforce_eager:
             kw["freeze_points"] = list(points) if self.freeze_points is None else self.freeze_points
@@ -301,7 +301,7 @@ class StoreConfig:
             raise ConfigError(
                 "store.compression must be a codec name, a mapping of codec settings, or null"
             )
-        from pipeline.store.compression import normalize
+        from harvest.pipeline.store.compression import normalize
 
         try:  # here, not when the store is created after the actors started
             normalize(self.compression)

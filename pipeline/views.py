@@ -41,7 +41,7 @@ def driver_state(loc, ttl: "float | None" = None) -> "dict | None":
 def store_missing(url: str, storage_options: dict | None = None) -> bool:
     """True when nothing is at `url` yet (a job still starting), as opposed to a store we
     cannot read (open_store's errors say why)."""
-    from pipeline.store.backend import locate
+    from harvest.pipeline.store.backend import locate
 
     try:
         return locate(url, storage_options).read_bytes("zarr.json", attempts=2) is None
@@ -52,10 +52,10 @@ def store_missing(url: str, storage_options: dict | None = None) -> bool:
 def status(url: str, storage_options: dict | None = None,
            now: "_dt.datetime | None" = None) -> dict:
     """Progress of a running or interrupted job, from the store alone."""
-    from pipeline.store import open_store
+    from harvest.pipeline.store import open_store
 
     if store_missing(url, storage_options):
-        from pipeline.store.backend import locate
+        from harvest.pipeline.store.backend import locate
 
         from .config import redact_url
 
@@ -132,7 +132,7 @@ def status(url: str, storage_options: dict | None = None,
 def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int] | None" = None,
             tokenizer_path: str | None = None) -> dict:
     """Layout, run attributes and (optionally) some rows with their metadata and norms."""
-    from pipeline.store import open_store
+    from harvest.pipeline.store import open_store
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     out = {k: v for k, v in store.info().items() if k != "stats"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store, synthetic
 
 BOS = 1
 
@@ -57,7 +57,7 @@ def unpublish(store, unit_ids) -> int:
     """Put committed units' objects back under their attempt names: the state a writer killed
     between its commit marker and publish leaves until finalize (objects.publish, reversed).
     Returns how many objects moved."""
-    from pipeline.store.objects import meta_keys, point_keys
+    from harvest.pipeline.store.objects import meta_keys, point_keys
 
     moved = 0
     for uid in unit_ids:

@@ -1,7 +1,7 @@
 import pytest
 
-from engine import Address, resolve_freeze_points
-from engine.addresses import FreezePlan, FreezeSet
+from harvest.engine import Address, resolve_freeze_points
+from harvest.engine.addresses import FreezePlan, FreezeSet
 
 
 def addrs(name, n):

@@ -7,7 +7,7 @@ benchmark's figures rest on (every unit done once, every committed unit counted)
 
 from __future__ import annotations
 
-from benchmarks import bench_scale
+from harvest.benchmarks import bench_scale
 
 
 def test_dispatch_child_runs_every_unit_once_on_stub_actors(ray_cluster):

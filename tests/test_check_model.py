@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import load_model, taps
-from engine.check import NO_COMPILE
-from pipeline.cli import main
+from harvest.engine import load_model, taps
+from harvest.engine.check import NO_COMPILE
+from harvest.pipeline.cli import main
 
 
 def test_check_model_passes_on_smollm2_and_prints_per_layer_errors(smollm2, capsys):

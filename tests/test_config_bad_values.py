@@ -20,10 +20,10 @@ import typing
 import pytest
 import yaml
 
-from pipeline.cli import main
-from pipeline.config import REPO_ROOT, SECTIONS
-from pipeline.lease import Lease, refuse_if_held
-from pipeline.store.backend import locate
+from harvest.pipeline.cli import main
+from harvest.pipeline.config import REPO_ROOT, SECTIONS
+from harvest.pipeline.lease import Lease, refuse_if_held
+from harvest.pipeline.store.backend import locate
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_shard_rows_and_points_errors_say_the_fix(capsys, config):
 
 def test_real_cli_process_refuses_a_nan_lease(config):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--config", config,
+    r = subprocess.run([sys.executable, "-m", "harvest.pipeline.cli", "plan", "--config", config,
                         "--set", "store.lease_seconds=.nan"], capture_output=True, text=True,
                        cwd=REPO_ROOT, env=env, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]

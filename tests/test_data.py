@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError, DataConfig, load_config
-from pipeline.corpus import pydoc_corpus_path
-from pipeline.data import DataError, DataStats, iter_texts, resolve_source
+from harvest.pipeline.config import ConfigError, DataConfig, load_config
+from harvest.pipeline.corpus import pydoc_corpus_path
+from harvest.pipeline.data import DataError, DataStats, iter_texts, resolve_source
 
 DOCS = [
     {"text": "alpha beta", "id": 0},
@@ -168,7 +168,7 @@ def test_config_rejects_bad_data_fields():
 def test_blocks_read_every_row_once_in_order_whatever_their_size(tmp_path, block_bytes):
     """Byte-range blocks of json lines and text give the rows `datasets` gives, with the same
     row indices, and a block read from any position it yielded goes on from that row."""
-    from pipeline.sources import plan_blocks, read_block
+    from harvest.pipeline.sources import plan_blocks, read_block
 
     rows = [{"text": f"document {i} " + "word " * (i % 37)} for i in range(300)]
     rows[17] = {"text": None}

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import platform as plat
-from engine.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
-from engine.harvest import HarvestState
-from engine.taps import TapSet
-from engine.transport import CPUTransport, check_destination
-from engine.addresses import Address
+from harvest.engine import platform as plat
+from harvest.engine.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
+from harvest.engine.harvest import HarvestState
+from harvest.engine.taps import TapSet
+from harvest.engine.transport import CPUTransport, check_destination
+from harvest.engine.addresses import Address
 
 
 def test_preemption_recompute_overwrites_and_completes():
@@ -93,7 +93,7 @@ class DeferredTransport(CPUTransport):
         return t
 
     def release(self):
-        from engine.transport import copy_segment
+        from harvest.engine.transport import copy_segment
 
         for t in self.held:
             _, plan, buf, slots, dests = t.done

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Address, load_model, run_with_cache
-from engine.check import reference_many, row_errors
+from harvest.engine import Address, load_model, run_with_cache
+from harvest.engine.check import reference_many, row_errors
 from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
 

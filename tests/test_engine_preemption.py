@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Address, load_model
+from harvest.engine import Address, load_model
 from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Address, load_model, run_with_cache
+from harvest.engine import Address, load_model, run_with_cache
 from tests.engine_reference import rel_err
 
 

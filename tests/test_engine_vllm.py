@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Address, load_model, run_with_cache
+from harvest.engine import Address, load_model, run_with_cache
 from tests.engine_reference import BF16_REL_TOL, final_norm, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import ARCHS, tiny_model_path
 

@@ -7,7 +7,7 @@ everywhere; resid_pre, attn_out and mlp_out at every layer on FULL. MoE trunks h
 experts (and Qwen3-MoE a zero router), so bf16-vs-fp32 routing cannot differ (README, "MoE").
 
 Budget (2 cores, cold caches): engines run one at a time with vLLM's torch.compile off
-(`engine.check.NO_COMPILE`, compilation mode NONE). That is still freeze mode: the probe runs,
+(`harvest.engine.check.NO_COMPILE`, compilation mode NONE). That is still freeze mode: the probe runs,
 the same tap wrappers are installed before load finishes and run on every step, only eagerly. The
 compiled path (the wrappers traced by dynamo into inductor's graph) is tested on llama, qwen3 and
 gpt2 in tests/test_engine_vllm.py; what this file leaves untested is every *other* family under
@@ -28,8 +28,8 @@ import os
 import numpy as np
 import pytest
 
-from engine import Address, load_model, run_with_cache
-from engine.check import NO_COMPILE, check_loaded, reference_many, row_errors
+from harvest.engine import Address, load_model, run_with_cache
+from harvest.engine.check import NO_COMPILE, check_loaded, reference_many, row_errors
 from tests.engine_reference import BF16_REL_TOL, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import gpu_check
+from harvest.benchmarks import gpu_check
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def test_the_gpu_plan_covers_the_issue_and_fits_eight_minutes():
 
 def test_dry_run_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--budget", "600",
+    r = subprocess.run([sys.executable, "-m", "harvest.benchmarks.gpu_check", "--dry", "--budget", "600",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
                        cwd=REPO, env=env)
     out = r.stdout

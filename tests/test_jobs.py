@@ -2,7 +2,7 @@
 
 The first submission is README.md's own block (the `export RAY_AUTH_MODE=token ...` lines, run by
 bash), with only its placeholders filled in: the head's address, the cache folder, the
-interpreter and the config path. It runs `python -m jobs.harvest --config run.yaml` inside the
+interpreter and the config path. It runs `python -m harvest.jobs.harvest --config run.yaml` inside the
 cluster (RAY_ADDRESS set by Ray), and the store it leaves is checked from the test. A second
 submission of the finished config is a no-op that says so, and reusing a submission id is
 refused by Ray (the guard against double submission).
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import REPO_ROOT, cache_dir, default_config_path, load_config
+from harvest.pipeline.config import REPO_ROOT, cache_dir, default_config_path, load_config
 from tests.test_readme import blocks
-from pipeline.store import open_store
+from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, write_corpus
 
 
@@ -32,7 +32,7 @@ def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.Comp
         ray_bin, "job", "submit", "--address", head.dashboard_url, "--submission-id", sid,
         "--working-dir", str(REPO_ROOT),
         "--runtime-env-json", json.dumps({"env_vars": {"HARVEST_CACHE": str(cache_dir())}}),
-        "--", sys.executable, "-m", "jobs.harvest", "--config", str(config),
+        "--", sys.executable, "-m", "harvest.jobs.harvest", "--config", str(config),
     ]
     deadline = time.time() + 90
     while True:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, PackingConfig, load_config
-from pipeline.packing import PackingError, pack_texts, pack_token_docs, resolve_bos
+from harvest.pipeline.config import ConfigError, PackingConfig, load_config
+from harvest.pipeline.packing import PackingError, pack_texts, pack_token_docs, resolve_bos
 
 BOS = 0
 
@@ -97,7 +97,7 @@ def test_config_refuses_budget_below_one_context():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.models import train_tokenizer
+    from harvest.engine.models import train_tokenizer
 
     return train_tokenizer()
 
@@ -132,7 +132,7 @@ def test_tokenizer_without_bos_needs_an_explicit_choice(tokenizer):
 def test_chunks_resumed_at_their_cursor_are_the_same_chunks(bos, overflow):
     """A block packed in chunks equals the block packed whole, and packing resumed at any chunk's
     cursor re-creates that chunk and every later one bit for bit (what a resumed run relies on)."""
-    from pipeline.packing import BlockPacker
+    from harvest.pipeline.packing import BlockPacker
 
     cfg = PackingConfig(context_size=8, bos=bos, overflow=overflow)
     ds = docs(17, 0, 40, 9, 33, 5, 21, 60, 2, 11)

@@ -12,12 +12,12 @@ import json
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import ConfigError
-from pipeline.data import DataError
-from pipeline.driver import run
-from pipeline.packing import PackingError
-from pipeline.store import StoreAccessError
+from harvest.pipeline.cli import main
+from harvest.pipeline.config import ConfigError
+from harvest.pipeline.data import DataError
+from harvest.pipeline.driver import run
+from harvest.pipeline.packing import PackingError
+from harvest.pipeline.store import StoreAccessError
 from tests.test_pipeline_support import make_cfg
 
 
@@ -106,7 +106,7 @@ def test_non_harvest_location_is_refused(tiny_llama, docs, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     (store / "notes.txt").write_text("someone else's files")
-    from pipeline.driver import HarvestError
+    from harvest.pipeline.driver import HarvestError
 
     _fails(make_cfg(tiny_llama, str(store), docs), HarvestError, r"not empty and is not a harvest store")
     assert sorted(p.name for p in store.iterdir()) == ["notes.txt"]

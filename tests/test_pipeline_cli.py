@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.cli import main
-from pipeline.driver import run
-from pipeline.store import open_store
+from harvest.pipeline.cli import main
+from harvest.pipeline.driver import run
+from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, reference_rows, shared_corpus
 
 
@@ -147,7 +147,7 @@ def test_verify_fails_until_complete_and_inspect_shows_rows(half_done, capsys):
 
 
 def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, tiny_llama):
-    from pipeline.driver import ResumeMismatch
+    from harvest.pipeline.driver import ResumeMismatch
 
     cfg, done, path = half_done
     before = open_store(cfg.store.resolved_url).committed_units()

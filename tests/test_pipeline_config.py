@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ConfigError, default_config_path, load_config, redact_url
+from harvest.pipeline.config import ConfigError, default_config_path, load_config, redact_url
 
 
 def test_default_config_loads_and_names_the_offline_defaults():

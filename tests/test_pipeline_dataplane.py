@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.driver import run
-from pipeline.store import open_store
+from harvest.pipeline.driver import run
+from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import assert_store_matches, make_cfg, reference_block_rows
 
 OVERRIDES = ("data.block_bytes=4096", "packing.chunk_tokens=256", "ray.num_actors=1")

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from pipeline.driver import run
-from pipeline.store import StoreAccessError, open_store
+from harvest.pipeline.driver import run
+from harvest.pipeline.store import StoreAccessError, open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
 
@@ -104,7 +104,7 @@ def run_stopping(hook: Stopper, model: str, tmp_path, corpus, restarts: int):
 def test_retries_stop_at_the_budget():
     """Transient errors are retried until the next try would start past the budget, not for
     attempts x (botocore retries x s3fs retries x read timeout)."""
-    from pipeline.store.backend import RetryBudgetExceeded, with_retries
+    from harvest.pipeline.store.backend import RetryBudgetExceeded, with_retries
 
     calls = []
 
@@ -125,7 +125,7 @@ def test_retries_stop_at_the_budget():
 def test_store_deadlines_reach_s3_options(tiny_llama, tmp_path):
     """store.timeout_s becomes botocore's connect/read timeouts with one try per request (our
     retries, within store.retry_budget_s, are the only ones); explicit storage_options win."""
-    from pipeline.store.backend import locate
+    from harvest.pipeline.store.backend import locate
 
     cfg = make_cfg(tiny_llama, "s3://bucket/run", tmp_path, "store.timeout_s=7",
                    "store.retry_budget_s=50",

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import REPO_ROOT
-from pipeline.driver import run
-from pipeline.store import open_store
+from harvest.pipeline.config import REPO_ROOT
+from harvest.pipeline.driver import run
+from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
 
@@ -114,7 +114,7 @@ def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "driver.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.harvest", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "harvest.jobs.harvest", "--config", str(path)],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_cluster.env})
     total = reference[0].n_units

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.cli import main
-from pipeline.config import REPO_ROOT
-from pipeline.errors import HarvestError
-from pipeline.lease import Lease, current, refuse_if_held
-from pipeline.store import open_store
-from pipeline.store.backend import locate
+from harvest.pipeline.cli import main
+from harvest.pipeline.config import REPO_ROOT
+from harvest.pipeline.errors import HarvestError
+from harvest.pipeline.lease import Lease, current, refuse_if_held
+from harvest.pipeline.store import open_store
+from harvest.pipeline.store.backend import locate
 from tests.test_pipeline_support import make_cfg
 
 
@@ -64,7 +64,7 @@ def driver_a(ray_cluster, tiny_llama, corpus, tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "a.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "harvest.pipeline.cli", "run", "--config", str(path)],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_cluster.env})
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.config import HarvestConfig, load_config
+from harvest.pipeline.config import HarvestConfig, load_config
 
 CONTEXT = 32
 SHARD_ROWS = 256  # 8 contexts per shard/unit
@@ -62,7 +62,7 @@ def reference_capture(model_path: str, token_ids: np.ndarray, context_size: int,
     with one thread, like the actors (so the same backend must give identical bits)."""
     import torch
 
-    from engine import load_model, to_numpy
+    from harvest.engine import load_model, to_numpy
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -129,9 +129,9 @@ def reference_rows(cfg) -> object:
     """The packed rows of a config whose corpus is one block (data.block_bytes >= its size)."""
     from transformers import AutoTokenizer
 
-    from pipeline.data import iter_texts
-    from pipeline.packing import pack_texts
-    from pipeline.prepare import resolve_model_path
+    from harvest.pipeline.data import iter_texts
+    from harvest.pipeline.packing import pack_texts
+    from harvest.pipeline.prepare import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
     return pack_texts(iter_texts(cfg.data), tok, cfg.packing)
@@ -145,9 +145,9 @@ def reference_block_rows(cfg, path: Path) -> object:
 
     from transformers import AutoTokenizer
 
-    from pipeline.data import iter_texts
-    from pipeline.packing import Packed, pack_texts
-    from pipeline.prepare import resolve_model_path
+    from harvest.pipeline.data import iter_texts
+    from harvest.pipeline.packing import Packed, pack_texts
+    from harvest.pipeline.prepare import resolve_model_path
 
     starts, off = [], 0
     for line in path.read_bytes().splitlines(keepends=True):
@@ -171,7 +171,7 @@ _REFERENCES: dict = {}
 
 def shared_reference(model_path: str, corpus: Path, scratch: Path):
     """(Reference, acts) for make_cfg's settings, computed once per session."""
-    from pipeline.prepare import model_facts, resolve_points
+    from harvest.pipeline.prepare import model_facts, resolve_points
 
     key = (model_path, str(corpus))
     if key not in _REFERENCES:

@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import PackingConfig
-from pipeline.sources import plan_blocks, read_block
+from harvest.pipeline.cli import main
+from harvest.pipeline.config import PackingConfig
+from harvest.pipeline.sources import plan_blocks, read_block
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_non_utf8_config_file_is_refused(tmp_path, capsys):
 def test_non_utf8_data(tiny_llama, tmp_path, capsys):
     """Read by our line readers, an undecodable row is skipped and counted; read through the
     `datasets` loader (streaming), which would die mid-run, the file is refused up front."""
-    from pipeline.config import DataConfig
+    from harvest.pipeline.config import DataConfig
 
     bad = tmp_path / "bad.jsonl"
     good = [json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(4)]
@@ -111,7 +111,7 @@ def test_huge_document_is_tokenised_from_a_bounded_prefix(tiny_llama, tmp_path):
     the whole document's first 4096, and the document is counted as capped."""
     from transformers import AutoTokenizer
 
-    from pipeline.tokenize import pack_block
+    from harvest.pipeline.tokenize import pack_block
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     seen: list[int] = []
@@ -124,7 +124,7 @@ def test_huge_document_is_tokenised_from_a_bounded_prefix(tiny_llama, tmp_path):
     huge = (words + "\n") * (30_000_000 // len(words))
     data = tmp_path / "huge.jsonl"
     data.write_text(json.dumps({"text": huge}) + "\n" + json.dumps({"text": "a short one"}) + "\n")
-    dcfg = __import__("pipeline.config", fromlist=["DataConfig"]).DataConfig(source=str(data))
+    dcfg = __import__("harvest.pipeline.config", fromlist=["DataConfig"]).DataConfig(source=str(data))
     pcfg = PackingConfig(context_size=32, max_tokens=4096, bos="none")
     assert pcfg.doc_token_cap() == 4096
     block = plan_blocks(dcfg)["blocks"][0]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.driver import run
-from pipeline.store import open_store
+from harvest.pipeline.driver import run
+from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
 REL_TOL = 0.03

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
-from pipeline.placement import Frontier
-from pipeline.plan import choose_layout
-from pipeline.store.layout import MAX_SHARD_SET_BYTES
-from pipeline.store.plans import Unit, check_units
+from harvest.pipeline.config import ConfigError, load_config
+from harvest.pipeline.placement import Frontier
+from harvest.pipeline.plan import choose_layout
+from harvest.pipeline.store.layout import MAX_SHARD_SET_BYTES
+from harvest.pipeline.store.plans import Unit, check_units
 
 
 def _cfg(**kw):
@@ -117,9 +117,9 @@ def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_n
     placing from the frontier's last chunk; blocks 0 and 1 (units 0 and 1) are not re-tokenised."""
     from types import SimpleNamespace
 
-    from pipeline.resume import resume_state
-    from pipeline.store import create_store
-    from pipeline.store.commits import create_marker
+    from harvest.pipeline.resume import resume_state
+    from harvest.pipeline.store import create_store
+    from harvest.pipeline.store.commits import create_marker
 
     counts = {0: [3, 3, 1], 1: [0], 2: [5, 2], 3: [4]}
     emitted = []

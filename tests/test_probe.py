@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import blocks, probe, taps
-from engine.addresses import Address, FreezeSet
+from harvest.engine import blocks, probe, taps
+from harvest.engine.addresses import Address, FreezeSet
 
 W, T = 16, 12
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.store import open_store
-from pipeline.store.reader import ActivationDataset
+from harvest.pipeline.store import open_store
+from harvest.pipeline.store.reader import ActivationDataset
 from tests.reader_stores import BOS, make_store, unpublish
 
 W, SHARD, C, N = 16, 512, 64, 9 * 512
@@ -79,7 +79,7 @@ def test_normalisation_uses_the_yielded_rows(sinky, mode, caplog):
     """BOS excluded: constants from the kept rows (the sample covers this small store) give
     exactly the target moments; constants over all rows (the old behaviour) do not."""
     s, data, tok, _, _ = sinky
-    with caplog.at_level(logging.INFO, logger="pipeline.store.reader"):
+    with caplog.at_level(logging.INFO, logger="harvest.pipeline.store.reader"):
         ds = ActivationDataset(s, batch_size=500, exclude_token_ids=[BOS], normalize=mode, return_meta=True)
     assert ds.norm_constants.source == "sample" and "constants from sample" in caplog.text
     y, rows = _all(ds)
@@ -126,7 +126,7 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
     """A real layout-v2 store: its writers recorded kept-row statistics for the special ids the
     driver put in the format attributes; the reader uses them only when its filters select exactly
     those rows, and they equal a recount over those rows."""
-    from pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store, synthetic
 
     _, data, tok, doc, _ = sinky
     pos = np.where(doc < 0, -2, np.arange(N) % C).astype(np.int32)
@@ -136,7 +136,7 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
     real.write_plan(real.default_plan(1))
     synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
     store = open_store(real.url)
-    with caplog.at_level(logging.INFO, logger="pipeline.store.reader"):
+    with caplog.at_level(logging.INFO, logger="harvest.pipeline.store.reader"):
         ds = ActivationDataset(store, batch_size=500, exclude_special=True, normalize="standardize",
                                norm_sample_rows=64)
     assert ds.norm_constants.source == "store:kept" and "constants from store:kept" in caplog.text

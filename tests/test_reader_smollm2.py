@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.store import create_store
-from pipeline.store.reader import ActivationDataset
+from harvest.pipeline.store import create_store
+from harvest.pipeline.store.reader import ActivationDataset
 
 CTX, N_CTX, LAYERS, WIDTH = 128, 24, 30, 576
 
@@ -24,7 +24,7 @@ def smol_store(smollm2, tmp_path_factory):
     from pydoc_data.topics import topics
     from transformers import AutoTokenizer
 
-    from engine import Address, load_model, run_with_cache
+    from harvest.engine import Address, load_model, run_with_cache
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     bos = tok.bos_token_id

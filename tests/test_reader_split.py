@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.store.reader import ActivationDataset
+from harvest.pipeline.store.reader import ActivationDataset
 from tests.reader_stores import BOS, committed_rows, make_store
 
 W, SHARD, C = 8, 256, 64

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import REPO_ROOT
+from harvest.pipeline.config import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 
@@ -62,9 +62,9 @@ def test_every_block_is_run_here_or_covered():
 
 def test_engine_block_runs_offline_with_string_keys(smollm2, tmp_path):
     """load_model("smollm2") resolves offline; caches take "resid_post.3"; capture streams."""
-    code = _block("from engine import load_model") + textwrap.dedent("""
+    code = _block("from harvest.engine import load_model") + textwrap.dedent("""
         import torch
-        from engine import Address
+        from harvest.engine import Address
         c = caches[0]["resid_post.3"]
         assert tuple(c.shape) == (3, 576) and c.dtype == torch.bfloat16, (c.shape, c.dtype)
         assert torch.equal(c, caches[0][Address("resid_post", 3)])
@@ -84,7 +84,7 @@ def test_engine_block_runs_offline_with_string_keys(smollm2, tmp_path):
 def default_like_store(tmp_path_factory):
     """`.harvest/stores/default` in a scratch cwd: packed contexts with a BOS per context and
     special ids recorded, rows with a few huge-norm sinks, 11 layers so resid_post.10 exists."""
-    from pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store, synthetic
     from tests.reader_stores import BOS, packed_meta
 
     cwd = tmp_path_factory.mktemp("readme")
@@ -104,7 +104,7 @@ def default_like_store(tmp_path_factory):
 
 def test_reader_block_yields_what_its_comments_say(default_like_store):
     """float32 batches of up to 4096 rows, normalised so that E||x||^2 = width."""
-    code = _block("from pipeline.store import open_store") + textwrap.dedent("""
+    code = _block("from harvest.pipeline.store import open_store") + textwrap.dedent("""
         import torch
         # the loop's last batch: float32, width columns, at most 4096 rows (the epoch's tail)
         assert x.dtype == torch.float32 and x.shape[1] == store.width and 0 < x.shape[0] <= 4096

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from pipeline.store import create_store, synthetic
+from harvest.pipeline.cli import main
+from harvest.pipeline.store import create_store, synthetic
 
 P, W, N, SHARD = 3, 32, 3000, 512   # 6 shards, the last one partial
 
@@ -66,8 +66,8 @@ def test_report_and_inspect_read_an_unpublished_units_metadata(store_and_data, t
     take them checked, as the rows are."""
     import shutil
 
-    from pipeline.store import open_store
-    from pipeline.views import inspect
+    from harvest.pipeline.store import open_store
+    from harvest.pipeline.views import inspect
     from tests.reader_stores import unpublish
 
     src, data = store_and_data

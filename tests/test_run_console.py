@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.cli import budget_shortfall
-from pipeline.config import REPO_ROOT
-from pipeline.store import open_store
+from harvest.pipeline.cli import budget_shortfall
+from harvest.pipeline.config import REPO_ROOT
+from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, shared_corpus
 
 MAX_LINES = 25
@@ -27,7 +27,7 @@ MAX_LINES = 25
 def _cli(args: list[str], head, cache, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, **head.env, "RAY_ADDRESS": head.address, "HARVEST_CACHE": str(cache),
            "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "harvest.pipeline.cli", *args], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -82,7 +82,7 @@ def test_budget_shortfall_names_the_numbers(tiny_llama, tmp_path):
 def test_start_watch_reports_the_slowest_actors_phase(tmp_path, monkeypatch):
     """Phases come from the actors' own log files: a line when the slowest actor moves on, a
     heartbeat otherwise, nothing in between."""
-    from pipeline.logs import LOG_DIR_ENV, StartWatch
+    from harvest.pipeline.logs import LOG_DIR_ENV, StartWatch
 
     monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path))
     a0, a1 = tmp_path / "actor-0.log", tmp_path / "actor-1.log"

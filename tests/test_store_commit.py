@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.store import RegionConflict, RegionWriteFailed, create_store, open_store
-from pipeline.store import backend, layout, synthetic
-from pipeline.store.reader import ActivationDataset
+from harvest.pipeline.store import RegionConflict, RegionWriteFailed, create_store, open_store
+from harvest.pipeline.store import backend, layout, synthetic
+from harvest.pipeline.store.reader import ActivationDataset
 
 P, W, N, SHARD = 2, 32, 4096, 1024
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def target(request, tmp_path):
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from pipeline.store import open_store, synthetic
+    from harvest.pipeline.store import open_store, synthetic
     url, so = sys.argv[1], json.loads(sys.argv[2])
     s = open_store(url, storage_options=so)
     x = synthetic.activations((2, 4096, 32), seed=7)
@@ -59,7 +59,7 @@ _CHILD = textwrap.dedent("""
 
 def _shard_object_exists(store, point, shard):
     """An object of shard `shard` written by some attempt (not yet published: no marker)."""
-    from pipeline.store.objects import attempt_objects
+    from harvest.pipeline.store.objects import attempt_objects
 
     loc = store.location
     if not loc.is_local:
@@ -137,7 +137,7 @@ def test_second_live_writer_is_stopped_and_cannot_touch_the_committed_bytes(tmp_
 def _fill_unit(s, data, uid, monkeypatch, publish=True):
     """Write and commit one unit; publish=False: its writer dies between its marker and the move
     of its objects to their zarr keys (they stay under its attempt's name, for finalize)."""
-    from pipeline.store.writer import RegionWriter
+    from harvest.pipeline.store.writer import RegionWriter
 
     with monkeypatch.context() as mp:
         if not publish:
@@ -175,7 +175,7 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     finalize must publish the new attempt's objects, never delete them."""
     import google_crc32c
 
-    from pipeline.store.objects import attempt_objects
+    from harvest.pipeline.store.objects import attempt_objects
 
     url, so = target
     s = _store(url, so)
@@ -215,7 +215,7 @@ def test_uncommit_voids_every_indexed_copy_of_the_unit(tmp_path, monkeypatch):
     """Two writers that both believed they committed (check-then-write race, FORMAT.md) both had
     their marker indexed, while the listed marker holds the later PUT's. uncommit must void the
     index copies of both attempts, or the rewrite would be read with one of their digests."""
-    from pipeline.store import commits
+    from harvest.pipeline.store import commits
 
     url = str(tmp_path / "twice.zarr")
     s = _store(url)
@@ -333,7 +333,7 @@ def test_retry_policy_classifies_errors():
 def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
     """The writer's upload and encode threads are nice'd (they must fill the engine's idle gaps,
     not preempt its OpenMP team), and the next unit's shard buffers are the previous unit's."""
-    from pipeline.store import shardio
+    from harvest.pipeline.store import shardio
 
     s = _store(str(tmp_path / "run.zarr"))
     x = synthetic.activations((P, N, W), seed=3)

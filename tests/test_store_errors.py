@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import zarr
 
-from pipeline.store import (NotAHarvestStore, StoreAccessError, StoreError, UnknownLayoutVersion,
+from harvest.pipeline.store import (NotAHarvestStore, StoreAccessError, StoreError, UnknownLayoutVersion,
                             create_store, open_store)
-from pipeline.store import synthetic
-from pipeline.store.credentials import scrub
+from harvest.pipeline.store import synthetic
+from harvest.pipeline.store.credentials import scrub
 
 
 def _small(url, **kw):

@@ -15,11 +15,11 @@ import shutil
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from pipeline.store import (DataIntegrityError, RegionConflict, RegionWriteFailed, StoreAccessError,
+from harvest.pipeline.cli import main
+from harvest.pipeline.store import (DataIntegrityError, RegionConflict, RegionWriteFailed, StoreAccessError,
                             StoreError, backend, create_store, layout, open_store, synthetic)
-from pipeline.store.objects import attempt_objects
-from pipeline.store.reader import ActivationDataset
+from harvest.pipeline.store.objects import attempt_objects
+from harvest.pipeline.store.reader import ActivationDataset
 from tests.reader_stores import make_store
 
 N, SHARD, W, CTX = 2048, 256, 16, 64
@@ -238,7 +238,7 @@ def test_credentials_in_the_url_never_reach_a_message(capsys):
     assert main(["verify", url]) == 2
     err = capsys.readouterr().err
     assert "VerySecretValue123" not in err and "AKIAEXAMPLEKEY" not in err and "credentials" in err
-    from pipeline.store.credentials import scrub
+    from harvest.pipeline.store.credentials import scrub
 
     msg = scrub('Invalid bucket name "AKIAEXAMPLEKEY:VerySecretValue123@bucket": Bucket name must match')
     assert "VerySecretValue123" not in msg and "AKIAEXAMPLEKEY" not in msg

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.store import create_store, open_store, synthetic
+from harvest.pipeline.store import create_store, open_store, synthetic
 
 P, W, SHARD, N = 2, 8, 64, 256  # 4 shards in one unit
 
@@ -72,8 +72,8 @@ def test_reservations_are_refused_where_rows_are_taken_and_missing_fills_block_c
 
 
 def test_a_failed_model_check_stops_the_run_with_the_per_point_table():
-    from pipeline.config import load_config
-    from pipeline.driver import HarvestError, _model_check
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.driver import HarvestError, _model_check
 
     cfg = load_config(data={"model": {"path": "tiny:llama"}})
     good = {"ok": True, "worst_point": "resid_post.0", "seconds": 1.0,

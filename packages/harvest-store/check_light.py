@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from pipeline.store import open_store
-from pipeline.store.verify import verify
+from harvest.pipeline.store import open_store
+from harvest.pipeline.store.verify import verify
 
 
 def main(url: str, rows: int = 4096) -> int:

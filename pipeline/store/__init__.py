@@ -1,13 +1,13 @@
 """Activation store: chunked, sharded Zarr v3 on local disk or object storage, plus its reader.
 
 Import-light: no torch, Ray or engine imports here (the reader imports torch lazily), so an SAE
-training job can `from pipeline.store import open_store` on a machine without the engine.
+training job can `from harvest.pipeline.store import open_store` on a machine without the engine.
 See FORMAT.md for the layout.
 """
 
 from . import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
 
-__version__ = "2.0"
+from harvest import __version__  # noqa: E402 -- the one version (created_by.harvest)
 
 from .errors import (  # noqa: E402
     DataIntegrityError,
