@@ -51,3 +51,19 @@ def make_store(path, n_rows: int, shard_rows: int, width: int = 16, points=("res
 
 def committed_rows(store) -> np.ndarray:
     return np.concatenate([np.arange(m["row_start"], m["row_end"]) for m in store.committed_units().values()])
+
+
+def unpublish(store, unit_ids) -> int:
+    """Put committed units' objects back under their attempt names: the state a writer killed
+    between its commit marker and publish leaves until finalize (objects.publish, reversed).
+    Returns how many objects moved."""
+    from harvest.pipeline.store.objects import meta_keys, point_keys
+
+    moved = 0
+    for uid in unit_ids:
+        m = store.commit_manifest(uid)
+        for sh in m["shards"]:
+            pairs = [point_keys(p, sh["index"], m["attempt"]) for p in store.points]
+            pairs += [meta_keys(n, sh["index"], m["attempt"]) for n in sh.get("meta") or {}]
+            moved += sum(store.location.move(pub, att) for pub, att in pairs)
+    return moved

@@ -47,11 +47,11 @@ def test_a_moved_runner_attribute_is_found_in_the_source(monkeypatch):
 
 def test_importing_the_engine_patches_nothing_in_vllm():
     """The runner is a subclass named to vLLM explicitly; vLLM's own classes stay vLLM's."""
-    import harvest.engine.runner  # noqa: F401  (defines the subclasses)
+    from harvest.engine import runner  # defines the subclasses
 
     runners, workers = compat.v1_runner_classes(), compat.worker_classes()
     for cls, name in ((runners["gpu"], "execute_model"), (runners["gpu"], "load_model"),
                       (runners["cpu"], "load_model"), (workers["cpu"], "init_device")):
         assert getattr(cls, name).__module__.startswith("vllm."), (cls, name)
-    assert issubclass(engine.runner.HarvestCPUModelRunner, runners["cpu"])
-    assert issubclass(engine.runner.HarvestGPUWorker, workers["gpu"])
+    assert issubclass(runner.HarvestCPUModelRunner, runners["cpu"])
+    assert issubclass(runner.HarvestGPUWorker, workers["gpu"])

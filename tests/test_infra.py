@@ -165,12 +165,12 @@ def test_entrypoint_module_is_in_the_repo_and_the_package():
     argv = _entrypoint()
     assert argv[:2] == ["python", "-m"], argv
     module = argv[2]
-    parts = module.split(".")
-    assert (REPO.joinpath(*parts[:-1]) / f"{parts[-1]}.py").is_file(), f"{module} not in the repo"
-    assert (REPO / parts[0] / "__init__.py").is_file()
-    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert any(re.fullmatch(pat.replace("*", ".*"), parts[0]) for pat in include), \
-        f"package {parts[0]} is not installed by pyproject ({include})"
+    package, _, name = module.rpartition(".")
+    tool = pyproject()["tool"]["setuptools"]
+    assert package in tool["packages"], f"package {package} is not installed by pyproject"
+    folder = REPO / tool["package-dir"][package]
+    assert (folder / f"{name}.py").is_file() and (folder / "__init__.py").is_file(), \
+        f"{module} not in the repo"
     # the flags the RayJob passes are flags the entrypoint's own parser knows
     r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
@@ -315,8 +315,8 @@ def _manifest_images() -> set[str]:
 
 
 def test_dockerfiles_install_this_package():
-    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.rstrip("*") for p in include}
+    # the folders the packages are built from (package-dir), top level only
+    packages = {d.split("/")[0] for d in pyproject()["tool"]["setuptools"]["package-dir"].values()}
     readme = pyproject()["project"].get("readme")
     for name, extra in (("Dockerfile.gpu", "gpu"), ("Dockerfile.cpu", "cpu")):
         instrs = dockerfile(DOCKER / name)
@@ -348,7 +348,10 @@ def test_cpu_image_pins_cpu_torch_and_drops_the_broken_extras():
 
 
 def test_ray_version_and_image_tag_agree_everywhere():
-    version = pyproject()["project"]["version"]
+    import harvest  # the one version (pyproject reads it as its dynamic version)
+
+    assert pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "harvest.__version__"}
+    version = harvest.__version__
     gpu_args = docker_args(dockerfile(DOCKER / "Dockerfile.gpu"))
     cpu_args = docker_args(dockerfile(DOCKER / "Dockerfile.cpu"))
     assert gpu_args["RAY_VERSION"] == cpu_args["RAY_VERSION"]
@@ -436,3 +439,21 @@ def test_suite_runner_targets_use_the_measured_rows():
     res["sections"]["peer"]["rows"][0]["tok_s"] = 300.0
     got = {t["target"]: t for t in run_all.targets(res)}
     assert got["freeze vs SAELens caching"]["verdict"] == "PASS"
+
+
+def test_every_package_folder_is_installed_under_the_harvest_namespace():
+    """pyproject lists packages by hand (package-dir maps folders under `harvest.`): a new
+    sub-package folder that is not listed would import from a checkout and be missing from the
+    wheel and the images. No top-level name but `harvest` is installed."""
+    tool = pyproject()["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for package, folder in tool["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            name = ".".join((package, *rel))
+            if not any(name.startswith(p + ".") for p in tool["package-dir"] if p != package
+                       and p.startswith(package + ".")):   # a folder mapped on its own
+                found.add(name)
+    assert listed == found, (sorted(listed - found), sorted(found - listed))
+    assert {p.split(".")[0] for p in listed} == {"harvest"}

@@ -155,7 +155,8 @@ def test_seqpos_needs_a_context_size(tmp_path):
 
 
 def test_store_package_imports_without_torch_ray_or_vllm():
-    code = ("import sys, pipeline.store, pipeline.store.filters, pipeline.store.sampling; "
+    code = ("import sys, harvest.pipeline.store, harvest.pipeline.store.filters, "
+            "harvest.pipeline.store.sampling; "
             "bad = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -184,7 +185,7 @@ def test_format_md_bfloat16_snippet_reads_a_store_with_plain_zarr(tmp_path):
 
     fmt = (Path(__file__).resolve().parents[1] / "pipeline" / "store" / "FORMAT.md").read_text()
     [code] = re.findall(r"```python\n(.*?)```", fmt, re.S)
-    assert "import pipeline" not in code and "from pipeline" not in code
+    assert "import harvest" not in code and "from harvest" not in code
     n, w = 5000, 32
     x = synthetic.activations((1, n, w), seed=4)
     s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.10"], width=w, n_rows=n, shard_rows=2048)

@@ -51,7 +51,7 @@ def _trainers_venv():
 def _run(python: str, script: str, store: str, *extra, light: bool = False, timeout: int = 600) -> dict:
     env = dict(os.environ, WANDB_MODE="disabled", TQDM_DISABLE="1", OMP_NUM_THREADS="2")
     if light:
-        env["HARVEST_LIGHT"] = "1"   # import pipeline.store from the installed package only
+        env["HARVEST_LIGHT"] = "1"   # import harvest.pipeline.store from the installed package only
         env.pop("PYTHONPATH", None)
     else:
         env["PYTHONPATH"] = str(REPO)
@@ -93,7 +93,7 @@ def test_light_package_reads_the_store_without_vllm_or_ray(sparse_store):
     """In .venv-trainers the store and reader come from the installed harvest-store package
     (no checkout on the path), and neither vLLM nor Ray is installed there."""
     py = _trainers_venv()
-    code = ("import importlib.util as u, sys, numpy as np, pipeline.store as ps\n"
+    code = ("import importlib.util as u, sys, numpy as np, harvest.pipeline.store as ps\n"
             "from harvest.pipeline.store.reader import ActivationDataset\n"
             "assert u.find_spec('vllm') is None and u.find_spec('ray') is None\n"
             "assert 'site-packages' in ps.__file__, ps.__file__\n"

@@ -12,7 +12,7 @@ import torch
 
 from harvest.pipeline.store import open_store
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import BOS, make_store
+from tests.reader_stores import BOS, make_store, unpublish
 
 W, SHARD, C, N = 16, 512, 64, 9 * 512
 
@@ -154,3 +154,47 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
     assert test.norm_constants is ds.norm_constants
     with pytest.raises(ValueError, match="norm_constants are for points"):
         ActivationDataset(store, points="resid_post.3", normalize="standardize", norm_constants=ds.norm_constants)
+
+
+@pytest.mark.parametrize("gone", [(1, 3), (0, 1, 2, 3)], ids=["some", "all"])
+def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path, gone):
+    """A writer killed between its commit marker and publish leaves the unit's objects under its
+    attempt's name until finalize, where zarr reads fill zeros. The sample is read checked, like
+    the rows, so the constants equal a recount over exactly the rows the reader yields."""
+    n, point = 4 * SHARD, "resid_post.3"
+    s, data, _, _, _ = make_store(tmp_path / "u.zarr", n, SHARD, W, [point], context=C, seed=5)
+    assert unpublish(s, gone) > 0
+    store = open_store(s.url, read_only=True)
+    lost = store.commit_manifest(gone[0])
+    zarr_view = np.asarray(store.array(point)[lost["row_start"]:lost["row_end"]])
+    assert not zarr_view.view(np.uint16).any()      # what plain zarr sees: fill zeros
+    ds = ActivationDataset(store, point, batch_size=256, seqpos=slice(1, None),
+                           normalize="norm_scale", norm_sample_rows=n)  # sample: every kept row
+    keep = np.arange(n) % C >= 1
+    msq = (data[0, keep].astype(np.float64) ** 2).sum(1).mean()
+    c = ds.norm_constants
+    assert c.source == "sample" and c.rows == keep.sum()
+    np.testing.assert_allclose(c.mean_sq_norm[0], msq, rtol=1e-9)
+    np.testing.assert_allclose(c.scale.numpy(), np.sqrt(W / msq), rtol=1e-6)
+    y = torch.cat(list(ds)).double().numpy()
+    np.testing.assert_allclose((y * y).sum(1).mean(), W, rtol=1e-4)
+    # a held-out split: blocks whose every row is filtered out; the reference is the rows it yields
+    test = ActivationDataset(store, point, batch_size=256, split="test", test_fraction=0.2,
+                             normalize="norm_scale", norm_sample_rows=n, return_meta=True)
+    rows = np.concatenate([b["row"].numpy() for b in test])
+    assert 0 < len(rows) < n // 2 and test.norm_constants.rows == len(rows)
+    msq = (data[0, rows].astype(np.float64) ** 2).sum(1).mean()
+    np.testing.assert_allclose(test.norm_constants.mean_sq_norm[0], msq, rtol=1e-9)
+
+
+def test_normalize_without_usable_rows_says_why(tmp_path):
+    """No committed rows, or rows that are all zero: an error naming the cause, not a division."""
+    n = 2 * SHARD
+    s, _, _, _, _ = make_store(tmp_path / "none.zarr", n, SHARD, W, context=C, uncommitted=(0, 1))
+    with pytest.raises(ValueError, match="no committed rows"):
+        ActivationDataset(s, batch_size=64, seqpos=slice(1, None), normalize="norm_scale")
+    zero = np.zeros((1, n, W), ml_dtypes.bfloat16)
+    z, _, _, _, _ = make_store(tmp_path / "zero.zarr", n, SHARD, W, context=C, data=zero)
+    for mode in ("norm_scale", "center_norm_scale"):
+        with pytest.raises(ValueError, match="all zero"):
+            ActivationDataset(z, batch_size=64, seqpos=slice(1, None), normalize=mode)

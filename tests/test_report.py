@@ -58,3 +58,28 @@ def test_report_numbers_match_a_recount_of_the_rows(store_and_data, tmp_path, ca
 def test_report_of_a_store_that_does_not_exist_is_a_one_line_error(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no store at" in capsys.readouterr().err
+
+
+def test_report_and_inspect_read_an_unpublished_units_metadata(store_and_data, tmp_path):
+    """A writer killed between marker and publish leaves unit 0 (row 7, the planted outlier)
+    under its attempt's name: plain zarr reads its token ids as fill; the report and inspect
+    take them checked, as the rows are."""
+    import shutil
+
+    from harvest.pipeline.store import open_store
+    from harvest.pipeline.views import inspect
+    from tests.reader_stores import unpublish
+
+    src, data = store_and_data
+    path = str(tmp_path / "u.zarr")
+    shutil.copytree(src.url, path)
+    assert unpublish(open_store(path), [0]) > 0
+    assert (open_store(path).read_row_meta(5, 9)[0] == -1).all()   # zarr sees fill: -1
+    out = tmp_path / "rep"
+    assert main(["report", path, "--out", str(out)]) == 0
+    top = json.loads((out / "report.json").read_text())["top_rows"]["resid_post.0"][0]
+    assert (top["row"], top["token_id"], top["doc_id"], top["position"]) == (7, 10, 0, 7)
+    rows = inspect(path, rows=(5, 9))["rows"]
+    assert rows["token_id"] == [8, 9, 10, 11] and rows["position"] == [5, 6, 7, 8]
+    x = data[0, 5:9].astype(np.float64)
+    np.testing.assert_allclose(rows["norms"]["resid_post.0"], np.linalg.norm(x, axis=1), atol=1e-3)

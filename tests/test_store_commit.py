@@ -134,6 +134,109 @@ def test_second_live_writer_is_stopped_and_cannot_touch_the_committed_bytes(tmp_
     assert v["missing_units"] == [1] and len(v["errors"]) == 1  # only "unit 1 not committed" is left
 
 
+def _fill_unit(s, data, uid, monkeypatch, publish=True):
+    """Write and commit one unit; publish=False: its writer dies between its marker and the move
+    of its objects to their zarr keys (they stay under its attempt's name, for finalize)."""
+    from harvest.pipeline.store.writer import RegionWriter
+
+    with monkeypatch.context() as mp:
+        if not publish:
+            mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
+        [m] = synthetic.fill(s, data, units=[s.plan()[uid]])
+    return m
+
+
+def _reads_exactly(url, so, want, attempt):
+    """Every consumer sees unit 0 as written by `attempt`: checked reads, the SAE reader, verify
+    --deep."""
+    import torch
+
+    r = open_store(url, storage_options=so)
+    for i, p in enumerate(r.points):
+        assert np.array_equal(r.read(p, 0, N).view(np.uint16), want[i].view(np.uint16))
+    got = np.zeros((N, P, W), np.uint16)
+    seen = []
+    for b in ActivationDataset(r, batch_size=500, return_meta=True):
+        rows = b["row"].numpy()
+        got[rows] = b["acts"].view(torch.int16).numpy().view(np.uint16)
+        seen.append(rows)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(N))
+    assert np.array_equal(got, want.transpose(1, 0, 2).view(np.uint16))
+    v = r.verify(deep=True)
+    assert v["ok"], v["errors"]
+    assert r.committed_units()[0]["attempt"] == attempt
+
+
+@pytest.mark.parametrize("publish", [True, False], ids=["published", "died-before-publish"])
+def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkeypatch, publish):
+    """Issue 29, item 1: the documented repair (uncommit + rewrite) after the unit was indexed.
+    The rewrite's bytes differ (new attempt, sizes and digests), yet the index still holds the old
+    marker under the same name: readers, verify and finalize must take the new marker, and
+    finalize must publish the new attempt's objects, never delete them."""
+    import google_crc32c
+
+    from harvest.pipeline.store.objects import attempt_objects
+
+    url, so = target
+    s = _store(url, so)
+    x = synthetic.activations((P, N, W), seed=21)
+    y = synthetic.activations((P, N, W), seed=22)
+    y[:, :700] = 0                          # compresses differently: other sizes, other digests
+    old = _fill_unit(s, x, 0, monkeypatch, publish)
+    m1 = _fill_unit(s, x, 1, monkeypatch)
+    s.write_index([old, m1])                # the driver indexes markers as units commit
+    _reads_exactly(url, so, x, old["attempt"])
+
+    s.uncommit(0)
+    new = _fill_unit(s, y, 0, monkeypatch, publish)
+    assert new["attempt"] != old["attempt"]
+    assert [sh["nbytes"] for sh in new["shards"]] != [sh["nbytes"] for sh in old["shards"]]
+    want = np.concatenate([y[:, :2048], x[:, 2048:]], axis=1)
+    _reads_exactly(url, so, want, new["attempt"])     # the rewrite's marker, not yet indexed
+    s.write_index([new])                    # ... and once the driver indexed it as well
+    _reads_exactly(url, so, want, new["attempt"])
+
+    s.finalize()
+    _reads_exactly(url, so, want, new["attempt"])
+    r = open_store(url, storage_options=so)
+    for sh in new["shards"]:                # the new attempt's bytes are the published objects
+        for i, p in enumerate(r.points):
+            blob = r.location.read_bytes(layout.shard_object_key(p, sh["index"]))
+            assert blob is not None and google_crc32c.value(blob) == sh["object_crc32c"][i]
+    if not r.location.is_local:
+        r.location.fs.invalidate_cache()
+    left = {a for objs in attempt_objects(r.location).values() for _, _, a, _ in objs}
+    assert not left & {old["attempt"], new["attempt"]}  # stale leftovers cleaned, new published
+    s.finalize()                            # a second finalize (compacted index) changes nothing
+    _reads_exactly(url, so, want, new["attempt"])
+
+
+def test_uncommit_voids_every_indexed_copy_of_the_unit(tmp_path, monkeypatch):
+    """Two writers that both believed they committed (check-then-write race, FORMAT.md) both had
+    their marker indexed, while the listed marker holds the later PUT's. uncommit must void the
+    index copies of both attempts, or the rewrite would be read with one of their digests."""
+    from harvest.pipeline.store import commits
+
+    url = str(tmp_path / "twice.zarr")
+    s = _store(url)
+    x = synthetic.activations((P, N, W), seed=31)
+    y = synthetic.activations((P, N, W), seed=32)
+    y[:, :900] = 0
+    first = _fill_unit(s, x, 0, monkeypatch)
+    commits.delete_marker(s.location, commits.MarkerName(0, 0, 2048))  # the later PUT won:
+    second = _fill_unit(s, x, 0, monkeypatch)                         # its marker is listed
+    m1 = _fill_unit(s, x, 1, monkeypatch)
+    s.write_index([first, m1])
+    s.write_index([second])
+    s.uncommit(0)
+    voids = {layout.parse_void_name(n) for n in s.location.list_dir(layout.INDEX_DIR)} - {None}
+    assert voids == {(0, first["attempt"]), (0, second["attempt"])}
+    new = _fill_unit(s, y, 0, monkeypatch)
+    _reads_exactly(url, None, np.concatenate([y[:, :2048], x[:, 2048:]], axis=1), new["attempt"])
+    s.finalize()
+    _reads_exactly(url, None, np.concatenate([y[:, :2048], x[:, 2048:]], axis=1), new["attempt"])
+
+
 def test_commit_race_loser_gets_conflict(tmp_path):
     s = _store(str(tmp_path / "race2.zarr"))
     x = synthetic.activations((P, N, W), seed=3)

@@ -7,7 +7,7 @@ See FORMAT.md for the layout.
 
 from . import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
 
-__version__ = "2.0"
+from harvest import __version__  # noqa: E402 -- the one version (created_by.harvest)
 
 from .errors import (  # noqa: E402
     DataIntegrityError,

@@ -7,8 +7,17 @@ Marker *contents* (per-shard CRCs and sizes, stats sidecar, metadata digests, ti
 by status, verify, finalize and the reader; reading 10^5 markers one GET each is what made them
 slow, so the driver copies markers into immutable index segments (`_harvest/index/idx-<seq>`,
 gzip'ed JSON lines) as units commit. An index entry is trusted only while the listing still shows
-its marker under the same name; markers not yet indexed are read directly. The index is a cache:
-deleting it loses nothing.
+its marker under the same name and no void record names its (unit, attempt); markers not yet
+indexed are read directly. The index is a cache: deleting it loses nothing.
+
+Void records exist because a marker's name is the unit's, not the attempt's: after
+`uncommit(unit)` and a rewrite, the listing shows the new marker under the old name, and the old
+index entry (other attempt, other digests) would be taken for it, so every read would check the
+new bytes against the old digests and finalize would settle the old attempt as the owner, deleting
+the new attempt's objects. `uncommit` therefore first writes
+`_harvest/index/void-<unit>.<attempt>.json` for every attempt of that unit it finds in the marker
+and the index. Readers get them from the listing of `_harvest/index/` they make anyway: no
+request per unit, none at all while nothing was uncommitted.
 
 The writer (writer.py) builds and creates markers here; the store (store.py) reads them here, so
 neither imports the other.
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -124,15 +134,33 @@ def delete_marker(loc: Location, name: MarkerName) -> None:
 
 # ---- index ------------------------------------------------------------------------------------
 
-def _index_seqs(loc: Location) -> list[int]:
-    out = []
+def _index_listing(loc: Location) -> tuple[list[int], set[tuple[int, str]]]:
+    """(sequence numbers of the index segments, voided (unit id, attempt token)): one listing."""
+    seqs, voids = [], set()
     for name in loc.list_dir(layout.INDEX_DIR):
         if name.startswith("idx-") and name.endswith(".jsonl.gz"):
             try:
-                out.append(int(name[4:-9]))
+                seqs.append(int(name[4:-9]))
             except ValueError:
                 pass
-    return sorted(out)
+        else:
+            v = layout.parse_void_name(name)
+            if v is not None:
+                voids.add(v)
+    return sorted(seqs), voids
+
+
+def _index_seqs(loc: Location) -> list[int]:
+    return _index_listing(loc)[0]
+
+
+def attempt_token(attempt) -> str:
+    """How a void record names an attempt: the id itself (writers make 16 hex digits), or a hash
+    of whatever else a marker holds there (None in a hand-made marker), so any entry can be
+    voided."""
+    if isinstance(attempt, str) and attempt.isascii() and attempt.isalnum() and len(attempt) <= 64:
+        return attempt
+    return "h" + hashlib.sha256(json.dumps(attempt).encode()).hexdigest()[:32]
 
 
 INDEX_MIN = 256    # markers per index segment, at least...
@@ -182,8 +210,8 @@ def write_index_segment(loc: Location, markers: "Iterable[dict] | IndexBuilder")
     return seq
 
 
-def _read_index(loc: Location) -> Iterator[dict]:
-    seqs = _index_seqs(loc)
+def _read_index(loc: Location, seqs: list[int] | None = None) -> Iterator[dict]:
+    seqs = _index_seqs(loc) if seqs is None else seqs
     if not seqs:
         return
     keys = [layout.index_key(s) for s in seqs]
@@ -210,15 +238,17 @@ def compact_index(loc: Location, markers: "Iterable[dict] | IndexBuilder") -> No
 
 
 def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iterator[dict]:
-    """Contents of every marker now present: from the index where it agrees with the listing,
-    read directly otherwise. Streams (memory: the listing plus one marker at a time, plus the
-    markers not yet indexed). Order: index order, then unit id."""
+    """Contents of every marker now present: from the index where an entry agrees with the
+    listing and is not voided, read directly otherwise. Streams (memory: the listing plus one
+    marker at a time, plus the markers not yet indexed). Order: index order, then unit id."""
     names = list_markers(loc) if names is None else names
     present = set(names)
     seen: set = set()
-    for m in _read_index(loc):
+    seqs, voids = _index_listing(loc)
+    for m in _read_index(loc, seqs):
         n = MarkerName(m["unit_id"], m["row_start"], m["row_end"])
-        if n in present and n not in seen:
+        if n in present and n not in seen and \
+                (not voids or (n.unit_id, attempt_token(m.get("attempt"))) not in voids):
             seen.add(n)
             yield m
     rest = [n for n in names if n not in seen]
@@ -230,5 +260,34 @@ def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iter
                 yield got[n]
 
 
+def uncommit(loc: Location, unit_id: int) -> list[MarkerName]:
+    """Delete a unit's markers (driver repair), voiding first every index entry of the unit: of
+    the attempt its marker names, and of any other attempt the index holds for it (two writers
+    that both believed they committed, on a server without conditional PUTs, each had their copy
+    indexed). Voids come first, so a crash in between leaves a marker read directly, never a
+    stale entry trusted. Returns the markers deleted.
+
+    Reads the whole index (a repair, not a hot path: one GET per segment, one after finalize).
+    """
+    uid = int(unit_id)
+    names = [n for n in list_markers(loc) if n.unit_id == uid]
+    attempts = set()
+    for n in names:
+        m = read_marker(loc, n, fresh=True)
+        if m is not None:
+            attempts.add(attempt_token(m.get("attempt")))
+    for m in _read_index(loc):
+        if m.get("unit_id") == uid:
+            attempts.add(attempt_token(m.get("attempt")))
+    for a in sorted(attempts):
+        body = {"unit_id": uid, "attempt": a,
+                "voided_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        loc.create_once(layout.void_key(uid, a), json.dumps(body, separators=(",", ":")).encode())
+    for n in names:
+        delete_marker(loc, n)
+    return names
+
+
 __all__ = ["MarkerName", "list_markers", "read_marker", "read_markers", "create_marker",
-           "delete_marker", "build_marker", "IndexBuilder", "index_batch", "write_index_segment", "compact_index", "iter_committed"]
+           "delete_marker", "uncommit", "attempt_token", "build_marker", "IndexBuilder",
+           "index_batch", "write_index_segment", "compact_index", "iter_committed"]

@@ -28,7 +28,8 @@ CONTROL_DIR = "_harvest"          # plain objects beside the zarr hierarchy, nev
 PLAN_DIR = f"{CONTROL_DIR}/plan"  # seg-<seq>.json create-once segments, compact.json, sources.json
 COMMITS_DIR = f"{CONTROL_DIR}/commits"   # one create-once marker per committed unit, nothing else
 SIDECAR_DIR = f"{CONTROL_DIR}/stats"     # per-unit stats partials, written before their marker
-INDEX_DIR = f"{CONTROL_DIR}/index"       # compacted copies of markers (a cache, see commits.py)
+# compacted copies of markers (a cache, see commits.py) and void records of stale copies
+INDEX_DIR = f"{CONTROL_DIR}/index"
 PROBE_DIR = f"{CONTROL_DIR}/probe"
 # A writer puts each shard and metadata chunk under a name of its own attempt, and only the
 # writer whose marker was created moves them to the zarr keys: a late writer of the same unit can
@@ -46,6 +47,7 @@ MAX_SHARD_SET_BYTES = 128 << 20
 
 _POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[0-9]+)?$")
 _MARKER = re.compile(r"^unit-(\d{8,})\.(\d+)-(\d+)\.json$")
+_VOID = re.compile(r"^void-(\d{8,})\.([0-9A-Za-z]+)\.json$")
 
 
 def point_path(point: str) -> str:
@@ -95,6 +97,20 @@ PLAN_SOURCES_KEY = f"{PLAN_DIR}/sources.json"
 
 def index_key(seq: int) -> str:
     return f"{INDEX_DIR}/idx-{int(seq):08d}.jsonl.gz"
+
+
+def void_name(unit_id: int, attempt: str) -> str:
+    """A void record: the index entries of `unit_id` written by `attempt` are stale (uncommit)."""
+    return f"void-{int(unit_id):08d}.{attempt}.json"
+
+
+def void_key(unit_id: int, attempt: str) -> str:
+    return f"{INDEX_DIR}/{void_name(unit_id, attempt)}"
+
+
+def parse_void_name(name: str) -> "tuple[int, str] | None":
+    m = _VOID.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def shard_object_key(point: str, shard: int) -> str:

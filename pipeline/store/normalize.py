@@ -25,6 +25,7 @@ import torch
 
 from .dtypes import BF16
 from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
+from .objects import read_point
 from .stats import Moments
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ def constants(mode: str, points, moments: list[Moments], width: int, source: str
             raise ValueError(f"normalize={mode!r}: no rows of {p} pass the filters, so there is "
                              "nothing to take statistics from; loosen the filters")
         mean, var = np.asarray(m.mean), np.asarray(m.var)
+        _check_spread(mode, p, m, var)
         if mode == "standardize":
             shift.append(mean)
             scale.append(1.0 / np.sqrt(var + eps))
@@ -89,6 +91,22 @@ def constants(mode: str, points, moments: list[Moments], width: int, source: str
     return NormConstants(mode, tuple(points), torch.from_numpy(np.stack(shift).astype(np.float32)),
                          torch.from_numpy(np.stack(scale).astype(np.float32)), source,
                          int(moments[0].count), tuple(float(m.mean_sq_norm) for m in moments))
+
+
+def _check_spread(mode: str, point: str, m: Moments, var: np.ndarray) -> None:
+    """A scale of width / 0 is no constant: say why the rows have no norm (or no spread)."""
+    if mode == "norm_scale":
+        spread, what = m.mean_sq_norm, "E||x||^2"
+    elif mode == "center_norm_scale":
+        spread, what = float(var.sum()), "the summed variance"
+    else:
+        return
+    if not spread > 0 or not np.isfinite(spread):
+        raise ValueError(
+            f"normalize={mode!r}: {what} of the {m.count} rows of {point} read for the statistics "
+            f"is {spread!r} (rows all zero or non-finite), so no scale brings it to the width; "
+            "check the store with `harvest verify --deep`, or pass norm_constants= from "
+            "statistics computed elsewhere")
 
 
 # ---- row norms ----------------------------------------------------------------------------------
@@ -144,15 +162,21 @@ def _blocks(pieces, chunk_rows: int):
     return first, counts, starts, ends
 
 
-def read_sample(store, meta, points, pieces, filt: RowFilter, n_rows: int, seed: int,
+def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: int, seed: int,
                 max_norm_ratio: float | None, threads: int = 8) -> Sample:
     """Up to `n_rows` filtered rows from chunk-sized blocks at seeded random places.
 
     Blocks, not whole shards: one 32 MiB shard is a handful of documents, while the same bytes
     as 1 MiB blocks from 32 places span 32 times as many. Blocks are drawn without replacement
-    until the filtered rows reach n_rows (all of a small store). `meta`: objects.CommittedMeta
-    (metadata checked against the markers); the sample's rows are read through zarr, from the
-    published objects, without a digest check (a whole shard per block would be read for one).
+    until the filtered rows reach n_rows (all of a small store). `meta`: objects.CommittedMeta;
+    `sources`: (marker facts, shard entry) per piece, as the reader's.
+
+    The rows come through the reader's own checked read (objects.read_point), never plain zarr:
+    a unit whose marker exists but whose objects are still under their attempt names (a writer
+    killed between marker and publish, until finalize; every unit briefly during a live run)
+    reads as zeros through zarr, which halved E||x||^2 without a word. A checked read takes the
+    whole shard object (its CRC32C covers the object), so each block costs one shard of I/O;
+    blocks of one draw that share a shard share its read.
     """
     chunk = store.chunk_rows
     first, counts, starts, ends = _blocks(pieces, chunk)
@@ -163,17 +187,45 @@ def read_sample(store, meta, points, pieces, filt: RowFilter, n_rows: int, seed:
     dtype = store.np_dtype
     raw = np.dtype(f"u{dtype.itemsize}")
     meta_names = [n for n, need in (("token_id", filt.needs_tokens), ("doc_id", filt.needs_docs)) if need]
+    point_index = [store.points.index(p) for p in points]
 
-    def read(block: int):
+    def span(block: int) -> tuple[int, int, int]:
+        """(piece index, a, b): the rows of one block, inside one piece."""
         i = int(np.searchsorted(cum, block, side="right") - 1)
         c = first[i] + (block - cum[i])
-        a, b = max(int(c * chunk), int(starts[i])), min(int((c + 1) * chunk), int(ends[i]))
-        cols = {n: meta.read(n, a, b) for n in meta_names}
-        m = filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"))
-        if m is not None and not m.any():
-            return np.empty((0, len(points), store.width), raw)
-        x = np.stack([np.asarray(store.array(p)[a:b]).view(raw) for p in points], axis=1)
-        return x if m is None else x[m]
+        return i, max(int(c * chunk), int(starts[i])), min(int((c + 1) * chunk), int(ends[i]))
+
+    def read_piece(group: tuple[int, list]) -> list[np.ndarray]:
+        """The filtered rows of each block of one piece, [n, n_points, width] raw bits each."""
+        i, spans = group
+        s0 = pieces[i][0]
+        masks = []
+        for a, b in spans:
+            cols = {n: meta.read(n, a, b) for n in meta_names}
+            masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id")))
+        live = [m is None or bool(m.any()) for m in masks]
+        out = [np.empty((b - a if ok else 0, len(points), store.width), raw)
+               for (a, b), ok in zip(spans, live)]
+        if any(live):
+            m, sh = sources[i]
+            for j, pi in enumerate(point_index):  # one point at a time: one shard in memory
+                x = read_point(store, m, sh, pi).view(raw)
+                for k, (a, b) in enumerate(spans):
+                    if live[k]:
+                        out[k][:, j] = x[a - s0:b - s0]
+        return [x if mk is None or not ok else x[mk] for x, mk, ok in zip(out, masks, live)]
+
+    def read_batch(ex, batch: list[int]) -> list[np.ndarray]:
+        """Each block's rows in `batch` order (the sample stays a function of the seed)."""
+        groups: dict[int, list] = {}
+        for blk in batch:
+            i, a, b = span(blk)
+            groups.setdefault(i, []).append((blk, a, b))
+        got = {}
+        for (i, blks), rows in zip(groups.items(), ex.map(
+                read_piece, [(i, [(a, b) for _, a, b in v]) for i, v in groups.items()])):
+            got.update({blk: x for (blk, _, _), x in zip(blks, rows)})
+        return [got[blk] for blk in batch]
 
     parts, have, used = [], 0, 0
     drawn = set()
@@ -187,7 +239,7 @@ def read_sample(store, meta, points, pieces, filt: RowFilter, n_rows: int, seed:
                          if int(v) not in drawn][:want]
                 drawn.update(batch)
             used += len(batch)
-            for x in ex.map(read, batch):
+            for x in read_batch(ex, batch):
                 if x.shape[0]:
                     parts.append(x)
                     have += x.shape[0]

@@ -215,8 +215,14 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             source = "store:kept"
         sample = None
         if self.max_norm_ratio is not None or (self.normalize and given is None and moments is None):
-            sample = _norm.read_sample(st, self._meta(), self.points, self.pieces, self.filter,
-                                       int(sample_rows), self.seed, self.max_norm_ratio, self.io_threads)
+            if not self.pieces and self.normalize and given is None:
+                raise ValueError(f"normalize={self.normalize!r}: {st.url} has no committed rows "
+                                 "yet (no unit's commit marker exists), so there is nothing to "
+                                 "take statistics from; wait until units commit, or pass "
+                                 "norm_constants=")
+            sample = _norm.read_sample(st, self._meta(), self.points, self.pieces, self._sources,
+                                       self.filter, int(sample_rows), self.seed,
+                                       self.max_norm_ratio, self.io_threads)
             self.norm_limit = sample.norm_limit
             if sample.outlier_rows:
                 log.info("max_norm_ratio=%s drops %d of %d sample rows (%.3f%%)", self.max_norm_ratio,

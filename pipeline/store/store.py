@@ -214,7 +214,10 @@ class Store:
 
     def read_row_meta(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """token_id, doc_id, position of rows [start, stop). doc_id and position are -2
-        (layout.META_INSERTED) for an inserted BOS and -1 for a row never written."""
+        (layout.META_INSERTED) for an inserted BOS and -1 for a row never written.
+
+        Plain zarr, unchecked: a committed unit not yet published (its objects still under its
+        attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
         return tuple(self._meta_array(n)[start:stop] for n in layout.ROW_META)
@@ -313,12 +316,14 @@ class Store:
         return {m["unit_id"]: m for m in sorted(self.iter_committed(), key=lambda m: m["unit_id"])}
 
     def uncommit(self, unit_id: int) -> None:
-        """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict)."""
-        for n in self.marker_names():
-            if n.unit_id == int(unit_id):
-                _commits.delete_marker(self._loc, n)
-                self._markers.pop(n, None)
-                self._shard_map = None
+        """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict).
+        Its index entries are voided first, so the rewrite's marker is the one every reader
+        takes, even where its bytes differ (commits.uncommit)."""
+        if self.read_only:
+            raise StoreError("uncommit: store was opened read-only")
+        for n in _commits.uncommit(self._loc, unit_id):
+            self._markers.pop(n, None)
+        self._shard_map = None
 
     def write_index(self, markers) -> int:
         """Append markers to the compacted commit index (the driver, as units commit)."""

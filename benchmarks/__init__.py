@@ -1,0 +1,1 @@
+"""Side-by-side speed measurements (`python -m harvest.benchmarks.run_all`)."""

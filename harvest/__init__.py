@@ -1,0 +1,24 @@
+"""harvest: activation capture (freeze-mode vLLM taps) -> sharded Zarr v3 stores -> SAE readers.
+
+Every import is `harvest.<part>`: `harvest.engine` (capture engines), `harvest.pipeline` (data,
+Ray driver and actors, the store under `harvest.pipeline.store`), `harvest.jobs` (`ray job
+submit` entrypoints) and `harvest.benchmarks`. The folders stay at the repository root
+(`engine/`, `pipeline/`, ...); pyproject.toml's `package-dir` installs them under this one name,
+so no top-level `pipeline` or `engine` of ours collides with another library's.
+
+Run from a checkout without an install (a worktree with PYTHONPATH set to it, the GPU host that
+has no vLLM or Ray to install harvest against), `harvest.engine` must still resolve to the
+checkout's `engine/`. The lines below add the checkout root to this package's search path, and
+only when this file sits in a checkout (a `pyproject.toml` naming the project beside `engine/`):
+an installed copy in site-packages never searches site-packages as `harvest.*`.
+"""
+
+import os as _os
+
+__version__ = "0.1.0"   # the one version: the package, the light package and created_by in stores
+
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
+        _os.path.join(_root, "engine")) and _root not in __path__:
+    __path__.append(_root)
+del _os, _root
