@@ -277,37 +277,24 @@ class HarvestActor:
 
     # -- the engine stream ------------------------------------------------------------------
     def _engine_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._stream(job)
+        while self._stream():
+            pass
 
-    def _stream(self, first: _Job) -> None:
-        """One capture() over the contexts of every unit queued while it runs."""
-        routes: list = []  # request index -> (job, context index in its unit)
+    def _stream(self) -> bool:
+        """One capture() over the contexts of every unit queued while it runs; False once
+        close() asked the loop to stop.
 
-        def feed():
-            job, fed = first, 0
-            while job is not None:
-                for i in range(len(job.contexts)):
-                    if job.error is not None:
-                        break
-                    routes.append((job, i))
-                    fed += 1
-                    yield [job.contexts[i].tolist()]
-                # The next unit is usually queued already; if not, it is on its way from the
-                # driver: waiting a moment (longer while the stream has not filled one engine
-                # step yet) costs less than a drained engine and a partly empty step.
-                wait = STREAM_START_WAIT if fed * self.context_size < self._step_tokens else STREAM_GAP_WAIT
-                try:
-                    job = self._queue.get(timeout=wait)
-                except queue.Empty:
-                    return
-                if job is None:  # close(): let the current stream finish, then stop the loop
-                    self._queue.put(None)
-                    return
-
+        A stream may last the actor's whole life and a job holds its writer (shard buffers,
+        statistics, token ids), so nothing here keeps a unit past its last delivered context:
+        `routes` (request index -> (job, context index)) loses each entry on delivery, and
+        `live` holds the units taken into the stream only until they are done or failed."""
+        first = self._queue.get()
+        if first is None:
+            return False
+        routes: dict[int, tuple[_Job, int]] = {}
+        live: set[_Job] = {first}
+        feed = self._feed(first, routes, live)
+        del first  # the feed and `live` hold it now, and only while it is in flight
         self.streams += 1
         reserved: set[int] = set()  # request indices whose rows the engine writes in place
         kw = {}
@@ -323,24 +310,53 @@ class HarvestActor:
                 return self._as_tensor(view)
             kw["destinations"] = destination
         try:
-            for req in self.engine.capture(feed(), self.points, **kw):
-                job, i = routes[req.index]
+            for req in self.engine.capture(feed, self.points, **kw):
+                job, i = routes.pop(req.index)
                 if job.error is None:
                     try:
                         self._deliver(job, i, req, req.index in reserved)
                     except BaseException as e:  # noqa: BLE001 -- the unit fails, the stream goes on
                         job.fail(e)
+                if job.done.is_set():
+                    live.discard(job)
                 reserved.discard(req.index)
+                del job  # the unit commits on its own thread now: hold it no longer
         except BaseException as e:  # noqa: BLE001 -- the engine failed: every unit in it fails
-            for job, _ in routes:
+            for job in list(live):
                 job.fail(e)
-            if not routes:
-                first.fail(e)
-            return
-        for job, _ in routes:
+            return True
+        finally:
+            routes.clear()
+        for job in list(live):
             if not job.done.is_set():
                 job.fail(RuntimeError(f"unit {job.unit_id}: the engine returned {job.received} of "
                                       f"{len(job.contexts)} contexts"))
+        return True
+
+    def _feed(self, job: _Job, routes: dict, live: set):
+        """The stream's requests: the contexts of `job`, then of every unit queued meanwhile."""
+        fed = 0
+        while True:
+            for i in range(len(job.contexts)):
+                if job.error is not None:
+                    break
+                routes[fed] = (job, i)  # the engine numbers requests in submission order
+                fed += 1
+                yield [job.contexts[i].tolist()]
+            job = None  # all fed: `routes` and `live` hold it while it is in flight
+            # The next unit is usually queued already; if not, it is on its way from the
+            # driver: waiting a moment (longer while the stream has not filled one engine
+            # step yet) costs less than a drained engine and a partly empty step.
+            filling = fed * self.context_size < self._step_tokens
+            wait = STREAM_START_WAIT if filling else STREAM_GAP_WAIT
+            try:
+                job = self._queue.get(timeout=wait)
+            except queue.Empty:
+                return
+            if job is None:  # close(): let the current stream finish, then stop the loop
+                self._queue.put(None)
+                return
+            live.add(job)
 
     def _deliver(self, job: _Job, i: int, req, in_place: bool) -> None:
         """The capture -> writer hand-off, and the only place it happens. In place: the engine

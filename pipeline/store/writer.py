@@ -181,6 +181,7 @@ class RegionWriter(ShardUploads):
             m["already_committed"] = True
             self._manifest = m
             self._shutdown()
+            self._release()
             return m
         self._check_usable()
         extra = redact_attrs(_jsonable(extra or {}, "commit extra"), self._store.location.storage_options)
@@ -204,10 +205,7 @@ class RegionWriter(ShardUploads):
         self._wait_pending(all_=True)
         self._check_usable()
         self._check_conflict()
-        merged = {}
-        for subset in layout.STATS_SUBSETS:
-            merged[subset] = _stats.merge_all([self._parts[k][subset] for k in sorted(self._parts)],
-                                              self._P, self._W)
+        merged = self.merged_stats()
         blob = _stats.dumps(merged)
         skey = layout.stats_key(self.unit_id, self.attempt)
         seconds = time.perf_counter() - (self.t_first_write or self.t_created)
@@ -225,6 +223,7 @@ class RegionWriter(ShardUploads):
         except Exception as e:  # noqa: BLE001 -- reported without secrets, region left uncommitted
             self._fail(e, "writing the commit marker")
             self._cleanup(skey)
+            self._release()
             raise RegionWriteFailed(self._failed_msg) from None
         if created:
             self._publish(manifest)
@@ -234,6 +233,7 @@ class RegionWriter(ShardUploads):
             if other.get("attempt") != self.attempt:
                 self._shutdown()
                 self._cleanup(skey)
+                self._release()
                 raise RegionConflict(
                     f"commit: unit {self.unit_id} was committed by another writer (attempt "
                     f"{other.get('attempt')}) while this one was writing; this writer's objects are "
@@ -242,6 +242,7 @@ class RegionWriter(ShardUploads):
         self._store._remember_marker(manifest)
         self._manifest = manifest
         self._shutdown()
+        self._release()
         log.info("unit %d committed: %d rows, %.1f MB/s", self.unit_id, manifest["n_rows"],
                  (manifest["bytes_per_s"] or 0) / 1e6)
         return manifest
@@ -254,9 +255,7 @@ class RegionWriter(ShardUploads):
             for f in futs:
                 f.cancel()
         self._shutdown()
-        self._open.clear()
-        self._pending.clear()
-        self._states.clear()
+        self._release()
         if self._manifest is None and not self.already_committed:
             self._cleanup()
 
