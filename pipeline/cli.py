@@ -189,7 +189,8 @@ def cmd_verify(args) -> int:
         print(f"no store at {redact_url(url)} yet: nothing to verify (the job may still be "
               "starting)", file=sys.stderr)
         return 1
-    v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep)
+    v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep,
+                                                                   objects=args.objects)
     complete = v["ok"] and not v["missing_units"]
     if args.json:
         print(json.dumps({**v, "complete": complete}, indent=2, default=str))
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="every planned row committed exactly once?")
     _store_args(v)
     v.add_argument("--deep", action="store_true", help="also check every shard's CRC")
+    v.add_argument("--objects", action="store_true",
+                   help="also list every object and check its size (one LIST page per 1,000 "
+                        "objects: slow on object storage at corpus scale)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
     i = sub.add_parser("inspect", help="layout, statistics, run attributes, rows with --rows A:B")

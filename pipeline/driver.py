@@ -245,7 +245,9 @@ def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int
 
 def _finish(cfg, prep: Prepared, store, sched: "Scheduler | None", t_start: float, emit,
             skipped: int, dispatch_seconds: float = 0.0) -> dict:
-    verify = store.verify()
+    # markers, plan coverage and recorded sizes only: listing every object is `harvest verify
+    # --objects` (tens of thousands of LIST pages at corpus scale), never an end-of-run step
+    verify = store.verify(objects=False)
     if not verify["ok"] or verify["missing_units"]:
         raise HarvestError(
             f"store {redact_url(store.url)} failed verification: {verify['errors'][:5]}"

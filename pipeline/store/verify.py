@@ -37,7 +37,7 @@ def _guard(errors: list[str], what: str, fn, default=None):
         return default
 
 
-def verify(store: Store, deep: bool = False, objects: bool = True) -> dict:
+def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
     errors: list[str] = []
     checked: dict = {"markers": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
                      "bytes_read": 0}
