@@ -120,6 +120,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
 
     import harvest.pipeline.actor as actor_mod
     import harvest.pipeline.rows as rows_mod
+    import harvest.pipeline.store.store as store_mod
 
     U = CTX_PER_UNIT * C
     n = UNITS * U
@@ -131,6 +132,8 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     s.write_plan(units)
 
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
+    # the markers the actor's long-lived store caches: bounded (8 here, so 40 units exceed it)
+    monkeypatch.setattr(store_mod, "MARKER_CACHE", 8)
     # a gap the run_unit threads always beat: the whole run is one stream, as in production
     monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
     monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 3.0)
@@ -153,6 +156,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
         after = _live_writers() - base
         assert actor.streams == 1, "the units did not run as one stream; the test shows nothing"
         assert actor.rows_in_place == (n if in_place else 0)
+        cached = len(actor._open_store()._markers)
     finally:
         actor.close()
         torch.set_num_threads(threads)
@@ -163,6 +167,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     # already captures the next two); before the fix this grew to every unit of the stream
     assert max(_live) - base <= IN_FLIGHT + 1, f"live writers per context: {_live}"
     assert after == 0, f"{after} writers still alive after the stream ended"
+    assert cached <= 8, f"the actor's store holds {cached} markers of {UNITS} units"
 
     back = open_store(url)
     v = back.verify(deep=True)

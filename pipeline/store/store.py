@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -24,6 +25,8 @@ from .backend import Location, locate
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
 from .plans import PlanStore, Unit, check_units
+
+MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,10 @@ class Store:
         self.read_only = read_only
         self._zstore_obj = None
         self._arrays: dict = {}
-        self._markers: dict = {}   # MarkerName -> marker: create-once objects, safe to cache
+        # MarkerName -> marker: create-once objects, safe to cache, but bounded: an actor's store
+        # lives for the whole run and commits unit after unit, and a marker of a 512-shard unit
+        # at 8B's shape is ~0.5 MB of JSON (a few MB parsed); kept all, they grew without end
+        self._markers: OrderedDict = OrderedDict()
         self._shard_map: dict | None = None   # shard -> (marker, entry), for read_shard
         self.plans = PlanStore(loc)
 
@@ -275,7 +281,13 @@ class Store:
 
     def _remember_marker(self, m: dict) -> None:
         self._shard_map = None
-        self._markers[_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"])] = m
+        self._cache_marker(_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"]), m)
+
+    def _cache_marker(self, name, m: dict) -> None:
+        self._markers[name] = m
+        self._markers.move_to_end(name)
+        while len(self._markers) > MARKER_CACHE:
+            self._markers.popitem(last=False)
 
     def commit_manifest(self, unit_id: int, row_start: int | None = None, row_end: int | None = None,
                         fresh: bool = False) -> dict | None:
@@ -288,10 +300,11 @@ class Store:
         else:
             name = _commits.MarkerName(unit_id, row_start, row_end)
         if name in self._markers and not fresh:
+            self._markers.move_to_end(name)
             return self._markers[name]
         m = _commits.read_marker(self._loc, name, fresh=fresh)
         if m is not None:
-            self._markers[name] = m
+            self._cache_marker(name, m)
         return m
 
     def is_committed(self, unit_id: int, row_start: int | None = None, row_end: int | None = None) -> bool:
