@@ -114,7 +114,8 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
     r = guess_rate(cfg, prep)
     if rate:
         r.update(tokens_per_second=round(rate), rate_note=f"{rate:,.0f} tok/s given with --rate, "
-                 "plus engine start", rate_source=f"--rate {rate:g} (the guess: {r['rate_note']})")
+                 "plus engine start", rate_source=f"given with --rate {rate:g}, instead of "
+                 f"~{r['tokens_per_second']:,} tok/s, the {r['rate_source']}")
     if ratio is None:
         ratio = expected_ratio(cfg.store.compression)  # None is the default codec, not "none"
     logical = tokens * out["bytes_per_token"]

@@ -75,8 +75,8 @@ def plan_text(p: dict) -> str:
 def layout_lines(c: dict) -> list[str]:
     """`plan`'s objects and requests (pipeline/objectcost.py)."""
     k = c.get("objects_by_kind")
-    data = (f"data of ~{size(c['data_object_bytes'])} stored ({size(c['data_object_bytes_logical'])}"
-            f" logical at {c['compression']}x)")
+    data = (f"data of ~{size(c['data_object_bytes'])} stored "
+            f"({size(c['data_object_bytes_logical'])} logical at {c['compression']}x)")
     meta = f"row metadata of ~{size(c['meta_object_bytes'])}"
     marker = f"markers of ~{size(c['marker_bytes'])}"
     if k:
@@ -88,7 +88,8 @@ def layout_lines(c: dict) -> list[str]:
         what = (f"objects   per unit: {n * c['points']:,} {data}, {n * 3:,} {meta}, 1 of the "
                 f"{marker}, 1 stats sidecar")
     w = c["writes_per_unit"]
-    req = (f"requests  ~{c['requests_per_unit']:,.0f} per unit of {c['shards_per_unit']:,} shards "
+    n = c["shards_per_unit"]
+    req = (f"requests  ~{c['requests_per_unit']:,.0f} per unit of {n:,} shard{'s' * (n != 1)} "
            f"({w['objects']:,} to PUT, copy and delete its objects, {w['total'] - w['objects']:.0f}"
            f" for sidecar, marker and index, {c['reads_per_unit']:,} GETs)")
     if c.get("writes_per_second") is not None:
