@@ -78,10 +78,10 @@ def layout_lines(c: dict) -> list[str]:
     data = (f"data of ~{size(c['data_object_bytes'])} stored "
             f"({size(c['data_object_bytes_logical'])} logical at {c['compression']}x)")
     meta = f"row metadata of ~{size(c['meta_object_bytes'])}"
-    marker = f"markers of ~{size(c['marker_bytes'])}"
+    marker = f"of ~{size(c['marker_bytes'])}"
     if k:
         what = (f"objects   {c['objects']:,} for {c['tokens']:,} tokens: {k['data']:,} {data}, "
-                f"{k['meta']:,} {meta}, {k['markers']:,} {marker}, {k['sidecars']:,} stats "
+                f"{k['meta']:,} {meta}, {k['markers']:,} markers {marker}, {k['sidecars']:,} stats "
                 f"sidecars, {k['index']} index")
     else:
         n = c["shards_per_unit"]
