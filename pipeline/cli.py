@@ -130,7 +130,11 @@ def _run_report(cfg, summary: dict):
 
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
+    from harvest.pipeline.store.backend import locate
+    from harvest.pipeline.store.compression import expected_ratio
+
     from .estimate import corpus_bytes, plan_estimate
+    from .objectcost import layout_cost
     from .prepare import prepare
     from .render import plan_text
     from .resume import probe_store
@@ -162,7 +166,15 @@ def cmd_plan(args) -> int:
         out["planned_units"] = len(plan["units"])
         out["planned_tokens"] = sum(u.n_rows for u in plan["units"])
         out["plan_complete"] = plan["final"]
-    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out)
+    # a resumed store keeps the codec it was created with
+    ratio = expected_ratio(existing.compression if existing is not None else cfg.store.compression)
+    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio)
+    est = out["estimate"]
+    out["layout"] = layout_cost(
+        points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
+        unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
+        rate=args.rate or est.get("tokens_per_second"),
+        object_store=not locate(cfg.store.resolved_url, cfg.store.fs_options()).is_local)
     print(json.dumps(out, indent=2) if args.json else plan_text(out))
     return 0
 
@@ -249,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="layout, blocks, estimated size and time; nothing runs")
     _config_args(pl)
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--rate", type=float, metavar="TOK_PER_S",
+                    help="aggregate tok/s to price time and requests/s at (default: a guess "
+                         "from the model's size and the actors)")
     pl.set_defaults(fn=cmd_plan)
     st = sub.add_parser("status", help="progress of a store, from the store alone")
     _store_args(st)

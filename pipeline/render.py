@@ -60,13 +60,46 @@ def plan_text(p: dict) -> str:
                      f"{size(est['bytes_logical'])} logical, ~{size(est['bytes_stored'])} stored "
                      f"at {est['compression']}x, ~{duration(est['seconds'])} "
                      f"({est['rate_note']})")
+        lines.append(f"rate      {est['rate_source']}")
+    if p.get("layout"):
+        lines += layout_lines(p["layout"])
     if p.get("planned_units") is not None:
         lines.append(f"stored    plan of {p['planned_units']} units, {p['planned_tokens']:,} tokens"
                      + ("" if p.get("plan_complete") else " so far (the plan grows as the corpus "
                         "is tokenised)"))
-    for w in p.get("warnings") or []:
+    for w in (p.get("warnings") or []) + ((p.get("layout") or {}).get("warnings") or []):
         lines.append(f"warning   {w}")
     return "\n".join(lines)
+
+
+def layout_lines(c: dict) -> list[str]:
+    """`plan`'s objects and requests (pipeline/objectcost.py)."""
+    k = c.get("objects_by_kind")
+    data = (f"data of ~{size(c['data_object_bytes'])} stored "
+            f"({size(c['data_object_bytes_logical'])} logical at {c['compression']}x)")
+    meta = f"row metadata of ~{size(c['meta_object_bytes'])}"
+    marker = f"of ~{size(c['marker_bytes'])}"
+    if k:
+        what = (f"objects   {c['objects']:,} for {c['tokens']:,} tokens: {k['data']:,} {data}, "
+                f"{k['meta']:,} {meta}, {k['markers']:,} markers {marker}, {k['sidecars']:,} stats "
+                f"sidecars, {k['index']} index")
+    else:
+        n = c["shards_per_unit"]
+        what = (f"objects   per unit: {n * c['points']:,} {data}, {n * 3:,} {meta}, 1 of the "
+                f"{marker}, 1 stats sidecar")
+    w = c["writes_per_unit"]
+    n = c["shards_per_unit"]
+    req = (f"requests  ~{c['requests_per_unit']:,.0f} per unit of {n:,} shard{'s' * (n != 1)} "
+           f"({w['objects']:,} to PUT, copy and delete its objects, {w['total'] - w['objects']:.0f}"
+           f" for sidecar, marker and index, {c['reads_per_unit']:,} GETs)")
+    if c.get("writes_per_second") is not None:
+        req += (f"; at {c['rate_tokens_per_second']:,.0f} tok/s ~{c['writes_per_second']:,} "
+                f"writes/s and ~{c['reads_per_second']:,} reads/s to one prefix (S3: "
+                f"~{c['limits']['writes_per_second_per_prefix']:,} writes/s, "
+                f"~{c['limits']['reads_per_second_per_prefix']:,} reads/s per prefix)")
+    if not c["object_store"]:
+        req += "; on object storage (this store is local)"
+    return [what, req]
 
 
 def status_state(s: dict) -> str:

@@ -150,3 +150,174 @@ def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_n
     rest = [e.unit for e in _place(st.frontier, descs)]
     ref = [e.unit for e in _place(Frontier(8, 4, 4), _chunks(counts))]
     assert rest == ref[4:] and len(rest) == 1
+
+
+# ---- `harvest plan`: objects, sizes and requests of the layout (issue 24) -------------------
+
+def _model_dir(tmp_path, n_layers: int, width: int, vocab: int = 128256) -> str:
+    """A Llama config.json of this shape beside the test tokenizer: `plan` reads both and no
+    weights, so an 8B model's plan needs no download."""
+    import json
+
+    from harvest.engine.models import shared_tokenizer
+
+    d = tmp_path / f"llama-{n_layers}x{width}"
+    shared_tokenizer().save_pretrained(d)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": width,
+        "intermediate_size": 3 * width, "num_hidden_layers": n_layers,
+        "num_attention_heads": max(1, width // 128), "num_key_value_heads": max(1, width // 512),
+        "vocab_size": vocab, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}))
+    return str(d)
+
+
+def _plan_json(tmp_path, capsys, model: str, *sets: str) -> dict:
+    """`harvest plan --json` on a parquet corpus (its size is unknown from metadata, so the
+    budget is the token count) and a fresh store."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from harvest.pipeline.cli import main
+
+    pq.write_table(pa.table({"text": ["some text"] * 8}), tmp_path / "c.parquet")
+    cfg = {"name": "plan", "model": {"path": model},
+           "data": {"source": str(tmp_path / "c.parquet"), "text_column": "text"},
+           "packing": {"context_size": 128}, "capture": {"points": ["resid_post.*"]},
+           "store": {"url": str(tmp_path / "store")}, "ray": {"num_actors": 2}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--json",
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{\n"):])
+
+
+def _recount(p: dict, ratio: float) -> dict:
+    """The layout's figures from the plan's own fields and FORMAT.md's rules, not from the code
+    that computes them: one object per shard per point, one chunk per shard of each of the 3
+    row-metadata columns (int32, int64, int32), a stats sidecar and a marker per unit, the index
+    compacted into one segment; every object PUT under its attempt's name, then copied and
+    deleted to publish it; a sidecar and a marker PUT per unit; a marker GET per shard and one
+    before the marker."""
+    T, U, S, P = p["estimate"]["tokens"], p["unit_rows"], p["shard_rows"], p["points"]
+    units, shards, per_unit = -(-T // U), -(-T // S), U // S
+    writes = 3 * per_unit * (P + 3) + 2
+    return {"units": units, "shards": shards,
+            "objects": shards * P + shards * 3 + units + units + 1,
+            "data_object_bytes": int(S * p["width"] * 2 / ratio),
+            "meta_object_bytes": round(S * (4 + 8 + 4) / 3),
+            "writes": writes, "requests": writes + per_unit + 1}
+
+
+def _check_consistent(p: dict, ratio: float) -> dict:
+    lay, want = p["layout"], _recount(p, ratio)
+    assert p["estimate"]["compression"] == lay["compression"] == ratio
+    assert lay["units"] == want["units"] and lay["shards"] == want["shards"]
+    assert lay["objects"] == want["objects"] == sum(lay["objects_by_kind"].values())
+    assert lay["data_object_bytes"] == want["data_object_bytes"]
+    assert lay["meta_object_bytes"] == want["meta_object_bytes"]
+    # the index adds a fraction of a request per unit (a segment per 256..2048 markers)
+    assert want["requests"] <= lay["requests_per_unit"] < want["requests"] + 1
+    assert want["writes"] <= lay["writes_per_unit"]["total"] < want["writes"] + 1
+    rate = lay["rate_tokens_per_second"]
+    assert rate == p["estimate"]["tokens_per_second"]
+    assert lay["writes_per_second"] == pytest.approx(
+        lay["writes_per_unit"]["total"] * rate / p["unit_rows"], abs=1)
+    return lay
+
+
+def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
+    """Llama-3.1-8B's shape, resid_post at all 32 layers, 10^9 tokens on GPUs: the figures of
+    issue 24 (4 MiB data objects, ~68 M objects, half-megabyte markers), each warned about."""
+    model = _model_dir(tmp_path, 32, 4096)
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                   "ray.num_gpus_per_actor=1")
+    assert (p["points"], p["width"], p["shard_rows"], p["unit_rows"]) == (32, 4096, 512, 1 << 18)
+    lay = _check_consistent(p, 1.42)  # the default codec is compressed, not 1.0x
+    assert lay["data_object_bytes_logical"] == 4 << 20 and lay["shards_per_unit"] == 512
+    assert lay["objects"] == 62_500_000 + 5_859_375 + 2 * 3815 + 1 == 68_367_006
+    assert lay["objects_by_kind"]["meta"] == 5_859_375 and lay["units"] == 3815
+    # ~35 B per shard x point measured on real markers (issue 24: 71,735 B at 64 x 32)
+    assert 30 <= lay["marker_bytes_per_shard_point"] <= 45
+    assert 30 * 512 * 32 < lay["marker_bytes"] < 45 * 512 * 32
+    warnings = "\n".join(lay["warnings"])
+    assert "data objects of ~3.0 MB stored (4.2 MB logical" in warnings
+    assert "too small for object storage: per-request overhead dominates" in warnings
+    assert "store.shard_rows=2,048" in warnings
+    assert "commit markers of ~" in warnings and "store.unit_tokens" in warnings
+    assert "68,367,006 objects" in warnings and "over 10 M" in warnings
+    assert "issue 24" in warnings
+    assert "write requests/s" not in warnings  # a local store: no per-prefix request limit
+    est = p["estimate"]  # GPUs asked for: priced as GPUs, and said to be a guess
+    assert est["rate_platform"] == "gpu" and "no measured GPU rate" in est["rate_source"]
+    assert "ray.num_gpus_per_actor=1" in est["rate_source"]
+
+
+def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
+    model = _model_dir(tmp_path, 32, 4096)
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                   "ray.num_gpus_per_actor=1", f"store.url=memory://plan-{tmp_path.name}/s",
+                   "store.compression=none")
+    lay = _check_consistent(p, 1.0)
+    assert lay["object_store"] and lay["data_object_bytes"] == 4 << 20
+    w = lay["writes_per_second"]
+    assert w > 3500 and f"~{w:,} write requests/s" in "\n".join(lay["warnings"])
+    from harvest.pipeline.cli import main
+
+    # --rate prices requests (and time) at the given rate
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--rate", "2000", "--set",
+                 "packing.max_tokens=1000000000", "--set", f"store.url=memory://r{tmp_path.name}/s",
+                 "--set", "store.compression=none"]) == 0
+    text = capsys.readouterr().out
+    lines = [ln for ln in text.splitlines() if ln.startswith("requests  ")]
+    per_s = round(lay["writes_per_unit"]["total"] * 2000 / p["unit_rows"])
+    assert len(lines) == 1 and f"at 2,000 tok/s ~{per_s:,} writes/s" in lines[0]
+    assert "rate      given with --rate 2000, instead of ~" in text
+    assert "write requests/s" not in text  # ~410/s: under the limit
+    assert "objects   68,367,006 for 1,000,000,000 tokens: 62,500,000 data of ~4.2 MB" in text
+
+
+def test_plan_layout_at_a_small_shape(tmp_path, capsys):
+    """SmolLM2's shape (30 x 576) at the default budget: consistent figures, no warnings, CPU
+    rates said to be CPU rates."""
+    model = _model_dir(tmp_path, 30, 576, vocab=49152)
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=16384",
+                   "ray.num_gpus_per_actor=0")
+    lay = _check_consistent(p, 1.42)
+    assert lay["objects"] == 8 * 30 + 8 * 3 + 2 * lay["units"] + 1
+    assert lay["marker_bytes"] < 64_000 and lay["warnings"] == []
+    est = p["estimate"]
+    assert est["rate_platform"] == "cpu" and est["rate_source"].startswith("CPU guess")
+    # all layers of SmolLM2 at 10^9 tokens make small objects too
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000")
+    lay = _check_consistent(p, 1.42)
+    assert any("too small for object storage" in w for w in lay["warnings"])
+    if p["estimate"]["rate_platform"] == "cpu":  # no GPU here and none asked for: said so
+        assert "ray.num_gpus_per_actor is unset" in p["estimate"]["rate_source"]
+
+
+def test_marker_size_estimate_matches_a_written_marker(tmp_path):
+    """`plan`'s marker size is the real marker's: a unit of 8 shards x 32 points written by the
+    store's writer, against commits.marker_size for the same shape and sizes."""
+    import numpy as np
+
+    from harvest.pipeline.store import create_store, synthetic
+    from harvest.pipeline.store.commits import encode_marker, marker_size
+    from harvest.pipeline.store.layout import commit_key
+
+    points = [f"resid_post.{i}" for i in range(32)]
+    s = create_store(str(tmp_path / "s"), points=points, width=64, n_rows=512, shard_rows=32,
+                     chunk_rows=32)
+    units = s.write_plan([{"unit_id": 1, "row_start": 256, "row_end": 512}])
+    data = synthetic.activations((32, 512, 64))
+    [m] = synthetic.fill(s, data, units=units)
+    raw = s.location.read_bytes(commit_key(1, 256, 512))
+    assert raw == encode_marker(m)
+    shards = m["shards"]
+    obj = round(np.mean([n for sh in shards for n in sh["nbytes"]]))
+    meta = {c: r["nbytes"] for c, r in shards[0]["meta"].items()}
+    est = marker_size(points, 1, 256, len(shards), 32, 64 * 2, obj, meta)
+    # the estimate writes 10-digit CRCs and the actor's `extra` (fill passes none)
+    assert abs(est - len(raw)) < 0.04 * len(raw)

@@ -122,10 +122,52 @@ def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str
     }
 
 
+def encode_marker(marker: dict) -> bytes:
+    """The bytes a marker is stored as (and `marker_size` measures)."""
+    return json.dumps(marker, separators=(",", ":")).encode()
+
+
 def create_marker(loc: Location, marker: dict) -> bool:
     """Create-once; True if this call created it."""
     key = layout.commit_key(marker["unit_id"], marker["row_start"], marker["row_end"])
-    return loc.create_once(key, json.dumps(marker, separators=(",", ":")).encode())
+    return loc.create_once(key, encode_marker(marker))
+
+
+# A CRC32C is uniform over 32 bits, so most (98%) have 10 decimal digits: the size estimate
+# writes this one wherever the marker holds a digest.
+_TYPICAL_CRC = 0xAAAAAAAA
+
+
+def marker_size(points: list, unit_id: int, row_start: int, n_shards: int, shard_rows: int,
+                row_bytes: int, object_bytes: int, meta_bytes: dict) -> int:
+    """Bytes of a unit's marker, for `harvest plan`: `build_marker` run for one and for two shards
+    of this shape, then extended linearly (every shard adds one record of the same form), so the
+    estimate follows the marker's format without building 10^4 records. `meta_bytes`: stored
+    bytes of each row-metadata column's chunk; `object_bytes`: of each point's shard object."""
+    from types import SimpleNamespace
+
+    store = SimpleNamespace(layout_version=layout.LAYOUT_VERSION, points=list(points),
+                            row_bytes=row_bytes)
+    attempt = "f" * 16  # writers' attempt ids are 16 hex digits
+    P = len(points)
+
+    def one(k: int) -> int:
+        shards = [(row_start // shard_rows + i, row_start + i * shard_rows,
+                   row_start + (i + 1) * shard_rows, [_TYPICAL_CRC] * P, [object_bytes] * P,
+                   [_TYPICAL_CRC] * P,
+                   {c: {"crc32c": _TYPICAL_CRC, "nbytes": n} for c, n in meta_bytes.items()})
+                  for i in range(k)]
+        rows = n_shards * shard_rows
+        stats = {"key": layout.stats_key(unit_id, attempt), "sha256": "0" * 64,
+                 "count": rows, "kept": rows}
+        # what the actor passes as `extra` (pipeline/actor.py)
+        extra = {"actor": 0, "pid": 1 << 20, "attempt": attempt, "host": socket.gethostname()}
+        m = build_marker(store, unit_id, row_start, row_start + rows, attempt, shards,
+                         {c: _TYPICAL_CRC for c in meta_bytes}, stats, 1.0, extra)
+        return len(encode_marker(m))
+
+    first = one(1)
+    return first + (one(2) - first) * (max(1, n_shards) - 1)
 
 
 def delete_marker(loc: Location, name: MarkerName) -> None:
@@ -289,5 +331,6 @@ def uncommit(loc: Location, unit_id: int) -> list[MarkerName]:
 
 
 __all__ = ["MarkerName", "list_markers", "read_marker", "read_markers", "create_marker",
-           "delete_marker", "uncommit", "attempt_token", "build_marker", "IndexBuilder",
-           "index_batch", "write_index_segment", "compact_index", "iter_committed"]
+           "delete_marker", "uncommit", "attempt_token", "build_marker", "encode_marker",
+           "marker_size", "IndexBuilder", "index_batch", "write_index_segment", "compact_index",
+           "iter_committed"]

@@ -157,6 +157,12 @@ class CommittedMeta:
         return col[a - p0:b - p0]
 
 
+# Object-store write requests per shard object or metadata chunk of a unit: the PUT under the
+# attempt's name, then publish's server-side copy and delete (`Location.move`). Local stores
+# rename instead (no requests). `harvest plan` counts requests with this.
+WRITES_PER_OBJECT = 3
+
+
 def publish(store, marker: dict, threads: int = 16) -> int:
     """Move a committed unit's attempt objects to their zarr keys; returns how many moved (0 when
     it was published already). Only the writer that created the marker, or finalize for a unit
@@ -204,4 +210,5 @@ def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
     return out
 
 
-__all__ = ["read_point", "read_meta", "read_checked", "publish", "attempt_objects", "point_keys", "meta_keys"]
+__all__ = ["WRITES_PER_OBJECT", "read_point", "read_meta", "read_checked", "publish",
+           "attempt_objects", "point_keys", "meta_keys"]

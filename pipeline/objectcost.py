@@ -1,0 +1,193 @@
+"""What a run's store layout costs on object storage: objects, their sizes, requests, for `plan`.
+
+Issue 24: at an 8B model's shape (32 layers x 4096 wide) the layout makes ~68 M objects per 10^9
+tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
+megabyte, and nothing said so before the run. Every figure here is counted from the code that
+writes the store, not from copies of its rules: `layout.ROW_META` for the objects of a shard,
+`objects.WRITES_PER_OBJECT` for the requests per object, `commits.marker_size` (the real marker
+builder) for the marker and `commits.index_batch` for the index, so the plan follows the layout
+when the layout changes.
+
+Counted (FORMAT.md): per shard, one object per point and one chunk per row-metadata column; per
+unit, a stats sidecar and a marker; the index compacted into one segment by finalize. The few
+dozen fixed objects of a store (zarr.json nodes, the plan, finalize's statistics) are not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .store.commits import index_batch, marker_size
+from .store.layout import ROW_META
+from .store.objects import WRITES_PER_OBJECT
+
+# S3's request baseline per prefix (and per second): PUT/COPY/POST/DELETE, and GET/HEAD. A store
+# is one prefix until S3 splits it under sustained load, answering 503 SlowDown meanwhile.
+S3_WRITES_PER_PREFIX = 3500
+S3_READS_PER_PREFIX = 5500
+LIST_PAGE_KEYS = 1000  # keys per LIST page
+# Below ~8 MB an object's PUT/GET is dominated by per-request latency, not bytes (S3's own advice
+# is 8-16 MB parts). Only said when a run writes this many of them: a small run's few small
+# objects cost seconds in all.
+MIN_DATA_OBJECT_BYTES = 8_000_000
+SMALL_OBJECTS_MIN_COUNT = 10_000
+# A marker is read by status, verify, finalize and every reader (copied into the index too).
+MAX_MARKER_BYTES = 64_000
+# Past ~10 M objects, listing, lifecycle rules, copying and deleting a store are slow and costly.
+MAX_OBJECTS = 10_000_000
+# Per unit besides its objects: the stats sidecar PUT, and the marker's conditional PUT (a server
+# without If-None-Match takes HEAD + PUT + GET, see FORMAT.md). Reads: the writer looks for
+# another writer's marker (one GET) before each shard's upload and once before its own marker.
+SIDECAR_WRITES = 1
+MARKER_WRITES = 1
+KNOWN_LIMIT = "a known limit of the layout (issue 24)"
+
+
+def index_requests(units: int) -> int:
+    """Index requests over a run of `units`: each segment is a LIST (for its sequence number) and
+    a PUT (commits.write_index_segment), one per `index_batch` new markers; finalize writes one
+    compacted segment and deletes the others."""
+    n = segments = 0
+    while n < units:
+        n += index_batch(n)
+        segments += 1
+    return 2 * segments + (1 + segments if units else 0)
+
+
+def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
+                tokens: "int | None", ratio: float, rate: "float | None",
+                object_store: bool) -> dict:
+    """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
+    whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at."""
+    P, M = len(points), len(ROW_META)
+    row_bytes = width * itemsize
+    shards_per_unit = unit_rows // shard_rows
+    data_logical = shard_rows * row_bytes
+    data_stored = int(data_logical / ratio)
+    # row metadata at its logical size: an upper bound (doc_id and position compress well, token
+    # ids little); at 2-4 KiB the count matters, not the bytes
+    meta_by_column = {c: shard_rows * np.dtype(dt).itemsize for c, dt in ROW_META.items()}
+    meta_stored = round(sum(meta_by_column.values()) / M)
+    units = -(-tokens // unit_rows) if tokens else None
+    shards = -(-tokens // shard_rows) if tokens else None
+    last = max(0, (units or 1) - 1)  # the last unit has the longest numbers in its marker
+    marker = dict(points=points, unit_id=last, row_start=last * unit_rows, shard_rows=shard_rows,
+                  row_bytes=row_bytes, object_bytes=data_stored, meta_bytes=meta_by_column)
+    marker_bytes = marker_size(n_shards=shards_per_unit, **marker)
+    marker_one = marker_size(n_shards=1, **marker)
+    objects_unit = shards_per_unit * (P + M)
+    writes = {"objects": WRITES_PER_OBJECT * objects_unit, "sidecar": SIDECAR_WRITES,
+              "marker": MARKER_WRITES,
+              "index": round(index_requests(units) / units, 3) if units else 0.0}
+    reads = shards_per_unit + 1
+    writes_unit = sum(writes.values())
+    out = {
+        "tokens": tokens, "units": units, "shards": shards, "shards_per_unit": shards_per_unit,
+        "points": P, "object_store": object_store,
+        "objects": None, "objects_by_kind": None,
+        "data_object_bytes": data_stored, "data_object_bytes_logical": data_logical,
+        "compression": ratio, "meta_object_bytes": meta_stored,
+        "marker_bytes": marker_bytes,
+        "marker_bytes_per_shard_point": round((marker_bytes - marker_one)
+                                              / max(1, shards_per_unit - 1) / P, 1),
+        "requests_per_unit": round(writes_unit + reads, 3),
+        "writes_per_unit": {**writes, "total": round(writes_unit, 3)}, "reads_per_unit": reads,
+        "rate_tokens_per_second": rate, "writes_per_second": None, "reads_per_second": None,
+        "readback_reads_per_second": None,
+        "limits": {"writes_per_second_per_prefix": S3_WRITES_PER_PREFIX,
+                   "reads_per_second_per_prefix": S3_READS_PER_PREFIX,
+                   "min_data_object_bytes": MIN_DATA_OBJECT_BYTES,
+                   "max_marker_bytes": MAX_MARKER_BYTES, "max_objects": MAX_OBJECTS},
+    }
+    if tokens:
+        kinds = {"data": shards * P, "meta": shards * M, "sidecars": units, "markers": units,
+                 "index": 1}
+        out["objects"], out["objects_by_kind"] = sum(kinds.values()), kinds
+        out["list_pages"] = -(-out["objects"] // LIST_PAGE_KEYS)
+    if rate:
+        per_s = rate / unit_rows  # units per second
+        out["writes_per_second"] = round(writes_unit * per_s)
+        out["reads_per_second"] = round(reads * per_s)
+        # a reader taking every point back at the capture rate: one GET per object
+        out["readback_reads_per_second"] = round(objects_unit * per_s)
+    out["warnings"] = layout_warnings(out, width=width, itemsize=itemsize, shard_rows=shard_rows,
+                                      unit_rows=unit_rows, marker_one=marker_one)
+    return out
+
+
+def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit_rows: int,
+                    marker_one: int) -> list[str]:
+    """One line per object-store limit the layout exceeds, naming the limit and what to change
+    (a config knob where one exists, else that it is a known limit). Request rates are only
+    checked for a store on object storage: a local disk has no per-prefix limit."""
+    out = []
+    P, size = c["points"], _size
+    w = c["writes_per_second"]
+    if c["object_store"] and w and w > S3_WRITES_PER_PREFIX:
+        out.append(
+            f"~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
+            f"({c['writes_per_unit']['total']:,.0f} per unit of {unit_rows:,} tokens: each of its "
+            f"{c['shards_per_unit'] * (P + len(ROW_META)):,} objects is PUT, then copied and "
+            f"deleted to publish it) is over S3's ~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
+            "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): raise "
+            "store.shard_rows (fewer, larger objects), capture fewer points, or run fewer actors; "
+            f"the publish copy per object is {KNOWN_LIMIT}")
+    r = c["readback_reads_per_second"]
+    if c["object_store"] and r and r > S3_READS_PER_PREFIX:
+        out.append(
+            f"reading every point back at the capture rate takes ~{r:,} GETs/s, over S3's "
+            f"~{S3_READS_PER_PREFIX:,} reads/s per prefix: raise store.shard_rows or read fewer "
+            "points at a time")
+    data, n_data = c["data_object_bytes"], (c["objects_by_kind"] or {}).get("data")
+    if data < MIN_DATA_OBJECT_BYTES and (n_data or 0) >= SMALL_OBJECTS_MIN_COUNT:
+        rows = _rows_for(MIN_DATA_OBJECT_BYTES * c["compression"], width * itemsize, shard_rows)
+        out.append(
+            f"data objects of ~{size(data)} stored ({size(c['data_object_bytes_logical'])} "
+            f"logical: {shard_rows:,} rows x {width} x {itemsize} B, {n_data:,} of them) are too "
+            "small for object storage: per-request overhead dominates (aim for >= "
+            f"{size(MIN_DATA_OBJECT_BYTES)}); one shard across all {P} points is capped at "
+            f"128 MiB by default, which is what makes them small: set store.shard_rows={rows:,} "
+            f"(a shard set is then {size(rows * width * itemsize * P)}, and the writer buffers "
+            "several per unit in flight) or capture fewer points")
+    m = c["marker_bytes"]
+    if m > MAX_MARKER_BYTES:
+        per = c["marker_bytes_per_shard_point"] * P
+        fit = int((MAX_MARKER_BYTES - marker_one) // per) + 1 if per else 0
+        knob = (f"lower store.unit_tokens to ~{fit * shard_rows:,} ({fit} shards per unit, so "
+                "more, smaller markers)" if fit >= 1 else "capture fewer points")
+        out.append(
+            f"commit markers of ~{size(m)} (~{c['marker_bytes_per_shard_point']:g} B per shard x "
+            f"point, {c['shards_per_unit']:,} shards x {P} points) are over "
+            f"{size(MAX_MARKER_BYTES)}: status, verify, finalize and every reader load them all; "
+            f"{knob}; a record per shard x point in the marker is {KNOWN_LIMIT}")
+    n = c["objects"]
+    if n and n > MAX_OBJECTS:
+        k = c["objects_by_kind"]
+        out.append(
+            f"{n:,} objects for {c['tokens']:,} tokens ({k['data']:,} data, {k['meta']:,} row "
+            f"metadata of ~{size(c['meta_object_bytes'])}, {k['markers']:,} markers, "
+            f"{k['sidecars']:,} stats sidecars) are over {MAX_OBJECTS / 1e6:g} M: listing "
+            f"({c['list_pages']:,} LIST pages of {LIST_PAGE_KEYS:,} keys), copying, deleting and "
+            "lifecycle rules get slow and costly; larger shards (store.shard_rows), fewer "
+            f"points or fewer tokens cut it; {len(ROW_META)} metadata objects per shard are "
+            f"{KNOWN_LIMIT}")
+    return out
+
+
+def _rows_for(logical_bytes: float, row_bytes: int, shard_rows: int) -> int:
+    """The smallest shard of `shard_rows` x 2^k rows (so still whole contexts) holding
+    `logical_bytes`."""
+    rows = max(1, shard_rows)
+    while rows * row_bytes < logical_bytes:
+        rows *= 2
+    return rows
+
+
+def _size(n: float) -> str:
+    from .render import size
+
+    return size(n)
+
+
+__all__ = ["layout_cost", "layout_warnings", "index_requests", "S3_WRITES_PER_PREFIX",
+           "S3_READS_PER_PREFIX", "MIN_DATA_OBJECT_BYTES", "MAX_MARKER_BYTES", "MAX_OBJECTS"]
