@@ -22,6 +22,8 @@ import pytest
 from harvest.pipeline.store import create_store, open_store
 from harvest.pipeline.store.writer import RegionWriter
 
+pytestmark = pytest.mark.slow  # the actor's stream over 40 units: not in `pytest -m 'not slow'`
+
 P, W, C = 2, 8, 16            # points, width, context size
 CTX_PER_UNIT, SHARD = 4, 32   # 64-row units of two shards each
 UNITS, IN_FLIGHT = 40, 2

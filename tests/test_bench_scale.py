@@ -7,7 +7,11 @@ benchmark's figures rest on (every unit done once, every committed unit counted)
 
 from __future__ import annotations
 
+import pytest
+
 from harvest.benchmarks import bench_scale
+
+pytestmark = pytest.mark.slow  # bench_scale's children (Ray, stores): not in `pytest -m 'not slow'`
 
 
 def test_dispatch_child_runs_every_unit_once_on_stub_actors(ray_cluster):

@@ -12,6 +12,8 @@ from harvest.engine import load_model, taps
 from harvest.engine.check import NO_COMPILE
 from harvest.pipeline.cli import main
 
+pytestmark = pytest.mark.slow  # vLLM engines and HF references: not in `pytest -m 'not slow'`
+
 
 def test_check_model_passes_on_smollm2_and_prints_per_layer_errors(smollm2, capsys):
     rc = main(["check-model", smollm2, "--no-compile", "--lengths", "1,40,120,17"])

@@ -18,6 +18,8 @@ from harvest.engine.check import reference_many, row_errors
 from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
 
+pytestmark = pytest.mark.slow  # vLLM engines (hooked mode): not in `pytest -m 'not slow'`
+
 POINTS = ["resid_pre.0", "resid_pre.2", "attn_out.1", "mlp_out.1", "resid_post.3", "attn_out.3"]
 FAMILIES = ("cohere", "granite", "gpt_neox", "mixtral")
 FAMILY_TOKENS = prompts(12, (9, 70, 130))

@@ -15,6 +15,8 @@ from harvest.engine import Address, load_model
 from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
 
+pytestmark = pytest.mark.slow  # a vLLM engine under preemption: not in `pytest -m 'not slow'`
+
 MAX_LEN = 256
 # tiny llama: 4 layers x (k, v) x 1 KV head x 64 x 2 bytes = 1 KiB of KV per token, so this is
 # room for 640 tokens while six prompts of ~200 tokens are admitted side by side.

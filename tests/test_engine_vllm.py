@@ -14,6 +14,8 @@ from harvest.engine import Address, load_model, run_with_cache
 from tests.engine_reference import BF16_REL_TOL, final_norm, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import ARCHS, tiny_model_path
 
+pytestmark = pytest.mark.slow  # vLLM engines: not in `pytest -m 'not slow'`
+
 LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
 MAX_BATCHED = 64
 

@@ -33,6 +33,8 @@ from harvest.engine.check import NO_COMPILE, check_loaded, reference_many, row_e
 from tests.engine_reference import BF16_REL_TOL, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
 
+pytestmark = pytest.mark.slow  # vLLM engines of every model family: not in `pytest -m 'not slow'`
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt2", "gpt_neox",
             "phi3", "olmo2", "starcoder2", "granite", "stablelm", "gptj", "falcon", "cohere",
             "exaone4", "mixtral", "qwen3_moe")

@@ -12,7 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harvest.benchmarks import gpu_check
+
+# the GPU check's dry run (engines, a pipeline run): not in `pytest -m 'not slow'`
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,6 +20,8 @@ from harvest.pipeline.packing import PackingError
 from harvest.pipeline.store import StoreAccessError
 from tests.test_pipeline_support import make_cfg
 
+pytestmark = pytest.mark.slow  # Ray and driver runs on bad input: not in `pytest -m 'not slow'`
+
 
 @pytest.fixture
 def docs(tmp_path):

@@ -19,6 +19,8 @@ from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, reference_rows, shared_corpus
 
+pytestmark = pytest.mark.slow  # Ray pipeline runs through the CLI: not in `pytest -m 'not slow'`
+
 
 class _Stop(Exception):
     pass

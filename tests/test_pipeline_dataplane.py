@@ -5,10 +5,13 @@ and the same activations."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import assert_store_matches, make_cfg, reference_block_rows
+
+pytestmark = pytest.mark.slow  # a Ray pipeline run: not in `pytest -m 'not slow'`
 
 OVERRIDES = ("data.block_bytes=4096", "packing.chunk_tokens=256", "ray.num_actors=1")
 

@@ -21,6 +21,9 @@ from harvest.pipeline.driver import run
 from harvest.pipeline.store import StoreAccessError, open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
+# Ray pipeline runs with stopped actors: not in `pytest -m 'not slow'`
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def black_hole():

@@ -9,6 +9,8 @@ from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
+pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
+
 
 
 def test_local_store_two_actors_matches_single_process(ray_cluster, tiny_llama, corpus, reference,

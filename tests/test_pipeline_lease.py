@@ -26,6 +26,8 @@ from harvest.pipeline.store import open_store
 from harvest.pipeline.store.backend import locate
 from tests.test_pipeline_support import make_cfg
 
+pytestmark = pytest.mark.slow  # driver processes on a Ray cluster: not in `pytest -m 'not slow'`
+
 
 def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}

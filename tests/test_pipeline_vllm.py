@@ -14,6 +14,8 @@ from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
+pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
+
 REL_TOL = 0.03
 
 

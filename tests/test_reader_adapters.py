@@ -22,6 +22,8 @@ import pytest
 
 from tests.reader_stores import make_store
 
+pytestmark = pytest.mark.slow  # SAE trainers in their own venv: not in `pytest -m 'not slow'`
+
 REPO = Path(__file__).resolve().parents[1]
 TRAINERS = REPO / ".venv-trainers" / "bin" / "python"
 D, ATOMS, K, N = 64, 256, 4, 1 << 15

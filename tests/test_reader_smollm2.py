@@ -16,6 +16,8 @@ import torch
 from harvest.pipeline.store import create_store
 from harvest.pipeline.store.reader import ActivationDataset
 
+pytestmark = pytest.mark.slow  # SmolLM2 stores: not in `pytest -m 'not slow'`
+
 CTX, N_CTX, LAYERS, WIDTH = 128, 24, 30, 576
 
 

@@ -20,6 +20,8 @@ import pytest
 
 from harvest.pipeline.config import REPO_ROOT
 
+pytestmark = pytest.mark.slow  # the README's blocks (engines, runs): not in `pytest -m 'not slow'`
+
 README = REPO_ROOT / "README.md"
 
 # bash blocks (first command line) -> where they are exercised instead of here

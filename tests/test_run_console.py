@@ -14,12 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from harvest.pipeline.cli import budget_shortfall
 from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, shared_corpus
+
+pytestmark = pytest.mark.slow  # a CLI run in a subprocess: not in `pytest -m 'not slow'`
 
 MAX_LINES = 25
 
