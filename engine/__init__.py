@@ -29,7 +29,7 @@ def __getattr__(name: str):
     return value
 
 
-BACKENDS = ("vllm", "eager")
+BACKENDS = ("vllm", "eager")   # the one list: config validation (pipeline.sections) reads it
 
 
 def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", **engine_args):

@@ -173,10 +173,6 @@ def runner_geometry(runner) -> dict:
             "device": runner.device}
 
 
-def is_async_scheduling(vllm_config) -> bool:
-    return bool(vllm_config.scheduler_config.async_scheduling)
-
-
 # -- classes ---------------------------------------------------------------------------------------
 
 def v1_runner_classes() -> dict:

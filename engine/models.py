@@ -17,10 +17,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def cache_dir() -> Path:
-    """Where converted models and the default corpus live; reused by later runs."""
-    d = Path(os.environ.get("HARVEST_CACHE", REPO_ROOT / ".harvest"))
-    d.mkdir(parents=True, exist_ok=True)
+def cache_dir(create: bool = True) -> Path:
+    """Where converted models, default corpora, compile caches and default stores live; reused by
+    later runs. The one definition (the pipeline's `paths.cache_dir` is this one).
+
+    `$HARVEST_CACHE` wins so that a `ray job submit --working-dir` run (whose cwd is a throwaway
+    copy of the repo) can still write to a lasting place. `~` in it is expanded: with
+    `HARVEST_CACHE='~/hc'` (quoted in a YAML env or a Secret, so no shell expands it) the engine
+    once created a literal `./~/hc` while the pipeline used the home directory."""
+    env = os.environ.get("HARVEST_CACHE")
+    d = Path(os.path.expandvars(env)).expanduser() if env else REPO_ROOT / ".harvest"
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
     return d
 
 

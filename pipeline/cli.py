@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, HarvestConfig, default_config_path, load_config, redact_url
+from .config import ConfigError, HarvestConfig, default_config_path, load_config
+from .store.credentials import redact_url
 
 EXIT_BAD_INPUT = 2
 

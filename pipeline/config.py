@@ -22,7 +22,6 @@ from .checks import ConfigError, check_bool, check_str
 from .paths import REPO_ROOT, cache_dir, expand_path  # noqa: F401
 from .sections import (CaptureConfig, DataConfig, ModelConfig, PackingConfig, RayConfig,
                        StoreConfig)
-from .store.credentials import redact_url  # noqa: F401 -- one definition, in the lower layer
 from .yamlconf import (deep_merge, load_yaml_unique, parse_override, read_text,  # noqa: F401
                        unknown_msg)
 
@@ -56,6 +55,10 @@ class HarvestConfig:
     def to_dict(self, redact: bool = True) -> dict:
         d = dataclasses.asdict(self)
         if redact:
+            # here, not at import: the store package loads zarr and numcodecs (~2 s, ~500
+            # modules), which `harvest plan`/`status --config` and every config load would pay
+            from .store.credentials import redact_url
+
             d["store"]["storage_options"] = (
                 None if self.store.storage_options is None else "<redacted>"
             )

@@ -22,7 +22,7 @@ import time
 from typing import Callable
 
 from .cluster import collect_infos, ensure_ray, kill_all, start_actors
-from .config import HarvestConfig, redact_url
+from .config import HarvestConfig
 from .dispatch import Scheduler
 from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
 from .logs import StartWatch, progress_bar
@@ -32,6 +32,7 @@ from .prepare import Prepared, prepare
 from .lease import Lease, refuse_if_held
 from .resume import RUN_ATTR, check_resume, fresh_state, probe_store, resume_state
 from .store.backend import locate
+from .store.credentials import redact_url
 from .tokenpool import TokenPool, env_for_workers
 
 log = logging.getLogger("harvest.pipeline")

@@ -9,17 +9,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from harvest.engine.models import REPO_ROOT, cache_dir as _engine_cache_dir
 
 
 def cache_dir() -> Path:
-    """Where default corpora, tiny models and default stores live.
-
-    `$HARVEST_CACHE` wins so that a `ray job submit --working-dir` run (whose cwd is a throwaway
-    copy of the repo) can still write to a lasting place.
-    """
-    env = os.environ.get("HARVEST_CACHE")
-    return Path(env).expanduser() if env else REPO_ROOT / ".harvest"
+    """The engine's cache directory (engine.models.cache_dir, the one definition), not created
+    here: `harvest plan` and `status` only name paths in it."""
+    return _engine_cache_dir(create=False)
 
 
 def expand_path(value: str) -> str:

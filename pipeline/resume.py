@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import HarvestConfig, redact_url
+from .config import HarvestConfig
 from .errors import HarvestError, ResumeMismatch
 from .placement import Frontier, chunk_key
 from .sources import check_sizes
+from .store.credentials import redact_url
 from .store.plans import Unit
 from .tokenpool import Job
 

@@ -57,7 +57,7 @@ def status(url: str, storage_options: dict | None = None,
     if store_missing(url, storage_options):
         from harvest.pipeline.store.backend import locate
 
-        from .config import redact_url
+        from .store.credentials import redact_url
 
         return {"url": redact_url(url), "missing_store": True,
                 "driver": driver_state(locate(url, storage_options))}

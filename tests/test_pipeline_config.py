@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harvest.pipeline.config import ConfigError, default_config_path, load_config, redact_url
+from harvest.pipeline.config import ConfigError, default_config_path, load_config
+from harvest.pipeline.store.credentials import redact_url
 
 
 def test_default_config_loads_and_names_the_offline_defaults():
@@ -80,3 +81,33 @@ def test_actor_resources_one_gpu_per_actor_on_gpu_clusters_fractional_cpu_otherw
     assert cfg.ray.actor_resources({"CPU": 64.0, "GPU": 8.0}) == (1.0, 1.0)
     pinned = load_config(data={"ray": {"num_gpus_per_actor": 0, "num_cpus_per_actor": 2}})
     assert pinned.ray.actor_resources({"GPU": 8.0}) == (2.0, 0)
+
+
+def test_the_engine_and_the_pipeline_agree_on_a_cache_under_home(tmp_path, monkeypatch):
+    """HARVEST_CACHE='~/hc' (quoted in a YAML env, so no shell expands it): the engine made a
+    literal ./~/hc while the pipeline used $HOME/hc."""
+    from harvest.engine.models import cache_dir as engine_cache
+    from harvest.pipeline.paths import cache_dir as pipeline_cache, expand_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HARVEST_CACHE", "~/hc")
+    monkeypatch.chdir(tmp_path)
+    want = tmp_path / "home" / "hc"
+    assert pipeline_cache() == want and not want.exists()   # the pipeline names it only
+    assert engine_cache() == want and want.is_dir()         # the engine creates it
+    assert expand_path("{cache}/stores/x") == str(want / "stores" / "x")
+    assert not (tmp_path / "~").exists()
+
+
+def test_importing_the_config_imports_no_zarr_torch_or_ray():
+    """`import harvest.pipeline.config` (every CLI command, every Ray worker) must not pay for the
+    store's zarr/numcodecs (~500 modules: one re-export of redact_url pulled them in) or the
+    engine's torch. Validating a store section still loads the codecs it names."""
+    import subprocess
+    import sys
+
+    code = ("import sys, harvest.pipeline.config, harvest.pipeline.sections; "
+            "print(sorted(m for m in ('zarr', 'numcodecs', 'torch', 'ray', 'vllm') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

@@ -64,7 +64,7 @@ def recorded_stats_filter(attrs: dict) -> tuple[frozenset, int] | None:
     """(excluded token ids, skipped leading context positions) of the store's "kept" statistics.
 
     The writer's kept rows are: token_id not in the special ids and context position >= skip
-    (interfaces item 2). Accepted spellings: a `stats_filter` dict with `exclude_token_ids` or
+    (the kept-row class the writer's statistics record). Accepted spellings: a `stats_filter` dict with `exclude_token_ids` or
     `special_token_ids` and `skip_positions` or `stats_skip_positions`; or the same keys at the
     top of the attributes. None when the store records no such filter (stores written before it).
     """
@@ -149,10 +149,6 @@ class RowFilter:
     @property
     def needs_meta(self) -> bool:
         return self.needs_tokens or self.needs_docs
-
-    @property
-    def is_identity(self) -> bool:
-        return not self.needs_meta and self._pos_keep is None
 
     def kept_positions(self) -> frozenset | None:
         """Context positions kept, or None for all of them."""

@@ -131,7 +131,7 @@ def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
         return None
     try:
         st = store.stats(list(points), subset="kept")
-    except TypeError:  # a Store without kept-row statistics (before interfaces item 2)
+    except TypeError:  # a Store without kept-row statistics (written before stores kept kept-row statistics)
         return None
     out = []
     for p in points:
