@@ -235,9 +235,11 @@ def run_command(path: str, args) -> int:
     except TrunkRefused as e:
         print(f"harvest check-model: REFUSED at load: {e}", file=sys.stderr)
         return 1
-    print(format_check(result))
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
+    if args.json:  # only the JSON on stdout (pipeline/logs.py json_stdout)
+        print(json.dumps(result, indent=2, default=str),
+              file=getattr(args, "json_out", None) or sys.stdout)
+    else:
+        print(format_check(result))
     return 0 if result["ok"] else 1
 
 

@@ -2,7 +2,8 @@
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
-Errors we can explain end the command with exit code 2 and one line, not a traceback.
+Errors we can explain end the command with exit code 2 and one line, not a traceback. Ctrl-C
+exits 130, SIGTERM 143 and SIGHUP 129 (128 + the signal), after the same cleanup (pipeline/exits.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def _store_target(args) -> tuple[str, dict | None]:
         return args.url, None
     cfg = _load(args)
     return cfg.store.resolved_url, cfg.store.fs_options()
+
+
+def _json_out(args, obj) -> None:
+    """The command's one JSON document, on the stream `main` keeps for it (logs.json_stdout:
+    nothing else reaches stdout under --json)."""
+    print(json.dumps(obj, indent=2, default=str), file=getattr(args, "json_out", None) or sys.stdout)
 
 
 def format_summary(s: dict) -> str:
@@ -98,10 +105,9 @@ def cmd_run(args) -> int:
             summary = run(cfg)
     report = None if args.no_report or summary.get("noop") else _run_report(cfg, summary)
     if args.json:
-        print(json.dumps({**summary, "log_dir": str(log_dir) if log_dir else None,
-                          "report": report,
-                          "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]},
-                         indent=2, default=str))
+        _json_out(args, {**summary, "log_dir": str(log_dir) if log_dir else None,
+                         "report": report,
+                         "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]})
         return 0
     print(format_summary(summary))
     short = budget_shortfall(cfg, summary)
@@ -176,7 +182,10 @@ def cmd_plan(args) -> int:
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
         object_store=not locate(cfg.store.resolved_url, cfg.store.fs_options()).is_local)
-    print(json.dumps(out, indent=2) if args.json else plan_text(out))
+    if args.json:
+        _json_out(args, out)
+    else:
+        print(plan_text(out))
     return 0
 
 
@@ -186,7 +195,10 @@ def cmd_status(args) -> int:
 
     url, so = _store_target(args)
     s = status(url, so)
-    print(json.dumps(s, indent=2, default=str) if args.json else status_text(s))
+    if args.json:
+        _json_out(args, s)
+    else:
+        print(status_text(s))
     return 0
 
 
@@ -206,7 +218,7 @@ def cmd_verify(args) -> int:
                                                                    objects=args.objects)
     complete = v["ok"] and not v["missing_units"]
     if args.json:
-        print(json.dumps({**v, "complete": complete}, indent=2, default=str))
+        _json_out(args, {**v, "complete": complete})
     else:
         print(verify_text(v, complete))
     return 0 if complete else 1
@@ -222,7 +234,10 @@ def cmd_inspect(args) -> int:
         a, _, b = args.rows.partition(":")
         rows = (int(a), int(b) if b else int(a) + 8)
     info = inspect(url, so, rows)
-    print(json.dumps(info, indent=2, default=str) if args.json else inspect_text(info))
+    if args.json:
+        _json_out(args, info)
+    else:
+        print(inspect_text(info))
     return 0
 
 
@@ -232,7 +247,7 @@ def cmd_report(args) -> int:
     url, so = _store_target(args)
     r = write_report(url, so, out_dir=args.out, tokenizer_path=args.tokenizer)
     if args.json:
-        print(json.dumps({k: v for k, v in r.items() if k != "data"}, indent=2))
+        _json_out(args, {k: v for k, v in r.items() if k != "data"})
     else:
         print(f"report: {r['png']} (and {r['html']})")
     return 0
@@ -310,13 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: "list[str] | None" = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    from .exits import orderly_signals
+    from .logs import json_stdout
+
     try:
-        return args.fn(args)
+        with orderly_signals():
+            if not getattr(args, "json", False):
+                return args.fn(args)
+            with json_stdout() as args.json_out:
+                return args.fn(args)
     except BrokenPipeError:  # `harvest inspect | head`
         return 0
-    except KeyboardInterrupt:
-        print("interrupted: the store is resumable, re-run the same command", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (exits.Terminated)
+        how = f"stopped by {e}" if getattr(e, "exit_code", None) else "interrupted"
+        print(f"harvest {args.cmd}: {how}: the store is resumable, re-run the same command",
+              file=sys.stderr)
+        return getattr(e, "exit_code", 130)
     except Exception as e:
         if _is_user_error(e):
             print(f"harvest {args.cmd}: error: {e}", file=sys.stderr)

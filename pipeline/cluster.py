@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any
 
+from . import exits
 from .config import HarvestConfig
 from .errors import HarvestError
 
@@ -41,10 +42,14 @@ def ensure_ray(cfg: HarvestConfig) -> bool:
     kw: dict[str, Any] = {"log_to_driver": not quiet()}
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
-        kw["address"] = address
-    elif cfg.ray.local_num_cpus:
+        try:
+            ray.init(address=address, **kw)
+        finally:
+            exits.install()  # ray.init replaced the SIGTERM handler with its own
+        return True
+    if cfg.ray.local_num_cpus:
         kw["num_cpus"] = cfg.ray.local_num_cpus
-    ray.init(**kw)
+    exits.init_local_ray(kw)
     return True
 
 
@@ -66,20 +71,89 @@ def actor_spec(cfg: HarvestConfig, prep, index: int, engine_factory: str | None 
     }
 
 
-def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None) -> list:
+def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None,
+                 local: bool = False) -> list:
+    """The capture actors (not yet ready). `local`: the cluster is one this driver started."""
     import ray
 
     from .actor import HarvestActor
 
     Remote = ray.remote(HarvestActor)
-    cpus, gpus = cfg.ray.actor_resources(ray.cluster_resources())
-    if gpus and cfg.model.tensor_parallel_size > gpus:
-        gpus = float(cfg.model.tensor_parallel_size)
+    request = actor_request(cfg)
+    cpus, gpus = request["CPU"], request["GPU"]
+    if local and not fitting_nodes(request):
+        # a local cluster never grows: waiting out ray.start_timeout_s would change nothing
+        raise HarvestError(start_report(cfg, [], request, None))
     log.info("starting %d actors with %s CPU and %s GPU each", cfg.ray.num_actors, cpus, gpus)
     opts = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=cfg.ray.max_restarts,
                 max_task_retries=cfg.ray.max_task_retries, max_concurrency=ACTOR_CONCURRENCY)
     return [Remote.options(**opts).remote(actor_spec(cfg, prep, i, engine_factory))
             for i in range(cfg.ray.num_actors)]
+
+
+def actor_request(cfg: HarvestConfig) -> dict:
+    """The resources one capture actor asks Ray for."""
+    import ray
+
+    cpus, gpus = cfg.ray.actor_resources(ray.cluster_resources())
+    if gpus and cfg.model.tensor_parallel_size > gpus:
+        gpus = float(cfg.model.tensor_parallel_size)
+    return {"CPU": float(cpus), "GPU": float(gpus)}
+
+
+def _nodes() -> list[dict]:
+    import ray
+
+    return [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")]
+
+
+def fitting_nodes(request: dict) -> list[dict]:
+    """The live nodes whose total resources could hold one actor."""
+    return [n for n in _nodes() if all(n.get(k, 0.0) >= v for k, v in request.items() if v)]
+
+
+def _placed(actors: list) -> int:
+    """Actors Ray has given a worker process (pid known): the others wait for resources."""
+    from ray._private import state  # the GCS's actor table: works without the dashboard
+
+    n = 0
+    for a in actors:
+        try:
+            n += bool((state.actors(actor_id=a._actor_id.hex()) or {}).get("Pid"))
+        except Exception:  # noqa: BLE001 -- a report, best effort
+            pass
+    return n
+
+
+def _res(d: dict) -> str:
+    return ", ".join(f"{k} {d.get(k, 0.0):g}" for k in ("CPU", "GPU"))
+
+
+def start_report(cfg: HarvestConfig, actors: list, request: dict, waited: "float | None") -> str:
+    """Why the actors are not all up, in one paragraph: what was asked, what the cluster has,
+    how many were placed, and the fix. `waited` None: refused before starting (never fits)."""
+    import ray
+
+    n = cfg.ray.num_actors
+    asked = "{" + ", ".join(f"{k}: {v:g}" for k, v in request.items() if v) + "}"
+    nodes = _nodes()
+    head = (f"{n} actors x {asked} asked; the cluster has {_res(ray.cluster_resources())} "
+            f"({_res(ray.available_resources())} free) on {len(nodes)} node(s)")
+    fix = ("ask for fewer actors (ray.num_actors), less per actor (ray.num_cpus_per_actor, "
+           "ray.num_gpus_per_actor) or add nodes")
+    if not fitting_nodes(request):
+        biggest = max(nodes, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)), default={})
+        return (f"no node of the cluster can hold one capture actor: {head}, the largest node "
+                f"has {_res(biggest)}. Nothing was written; {fix}")
+    placed = _placed(actors)
+    if placed < len(actors):
+        return (f"the capture actors were not all placed within ray.start_timeout_s="
+                f"{cfg.ray.start_timeout_s:g} s: {head}: {placed} placed, "
+                f"{len(actors) - placed} waiting for resources. Nothing was written; {fix}")
+    return (f"the capture actors' engines did not all load within ray.start_timeout_s="
+            f"{cfg.ray.start_timeout_s:g} s ({waited:.0f} s waited; all {len(actors)} were "
+            f"placed: {head}). Nothing was written; see the actors' logs, or raise "
+            "ray.start_timeout_s (a cold compile of a large model takes minutes)")
 
 
 def root_cause(exc: BaseException) -> str:

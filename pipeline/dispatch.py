@@ -356,8 +356,10 @@ class Scheduler(ActorHealth):
         for a in sorted(self.alive):
             try:
                 self.figures[a].step = ray.get(self.actors[a].figures.remote(), timeout=30)
+                self._saw_pid(a, int(self.figures[a].step["pid"]))  # a restart seen only now
             except Exception:  # noqa: BLE001 -- figures are a report, never a failure
                 pass
+        self.sync_restarts()
 
     def data_stats(self) -> dict:
         """Source rows and packing figures summed over every chunk placed (this run and the

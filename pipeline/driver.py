@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import time
 from typing import Callable
 
-from .cluster import collect_infos, ensure_ray, kill_all, start_actors
+from .cluster import (actor_request, collect_infos, ensure_ray, kill_all, start_actors,
+                      start_report)
 from .config import HarvestConfig
 from .dispatch import Scheduler
 from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
+from .exits import orderly_signals
 from .logs import StartWatch, progress_bar
 from .packing import PackingError
 from .placement import sum_stats
@@ -47,6 +50,13 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
     bookkeeping alone); runs never set it.
     """
+    # SIGTERM/SIGHUP unwind like Ctrl-C from here on (exits.py): the finally blocks below release
+    # the lease and stop the Ray this driver started on every way out
+    with orderly_signals():
+        return _run_leased(cfg, on_event, engine_factory)
+
+
+def _run_leased(cfg: HarvestConfig, on_event, engine_factory) -> dict:
     t_start = time.perf_counter()
     shown_url = redact_url(cfg.store.resolved_url)
     existing = probe_store(cfg)
@@ -97,6 +107,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, c
         log.info("resuming %s: %d of %d planned units committed, %d to run; %d tokenising jobs",
                  shown_url, len(state.committed), len(state.units), len(state.todo), len(state.jobs))
 
+    remote = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
     started_ray = ensure_ray(cfg)
     pool = actors = sched = None
     try:
@@ -105,7 +116,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, c
             chunk_contexts = int((existing.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
         pool = TokenPool.start(cfg, prep, list(state.jobs), state.fresh_from, chunk_contexts,
                                max_contexts, env_for_workers())
-        actors = start_actors(cfg, prep, engine_factory)
+        actors = start_actors(cfg, prep, engine_factory, local=started_ray and not remote)
         sched = Scheduler(cfg, prep, state, pool, emit, lease)
         bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
         try:
@@ -168,6 +179,9 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
             break
         if pending:
             watch.tick(len(pending))
+            if time.time() - watch.t0 > cfg.ray.start_timeout_s:
+                raise HarvestError(start_report(cfg, actors, actor_request(cfg),
+                                                time.time() - watch.t0))
     if existing is None:
         lease.assert_held("creating the store")
         store = _create(cfg, prep, infos[0], chunk_contexts)

@@ -64,6 +64,39 @@ class ActorHealth:
             seen.add(pid)
         self.pid[a] = pid
 
+    def _ray_actors(self) -> dict:
+        """Ray's own view of each actor: {index: (state, num_restarts)}, from the GCS's actor
+        table (no dashboard needed). Empty where Ray cannot say: a report, never a failure."""
+        from ray._private import state
+
+        out = {}
+        for a, handle in enumerate(self.actors or []):
+            try:
+                info = state.actors(actor_id=handle._actor_id.hex()) or {}
+            except Exception:  # noqa: BLE001
+                continue
+            if info:
+                out[a] = (info.get("State"), int(info.get("NumRestarts") or 0))
+        return out
+
+    def restarting(self) -> int:
+        """Actors coming back now: pinged after a deadline kill, or restarted by Ray on its own
+        (a process killed or crashed). Counting only the former once read "0 actors
+        restarting" while Ray restarted both actors."""
+        back = set(self.probing.values())
+        back |= {a for a, (st, _) in self._ray_actors().items() if st == "RESTARTING"}
+        return len(back)
+
+    def sync_restarts(self) -> None:
+        """At the end of the run: take Ray's restart count where it saw more than the loop did
+        (a restarted process that ran no unit afterwards shows no new pid here)."""
+        for a, (_, n) in self._ray_actors().items():
+            if n > self.figures[a].restarts:
+                log.info("actor %d: Ray restarted it %d times, %d seen here", a, n,
+                         self.figures[a].restarts)
+                self.figures[a].restarts = n
+                self.killed_unseen.discard(a)  # back, in Ray's words: not a death unseen
+
     def _on_probe(self, ref) -> None:
         import ray
 
@@ -179,4 +212,4 @@ class ActorHealth:
         log.info("nothing finished for %.0f s: %d units in flight %s, %d ready, %d waiting for "
                  "tokens, %d actors restarting; unit deadline %.0f s", now - self.last_event,
                  len(self.inflight), per or "", len(self.ready), len(self.waiting),
-                 len(self.probing), self.unit_deadline())
+                 self.restarting(), self.unit_deadline())

@@ -147,6 +147,39 @@ def quiet_run(log_dir: Path):
         os.environ.pop(LOG_DIR_ENV, None)
 
 
+@contextmanager
+def json_stdout():
+    """For `--json`: yields the stream the JSON goes to; anything else written to stdout while
+    the block runs goes to stderr. `check-model --json` once printed 32 vLLM lines before its
+    JSON (vLLM's log handler writes to stdout): descriptor 1 points at stderr meanwhile, which
+    catches C++ output and child processes too, and `sys.stdout` is stderr for Python code that
+    looks it up (a logger set up inside the block). Where sys.stdout is not descriptor 1 (pytest's
+    capsys) the JSON goes to that object instead."""
+    sys.stdout.flush()
+    orig = sys.stdout
+    try:
+        on_fd1 = orig.fileno() == 1
+    except (AttributeError, OSError, ValueError):
+        on_fd1 = False
+    saved = os.dup(1)
+    out = os.fdopen(os.dup(saved), "w") if on_fd1 else orig
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield out
+    finally:
+        for f in (sys.stdout, orig, out):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        sys.stdout = orig
+        os.dup2(saved, 1)
+        os.close(saved)
+        if out is not orig:
+            out.close()
+
+
 def quiet() -> bool:
     """True inside `quiet_run` (and in actors it started): Ray must not copy worker output back."""
     return bool(os.environ.get(LOG_DIR_ENV))

@@ -354,6 +354,11 @@ class RayConfig:
     # median unit time seen so far); a SIGSTOPped actor otherwise held its units for ever.
     unit_timeout_s: float | None = None
     unit_timeout_min_s: float = 300.0
+    # Seconds the capture actors may take to be placed and load their engines. Past it the run
+    # stops and names what the cluster could not place (asking for more than the cluster has
+    # otherwise waited for ever, on KubeRay until the job's activeDeadlineSeconds). A cold
+    # vLLM compile of a large model takes minutes: the default leaves room for that.
+    start_timeout_s: float = 900.0
 
     def validate(self) -> None:
         if self.address is not None:
@@ -373,6 +378,7 @@ class RayConfig:
         check_float("ray.tokenize_cpus", self.tokenize_cpus, 0.0, MAX_UNITS, optional=True)
         check_float("ray.unit_timeout_s", self.unit_timeout_s, 0.1, MAX_SECONDS, optional=True)
         check_float("ray.unit_timeout_min_s", self.unit_timeout_min_s, 0.1, MAX_SECONDS)
+        check_float("ray.start_timeout_s", self.start_timeout_s, 0.1, MAX_SECONDS)
 
     def actor_resources(self, cluster: dict) -> tuple[float, float]:
         """(num_cpus, num_gpus) per actor, given `ray.cluster_resources()`.

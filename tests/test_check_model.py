@@ -6,11 +6,17 @@ logic does not depend on it, and the compiled freeze path is tested in tests/tes
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from harvest.engine import load_model, taps
 from harvest.engine.check import NO_COMPILE
 from harvest.pipeline.cli import main
+from harvest.pipeline.config import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # vLLM engines and HF references: not in `pytest -m 'not slow'`
 
@@ -76,3 +82,16 @@ def test_refused_trunk_loads_only_when_opted_in(two_stream_llama, tiny_llama):
         assert report["verified"] is False and "invariant I3" in report["reason"]
     finally:
         m.close()
+
+
+def test_check_model_json_prints_only_json(tiny_llama):
+    """`check-model --json` once printed 32 vLLM log lines on stdout before its JSON. As a user
+    runs it (a process of its own: vLLM's logging is set up at its import), stdout must parse."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run([sys.executable, "-m", "harvest.pipeline.cli", "check-model", tiny_llama,
+                        "--no-compile", "--lengths", "5,37", "--json"], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)  # nothing but the JSON
+    assert result["ok"] is True and result["points"]
+    assert "INFO" in r.stderr  # vLLM's lines went to stderr, not away

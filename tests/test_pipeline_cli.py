@@ -8,6 +8,9 @@ was being torn down are dropped, as if the driver had been killed a moment earli
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 import yaml
 
 from harvest.pipeline.cli import main
+from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
 from tests.test_pipeline_support import make_cfg, reference_rows, shared_corpus
@@ -178,3 +182,16 @@ def test_all_committed_but_not_finalized_is_finished_without_actors(ray_cluster,
     assert s["units_skipped"] == 4 and s["tokens_this_run"] == 0
     assert s["verified"]["ok"] and open_store(cfg.store.resolved_url).summary["tokens"] == 1024
     assert run(cfg)["noop"] is True
+
+
+def test_json_commands_print_only_json(half_done):
+    """Every `--json` prints one JSON document on stdout and nothing else, as a user's shell (a
+    process of its own) sees it; the in-process tests above read through capsys."""
+    cfg, _, path = half_done
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    for args in (["plan", "--config", str(path)], ["status", cfg.store.resolved_url],
+                 ["verify", cfg.store.resolved_url]):
+        r = subprocess.run([sys.executable, "-m", "harvest.pipeline.cli", "--verbose", *args, "--json"],
+                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode in (0, 1), r.stderr[-3000:]
+        assert isinstance(json.loads(r.stdout), dict), (args, r.stdout[:2000])

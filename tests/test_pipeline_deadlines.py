@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harvest.pipeline.driver import run
+from harvest.pipeline.driver import HarvestError, run
 from harvest.pipeline.store import StoreAccessError, open_store
 from tests.test_pipeline_support import check_store, make_cfg
 
@@ -199,3 +199,39 @@ def test_actors_killed_at_the_deadline_restart_and_finish_the_run(ray_cluster, t
         summary["units_found_committed"]
     assert summary["units_skipped"] + summary["units_run"] + summary["units_found_committed"] \
         == summary["units"]
+
+
+def test_actors_that_cannot_be_placed_stop_the_run_at_the_start_deadline(ray_cluster, tiny_llama,
+                                                                         corpus, tmp_path):
+    """More actors than the cluster can place once printed "engines starting ... (2 of 4)" for
+    ever (on KubeRay until the job's activeDeadlineSeconds). Now ray.start_timeout_s ends it with
+    what was asked, what the cluster has, how many were placed, and the fix; nothing is left."""
+    import ray
+
+    store = tmp_path / "store"
+    # 2 CPUs, 0.25 for the one tokenising worker: two actors of 0.6 CPU fit, two wait
+    cfg = make_cfg(tiny_llama, str(store), corpus, "ray.num_actors=4",
+                   "ray.num_cpus_per_actor=0.6", "ray.start_timeout_s=15")
+    t0 = time.monotonic()
+    with pytest.raises(HarvestError) as e:
+        run(cfg)
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert msg.startswith("the capture actors were not all placed within "
+                          "ray.start_timeout_s=15 s: 4 actors x {CPU: 0.6} asked; the cluster "
+                          "has CPU 2, GPU 0 ("), msg
+    assert "2 placed, 2 waiting for resources. Nothing was written; ask for fewer actors " \
+           "(ray.num_actors), less per actor (ray.num_cpus_per_actor" in msg, msg
+    assert took < 15 + 60, took
+    assert not store.exists() or list(store.iterdir()) == []  # no store, no lease
+
+    # a request no node can ever hold says so (a cluster Ray gives us may grow: the deadline)
+    cfg = make_cfg(tiny_llama, str(store), corpus, "ray.num_actors=1",
+                   "ray.num_cpus_per_actor=3", "ray.start_timeout_s=2")
+    with pytest.raises(HarvestError, match=r"^no node of the cluster can hold one capture "
+                       r"actor: 1 actors x \{CPU: 3\} asked; .* the largest node has CPU 2, GPU 0"):
+        run(cfg)
+    deadline = time.monotonic() + 60  # the actors were killed: their CPUs are free again
+    while ray.available_resources().get("CPU", 0) < 2:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)

@@ -9,9 +9,11 @@ before it writes anything, naming A, and A, continued, finishes a store that ver
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,3 +111,59 @@ def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, cap
     assert v["ok"] and not v["missing_units"], v
     assert st.summary is not None and st.summary["status"] == "complete"
     assert current(st.location).record.get("released") is True
+
+
+def test_sigterm_releases_the_lease_and_stops_the_ray_it_started(ray_auth_env, tiny_llama,
+                                                                 corpus, tmp_path):
+    """A driver that started its own Ray, ended by SIGTERM mid-run (a `kill`, a timeout, a pod
+    deleted): it exits 143 at once, with its lease released (another host would otherwise wait
+    out store.lease_seconds) and every process it started (Ray's included) gone."""
+    import psutil
+
+    store = tmp_path / "store"
+    cfg = make_cfg(tiny_llama, str(store), corpus, "ray.num_actors=1", "ray.max_in_flight=1",
+                   "ray.local_num_cpus=2", "store.lease_seconds=3600")
+    conf = cfg.to_dict(redact=False)
+    conf["ray"]["address"] = None  # this driver starts its own local Ray
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    ray_tmp = tempfile.mkdtemp(prefix="hvterm-", dir="/tmp")  # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(ray_auth_env, RAY_TMPDIR=ray_tmp, HARVEST_CACHE=str(tmp_path / "cache"))
+    log = open(tmp_path / "driver.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "harvest.jobs.harvest", "--config", str(path)],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    kids: list = []
+    try:
+        deadline = time.time() + 240
+        while not (store / "zarr.json").exists():  # actors up, store created: mid-run
+            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            assert time.time() < deadline, "the driver created no store in 240 s"
+            time.sleep(0.05)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(k.cmdline()) for k in kids), "no Ray of its own?"
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:  # by pid: the driver this test started, then its children
+            proc.kill()
+            proc.wait(30)
+        for k in kids:
+            try:
+                k.kill()
+            except psutil.Error:
+                pass
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = (tmp_path / "driver.log").read_text()
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert "harvest run: stopped by SIGTERM: the store is resumable" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert took < 60, f"the driver took {took:.0f} s to stop"
+    left = [k.pid for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes the driver started outlived it: {left}"
+    lease = current(locate(str(store)))
+    assert lease is not None and lease.record.get("released") is True, lease
+    refuse_if_held(locate(str(store)), 3600, "store")  # the next run starts at once
