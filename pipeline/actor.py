@@ -378,8 +378,9 @@ class HarvestActor:
     # -- one host copy ----------------------------------------------------------------------
     def _in_place(self) -> bool:
         """Whether the engine can write rows straight into the writers' shard buffers: it takes
-        a destination provider (`accepts_destinations`: vLLM; the eager reference does not), captures exactly the store's
-        points in the store's order and dtype, and, on CUDA, the buffers are page-locked."""
+        a destination provider (`accepts_destinations`: vLLM; the eager reference does not),
+        captures exactly the store's points in the store's order and dtype, and, on CUDA, the
+        buffers are page-locked."""
         ok = getattr(self, "_in_place_ok", None)
         if ok is None:
             import torch

@@ -94,7 +94,8 @@ def test_cluster_builds_a_spec_from_a_config():
     prep = SimpleNamespace(model_path="/m", points=["resid_post.0", "resid_post.1"])
     spec = actor_spec(cfg, prep, 0, "pkg.mod:Engine")
     assert isinstance(spec, ActorSpec)
-    assert spec.points == ("resid_post.0", "resid_post.1") and spec.engine_factory == "pkg.mod:Engine"
+    assert spec.points == ("resid_post.0", "resid_post.1")
+    assert spec.engine_factory == "pkg.mod:Engine"
     assert spec.context_size == cfg.packing.context_size and spec.store_url.endswith("x.zarr")
     assert spec.check_model is (cfg.capture.check_model and cfg.model.backend == "vllm")
     assert actor_spec(cfg, prep, 1).check_model is False
