@@ -66,7 +66,7 @@ def _eager_mode(path, prompts, repeats):
     from harvest.engine import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    m = load_model(path, backend="eager", dtype="bfloat16", max_batch_tokens=4096)
+    m = load_model(path, backend="eager", dtype="bfloat16", max_num_batched_tokens=4096)
     return _timed_capture(m, prompts, None, max(1, repeats - 1))
 
 

@@ -131,14 +131,23 @@ def scale_model(out: Path | None = None) -> str:
 
 class StubEngine:
     """Stands in for the engine: zeros for every requested row, no model. Loaded by the actor
-    through `engine_factory`; the driver, tokenisers, writer and commits are all the real ones."""
+    through `engine_factory`; the driver, tokenisers, writer and commits are all the real ones.
+    A harvest.engine.protocol.CaptureEngine (tests/test_engine_protocol.py checks it); its steps
+    are full ones of `max_num_batched_tokens`."""
 
-    def __init__(self, spec: dict):
+    backend = "stub"
+    accepts_destinations = False
+    frozen = None
+    revision = None
+
+    def __init__(self, spec):
         from harvest.engine.common import read_model_info
 
-        info = read_model_info(spec["model_path"])
-        self.n_layers, self.width = info.n_layers, info.width
-        self.max_model_len, self.max_batch_tokens = info.max_position, 8192
+        self.name = spec.model_path
+        self.info = read_model_info(spec.model_path)
+        self.n_layers, self.width = self.info.n_layers, self.info.width
+        self.max_model_len, self.max_num_batched_tokens = self.info.max_position, 8192
+        self.scheduled_tokens = 0
         import torch
 
         self.dtype = torch.bfloat16
@@ -146,7 +155,17 @@ class StubEngine:
     def describe(self) -> dict:
         return {"backend": "stub", "mode": "zeros", "width": self.width, "n_layers": self.n_layers}
 
-    def capture(self, batches, points):
+    def step_stats(self) -> dict:
+        return {"steps": -(-self.scheduled_tokens // self.max_num_batched_tokens),
+                "scheduled_tokens": self.scheduled_tokens,
+                "max_num_batched_tokens": self.max_num_batched_tokens}
+
+    def capture(self, batches, points, destinations=None):
+        if destinations is not None:
+            raise ValueError("the stub engine takes no destinations")
+        return self._capture(batches, points)
+
+    def _capture(self, batches, points):
         import numpy as np
         import torch
 
@@ -161,6 +180,7 @@ class StubEngine:
                 ids = np.asarray(toks, np.int32)
                 if zeros is None or zeros.shape[1] != len(ids):
                     zeros = torch.zeros(len(pts), len(ids), self.width, dtype=self.dtype)
+                self.scheduled_tokens += len(ids)
                 yield CapturedRequest(i, ids, np.arange(len(ids), dtype=np.int32), pts, zeros)
                 i += 1
 
@@ -460,11 +480,12 @@ class StubActor:
     def info(self) -> dict:
         return {"index": self.index, "queue_tokens": 0, "pid": os.getpid(), "load_seconds": 0.0}
 
-    def run_unit(self, unit: dict, attempt: int = 1) -> dict:
-        return {"unit_id": unit["unit_id"], "row_start": unit["row_start"], "actor": self.index,
-                "row_end": unit["row_end"], "pid": os.getpid(), "attempt": attempt,
-                "status": "committed", "tokens": unit["row_end"] - unit["row_start"],
-                "seconds": 0.0}
+    def run_unit(self, unit, attempt: int = 1):
+        from harvest.pipeline.messages import UnitResult
+
+        return UnitResult(unit_id=unit.unit_id, row_start=unit.row_start, row_end=unit.row_end,
+                          actor=self.index, pid=os.getpid(), attempt=attempt, status="committed",
+                          tokens=unit.n_rows, seconds=0.0)
 
     def ping(self) -> int:
         return os.getpid()
@@ -481,6 +502,7 @@ def dispatch_child(spec: dict) -> dict:
 
     from harvest.pipeline.config import load_config
     from harvest.pipeline.dispatch import Scheduler
+    from harvest.pipeline.messages import UnitTask
     from harvest.pipeline.placement import Frontier
     from harvest.pipeline.resume import ResumeState
     from harvest.pipeline.store.plans import Unit
@@ -510,7 +532,7 @@ def dispatch_child(spec: dict) -> dict:
     while got < n_units:
         for a in actors:
             while sent < n_units and sum(1 for x in inflight.values() if x is a) < 2:
-                inflight[a.run_unit.remote({"unit_id": sent, "row_start": 0, "row_end": 1})] = a
+                inflight[a.run_unit.remote(UnitTask(sent, 0, 1))] = a
                 sent += 1
         ready, _ = ray.wait(list(inflight), num_returns=1)
         more, _ = ray.wait([r for r in inflight if r not in ready], num_returns=len(inflight) - 1,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .addresses import Address
+from .protocol import CaptureEngine
 
 # Mixed lengths: one-token prompts, prompts shorter than a step, and prompts spanning several
 # 64-token steps (chunked prefill), batched together.
@@ -155,7 +156,7 @@ def _measure(model, path: str, tokens, ref, points: list[str], cfg: CheckConfig)
 
     got = run_with_cache(model, tokens, points)
     out = compare(got, ref, points, cfg)
-    trunk = getattr(getattr(model, "state", None), "layers", None)
+    trunk = getattr(getattr(model, "state", None), "layers", None)  # vLLM's probed trunk only
     out.update({"model": model.name, "reference": {"path": path, "dtype": "float32",
                                                     "device": cfg.reference_device},
                 "prompts": len(tokens), "tokens": sum(map(len, tokens)),
@@ -164,7 +165,7 @@ def _measure(model, path: str, tokens, ref, points: list[str], cfg: CheckConfig)
     return out
 
 
-def check_loaded(model, reference_path: str | None = None, points=None,
+def check_loaded(model: CaptureEngine, reference_path: str | None = None, points=None,
                  cfg: CheckConfig = CheckConfig()) -> dict:
     """Check an already-loaded engine (e.g. a pipeline actor's) and return a JSON-able dict.
 
@@ -174,11 +175,11 @@ def check_loaded(model, reference_path: str | None = None, points=None,
     """
     path = reference_path or model.name
     if points is None:
-        frozen = getattr(model, "frozen", None)
-        points = frozen.reads if frozen else [f"resid_post.{i}" for i in range(model.n_layers)]
+        points = (model.frozen.reads if model.frozen
+                  else [f"resid_post.{i}" for i in range(model.n_layers)])
     points = [str(p) for p in points]
     tokens = check_prompts(path, cfg.lengths, cfg.seed, model.info.vocab_size)
-    ref = reference(path, tokens, points, cfg.reference_device, getattr(model, "revision", None))
+    ref = reference(path, tokens, points, cfg.reference_device, model.revision)
     return _measure(model, path, tokens, ref, points, cfg)
 
 

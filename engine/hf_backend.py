@@ -16,16 +16,21 @@ from . import blocks
 from .addresses import Address, POINTS, parse_addresses
 from .captured import CapturedRequest
 from .common import read_model_info, validate_tokens
+from .protocol import DestinationProvider, StepStats
 from .taps import check_supported, find_layers
 
 
 class HFModel:
+    """A harvest.engine.protocol.CaptureEngine on a Hugging Face model. A step is one padded
+    micro-batch forward of at most `max_num_batched_tokens` tokens, padding included."""
+
     backend = "eager"
     mode = "eager"
     frozen = None
+    accepts_destinations = False  # rows come from the hooks' own tensors
 
     def __init__(self, name_or_path: str, *, dtype: str = "bfloat16", device: str | None = None,
-                 revision: str | None = None, max_batch_tokens: int = 4096,
+                 revision: str | None = None, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, **unused):
         from transformers import AutoModelForCausalLM
 
@@ -39,7 +44,8 @@ class HFModel:
             name_or_path, revision=revision, dtype=self.dtype).to(self.device).eval()
         layers = find_layers(self.model, self.n_layers)
         self.trunk = blocks.Trunk(layers, [blocks.hf_semantics(layer) for layer in layers])
-        self.max_batch_tokens = max_batch_tokens
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.steps = self.scheduled_tokens = 0
         self._tokenizer = None
 
     @property
@@ -83,7 +89,7 @@ class HFModel:
         batch, longest = [], 0
         for item in source:
             n = len(item[1])
-            if batch and max(longest, n) * (len(batch) + 1) > self.max_batch_tokens:
+            if batch and max(longest, n) * (len(batch) + 1) > self.max_num_batched_tokens:
                 yield batch
                 batch, longest = [], 0
             batch.append(item)
@@ -91,8 +97,19 @@ class HFModel:
         if batch:
             yield batch
 
+    def step_stats(self) -> StepStats:
+        return {"steps": self.steps, "scheduled_tokens": self.scheduled_tokens,
+                "max_num_batched_tokens": self.max_num_batched_tokens}
+
+    def capture(self, batches: Iterable[Sequence[Sequence[int]]], points=None,
+                destinations: DestinationProvider | None = None) -> Iterator[CapturedRequest]:
+        if destinations is not None:  # at the call, not at the first row
+            raise ValueError("the eager backend yields rows in its own tensors: destinations are "
+                             "not supported (accepts_destinations is False)")
+        return self._capture(batches, points)
+
     @torch.inference_mode()
-    def capture(self, batches: Iterable[Sequence[Sequence[int]]], points=None) -> Iterator[CapturedRequest]:
+    def _capture(self, batches, points) -> Iterator[CapturedRequest]:
         if points is None:
             points = [Address("resid_post", i) for i in range(self.n_layers)]
         pts = parse_addresses([points] if isinstance(points, (str, Address)) else points, self.n_layers)
@@ -113,6 +130,8 @@ class HFModel:
                     mask[j, : len(t)] = 1
                 self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                            use_cache=False)
+                self.steps += 1
+                self.scheduled_tokens += sum(len(t) for _, t in mb)
                 stacked = torch.stack([store[a] for a in pts]).to("cpu")  # [P, B, T, W]
                 for j, (index, t) in enumerate(mb):
                     acts = stacked[:, j, : len(t)].contiguous()

@@ -13,7 +13,7 @@ import gc
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -23,13 +23,9 @@ from . import platform as plat
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
+from .protocol import DestinationProvider, StepStats
 
 log = logging.getLogger("harvest.engine")
-
-# (index, n_tokens) -> host tensor [points, n_tokens, width] in the engine dtype, or None for a
-# fresh tensor. See VLLMModel.capture for the ownership contract.
-DestinationProvider = Callable[[int, int], "torch.Tensor | None"]
-
 
 @dataclass
 class _Req:
@@ -54,7 +50,10 @@ def _quiet_chat_warmup() -> None:
 
 
 class VLLMModel:
+    """A harvest.engine.protocol.CaptureEngine on vLLM."""
+
     backend = "vllm"
+    accepts_destinations = True
 
     def __init__(self, name_or_path: str, *, freeze_points="auto", freeze_writes=None,
                  enforce_eager: bool | None = None, dtype: str = "bfloat16",
@@ -151,7 +150,7 @@ class VLLMModel:
         """vLLM's resolved compile / CUDA-graph / async-scheduling settings (gpu_check prints)."""
         return compat.engine_settings(self.llm)
 
-    def step_stats(self) -> dict:
+    def step_stats(self) -> StepStats:
         """Cumulative {"steps", "scheduled_tokens", "max_num_batched_tokens"} (step fill)."""
         return self.state.step_stats()
 

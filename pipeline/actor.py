@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .messages import ActorSpec, UnitResult, UnitTask
+
 log = logging.getLogger("harvest.actor")
 
 STREAM_START_WAIT = 0.05  # seconds a new stream waits for units to fill its first engine step
@@ -40,19 +42,6 @@ def _cpu_slice(index: int, threads: int) -> list[int]:
         return []
     start = (index * threads) % len(cpus)
     return [cpus[(start + k) % len(cpus)] for k in range(min(threads, len(cpus)))]
-
-
-def step_stats(engine) -> dict | None:
-    """Cumulative engine steps (interfaces item 4), with the vLLM fallback until it lands."""
-    fn = getattr(engine, "step_stats", None)
-    if callable(fn):
-        return dict(fn())
-    st = getattr(engine, "state", None)
-    mbt = getattr(engine, "max_num_batched_tokens", None)
-    if st is not None and hasattr(st, "steps") and hasattr(st, "rows") and mbt:
-        return {"steps": int(st.steps), "scheduled_tokens": int(st.rows),
-                "max_num_batched_tokens": int(mbt)}
-    return None
 
 
 class _Job:
@@ -75,10 +64,10 @@ class _Job:
 class HarvestActor:
     """Hosts one engine. Created by the driver with `ray.remote(HarvestActor).options(...)`."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: ActorSpec):
         self.spec = spec
-        self.index = int(spec["index"])
-        for k, v in (spec.get("env") or {}).items():
+        self.index = spec.index
+        for k, v in spec.env.items():
             os.environ[k] = v
         from .logs import mark_phase, redirect_actor
 
@@ -97,20 +86,18 @@ class HarvestActor:
         self.engine = self._engine_thread.submit(self._load_engine, spec).result()
         self.load_seconds = time.perf_counter() - t0
         self.check = None
-        if spec.get("check_model"):
+        if spec.check_model:
             mark_phase("model check")
             t1 = time.perf_counter()
             self.check = self._engine_thread.submit(self._check_engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
-        self.points = list(spec["points"])
-        self.context_size = int(spec["context_size"])
+        self.points = list(spec.points)
+        self.context_size = spec.context_size
         self._store = None
         self._store_lock = threading.Lock()
         self._queue: "queue.Queue[_Job | None]" = queue.Queue()
-        self._steps0 = step_stats(self.engine)
-        e = self.engine
-        self._step_tokens = int(getattr(e, "max_num_batched_tokens", None)
-                                or getattr(e, "max_batch_tokens", None) or 2048)
+        self._steps0 = self.engine.step_stats()
+        self._step_tokens = int(self.engine.max_num_batched_tokens)
         self.units_done = 0
         self.tokens_done = 0
         self.streams = 0
@@ -118,7 +105,17 @@ class HarvestActor:
         self._engine_thread.submit(self._engine_loop)
         mark_phase("ready")
 
-    def _load_engine(self, spec: dict):
+    def _load_engine(self, spec: ActorSpec):
+        engine = self._build_engine(spec)
+        from harvest.engine.protocol import problems
+
+        wrong = problems(engine)
+        if wrong:  # before any unit: a stub or new backend that lacks a member fails here, named
+            raise TypeError(f"{type(engine).__qualname__} is not a harvest.engine.protocol."
+                            f"CaptureEngine: {'; '.join(wrong)}")
+        return engine
+
+    def _build_engine(self, spec: ActorSpec):
         from harvest.engine import platform
 
         profile = platform.detect()
@@ -126,10 +123,10 @@ class HarvestActor:
         if profile.name == "cpu":
             # the forward runs on these threads: the driver's default splits this node's cores
             # over its actors (Ray's fractional CPU share of a CPU actor says nothing about them)
-            threads = int(spec.get("threads") or 1)
+            threads = spec.threads
         else:
             # a GPU actor's host threads come from its own CPU share, never the driver's cores
-            threads = platform.engine_threads(profile, spec.get("threads_requested"), share)
+            threads = platform.engine_threads(profile, spec.threads_requested, share)
         # the writer's compression pool (pipeline.store stays free of engine imports: it reads
         # the size from the environment, set here before the first encode)
         os.environ.setdefault("HARVEST_CODEC_THREADS", str(platform.codec_threads(profile, share)))
@@ -143,13 +140,13 @@ class HarvestActor:
         import torch
 
         torch.set_num_threads(threads)
-        if spec.get("engine_factory"):  # benchmarks: a stub engine measures the bookkeeping alone
+        if spec.engine_factory:  # benchmarks: a stub engine measures the bookkeeping alone
             import importlib
 
-            mod, _, name = spec["engine_factory"].partition(":")
+            mod, _, name = spec.engine_factory.partition(":")
             return getattr(importlib.import_module(mod), name)(spec)
         gpus = self._gpu_ids()
-        if spec["engine_kwargs"].get("backend") == "vllm" and not gpus:
+        if spec.engine_kwargs.get("backend") == "vllm" and not gpus:
             # Two CPU engines that both bind "auto" would pin their OpenMP threads to the same
             # cores; give each actor its own slice unless the operator chose a binding.
             cores = _cpu_slice(self.index, threads)
@@ -157,7 +154,7 @@ class HarvestActor:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         from harvest.engine import load_model
 
-        return load_model(spec["model_path"], **spec["engine_kwargs"])
+        return load_model(spec.model_path, **spec.engine_kwargs)
 
     def _check_engine(self) -> dict:
         """harvest.engine.check_loaded on this actor's engine: its rows against an HF fp32 reference."""
@@ -186,7 +183,7 @@ class HarvestActor:
             "gpus": self._gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
             "max_model_len": int(e.max_model_len), "dtype": str(e.dtype).replace("torch.", ""),
             "describe": e.describe(), "load_seconds": round(self.load_seconds, 3),
-            "threads": int(self.spec.get("threads") or 1), "platform": getattr(self, "profile", None),
+            "threads": self.spec.threads, "platform": getattr(self, "profile", None),
             "check": self.check,
             # rows the driver keeps queued here so the engine never runs dry between units
             "queue_tokens": 4 * self._step_tokens,
@@ -200,14 +197,13 @@ class HarvestActor:
         out = {"index": self.index, "pid": os.getpid(), "units": self.units_done,
                "tokens": self.tokens_done, "streams": self.streams,
                "rows_in_place": self.rows_in_place}
-        now, base = step_stats(self.engine), self._steps0
-        if now and base is not None:
-            steps = now["steps"] - base["steps"]
-            sched = now["scheduled_tokens"] - base["scheduled_tokens"]
-            out.update(steps=steps, scheduled_tokens=sched,
-                       max_num_batched_tokens=now["max_num_batched_tokens"],
-                       step_fill=round(sched / (steps * now["max_num_batched_tokens"]), 4)
-                       if steps else None)
+        now, base = self.engine.step_stats(), self._steps0
+        steps = now["steps"] - base["steps"]
+        sched = now["scheduled_tokens"] - base["scheduled_tokens"]
+        out.update(steps=steps, scheduled_tokens=sched,
+                   max_num_batched_tokens=now["max_num_batched_tokens"],
+                   step_fill=round(sched / (steps * now["max_num_batched_tokens"]), 4)
+                   if steps else None)
         return out
 
     # -- work -------------------------------------------------------------------------------
@@ -216,8 +212,8 @@ class HarvestActor:
             if self._store is None:
                 from harvest.pipeline.store import open_store
 
-                self._store = open_store(self.spec["store_url"],
-                                         storage_options=self.spec.get("storage_options"))
+                self._store = open_store(self.spec.store_url,
+                                         storage_options=self.spec.storage_options)
                 if not self._store.location.is_local:
                     # uploads run on fsspec's event-loop thread: below the engine, like the
                     # writer's own threads (see shardio.lower_priority)
@@ -235,18 +231,22 @@ class HarvestActor:
             store.array(p)
         return os.getpid()
 
-    def run_unit(self, unit: dict, attempt: int = 1) -> dict:
+    def run_unit(self, unit: UnitTask, attempt: int = 1) -> UnitResult:
         from .rows import unit_rows
 
-        uid, rs, re_ = int(unit["unit_id"]), int(unit["row_start"]), int(unit["row_end"])
-        base = {"unit_id": uid, "row_start": rs, "row_end": re_, "actor": self.index,
-                "pid": os.getpid(), "attempt": attempt}
+        uid, rs, re_ = unit.unit_id, unit.row_start, unit.row_end
+
+        def result(status: str, tokens: int = 0, seconds: float = 0.0, **kw) -> UnitResult:
+            return UnitResult(unit_id=uid, row_start=rs, row_end=re_, actor=self.index,
+                              pid=os.getpid(), attempt=attempt, status=status, tokens=tokens,
+                              seconds=seconds, **kw)
+
         store = self._open_store()
         t0 = time.perf_counter()
         writer = store.region_writer(uid, rs, re_)
         if writer.already_committed:
             writer.abort()
-            return {**base, "status": "already_committed", "tokens": 0, "seconds": 0.0}
+            return result("already_committed")
         try:
             tok, doc, pos = unit_rows(unit, self.context_size)
             writer.write_meta(rs, tok, doc, pos)
@@ -266,14 +266,13 @@ class HarvestActor:
                 pass
             if _is_conflict(e) and store.is_committed(uid, rs, re_):
                 # another attempt of this unit committed first: its rows are the same rows
-                return {**base, "status": "already_committed", "tokens": 0, "seconds": 0.0}
+                return result("already_committed")
             raise
         n = re_ - rs
         self.units_done += 1
         self.tokens_done += n
-        return {**base, "status": "committed", "tokens": n,
-                "seconds": round(time.perf_counter() - t0, 4), "capture_seconds": round(t_cap, 4),
-                "marker": marker}
+        return result("committed", n, round(time.perf_counter() - t0, 4),
+                      capture_seconds=round(t_cap, 4), marker=marker)
 
     # -- the engine stream ------------------------------------------------------------------
     def _engine_loop(self) -> None:
@@ -379,19 +378,17 @@ class HarvestActor:
     # -- one host copy ----------------------------------------------------------------------
     def _in_place(self) -> bool:
         """Whether the engine can write rows straight into the writers' shard buffers: it takes
-        a destination provider (vLLM; the eager reference does not), captures exactly the store's
-        points in the store's order and dtype, and, on CUDA, the buffers are page-locked."""
+        a destination provider (`accepts_destinations`: vLLM; the eager reference does not),
+        captures exactly the store's points in the store's order and dtype, and, on CUDA, the
+        buffers are page-locked."""
         ok = getattr(self, "_in_place_ok", None)
         if ok is None:
-            import inspect
-
             import torch
 
             store = self._open_store()
             e = self.engine
-            ok = ("destinations" in inspect.signature(e.capture).parameters
-                  and list(store.points) == list(self.points)
-                  and getattr(e, "dtype", None) == _torch_dtype(store.np_dtype))
+            ok = (bool(e.accepts_destinations) and list(store.points) == list(self.points)
+                  and e.dtype == _torch_dtype(store.np_dtype))
             if ok and torch.cuda.is_available():
                 from harvest.pipeline.store.shards import use_allocator
 

@@ -15,6 +15,7 @@ from typing import Any
 from . import exits
 from .config import HarvestConfig
 from .errors import HarvestError
+from .messages import ActorSpec
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -53,22 +54,23 @@ def ensure_ray(cfg: HarvestConfig) -> bool:
     return True
 
 
-def actor_spec(cfg: HarvestConfig, prep, index: int, engine_factory: str | None = None) -> dict:
+def actor_spec(cfg: HarvestConfig, prep, index: int,
+               engine_factory: str | None = None) -> ActorSpec:
     threads = cfg.ray.threads_per_actor or max(1, multiprocessing.cpu_count() // cfg.ray.num_actors)
-    return {
-        "index": index,
-        "model_path": prep.model_path,
-        "engine_kwargs": cfg.model.engine_kwargs(prep.points),
-        "engine_factory": engine_factory,
-        "points": prep.points,
-        "context_size": cfg.packing.context_size,
-        "store_url": cfg.store.resolved_url,
-        "storage_options": cfg.store.fs_options(),
-        "threads": threads,  # the CPU build's default: this node's cores over its actors
-        "threads_requested": cfg.ray.threads_per_actor,  # GPU actors size from their own share
-        "check_model": index == 0 and cfg.capture.check_model and cfg.model.backend == "vllm",
-        "env": forwarded_env(),
-    }
+    return ActorSpec(
+        index=index,
+        model_path=prep.model_path,
+        engine_kwargs=cfg.model.engine_kwargs(prep.points),
+        engine_factory=engine_factory,
+        points=tuple(prep.points),
+        context_size=cfg.packing.context_size,
+        store_url=cfg.store.resolved_url,
+        storage_options=cfg.store.fs_options(),
+        threads=threads,  # the CPU build's default: this node's cores over its actors
+        threads_requested=cfg.ray.threads_per_actor,  # GPU actors size from their own share
+        check_model=index == 0 and cfg.capture.check_model and cfg.model.backend == "vllm",
+        env=forwarded_env(),
+    )
 
 
 def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from .errors import HarvestError, ResumeMismatch
 from .health import ActorFigures, ActorHealth
+from .messages import UnitResult, UnitTask
 from .placement import Emitted, chunk_key, sum_stats
 from .store.commits import IndexBuilder, index_batch
 
@@ -145,14 +146,15 @@ class Scheduler(ActorHealth):
         if self.frontier.done:
             self.pool.stop()
 
-    def _unit_message(self, unit) -> dict:
+    def _unit_message(self, unit) -> UnitTask:
         refs, digests = [], []
         for b, j, *_ in unit.pieces:
             h = self.held[chunk_key(b, j)]
             refs.append(h.ref)
-            digests.append(h.desc["digest"])
-        return {**unit.as_dict(), "pieces": [list(p) for p in unit.pieces], "refs": refs,
-                "digests": digests}
+            digests.append(tuple(h.desc["digest"]))
+        return UnitTask(unit.unit_id, unit.row_start, unit.row_end,
+                        pieces=tuple(tuple(p) for p in unit.pieces), refs=tuple(refs),
+                        digests=tuple(digests))
 
     # ---- the plan ----------------------------------------------------------------------------
     def flush_plan(self, force: bool = False) -> None:
@@ -232,7 +234,7 @@ class Scheduler(ActorHealth):
         for ref, v in zip(refs, values):
             self._on_result(ref, bar, v)
 
-    def _on_result(self, ref, bar, res=None) -> None:
+    def _on_result(self, ref, bar, res: UnitResult | None = None) -> None:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -263,34 +265,32 @@ class Scheduler(ActorHealth):
                 self._probe(a)
             return
         f = self.figures[a]
-        if res["pid"] not in f.pids:
-            f.pids.append(res["pid"])
-        if pid0 is not None and res["pid"] != pid0:
+        if res.pid not in f.pids:
+            f.pids.append(res.pid)
+        if pid0 is not None and res.pid != pid0:
             # the actor died with this unit in flight and Ray ran it again in the new process
             # (max_task_retries): a retry and a restart, though no error reached this loop
             self.ray_retries += 1
-        self._saw_pid(a, res["pid"])
-        marker = res.pop("marker", None)
-        if res["status"] == "already_committed":
+        self._saw_pid(a, res.pid)
+        if res.status == "already_committed":
             f.already_committed += 1
             self.found_committed += 1
-        if res["status"] == "committed":
-            self.unit_seconds.append(float(res["seconds"]))
+        if res.status == "committed":
+            self.unit_seconds.append(float(res.seconds))
             f.units += 1
-            f.tokens += res["tokens"]
-            f.unit_seconds += res["seconds"]
-            f.engine_seconds += res.get("capture_seconds") or res["seconds"]
+            f.tokens += res.tokens
+            f.unit_seconds += res.seconds
+            f.engine_seconds += res.capture_seconds or res.seconds
             self.units_run += 1
-            if marker is not None:
-                self.index.add(marker)
+            if res.marker is not None:
+                self.index.add(res.marker)
                 self._maybe_index()
         self._track(unit, -1)
         self._release([chunk_key(b, j) for b, j, *_ in unit.pieces])
         bar.update(unit.n_rows)
         log.debug("unit %d rows [%d, %d) %s by actor %d pid %d in %.2f s (attempt %d)", unit.unit_id,
-                 unit.row_start, unit.row_end, res["status"], a, res["pid"], res.get("seconds", 0.0),
-                 attempt)
-        self.emit({"event": "unit_done", **res, "in_flight": dict(enumerate(self.load))})
+                 unit.row_start, unit.row_end, res.status, a, res.pid, res.seconds, attempt)
+        self.emit({"event": "unit_done", **res.event(), "in_flight": dict(enumerate(self.load))})
 
     def _maybe_index(self, force: bool = False) -> None:
         """Copy markers into the commit index in batches (store.commits.index_batch)."""

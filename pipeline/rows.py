@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .messages import UnitTask
 from .store.layout import META_INSERTED
 
 
@@ -19,16 +20,16 @@ def chunk_digest(arrays: dict) -> list[int]:
     return [crc32c(arrays["token_id"]), crc32c(arrays["doc_id"]), crc32c(arrays["position"])]
 
 
-def unit_rows(unit: dict, context_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unit_rows(unit: UnitTask, context_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """token_id, doc_id (global source rows), position of the unit's rows."""
     import ray
 
     C = context_size
-    chunks = ray.get(list(unit["refs"]))
+    chunks = ray.get(list(unit.refs))
     tok, doc, pos = [], [], []
-    for (b, j, lo, hi, doc_base), arrays, digest in zip(unit["pieces"], chunks, unit["digests"]):
+    for (b, j, lo, hi, doc_base), arrays, digest in zip(unit.pieces, chunks, unit.digests):
         if chunk_digest(arrays) != list(digest):
-            raise RuntimeError(f"unit {unit['unit_id']}: chunk {b}:{j} does not match the digest "
+            raise RuntimeError(f"unit {unit.unit_id}: chunk {b}:{j} does not match the digest "
                                "its tokeniser recorded; refusing to capture it")
         a, z = lo * C, hi * C
         d = arrays["doc_id"][a:z]
@@ -36,8 +37,8 @@ def unit_rows(unit: dict, context_size: int) -> tuple[np.ndarray, np.ndarray, np
         doc.append(np.where(d == META_INSERTED, d, d + int(doc_base)))
         pos.append(arrays["position"][a:z])
     out = tuple(np.concatenate(x) for x in (tok, doc, pos))
-    n = int(unit["row_end"]) - int(unit["row_start"])
+    n = unit.n_rows
     if out[0].shape[0] != n:
-        raise RuntimeError(f"unit {unit['unit_id']}: its chunks hold {out[0].shape[0]} rows, the "
+        raise RuntimeError(f"unit {unit.unit_id}: its chunks hold {out[0].shape[0]} rows, the "
                            f"plan says {n}")
     return out

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from harvest.engine.common import ModelInfo
+from harvest.pipeline.messages import ActorSpec, UnitTask
 from harvest.pipeline.store import create_store, open_store
 from harvest.pipeline.store.writer import RegionWriter
 
@@ -49,25 +51,40 @@ def _rows(tok: np.ndarray) -> np.ndarray:
 
 
 class SlowEngine:
-    """What the actor calls on an engine, no model: rows computed from the token ids, yielded
-    in submission order `ENGINE_WINDOW` contexts behind the feed, `DELAY` seconds each. With
-    `destinations` (spec["in_place"]) it writes into the writer's shard buffer, as vLLM does."""
+    """A harvest.engine.protocol.CaptureEngine, no model: rows computed from the token ids,
+    yielded in submission order `ENGINE_WINDOW` contexts behind the feed, `DELAY` seconds each.
+    With factory_options["in_place"] it accepts destinations and writes into the writer's shard
+    buffer, as vLLM does."""
 
-    def __init__(self, spec: dict):
+    backend = "slow-fake"
+    name = "slow-fake"
+    revision = None
+    frozen = None
+    accepts_destinations = False
+
+    def __init__(self, spec: ActorSpec):
         import torch
 
+        self.info = ModelInfo(n_layers=P, width=W, max_position=4 * C, vocab_size=97,
+                              n_streams=1, architecture="slow-fake")
         self.n_layers, self.width, self.max_model_len = P, W, 4 * C
         self.max_num_batched_tokens = C
         self.dtype = torch.bfloat16
-        self.in_place = bool(spec.get("in_place"))
-        self.fault = spec.get("fault")  # ("raise" | "drop", request index): first stream only
+        self.accepts_destinations = bool(spec.factory_options.get("in_place"))
+        # ("raise" | "drop", request index): first stream only
+        self.fault = spec.factory_options.get("fault")
+        self.requests = 0
 
     def describe(self) -> dict:
         return {"backend": "slow-fake"}
 
+    def step_stats(self) -> dict:
+        return {"steps": self.requests, "scheduled_tokens": self.requests * C,
+                "max_num_batched_tokens": C}
+
     def capture(self, batches, points, destinations=None):
-        if not self.in_place:
-            destinations = None
+        if destinations is not None and not self.accepts_destinations:
+            raise ValueError("this SlowEngine takes no destinations")
         return self._run(iter(batches), points, destinations)
 
     def _run(self, batches, points, destinations):
@@ -99,6 +116,7 @@ class SlowEngine:
                     raise RuntimeError("the engine died")
                 continue  # "drop": this request never comes back
             time.sleep(DELAY)
+            self.requests += 1
             acts = torch.from_numpy(_rows(ids)).to(torch.bfloat16)
             if dest is not None:
                 dest.copy_(acts)
@@ -109,11 +127,17 @@ class SlowEngine:
         pass
 
 
-def _unit_rows(unit: dict, context_size: int):
+def _unit_rows(unit: UnitTask, context_size: int):
     """Stands in for the Ray fetch of the tokenisers' chunks (pipeline.rows.unit_rows)."""
-    rs, re_ = int(unit["row_start"]), int(unit["row_end"])
+    rs, re_ = unit.row_start, unit.row_end
     tok = _tokens(rs, re_ - rs)
     return tok, np.arange(rs, re_) // 50, np.arange(rs, re_) % C
+
+
+def _spec(url: str, points: list, **factory_options) -> ActorSpec:
+    return ActorSpec(index=0, model_path="", engine_kwargs={}, points=tuple(points),
+                     context_size=C, store_url=url, engine_factory=f"{__name__}:SlowEngine",
+                     factory_options=factory_options)
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
@@ -130,8 +154,9 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     points = [f"resid_post.{p}" for p in range(P)]
     s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
                      context_size=C)
-    units = [{"unit_id": u, "row_start": u * U, "row_end": (u + 1) * U} for u in range(UNITS)]
-    s.write_plan(units)
+    units = [UnitTask(u, u * U, (u + 1) * U) for u in range(UNITS)]
+    s.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
+                  for u in units])
 
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     # the markers the actor's long-lived store caches: bounded (8 here, so 40 units exceed it)
@@ -146,9 +171,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     _live.clear()
     gc.collect()
     base = _live_writers()
-    actor = actor_mod.HarvestActor({
-        "index": 0, "points": points, "context_size": C, "store_url": url, "threads": 1,
-        "engine_factory": f"{__name__}:SlowEngine", "engine_kwargs": {}, "in_place": in_place})
+    actor = actor_mod.HarvestActor(_spec(url, points, in_place=in_place))
     try:
         with ThreadPoolExecutor(IN_FLIGHT) as ex:
             results = list(ex.map(actor.run_unit, units))
@@ -163,7 +186,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
         actor.close()
         torch.set_num_threads(threads)
 
-    assert [r["status"] for r in results] == ["committed"] * UNITS
+    assert [r.status for r in results] == ["committed"] * UNITS
     assert len(_live) == UNITS * CTX_PER_UNIT
     # the bound: the units in flight plus one (a unit finishing its commit while the engine
     # already captures the next two); before the fix this grew to every unit of the stream
@@ -242,8 +265,9 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     points = [f"resid_post.{p}" for p in range(P)]
     s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
                      context_size=C)
-    units = [{"unit_id": u, "row_start": u * U, "row_end": (u + 1) * U} for u in range(units_n)]
-    s.write_plan(units)
+    units = [UnitTask(u, u * U, (u + 1) * U) for u in range(units_n)]
+    s.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
+                  for u in units])
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
@@ -255,13 +279,11 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     # came back (it must commit: it is no longer in flight) and before a third is taken
     monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
     monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 3.0)
-    actor = actor_mod.HarvestActor({
-        "index": 0, "points": points, "context_size": C, "store_url": url, "threads": 1,
-        "engine_factory": f"{__name__}:SlowEngine", "engine_kwargs": {}, "fault": (fault, 5)})
+    actor = actor_mod.HarvestActor(_spec(url, points, fault=(fault, 5)))
     try:
         with ThreadPoolExecutor(IN_FLIGHT) as ex:
-            futs = {u["unit_id"]: ex.submit(actor.run_unit, u) for u in units}
-        outcome = {u: (str(f.exception()) if f.exception() else f.result()["status"])
+            futs = {u.unit_id: ex.submit(actor.run_unit, u) for u in units}
+        outcome = {u: (str(f.exception()) if f.exception() else f.result().status)
                    for u, f in futs.items()}
         del futs  # a failed future's exception holds run_unit's frame, and so its writer
         deadline = time.monotonic() + 15
