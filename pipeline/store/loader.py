@@ -1,8 +1,8 @@
 """A DataLoader over an ActivationDataset that knows how many batches it delivered.
 
 The dataset's batches come from worker processes round-robin; counting them here is what lets
-`state_dict()` name the resume point without asking the workers (each worker yields the same
-number of batches, so round-robin order is exact; see sampling.worker_share).
+`state_dict()` name the resume point without asking the workers: batches are numbered per rank,
+and after a resume worker k produces the lane the round-robin will ask it for (sampling.lane).
 """
 
 from __future__ import annotations
