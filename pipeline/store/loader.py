@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import mixing
+
 
 class ActivationLoader(torch.utils.data.DataLoader):
     """torch DataLoader(batch_size=None) with `state_dict()` / `load_state_dict()`."""
@@ -18,6 +20,7 @@ class ActivationLoader(torch.utils.data.DataLoader):
             raise ValueError("ActivationLoader: the dataset yields whole batches; leave batch_size unset")
         if num_workers > 1:
             dataset.count_rows()  # in the parent once, not in every worker
+            mixing.check(dataset, num_workers)   # each worker's window lies within its part
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self._base, self._delivered = 0, 0
 

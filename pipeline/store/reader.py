@@ -29,12 +29,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from . import mixing
 from . import normalize as _norm
 from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 NORMALIZE_MODES = _norm.MODES
 _DEFAULT_BUFFER_BYTES = 1 << 30
-_MIN_WINDOW_SHARDS = 8
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
 _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
@@ -175,12 +174,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             raise ValueError(f"shuffle_buffer_rows={buf} must be >= batch_size={self.batch_size}")
         self.shuffle_buffer_rows = buf
         self.window_shards = max(1, math.ceil(buf / st.shard_rows))
-        if self.shuffle and self.window_shards < min(_MIN_WINDOW_SHARDS, len(self.pieces)):
-            warnings.warn(
-                f"shuffle_buffer_rows={buf} holds {self.window_shards} shard(s) of the {len(self.pieces)} "
-                f"this store has: every batch draws from those few shards (a few documents), which is "
-                f"barely a shuffle. Raise shuffle_buffer_rows to at least "
-                f"{min(_MIN_WINDOW_SHARDS, len(self.pieces)) * st.shard_rows} rows.", stacklevel=2)
+        self.shard_rows, self._mix_docs = st.shard_rows, None
 
         # ---- normalisation and the norm filter ----
         self.normalize, self.max_norm_ratio = normalize, max_norm_ratio
@@ -199,6 +193,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         if self.world_size > 1:
             self.count_rows()  # once here, not once per worker
 
+        mixing.check(self)   # warns when windows hold under half the uniform documents a batch
         # [epoch, resume batches]: shared with DataLoader workers, persistent ones included
         self._ctl = torch.tensor([int(epoch), 0], dtype=torch.int64).share_memory_()
         self._decoded = torch.zeros(_COUNTED_WORKERS, dtype=torch.int64).share_memory_()
