@@ -118,6 +118,36 @@ def speed(ds, epoch: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+def _note_pid(pids):
+    def init(wid):
+        pids[wid] = os.getpid()
+    return init
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int([ln for ln in f if ln.startswith("VmRSS")][0].split()[1]) / 1024
+
+
+def loader_speed(ds, workers: int, epochs: int, first: int = 1):
+    """rows/s of each epoch through a persistent DataLoader, and each worker's RSS (MB) after
+    each epoch: the first epoch pays worker start and the first touch of the arenas."""
+    import torch
+
+    pids = torch.zeros(workers, dtype=torch.int64).share_memory_()
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True,
+                                     worker_init_fn=_note_pid(pids))
+    rates, rss = [], []
+    for e in range(first, first + epochs):
+        ds.set_epoch(e)
+        t = time.perf_counter()
+        n = sum(b.shape[0] for b in dl)
+        rates.append(n / (time.perf_counter() - t))
+        rss.append([_rss_mb(int(p)) for p in pids])
+    del dl
+    return rates, rss
+
+
 def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
     """Peak resident memory (MB) of a fresh process that reads one shuffled epoch, above what it
     had after its imports: what the reader holds while shuffling."""
@@ -176,6 +206,11 @@ def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root
         out.setdefault("peak_rss_mb", {})[label] = {
             "new": peak_rss_mb(None, url, **kw), **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
             "store_mb": rows * WIDTH * 2 / 2**20}
+    # two DataLoader workers against the no-worker rate of the same reader, both in this run
+    # (target 1.7x on >= 4 cores: each worker decodes only its part; shown here on os.cpu_count())
+    rates, _ = loader_speed(ActivationDataset(url, batch_size=BATCH, seed=0), 2, repeats + 1)
+    out["speed"]["new/2w"] = {"rows_per_s": float(np.median(rates[1:])), "runs": rates[1:],
+                              "first_epoch": rates[0], "cpus": os.cpu_count()}
     datasets = {name: D(url, batch_size=BATCH, seed=0) for name, D in readers.items()}
     first = {name: speed(ds, 0) for name, ds in datasets.items()}
     speeds = {name: [] for name in readers}
@@ -189,6 +224,7 @@ def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root
         out["speed"][name]["first_epoch"] = v
     for name in readers:
         out["speed"][name]["vs_raw_decode"] = out["speed"][name]["rows_per_s"] / out["speed"]["raw_decode"]["rows_per_s"]
+    out["speed"]["new/2w"]["vs_no_workers"] = out["speed"]["new/2w"]["rows_per_s"] / out["speed"]["new"]["rows_per_s"]
     if baseline:  # each repeat ran both back to back: the median of their ratios shares the load
         out["speed"]["new"]["vs_baseline_paired"] = float(np.median(
             [a / b for a, b in zip(speeds["new"], speeds["baseline"])]))

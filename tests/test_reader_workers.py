@@ -59,3 +59,15 @@ def test_resume_with_workers_after_an_odd_count_gives_the_uninterrupted_batches(
     assert len(resumed) == len(full)
     for a, b in zip(resumed, full):
         assert torch.equal(a["row"], b["row"]) and torch.equal(a["acts"], b["acts"])
+
+
+def test_what_a_process_holds_stays_bounded_over_endless_epochs(eight):
+    """RSS itself is measured in workermem.py; here: the arenas hold at most one window each,
+    and the metadata cache its fixed number of columns, after 5 epochs of endless reading."""
+    s = eight[0]
+    ds = _ds(s, shuffle_buffer_rows=3 * SHARD, exclude_token_ids=[1], steps=5 * N // 100)
+    assert sum(1 for _ in ds) == 5 * N // 100
+    held = [b.shape[0] for b in ds._arenas._bufs if b is not None]
+    assert len(held) == 2 and max(held) <= ds.window_shards * SHARD
+    assert len(ds._meta_cols._cache) <= ds._meta_cols._keep
+

@@ -45,6 +45,7 @@ from .readahead import Arenas, WindowFinisher, WindowReader
 from .readplan import PiecePlanning, committed_pieces, rank_world
 from .sampling import lane, worker_share
 from .store import Store, open_store
+from .workermem import cap_malloc_arenas
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +298,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            cap_malloc_arenas()   # worker RSS grew epoch after epoch otherwise (workermem.py)
         epoch, resume = int(self._ctl[0]), int(self._ctl[1])
         ln = lane(wid, resume, nw)     # which global batches this worker produces (sampling.lane)
         g = self.rank * nw + ln
