@@ -122,7 +122,7 @@ def test_single_point_batches_and_drop_last(store, data):
 
 
 def test_small_buffer_warns(store):
-    with pytest.warns(UserWarning, match="barely a shuffle"):
+    with pytest.warns(UserWarning, match="below half"):
         ActivationDataset(store, batch_size=100, shuffle_buffer_rows=SHARD)
 
 

@@ -1,13 +1,15 @@
 """A DataLoader over an ActivationDataset that knows how many batches it delivered.
 
 The dataset's batches come from worker processes round-robin; counting them here is what lets
-`state_dict()` name the resume point without asking the workers (each worker yields the same
-number of batches, so round-robin order is exact; see sampling.worker_share).
+`state_dict()` name the resume point without asking the workers: batches are numbered per rank,
+and after a resume worker k produces the lane the round-robin will ask it for (sampling.lane).
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import mixing
 
 
 class ActivationLoader(torch.utils.data.DataLoader):
@@ -18,6 +20,7 @@ class ActivationLoader(torch.utils.data.DataLoader):
             raise ValueError("ActivationLoader: the dataset yields whole batches; leave batch_size unset")
         if num_workers > 1:
             dataset.count_rows()  # in the parent once, not in every worker
+            mixing.check(dataset, num_workers)   # each worker's window lies within its part
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self._base, self._delivered = 0, 0
 

@@ -181,6 +181,8 @@ class WindowFinisher:
         padded = 0
         if self.norm_limit is not None and spec.quota is not None:
             got = self.epoch_rows[spec.epoch] = self.epoch_rows.get(spec.epoch, 0) + idx.shape[0]
+            for e in [e for e in self.epoch_rows if e < spec.epoch]:   # endless: keep one epoch
+                del self.epoch_rows[e]
             if spec.last and got < spec.quota:
                 if not idx.shape[0]:
                     raise ValueError("max_norm_ratio dropped every row of a worker's last window; "

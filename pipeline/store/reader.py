@@ -10,7 +10,8 @@ Guarantees, per epoch: every kept row (committed, passing the filters) is yielde
 except that with G = world_size x num_workers > 1 the epoch's last N mod G kept rows (fewer than
 G) are dropped so that every rank and worker yields the same number of rows; the order is a pure
 function of (seed, epoch) and the split, so `state_dict()` + `load_state_dict()` resume mid-epoch
-with exactly the rows not yet yielded. With `max_norm_ratio` and G > 1, a worker whose share
+with exactly the batches, in order, of an uninterrupted run (with workers too: sampling.lane).
+Each DataLoader worker decodes only its own contiguous part of the rank's rows (`decoded_rows`). With `max_norm_ratio` and G > 1, a worker whose share
 lost rows to the norm filter repeats that many of its own rows at the end of the epoch instead
 (`tally.padded`), because those rows are known only once read and the counts must stay equal.
 
@@ -28,12 +29,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from . import mixing
 from . import normalize as _norm
 from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
@@ -42,14 +43,15 @@ from .loader import ActivationLoader
 from .objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader
 from .readplan import PiecePlanning, committed_pieces, rank_world
-from .sampling import worker_share
+from .sampling import lane, worker_share
 from .store import Store, open_store
+from .workermem import cap_malloc_arenas
 
 log = logging.getLogger(__name__)
 
 NORMALIZE_MODES = _norm.MODES
 _DEFAULT_BUFFER_BYTES = 1 << 30
-_MIN_WINDOW_SHARDS = 8
+_COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
 _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
 
@@ -173,12 +175,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             raise ValueError(f"shuffle_buffer_rows={buf} must be >= batch_size={self.batch_size}")
         self.shuffle_buffer_rows = buf
         self.window_shards = max(1, math.ceil(buf / st.shard_rows))
-        if self.shuffle and self.window_shards < min(_MIN_WINDOW_SHARDS, len(self.pieces)):
-            warnings.warn(
-                f"shuffle_buffer_rows={buf} holds {self.window_shards} shard(s) of the {len(self.pieces)} "
-                f"this store has: every batch draws from those few shards (a few documents), which is "
-                f"barely a shuffle. Raise shuffle_buffer_rows to at least "
-                f"{min(_MIN_WINDOW_SHARDS, len(self.pieces)) * st.shard_rows} rows.", stacklevel=2)
+        self.shard_rows, self._mix_docs = st.shard_rows, None
 
         # ---- normalisation and the norm filter ----
         self.normalize, self.max_norm_ratio = normalize, max_norm_ratio
@@ -197,8 +194,10 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         if self.world_size > 1:
             self.count_rows()  # once here, not once per worker
 
+        mixing.check(self)   # warns when windows hold under half the uniform documents a batch
         # [epoch, resume batches]: shared with DataLoader workers, persistent ones included
         self._ctl = torch.tensor([int(epoch), 0], dtype=torch.int64).share_memory_()
+        self._decoded = torch.zeros(_COUNTED_WORKERS, dtype=torch.int64).share_memory_()
         self.tally = Tally()   # rows the norm filter dropped / repeated, this process's last iteration
 
     # ---- setup -------------------------------------------------------------------------------
@@ -299,13 +298,16 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            cap_malloc_arenas()   # worker RSS grew epoch after epoch otherwise (workermem.py)
         epoch, resume = int(self._ctl[0]), int(self._ctl[1])
-        g = self.rank * nw + wid
+        ln = lane(wid, resume, nw)     # which global batches this worker produces (sampling.lane)
+        g = self.rank * nw + ln
         if self.world_size * nw > 1:
             self._ensure_counts()
-        skip_batches = worker_share(resume, wid, nw)
-        limit = None if self.steps is None else worker_share(self.steps, wid, nw) - skip_batches
-        specs, skip_rows = self._specs(epoch, wid, nw), skip_batches * self.batch_size
+        skip_batches = worker_share(resume, ln, nw)
+        limit = None if self.steps is None else worker_share(self.steps, ln, nw) - skip_batches
+        specs, skip_rows = self._specs(epoch, ln, nw), skip_batches * self.batch_size
         if skip_rows and self.norm_limit is None:
             specs, skip_rows = self._preskip(specs, skip_rows)
         self._open()
@@ -319,11 +321,24 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
         self.tally = Tally()
-        for batch in batches(reader(specs), self.batch_size, (len(self.points), self.width), self._raw, self._emit,
+        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self.width), self._raw, self._emit,
                              skip=skip_rows, limit=limit, drop_last=self.drop_last, shuffle=self.shuffle,
                              seed=self.seed, tally=self.tally):
             self._served += 1
             yield batch
+
+    def _counted(self, specs, wid: int):
+        """Count the rows each worker decodes (`decoded_rows`), as windows go to the decoder."""
+        for spec in specs:
+            rows = sum(self.pieces[t.piece][1] - self.pieces[t.piece][0] for t in spec.takes)
+            self._decoded[min(wid, len(self._decoded) - 1)] += rows * len(self.points)
+            yield spec
+
+    @property
+    def decoded_rows(self) -> list[int]:
+        """Rows x points sent to decode so far, per DataLoader worker id (index 0 without workers;
+        the last entry sums ids beyond it); shared with the workers, counted since construction."""
+        return [int(v) for v in self._decoded]
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
         """x is [n, n_points, width] raw bits of the store dtype."""

@@ -11,14 +11,16 @@ its end (fewer than G, different ones each epoch) are dropped, so every rank and
 the same number of rows and batches and DDP never waits on a rank that ran out. Whole-shard
 splits gave 232,960 vs 160,256 rows on 7 shards over 2 ranks x 2 workers.
 
-Inside a rank, workers split rows in one of two ways:
-- the rank's share fits in one shuffle window ("resident"): every worker reads all of the
-  rank's pieces and keeps every num_workers-th kept row, so each worker's batches draw from
-  every document of the share instead of from its own shards (1,248 -> 776 distinct documents
-  per batch with 2 workers under a shard split). Reads cost num_workers x, on at most one
-  window of data per worker;
-- otherwise ("streaming"): contiguous equal parts; each worker fills a full window of its own,
-  so a batch draws from as many shards as with one worker, and reads are not repeated.
+Inside a rank, workers take contiguous equal parts of the rank's share, so each worker decodes
+only its part (the shard at each boundary is read by both neighbours). An earlier "resident" mode
+(every worker read all of a share that fit one window and kept every num_workers-th row) mixed
+more documents per batch but made every worker decode everything: 2 workers ran at 0.5x the
+no-worker rate (issue 22). A worker's batches draw from its own part only; the reader warns when
+a window holds too few documents (mixing.py).
+
+Batches a rank's DataLoader hands out round-robin are numbered globally; lane l of nw produces
+those with index = l mod nw (see `lane`). Rows are split over lanes, not over worker ids, so a
+resume can give any worker any lane.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class Take:
 class WorkerPlan:
     takes: list[Take]
     quota: int | None     # kept rows this worker yields this epoch; None when G == 1 (all)
-    resident: bool        # workers of the rank share every piece (see module doc)
 
 
 def epoch_order(n_pieces: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -71,29 +72,22 @@ def worker_plan(order: np.ndarray, counts: np.ndarray | None, rank: int, world: 
     """
     G = world * nw
     if G == 1:
-        return WorkerPlan([Take(int(i)) for i in order], None, True)
+        return WorkerPlan([Take(int(i)) for i in order], None)
     if counts is None:
         raise ValueError("an equal split over ranks x workers needs the kept-row count of every piece")
     c = counts[order].astype(np.int64)
     cum = np.concatenate([[0], np.cumsum(c)])
     q = int(cum[-1]) // G
-    r0, r1 = rank * nw * q, (rank + 1) * nw * q
-    first = int(np.searchsorted(cum, r0, side="right")) - 1
-    last = int(np.searchsorted(cum, r1, side="left"))      # pieces [first, last) overlap [r0, r1)
-    span = [k for k in range(max(first, 0), last) if c[k] and cum[k] < r1 and cum[k + 1] > r0]
-    resident = len(span) <= per_window
+    w0 = (rank * nw + wid) * q      # this worker's kept rows are [w0, w0 + q) of the epoch
+    w1 = w0 + q
+    first = max(int(np.searchsorted(cum, w0, side="right")) - 1, 0)
+    last = int(np.searchsorted(cum, w1, side="left"))      # pieces [first, last) overlap [w0, w1)
     takes = []
-    if resident:
-        for k in span:
-            s = int(cum[k])
-            takes.append(Take(int(order[k]), max(r0 - s, 0), min(r1 - s, int(c[k])), (wid + r0 - s) % nw, nw))
-    else:
-        w0, w1 = r0 + wid * q, r0 + (wid + 1) * q
-        for k in span:
-            s, e = int(cum[k]), int(cum[k + 1])
-            if s < w1 and e > w0:
-                takes.append(Take(int(order[k]), max(w0 - s, 0), min(w1 - s, int(c[k]))))
-    return WorkerPlan(takes, q, resident)
+    for k in range(first, last):
+        s, e = int(cum[k]), int(cum[k + 1])
+        if c[k] and s < w1 and e > w0:
+            takes.append(Take(int(order[k]), max(w0 - s, 0), min(w1 - s, int(c[k]))))
+    return WorkerPlan(takes, q)
 
 
 def windows(takes: list[Take], per_window: int) -> list[list[Take]]:
@@ -101,10 +95,20 @@ def windows(takes: list[Take], per_window: int) -> list[list[Take]]:
     return [takes[i:i + per_window] for i in range(0, len(takes), per_window)]
 
 
-def worker_share(batches: int, wid: int, nw: int) -> int:
-    """Batches of a rank's first `batches` that worker `wid` produced.
+def worker_share(batches: int, lane: int, nw: int) -> int:
+    """Batches of a rank's first `batches` that lane `lane` produced (indices = lane mod nw)."""
+    return batches // nw + (1 if lane < batches % nw else 0)
 
-    A DataLoader hands out an IterableDataset's batches round-robin over its workers, which is
-    exact here because every worker yields the same number of batches (or an endless stream).
+
+def lane(worker_id: int, resume: int, nw: int) -> int:
+    """The lane DataLoader worker `worker_id` produces after a resume at global batch `resume`.
+
+    A DataLoader deals an IterableDataset's batches round-robin and restarts at worker 0 with
+    every new iterator; the first batch it asks for is global batch `resume`, so worker k must
+    produce global batches resume + k, resume + k + nw, ...: lane (k + resume) mod nw. Each lane
+    yields the same number of batches per epoch (or runs on endlessly), and after a resume the
+    lanes' remaining counts fall with the worker id, so the round-robin (which skips exhausted
+    workers) delivers global batch order exactly. Before lanes, worker k resumed its own stream
+    and an odd resume point swapped every pair of batches.
     """
-    return batches // nw + (1 if wid < batches % nw else 0)
+    return (worker_id + resume) % nw
