@@ -107,8 +107,10 @@ class Storage(abc.ABC):
                                  budget_s=self.budget_s)
         except FileNotFoundError:
             return {}
-        return {path[len(base):].strip("/"): int(info.get("size") or 0)
-                for path, info in found.items()}
+        out = {path[len(base):].strip("/"): int(info.get("size") or 0)
+               for path, info in found.items()}
+        out.pop("", None)  # the prefix itself: some S3 servers keep a directory entry for it
+        return out
 
     def delete(self, rel: str) -> None:
         try:
