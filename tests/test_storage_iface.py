@@ -88,6 +88,9 @@ def test_publish_moves_once_and_listings_are_fresh(storage):
     assert storage.list_tree("pub") == {"a": 10, "b": 20}
     assert storage.read_many([storage.key("pub/a"), storage.key("pub/x")], "read") == \
         {storage.key("pub/a"): b"A" * 10}
+    storage.delete_tree("pub")
+    storage.delete_tree("pub")  # nothing there is not an error
+    assert storage.list_tree("pub") == {}
 
 
 def test_ranged_get_and_absent_objects(storage):

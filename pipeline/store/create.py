@@ -14,7 +14,7 @@ import zarr
 
 from . import compression as _compression
 from . import layout
-from .backend import Location, locate, with_retries
+from .backend import Location, locate
 from .credentials import redact_attrs
 from .dtypes import dtype_name, resolve_dtype, zarr_dtype
 from .errors import StoreError
@@ -125,11 +125,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
 
 def _clear_control(loc: Location) -> None:
     """overwrite=True starts a new store: the old plan and markers must not count for it."""
-    try:
-        with_retries(lambda: loc.fs.rm(loc.key(layout.CONTROL_DIR), recursive=True),
-                     "clear old control objects")
-    except FileNotFoundError:
-        pass
+    loc.delete_tree(layout.CONTROL_DIR)
 
 
 __all__ = ["create_store"]

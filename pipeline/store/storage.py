@@ -119,6 +119,14 @@ class Storage(abc.ABC):
         except FileNotFoundError:
             pass
 
+    def delete_tree(self, rel: str) -> None:
+        """Every object under `rel` (nothing there is not an error)."""
+        try:
+            with_retries(lambda: self.fs.rm(self.key(rel), recursive=True), f"delete {rel}/",
+                         budget_s=self.budget_s)
+        except FileNotFoundError:
+            pass
+
     # ---- what each backend does its own way -------------------------------------------------
     @abc.abstractmethod
     def write_bytes(self, rel: str, data: bytes, attempts: int = 5) -> None:
