@@ -374,15 +374,7 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
             indexed += index.count
             index = IndexBuilder()
     for objects, batch in ((sidecars, 500), (markers, 2000)):
-        if loc.is_local:
-            for path, data in objects.items():
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(data)
-        else:
-            items = list(objects.items())
-            for i in range(0, len(items), batch):
-                loc.fs.pipe(dict(items[i:i + batch]))
+        loc.write_many(objects, durable=False, batch=batch)
 
 
 def bookkeeping_child(spec: dict) -> dict:
@@ -418,12 +410,7 @@ def bookkeeping_child(spec: dict) -> dict:
         keys = [s.location.key(layout.stats_key(u, "synthetic")) for u in range(spec["units"])]
         n = 0
         for i in range(0, len(keys), 256):
-            if s.location.is_local:
-                for k in keys[i:i + 256]:
-                    with open(k, "rb") as fh:
-                        n += len(fh.read())
-            else:
-                n += sum(len(b) for b in s.location.fs.cat(keys[i:i + 256]).values())
+            n += sum(len(b) for b in s.location.read_many(keys[i:i + 256], "raw get").values())
         out = {"bytes": n}
     else:
         f = open_store(url, storage_options=so).finalize({"bench": True})

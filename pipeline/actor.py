@@ -214,14 +214,7 @@ class HarvestActor:
 
                 self._store = open_store(self.spec.store_url,
                                          storage_options=self.spec.storage_options)
-                if not self._store.location.is_local:
-                    # uploads run on fsspec's event-loop thread: below the engine, like the
-                    # writer's own threads (see shardio.lower_priority)
-                    from fsspec.asyn import get_loop
-
-                    from harvest.pipeline.store.shardio import lower_priority
-
-                    get_loop().call_soon_threadsafe(lower_priority)
+                self._store.location.lower_io_priority()
             return self._store
 
     def open_store(self) -> int:

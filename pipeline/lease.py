@@ -156,11 +156,11 @@ class Lease:
         if cur is not None and cur.live(self.ttl):
             refuse_if_held(self.loc, self.ttl, self.shown_url)
         gen = 0 if cur is None else cur.gen + 1
-        self.root_existed = not self.loc.is_local or os.path.isdir(self.loc.root)
+        self.root_existed = self.loc.root_exists()
         try:
             won = self.loc.create_once(_key(gen), self._payload())
         except OSError as e:
-            if self.loc.is_local:  # the first write: a read-only place fails here, not hours later
+            if self.loc.is_unwritable_place(e):  # a read-only place fails here, not hours later
                 raise HarvestError(
                     f"store.url={self.shown_url} is not writable ({type(e).__name__}: {e}): "
                     "choose a writable directory or fix its permissions") from None
@@ -237,13 +237,6 @@ class Lease:
             for name in loc.list_dir(LEASE_DIR):
                 if _gen_of(name) is not None:
                     loc.delete(f"{LEASE_DIR}/{name}")
-            if loc.is_local:
-                dirs = [loc.key(LEASE_DIR), loc.key("_harvest")]
-                dirs += [] if self.root_existed else [loc.root]
-                for d in dirs:
-                    try:
-                        os.rmdir(d)
-                    except OSError:
-                        pass
+            loc.remove_empty_dirs([LEASE_DIR, "_harvest"], root=not self.root_existed)
         except Exception as e:  # noqa: BLE001
             log.warning("could not remove the lease of %s: %s", self.shown_url, e)

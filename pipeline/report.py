@@ -236,7 +236,7 @@ def write_report(url: str, storage_options: dict | None = None, out_dir: "str | 
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     if out_dir is None:
-        out_dir = (Path(store.location.root) / "_report") if store.location.is_local else Path("harvest-report")
+        out_dir = store.location.report_dir()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = collect(store, tokenizer_path)

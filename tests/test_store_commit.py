@@ -62,8 +62,7 @@ def _shard_object_exists(store, point, shard):
     from harvest.pipeline.store.objects import attempt_objects
 
     loc = store.location
-    if not loc.is_local:
-        loc.fs.invalidate_cache()
+    loc.invalidate()
     return any(s == shard for _, s, _, _ in attempt_objects(loc).get(layout.point_path(point), []))
 
 
@@ -203,8 +202,7 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
         for i, p in enumerate(r.points):
             blob = r.location.read_bytes(layout.shard_object_key(p, sh["index"]))
             assert blob is not None and google_crc32c.value(blob) == sh["object_crc32c"][i]
-    if not r.location.is_local:
-        r.location.fs.invalidate_cache()
+    r.location.invalidate()
     left = {a for objs in attempt_objects(r.location).values() for _, _, a, _ in objs}
     assert not left & {old["attempt"], new["attempt"]}  # stale leftovers cleaned, new published
     s.finalize()                            # a second finalize (compacted index) changes nothing

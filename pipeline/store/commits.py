@@ -71,8 +71,8 @@ def list_markers(loc: Location) -> list[MarkerName]:
 
 def read_marker(loc: Location, name: MarkerName, fresh: bool = False) -> dict | None:
     key = layout.commit_key(*name)
-    if fresh and not loc.is_local:
-        loc.fs.invalidate_cache(loc.key(key))
+    if fresh:
+        loc.invalidate(key)
     raw = loc.read_bytes(key)
     if raw is None:
         return None

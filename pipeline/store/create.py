@@ -14,10 +14,10 @@ import zarr
 
 from . import compression as _compression
 from . import layout
-from .backend import Location, locate, with_retries
+from .backend import Location, locate
 from .credentials import redact_attrs
 from .dtypes import dtype_name, resolve_dtype, zarr_dtype
-from .errors import StoreAccessError, StoreError
+from .errors import StoreError
 from .jsonattrs import jsonable as _jsonable, now as _now
 from .store import Store, open_store
 
@@ -96,8 +96,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
     if existing is not None and not overwrite:
         raise StoreError(f"create_store: {loc.url} already holds a zarr node; open it with open_store, "
                          "choose a new URL, or pass overwrite=True")
-    if not loc.is_local and loc.protocol in ("s3", "s3a"):
-        _ensure_bucket(loc, create_bucket)
+    loc.ensure_container(create_bucket)
     if overwrite and existing is not None:
         _clear_control(loc)
     zstore = loc.zarr_store()
@@ -121,36 +120,12 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
         raise
     except Exception as e:  # noqa: BLE001 -- translated without secrets
         raise loc.error("create_store", e) from None
-    return open_store(loc.url if loc.is_local else loc.url_with_protocol(),
-                      storage_options=loc.storage_options)
+    return open_store(loc.reopen_url(), storage_options=loc.storage_options)
 
 
 def _clear_control(loc: Location) -> None:
     """overwrite=True starts a new store: the old plan and markers must not count for it."""
-    try:
-        with_retries(lambda: loc.fs.rm(loc.key(layout.CONTROL_DIR), recursive=True),
-                     "clear old control objects")
-    except FileNotFoundError:
-        pass
-
-
-def _ensure_bucket(loc: Location, create: bool) -> None:
-    bucket = loc.root.split("/", 1)[0]
-    try:
-        if with_retries(lambda: loc.fs.exists(bucket), "stat bucket"):
-            return
-    except Exception as e:  # noqa: BLE001
-        raise loc.error(f"checking bucket {bucket!r}", e) from None
-    if not create:
-        raise StoreAccessError(
-            f"create_store: bucket {bucket!r} does not exist at {loc.url} (a typo in store.url?); "
-            "create it, or set store.create_bucket: true (create_store(..., create_bucket=True))")
-    try:
-        loc.fs.mkdir(bucket)
-    except FileExistsError:
-        return
-    except Exception as e:  # noqa: BLE001
-        raise loc.error(f"bucket {bucket!r} does not exist and could not be created", e) from None
+    loc.delete_tree(layout.CONTROL_DIR)
 
 
 __all__ = ["create_store"]

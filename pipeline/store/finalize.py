@@ -126,9 +126,5 @@ def _shrink(store: Store, n_rows: int) -> None:
 
 
 def _listed_bytes(store: Store, point: str) -> int:
-    base = store.location.key(f"{layout.point_path(point)}/c")
-    try:
-        found = store.location.fs.find(base, detail=True)
-    except FileNotFoundError:
-        return 0
-    return sum(int(i.get("size") or 0) for path, i in found.items() if ".tmp-" not in path)
+    found = store.location.list_tree(f"{layout.point_path(point)}/c")
+    return sum(size for path, size in found.items() if ".tmp-" not in path)

@@ -158,7 +158,7 @@ class CommittedMeta:
 
 
 # Object-store write requests per shard object or metadata chunk of a unit: the PUT under the
-# attempt's name, then publish's server-side copy and delete (`Location.move`). Local stores
+# attempt's name, then publish's server-side copy and delete (`ObjectStorage.move`). Local stores
 # rename instead (no requests). `harvest plan` counts requests with this.
 WRITES_PER_OBJECT = 3
 
@@ -166,13 +166,8 @@ WRITES_PER_OBJECT = 3
 def publish(store, marker: dict, threads: int = 16) -> int:
     """Move a committed unit's attempt objects to their zarr keys; returns how many moved (0 when
     it was published already). Only the writer that created the marker, or finalize for a unit
-    whose writer died between its marker and this, calls it.
-
-    The moves run concurrently: on S3 each is a server-side copy and a delete, two round trips,
-    and a unit holds shards x points objects (50 x 30 for 10^5 tokens of a 30-layer model), so
-    moving them one by one would put seconds of latency on every commit of the actor's path."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    whose writer died between its marker and this, calls it. How the moves run (renames, or
+    concurrent copies and deletes) is the storage's choice (`Storage.publish`)."""
     loc, att = store.location, marker.get("attempt")
     if not att:
         return 0
@@ -181,32 +176,18 @@ def publish(store, marker: dict, threads: int = 16) -> int:
         if sh.get("object_crc32c") is not None:
             pairs += [point_keys(p, sh["index"], att)[::-1] for p in store.points]
         pairs += [meta_keys(name, sh["index"], att)[::-1] for name in (sh.get("meta") or {})]
-    if len(pairs) <= 1 or loc.is_local:  # renames: no round trips to overlap
-        return sum(loc.move(src, dst) for src, dst in pairs)
-    with ThreadPoolExecutor(min(threads, len(pairs)), thread_name_prefix="harvest-publish") as ex:
-        return sum(ex.map(lambda kv: loc.move(*kv), pairs))
+    return loc.publish(pairs, threads)
 
 
 def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
     """Every attempt object now present: array path -> [(key, shard, attempt, size)], one
     listing. Temp files of failed writes are not objects."""
-    from .backend import with_retries
-
-    base = loc.key(layout.OBJECTS_DIR)
-    if not loc.is_local:
-        loc.fs.invalidate_cache(base)
-    try:
-        found = with_retries(lambda: loc.fs.find(base, detail=True), "list attempt objects")
-    except FileNotFoundError:
-        return {}
     out: dict = {}
-    for path, info in found.items():
-        rel = path[len(base):].strip("/")
+    for rel, size in loc.list_tree(layout.OBJECTS_DIR).items():
         arr, _, name = rel.rpartition("/")
         parsed = layout.parse_attempt_object(name)
         if parsed is not None and arr:
-            out.setdefault(arr, []).append((f"{layout.OBJECTS_DIR}/{rel}", *parsed,
-                                            int(info.get("size") or 0)))
+            out.setdefault(arr, []).append((f"{layout.OBJECTS_DIR}/{rel}", *parsed, size))
     return out
 
 

@@ -115,7 +115,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                  epoch: int = 0, eps: float = 1e-6, io_threads: int | None = None):
         super().__init__()
         if isinstance(store, Store):
-            self._url = store.location.url if store.location.is_local else store.location.url_with_protocol()
+            self._url = store.location.reopen_url()
             self._so = store.location.storage_options
             st = store
         else:

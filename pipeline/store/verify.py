@@ -21,7 +21,6 @@ import numpy as np
 
 from . import layout
 from . import stats as _stats
-from .backend import with_retries
 from .objects import attempt_objects, read_meta, read_point
 from .plans import check_units
 from .store import Store
@@ -151,19 +150,11 @@ def _check_arrays(store: Store, errors: list[str]) -> None:
 def _listing(store: Store, rel: str, leaf: bool) -> dict[int, int]:
     """shard -> object size of the zarr keys under `rel` (`<shard>/0` when `leaf`, else
     `<shard>`), from one listing; anything else (temp files of failed writes) does not count."""
-    loc = store.location
-    base = loc.key(rel)
-    if not loc.is_local:
-        loc.fs.invalidate_cache(base)
-    try:
-        found = with_retries(lambda: loc.fs.find(base, detail=True), f"list {rel}")
-    except FileNotFoundError:
-        return {}
     out = {}
-    for path, info in found.items():
-        parts = path[len(base):].strip("/").split("/")
+    for path, size in store.location.list_tree(rel).items():
+        parts = path.split("/")
         if parts[0].isdigit() and (parts[1:] == ["0"] if leaf else len(parts) == 1):
-            out[int(parts[0])] = int(info.get("size") or 0)
+            out[int(parts[0])] = size
     return out
 
 
