@@ -1,14 +1,15 @@
 """The driver: config -> blocks -> (tokenising workers -> plan -> capture actors) -> verified,
 summarized store.
 
-Order matters and is chosen so that bad input costs nothing: the store URL is probed first
-(credentials, endpoint; every request under store.timeout_s), a live lease of another driver
-refuses the run, then this driver's lease is taken (lease.py: the first write, so a read-only
-location fails here), then the model's config, tokenizer and the data source are checked from
-metadata (prepare.py); only then does Ray start. A run that fails before the store is created
-removes its lease again: bad input leaves nothing behind. Tokenising workers and capture actors start
-together; the store is created when the actors are ready and the first unit is placed, so a
-corpus that yields no complete context leaves nothing behind either.
+The write follows Ray Data's Datasink shape (sink.py): `on_write_start` (probe the store URL,
+refuse a store another driver holds, take this driver's lease), the writes (units run by the
+actors), `on_write_complete` (verify, finalize) or `on_write_failed` (release the lease, or
+remove it when nothing was created). Order matters and is chosen so that bad input costs nothing:
+the lease is the first write (a read-only location fails there), then the model's config,
+tokenizer and the data source are checked from metadata (prepare.py); only then does Ray start.
+Tokenising workers and capture actors start together; the store is created when the actors are
+ready and the first unit is placed, so a corpus that yields no complete context leaves nothing
+behind either.
 
 The driver holds descriptors only (see dispatch.py): its memory and its time to the first
 committed unit do not grow with the corpus.
@@ -32,9 +33,8 @@ from .logs import StartWatch, progress_bar
 from .packing import PackingError
 from .placement import sum_stats
 from .prepare import Prepared, prepare
-from .lease import Lease, refuse_if_held
-from .resume import RUN_ATTR, check_resume, fresh_state, probe_store, resume_state
-from .store.backend import locate
+from .resume import check_resume, fresh_state, resume_state
+from .sink import StoreSink
 from .store.credentials import redact_url
 from .tokenpool import TokenPool, env_for_workers
 
@@ -58,29 +58,22 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
 
 def _run_leased(cfg: HarvestConfig, on_event, engine_factory) -> dict:
     t_start = time.perf_counter()
-    shown_url = redact_url(cfg.store.resolved_url)
-    existing = probe_store(cfg)
-    loc = existing.location if existing is not None else locate(cfg.store.resolved_url,
-                                                                cfg.store.fs_options())
-    refuse_if_held(loc, cfg.store.lease_seconds, shown_url)
-    if existing is not None:
-        check_resume(existing, cfg)
-    # the first write, before the data is read or Ray starts: a read-only place fails here
-    lease = Lease(loc, cfg.store.lease_seconds, shown_url, cfg.content_key(), cfg.name).acquire()
-    created = [existing is not None]
+    sink = StoreSink(cfg)
+    sink.on_write_start()
     try:
-        return _run(cfg, on_event, engine_factory, existing, lease, created, t_start)
-    finally:
-        if created[0]:
-            lease.release()
-        else:  # failed before the store existed: leave nothing behind
-            lease.remove_if_alone()
+        summary = _run(cfg, on_event, engine_factory, sink, t_start)
+    except BaseException:
+        sink.on_write_failed()
+        raise
+    sink.on_write_done()
+    return summary
 
 
-def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, created: list,
-         t_start: float) -> dict:
+def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start: float) -> dict:
+    """Prepare, then write: tokenising workers and capture actors run the units into the sink's
+    store; then the sink completes (verify, finalize)."""
     emit = on_event or (lambda e: None)
-    shown_url = redact_url(cfg.store.resolved_url)
+    shown_url, existing, lease = sink.shown_url, sink.existing, sink.lease
     prep = prepare(cfg, existing)
     log.info("prepared in %.1f s: %d blocks of %s, %d points x width %d", prep.seconds,
              len(prep.sources["blocks"]), prep.sources["description"], len(prep.points), prep.width)
@@ -101,8 +94,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, c
     if existing is not None and state.complete:
         # every unit committed but never finalized (the driver died at the very end): no actors
         log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
-        lease.assert_held("finalizing")
-        return _finish(cfg, prep, existing, None, t_start, emit, len(state.units))
+        return _finish(cfg, prep, sink, existing, None, t_start, emit, len(state.units))
     if existing is not None and state.committed:
         log.info("resuming %s: %d of %d planned units committed, %d to run; %d tokenising jobs",
                  shown_url, len(state.committed), len(state.units), len(state.todo), len(state.jobs))
@@ -120,8 +112,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, c
         sched = Scheduler(cfg, prep, state, pool, emit, lease)
         bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
         try:
-            store = _start(cfg, prep, sched, actors, existing, chunk_contexts, bar, emit, lease,
-                           created)
+            store = _start(cfg, prep, sched, actors, sink, chunk_contexts, bar, emit)
             t_dispatch = time.perf_counter()
             while not sched.finished():
                 sched.step(bar)
@@ -141,15 +132,16 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, existing, lease: Lease, c
             import ray
 
             ray.shutdown()
-    lease.assert_held("finalizing")
-    return _finish(cfg, prep, store, sched, t_start, emit, len(state.committed),
+    return _finish(cfg, prep, sink, store, sched, t_start, emit, len(state.committed),
                    dispatch_seconds=dispatch_seconds)
 
 
-def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_contexts: int,
-           bar, emit, lease: Lease, created: list):
+def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
+           chunk_contexts: int, bar, emit):
     """Tokenise while the actors load; create the store once both are ready. Returns the store."""
     import ray
+
+    existing = sink.existing
 
     refs = [a.info.remote() for a in actors]
     pending = list(refs)
@@ -183,16 +175,9 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, existing, chunk_
                 raise HarvestError(start_report(cfg, actors, actor_request(cfg),
                                                 time.time() - watch.t0))
     if existing is None:
-        lease.assert_held("creating the store")
-        store = _create(cfg, prep, infos[0], chunk_contexts)
-        created[0] = True
-        store.location.budget_s = cfg.store.retry_budget_s  # re-opened by create_store
+        store = sink.create(prep, infos[0], chunk_contexts)
     else:
-        store = existing
-        if store.plans.read_sources() is None:  # its creator died before recording them
-            lease.assert_held("recording the store's sources")
-            store.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
-                                       "chunk_contexts": chunk_contexts})
+        store = sink.reopen(prep, chunk_contexts)
     limit = cfg.ray.unit_timeout_s or cfg.ray.unit_timeout_min_s
     for i, ref in enumerate([a.open_store.remote() for a in actors]):
         try:  # bounded: a hung actor is the dispatch loop's to handle (its unit deadline)
@@ -228,45 +213,18 @@ def _model_check(info0: dict, cfg: HarvestConfig) -> None:
         f"{cfg.model.path}` for details; set capture.check_model: false only if you know why.")
 
 
-def _create(cfg: HarvestConfig, prep: Prepared, info0: dict, chunk_contexts: int):
-    from harvest.pipeline.store import create_store
-
-    attrs = {
-        RUN_ATTR: prep.run_key(),
-        "config": cfg.to_dict(redact=True),
-        "model": info0["describe"],
-        "model_path": prep.model_path,
-        "model_check": info0.get("check"),
-        "points": prep.points,
-        "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
-        "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
-                      "special_token_ids": prep.special_token_ids, "path": prep.model_path},
-    }
-    L = prep.layout
-    store = create_store(
-        cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
-        shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.model.dtype,
-        compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
-        create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
-        special_token_ids=prep.special_token_ids,
-        bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
-        stats_skip_positions=prep.stats_skip_positions)
-    store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
-                               "chunk_contexts": chunk_contexts})
-    log.info("created store %s: shards of %d rows, chunks of %d, units of %d rows, %d blocks",
-             store.url, store.shard_rows, store.chunk_rows, L.unit_rows, len(prep.sources["blocks"]))
-    return store
+def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
+            t_start: float, emit, skipped: int, dispatch_seconds: float = 0.0) -> dict:
+    summary = sink.on_write_complete(
+        store, lambda verify: _summary(cfg, prep, store, sched, verify, t_start, skipped,
+                                       dispatch_seconds))
+    emit({"event": "done", "summary": summary})
+    return summary
 
 
-def _finish(cfg, prep: Prepared, store, sched: "Scheduler | None", t_start: float, emit,
-            skipped: int, dispatch_seconds: float = 0.0) -> dict:
-    # markers, plan coverage and recorded sizes only: listing every object is `harvest verify
-    # --objects` (tens of thousands of LIST pages at corpus scale), never an end-of-run step
-    verify = store.verify(objects=False)
-    if not verify["ok"] or verify["missing_units"]:
-        raise HarvestError(
-            f"store {redact_url(store.url)} failed verification: {verify['errors'][:5]}"
-            f"{' missing units ' + str(verify['missing_units'][:10]) if verify['missing_units'] else ''}")
+def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict,
+             t_start: float, skipped: int, dispatch_seconds: float) -> dict:
+    """The run's summary, recorded in the store at finalize and returned to the caller."""
     figures = sched.figures if sched is not None else {}
     tokens_run = sum(f.tokens for f in figures.values())
     stats = sched.data_stats() if sched is not None else _plan_stats(store)
@@ -300,8 +258,6 @@ def _finish(cfg, prep: Prepared, store, sched: "Scheduler | None", t_start: floa
         "verified": {k: verify[k] for k in ("ok", "planned_units", "committed_units", "committed_rows")},
         "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    store.finalize(summary)
-    emit({"event": "done", "summary": summary})
     return summary
 
 

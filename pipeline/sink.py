@@ -1,0 +1,135 @@
+"""The run's write to its store, in the shape of Ray Data's `Datasink`: start, write, complete,
+failed. The driver (driver.py) reads as that sequence; this module owns what each step does to
+the store and the lease, so no step can be skipped on some path out of the driver.
+
+- `on_write_start`: probe the store URL (credentials, endpoint), refuse a store another driver
+  holds, check a resume against the store's recorded run, take this driver's lease. The lease is
+  the first write, before the data is read or Ray starts: a read-only place fails here.
+- `create` / `reopen`: the store itself, once the actors know the model (its width and dtype
+  come from the loaded engine), or the existing one on resume.
+- the writes: each unit is written and committed by an actor (actor.py, store/writer.py); the
+  driver's scheduler (dispatch.py) only hands them out. Nothing here.
+- `on_write_complete`: verify (markers, plan coverage, recorded sizes: no object listing), then
+  finalize with the run's summary, under the lease.
+- `on_write_failed`: a run that failed before its store existed removes its lease again (bad
+  input leaves nothing behind); otherwise the lease is released so a rerun resumes at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .config import HarvestConfig
+from .errors import HarvestError
+from .lease import Lease, refuse_if_held
+from .prepare import Prepared
+from .resume import RUN_ATTR, check_resume, probe_store
+from .store.backend import locate
+from .store.credentials import redact_url
+
+log = logging.getLogger("harvest.pipeline")
+
+
+class StoreSink:
+    """One run's store and lease. `existing` is the store found at start (a resume), `store`
+    the one being written (existing or created), `lease` this driver's lease."""
+
+    def __init__(self, cfg: HarvestConfig):
+        self.cfg = cfg
+        self.shown_url = redact_url(cfg.store.resolved_url)
+        self.existing = None
+        self.store = None
+        self.lease: Lease | None = None
+
+    @property
+    def created(self) -> bool:
+        """Whether a store exists that this run's lease belongs beside."""
+        return self.existing is not None or self.store is not None
+
+    # -- start -------------------------------------------------------------------------------
+    def on_write_start(self) -> None:
+        cfg = self.cfg
+        self.existing = probe_store(cfg)
+        loc = (self.existing.location if self.existing is not None
+               else locate(cfg.store.resolved_url, cfg.store.fs_options()))
+        refuse_if_held(loc, cfg.store.lease_seconds, self.shown_url)
+        if self.existing is not None:
+            check_resume(self.existing, cfg)
+        self.lease = Lease(loc, cfg.store.lease_seconds, self.shown_url, cfg.content_key(),
+                           cfg.name).acquire()
+
+    def create(self, prep: Prepared, info0: dict, chunk_contexts: int):
+        """The new store: layout from the plan, attributes from the run and actor 0's engine."""
+        from harvest.pipeline.store import create_store
+
+        cfg = self.cfg
+        self.lease.assert_held("creating the store")
+        attrs = {
+            RUN_ATTR: prep.run_key(),
+            "config": cfg.to_dict(redact=True),
+            "model": info0["describe"],
+            "model_path": prep.model_path,
+            "model_check": info0.get("check"),
+            "points": prep.points,
+            "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
+            "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
+                          "special_token_ids": prep.special_token_ids, "path": prep.model_path},
+        }
+        L = prep.layout
+        store = create_store(
+            cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
+            shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.model.dtype,
+            compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
+            create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
+            special_token_ids=prep.special_token_ids,
+            bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
+            stats_skip_positions=prep.stats_skip_positions)
+        self.store = store
+        store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
+                                   "chunk_contexts": chunk_contexts})
+        store.location.budget_s = cfg.store.retry_budget_s  # re-opened by create_store
+        log.info("created store %s: shards of %d rows, chunks of %d, units of %d rows, %d blocks",
+                 store.url, store.shard_rows, store.chunk_rows, L.unit_rows,
+                 len(prep.sources["blocks"]))
+        return store
+
+    def reopen(self, prep: Prepared, chunk_contexts: int):
+        """The existing store, its sources recorded if its creator died before doing so."""
+        store = self.store = self.existing
+        if store.plans.read_sources() is None:
+            self.lease.assert_held("recording the store's sources")
+            store.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
+                                       "chunk_contexts": chunk_contexts})
+        return store
+
+    # -- complete / failed -------------------------------------------------------------------
+    def on_write_complete(self, store, summarize: Callable[[dict], dict]) -> dict:
+        """Verify, then finalize with `summarize(verify)`; returns the summary."""
+        self.lease.assert_held("finalizing")
+        # markers, plan coverage and recorded sizes only: listing every object is `harvest
+        # verify --objects` (tens of thousands of LIST pages at corpus scale), never run here
+        verify = store.verify(objects=False)
+        if not verify["ok"] or verify["missing_units"]:
+            missing = verify["missing_units"]
+            raise HarvestError(
+                f"store {redact_url(store.url)} failed verification: {verify['errors'][:5]}"
+                f"{' missing units ' + str(missing[:10]) if missing else ''}")
+        summary = summarize(verify)
+        store.finalize(summary)
+        return summary
+
+    def on_write_failed(self) -> None:
+        self._let_go()
+
+    def on_write_done(self) -> None:
+        """After complete (or a run with nothing to do): the lease is released."""
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self.lease is None:
+            return
+        if self.created:
+            self.lease.release()
+        else:  # nothing was created: leave nothing behind
+            self.lease.remove_if_alone()
