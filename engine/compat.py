@@ -12,7 +12,7 @@ What the engine relies on, and why:
   runner's persistent state describes the step that just ran: `input_batch.req_ids[:num_reqs]` is
   the row order, `input_batch.num_computed_tokens_cpu[i]` the first position of request i's
   rows, `positions[:n]` and `input_ids.gpu[:n]` the positions and tokens the model was fed.
-  Model Runner V2 keeps none of these (see README, "Model Runner V2").
+  Model Runner V2 keeps none of these (see docs/engine.md, "Model Runner V2").
 - Worker classes: our worker subclasses the platform's (`worker_cls`), and hands vLLM a runner
   subclass: through `Worker._make_model_runner` on CUDA (vLLM's documented override), by a class
   swap after `CPUWorker.init_device` on CPU (it constructs `CPUModelRunner` inline).
@@ -330,4 +330,4 @@ def require() -> None:
         raise VLLMIncompatible(
             f"vLLM {installed_version()} lacks internals the capture engine was checked against "
             f"on {VLLM_CHECKED}: {'; '.join(missing)}. Pin vllm=={VLLM_CHECKED} or port "
-            "engine/compat.py (and the README's notes on runner internals)")
+            "engine/compat.py (and docs/engine.md's notes on runner internals)")

@@ -36,7 +36,7 @@ def resolve_model(name_or_path: str) -> str:
     """`smollm2` and `tiny:<arch>` -> checkpoint dirs (built once under the cache); a local path
     -> its absolute path; anything else (a hub name) unchanged.
 
-    The same aliases work in `load_model`, `harvest check-model` and pipeline configs: a README
+    The same aliases work in `load_model`, `harvest check-model` and pipeline configs: a docs/
     snippet that names `smollm2` must not need the network a hub name needs.
     """
     if name_or_path == "smollm2":
@@ -75,10 +75,10 @@ def train_tokenizer(vocab_size: int = 512):
     )
 
 
-# Tiny configs of every family the suite checks (README "Supported model families"): width 128,
-# head_dim 64 (a size vLLM's CPU attention kernels support), 2 heads, 1 KV head where the family
-# has GQA. Gemma-2/3 and EXAONE-4 get a 16-token sliding window so the windowed layers really
-# window on the test prompts (up to 150 tokens); Gemma-2 also soft-caps.
+# Tiny configs of every family the suite checks (docs/engine.md "Supported model families"):
+# width 128, head_dim 64 (a size vLLM's CPU attention kernels support), 2 heads, 1 KV head where
+# the family has GQA. Gemma-2/3 and EXAONE-4 get a 16-token sliding window so the windowed layers
+# really window on the test prompts (up to 150 tokens); Gemma-2 also soft-caps.
 _GQA = dict(num_key_value_heads=1)
 _TINY: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(_GQA, head_dim=64, tie_word_embeddings=False)),
@@ -137,10 +137,10 @@ def _routing_neutral(model) -> None:
     """Every expert of a layer identical, so routing cannot change a MoE block's output.
 
     bf16 and an fp32 reference pick different top-k experts on a few percent of rows with real
-    routers (README, "MoE routing"): that is the model, not the tap, and would make an exactness
-    test of the taps flaky. With identical experts, renormalised top-k weights sum to 1 whatever is
-    picked; where top-k weights are not renormalised (Qwen3-MoE by default) the router is zeroed
-    too, so every pick has the same weight.
+    routers (docs/engine.md, "MoE routing"): that is the model, not the tap, and would make an
+    exactness test of the taps flaky. With identical experts, renormalised top-k weights sum to 1
+    whatever is picked; where top-k weights are not renormalised (Qwen3-MoE by default) the router
+    is zeroed too, so every pick has the same weight.
     """
     import torch
 

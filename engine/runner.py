@@ -8,7 +8,7 @@ engine's own `additional_config["harvest"]`, and the capture loop gets it by one
 An engine built without our `worker_cls` is plain vLLM, untouched.
 
 Model Runner V2 is refused here, loudly: it rebuilds its input batch per step in a sorted order
-and has none of the persistent state the row map reads (README: "Model Runner V2").
+and has none of the persistent state the row map reads (docs/engine.md: "Model Runner V2").
 """
 
 from __future__ import annotations

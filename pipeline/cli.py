@@ -255,7 +255,7 @@ def cmd_report(args) -> int:
 
 def cmd_check_model(args) -> int:
     """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
-    refuses the trunk at load (README, "Supported model families")."""
+    refuses the trunk at load (docs/engine.md, "Supported model families")."""
     from harvest.engine.check import run_command
 
     from .prepare import resolve_model_path

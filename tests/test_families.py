@@ -1,10 +1,11 @@
-"""Freeze capture on every trunk family of the README's table, against Hugging Face fp32.
+"""Freeze capture on every trunk family of docs/engine.md's table, against Hugging Face fp32.
 
 Each family is a tiny random-weight model (engine.models.tiny_config: 4 layers, width 128,
 head_dim 64, weights scaled so every block moves the stream by > 40%), captured with chunked
 prefill (64-token steps, 8 prompts of 1-150 tokens batched together). resid_post at every layer
 everywhere; resid_pre, attn_out and mlp_out at every layer on FULL. MoE trunks have identical
-experts (and Qwen3-MoE a zero router), so bf16-vs-fp32 routing cannot differ (README, "MoE").
+experts (and Qwen3-MoE a zero router), so bf16-vs-fp32 routing cannot differ (docs/engine.md,
+"MoE routing").
 
 Budget (2 cores, cold caches): engines run one at a time with vLLM's torch.compile off
 (`harvest.engine.check.NO_COMPILE`, compilation mode NONE). That is still freeze mode: the probe runs,
@@ -50,7 +51,8 @@ SUBLAYER_TOL = 0.05
 COMPILED = os.environ.get("HARVEST_FAMILIES_COMPILE", "") not in ("", "0")
 
 
-ROUTED = "mixtral_routed"  # Mixtral with distinct experts: real routing (README, "MoE routing")
+# Mixtral with distinct experts: real routing (docs/engine.md, "MoE routing")
+ROUTED = "mixtral_routed"
 
 
 def points_for(arch: str) -> list[str]:
@@ -116,7 +118,7 @@ def test_family_capture_equals_hf_fp32(family):
 def test_moe_with_real_routing_is_verified_and_exact_on_most_rows(family):
     """Distinct experts: bf16 and fp32 route some near-tie rows to different experts. The probe
     must not take that for a wrong reading (its errors are row medians), and the capture must
-    match on the rows whose routing agrees (README, "MoE routing")."""
+    match on the rows whose routing agrees (docs/engine.md, "MoE routing")."""
     arch, m, toks, ref = family
     assert m.state.layers.report["verified"] is True
     got = run_with_cache(m, toks)

@@ -1,9 +1,9 @@
 """`ray job submit` against `ray start --head` on 127.0.0.1 runs the entrypoint to completion.
 
-The first submission is README.md's own block (the `export RAY_AUTH_MODE=token ...` lines, run by
-bash), with only its placeholders filled in: the head's address, the cache folder, the
-interpreter and the config path. It runs `python -m harvest.jobs.harvest --config run.yaml` inside the
-cluster (RAY_ADDRESS set by Ray), and the store it leaves is checked from the test. A second
+The first submission is docs/operations.md's own block (the `export RAY_AUTH_MODE=token ...`
+lines, run by bash), with only its placeholders filled in: the head's address, the cache folder,
+the interpreter and the config path. It runs `python -m harvest.jobs.harvest --config run.yaml`
+inside the cluster (RAY_ADDRESS set by Ray), and the store it leaves is checked from the test. A second
 submission of the finished config is a no-op that says so, and reusing a submission id is
 refused by Ray (the guard against double submission).
 """
@@ -48,16 +48,16 @@ def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.Comp
         time.sleep(2)
 
 
-# README placeholders -> this test's values (each must be in the block: the README cannot drift)
+# the block's placeholders -> this test's values (each must be in the block: the page cannot drift)
 def readme_submit(head, config: Path, timeout: int = 420) -> subprocess.CompletedProcess:
     block = [b for b in blocks("bash") if "ray job submit" in b]
-    assert len(block) == 1, "README.md must hold one ray job submit block"
+    assert len(block) == 1, "README.md and docs/ must hold one ray job submit block"
     script = block[0]
     subs = {"http://HEAD:8265": head.dashboard_url, "/shared/cache": str(cache_dir()),
             "/opt/harvest/.venv/bin/python": sys.executable,
             "jobs/configs/default.yaml": str(config)}
     for k, v in subs.items():
-        assert k in script, f"README's ray job submit block no longer has {k!r}"
+        assert k in script, f"docs/operations.md's ray job submit block no longer has {k!r}"
         script = script.replace(k, v)
     # the user's shell: the venv's `ray` on PATH, the head's token where `ray get-auth-token` reads
     # it; RAY_AUTH_MODE / RAY_AUTH_TOKEN come from the block's own export

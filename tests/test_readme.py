@@ -1,10 +1,12 @@
-"""README.md's code blocks run as written.
+"""README.md's and docs/*.md's code blocks run as written, and their links and paths resolve.
 
 Every ```python block is executed verbatim in a fresh interpreter (one vLLM engine per process),
 with checks on what its comments promise appended after it. Every ```bash block is either run
 here or listed in COVERED with the test that runs it, so a new block cannot slip in untested.
-The reader block opens `.harvest/stores/default` (the default run's store): here that is a
-store built by the test in a scratch working directory, so the test needs no vLLM run of its own.
+The reader block (docs/store.md) opens `.harvest/stores/default` (the default run's store): here
+that is a store built by the test in a scratch working directory, so the test needs no vLLM run
+of its own. The structural checks (blocks covered, links, paths, the engine's module table) are
+fast and run in `pytest -m 'not slow'` too.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import pytest
 
 from harvest.pipeline.config import REPO_ROOT
 
-pytestmark = pytest.mark.slow  # the README's blocks (engines, runs): not in `pytest -m 'not slow'`
-
 README = REPO_ROOT / "README.md"
+# the pages whose blocks are checked: the README and every page under docs/
+PAGES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+# python blocks per page (path from the repository root); each is run by a test below
+PYTHON_BLOCKS = {"README.md": 0, "docs/engine.md": 1, "docs/store.md": 1}
 
 # bash blocks (first command line) -> where they are exercised instead of here
 COVERED = {
@@ -35,9 +40,17 @@ COVERED = {
 }
 
 
-def blocks(lang: str) -> list[str]:
-    text = README.read_text()
-    return [m.group(1) for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)]
+def _rel(path: Path) -> str:
+    return path.relative_to(REPO_ROOT).as_posix()
+
+
+def blocks(lang: str, page: Path | None = None) -> list[str]:
+    """The ```lang blocks of one page, or of every page (README first, then docs/ by name)."""
+    out = []
+    for p in [page] if page else PAGES:
+        out += [m.group(1) for m in re.finditer(rf"^```{lang}\n(.*?)^```", p.read_text(),
+                                                re.S | re.M)]
+    return out
 
 
 def _run(code: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -50,18 +63,75 @@ def _run(code: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProces
 
 def _block(start: str) -> str:
     found = [b for b in blocks("python") if b.lstrip().startswith(start)]
-    assert len(found) == 1, f"README has {len(found)} python blocks starting with {start!r}"
+    assert len(found) == 1, f"README/docs have {len(found)} python blocks starting with {start!r}"
     return found[0]
 
 
 def test_every_block_is_run_here_or_covered():
-    pys = blocks("python")
-    assert len(pys) == 2, "a new python block: run it in this file"
+    counts = {_rel(p): len(blocks("python", p)) for p in PAGES}
+    expected = {k: v for k, v in PYTHON_BLOCKS.items() if v}
+    assert {k: v for k, v in counts.items() if v} == expected, \
+        f"a new python block: run it in this file ({counts})"
     for b in blocks("bash"):
         first = b.strip().splitlines()[0]
-        assert any(first.startswith(k) for k in COVERED), f"README bash block not covered: {first}"
+        assert any(first.startswith(k) for k in COVERED), f"bash block not covered: {first}"
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_and_anchors_resolve():
+    """Every relative link of the README and docs/ names a file that exists (and its heading)."""
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{_rel(page)}: link to {target} names no file"
+            if anchor:
+                heads = re.findall(r"^#+ (.*)$", dest.read_text(), re.M)
+                assert anchor in {_slug(h) for h in heads}, \
+                    f"{_rel(page)}: no heading #{anchor} in {path or 'itself'}"
+
+
+TOP = ("engine", "pipeline", "jobs", "infra", "benchmarks", "tests", "examples", "packages",
+       "harvest")
+
+
+def test_repository_paths_named_exist():
+    """A `folder/file` in backticks on these pages is a file or folder of this repository."""
+    for page in PAGES:
+        for tok in re.findall(r"`([^`\s]+)`", page.read_text()):
+            if tok.split("/")[0] in TOP and "/" in tok and not re.search(r"[<>*{]", tok):
+                assert (REPO_ROOT / tok).exists(), f"{_rel(page)} names {tok}, which does not exist"
+
+
+def test_engine_page_lists_every_engine_module():
+    """docs/engine.md's module table has a row for every file of engine/, and no other."""
+    page = (REPO_ROOT / "docs" / "engine.md").read_text()
+    table = page.split("## Modules", 1)[1].split("\n## ")[0]
+    listed = set(re.findall(r"^\| `(\w+\.py)` \|", table, re.M))
+    assert listed == {p.name for p in (REPO_ROOT / "engine").glob("*.py")}
+
+
+def test_readme_tour_names_where_a_row_goes():
+    """tapped, mapped, copied, written, committed, read: each step and its files, in the README."""
+    text = README.read_text()
+    for step, files in {"tapped": ["engine/taps.py"],
+                        "mapped": ["engine/harvest.py", "engine/coverage.py"],
+                        "copied": ["engine/transport.py"],
+                        "written": ["pipeline/store/writer.py", "pipeline/store/uploads.py"],
+                        "committed": ["pipeline/store/commits.py"],
+                        "read": ["pipeline/store/reader.py"]}.items():
+        row = [ln for ln in text.splitlines() if ln.startswith(f"| **{step}**")]
+        assert len(row) == 1, step
+        assert all(f"`{f}`" in row[0] for f in files), (step, row[0])
+
+
+@pytest.mark.slow  # a vLLM engine
 def test_engine_block_runs_offline_with_string_keys(smollm2, tmp_path):
     """load_model("smollm2") resolves offline; caches take "resid_post.3"; capture streams."""
     code = _block("from harvest.engine import load_model") + textwrap.dedent("""
@@ -104,6 +174,7 @@ def default_like_store(tmp_path_factory):
     return cwd
 
 
+@pytest.mark.slow  # a store built and read
 def test_reader_block_yields_what_its_comments_say(default_like_store):
     """float32 batches of up to 4096 rows, normalised so that E||x||^2 = width."""
     code = _block("from harvest.pipeline.store import open_store") + textwrap.dedent("""

@@ -3,7 +3,7 @@
 The run is the CLI in a subprocess, as a user starts it, connected to the test cluster through
 RAY_ADDRESS: its whole stdout + stderr is what a terminal (or a job log) would show. The tiny
 eager config stands in for the default run (the vLLM one prints the same harvest lines plus the
-engine phases; its output is pasted in README.md).
+engine phases; its output is pasted in docs/operations.md).
 """
 
 from __future__ import annotations
