@@ -47,9 +47,10 @@ def recipe_kwargs(store, seed: int, test_fraction: float = 0.05) -> dict:
     """The recipe's ActivationDataset arguments (all but points, batch and split)."""
     kw = dict(max_norm_ratio=10.0, normalize="norm_scale", split_seed=seed,
               test_fraction=test_fraction)
+    packing = (store.attrs.get("config") or {}).get("packing") or {}
     if store.attrs.get("special_token_ids") is not None:
         kw["exclude_special"] = True
-    elif ((store.attrs.get("config") or {}).get("packing") or {}).get("bos", "context") == "context":
+    elif packing.get("bos", "context") == "context":
         kw["seqpos"] = slice(1, None)
     return kw
 

@@ -54,8 +54,8 @@ def store_tokens(store) -> np.ndarray:
     tok, doc, _ = store.read_row_meta(0, store.n_rows)
     tok, doc = np.asarray(tok), np.asarray(doc)
     if c is None or store.n_rows % c or (doc == -1).any():
-        raise SystemExit(f"{store.url}: needs a complete store of whole contexts (context_size={c}, "
-                         f"{store.n_rows} rows, {(doc == -1).sum()} unwritten)")
+        raise SystemExit(f"{store.url}: needs a complete store of whole contexts "
+                         f"(context_size={c}, {store.n_rows} rows, {(doc == -1).sum()} unwritten)")
     bos = ((store.attrs.get("config") or {}).get("packing") or {}).get("bos", "context")
     if bos == "context" and not (doc[::c] == -2).all():
         raise SystemExit(f"{store.url}: contexts are not aligned to multiples of {c} rows")
@@ -110,7 +110,7 @@ def load_saelens_cache(path: Path, tokens: np.ndarray, hook: str) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
-def train_rows_pass(args, store, point, kw) -> tuple[ActivationDataset, np.ndarray]:
+def train_rows_pass(store, point, kw) -> tuple[ActivationDataset, np.ndarray]:
     """The train dataset (for its constants) and every train row id it keeps, in one pass."""
     ds = ActivationDataset(store, points=point, batch_size=8192, split="train", shuffle=False,
                            return_meta=True, **kw)
@@ -167,7 +167,8 @@ def dead_fraction(sae, x: torch.Tensor) -> float:
 
 
 def summary(losses: list[float]) -> dict:
-    return {"first_loss": losses[0], "last_loss": float(np.mean(losses[-20:])), "steps": len(losses)}
+    return {"first_loss": losses[0], "last_loss": float(np.mean(losses[-20:])),
+            "steps": len(losses)}
 
 
 def main():
@@ -197,7 +198,7 @@ def main():
     xs = load_saelens_cache(cache, tokens, hook)
 
     kw = recipe_kwargs(store, args.seed, args.test_fraction)
-    train_ds, train_rows = train_rows_pass(args, store, point, kw)
+    train_ds, train_rows = train_rows_pass(store, point, kw)
     constants = train_ds.norm_constants
     # SAELens side: its own E||x||^2 over the same train rows (harvest's is the reader's sample)
     s_scale = float(np.sqrt(d / np.mean(np.einsum("ij,ij->i", xs[train_rows], xs[train_rows],
