@@ -43,16 +43,23 @@ def parser(doc: str, steps: int, batch: int, lr: float) -> argparse.ArgumentPars
     return ap
 
 
+def recipe_kwargs(store, seed: int, test_fraction: float = 0.05) -> dict:
+    """The recipe's ActivationDataset arguments (all but points, batch and split)."""
+    kw = dict(max_norm_ratio=10.0, normalize="norm_scale", split_seed=seed,
+              test_fraction=test_fraction)
+    packing = (store.attrs.get("config") or {}).get("packing") or {}
+    if store.attrs.get("special_token_ids") is not None:
+        kw["exclude_special"] = True
+    elif packing.get("bos", "context") == "context":
+        kw["seqpos"] = slice(1, None)
+    return kw
+
+
 def datasets(args):
     """(train: endless for args.steps batches, test: one ordered pass), same constants."""
     store = open_store(args.store, read_only=True)
     point = args.point or store.points[len(store.points) // 2]
-    kw = dict(points=point, max_norm_ratio=10.0, normalize="norm_scale", split_seed=args.seed,
-              test_fraction=0.05)
-    if store.attrs.get("special_token_ids") is not None:
-        kw["exclude_special"] = True
-    elif ((store.attrs.get("config") or {}).get("packing") or {}).get("bos", "context") == "context":
-        kw["seqpos"] = slice(1, None)
+    kw = dict(points=point, **recipe_kwargs(store, args.seed))
     train = ActivationDataset(store, batch_size=args.batch_size, split="train", steps=args.steps,
                               seed=args.seed, **kw)
     test = ActivationDataset(store, batch_size=4096, split="test", shuffle=False,
