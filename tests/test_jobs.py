@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from harvest.pipeline.config import REPO_ROOT, cache_dir, default_config_path, load_config
-from tests.test_readme import blocks
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import make_cfg, write_corpus
+from tests.support.pipeline import make_cfg, write_corpus
+from tests.support.readme import blocks
 
 pytestmark = pytest.mark.slow  # a Ray head and `ray job submit`: not in `pytest -m 'not slow'`
 

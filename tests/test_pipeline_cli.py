@@ -21,7 +21,7 @@ from harvest.pipeline.cli import main
 from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import make_cfg, reference_rows, shared_corpus
+from tests.support.pipeline import make_cfg, reference_rows, shared_corpus
 
 pytestmark = pytest.mark.slow  # Ray pipeline runs through the CLI: not in `pytest -m 'not slow'`
 

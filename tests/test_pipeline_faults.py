@@ -19,7 +19,7 @@ import yaml
 from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import check_store, make_cfg
+from tests.support.pipeline import check_store, make_cfg
 
 # Ray pipeline runs with killed processes: not in `pytest -m 'not slow'`
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.lease import Lease, current, refuse_if_held
 from harvest.pipeline.store import open_store
 from harvest.pipeline.store.backend import locate
-from tests.test_pipeline_support import make_cfg
+from tests.support.pipeline import make_cfg
 
 pytestmark = pytest.mark.slow  # driver processes on a Ray cluster: not in `pytest -m 'not slow'`
 

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.reader_stores import make_store
+from tests.support.reader_stores import make_store
 
 pytestmark = pytest.mark.slow  # SAE trainers in their own venv: not in `pytest -m 'not slow'`
 

@@ -10,7 +10,6 @@ store built by the test in a scratch working directory, so the test needs no vLL
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -19,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from harvest.pipeline.config import REPO_ROOT
+from tests.support.readme import blocks
 
 pytestmark = pytest.mark.slow  # the README's blocks (engines, runs): not in `pytest -m 'not slow'`
-
-README = REPO_ROOT / "README.md"
 
 # bash blocks (first command line) -> where they are exercised instead of here
 COVERED = {
@@ -33,11 +31,6 @@ COVERED = {
     ".venv/bin/harvest run": "tests/test_pipeline_cli.py (run/plan/status/verify/inspect forms)",
     "export RAY_AUTH_MODE=token": "tests/test_jobs.py (parses and runs this very command)",
 }
-
-
-def blocks(lang: str) -> list[str]:
-    text = README.read_text()
-    return [m.group(1) for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)]
 
 
 def _run(code: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -87,7 +80,7 @@ def default_like_store(tmp_path_factory):
     """`.harvest/stores/default` in a scratch cwd: packed contexts with a BOS per context and
     special ids recorded, rows with a few huge-norm sinks, 11 layers so resid_post.10 exists."""
     from harvest.pipeline.store import create_store, synthetic
-    from tests.reader_stores import BOS, packed_meta
+    from tests.support.reader_stores import BOS, packed_meta
 
     cwd = tmp_path_factory.mktemp("readme")
     n, width, context = 16384, 64, 128
