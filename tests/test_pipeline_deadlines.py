@@ -113,7 +113,7 @@ def test_retries_stop_at_the_budget():
 
     def slow_failure():
         calls.append(time.monotonic())
-        time.sleep(0.3)
+        time.sleep(0.3)  # the thing under test: a call slower than the retry delays
         raise ConnectionError("no answer")
 
     t0 = time.monotonic()

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
 from tests.support.pipeline import check_store, make_cfg
+from tests.support.ray_actors import wait_actors_gone
+from tests.support.waiting import wait_until
 
 # Ray pipeline runs with killed processes: not in `pytest -m 'not slow'`
 pytestmark = pytest.mark.slow
@@ -63,10 +64,8 @@ def kill_and_wait_for_ray_restart(pid: int, timeout: float = 120) -> None:
     (actor_id,) = [i for i, a in state.actors().items() if a["Pid"] == pid
                    and a["State"] == "ALIVE"]
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while state.actors(actor_id=actor_id)["NumRestarts"] < 1:
-        assert time.monotonic() < deadline, f"Ray did not restart the actor of pid {pid}"
-        time.sleep(0.1)
+    wait_until(lambda: state.actors(actor_id=actor_id)["NumRestarts"] >= 1, timeout,
+               f"Ray to restart the actor of pid {pid}", interval=0.1)
 
 
 def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_llama, corpus,
@@ -146,14 +145,15 @@ def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
                             env={**os.environ, **ray_cluster.env})
     total = reference[0].n_units
     try:
-        deadline = time.time() + 180
         # units share one engine stream per actor, so they may commit out of order: wait for
         # unit 0 as well, or "resumes past the committed prefix" would have no prefix to show
-        first_marker = store_dir / "_harvest" / "commits"
-        while _commits(store_dir) < 3 or not list(first_marker.glob("unit-00000000.*.json")):
+        commits = store_dir / "_harvest" / "commits"
+
+        def three_with_unit_0() -> bool:
             assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-            assert time.time() < deadline, "driver committed nothing in 180 s"
-            time.sleep(0.05)
+            return _commits(store_dir) >= 3 and bool(list(commits.glob("unit-00000000.*.json")))
+
+        wait_until(three_with_unit_0, 180, "the driver to commit 3 units, unit 0 among them")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -162,7 +162,9 @@ def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
         log.close()
     at_kill = _commits(store_dir)
     assert 3 <= at_kill < total, "the driver finished before it could be killed"
-    time.sleep(1.0)  # the dead driver's actor is killed by Ray; anything it committed counts
+    # the dead driver's actor is killed by Ray (it owned it); until its process is gone it may
+    # still commit a unit, and anything it committed counts
+    wait_actors_gone(60, "the killed driver's actor")
     first = open_store(str(store_dir))
     before = set(first.committed_units())
     assert first.summary is None  # not finished
