@@ -158,8 +158,23 @@ def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
             lo = min(min(needed[b]), j)
             cursor = chunks[chunk_key(b, lo)]["cursor"] if lo != j or cursor is None else cursor
             j = lo
-        jobs.append(Job(b, cursor, j, None))
+        # the packer counts packing.max_tokens from where it starts: from a cursor, only what the
+        # run has left there, or it packs (and the driver receives) chunks past the run's end
+        budget = None if max_contexts is None else \
+            max(0, max_contexts - _contexts_before(chunks, b, j))
+        jobs.append(Job(b, cursor, j, None, budget=budget))
         fresh_from = b + 1
     jobs.sort(key=lambda jb: jb.block)
     return ResumeState(plan["units"], committed, todo, chunks, f, jobs, fresh_from,
                        plan["next_seq"], plan["payloads"], plan["final"])
+
+
+def _contexts_before(chunks: dict, block: int, chunk: int) -> int:
+    """Where chunk (block, chunk)'s first context lands in the run: the contexts of every planned
+    chunk before it (all placed and planned: a continuation starts at or before the frontier)."""
+    n = 0
+    for key, d in chunks.items():
+        b, j = (int(x) for x in key.split(":"))
+        if (b, j) < (block, chunk):
+            n += int(d["n_contexts"])
+    return n

@@ -123,10 +123,13 @@ class TokenizeWorker:
         return os.getpid()
 
     def tokenize(self, block_id: int, block: list[dict], start: dict | None = None,
-                 first_index: int = 0, last_index: int | None = None):
-        """Yields arrays, descriptor, arrays, descriptor, ... (two objects per chunk)."""
+                 first_index: int = 0, last_index: int | None = None,
+                 budget: int | None = None):
+        """Yields arrays, descriptor, arrays, descriptor, ... (two objects per chunk). `budget`:
+        the contexts left to the run from `start` on (a resume), else the run's whole budget."""
         self.blocks_started += 1
+        max_contexts = self.max_contexts if budget is None else budget
         for c in pack_block(block_id, block, self.data, self.packing, self.tokenizer, self.bos,
-                            self.chunk_contexts, self.max_contexts, start, first_index, last_index):
+                            self.chunk_contexts, max_contexts, start, first_index, last_index):
             yield c.arrays()
             yield {**c.describe(), "pid": os.getpid()}

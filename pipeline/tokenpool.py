@@ -27,6 +27,9 @@ class Job:
     first_index: int = 0
     last_index: int | None = None
     attempt: int = 1
+    # contexts the job may pack at most (packing.max_tokens's share from its start on); None:
+    # the run's whole budget (a block's start, whose place in the run is not known yet)
+    budget: int | None = None
     gen: object = None
     worker: int = -1
     chunks: int = 0
@@ -77,7 +80,8 @@ class TokenPool:
         job.worker = w
         job.gen = self.workers[w].tokenize.options(
             num_returns="streaming", _generator_backpressure_num_objects=4).remote(
-            job.block, self.blocks[job.block], job.start, job.first_index, job.last_index)
+            job.block, self.blocks[job.block], job.start, job.first_index, job.last_index,
+            job.budget)
         self.active[w] = job
         self.blocks_tokenised.append((job.block, job.first_index))
 
@@ -125,7 +129,7 @@ class TokenPool:
             log.warning("tokenising block %d failed (attempt %d: %s); starting it again",
                         job.block, job.attempt, str(e).strip().splitlines()[-1][:200])
             self.jobs.appendleft(Job(job.block, job.start, job.first_index, job.last_index,
-                                     job.attempt + 1))
+                                     job.attempt + 1, budget=job.budget))
             return None
         job.chunks += 1
         return arrays, desc

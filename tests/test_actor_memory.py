@@ -11,7 +11,6 @@ is then verified and read back against rows computed here from the token ids.
 
 from __future__ import annotations
 
-import collections
 import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,124 +18,27 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from harvest.engine.common import ModelInfo
 from harvest.pipeline.messages import ActorSpec, UnitTask
 from harvest.pipeline.store import create_store, open_store
-from harvest.pipeline.store.writer import RegionWriter
+from tests.support.slow_engine import (C, P, SLOW_ENGINE, W, live, live_writers, rows_of,
+                                       tokens_of)
 
 pytestmark = pytest.mark.slow  # the actor's stream over 40 units: not in `pytest -m 'not slow'`
 
-P, W, C = 2, 8, 16            # points, width, context size
 CTX_PER_UNIT, SHARD = 4, 32   # 64-row units of two shards each
 UNITS, IN_FLIGHT = 40, 2
-ENGINE_WINDOW = 2             # contexts the fake engine holds before yielding the oldest
-DELAY = 0.004                 # seconds per context: the engine is the slow side
-
-_live: list[int] = []         # live writers, sampled by the engine once per context
-
-
-def _live_writers() -> int:
-    return sum(1 for o in gc.get_objects() if type(o) is RegionWriter)
-
-
-def _tokens(row_start: int, n: int) -> np.ndarray:
-    return ((np.arange(row_start, row_start + n) * 7) % 97).astype(np.int32)
-
-
-def _rows(tok: np.ndarray) -> np.ndarray:
-    """Activations [P, n, W] as a function of the token ids: small integers, exact in bf16."""
-    t = tok.astype(np.float32)
-    return (t[None, :, None] + 100 * np.arange(P)[:, None, None]
-            + np.arange(W)[None, None, :]).astype(np.float32)
-
-
-class SlowEngine:
-    """A harvest.engine.protocol.CaptureEngine, no model: rows computed from the token ids,
-    yielded in submission order `ENGINE_WINDOW` contexts behind the feed, `DELAY` seconds each.
-    With factory_options["in_place"] it accepts destinations and writes into the writer's shard
-    buffer, as vLLM does."""
-
-    backend = "slow-fake"
-    name = "slow-fake"
-    revision = None
-    frozen = None
-    accepts_destinations = False
-
-    def __init__(self, spec: ActorSpec):
-        import torch
-
-        self.info = ModelInfo(n_layers=P, width=W, max_position=4 * C, vocab_size=97,
-                              n_streams=1, architecture="slow-fake")
-        self.n_layers, self.width, self.max_model_len = P, W, 4 * C
-        self.max_num_batched_tokens = C
-        self.dtype = torch.bfloat16
-        self.accepts_destinations = bool(spec.factory_options.get("in_place"))
-        # ("raise" | "drop", request index): first stream only
-        self.fault = spec.factory_options.get("fault")
-        self.requests = 0
-
-    def describe(self) -> dict:
-        return {"backend": "slow-fake"}
-
-    def step_stats(self) -> dict:
-        return {"steps": self.requests, "scheduled_tokens": self.requests * C,
-                "max_num_batched_tokens": C}
-
-    def capture(self, batches, points, destinations=None):
-        if destinations is not None and not self.accepts_destinations:
-            raise ValueError("this SlowEngine takes no destinations")
-        return self._run(iter(batches), points, destinations)
-
-    def _run(self, batches, points, destinations):
-        import torch
-
-        from harvest.engine.addresses import parse_addresses
-        from harvest.engine.captured import CapturedRequest
-
-        pts = tuple(parse_addresses(list(points), self.n_layers))
-        window: collections.deque = collections.deque()
-        index, more = 0, True
-        while more or window:
-            while more and len(window) < ENGINE_WINDOW:
-                batch = next(batches, None)
-                if batch is None:
-                    more = False
-                    break
-                for toks in batch:
-                    ids = np.asarray(toks, np.int32)
-                    dest = destinations(index, len(ids)) if destinations else None
-                    window.append((index, ids, dest))
-                    index += 1
-            if not window:
-                break
-            i, ids, dest = window.popleft()
-            if self.fault and i == self.fault[1]:
-                kind, self.fault = self.fault[0], None
-                if kind == "raise":
-                    raise RuntimeError("the engine died")
-                continue  # "drop": this request never comes back
-            time.sleep(DELAY)
-            self.requests += 1
-            acts = torch.from_numpy(_rows(ids)).to(torch.bfloat16)
-            if dest is not None:
-                dest.copy_(acts)
-            _live.append(_live_writers())
-            yield CapturedRequest(i, ids, np.arange(len(ids), dtype=np.int32), pts, acts)
-
-    def close(self) -> None:
-        pass
 
 
 def _unit_rows(unit: UnitTask, context_size: int):
     """Stands in for the Ray fetch of the tokenisers' chunks (pipeline.rows.unit_rows)."""
     rs, re_ = unit.row_start, unit.row_end
-    tok = _tokens(rs, re_ - rs)
+    tok = tokens_of(rs, re_ - rs)
     return tok, np.arange(rs, re_) // 50, np.arange(rs, re_) % C
 
 
 def _spec(url: str, points: list, **factory_options) -> ActorSpec:
     return ActorSpec(index=0, model_path="", engine_kwargs={}, points=tuple(points),
-                     context_size=C, store_url=url, engine_factory=f"{__name__}:SlowEngine",
+                     context_size=C, store_url=url, engine_factory=SLOW_ENGINE,
                      factory_options=factory_options)
 
 
@@ -168,17 +70,17 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
     monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
     threads = torch.get_num_threads()
-    _live.clear()
+    live.clear()
     gc.collect()
-    base = _live_writers()
+    base = live_writers()
     actor = actor_mod.HarvestActor(_spec(url, points, in_place=in_place))
     try:
         with ThreadPoolExecutor(IN_FLIGHT) as ex:
             results = list(ex.map(actor.run_unit, units))
         deadline = time.monotonic() + 15
-        while _live_writers() > base and time.monotonic() < deadline:
+        while live_writers() > base and time.monotonic() < deadline:
             time.sleep(0.1)  # the stream ends STREAM_GAP_WAIT after its last unit
-        after = _live_writers() - base
+        after = live_writers() - base
         assert actor.streams == 1, "the units did not run as one stream; the test shows nothing"
         assert actor.rows_in_place == (n if in_place else 0)
         cached = len(actor._open_store()._markers)
@@ -187,18 +89,18 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
         torch.set_num_threads(threads)
 
     assert [r.status for r in results] == ["committed"] * UNITS
-    assert len(_live) == UNITS * CTX_PER_UNIT
+    assert len(live) == UNITS * CTX_PER_UNIT
     # the bound: the units in flight plus one (a unit finishing its commit while the engine
     # already captures the next two); before the fix this grew to every unit of the stream
-    assert max(_live) - base <= IN_FLIGHT + 1, f"live writers per context: {_live}"
+    assert max(live) - base <= IN_FLIGHT + 1, f"live writers per context: {live}"
     assert after == 0, f"{after} writers still alive after the stream ended"
     assert cached <= 8, f"the actor's store holds {cached} markers of {UNITS} units"
 
     back = open_store(url)
     v = back.verify(deep=True)
     assert v["ok"] and v["committed_units"] == UNITS, v
-    tok = _tokens(0, n)
-    want = _rows(tok)
+    tok = tokens_of(0, n)
+    want = rows_of(tok)
     for p, name in enumerate(points):
         got = np.asarray(back.read(name, 0, n)).astype(np.float32)
         assert np.array_equal(got, want[p]), name
@@ -223,8 +125,8 @@ def test_statistics_partials_stay_bounded_over_a_unit_of_many_shards(tmp_path):
     s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
                      context_size=C)
     s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
-    tok = _tokens(0, n)
-    rows = _rows(tok).astype(s.np_dtype)
+    tok = tokens_of(0, n)
+    rows = rows_of(tok).astype(s.np_dtype)
 
     def live() -> int:
         return sum(1 for o in gc.get_objects() if type(o) is stats_mod.Moments)
@@ -274,7 +176,7 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
     threads = torch.get_num_threads()
     gc.collect()
-    base = _live_writers()
+    base = live_writers()
     # request 5: the second context of the second unit queued, once every context of the first
     # came back (it must commit: it is no longer in flight) and before a third is taken
     monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
@@ -289,10 +191,10 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # the stream ends STREAM_GAP_WAIT after its last unit
             gc.collect()  # a failed unit's exception and its frames form a cycle
-            if _live_writers() == base:
+            if live_writers() == base:
                 break
             time.sleep(0.2)
-        left = _live_writers() - base  # with the engine thread still waiting for the next unit
+        left = live_writers() - base  # with the engine thread still waiting for the next unit
     finally:
         actor.close()
         torch.set_num_threads(threads)

@@ -15,8 +15,8 @@ import torch
 
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.check import reference_many, row_errors
-from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
+from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # vLLM engines (hooked mode): not in `pytest -m 'not slow'`
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from harvest.engine import Address, load_model
-from tests.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
+from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # a vLLM engine under preemption: not in `pytest -m 'not slow'`
 

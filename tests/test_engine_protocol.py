@@ -23,7 +23,7 @@ def _engines():
     from harvest.benchmarks.bench_scale import StubEngine
     from harvest.engine.hf_backend import HFModel
     from harvest.engine.vllm_backend import VLLMModel
-    from tests.test_actor_memory import SlowEngine
+    from tests.support.slow_engine import SlowEngine
 
     return [VLLMModel, HFModel, StubEngine, SlowEngine]
 

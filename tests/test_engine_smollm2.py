@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harvest.engine import Address, load_model, run_with_cache
-from tests.engine_reference import rel_err
+from tests.support.engine_reference import rel_err
 
 pytestmark = pytest.mark.slow  # SmolLM2 in vLLM and HF: not in `pytest -m 'not slow'`
 

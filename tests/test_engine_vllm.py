@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from harvest.engine import Address, load_model, run_with_cache
-from tests.engine_reference import BF16_REL_TOL, final_norm, hf_hidden_states, prompts, rel_err
 from tests.fixtures.models import ARCHS, tiny_model_path
+from tests.support.engine_reference import (BF16_REL_TOL, final_norm, hf_hidden_states, prompts,
+                                             rel_err)
 
 pytestmark = pytest.mark.slow  # vLLM engines: not in `pytest -m 'not slow'`
 

@@ -31,8 +31,8 @@ import pytest
 
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.check import NO_COMPILE, check_loaded, reference_many, row_errors
-from tests.engine_reference import BF16_REL_TOL, prompts, rel_err
 from tests.fixtures.models import tiny_model_path
+from tests.support.engine_reference import BF16_REL_TOL, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # vLLM engines of every model family: not in `pytest -m 'not slow'`
 

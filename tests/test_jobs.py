@@ -1,11 +1,12 @@
 """`ray job submit` against `ray start --head` on 127.0.0.1 runs the entrypoint to completion.
 
 The first submission is docs/operations.md's own block (the `export RAY_AUTH_MODE=token ...`
-lines, run by bash), with only its placeholders filled in: the head's address, the cache folder,
-the interpreter and the config path. It runs `python -m harvest.jobs.harvest --config run.yaml`
-inside the cluster (RAY_ADDRESS set by Ray), and the store it leaves is checked from the test. A second
-submission of the finished config is a no-op that says so, and reusing a submission id is
-refused by Ray (the guard against double submission).
+lines, run by bash), with only its placeholders filled in: the head's address, the cache folder, the
+interpreter and the config path. It runs `python -m harvest.jobs.harvest --config run.yaml` inside the
+cluster, and the store it leaves is checked from the test. Every address is this test's own head
+(the shell's RAY_ADDRESS, the config's ray.address), so other Ray instances on the host do not
+matter. A second submission of the finished config is a no-op that says so, and reusing a
+submission id is refused by Ray (the guard against double submission).
 """
 
 from __future__ import annotations
@@ -22,11 +23,22 @@ import pytest
 import yaml
 
 from harvest.pipeline.config import REPO_ROOT, cache_dir, default_config_path, load_config
-from tests.test_readme import blocks
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import make_cfg, write_corpus
+from tests.support.pipeline import make_cfg, write_corpus
+from tests.support.readme import blocks
 
 pytestmark = pytest.mark.slow  # a Ray head and `ray job submit`: not in `pytest -m 'not slow'`
+
+
+def _client_env(head) -> dict:
+    """The submitting shell's environment, bound to this test's head: other Ray instances on the
+    host (other sessions' tests, a user's `ray start`) must not matter. Ray's CLI resolves an
+    address it is not given from RAY_ADDRESS, else by scanning the host for GCS processes ("Found
+    multiple active Ray instances" once there are two), and RAY_API_SERVER_ADDRESS / RAY_ADDRESS
+    override even `--address`: all of them name this head here."""
+    env = {**os.environ, **head.env}
+    env["RAY_ADDRESS"] = env["RAY_API_SERVER_ADDRESS"] = head.dashboard_url
+    return env
 
 
 def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.CompletedProcess:
@@ -39,7 +51,7 @@ def _submit(head, sid: str, config: Path, timeout: int = 420) -> subprocess.Comp
     ]
     deadline = time.time() + 90
     while True:
-        r = subprocess.run(cmd, env={**os.environ, **head.env}, capture_output=True, text=True,
+        r = subprocess.run(cmd, env=_client_env(head), capture_output=True, text=True,
                            timeout=timeout, cwd=REPO_ROOT)
         # A fresh head answers HTTP before its job agent registers; the submission is refused
         # (nothing created) and may be repeated with the same id.
@@ -61,7 +73,7 @@ def readme_submit(head, config: Path, timeout: int = 420) -> subprocess.Complete
         script = script.replace(k, v)
     # the user's shell: the venv's `ray` on PATH, the head's token where `ray get-auth-token` reads
     # it; RAY_AUTH_MODE / RAY_AUTH_TOKEN come from the block's own export
-    env = {k: v for k, v in {**os.environ, **head.env}.items() if k != "RAY_AUTH_MODE"}
+    env = {k: v for k, v in _client_env(head).items() if k != "RAY_AUTH_MODE"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     deadline = time.time() + 90
     while True:
@@ -77,7 +89,9 @@ def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, 
     store_dir = tmp_path / "store"
     cfg = make_cfg(tiny_llama, str(store_dir), corpus, "packing.max_tokens=2048")
     conf = cfg.to_dict(redact=False)
-    conf["ray"]["address"] = None  # the cluster the job runs in
+    # the cluster the job runs in, named: Ray's RAY_ADDRESS for the entrypoint is found from the
+    # head's temp dir, or by "auto" (any GCS on the host) where that fails
+    conf["ray"]["address"] = ray_head.address
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(conf))
 

@@ -157,3 +157,34 @@ def test_chunks_resumed_at_their_cursor_are_the_same_chunks(bos, overflow):
     for c in chunks[1:]:
         again = run(c.cursor, c.index)
         assert [x.describe() for x in again] == [x.describe() for x in chunks[c.index:]]
+
+
+def test_a_packer_resumed_with_the_budget_left_stops_where_the_run_ends():
+    """packing.max_tokens counts from where a packer starts. Resumed at chunk k's cursor with
+    the run's whole budget it packs k chunks past the run's end (a resumed driver received all
+    of them: 24 chunk events from chunk 7 of a 24-chunk run); with the budget left at chunk k
+    (what resume_state gives the continuation job) it re-creates chunks k.. and stops."""
+    from harvest.pipeline.packing import BlockPacker
+
+    cfg = PackingConfig(context_size=8, bos="context")
+    ds = docs(*([30] * 40))  # 40 documents, far more than the budget
+
+    def run(budget, start=None, first=0):
+        p = BlockPacker(cfg, BOS, block=0, chunk_contexts=2, max_contexts=budget, start=start,
+                        first_index=first)
+        out = []
+        for d, ids in ds:
+            if p.done:
+                break
+            if start is None or d >= start["row"]:
+                out += p.add(d, [d, 0], ids)
+        return out + p.finish()
+
+    chunks = run(12)
+    assert [c.n_contexts for c in chunks] == [2] * 6 and chunks[-1].stats["budget_reached"]
+    for c in chunks[1:]:
+        before = sum(x.n_contexts for x in chunks[:c.index])
+        again = run(12 - before, c.cursor, c.index)
+        assert [x.describe() for x in again] == [x.describe() for x in chunks[c.index:]]
+        over = run(12, c.cursor, c.index)  # the whole budget again: c.index chunks too many
+        assert len(over) == 6 and over[-1].index == c.index + 5

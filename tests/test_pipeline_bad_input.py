@@ -18,7 +18,7 @@ from harvest.pipeline.data import DataError
 from harvest.pipeline.driver import run
 from harvest.pipeline.packing import PackingError
 from harvest.pipeline.store import StoreAccessError
-from tests.test_pipeline_support import make_cfg
+from tests.support.pipeline import make_cfg
 
 pytestmark = pytest.mark.slow  # Ray and driver runs on bad input: not in `pytest -m 'not slow'`
 

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,8 @@ from harvest.pipeline.cli import main
 from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import make_cfg, reference_rows, shared_corpus
+from tests.support.pipeline import make_cfg, reference_rows, shared_corpus
+from tests.support.ray_actors import wait_actors_gone
 
 pytestmark = pytest.mark.slow  # Ray pipeline runs through the CLI: not in `pytest -m 'not slow'`
 
@@ -47,7 +47,9 @@ def _interrupted_run(cfg, after: int) -> None:
 
     with pytest.raises(_Stop):
         run(cfg, on_event=hook)
-    time.sleep(2)  # the killed actor's in-flight units are refused now, not during the checks
+    # the stopped run's actors are killed by its driver; one may still commit a unit it had in
+    # flight until its process is gone: wait for that, so the markers below are final
+    wait_actors_gone(60, "the stopped run's actors")
     store = open_store(cfg.store.resolved_url)
     for n in store.marker_names():
         if n.unit_id not in done:

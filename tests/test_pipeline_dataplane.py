@@ -9,7 +9,7 @@ import pytest
 
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import assert_store_matches, make_cfg, reference_block_rows
+from tests.support.pipeline import assert_store_matches, make_cfg, reference_block_rows
 
 pytestmark = pytest.mark.slow  # a Ray pipeline run: not in `pytest -m 'not slow'`
 

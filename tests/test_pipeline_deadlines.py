@@ -19,7 +19,7 @@ import pytest
 
 from harvest.pipeline.driver import HarvestError, run
 from harvest.pipeline.store import StoreAccessError, open_store
-from tests.test_pipeline_support import check_store, make_cfg
+from tests.support.pipeline import check_store, make_cfg
 
 # Ray pipeline runs with stopped actors: not in `pytest -m 'not slow'`
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_retries_stop_at_the_budget():
 
     def slow_failure():
         calls.append(time.monotonic())
-        time.sleep(0.3)
+        time.sleep(0.3)  # the thing under test: a call slower than the retry delays
         raise ConnectionError("no answer")
 
     t0 = time.monotonic()

@@ -7,7 +7,7 @@ import pytest
 
 from harvest.pipeline.driver import run
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import check_store, make_cfg
+from tests.support.pipeline import check_store, make_cfg
 
 pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
 

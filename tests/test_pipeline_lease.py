@@ -26,9 +26,15 @@ from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.lease import Lease, current, refuse_if_held
 from harvest.pipeline.store import open_store
 from harvest.pipeline.store.backend import locate
-from tests.test_pipeline_support import make_cfg
+from tests.support.pipeline import make_cfg
+from tests.support.waiting import wait_until, wait_until_stable
 
 pytestmark = pytest.mark.slow  # driver processes on a Ray cluster: not in `pytest -m 'not slow'`
+
+
+def _alive(proc, log: Path) -> bool:
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return True
 
 
 def _tree(root: Path) -> dict:
@@ -44,7 +50,7 @@ def test_lease_is_exclusive_and_a_paused_holder_stops(tmp_path):
     # A is "paused": its heartbeats stop (the thread is stopped without releasing)
     a._stop.set()
     a._thread.join()
-    time.sleep(2.2)
+    time.sleep(2.2)  # the thing under test: the 2 s lease expires without heartbeats
     b = Lease(loc, 2.0, "store", {"run": 2}, "b").acquire()  # expired: free to take
     assert b.gen == 1 and current(loc).gen == 1
     a.last_beat = 0.0  # A wakes up after the pause: its next control write checks first
@@ -83,15 +89,12 @@ def driver_a(ray_cluster, tiny_llama, corpus, tmp_path):
 
 def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, capsys):
     proc, store, conf = driver_a
-    deadline = time.time() + 180
-    while not (store / "zarr.json").exists():
-        assert proc.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
-        assert time.time() < deadline, "driver A created no store in 180 s"
-        time.sleep(0.05)
+    wait_until(lambda: _alive(proc, tmp_path / "a.log") and (store / "zarr.json").exists(), 180,
+               "driver A to create its store")
     os.kill(proc.pid, signal.SIGSTOP)
     try:
-        time.sleep(0.5)
-        before = _tree(store)
+        # A's driver is stopped, its actor is not: it finishes (commits) the unit it had
+        before = wait_until_stable(lambda: _tree(store), 0.5, 60, "driver A's store to be quiet")
         conf_b = {**conf, "store": {**conf["store"], "unit_shards": 2}}
         conf_b["ray"] = {**conf["ray"], "address": None}
         path_b = tmp_path / "b.yaml"
@@ -135,11 +138,8 @@ def test_sigterm_releases_the_lease_and_stops_the_ray_it_started(ray_auth_env, t
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     kids: list = []
     try:
-        deadline = time.time() + 240
-        while not (store / "zarr.json").exists():  # actors up, store created: mid-run
-            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-            assert time.time() < deadline, "the driver created no store in 240 s"
-            time.sleep(0.05)
+        wait_until(lambda: _alive(proc, tmp_path / "driver.log")  # actors up, store created
+                   and (store / "zarr.json").exists(), 240, "the driver to create its store")
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(k.cmdline()) for k in kids), "no Ray of its own?"
         t0 = time.monotonic()

@@ -152,6 +152,38 @@ def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_n
     assert rest == ref[4:] and len(rest) == 1
 
 
+
+def test_resume_state_gives_the_continuation_the_budget_left_at_its_chunk(tmp_path):
+    """With packing.max_tokens (17 contexts of 18), the continuation job re-reads chunk 3:0 from
+    its cursor; the packer counts the budget from there, so the job carries what is left at that
+    chunk (17 - the 14 contexts of blocks 0..2 = 3), not 17: with 17 it would pack past the end
+    of the run. Jobs that end at a last chunk (unit 2's) need no budget."""
+    from types import SimpleNamespace
+
+    from harvest.pipeline.resume import resume_state
+    from harvest.pipeline.store import create_store
+    from harvest.pipeline.store.commits import create_marker
+
+    counts = {0: [3, 3, 1], 1: [0], 2: [5, 2], 3: [4]}
+    f = Frontier(8, 4, 4, max_contexts=17)
+    emitted = [e for d in _chunks(counts) for e in f.add(d) if e.unit.n_rows]
+    assert [e.unit.row_end // 8 for e in emitted] == [4, 8, 12, 16, 17]
+    emitted = emitted[:4]  # planned before the stop: the frontier is inside chunk 3:0, not done
+    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
+                     shard_rows=32, chunk_rows=32, context_size=8)
+    for seq, e in enumerate(emitted):
+        s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
+    for uid in (0, 1, 3):
+        u = emitted[uid].unit
+        create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
+    prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
+                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+    st = resume_state(s, prep, 17)
+    assert [(j.block, j.first_index, j.last_index, j.budget) for j in st.jobs] == \
+        [(2, 0, 0, None), (3, 0, None, 3)]
+    # the budget is where the frontier's next context lands, less what it re-reads of the chunk
+    assert st.frontier.placed - st.frontier.skip_ctx == 17 - st.jobs[1].budget
+
 # ---- `harvest plan`: objects, sizes and requests of the layout (issue 24) -------------------
 
 def _model_dir(tmp_path, n_layers: int, width: int, vocab: int = 128256) -> str:

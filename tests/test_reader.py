@@ -12,7 +12,7 @@ import torch
 
 from harvest.pipeline.store import create_store, synthetic
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import BOS, committed_rows, make_store
+from tests.support.reader_stores import BOS, committed_rows, make_store
 
 P, W, N, SHARD, C = 2, 16, 5000, 512, 100   # 10 shards, the last one partial (392 rows)
 

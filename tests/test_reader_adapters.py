@@ -10,22 +10,19 @@ one. The light package is checked there too: installed without vLLM or Ray, it r
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.reader_stores import make_store
+from tests.support.reader_stores import make_store
+from tests.support.trainers import run_example, trainers_python
 
 pytestmark = pytest.mark.slow  # SAE trainers in their own venv: not in `pytest -m 'not slow'`
 
-REPO = Path(__file__).resolve().parents[1]
-TRAINERS = REPO / ".venv-trainers" / "bin" / "python"
 D, ATOMS, K, N = 64, 256, 4, 1 << 15
 
 
@@ -43,50 +40,29 @@ def sparse_store(tmp_path_factory):
     return s.url
 
 
-def _trainers_venv():
-    if not TRAINERS.exists():
-        pytest.fail(f"{TRAINERS} is missing: run `bash .ci/install`, which builds it (sae-lens, "
-                    "dictionary-learning, eai-sparsify and the light harvest-store package)")
-    return str(TRAINERS)
-
-
-def _run(python: str, script: str, store: str, *extra, light: bool = False, timeout: int = 600) -> dict:
-    env = dict(os.environ, WANDB_MODE="disabled", TQDM_DISABLE="1", OMP_NUM_THREADS="2")
-    if light:
-        env["HARVEST_LIGHT"] = "1"   # import harvest.pipeline.store from the installed package only
-        env.pop("PYTHONPATH", None)
-    else:
-        env["PYTHONPATH"] = str(REPO)
-    p = subprocess.run([python, str(REPO / "examples" / script), "--store", store, *extra], env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=str(REPO / "examples"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
-
-
 ARGS = ("--steps", "200", "--batch-size", "256", "--k", "8", "--lr", "1e-2")   # ~0.17 FVU for all four
 
 
 def test_plain_torch_topk_example_trains(sparse_store):
-    r = _run(sys.executable, "train_topk.py", sparse_store, *ARGS)
+    r = run_example(sys.executable, "train_topk.py", sparse_store, *ARGS)
     assert r["steps"] == 200 and r["norm_source"] == "sample"
     assert r["last_loss"] < 0.5 * r["first_loss"]
     assert r["heldout_fvu"] < 0.3, r
 
 
 def test_saelens_example_trains(sparse_store):
-    r = _run(_trainers_venv(), "train_saelens.py", sparse_store, *ARGS)
+    r = run_example(trainers_python(), "train_saelens.py", sparse_store, *ARGS)
     assert r["steps"] == 200 and r["last_loss"] < 0.5 * r["first_loss"]
     assert r["heldout_fvu"] < 0.3, r
 
 
 def test_dictionary_learning_example_trains(sparse_store):
-    r = _run(_trainers_venv(), "train_dictionary_learning.py", sparse_store, *ARGS)
+    r = run_example(trainers_python(), "train_dictionary_learning.py", sparse_store, *ARGS)
     assert r["heldout_fvu"] < 0.3, r
 
 
 def test_sparsify_example_trains(sparse_store):
-    r = _run(_trainers_venv(), "train_sparsify.py", sparse_store, *ARGS)
+    r = run_example(trainers_python(), "train_sparsify.py", sparse_store, *ARGS)
     assert r["last_loss"] < 0.5 * r["first_loss"]
     assert r["heldout_fvu"] < 0.3, r
 
@@ -94,7 +70,7 @@ def test_sparsify_example_trains(sparse_store):
 def test_light_package_reads_the_store_without_vllm_or_ray(sparse_store):
     """In .venv-trainers the store and reader come from the installed harvest-store package
     (no checkout on the path), and neither vLLM nor Ray is installed there."""
-    py = _trainers_venv()
+    py = trainers_python()
     code = ("import importlib.util as u, sys, numpy as np, harvest.pipeline.store as ps\n"
             "from harvest.pipeline.store.reader import ActivationDataset\n"
             "assert u.find_spec('vllm') is None and u.find_spec('ray') is None\n"

@@ -12,7 +12,7 @@ import torch
 
 from harvest.pipeline.store import open_store
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import BOS, make_store, unpublish
+from tests.support.reader_stores import BOS, make_store, unpublish
 
 W, SHARD, C, N = 16, 512, 64, 9 * 512
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import make_store
+from tests.support.reader_stores import make_store
 
 SHARD, K = 256, 256
 N = 32 * SHARD

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import BOS, committed_rows, make_store
+from tests.support.reader_stores import BOS, committed_rows, make_store
 
 W, SHARD, C = 8, 256, 64
 N7 = 7 * SHARD - 100   # 7 shards, the last one partial

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import committed_rows, make_store
+from tests.support.reader_stores import committed_rows, make_store
 
 W, SHARD = 8, 256
 N = 8 * SHARD

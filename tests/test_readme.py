@@ -21,10 +21,7 @@ from pathlib import Path
 import pytest
 
 from harvest.pipeline.config import REPO_ROOT
-
-README = REPO_ROOT / "README.md"
-# the pages whose blocks are checked: the README and every page under docs/
-PAGES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+from tests.support.readme import PAGES, README, blocks
 
 # python blocks per page (path from the repository root); each is run by a test below
 PYTHON_BLOCKS = {"README.md": 0, "docs/engine.md": 1, "docs/store.md": 1}
@@ -42,15 +39,6 @@ COVERED = {
 
 def _rel(path: Path) -> str:
     return path.relative_to(REPO_ROOT).as_posix()
-
-
-def blocks(lang: str, page: Path | None = None) -> list[str]:
-    """The ```lang blocks of one page, or of every page (README first, then docs/ by name)."""
-    out = []
-    for p in [page] if page else PAGES:
-        out += [m.group(1) for m in re.finditer(rf"^```{lang}\n(.*?)^```", p.read_text(),
-                                                re.S | re.M)]
-    return out
 
 
 def _run(code: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -157,7 +145,7 @@ def default_like_store(tmp_path_factory):
     """`.harvest/stores/default` in a scratch cwd: packed contexts with a BOS per context and
     special ids recorded, rows with a few huge-norm sinks, 11 layers so resid_post.10 exists."""
     from harvest.pipeline.store import create_store, synthetic
-    from tests.reader_stores import BOS, packed_meta
+    from tests.support.reader_stores import BOS, packed_meta
 
     cwd = tmp_path_factory.mktemp("readme")
     n, width, context = 16384, 64, 128

@@ -68,7 +68,7 @@ def test_report_and_inspect_read_an_unpublished_units_metadata(store_and_data, t
 
     from harvest.pipeline.store import open_store
     from harvest.pipeline.views import inspect
-    from tests.reader_stores import unpublish
+    from tests.support.reader_stores import unpublish
 
     src, data = store_and_data
     path = str(tmp_path / "u.zarr")

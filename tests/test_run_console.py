@@ -20,7 +20,7 @@ import yaml
 from harvest.pipeline.cli import budget_shortfall
 from harvest.pipeline.config import REPO_ROOT
 from harvest.pipeline.store import open_store
-from tests.test_pipeline_support import make_cfg, shared_corpus
+from tests.support.pipeline import make_cfg, shared_corpus
 
 pytestmark = pytest.mark.slow  # a CLI run in a subprocess: not in `pytest -m 'not slow'`
 

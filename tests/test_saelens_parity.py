@@ -13,7 +13,7 @@ import pytest
 
 from harvest.pipeline.config import default_config_path, load_config
 from harvest.pipeline.driver import run
-from tests.test_reader_adapters import _run, _trainers_venv
+from tests.support.trainers import run_example, trainers_python
 
 pytestmark = pytest.mark.slow   # vLLM, Ray and SAELens in its own venv
 
@@ -32,7 +32,7 @@ def smol_run(ray_cluster, smollm2, tmp_path_factory):
 
 
 def test_sae_from_the_store_matches_sae_from_saelens_cache(smol_run, tmp_path):
-    r = _run(_trainers_venv(), "parity_saelens.py", smol_run, "--point", POINT,
+    r = run_example(trainers_python(), "parity_saelens.py", smol_run, "--point", POINT,
              "--saelens-cache", str(tmp_path / "saelens"), "--steps", "200", "--batch-size", "256",
              "--k", "16", "--lr", "1e-3", timeout=900)
     h, s = r["harvest"], r["saelens"]

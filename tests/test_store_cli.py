@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harvest.pipeline.store import layout
-from tests.reader_stores import make_store
+from tests.support.reader_stores import make_store
 
 pytestmark = pytest.mark.slow  # the command in subprocesses
 

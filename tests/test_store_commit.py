@@ -53,7 +53,7 @@ _CHILD = textwrap.dedent("""
     w.write(2048, x[:, 2048:3072])        # shard 2 complete -> uploads in the background
     w.write(3072, x[:, 3072:3500])        # shard 3 half written
     print("WROTE", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # killed here by the test (SIGKILL mid-unit is the thing under test)
 """)
 
 

@@ -21,7 +21,7 @@ from harvest.pipeline.store import (DataIntegrityError, RegionConflict, RegionWr
                             StoreError, backend, create_store, layout, open_store, synthetic)
 from harvest.pipeline.store.objects import attempt_objects
 from harvest.pipeline.store.reader import ActivationDataset
-from tests.reader_stores import make_store
+from tests.support.reader_stores import make_store
 
 N, SHARD, W, CTX = 2048, 256, 16, 64
 POINTS = ("resid_post.0", "resid_post.1")

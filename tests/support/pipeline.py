@@ -1,5 +1,6 @@
-"""Helpers shared by the pipeline tests (corpus, configs, the single-process reference), and the
-test that the row-for-row comparison they rely on does catch a difference."""
+"""Helpers shared by the pipeline tests: the corpus, configs, the single-process reference and
+the row-for-row comparison against it (tests/test_store_matches.py checks that it does catch a
+difference). Not a test module: test modules import from here, never from each other."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from harvest.pipeline.config import HarvestConfig, load_config
 
@@ -205,28 +205,3 @@ def check_store(store, reference, rel_tol: float | None = None):
     assert np.array_equal(doc, ref.packed.doc_ids)
     assert np.array_equal(pos, ref.packed.positions)
     assert_store_matches(store, acts, rel_tol)  # None: same backend, bit-exact
-
-
-class _FakeStore:
-    def __init__(self, arrays):
-        self.arrays = arrays
-        self.points = list(arrays)
-        self.n_rows = len(next(iter(arrays.values())))
-
-    def read(self, p, a, b):
-        return self.arrays[p][a:b]
-
-
-def test_row_comparison_catches_one_flipped_bit():
-    import ml_dtypes
-
-    ref = {"resid_post.0": np.arange(64, dtype=np.float32).reshape(8, 8).astype(ml_dtypes.bfloat16)}
-    assert_store_matches(_FakeStore({k: v.copy() for k, v in ref.items()}), ref)
-    bad = ref["resid_post.0"].copy()
-    bad.view(np.uint16)[5, 3] ^= 1
-    with pytest.raises(AssertionError, match="1 rows differ"):
-        assert_store_matches(_FakeStore({"resid_post.0": bad}), ref)
-    assert_store_matches(_FakeStore({"resid_post.0": bad}), ref, rel_tol=0.03)
-    swapped = ref["resid_post.0"][[1, 0, 2, 3, 4, 5, 6, 7]]
-    with pytest.raises(AssertionError, match="2 rows beyond 3% relative error"):
-        assert_store_matches(_FakeStore({"resid_post.0": swapped}), ref, rel_tol=0.03)
