@@ -42,6 +42,20 @@ def _spec(url: str, points: list, **factory_options) -> ActorSpec:
                      factory_options=factory_options)
 
 
+def _planned_store(tmp_path, units_n: int):
+    """A store of `units_n` units of CTX_PER_UNIT contexts, planned and empty: (url, points,
+    the units' messages)."""
+    U = CTX_PER_UNIT * C
+    url = str(tmp_path / "s.zarr")
+    points = [f"resid_post.{p}" for p in range(P)]
+    s = create_store(url, points=points, width=W, n_rows=units_n * U, shard_rows=SHARD,
+                     chunk_rows=16, context_size=C)
+    units = [UnitTask(u, u * U, (u + 1) * U) for u in range(units_n)]
+    s.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
+                  for u in units])
+    return url, points, units
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in-place"])
 def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_place):
     import torch
@@ -50,15 +64,8 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     import harvest.pipeline.rows as rows_mod
     import harvest.pipeline.store.store as store_mod
 
-    U = CTX_PER_UNIT * C
-    n = UNITS * U
-    url = str(tmp_path / "s.zarr")
-    points = [f"resid_post.{p}" for p in range(P)]
-    s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
-                     context_size=C)
-    units = [UnitTask(u, u * U, (u + 1) * U) for u in range(UNITS)]
-    s.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
-                  for u in units])
+    url, points, units = _planned_store(tmp_path, UNITS)
+    n = UNITS * CTX_PER_UNIT * C
 
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     # the markers the actor's long-lived store caches: bounded (8 here, so 40 units exceed it)
@@ -161,15 +168,7 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     import harvest.pipeline.actor as actor_mod
     import harvest.pipeline.rows as rows_mod
 
-    units_n, U = 6, CTX_PER_UNIT * C
-    n = units_n * U
-    url = str(tmp_path / "s.zarr")
-    points = [f"resid_post.{p}" for p in range(P)]
-    s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
-                     context_size=C)
-    units = [UnitTask(u, u * U, (u + 1) * U) for u in range(units_n)]
-    s.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
-                  for u in units])
+    url, points, units = _planned_store(tmp_path, 6)
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
@@ -205,4 +204,4 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     assert outcome[failed[0]].endswith(want_error), outcome
     assert left == 0, f"{left} writers alive after the stream ended"
     v = open_store(url).verify()
-    assert v["committed_units"] == units_n - 1, v
+    assert v["committed_units"] == len(units) - 1, v

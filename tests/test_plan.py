@@ -111,15 +111,31 @@ def test_check_units_refuses_overlaps_and_shared_shards():
     assert Unit.from_dict(Unit(3, 0, 8, ((1, 2, 0, 1, 5),)).as_dict()) == Unit(3, 0, 8, ((1, 2, 0, 1, 5),))
 
 
+def _stopped_after(tmp_path, emitted, committed):
+    """A store whose driver stopped after planning `emitted` (each unit its own plan segment)
+    with the units `committed` committed, and the Prepared fields resume_state reads."""
+    from types import SimpleNamespace
+
+    from harvest.pipeline.store import create_store
+    from harvest.pipeline.store.commits import create_marker
+
+    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
+                     shard_rows=32, chunk_rows=32, context_size=8)
+    for seq, e in enumerate(emitted):
+        s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
+    for uid in committed:
+        u = emitted[uid].unit
+        create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
+    prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
+                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+    return s, prep
+
+
 def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_need(tmp_path):
     """A run stopped with units 0..3 planned (not the last) and 0, 1, 3 committed: the resume
     re-creates the chunk of unit 2 only (from its recorded cursor, and no further), and goes on
     placing from the frontier's last chunk; blocks 0 and 1 (units 0 and 1) are not re-tokenised."""
-    from types import SimpleNamespace
-
     from harvest.pipeline.resume import resume_state
-    from harvest.pipeline.store import create_store
-    from harvest.pipeline.store.commits import create_marker
 
     counts = {0: [3, 3, 1], 1: [0], 2: [5, 2], 3: [4]}
     emitted = []
@@ -127,15 +143,7 @@ def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_n
     for d in _chunks(counts):
         emitted += f.add(d)
     emitted = [e for e in emitted if e.unit.n_rows][:4]  # planned before the stop
-    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
-                     shard_rows=32, chunk_rows=32, context_size=8)
-    for seq, e in enumerate(emitted):
-        s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
-    for uid in (0, 1, 3):
-        u = emitted[uid].unit
-        create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
-    prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
-                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+    s, prep = _stopped_after(tmp_path, emitted, committed=(0, 1, 3))
     st = resume_state(s, prep, None)
     assert st.committed == {0, 1, 3} and [u.unit_id for u in st.todo] == [2]
     assert emitted[2].unit.pieces == ((2, 0, 1, 5, 20),)
@@ -158,26 +166,14 @@ def test_resume_state_gives_the_continuation_the_budget_left_at_its_chunk(tmp_pa
     its cursor; the packer counts the budget from there, so the job carries what is left at that
     chunk (17 - the 14 contexts of blocks 0..2 = 3), not 17: with 17 it would pack past the end
     of the run. Jobs that end at a last chunk (unit 2's) need no budget."""
-    from types import SimpleNamespace
-
     from harvest.pipeline.resume import resume_state
-    from harvest.pipeline.store import create_store
-    from harvest.pipeline.store.commits import create_marker
 
     counts = {0: [3, 3, 1], 1: [0], 2: [5, 2], 3: [4]}
     f = Frontier(8, 4, 4, max_contexts=17)
     emitted = [e for d in _chunks(counts) for e in f.add(d) if e.unit.n_rows]
     assert [e.unit.row_end // 8 for e in emitted] == [4, 8, 12, 16, 17]
     emitted = emitted[:4]  # planned before the stop: the frontier is inside chunk 3:0, not done
-    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
-                     shard_rows=32, chunk_rows=32, context_size=8)
-    for seq, e in enumerate(emitted):
-        s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
-    for uid in (0, 1, 3):
-        u = emitted[uid].unit
-        create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
-    prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
-                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+    s, prep = _stopped_after(tmp_path, emitted, committed=(0, 1, 3))
     st = resume_state(s, prep, 17)
     assert [(j.block, j.first_index, j.last_index, j.budget) for j in st.jobs] == \
         [(2, 0, 0, None), (3, 0, None, 3)]
