@@ -48,7 +48,7 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     """
     t_start = time.perf_counter()
     shown_url = redact_url(cfg.store.resolved_url)
-    existing = probe_store(cfg)
+    existing = probe_store(cfg, create_bucket=cfg.store.create_bucket)
     loc = existing.location if existing is not None else locate(cfg.store.resolved_url,
                                                                 cfg.store.fs_options())
     refuse_if_held(loc, cfg.store.lease_seconds, shown_url)

@@ -97,7 +97,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
         raise StoreError(f"create_store: {loc.url} already holds a zarr node; open it with open_store, "
                          "choose a new URL, or pass overwrite=True")
     if not loc.is_local and loc.protocol in ("s3", "s3a"):
-        _ensure_bucket(loc, create_bucket)
+        ensure_bucket(loc, create_bucket)
     if overwrite and existing is not None:
         _clear_control(loc)
     zstore = loc.zarr_store()
@@ -134,7 +134,9 @@ def _clear_control(loc: Location) -> None:
         pass
 
 
-def _ensure_bucket(loc: Location, create: bool) -> None:
+def ensure_bucket(loc: Location, create: bool) -> None:
+    """The store's bucket exists, or is created when asked. Checked by the driver before its
+    first write too: a PUT into a missing bucket answered only "FileNotFoundError: Not Found"."""
     bucket = loc.root.split("/", 1)[0]
     try:
         if with_retries(lambda: loc.fs.exists(bucket), "stat bucket"):
@@ -143,8 +145,10 @@ def _ensure_bucket(loc: Location, create: bool) -> None:
         raise loc.error(f"checking bucket {bucket!r}", e) from None
     if not create:
         raise StoreAccessError(
-            f"create_store: bucket {bucket!r} does not exist at {loc.url} (a typo in store.url?); "
-            "create it, or set store.create_bucket: true (create_store(..., create_bucket=True))")
+            f"bucket {bucket!r} of {loc.url} does not exist at endpoint {loc.endpoint} (a typo "
+            "in store.url?): create it, or set store.create_bucket: true (create_store(..., "
+            "create_bucket=True)); if it does exist, store.storage_options.client_kwargs."
+            "endpoint_url may name a server that is not S3")
     try:
         loc.fs.mkdir(bucket)
     except FileExistsError:
