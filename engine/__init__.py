@@ -40,6 +40,8 @@ def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", *
     """
     from .models import resolve_model
 
+    if backend not in BACKENDS:  # before resolving: that may ask the hub
+        raise ValueError(f"backend={backend!r} is not known: use one of {', '.join(BACKENDS)}")
     name_or_path = resolve_model(name_or_path)
     if backend == "vllm":
         from .vllm_backend import VLLMModel
@@ -47,11 +49,9 @@ def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", *
         if engine_args.get("enforce_eager") and freeze_points == "auto":
             freeze_points = None  # enforce_eager alone asks for the hooked mode
         return VLLMModel(name_or_path, freeze_points=freeze_points, **engine_args)
-    if backend == "eager":
-        from .hf_backend import HFModel
+    from .hf_backend import HFModel
 
-        return HFModel(name_or_path, **engine_args)
-    raise ValueError(f"backend={backend!r} is not known: use one of {', '.join(BACKENDS)}")
+    return HFModel(name_or_path, **engine_args)
 
 
 def run_with_cache(model, tokens, points=None) -> list[ActivationCache]:

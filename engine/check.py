@@ -3,8 +3,9 @@
 Nobody checks the exact model of a billion-token run before it starts; a trunk the probe cannot
 verify is refused at load, but a verified trunk can still be wrong for reasons no invariant sees
 (a kernel, a dtype, a checkpoint conversion). This runs a few real-text prompts of mixed lengths
-through the engine with chunked prefill and through the Hugging Face model in float32, and reports
-the per-row relative error at every captured point.
+through the engine with chunked prefill and through the Hugging Face model in float32 and in the
+engine's dtype, and reports the per-row relative error at every captured point, with a bound that
+is the bf16 limit of that point (CheckConfig).
 
 The reference always runs in a subprocess: once vLLM's Transformers backend has loaded a model
 (GPT-NeoX, OLMo-2, Starcoder2, ...), that model's HF classes are patched for the whole process and
@@ -37,25 +38,47 @@ LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
 # seconds instead of a compile; the taps are the same wrappers, run eagerly.
 NO_COMPILE = {"compilation_config": {"mode": 0}}
 
+# The capture may be this many times as far from HF fp32 as HF's own run in the engine's dtype.
+GAP_RATIO = 1.25
+
 
 @dataclass(frozen=True)
 class CheckConfig:
-    """Pass: at every point, median per-row relative error <= tol_p50 and p99 <= tol_p99.
+    """Pass: at every point the capture's per-row relative error against HF fp32 is within the
+    bf16 limit of this model, measured at check time by running Hugging Face in the engine's
+    dtype too (the gap: HF bf16 vs HF fp32, same rows):
 
-    A wrong tap (missing or doubled residual, wrong layer) is off on every row (>= 0.3), so the
-    median catches it; rows attached to the wrong token are off by ~1 and the p99 catches them
-    once they are >= 1% of rows. Both bounds leave room for bf16 against fp32, which grows with
-    depth and is uneven across rows: SmolLM2-135M (30 layers), engine vs HF fp32, p50 <= 0.014
-    and p99 <= 0.081 at every layer; HF's own bf16 forward vs fp32 on the same rows: p50 <= 0.013,
-    p99 <= 0.050, single rows up to 0.26.
+    - p50 <= `gap_ratio` x the gap's p50 at that point: the sharp test. Capture and HF bf16
+      share the error's source, so their medians agree (SmolLM2-135M, 30 layers: capture / gap
+      0.94-1.00 with compile off, 0.73-0.88 compiled; tiny llama 0.93). A constant 0.03 passed a
+      capture a few percent wrong on every row of a model whose bf16 gap is 0.01.
+    - p99 <= `gap_ratio` x the gap's worst row anywhere in the model. The tail is a handful of
+      rows (attention sinks; with 8 prompts the 8 identical BOS rows are p99), where fused or
+      compiled kernels round differently: compiled SmolLM2 has p99 0.095 at layer 9 where HF
+      bf16's p99 is 0.042 and its worst row 0.072, so no per-point tail figure excuses it, while
+      the worst gap row in the model is 0.26. The p99 is there to catch rows attached to the
+      wrong token (off by ~1) once they are >= 1% of rows.
+
+    Each bound is at least its floor (an fp32 engine has no gap, yet kernels round differently)
+    and at most its cap (`tol_p50`, `tol_p99`: the old constant bounds), so the check is never
+    looser than it was.
     """
 
-    tol_p50: float = 0.03
-    tol_p99: float = 0.15
+    tol_p50: float = 0.03  # cap on the p50 bound
+    tol_p99: float = 0.15  # cap on the p99 bound
+    gap_ratio: float = GAP_RATIO
+    floor_p50: float = 0.002
+    floor_p99: float = 0.005
     lengths: tuple[int, ...] = LENGTHS
     seed: int = 0
     reference_device: str = "cpu"
     max_num_batched_tokens: int = 64  # check_model's own engine: small, so prefill is chunked
+
+    def bound(self, gap_p50: float, gap_tail: float) -> dict:
+        """{p50, p99}: one point's bound, from its gap's p50 and the model's worst gap row."""
+        clamp = lambda x, lo, hi: min(hi, max(lo, x))  # noqa: E731
+        return {"p50": clamp(self.gap_ratio * gap_p50, self.floor_p50, self.tol_p50),
+                "p99": clamp(self.gap_ratio * gap_tail, self.floor_p99, self.tol_p99)}
 
 
 def check_prompts(path: str, lengths=LENGTHS, seed: int = 0, vocab_size: int | None = None):
@@ -82,18 +105,26 @@ def check_prompts(path: str, lengths=LENGTHS, seed: int = 0, vocab_size: int | N
 
 
 def reference(path: str, tokens: list[list[int]], points: list[str], device: str = "cpu",
-              revision: str | None = None) -> list[dict[str, torch.Tensor]]:
-    """HF fp32 activations, computed in a fresh Python process (see the module docstring)."""
+              revision: str | None = None, dtype: str = "float32") -> list[dict[str, torch.Tensor]]:
+    """HF activations in `dtype` (fp32: the reference), computed in a fresh Python process (see
+    the module docstring)."""
+    return references(path, tokens, points, device, revision, (dtype,))[0]
+
+
+def references(path: str, tokens, points: list[str], device: str = "cpu",
+               revision: str | None = None, dtypes=("float32",)) -> list[list[dict]]:
+    """One reference per dtype, all in one subprocess."""
     job = {"path": path, "tokens": tokens, "points": points, "device": device,
            "revision": revision}
-    return reference_many([job])[0]
+    return reference_many([{**job, "dtype": d} for d in dtypes])
 
 
 def reference_many(jobs: list[dict], hidden_states: bool = False) -> list[list[dict]]:
     """Several checkpoints' references in one subprocess (one interpreter start for all).
 
-    Each job: {path, tokens, points, device?, revision?}; each result: per prompt, {point: rows}
-    and, with hidden_states, HF's own `output_hidden_states` as "hidden.<k>" (k=0: embeddings).
+    Each job: {path, tokens, points, device?, revision?, dtype? (float32)}; each result: per
+    prompt, {point: rows} and, with hidden_states, HF's own `output_hidden_states` as
+    "hidden.<k>" (k=0: embeddings).
     """
     with tempfile.TemporaryDirectory(prefix="harvest-check-") as d:
         spec, out = Path(d) / "jobs.json", Path(d) / "ref.pt"
@@ -104,7 +135,7 @@ def reference_many(jobs: list[dict], hidden_states: bool = False) -> list[list[d
         proc = subprocess.run([sys.executable, "-m", "harvest.engine.check", str(spec), str(out)],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"the Hugging Face fp32 reference failed:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"the Hugging Face reference failed:\n{proc.stderr[-4000:]}")
         return torch.load(out)
 
 
@@ -115,7 +146,7 @@ def _reference_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     results = []
     for job in spec["jobs"]:
-        ref = load_model(job["path"], backend="eager", dtype="float32",
+        ref = load_model(job["path"], backend="eager", dtype=job.get("dtype", "float32"),
                          device=job.get("device", "cpu"), revision=job.get("revision"))
         got = [{str(a): t.float().contiguous() for a, t in g.items()}
                for g in run_with_cache(ref, job["tokens"], job["points"])]
@@ -134,30 +165,58 @@ def row_errors(got: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
     return ((got - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).numpy()
 
 
-def compare(got: list[dict], ref: list[dict], points: list[str], cfg: CheckConfig) -> dict:
-    """Per point: p50/p99/max of per-row relative error over all prompts' rows."""
+def _figures(errs: np.ndarray) -> dict:
+    return {"p50": float(np.percentile(errs, 50)), "p99": float(np.percentile(errs, 99)),
+            "max": float(errs.max())}
+
+
+def compare(got: list[dict], ref: list[dict], points: list[str], cfg: CheckConfig,
+            gap_ref: "list[dict] | None" = None) -> dict:
+    """Per point: p50/p99/max of the capture's per-row relative error against HF fp32 (`ref`),
+    the same figures of HF's run in the engine's dtype (`gap_ref`; None: the engine runs fp32,
+    no gap) and the bound they give (CheckConfig)."""
+    zero = {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    gaps = {p: zero if gap_ref is None else _figures(
+        np.concatenate([row_errors(g[p], r[p]) for g, r in zip(gap_ref, ref)])) for p in points}
+    tail = max(g["max"] for g in gaps.values())
     per_point = {}
     for p in points:
         a = Address.parse(p)
         errs = np.concatenate([row_errors(g[a], r[p]) for g, r in zip(got, ref)])
-        per_point[p] = {"p50": float(np.percentile(errs, 50)), "p99": float(np.percentile(errs, 99)),
-                        "max": float(errs.max()), "rows": int(errs.size)}
-    for v in per_point.values():
-        v["ok"] = v["p50"] <= cfg.tol_p50 and v["p99"] <= cfg.tol_p99
-    worst = max(per_point, key=lambda p: per_point[p]["p99"])
+        v = {**_figures(errs), "rows": int(errs.size), "gap": gaps[p],
+             "bound": cfg.bound(gaps[p]["p50"], tail)}
+        v["ok"] = v["p50"] <= v["bound"]["p50"] and v["p99"] <= v["bound"]["p99"]
+        per_point[p] = v
+    worst = max(per_point, key=lambda p: max(per_point[p][q] / per_point[p]["bound"][q]
+                                             for q in ("p50", "p99")))
     return {"ok": all(v["ok"] for v in per_point.values()),
-            "tolerance": {"p50": cfg.tol_p50, "p99": cfg.tol_p99},
-            "metric": "per-row relative error vs Hugging Face fp32", "worst_point": worst,
-            "points": per_point}
+            "tolerance": {"p50": cfg.tol_p50, "p99": cfg.tol_p99, "gap_ratio": cfg.gap_ratio,
+                          "floor_p50": cfg.floor_p50, "floor_p99": cfg.floor_p99,
+                          "gap_tail": tail},
+            "metric": "per-row relative error vs Hugging Face fp32; gap: Hugging Face in the "
+                      "engine's dtype vs fp32", "worst_point": worst, "points": per_point}
 
 
-def _measure(model, path: str, tokens, ref, points: list[str], cfg: CheckConfig) -> dict:
+def _dtype(engine_dtype) -> str:
+    return str(engine_dtype or "bfloat16").replace("torch.", "")
+
+
+def _refs(path: str, tokens, points: list[str], cfg: CheckConfig, revision, engine_dtype: str):
+    """(HF fp32, HF in the engine's dtype or None when that is fp32)."""
+    dtypes = ("float32",) if engine_dtype == "float32" else ("float32", engine_dtype)
+    got = references(path, tokens, points, cfg.reference_device, revision, dtypes)
+    return got[0], (got[1] if len(got) > 1 else None)
+
+
+def _measure(model, path: str, tokens, refs, points: list[str], cfg: CheckConfig,
+             engine_dtype: str) -> dict:
     from . import run_with_cache
 
     got = run_with_cache(model, tokens, points)
-    out = compare(got, ref, points, cfg)
+    out = compare(got, refs[0], points, cfg, refs[1])
     trunk = getattr(getattr(model, "state", None), "layers", None)  # vLLM's probed trunk only
     out.update({"model": model.name, "reference": {"path": path, "dtype": "float32",
+                                                    "gap_dtype": engine_dtype,
                                                     "device": cfg.reference_device},
                 "prompts": len(tokens), "tokens": sum(map(len, tokens)),
                 "engine": model.describe(), "probe": getattr(trunk, "report", None),
@@ -179,8 +238,9 @@ def check_loaded(model: CaptureEngine, reference_path: str | None = None, points
                   else [f"resid_post.{i}" for i in range(model.n_layers)])
     points = [str(p) for p in points]
     tokens = check_prompts(path, cfg.lengths, cfg.seed, model.info.vocab_size)
-    ref = reference(path, tokens, points, cfg.reference_device, model.revision)
-    return _measure(model, path, tokens, ref, points, cfg)
+    dtype = _dtype(model.describe().get("dtype"))
+    refs = _refs(path, tokens, points, cfg, model.revision, dtype)
+    return _measure(model, path, tokens, refs, points, cfg, dtype)
 
 
 def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig(),
@@ -196,26 +256,44 @@ def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig()
     info = read_model_info(name_or_path, engine_args.get("revision"))
     pts = [str(p) for p in points] if points else [f"resid_post.{i}" for i in range(info.n_layers)]
     tokens = check_prompts(name_or_path, cfg.lengths, cfg.seed, info.vocab_size)
-    ref = reference(name_or_path, tokens, pts, cfg.reference_device, engine_args.get("revision"))
+    dtype = _dtype(engine_args.get("dtype"))  # the vLLM backend's default: bfloat16
+    refs = _refs(name_or_path, tokens, pts, cfg, engine_args.get("revision"), dtype)
     engine_args.setdefault("max_num_batched_tokens", cfg.max_num_batched_tokens)
     model = load_model(name_or_path, backend="vllm", freeze_points=pts, **engine_args)
     try:
-        return _measure(model, name_or_path, tokens, ref, pts, cfg)
+        return _measure(model, name_or_path, tokens, refs, pts, cfg, dtype)
     finally:
         model.close()
 
 
 def format_check(result: dict) -> str:
+    """The per-point table: the capture's error, HF's own error in the engine's dtype (the gap)
+    and the bound the gap gives, all against HF fp32."""
     tol = result["tolerance"]
-    lines = [f"{'point':<16} {'p50':>9} {'p99':>9} {'max':>9}   per-row relative error vs HF fp32, "
-             f"{result['prompts']} prompts, {result['tokens']} tokens"]
+    gap_dtype = (result.get("reference") or {}).get("gap_dtype", "bf16")
+    lines = [f"{'point':<16} {'p50':>9} {'p99':>9} {'max':>9} | {'gap p50':>9} {'gap p99':>9} "
+             f"{'gap max':>9} | {'bound p50':>9} {'bound p99':>9}   per-row relative error vs "
+             f"HF fp32 (gap: HF {gap_dtype} vs fp32), {result['prompts']} prompts, "
+             f"{result['tokens']} tokens"]
     for p, v in result["points"].items():
         flag = "" if v["ok"] else "  <-- above tolerance"
-        lines.append(f"{p:<16} {v['p50']:9.5f} {v['p99']:9.5f} {v['max']:9.5f}{flag}")
+        gap, bound = v.get("gap") or {}, v.get("bound") or {}
+        nan = float("nan")
+        lines.append(f"{p:<16} {v['p50']:9.5f} {v['p99']:9.5f} {v['max']:9.5f} | "
+                     f"{gap.get('p50', nan):9.5f} {gap.get('p99', nan):9.5f} "
+                     f"{gap.get('max', nan):9.5f} | "
+                     f"{bound.get('p50', nan):9.5f} {bound.get('p99', nan):9.5f}{flag}")
     probe = result.get("probe") or {}
     worst = result["points"][result["worst_point"]]
-    lines.append(f"{'PASS' if result['ok'] else 'FAIL'}: worst p99 {worst['p99']:.5f} at "
-                 f"{result['worst_point']} (tolerance p50 <= {tol['p50']}, p99 <= {tol['p99']}); "
+    rule = (f"bounds: p50 {tol['gap_ratio']:g} x gap p50, p99 {tol['gap_ratio']:g} x the "
+            f"worst gap row {tol['gap_tail']:.4f}; at least {tol['floor_p50']:g} / "
+            f"{tol['floor_p99']:g}, at most {tol['p50']:g} / {tol['p99']:g}"
+            if "gap_ratio" in tol else f"tolerance p50 <= {tol['p50']}, p99 <= {tol['p99']}")
+    within = "".join(f", {q} {worst[q]:.5f}" + (f" of {worst['bound'][q]:.5f}"
+                                                  if "bound" in worst else "")
+                     for q in ("p50", "p99"))
+    lines.append(f"{'PASS' if result['ok'] else 'FAIL'}: closest to its bound "
+                 f"{result['worst_point']}{within} ({rule}); "
                  f"block probe {'verified' if probe.get('verified') else 'NOT verified'}")
     return "\n".join(lines)
 

@@ -47,7 +47,87 @@ def resolve_model(name_or_path: str) -> str:
             raise ValueError(f"unknown tiny arch {arch!r}: use one of {', '.join(TINY_ARCHS)}")
         return build_tiny_model(cache_dir() / "models" / f"tiny-{arch}", arch)
     local = os.path.expanduser(name_or_path)
-    return os.path.abspath(local) if os.path.exists(local) else name_or_path
+    if os.path.exists(local):
+        return os.path.abspath(local)
+    if _looks_local(name_or_path):
+        # from_pretrained would take it for a hub id: "Repo id must be in the form 'repo_name'"
+        raise ValueError(
+            f"no such directory: {local} (a path, not a hub name 'org/model'): give an existing "
+            "checkpoint directory, a hub name, smollm2 or tiny:<arch>")
+    why = hub_unreachable()
+    if why is not None:
+        raise ValueError(_offline_hint(name_or_path, why))
+    return name_or_path
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id ('name' or 'org/name': at most one slash, no leading dot)."""
+    return (name.startswith(("/", ".", "~")) or name.endswith("/") or name.count("/") > 1
+            or os.sep != "/" and os.sep in name)
+
+
+HUB_PROBE_S = 5.0  # a TCP connect to the hub; DNS included
+_HUB_PROBES: dict[str, "str | None"] = {}
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_S) -> "str | None":
+    """Why the Hugging Face hub cannot be reached, or None (also when HF_HUB_OFFLINE is set, or
+    a proxy is: then the libraries decide). Without network, huggingface_hub retried five times
+    with backoff (about 25 s per file) before failing with no hint; one connect decides here.
+    Probed once per process."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in (
+            "1", "true", "yes", "on"):
+        return None
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = _hub_endpoint()
+    if endpoint not in _HUB_PROBES:
+        _HUB_PROBES[endpoint] = _connect_error(endpoint, timeout)
+    return _HUB_PROBES[endpoint]
+
+
+def _connect_error(url: str, timeout: float) -> "str | None":
+    """None if a TCP connection to `url`'s host opens within `timeout` s, else the error. In a
+    thread: a resolver that hangs is bounded too (socket timeouts do not cover DNS)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    out: list = [f"no answer from {u.hostname}:{port} within {timeout:g} s"]
+
+    def probe():
+        try:
+            socket.create_connection((u.hostname, port), timeout=timeout).close()
+            out[0] = None
+        except OSError as e:
+            out[0] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=probe, daemon=True, name="hub-probe")
+    t.start()
+    t.join(timeout + 1)
+    return out[0]
+
+
+def _offline_hint(name: str, why: str) -> str:
+    from huggingface_hub import try_to_load_from_cache
+
+    where = f"the Hugging Face hub ({_hub_endpoint()}) cannot be reached from here ({why})"
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return (f"{where}; {name} is in the local cache: set HF_HUB_OFFLINE=1 to use the cached "
+                "copy")
+    return (f"{name} is not a local directory and {where} to download it: give a downloaded "
+            "checkpoint directory, or run where the hub is reachable (HF_HUB_OFFLINE=1 uses the "
+            "local cache only)")
 
 
 def _corpus_text() -> list[str]:

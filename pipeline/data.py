@@ -192,6 +192,7 @@ def open_dataset(cfg: DataConfig):
                 src.builder, data_files=data_files, split=split, streaming=cfg.streaming
             )
             return ds, src
+        _refuse_unreachable_hub(cfg)
         ds = datasets.load_dataset(
             cfg.source,
             cfg.name,
@@ -209,6 +210,19 @@ def open_dataset(cfg: DataConfig):
             f"cannot load data.source={cfg.source!r} (name={cfg.name!r}, split={cfg.split!r}, "
             f"revision={cfg.revision!r}) as {src.description}: {type(e).__name__}: {msg}"
         ) from e
+
+
+def _refuse_unreachable_hub(cfg: DataConfig) -> None:
+    """A hub dataset without network: one connect decides, instead of the hub client's retries
+    (five, with backoff, per file) ending in an error with no hint."""
+    from harvest.engine.models import hub_unreachable
+
+    why = hub_unreachable()
+    if why is not None:
+        raise DataError(
+            f"data.source={cfg.source!r} is a hub dataset name and the Hugging Face hub cannot be "
+            f"reached from here ({why}): point data.source at local files, or set "
+            "HF_HUB_OFFLINE=1 (and HF_DATASETS_OFFLINE=1) to use the local cache only")
 
 
 def _columns(ds) -> list[str] | None:

@@ -3,7 +3,8 @@ points, tokenizer facts, the layout and the corpus's blocks (from metadata only)
 
 Everything here is cheap and checks input, so a bad config fails in seconds and before anything
 is written: the model's config and tokenizer, context size against the model's limit, capture
-addresses against its layers, the data source's existence and text column.
+addresses against its layers, the data source's existence and text column, and that the corpus
+can fill one context (datacheck.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from .config import ConfigError, HarvestConfig
 from .packing import resolve_bos
 from .plan import Layout, choose_layout
 from .sections import check_point
-from .sources import plan_blocks, probe_text_column
+from .datacheck import check_fills_context, probe_text_column
+from .sources import plan_blocks
 
 
 def resolve_model_path(path: str) -> str:
@@ -142,5 +144,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     else:
         sources = plan_blocks(cfg.data)
         probe_text_column(cfg.data, sources["blocks"])
+        # a resumed store filled contexts already; a new one must be able to fill one
+        check_fills_context(cfg, sources["blocks"], tokenizer, bos)
     return Prepared(cfg, model_path, info.n_layers, info.width, info.vocab_size, limit, points,
                     bos, special, sources, layout, skip, time.perf_counter() - t0)

@@ -25,11 +25,12 @@ from .tokenpool import Job
 RUN_ATTR = "harvest_run"
 
 
-def probe_store(cfg: HarvestConfig):
+def probe_store(cfg: HarvestConfig, create_bucket: bool = False):
     """The existing store at store.url, or None if the location is free.
 
-    Fails fast (before any data is read) on a wrong endpoint or credentials, and refuses a
-    location that holds something that is not a harvest store.
+    Fails fast (before any data is read) on a wrong endpoint or credentials, or a missing bucket
+    (created instead when `create_bucket`: the driver passes store.create_bucket, `plan` writes
+    nothing), and refuses a location that holds something that is not a harvest store.
     """
     from harvest.pipeline.store import NotAHarvestStore, open_store
     from harvest.pipeline.store.backend import locate
@@ -39,6 +40,7 @@ def probe_store(cfg: HarvestConfig):
         return open_store(url, storage_options=cfg.store.fs_options())
     except NotAHarvestStore as e:
         loc = locate(url, cfg.store.fs_options())
+        loc.ensure_container(create_bucket)   # the bucket, on S3; nothing elsewhere
         try:
             entries = loc.fs.ls(loc.root, detail=False) if loc.fs.exists(loc.root) else []
         except FileNotFoundError:

@@ -50,7 +50,8 @@ class StoreSink:
     # -- start -------------------------------------------------------------------------------
     def on_write_start(self) -> None:
         cfg = self.cfg
-        self.existing = probe_store(cfg)
+        # a missing bucket is created here when store.create_bucket (the lease is the first write)
+        self.existing = probe_store(cfg, create_bucket=cfg.store.create_bucket)
         loc = (self.existing.location if self.existing is not None
                else locate(cfg.store.resolved_url, cfg.store.fs_options()))
         refuse_if_held(loc, cfg.store.lease_seconds, self.shown_url)

@@ -210,7 +210,8 @@ def _plan_json(tmp_path, capsys, model: str, *sets: str) -> dict:
 
     from harvest.pipeline.cli import main
 
-    pq.write_table(pa.table({"text": ["some text"] * 8}), tmp_path / "c.parquet")
+    # enough text for one context of 128 tokens: plan refuses a corpus that cannot fill one
+    pq.write_table(pa.table({"text": ["some text " * 40] * 8}), tmp_path / "c.parquet")
     cfg = {"name": "plan", "model": {"path": model},
            "data": {"source": str(tmp_path / "c.parquet"), "text_column": "text"},
            "packing": {"context_size": 128}, "capture": {"points": ["resid_post.*"]},

@@ -199,7 +199,9 @@ class S3Storage(ObjectStorage):
 
     def ensure_container(self, create: bool) -> None:
         """The bucket must exist before zarr writes into it: a typo in its name otherwise fails
-        on the first shard, hours in, with a bare NoSuchBucket."""
+        on the first shard, hours in, with a bare NoSuchBucket. Checked by the driver before its
+        first write too: a PUT into a missing bucket answered only "FileNotFoundError: Not
+        Found"."""
         bucket = self.root.split("/", 1)[0]
         try:
             if with_retries(lambda: self.fs.exists(bucket), "stat bucket"):
@@ -208,9 +210,10 @@ class S3Storage(ObjectStorage):
             raise self.error(f"checking bucket {bucket!r}", e) from None
         if not create:
             raise StoreAccessError(
-                f"create_store: bucket {bucket!r} does not exist at {self.url} (a typo in "
-                "store.url?); create it, or set store.create_bucket: true "
-                "(create_store(..., create_bucket=True))")
+                f"bucket {bucket!r} of {self.url} does not exist at endpoint {self.endpoint} (a "
+                "typo in store.url?): create it, or set store.create_bucket: true "
+                "(create_store(..., create_bucket=True)); if it does exist, store.storage_options"
+                ".client_kwargs.endpoint_url may name a server that is not S3")
         try:
             self.fs.mkdir(bucket)
         except FileExistsError:

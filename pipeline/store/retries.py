@@ -16,13 +16,15 @@ T = TypeVar("T")
 
 _PERMANENT = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
               FileExistsError, ValueError, TypeError, KeyError, NotImplementedError)
+# botocore's, by name (botocore is imported only with s3fs): no retry finds credentials
+_PERMANENT_NAMES = ("NoCredentialsError", "PartialCredentialsError")
 
 
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: dropped connections, timeouts, 5xx/SlowDown. Auth and 404 are not."""
     if isinstance(exc, StoreAccessError):
         return False
-    if isinstance(exc, _PERMANENT):
+    if isinstance(exc, _PERMANENT) or type(exc).__name__ in _PERMANENT_NAMES:
         return False
     if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.EACCES, errno.ENOENT,
                                                   errno.EEXIST, errno.EPERM, errno.ENOSPC,

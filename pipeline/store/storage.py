@@ -47,23 +47,45 @@ class Storage(abc.ABC):
     def key(self, rel: str) -> str:
         return f"{self.root.rstrip('/')}/{rel}"
 
+    @property
+    def endpoint(self) -> str:
+        """The S3 endpoint requests go to, for messages (a wrong one is the commonest mistake)."""
+        ck = self.storage_options.get("client_kwargs") or {}
+        return ck.get("endpoint_url") or "AWS's default endpoint (no endpoint_url set)"
+
     def error(self, what: str, exc: BaseException) -> StoreAccessError:
-        """A StoreAccessError naming the operation and cause with every secret scrubbed."""
+        """A StoreAccessError naming the operation, the endpoint, the cause and the fix, with
+        every secret scrubbed."""
         cause = scrub(f"{type(exc).__name__}: {exc}", self.storage_options)
         low = cause.lower()
+        s3 = self.protocol in ("s3", "s3a")
+        where = f" (endpoint {self.endpoint})" if s3 else ""
         hint = ""
-        if isinstance(exc, PermissionError) or "AccessDenied" in cause or "signature" in low \
+        if "NoCredentialsError" in cause or "unable to locate credentials" in low:
+            hint = (" -- no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or "
+                    "store.storage_options key/secret; on Kubernetes the Secret of "
+                    "infra/k8s/secret-s3.example.yaml), then check the credentials reach the "
+                    "driver and the actors")
+        elif isinstance(exc, PermissionError) or "AccessDenied" in cause or "signature" in low \
                 or "InvalidAccessKeyId" in cause:
             hint = (" -- check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
                     "storage_options key/secret) and that they may access this bucket")
         elif isinstance(exc, RetryBudgetExceeded) or "timeout" in low or "timed out" in low:
-            hint = (" -- the endpoint did not answer in time: check that it is up and is the "
-                    "right one (AWS_ENDPOINT_URL or storage_options client_kwargs.endpoint_url); "
-                    "store.timeout_s and store.retry_budget_s bound the wait")
+            t = (self.storage_options.get("config_kwargs") or {}).get("read_timeout")
+            within = f" within store.timeout_s={t:g} s" if isinstance(t, (int, float)) \
+                else " in time"
+            hint = (f" -- endpoint {self.endpoint} did not answer{within}: check that it is up "
+                    "and is the right one (store.storage_options.client_kwargs.endpoint_url or "
+                    "AWS_ENDPOINT_URL); store.timeout_s and store.retry_budget_s bound the wait")
         elif "connect" in low or isinstance(exc, (ConnectionError, TimeoutError)):
-            hint = (" -- check the endpoint (AWS_ENDPOINT_URL or storage_options "
-                    "client_kwargs.endpoint_url)")
-        return StoreAccessError(f"{what} at {self.url} failed: {cause}{hint}")
+            hint = (f" -- cannot connect to endpoint {self.endpoint}: check the endpoint "
+                    "(store.storage_options.client_kwargs.endpoint_url or AWS_ENDPOINT_URL)")
+        elif s3 and isinstance(exc, FileNotFoundError):
+            hint = (f" -- endpoint {self.endpoint} answered Not Found: the bucket "
+                    f"{self.root.split('/', 1)[0]!r} does not exist there (create it, or set "
+                    "store.create_bucket: true), or the endpoint is not an S3 server (check "
+                    "store.storage_options.client_kwargs.endpoint_url)")
+        return StoreAccessError(f"{what} at {self.url}{where} failed: {cause}{hint}")
 
     # ---- the same on every backend ----------------------------------------------------------
     def read_bytes(self, rel: str, attempts: int = 5) -> bytes | None:
