@@ -12,21 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.hidden import hiding
+
 pytestmark = pytest.mark.slow  # a pytest run in a subprocess
 
 REPO = Path(__file__).resolve().parents[1]
 
-HIDE = """
-import importlib.abc, sys
-
-class Hidden(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("vllm", "ray"):
-            raise ModuleNotFoundError(f"{name} is hidden from this process")
-        return None
-
-sys.meta_path.insert(0, Hidden())
-"""
+HIDE = hiding("vllm", "ray")
 
 MODULES = ("harvest.engine.taps", "harvest.engine.transport", "harvest.engine.coverage",
            "harvest.engine.addresses", "harvest.engine.blocks", "harvest.pipeline.store.writer",

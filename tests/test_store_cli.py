@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from harvest.pipeline.store import layout
+from tests.support.hidden import hiding
 from tests.support.reader_stores import make_store
 
 pytestmark = pytest.mark.slow  # the command in subprocesses
@@ -23,16 +24,7 @@ pytestmark = pytest.mark.slow  # the command in subprocesses
 REPO = Path(__file__).resolve().parents[1]
 N, SHARD, W, CTX = 1024, 256, 16, 64
 
-NO_TORCH = """
-import importlib.abc, sys
-
-class Hidden(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("torch", "vllm", "ray"):
-            raise ModuleNotFoundError(f"{name} is hidden from this process")
-        return None
-
-sys.meta_path.insert(0, Hidden())
+NO_TORCH = hiding("torch", "vllm", "ray") + """
 from harvest.pipeline.store.cli import main
 rc = main(sys.argv[1:])
 assert "torch" not in sys.modules
