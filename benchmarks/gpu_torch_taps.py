@@ -41,7 +41,7 @@ STALE_MIN = 0.2
 # parameters in the trunk: the 8B per-layer work and tap width, with compile time kept in budget.
 GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=6,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32768)
-DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 # (sequences, tokens), up to 8,192 rows. No 1-sequence batch: dynamic=True still specialises a
 # size of 1, which would cost a second compile.
