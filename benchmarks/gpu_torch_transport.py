@@ -202,7 +202,7 @@ def run(dry: bool) -> dict:
     copy_loop = Loop(geo, device)
     shape = (P, geo["request"], W)
     proto = CudaTransport if cuda else CPUTransport
-    maker = proto(copy_loop.buf, T) if cuda else proto()
+    maker = proto(copy_loop.buf, T, staging=False) if cuda else proto()  # only new_destination
     t = time.perf_counter()
     dests = {rid: maker.new_destination(shape, torch.bfloat16) for rid in copy_loop.reqs}
     out["destinations"] = {"count": len(dests), "pinned": all(d.is_pinned() for d in dests.values())
