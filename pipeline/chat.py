@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .data import DataError
 from .store import roles as R
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(DataError):
     """The model's chat template cannot be diffed; the message says why and what to do."""
 
 
@@ -74,6 +75,29 @@ def check_template(tokenizer, where: str) -> None:
         raise ChatTemplateError(
             f"data.format: chat labels tokens through a fast tokenizer's character offsets, and "
             f"{where} loads a slow one: give a checkpoint with tokenizer.json")
+
+
+def pad_token_id(tokenizer) -> int:
+    """The token that fills a context after its conversation ends: the tokenizer's pad token,
+    else its EOS. Pad rows come after the conversation, so (causal attention) they change none
+    of its rows; they are labelled `pad` and their id is a special token (out of kept stats)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        t = getattr(tokenizer, name, None)
+        if t is not None:
+            return int(t)
+    raise ChatTemplateError(
+        "data.format: chat pads each conversation's last context, and the tokenizer has neither "
+        "a pad nor an EOS token: give a checkpoint whose tokenizer defines one")
+
+
+def chat_attrs(cfg) -> dict:
+    """What the store records about chat input (run attributes, key `chat`): {} for text."""
+    if cfg.data.format != "chat":
+        return {}
+    roles = cfg.capture.roles
+    return {"chat": {"messages_column": cfg.data.messages_column,
+                     "captured": sorted(roles, key=R.CODES.get) if roles else None,
+                     "codes": dict(R.CODES)}}
 
 
 def char_labels(tokenizer, messages) -> tuple[str, np.ndarray]:

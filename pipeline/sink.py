@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from .chat import chat_attrs
 from .config import HarvestConfig
 from .errors import HarvestError
 from .lease import Lease, refuse_if_held
@@ -76,6 +77,7 @@ class StoreSink:
             "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
+            **chat_attrs(cfg),
         }
         L = prep.layout
         store = create_store(

@@ -57,6 +57,12 @@ def store_has_roles(store) -> bool:
     return "role" in store.meta_columns
 
 
+def captured_codes(store) -> "tuple[int, ...] | None":
+    """Codes of the roles a role-masked store keeps (capture.roles), None when it keeps all."""
+    captured = store_role_info(store).get("captured")
+    return codes_of(captured, "capture.roles") if captured else None
+
+
 def store_role_info(store) -> dict:
     """The `chat` block the driver records in the run attributes: {"captured": [names] | None}.
     An empty dict for a plain-text store."""
@@ -75,7 +81,7 @@ def resolve_roles(store, roles) -> "tuple[int, ...] | None":
     """
     captured = store_role_info(store).get("captured")
     if roles is None:
-        return codes_of(captured, "capture.roles") if captured else None
+        return captured_codes(store)
     if isinstance(roles, str):
         roles = [roles]
     if not store_has_roles(store):
