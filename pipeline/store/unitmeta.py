@@ -80,13 +80,13 @@ class UnitMeta:
 
     def keep_mask(self, start: int, end: int) -> np.ndarray | None:
         """Rows [start, end) counted in the `kept` statistics (None: every row)."""
-        if self.filter is None:
+        if self.filter is None and self.stored_roles is None:
             return None
         if not self.complete(start, end):
             raise ValueError(f"unit {self.unit_id}: rows [{start}, {end}) were written before "
                              "their metadata; call write_meta first (the kept-row statistics need "
                              "each row's token id)")
-        special, skip, C = self.filter
+        special, skip, C = self.filter or (np.zeros(0, np.int64), 0, 1)
         keep = np.ones(end - start, bool)
         if skip:
             keep &= (np.arange(start, end) % C) >= skip
