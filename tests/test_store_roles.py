@@ -32,7 +32,7 @@ def _store(path, chat: "dict | None", with_roles=True, seed=0):
     if chat is not None:
         attrs["chat"] = chat
     s = create_store(str(path), points=["resid_post.0"], width=W, n_rows=N, shard_rows=SHARD,
-                     chunk_rows=128, context_size=C, attrs=attrs)
+                     chunk_rows=128, context_size=C, attrs=attrs, roles=with_roles)
     data = synthetic.activations((1, N, W), seed=seed)
     tok, doc, pos, role = _meta(seed)
     s.write_plan(s.default_plan(1))
@@ -104,7 +104,11 @@ def test_role_masked_store_keeps_only_the_captured_rows(tmp_path):
 
 def test_text_store_refuses_roles(tmp_path):
     st, _, _ = _store(tmp_path / "s", None, with_roles=False)
-    assert not np.asarray(st._meta_array("role")[:]).any()  # every row plain text (code 0)
+    assert "role" not in st.meta_columns  # text stores keep their three columns (objects/shard)
+    with pytest.raises(ValueError, match="no role column"):
+        ActivationDataset(st, roles=["assistant"])
+    # a store with the column but no chat record (written by hand): nothing says what roles mean
+    st, _, _ = _store(tmp_path / "t", None, with_roles=True)
     with pytest.raises(ValueError, match="holds plain text"):
         ActivationDataset(st, roles=["assistant"])
 

@@ -5,8 +5,9 @@ came from. The codes are small fixed integers (int8 in the store) so a reader ca
 rows with one `np.isin`; their names are what configs (`capture.roles`) and readers (`roles=`)
 use. FORMAT.md lists the same table: the codes are part of the format and never renumbered.
 
-A store written before the column existed has no `role` array (its `harvest.row_meta` attribute
-does not name it): it reads as before, and `roles=` on it is refused, because there is nothing to
+Only chat stores have the column. A plain-text store, and any store written before the column
+existed, has no `role` array (its `harvest.row_meta` attribute does not name it): it reads as
+before, and `roles=` on it is refused, because there is nothing to
 filter by and silently yielding every row would train on user and scaffold tokens.
 """
 
@@ -17,7 +18,7 @@ from typing import Iterable
 import numpy as np
 
 # -1 (layout.META_UNWRITTEN) is the column's fill: "never written".
-TEXT = 0        # a row of a plain-text store (no conversation, no roles)
+TEXT = 0        # a row written without roles into a store that has the column
 SYSTEM, USER, ASSISTANT, TOOL = 1, 2, 3, 4
 SCAFFOLD = 5    # the chat template's own tokens: <|im_start|>assistant\n, <|im_end|>, a default
                 # system prompt the template injects, a BOS the packer inserts
@@ -86,8 +87,8 @@ def resolve_roles(store, roles) -> "tuple[int, ...] | None":
         roles = [roles]
     if not store_has_roles(store):
         raise ValueError(
-            f"roles={list(roles)!r}: this store has no role column (it was written before "
-            "chat input existed): it holds plain text rows only; drop roles=")
+            f"roles={list(roles)!r}: this store has no role column (plain text, or written "
+            "before chat input existed): its rows have no roles; drop roles=")
     if not store_role_info(store):
         raise ValueError(
             f"roles={list(roles)!r}: this store holds plain text (data.format was not chat), so "
