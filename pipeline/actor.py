@@ -241,8 +241,8 @@ class HarvestActor:
             writer.abort()
             return result("already_committed")
         try:
-            tok, doc, pos = unit_rows(unit, self.context_size)
-            writer.write_meta(rs, tok, doc, pos)
+            tok, doc, pos, role = unit_rows(unit, self.context_size)
+            writer.write_meta(rs, tok, doc, pos, role)
             job = _Job(uid, rs, tok.reshape(-1, self.context_size), writer)
             self._queue.put(job)
             job.done.wait()

@@ -181,7 +181,8 @@ def cmd_plan(args) -> int:
         points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
-        object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited)
+        object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
+        roles=cfg.data.format == "chat")
     if args.json:
         _json_out(args, out)
     else:

@@ -43,6 +43,7 @@ class HarvestConfig:
         for section in SECTIONS:
             getattr(self, section).validate()
         check_shard_rows(self.store.shard_rows, self.packing.context_size)
+        check_chat(self)
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
@@ -78,12 +79,16 @@ class HarvestConfig:
                 "backend": self.model.backend,
                 "dtype": self.model.dtype,
             },
-            "data": dataclasses.asdict(self.data),
+            # messages_column decides rows only with chat input; left out otherwise, so stores
+            # made before it existed still resume (their stored key has no such field)
+            "data": {k: v for k, v in dataclasses.asdict(self.data).items()
+                     if k != "messages_column" or self.data.format == "chat"},
             "packing": {
                 k: v for k, v in dataclasses.asdict(self.packing).items()
                 if k not in ("tokenize_batch", "chunk_tokens")
             },
-            "capture": {"points": list(self.capture.points)},
+            "capture": {"points": list(self.capture.points), **(
+                {"roles": sorted(self.capture.roles)} if self.capture.roles else {})},
             "store": {"stats_skip_positions": self.store.stats_skip_positions},
         }
 
@@ -97,6 +102,20 @@ def check_shard_rows(shard_rows: "int | None", context_size: int) -> None:
         raise ConfigError(
             f"store.shard_rows={shard_rows} is not a multiple of packing.context_size={C}: "
             f"use {hi}" + (f" or {lo}" if lo else "") + ", or leave store.shard_rows out")
+
+
+def check_chat(cfg: "HarvestConfig") -> None:
+    """Settings that only make sense together with data.format: chat."""
+    chat = cfg.data.format == "chat"
+    if cfg.capture.roles is not None and not chat:
+        raise ConfigError(
+            f"capture.roles={cfg.capture.roles!r} needs data.format: chat (plain text has no "
+            "roles): set data.format: chat and data.messages_column, or drop capture.roles")
+    if chat and cfg.packing.bos != "none":
+        raise ConfigError(
+            f"packing.bos={cfg.packing.bos!r} with data.format: chat: the chat template writes "
+            "the conversation's own start tokens (SmolLM2's BOS is <|im_start|>, so an inserted "
+            "one would be a stray turn marker); set packing.bos: none")
 
 
 SECTIONS = {

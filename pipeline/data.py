@@ -75,7 +75,7 @@ def resolve_source(cfg: DataConfig) -> ResolvedSource:
 
         path = str(pydoc_corpus_path())
         return ResolvedSource("files", "json", [path], f"pydoc topics ({Path(path).name})")
-    fmt = cfg.format
+    fmt = None if cfg.format == "chat" else cfg.format  # chat: the file format as for null
     if fmt == "hub":
         return ResolvedSource("hub", None, [], f"hub:{source}")
     expanded = expand_path(source)

@@ -2,7 +2,8 @@
 
 Each one turns a failure that used to come after Ray, the tokenising workers and the engines had
 started (minutes, and a message about symptoms) into one line about the input: the text column
-is missing, the file is not UTF-8, the column holds chat messages, or the corpus cannot fill a
+is missing, the file is not UTF-8, the column holds chat messages (or, for chat input, holds
+none), or the corpus cannot fill a
 single context. They read what is cheap to read: the first rows of the first block for the
 column checks; for the context check, the whole source when it is small and local, else its
 first block (a corpus whose first block gives no context is broken or sorted oddly; either way the
@@ -22,16 +23,22 @@ from .sources import _load_disk, open_dataset, read_block
 SMALL_SOURCE_BYTES = 64 << 20
 
 
-def _no_column(col: str, where: str, names) -> DataError:
+def _field(cfg) -> str:
+    """The config field naming the column read: data.messages_column for chat input."""
+    return "data.messages_column" if cfg.format == "chat" else "data.text_column"
+
+
+def _no_column(col: str, where: str, names, field: str = "data.text_column") -> DataError:
+    what = "the conversations" if field == "data.messages_column" else "the text"
     return DataError(
-        f"data.text_column={col!r} is not a column of {where}: columns are {list(names)}; set "
-        "data.text_column to the one holding the text")
+        f"{field}={col!r} is not a column of {where}: columns are {list(names)}; set "
+        f"{field} to the one holding {what}")
 
 
 def _jsonl_probe(path: str, cfg, rows: int) -> None:
     """The first `rows` lines of a json-lines file: is `col` a key of any of them? A file that is
     not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead."""
-    col = cfg.text_column
+    col = cfg.value_column
     keys: set = set()
     seen = undecodable = not_json = 0
     first_bad = None  # (line number, file offset, byte)
@@ -72,7 +79,7 @@ def _jsonl_probe(path: str, cfg, rows: int) -> None:
             f"data.source={cfg.source!r}: none of the first {seen} lines of {path} is a JSON "
             f"object ({not_json} are not JSON): give JSON lines, one object per line with a "
             f"{col!r} field, or set data.format: text for plain text")
-    raise _no_column(col, path, sorted(keys))
+    raise _no_column(col, path, sorted(keys), _field(cfg))
 
 
 def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
@@ -81,7 +88,7 @@ def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
     if not blocks:
         return
     seg = blocks[0][0]
-    col = cfg.text_column
+    col = cfg.value_column
     if seg["kind"] == "lines" and seg["fmt"] == "json":
         _jsonl_probe(seg["path"], cfg, rows)
     else:
@@ -98,7 +105,7 @@ def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
                 first = next(iter(ds), None)
                 names = sorted(first) if isinstance(first, dict) else None
         if names is not None and col not in names:
-            raise _no_column(col, resolve_source(cfg).description, names)
+            raise _no_column(col, resolve_source(cfg).description, names, _field(cfg))
     _probe_values(cfg, blocks[0], rows)
 
 
@@ -115,16 +122,24 @@ def _probe_values(cfg, block: list[dict], rows: int) -> None:
         values.append(value)
         if len(values) >= rows:
             break
+    where = resolve_source(cfg).description
+    if cfg.format == "chat":
+        if any(_is_chat(v) for v in values) or not values:
+            return
+        col = cfg.messages_column
+        raise DataError(
+            f"data.messages_column={col!r} of {where} holds no conversations in its first "
+            f"{len(values)} rows (each row must be a list of {{role, content}} messages): set "
+            "data.messages_column to the column holding them, or drop data.format: chat for "
+            "plain text")
     if any(isinstance(v, str) for v in values):
         return
-    where = resolve_source(cfg).description
     col = cfg.text_column
     if any(_is_chat(v) for v in values):
         raise DataError(
             f"data.text_column={col!r} of {where} holds chat messages (lists of {{role, "
-            "content}): chat input is not supported yet, a column of plain text is expected; "
-            "render the conversations to text first (e.g. with the tokenizer's chat template) "
-            "and point data.text_column at that column")
+            "content}): set data.format: chat and data.messages_column: "
+            f"{col} to render them with the model's chat template (packing.bos: none)")
     other = [v for v in values if v is not None]
     if other:
         raise DataError(

@@ -3,7 +3,8 @@
 Issue 24: at an 8B model's shape (32 layers x 4096 wide) the layout makes ~68 M objects per 10^9
 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
 megabyte, and nothing said so before the run. Every figure here is counted from the code that
-writes the store, not from copies of its rules: `layout.ROW_META` for the objects of a shard,
+writes the store, not from copies of its rules: `layout.ROW_META` (the base columns, `role` too
+for chat input) for the objects of a shard,
 `objects.WRITES_PER_OBJECT` for the requests per object, `commits.marker_size` (the real marker
 builder) for the marker and `commits.index_batch` for the index, so the plan follows the layout
 when the layout changes.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .store.commits import index_batch, marker_size
-from .store.layout import ROW_META
+from .store.layout import BASE_META, ROW_META
 from .store.objects import WRITES_PER_OBJECT
 
 # S3's request baseline per prefix (and per second): PUT/COPY/POST/DELETE, and GET/HEAD. A store
@@ -56,17 +57,18 @@ def index_requests(units: int) -> int:
 
 def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
                 tokens: "int | None", ratio: float, rate: "float | None",
-                object_store: bool) -> dict:
+                object_store: bool, roles: bool = False) -> dict:
     """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
     whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at."""
-    P, M = len(points), len(ROW_META)
+    columns = {c: ROW_META[c] for c in BASE_META + (("role",) if roles else ())}
+    P, M = len(points), len(columns)
     row_bytes = width * itemsize
     shards_per_unit = unit_rows // shard_rows
     data_logical = shard_rows * row_bytes
     data_stored = int(data_logical / ratio)
     # row metadata at its logical size: an upper bound (doc_id and position compress well, token
     # ids little); at 2-4 KiB the count matters, not the bytes
-    meta_by_column = {c: shard_rows * np.dtype(dt).itemsize for c, dt in ROW_META.items()}
+    meta_by_column = {c: shard_rows * np.dtype(dt).itemsize for c, dt in columns.items()}
     meta_stored = round(sum(meta_by_column.values()) / M)
     units = -(-tokens // unit_rows) if tokens else None
     shards = -(-tokens // shard_rows) if tokens else None
@@ -83,7 +85,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     writes_unit = sum(writes.values())
     out = {
         "tokens": tokens, "units": units, "shards": shards, "shards_per_unit": shards_per_unit,
-        "points": P, "object_store": object_store,
+        "points": P, "meta_columns": M, "object_store": object_store,
         "objects": None, "objects_by_kind": None,
         "data_object_bytes": data_stored, "data_object_bytes_logical": data_logical,
         "compression": ratio, "meta_object_bytes": meta_stored,
@@ -127,7 +129,7 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
         out.append(
             f"~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
             f"({c['writes_per_unit']['total']:,.0f} per unit of {unit_rows:,} tokens: each of its "
-            f"{c['shards_per_unit'] * (P + len(ROW_META)):,} objects is PUT, then copied and "
+            f"{c['shards_per_unit'] * (P + c['meta_columns']):,} objects is PUT, then copied and "
             f"deleted to publish it) is over S3's ~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
             "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): raise "
             "store.shard_rows (fewer, larger objects), capture fewer points, or run fewer actors; "
@@ -169,7 +171,7 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
             f"{k['sidecars']:,} stats sidecars) are over {MAX_OBJECTS / 1e6:g} M: listing "
             f"({c['list_pages']:,} LIST pages of {LIST_PAGE_KEYS:,} keys), copying, deleting and "
             "lifecycle rules get slow and costly; larger shards (store.shard_rows), fewer "
-            f"points or fewer tokens cut it; {len(ROW_META)} metadata objects per shard are "
+            f"points or fewer tokens cut it; {c['meta_columns']} metadata objects per shard are "
             f"{KNOWN_LIMIT}")
     return out
 

@@ -19,6 +19,16 @@ A block is packed as a stream of *chunks* (`BlockPacker`): a chunk ends at a con
 which it starts. Packing resumed at a chunk's cursor gives that chunk and every later one again,
 bit for bit: that is how a resumed run re-creates the tokens of uncommitted units without
 re-tokenising what came before them in the block.
+
+Chat input (`pad_token_id` given, data.format: chat): each document is one rendered conversation
+with a role per token, and a context never holds tokens of two conversations: the context a
+conversation ends in is filled with pad rows (doc_id = position = -2, role `pad`). Packing them
+back to back would let a conversation attend to the one before it, which no chat model ever sees;
+padding keeps the store's geometry (every context C rows, units of whole contexts) for a cost
+of (C - tail) pad rows per conversation, counted in `tokens_padded` (choose packing.context_size
+near the conversations' length). A conversation longer than C continues in the next context
+(overflow: split, the context starting mid-conversation as a split document's does) or is cut
+(overflow: truncate).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import numpy as np
 
 from .config import PackingConfig
 from .store.layout import META_INSERTED
+from .store.roles import PAD
 
 
 class PackingError(ValueError):
@@ -46,6 +57,7 @@ class PackStats:
     tokens_tail_dropped: int = 0
     bos_inserted: int = 0
     docs_capped: int = 0  # documents cut at packing.max_doc_tokens (only a prefix tokenised)
+    tokens_padded: int = 0  # chat: pad rows after a conversation's end (module docstring)
     budget_reached: bool = False
 
     def as_dict(self) -> dict:
@@ -74,6 +86,7 @@ class Chunk:
     rows: int             # source rows read so far in the block (all of them once final)
     stats: dict = field(default_factory=dict)
     capped: bool = False  # stopped at the run's context budget, not at the block's end
+    role: "np.ndarray | None" = None  # int8 role codes (chat input only, store/roles.py)
 
     def digest(self) -> list[int]:
         from .rows import chunk_digest
@@ -81,7 +94,10 @@ class Chunk:
         return chunk_digest(self.arrays())
 
     def arrays(self) -> dict:
-        return {"token_id": self.token_id, "doc_id": self.doc_id, "position": self.position}
+        out = {"token_id": self.token_id, "doc_id": self.doc_id, "position": self.position}
+        if self.role is not None:
+            out["role"] = self.role
+        return out
 
     def describe(self) -> dict:
         """Everything but the tokens: what the driver and the plan keep."""
@@ -135,8 +151,11 @@ class BlockPacker:
 
     def __init__(self, cfg: PackingConfig, bos_token_id: int | None, block: int = 0,
                  chunk_contexts: int = 1 << 30, max_contexts: int | None = None,
-                 start: dict | None = None, first_index: int = 0):
+                 start: dict | None = None, first_index: int = 0,
+                 pad_token_id: int | None = None):
         self.C = cfg.context_size
+        self.pad = pad_token_id  # chat input: pad each conversation's last context
+        self.rol = _Growable(np.int8) if pad_token_id is not None else None
         self.per_context_bos = cfg.bos == "context"
         self.per_doc_bos = cfg.bos == "document"
         if (self.per_context_bos or self.per_doc_bos) and bos_token_id is None:
@@ -168,8 +187,9 @@ class BlockPacker:
         r[reason] = r.get(reason, 0) + 1
         return []
 
-    def add(self, row: int, pos, ids) -> list[Chunk]:
-        """One document's token ids (no special tokens added).
+    def add(self, row: int, pos, ids, roles=None) -> list[Chunk]:
+        """One document's token ids (no special tokens added); `roles`: chat input's role code
+        per token (required with pad_token_id, see the module docstring).
 
         A document's figures (row read, tokens seen) go to the chunk its first token lands in,
         and a document resumed mid-way is not counted again: so the chunks a resumed packer
@@ -181,6 +201,8 @@ class BlockPacker:
         resumed = self.resume_offset
         self.resume_offset = 0
         ids = np.asarray(ids, dtype=np.int32)
+        if (roles is None) != (self.rol is None) or roles is not None and len(roles) != len(ids):
+            raise ValueError("BlockPacker.add: roles go with chat input (pad_token_id), one per id")
         if len(ids) == 0:
             self._read(row)
             self.stats.docs_empty_tokens += 1
@@ -208,23 +230,42 @@ class BlockPacker:
             self.tok.extend(ids[off : off + take])
             self.doc.extend(np.full(take, row, np.int64))
             self.pos.extend(np.arange(off, off + take, dtype=np.int32))
+            if self.rol is not None:
+                self.rol.extend(np.asarray(roles[off : off + take], np.int8))
             self.fill += take
             off += take
             if self.fill == self.C:
-                self.fill = 0
-                self.ctx_in_chunk += 1
-                self.ctx_total += 1
-                if self.max_contexts is not None and self.ctx_total >= self.max_contexts:
-                    self.stats.budget_reached = True
-                    self.done = True
-                    break
-                if self.ctx_in_chunk >= self.chunk_contexts:
-                    self.boundary = True
-                if self.truncate:
+                if self._context_done() or self.truncate:
                     break
         if off < len(ids):
             self.stats.tokens_truncated += len(ids) - off
+        if self.rol is not None and self.fill and not self.done:
+            self._pad()
         return out
+
+    def _context_done(self) -> bool:
+        """The open context is full: count it; True when the run's budget is reached."""
+        self.fill = 0
+        self.ctx_in_chunk += 1
+        self.ctx_total += 1
+        if self.max_contexts is not None and self.ctx_total >= self.max_contexts:
+            self.stats.budget_reached = True
+            self.done = True
+            return True
+        if self.ctx_in_chunk >= self.chunk_contexts:
+            self.boundary = True
+        return False
+
+    def _pad(self) -> None:
+        """Chat: fill the rest of the open context with pad rows, so the next conversation
+        starts a context of its own (module docstring)."""
+        n = self.C - self.fill
+        self.tok.extend(np.full(n, self.pad, np.int32))
+        self.doc.extend(np.full(n, META_INSERTED, np.int64))
+        self.pos.extend(np.full(n, META_INSERTED, np.int32))
+        self.rol.extend(np.full(n, PAD, np.int8))
+        self.stats.tokens_padded += n
+        self._context_done()
 
     def finish(self) -> list[Chunk]:
         """The block's last chunk (possibly without contexts): drops the incomplete context."""
@@ -245,7 +286,8 @@ class BlockPacker:
         n = self.ctx_in_chunk * self.C
         stats = {**self.stats.as_dict(), **self.data}
         c = Chunk(self.block, self.index, self.tok.take(n), self.doc.take(n), self.pos.take(n),
-                  self.ctx_in_chunk, self.cursor, False, self.rows, stats)
+                  self.ctx_in_chunk, self.cursor, False, self.rows, stats,
+                  role=None if self.rol is None else self.rol.take(n))
         self.index += 1
         self.ctx_in_chunk = 0
         self.boundary = False

@@ -122,6 +122,11 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
                           f"(0..{info.vocab_size - 1}): use a token id the model knows")
     special = sorted({int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
                      | ({bos} if bos is not None else set()))
+    if cfg.data.format == "chat":  # before Ray: a template that cannot be used stops here
+        from .chat import check_template, pad_token_id
+
+        check_template(tokenizer, repr(cfg.model.path))
+        special = sorted(set(special) | {pad_token_id(tokenizer)})
     skip = cfg.store.stats_skip_positions
     if skip is None:
         skip = 1 if cfg.packing.bos == "context" else 0

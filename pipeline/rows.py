@@ -17,16 +17,19 @@ from .store.layout import META_INSERTED
 def chunk_digest(arrays: dict) -> list[int]:
     from .store.stats import crc32c
 
-    return [crc32c(arrays["token_id"]), crc32c(arrays["doc_id"]), crc32c(arrays["position"])]
+    out = [crc32c(arrays["token_id"]), crc32c(arrays["doc_id"]), crc32c(arrays["position"])]
+    # chat chunks carry roles; text chunks keep their three-column digest, so plans recorded
+    # before roles existed still match the chunks a resumed run re-creates
+    return out + [crc32c(arrays["role"])] if "role" in arrays else out
 
 
-def unit_rows(unit: UnitTask, context_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """token_id, doc_id (global source rows), position of the unit's rows."""
+def unit_rows(unit: UnitTask, context_size: int) -> tuple:
+    """token_id, doc_id (global source rows), position, role (None for text) of the unit's rows."""
     import ray
 
     C = context_size
     chunks = ray.get(list(unit.refs))
-    tok, doc, pos = [], [], []
+    tok, doc, pos, role = [], [], [], []
     for (b, j, lo, hi, doc_base), arrays, digest in zip(unit.pieces, chunks, unit.digests):
         if chunk_digest(arrays) != list(digest):
             raise RuntimeError(f"unit {unit.unit_id}: chunk {b}:{j} does not match the digest "
@@ -36,7 +39,12 @@ def unit_rows(unit: UnitTask, context_size: int) -> tuple[np.ndarray, np.ndarray
         tok.append(arrays["token_id"][a:z])
         doc.append(np.where(d == META_INSERTED, d, d + int(doc_base)))
         pos.append(arrays["position"][a:z])
-    out = tuple(np.concatenate(x) for x in (tok, doc, pos))
+        if "role" in arrays:
+            role.append(arrays["role"][a:z])
+    if role and len(role) != len(tok):
+        raise RuntimeError(f"unit {unit.unit_id}: some of its chunks have roles and some not")
+    out = tuple(np.concatenate(x) for x in (tok, doc, pos)) + (
+        np.concatenate(role) if role else None,)
     n = unit.n_rows
     if out[0].shape[0] != n:
         raise RuntimeError(f"unit {unit.unit_id}: its chunks hold {out[0].shape[0]} rows, the "

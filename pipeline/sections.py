@@ -100,7 +100,8 @@ class ModelConfig:
         return kw
 
 
-DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub")
+# `chat`: the rows are conversations (see DataConfig); the file format is then found as for null.
+DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub", "chat")
 
 
 @dataclass
@@ -109,7 +110,10 @@ class DataConfig:
 
     `source` may be a hub dataset name, a local file, directory or glob (a date-partitioned path
     such as `/data/crawl/date=2025-06-01/*.parquet` is just a glob), or a `save_to_disk` dir.
-    `format` is inferred from the file suffix unless given.
+    `format` is inferred from the file suffix unless given. `format: chat` reads conversations
+    from `messages_column` (lists of {role, content}) instead of text, renders them with the
+    model's chat template and labels every row with its role (pipeline/chat.py; the file format
+    is then inferred as for null).
 
     `block_bytes`: the corpus is cut into blocks of about this much text, each tokenised and
     packed on its own by a worker (contexts never straddle blocks). It decides the rows, so it is
@@ -125,9 +129,15 @@ class DataConfig:
     revision: str | None = None
     data_files: Any = None
     text_column: str = "text"
+    messages_column: str = "messages"
     streaming: bool = False
     max_docs: int | None = None
     block_bytes: int = 8 << 20
+
+    @property
+    def value_column(self) -> str:
+        """The column the readers take each row's value from (text, or chat messages)."""
+        return self.messages_column if self.format == "chat" else self.text_column
 
     def validate(self) -> None:
         check_str("data.source", self.source)
@@ -146,6 +156,7 @@ class DataConfig:
         if self.data_files is not None and not isinstance(self.data_files, (str, list, dict)):
             raise ConfigError("data.data_files must be a path, a list of paths or {split: paths}")
         check_str("data.text_column", self.text_column)
+        check_str("data.messages_column", self.messages_column)
         check_bool("data.streaming", self.streaming)
         check_int("data.max_docs", self.max_docs, 1, optional=True)
 
@@ -220,6 +231,9 @@ class CaptureConfig:
     # wrongly would otherwise fill the store with rows that look fine. Costs one fp32 forward of
     # the model on CPU in a subprocess; set false to skip (the result is in the store attributes).
     check_model: bool = True
+    # Chat input only: the roles whose rows the store keeps (e.g. [assistant]); None keeps all.
+    # Rows of the other roles still run as context; FORMAT.md ("Chat") says what a masked store holds.
+    roles: list | None = None
 
     def validate(self) -> None:
         if not isinstance(self.points, list) or not self.points:
@@ -230,6 +244,14 @@ class CaptureConfig:
             check_point(p)
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
+        if self.roles is not None:
+            # lazy: the store package loads zarr (~2 s), which a config load must not pay
+            from harvest.pipeline.store.roles import codes_of
+
+            try:
+                codes_of(self.roles, "capture.roles")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def check_point(p: Any) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from .chat import chat_attrs
 from .config import HarvestConfig
 from .errors import HarvestError
 from .lease import Lease, refuse_if_held
@@ -76,6 +77,7 @@ class StoreSink:
             "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
+            **chat_attrs(cfg),
         }
         L = prep.layout
         store = create_store(
@@ -85,7 +87,7 @@ class StoreSink:
             create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
             special_token_ids=prep.special_token_ids,
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
-            stats_skip_positions=prep.stats_skip_positions)
+            stats_skip_positions=prep.stats_skip_positions, roles=cfg.data.format == "chat")
         self.store = store
         store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
                                    "chunk_contexts": chunk_contexts})

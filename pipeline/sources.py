@@ -209,6 +209,9 @@ def _classify(text) -> "str | None":
 def read_block(block: list[dict], cfg: DataConfig, start: dict | None = None) -> Iterator[tuple]:
     """(row, pos, text, reason) for every source row of the block, from `start` (a cursor:
     {"row", "pos"}) on; `reason` is None for usable text, else why the row is skipped."""
+    classify = _classify
+    if cfg.format == "chat":
+        from .chat import conversation_problem as classify
     row = int(start["row"]) if start else 0
     pos = start.get("pos") if start else None
     seg0, inner = (pos[0], pos[1]) if pos else (0, None)
@@ -219,7 +222,7 @@ def read_block(block: list[dict], cfg: DataConfig, start: dict | None = None) ->
             if isinstance(value, Refused):
                 yield row, [si, at], None, value.reason
             else:
-                yield row, [si, at], value, _classify(value)
+                yield row, [si, at], value, classify(value)
             row += 1
 
 
@@ -258,7 +261,7 @@ def _read_lines(seg: dict, cfg: DataConfig, at: "list | None") -> Iterator[tuple
                 except ValueError:
                     yield [here, 0], Refused("bad_json")
                     continue
-                yield [here, 0], (obj.get(cfg.text_column) if isinstance(obj, dict)
+                yield [here, 0], (obj.get(cfg.value_column) if isinstance(obj, dict)
                                   else Refused("not_object"))
                 continue
             try:
@@ -279,7 +282,7 @@ def _read_parquet(seg: dict, cfg: DataConfig, at: "int | None") -> Iterator[tupl
     skip = at or 0
     i = 0
     for g in range(seg["start"], seg["stop"]):
-        col = f.read_row_group(g, columns=[cfg.text_column]).column(0).to_pylist()
+        col = f.read_row_group(g, columns=[cfg.value_column]).column(0).to_pylist()
         for v in col:
             if i >= skip:
                 yield i, v
@@ -290,7 +293,7 @@ def _read_disk(seg: dict, cfg: DataConfig, at: "int | None") -> Iterator[tuple]:
     ds = _load_disk(cfg, seg["path"])
     a = seg["start"] + (at or 0)
     for s in range(a, seg["stop"], 1024):
-        vals = ds[s:min(seg["stop"], s + 1024)][cfg.text_column]
+        vals = ds[s:min(seg["stop"], s + 1024)][cfg.value_column]
         for k, v in enumerate(vals):
             yield s + k - seg["start"], v
 
@@ -305,7 +308,7 @@ def _read_dataset(seg: dict, cfg: DataConfig, at: "int | None") -> Iterator[tupl
     for i, r in enumerate(ds, skip):
         if cfg.max_docs is not None and i >= cfg.max_docs:
             break
-        yield i, r.get(cfg.text_column)
+        yield i, r.get(cfg.value_column)
 
 
 _READERS = {"lines": _read_lines, "parquet": _read_parquet, "disk": _read_disk,

@@ -45,6 +45,10 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
                start: dict | None = None, first_index: int = 0, last_index: int | None = None
                ) -> Iterator:
     """Chunks of one block, from `start` (a chunk's cursor) on, until `last_index` if given."""
+    if data.format == "chat":
+        yield from pack_chat_block(block_id, block, data, packing, tokenizer, bos,
+                                   chunk_contexts, max_contexts, start, first_index, last_index)
+        return
     p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index)
     batch: list = []
     size = 0
@@ -100,6 +104,43 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
         if stop:
             return
     yield from emit(p.finish())
+
+
+def pack_chat_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
+                    tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
+                    start: dict | None = None, first_index: int = 0,
+                    last_index: int | None = None) -> Iterator:
+    """pack_block for chat input: one conversation at a time, rendered and labelled
+    (pipeline/chat.py), each ending its context (packing.py). Renders are per conversation (a
+    template renders one), so there is no batching to gain; a conversation that cannot be
+    labelled exactly is skipped and counted under its reason, a template that cannot be diffed
+    stops the block (ChatTemplateError)."""
+    from .chat import ChatLabelError, label_conversation, pad_token_id
+
+    p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index,
+                    pad_token_id=pad_token_id(tokenizer))
+    cap = packing.doc_token_cap()
+    for row, pos, messages, reason in read_block(block, data, start):
+        if p.done:
+            break
+        if reason is None:
+            try:
+                ids, roles = label_conversation(tokenizer, messages)
+            except ChatLabelError as e:
+                reason = e.reason
+        if reason is not None:
+            chunks = p.skip(row, reason)
+        else:
+            p.stats.docs_capped += int(len(ids) > cap)
+            chunks = p.add(row, pos, ids[:cap], roles[:cap])
+        for c in chunks:
+            yield c
+            if last_index is not None and c.index >= last_index:
+                return
+    for c in p.finish():
+        yield c
+        if last_index is not None and c.index >= last_index:
+            return
 
 
 class TokenizeWorker:

@@ -162,8 +162,27 @@ def test_chat_messages_column_is_refused_by_plan(tiny_llama, tmp_path, capsys):
         {"role": "user", "content": f"question {i} " * 10},
         {"role": "assistant", "content": "an answer " * 10}]}) + "\n" for i in range(8)))
     _plan_refused(capsys, tmp_path, tiny_llama, data,
-                  r"data.text_column='messages' of .*chat.jsonl holds chat messages .*chat input "
-                  r"is not supported yet", "data.text_column=messages")
+                  r"data.text_column='messages' of .*chat.jsonl holds chat messages .*set "
+                  r"data.format: chat and data.messages_column: messages", "data.text_column=messages")
+
+
+def test_chat_format_without_conversations_or_template_is_refused_by_plan(tiny_llama, smollm2,
+                                                                          tmp_path, capsys):
+    """data.format: chat on a text column, and on a model without a chat template: one line each,
+    before anything starts."""
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"plain text {i} " * 20, "messages": i}) + "\n"
+                            for i in range(8)))
+    chat = ("data.format=chat", "packing.bos=none")
+    _plan_refused(capsys, tmp_path, smollm2, data,
+                  r"data.messages_column='messages' of .*text.jsonl holds no conversations", *chat)
+    _plan_refused(capsys, tmp_path, smollm2, data,
+                  r"data.messages_column='conv' is not a column of .*text.jsonl",
+                  *chat, "data.messages_column=conv")
+    conv = tmp_path / "chat.jsonl"
+    conv.write_text(json.dumps({"messages": [{"role": "user", "content": "hi " * 40}]}) + "\n")
+    _plan_refused(capsys, tmp_path, tiny_llama, conv, r"needs the model's chat template, and "
+                  r".* has none", *chat)
 
 
 @pytest.mark.parametrize("rows, match", [

@@ -44,7 +44,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                  overwrite: bool = False, *, context_size: int | None = None,
                  special_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
                  tokenizer: str | None = None, stats_skip_positions: int = 0,
-                 create_bucket: bool = False) -> Store:
+                 create_bucket: bool = False, roles: bool = False) -> Store:
     """Create the group and every array pre-sized (driver only). See FORMAT.md for the layout.
 
     context_size, special_token_ids, bos_token_id, tokenizer and stats_skip_positions are format
@@ -72,6 +72,9 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
     except ValueError as e:
         raise ValueError(f"create_store: {e}") from None
     comp = _compression.normalize(compression)
+    # the `role` column only where there are roles (chat input): a text store keeps the three
+    # columns (and objects per shard) it always had
+    row_meta = {k: layout.ROW_META[k] for k in layout.BASE_META + (("role",) if roles else ())}
     loc = locate(url, storage_options)
     run_attrs = redact_attrs(_jsonable(attrs or {}, "create_store attrs"), loc.storage_options)
     from . import __version__
@@ -81,7 +84,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
         "points": points, "arrays": dict(zip(points, paths)), "width": int(width),
         "n_rows": int(n_rows), "shard_rows": shard_rows, "chunk_rows": chunk_rows,
         "dtype": dtype_name(np_dtype), "compression": comp,
-        "row_meta": dict(layout.ROW_META),
+        "row_meta": row_meta,
         "row_meta_values": {"unwritten": layout.META_UNWRITTEN, "inserted": layout.META_INSERTED},
         "context_size": int(context_size) if context_size else None,
         "special_token_ids": sorted({int(t) for t in special_token_ids}),
@@ -109,7 +112,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                            chunks=(chunk_rows, int(width)), shards=(shard_rows, int(width)),
                            compressors=_compression.compressors(comp, itemsize), fill_value=0,
                            dimension_names=["row", "dim"], config={"write_empty_chunks": True})
-        for name, dt in layout.ROW_META.items():
+        for name, dt in row_meta.items():
             isz = np.dtype(dt).itemsize
             g.create_array(name, shape=(int(n_rows),), dtype=dt, chunks=(shard_rows,),
                            compressors=_compression.compressors(

@@ -1,4 +1,5 @@
-"""Which rows a reader yields: token ids, context positions, a held-out split by document hash.
+"""Which rows a reader yields: token ids, context positions, roles, a held-out split by document
+hash.
 
 Everything here depends on row metadata and row indices only (numpy, no torch), so the same
 filter decides what a worker yields, what the normalisation sample holds and how many rows each
@@ -111,11 +112,13 @@ class RowFilter:
     split: str | None = None
     test_fraction: float = 0.0
     split_seed: int = 0
+    roles: tuple | None = None         # role codes kept (store/roles.py); None: every role
     _pos_keep: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def build(cls, exclude: Sequence[int] = (), context_size: int | None = None, seqpos=None,
-              split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0) -> "RowFilter":
+              split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
+              roles: "tuple | None" = None) -> "RowFilter":
         if split not in SPLITS:
             raise ValueError(f"split={split!r}: use None (every row), 'train' or 'test'")
         if split is not None and not 0.0 < test_fraction < 1.0:
@@ -136,7 +139,8 @@ class RowFilter:
                 raise ValueError(f"seqpos={seqpos} keeps no position of a {context_size}-token context")
             seqpos = (seqpos.start, seqpos.stop, seqpos.step)
         return cls(tuple(sorted({int(t) for t in exclude})), int(context_size) if context_size else None,
-                   seqpos, split, float(test_fraction) if split else 0.0, int(split_seed), pos_keep)
+                   seqpos, split, float(test_fraction) if split else 0.0, int(split_seed),
+                   None if roles is None else tuple(sorted(int(r) for r in roles)), pos_keep)
 
     @property
     def needs_tokens(self) -> bool:
@@ -147,8 +151,17 @@ class RowFilter:
         return self.split is not None
 
     @property
+    def needs_roles(self) -> bool:
+        return self.roles is not None
+
+    @property
     def needs_meta(self) -> bool:
-        return self.needs_tokens or self.needs_docs
+        return self.needs_tokens or self.needs_docs or self.needs_roles
+
+    def meta_names(self) -> list[str]:
+        """The metadata columns `mask` needs."""
+        return [n for n, need in (("token_id", self.needs_tokens), ("doc_id", self.needs_docs),
+                                  ("role", self.needs_roles)) if need]
 
     def kept_positions(self) -> frozenset | None:
         """Context positions kept, or None for all of them."""
@@ -157,7 +170,7 @@ class RowFilter:
         return frozenset(np.flatnonzero(self._pos_keep).tolist())
 
     def mask(self, a: int, b: int, token_id: np.ndarray | None = None,
-             doc_id: np.ndarray | None = None) -> np.ndarray | None:
+             doc_id: np.ndarray | None = None, role: np.ndarray | None = None) -> np.ndarray | None:
         """Boolean keep-mask of rows [a, b), or None when every row is kept."""
         m = None
         if self._pos_keep is not None:
@@ -169,21 +182,29 @@ class RowFilter:
             s = doc_in_test(doc_id, self.test_fraction, self.split_seed)
             s = s if self.split == "test" else ~s
             m = s if m is None else m & s
+        if self.roles is not None:
+            r = np.isin(role, np.asarray(self.roles, np.int8))
+            m = r if m is None else m & r
         return m
 
     def describe(self) -> dict:
         return {"exclude_token_ids": list(self.exclude), "context_size": self.context_size,
                 "seqpos": list(self.seqpos) if self.seqpos else None, "split": self.split,
-                "test_fraction": self.test_fraction, "split_seed": self.split_seed}
+                "test_fraction": self.test_fraction, "split_seed": self.split_seed,
+                "roles": list(self.roles) if self.roles is not None else None}
 
 
-def matches_recorded(filt: RowFilter, recorded: tuple[frozenset, int] | None) -> bool:
+def matches_recorded(filt: RowFilter, recorded: tuple[frozenset, int] | None,
+                     kept_roles: "tuple | None" = None) -> bool:
     """True when `filt` keeps exactly the rows of the store's recorded "kept" statistics.
+
+    `kept_roles`: the roles the kept statistics are limited to (a role-masked store's
+    capture.roles; None: every role), which the filter's roles must equal.
 
     The held-out split is left out of the comparison on purpose: constants describe the kept
     rows of the whole store, so train and test splits are normalised identically.
     """
-    if recorded is None:
+    if recorded is None or filt.roles != kept_roles:
         return False
     ids, skip = recorded
     if frozenset(filt.exclude) != ids:

@@ -103,7 +103,7 @@ def _settle_attempt_objects(store: Store, owner: dict) -> None:
             if shard not in owner:
                 continue
             if attempt == owner[shard]:
-                dst = layout.meta_chunk_key(arr, shard) if arr in layout.ROW_META else \
+                dst = layout.meta_chunk_key(arr, shard) if arr in store.meta_columns else \
                     f"{arr}/c/{int(shard)}/0"
                 loc.move(key, dst)
             else:
@@ -115,7 +115,7 @@ def _shrink(store: Store, n_rows: int) -> None:
     every committed object lies inside the new shape and nothing outside it was ever written
     (zarr's own resize would walk every chunk key of the old shape to delete it: 2^40 rows)."""
     loc = store.location
-    for path in [layout.point_path(p) for p in store.points] + list(layout.ROW_META):
+    for path in [layout.point_path(p) for p in store.points] + list(store.meta_columns):
         key = f"{path}/zarr.json"
         meta = json.loads(loc.read_bytes(key))
         meta["shape"] = [int(n_rows)] + list(meta["shape"][1:])

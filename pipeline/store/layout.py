@@ -15,7 +15,10 @@ LAYOUT_VERSION = 2
 SUPPORTED_LAYOUT_VERSIONS = (2,)
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
-ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32"}
+# `role` (int8, codes in store/roles.py) was added later: a store records the columns it has in
+# its `row_meta` attribute (Store.meta_columns), and one without `role` reads as before.
+ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "role": "int8"}
+BASE_META = ("token_id", "doc_id", "position")  # what every store has; read_row_meta returns these
 META_UNWRITTEN = -1   # fill value of every metadata array: the row was never written
 META_INSERTED = -2    # doc_id and position of a BOS the packer inserted (it is from no document)
 

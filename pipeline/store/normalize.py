@@ -26,6 +26,7 @@ import torch
 from .dtypes import BF16
 from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
 from .objects import read_point
+from .roles import captured_codes
 from .stats import Moments
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
 # ---- store kept stats ---------------------------------------------------------------------------
 def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
     """The store's kept-row statistics when `filt` selects exactly that row class, else None."""
-    if not matches_recorded(filt, recorded_stats_filter(store_facts(store))):
+    if not matches_recorded(filt, recorded_stats_filter(store_facts(store)), captured_codes(store)):
         return None
     try:
         st = store.stats(list(points), subset="kept")
@@ -186,7 +187,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
     order = rng.permutation(total) if total <= (1 << 22) else None
     dtype = store.np_dtype
     raw = np.dtype(f"u{dtype.itemsize}")
-    meta_names = [n for n, need in (("token_id", filt.needs_tokens), ("doc_id", filt.needs_docs)) if need]
+    meta_names = filt.meta_names()
     point_index = [store.points.index(p) for p in points]
 
     def span(block: int) -> tuple[int, int, int]:
@@ -202,7 +203,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
         masks = []
         for a, b in spans:
             cols = {n: meta.read(n, a, b) for n in meta_names}
-            masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id")))
+            masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role")))
         live = [m is None or bool(m.any()) for m in masks]
         out = [np.empty((b - a if ok else 0, len(points), store.width), raw)
                for (a, b), ok in zip(spans, live)]

@@ -39,6 +39,7 @@ from . import normalize as _norm
 from .batching import Tally, batches
 from .dtypes import BF16, raw_dtype
 from .filters import RowFilter, store_context_size, store_facts, store_special_ids
+from .roles import resolve_roles
 from .loader import ActivationLoader
 from .objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader
@@ -88,6 +89,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             sinks that are not special tokens (SmolLM2: ~100 rows at positions 1-5).
         split, test_fraction, split_seed: None (all rows), "train" or "test": a held-out split by
             a hash of doc_id, `test_fraction` of the documents in "test".
+        roles: chat stores only: role names kept, e.g. ["assistant"] (store/roles.py). A
+            role-masked store (capture.roles) yields its stored roles by default and refuses
+            others; a store without roles refuses roles= (FORMAT.md, "Chat").
         normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (E||x||^2 = width)
             | "center_norm_scale" (subtract mean, then E||x-mean||^2 = width), with statistics
             of the rows this dataset yields: the store's kept-row statistics when the filters
@@ -112,7 +116,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                  norm_sample_rows: int = 1 << 16, endless: bool = False, steps: int | None = None,
                  prefetch_shards: int = 4, drop_last: bool = False, return_meta: bool = False,
                  out_dtype: torch.dtype | None = None, storage_options: dict | None = None,
-                 epoch: int = 0, eps: float = 1e-6, io_threads: int | None = None):
+                 epoch: int = 0, eps: float = 1e-6, io_threads: int | None = None,
+                 roles: "Sequence[str] | None" = None):
         super().__init__()
         if isinstance(store, Store):
             self._url = store.location.reopen_url()
@@ -160,7 +165,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                  "written before they were recorded); pass exclude_token_ids=[...] "
                                  "with the tokenizer's BOS/EOS/pad ids instead")
             exclude |= set(self.special_token_ids)
-        self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction, split_seed)
+        self.roles = resolve_roles(st, roles)  # store/roles.py: None, or the role codes kept
+        self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction,
+                                      split_seed, self.roles)
 
         # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
         # the marker facts that check its bytes (objects.py) ----
@@ -286,9 +293,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     def _meta_names(self) -> list[str]:
         if self.return_meta:
-            return ["token_id", "doc_id", "position"]
-        return [n for n, need in (("token_id", self.filter.needs_tokens), ("doc_id", self.filter.needs_docs))
-                if need]
+            return ["token_id", "doc_id", "position"] + (["role"] if self.filter.needs_roles else [])
+        return self.filter.meta_names()
 
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:
         cols = self._meta()

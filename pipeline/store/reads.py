@@ -36,10 +36,10 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
 
 def read_row_meta_checked(st, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Like Store.read_row_meta, committed rows only, each chunk checked against its marker."""
-    cols = {n: [] for n in layout.ROW_META}
+    cols = {n: [] for n in layout.BASE_META}
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):
         m, sh = st.committed_shard(s)
         a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
-        for n in layout.ROW_META:
+        for n in layout.BASE_META:
             cols[n].append(read_meta(st, m, sh, n)[a - sh["row_start"]:b - sh["row_start"]])
-    return tuple(np.concatenate(cols[n]) for n in layout.ROW_META)
+    return tuple(np.concatenate(cols[n]) for n in layout.BASE_META)

@@ -115,6 +115,12 @@ class Store:
         return special, skip, int(self.context_size or 1)
 
     @property
+    def meta_columns(self) -> dict:
+        """Row metadata columns this store has (name -> dtype), as its attributes record them:
+        stores made before a column was added to layout.ROW_META do not have it."""
+        return dict(self._h.get("row_meta") or {k: layout.ROW_META[k] for k in layout.BASE_META})
+
+    @property
     def n_shards(self) -> int:
         return -(-self.n_rows // self.shard_rows)
 
@@ -226,7 +232,7 @@ class Store:
         attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
-        return tuple(self._meta_array(n)[start:stop] for n in layout.ROW_META)
+        return tuple(self._meta_array(n)[start:stop] for n in layout.BASE_META)
 
     def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like read_row_meta, committed rows only, each chunk checked against its marker."""

@@ -29,7 +29,8 @@ def special_bf16_rows(width: int) -> np.ndarray:
 
 
 def fill(store, data: np.ndarray, *, units=None, order: str = "forward", chunk: int = 97,
-         seed: int = 0, token_id=None, doc_id=None, position=None, commit: bool = True, **writer_kw):
+         seed: int = 0, token_id=None, doc_id=None, position=None, role=None, commit: bool = True,
+         **writer_kw):
     """Write `data` [n_points, n_rows, width] into `store` unit by unit; returns manifests.
 
     Row metadata (whole-store arrays, zeros where not given) is written by each unit's writer,
@@ -46,7 +47,7 @@ def fill(store, data: np.ndarray, *, units=None, order: str = "forward", chunk: 
     for u in units:
         a0, b0 = u["row_start"], u["row_end"]
         w = store.region_writer(u["unit_id"], a0, b0, **writer_kw)
-        w.write_meta(a0, *(c[a0:b0] for c in cols))
+        w.write_meta(a0, *(c[a0:b0] for c in cols), None if role is None else role[a0:b0])
         starts = list(range(a0, b0, chunk))
         if order == "shuffled":
             rng.shuffle(starts)

@@ -1,8 +1,11 @@
-"""A unit's row metadata as its writer holds it: token_id, doc_id, position of every row.
+"""A unit's row metadata as its writer holds it: token_id, doc_id, position (and role, in
+stores that have the column) of every row.
 
 The writer needs it whole before it commits (the marker carries a CRC32C per column, which
 verify(deep=True) checks against the stored arrays), and per shard before it encodes the shard:
-which rows count in the `kept` statistics depends on their token ids and context positions.
+which rows count in the `kept` statistics depends on their token ids and context positions (and,
+in a role-masked store, their roles: rows of roles outside capture.roles are zeroed before the
+shard is encoded and never counted as kept; see FORMAT.md, "Chat").
 """
 
 from __future__ import annotations
@@ -15,15 +18,24 @@ from .stats import crc32c
 
 class UnitMeta:
     def __init__(self, unit_id: int, row_start: int, row_end: int,
-                 stats_filter: "tuple[np.ndarray, int, int] | None"):
+                 stats_filter: "tuple[np.ndarray, int, int] | None",
+                 columns: "list[str] | None" = None, stored_roles: "tuple | None" = None):
         self.unit_id, self.row_start, self.row_end = unit_id, row_start, row_end
         n = row_end - row_start
-        self.cols = {k: np.full(n, layout.META_UNWRITTEN, dt) for k, dt in layout.ROW_META.items()}
+        names = layout.ROW_META if columns is None else columns
+        self.cols = {k: np.full(n, layout.META_UNWRITTEN, layout.ROW_META[k]) for k in names}
         self.set = np.zeros(n, bool)
         self.filter = stats_filter
+        self.stored_roles = None if stored_roles is None else np.asarray(stored_roles, np.int8)
 
-    def write(self, row_start: int, token_id, doc_id, position) -> None:
+    def write(self, row_start: int, token_id, doc_id, position, role=None) -> None:
         cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
+        if "role" in self.cols:
+            # a text unit gives no roles: every row is plain text (roles.TEXT = 0)
+            cols["role"] = np.zeros(len(token_id), np.int8) if role is None else role
+        elif role is not None:
+            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no role column (made "
+                             "before chat input existed); write chat rows to a new store")
         n = None
         arrs = {}
         for name, v in cols.items():
@@ -34,7 +46,7 @@ class UnitMeta:
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
-                raise ValueError(f"write_meta: token_id, doc_id and position must have the same "
+                raise ValueError(f"write_meta: token_id, doc_id, position (and role) must have the same "
                                  f"length, got {n} and {a.shape[0]} for {name}")
             arrs[name] = a
         lo = int(row_start) - self.row_start
@@ -68,16 +80,31 @@ class UnitMeta:
 
     def keep_mask(self, start: int, end: int) -> np.ndarray | None:
         """Rows [start, end) counted in the `kept` statistics (None: every row)."""
-        if self.filter is None:
+        if self.filter is None and self.stored_roles is None:
             return None
         if not self.complete(start, end):
             raise ValueError(f"unit {self.unit_id}: rows [{start}, {end}) were written before "
                              "their metadata; call write_meta first (the kept-row statistics need "
                              "each row's token id)")
-        special, skip, C = self.filter
+        special, skip, C = self.filter or (np.zeros(0, np.int64), 0, 1)
         keep = np.ones(end - start, bool)
         if skip:
             keep &= (np.arange(start, end) % C) >= skip
         if special.size:
             keep &= ~np.isin(self.columns(start, end)["token_id"], special)
-        return keep
+        stored = self.stored_mask(start, end)
+        return keep if stored is None else keep & stored
+
+    def stored_mask(self, start: int, end: int) -> "np.ndarray | None":
+        """Rows [start, end) whose activations the store keeps (None: all): capture.roles."""
+        if self.stored_roles is None:
+            return None
+        return np.isin(self.columns(start, end)["role"], self.stored_roles)
+
+    def zero_unstored(self, data: np.ndarray, start: int, end: int) -> None:
+        """Zero the rows of roles outside capture.roles in a shard buffer [points, rows, width]
+        (raw bits: 0 is +0.0 in every float dtype). They ran as context; the store keeps their
+        metadata only, and zeros compress to almost nothing."""
+        stored = self.stored_mask(start, end)
+        if stored is not None and not stored.all():
+            data[:, :end - start][:, ~stored] = 0

@@ -39,6 +39,7 @@ from .dtypes import raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 from .shardio import lower_priority
 from .shards import Shard, runs, shard_buffers
+from .roles import captured_codes
 from .unitmeta import UnitMeta
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class ShardUploads:
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._codecs = [store.shard_codec(p) for p in store.points]
-        self._meta_codecs = {n: store.meta_codec(n) for n in layout.ROW_META}
+        self._meta_codecs = {n: store.meta_codec(n) for n in store.meta_columns}
         foreign = [p for p, c in zip(store.points, self._codecs) if c is None] + \
             [n for n, c in self._meta_codecs.items() if c is None]
         if foreign:
@@ -73,7 +74,8 @@ class ShardUploads:
         self._buffers = shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
         sr = store.shard_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
-        self._meta = UnitMeta(unit_id, row_start, row_end, store.stats_filter())
+        self._meta = UnitMeta(unit_id, row_start, row_end, store.stats_filter(),
+                              list(store.meta_columns), captured_codes(store))
         self._states: dict[int, Shard] = {}
         self._open: "OrderedDict[int, Shard]" = OrderedDict()
         self._pending: "OrderedDict[int, list[cf.Future]]" = OrderedDict()
@@ -216,6 +218,7 @@ class ShardUploads:
         sh.keep = self._meta.keep_mask(sh.start, sh.end)
         if sh.scratch:
             self._unflush(sh)  # the slow path: the evicted rows come back, then as any shard
+        self._meta.zero_unstored(sh.data, sh.start, sh.end)  # capture.roles (store/roles.py)
         futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         if self._meta.complete(sh.start, sh.end):
             futs.append(self._pool.submit(self._upload_meta, sh.index))

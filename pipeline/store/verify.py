@@ -78,7 +78,7 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
         errors.append(f"the store was finalized with {store._meta['attributes']['committed_rows']} committed "
                       f"rows, its markers now cover {committed_rows}: markers were lost or added since")
     _guard(errors, "array metadata", lambda: _check_arrays(store, errors))
-    want = _Wanted(store.points) if objects else None
+    want = _Wanted(store.points, store.meta_columns) if objects else None
     stored = 0
     markers = _guard(errors, "the commit markers cannot be read",
                      lambda: store.iter_committed(matching, planned=True), iter(()))
@@ -132,7 +132,7 @@ def _check_marker(store: Store, m: dict) -> list[str]:
 
 
 def _check_arrays(store: Store, errors: list[str]) -> None:
-    for name, dt in layout.ROW_META.items():
+    for name, dt in store.meta_columns.items():
         a = store._meta_array(name)
         if a.shape != (store.n_rows,) or a.dtype != np.dtype(dt):
             errors.append(f"row metadata {name} has shape {a.shape} dtype {a.dtype}, expected "
@@ -163,9 +163,10 @@ class _Wanted:
     size of each array's object), packed in flat integer arrays. Holding the markers themselves
     until the listings were read cost 12 KB per unit: 1.2 GB of verify at 100 k units on S3."""
 
-    def __init__(self, points: list[str]):
+    def __init__(self, points: list[str], meta_columns):
         self.n_points = len(points)
-        self.width = self.n_points + len(layout.ROW_META)
+        self.meta_columns = list(meta_columns)
+        self.width = self.n_points + len(self.meta_columns)
         self.units, self.shards, self.sizes = array("q"), array("q"), array("q")
         self.attempts: list = []   # one string per unit, shared by its shards
 
@@ -176,7 +177,7 @@ class _Wanted:
         nb = list(sh.get("nbytes") or [])[: self.n_points]
         nb += [None] * (self.n_points - len(nb))
         meta = sh.get("meta") or {}
-        nb += [(meta.get(name) or {}).get("nbytes") for name in layout.ROW_META]
+        nb += [(meta.get(name) or {}).get("nbytes") for name in self.meta_columns]
         self.sizes.extend(-1 if x is None else int(x) for x in nb)
 
     def column(self, col: int):
@@ -190,7 +191,7 @@ class _Wanted:
 def _check_objects(store: Store, want: _Wanted, checked: dict) -> list[str]:
     out = []
     attempts = {arr: {(s, a): size for _, s, a, size in v} for arr, v in attempt_objects(store.location).items()}
-    arrays = [layout.point_path(p) for p in store.points] + list(layout.ROW_META)
+    arrays = [layout.point_path(p) for p in store.points] + list(store.meta_columns)
     for col, path in enumerate(arrays):
         published = _listing(store, f"{path}/c", leaf=col < want.n_points)
         mine = attempts.get(path, {})
@@ -226,7 +227,7 @@ def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
     if want is None:
         bad.append(f"unit {uid}: marker has no row metadata digest")
     else:
-        for name in layout.ROW_META:
+        for name in store.meta_columns:
             try:
                 col = np.concatenate([read_meta(store, m, sh, name) for sh in m.get("shards", [])])
             except Exception as exc:  # noqa: BLE001
