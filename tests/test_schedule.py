@@ -1,0 +1,82 @@
+"""Scheduled ticks (pipeline/schedule.py): decisions from the store alone, and three extend ticks
+on a real local Ray cluster whose store equals one long run row for row."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.lease import Lease
+from harvest.pipeline.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
+                                       read_ticks, store_state)
+from harvest.pipeline.store import open_store
+from harvest.pipeline.store.backend import locate
+from tests.support.pipeline import MAX_TOKENS, check_store, make_cfg
+
+
+def _no_run(cfg, stop_tokens=None):
+    raise AssertionError("this tick must not start a run")
+
+
+def test_extend_needs_a_budget_and_a_pinned_hub_dataset(tmp_path):
+    cfg = make_cfg("tiny:llama", str(tmp_path / "s"), tmp_path / "c.jsonl",
+                   "packing.max_tokens=null")
+    with pytest.raises(ConfigError, match="packing.max_tokens"):
+        ScheduleConfig("extend", tokens_per_tick=1000).validate(cfg)
+    hub = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb")
+    with pytest.raises(ConfigError, match="data.revision"):
+        ScheduleConfig("extend", tokens_per_tick=1000).validate(hub)
+    with pytest.raises(ConfigError, match="tokens_per_tick"):
+        ScheduleConfig("extend").validate(cfg)
+
+
+def test_a_live_driver_makes_the_tick_alert_busy_then_stuck(tmp_path):
+    cfg = make_cfg("tiny:llama", str(tmp_path / "s"), tmp_path / "c.jsonl")
+    loc = locate(cfg.store.resolved_url)
+    lease = Lease(loc, cfg.store.lease_seconds, "s", cfg.content_key(), "other").acquire()
+    try:
+        t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512), run_fn=_no_run)
+        assert t.status == "busy" and t.exit_code == EXIT_BUSY, t
+        assert "still writing" in t.message and f"pid {lease.record['pid']}" in t.message
+        time.sleep(1.2)  # the run is now older than stuck_after_s
+        t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512, stuck_after_s=1.0),
+                        run_fn=_no_run)
+        assert t.status == "stuck" and t.exit_code == EXIT_STUCK, t
+    finally:
+        lease.release()
+    # released: the tick would run (check_only: nothing starts)
+    t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512, check_only=True),
+                    run_fn=_no_run)
+    assert t.status == "would_run" and t.exit_code == 0
+
+
+def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    ref, _ = reference
+    assert ref.packed.n_rows == MAX_TOKENS  # the corpus fills the budget
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus)
+    sc = ScheduleConfig("extend", tokens_per_tick=MAX_TOKENS // 3)
+    statuses = []
+    for k in range(1, 4):
+        t = extend_tick(cfg, sc)
+        statuses.append(t.status)
+        assert t.tokens == k * MAX_TOKENS // 3, t
+        st = store_state(cfg)
+        assert st.committed_tokens == st.planned_tokens == k * MAX_TOKENS // 3
+        assert st.finished == (k == 3) and st.lease is None  # released at the tick's end
+        store = open_store(cfg.store.resolved_url)
+        n = t.tokens
+        tok, doc, pos = store.read_row_meta(0, n)  # the committed prefix is the long run's
+        assert np.array_equal(tok, ref.packed.token_ids[:n])
+        assert np.array_equal(pos, ref.packed.positions[:n])
+        assert t.summary["tokens_this_run"] == MAX_TOKENS // 3
+    assert statuses == ["paused", "paused", "ran"]
+    # the finished store: verified (deep) and recounted against one long run, bit for bit
+    check_store(open_store(cfg.store.resolved_url), reference)
+    ticks = read_ticks(locate(cfg.store.resolved_url))
+    assert [x["summary"]["tokens_this_run"] for x in ticks] == [MAX_TOKENS // 3] * 3
+    # the budget is reached: the next tick decides from the store alone and starts nothing
+    t = extend_tick(cfg, sc, run_fn=_no_run)
+    assert t.status == "complete" and t.exit_code == 0 and t.tokens == MAX_TOKENS
