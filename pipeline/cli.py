@@ -1,4 +1,4 @@
-"""`harvest run|plan|status|verify|inspect|report|check-model`: the pipeline for people.
+"""`harvest run|plan|status|verify|inspect|report|check-model|schedule`: the pipeline for people.
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
@@ -319,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="capture even if the block-semantics probe refuses the trunk")
     cm.add_argument("--json", action="store_true")
     cm.set_defaults(fn=cmd_check_model)
+    from .schedule_cli import add_parser as add_schedule
+
+    add_schedule(sub, _config_args)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
         sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     return p

@@ -3,12 +3,15 @@ on a real local Ray cluster whose store equals one long run row for row."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 
 import numpy as np
 import pytest
 
 from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.cli import main
 from harvest.pipeline.lease import Lease
 from harvest.pipeline.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
                                        read_ticks, store_state)
@@ -41,6 +44,13 @@ def test_a_live_driver_makes_the_tick_alert_busy_then_stuck(tmp_path):
         t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512), run_fn=_no_run)
         assert t.status == "busy" and t.exit_code == EXIT_BUSY, t
         assert "still writing" in t.message and f"pid {lease.record['pid']}" in t.message
+        # the command: the alert is the exit code (a cron job exiting 0 hides it), JSON says why
+        out = tmp_path / "out.json"
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            code = main(["schedule", "extend", "--tokens", "512", "--json",
+                         "--set", f"store.url={cfg.store.url}", "--set", "packing.max_tokens=6144"])
+        assert code == EXIT_BUSY
+        assert json.loads(out.read_text())["ticks"][0]["status"] == "busy"
         time.sleep(1.2)  # the run is now older than stuck_after_s
         t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512, stuck_after_s=1.0),
                         run_fn=_no_run)
