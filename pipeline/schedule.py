@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Callable
 
 from .checks import ConfigError, check_float, check_int
+from . import schedule_log
 from .config import HarvestConfig, from_dict
+from .schedule_log import TICK_DIR, read_ticks  # noqa: F401 -- re-exported
 
 log = logging.getLogger("harvest.pipeline")
 
-TICK_DIR = "_harvest/schedule"
 EXIT_OK, EXIT_FAILED, EXIT_BUSY, EXIT_STUCK = 0, 1, 3, 4
 MODES = ("extend", "checkpoints")
 
@@ -214,30 +215,10 @@ def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
 
 
 def record_tick(cfg: HarvestConfig, summary: dict, started: float) -> None:
-    """Keep the run's figures beside the store (create-once, numbered): the store's history."""
     from .store.backend import locate
 
-    loc = locate(cfg.store.resolved_url, cfg.store.fs_options())
-    body = json.dumps({"started": started, "finished": time.time(), "summary": summary},
-                      default=str).encode()
-    n = len(read_ticks(loc))
-    for seq in range(n, n + 100):  # a race with another recorder moves to the next number
-        if loc.create_once(f"{TICK_DIR}/tick-{seq:06d}.json", body):
-            return
-    log.warning("could not record the tick's summary under %s", TICK_DIR)
-
-
-def read_ticks(loc) -> list[dict]:
-    """Every recorded tick of the store at `loc`, in order (empty for a store run once)."""
-    out = []
-    for name in sorted(loc.list_dir(TICK_DIR)):
-        data = loc.read_bytes(f"{TICK_DIR}/{name}") if name.endswith(".json") else None
-        if data:
-            try:
-                out.append(json.loads(data))
-            except ValueError:
-                continue  # being written
-    return out
+    schedule_log.record_tick(locate(cfg.store.resolved_url, cfg.store.fs_options()), summary,
+                             started)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
