@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -68,11 +69,14 @@ class ScheduleConfig:
         elif not self.checkpoints:
             raise ConfigError("schedule checkpoints needs --checkpoints DIR: a directory whose "
                               "subdirectories are model checkpoints")
-        if _is_hub(cfg) and not cfg.data.revision:
+        if _is_hub(cfg) and not re.fullmatch(r"[0-9a-f]{40}", cfg.data.revision or ""):
+            # a branch or tag moves: the next tick would read another corpus under the same name
+            # (resume then refuses it, if the changed rows are in a chunk it re-reads at all)
             raise ConfigError(
-                f"data.source={cfg.data.source!r} is a hub dataset without data.revision: a "
-                "schedule must read the same corpus at every tick; pin data.revision to a commit "
-                "sha (the dataset page's 'History')")
+                f"data.source={cfg.data.source!r} is a hub dataset and data.revision="
+                f"{cfg.data.revision!r} is not a commit sha: a schedule must read the same corpus "
+                "at every tick; set data.revision to the 40-hex commit sha (the dataset page's "
+                "'History')")
         return self
 
 

@@ -32,6 +32,12 @@ def test_extend_needs_a_budget_and_a_pinned_hub_dataset(tmp_path):
     hub = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb")
     with pytest.raises(ConfigError, match="data.revision"):
         ScheduleConfig("extend", tokens_per_tick=1000).validate(hub)
+    branch = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb", "data.revision=main")
+    with pytest.raises(ConfigError, match="not a commit sha"):
+        ScheduleConfig("extend", tokens_per_tick=1000).validate(branch)
+    pinned = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb",
+                      "data.revision=" + "0123456789" * 4)
+    ScheduleConfig("extend", tokens_per_tick=1000).validate(pinned)
     with pytest.raises(ConfigError, match="tokens_per_tick"):
         ScheduleConfig("extend").validate(cfg)
 
