@@ -96,3 +96,39 @@ def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, r
     # the budget is reached: the next tick decides from the store alone and starts nothing
     t = extend_tick(cfg, sc, run_fn=_no_run)
     assert t.status == "complete" and t.exit_code == 0 and t.tokens == MAX_TOKENS
+
+
+def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, corpus, tmp_path):
+    """Two checkpoints of one architecture (different seeds, one tokenizer) saved as dirs: one
+    tick makes a store for each, the same token/document/position in every row, each store's
+    rows its own model's (eager reference); the next tick finds both finished and runs nothing."""
+    from harvest.engine.models import build_tiny_model
+    from harvest.pipeline.schedule import checkpoint_tick
+    from tests.support.pipeline import SHARD_ROWS, reference_capture
+
+    ckpts = tmp_path / "ckpts"
+    for name, seed in (("step-1000", 1), ("step-2000", 2)):
+        build_tiny_model(ckpts / name, "llama", seed=seed)
+    (ckpts / "notes").mkdir()  # not a checkpoint: no config.json
+    budget = 4 * SHARD_ROWS
+    cfg = make_cfg(tiny_llama, str(tmp_path / "stores"), corpus, f"packing.max_tokens={budget}")
+    sc = ScheduleConfig("checkpoints", checkpoints=str(ckpts))
+    ticks = checkpoint_tick(cfg, sc)
+    assert [t.status for t in ticks] == ["ran", "ran"], [t.message for t in ticks]
+    stores = {n: open_store(str(tmp_path / "stores" / n)) for n in ("step-1000", "step-2000")}
+    metas = {}
+    for name, s in stores.items():
+        v = s.verify(deep=True)
+        assert v["ok"] and v["committed_rows"] == budget, v
+        metas[name] = s.read_row_meta(0, s.n_rows)
+        acts = reference_capture(str(ckpts / name), metas[name][0], cfg.packing.context_size,
+                                 SHARD_ROWS, cfg.capture.batch_contexts, [s.points[-1]])
+        got = np.asarray(s.read(s.points[-1], 0, s.n_rows))
+        assert np.array_equal(got.view(np.uint16), acts[s.points[-1]].view(np.uint16)), name
+    for a, b in zip(metas["step-1000"], metas["step-2000"]):
+        assert np.array_equal(a, b)                       # row-aligned
+    p = stores["step-1000"].points[-1]
+    assert not np.array_equal(np.asarray(stores["step-1000"].read(p, 0, 64)),
+                              np.asarray(stores["step-2000"].read(p, 0, 64)))  # two models
+    again = checkpoint_tick(cfg, sc, run_fn=_no_run)
+    assert [t.status for t in again] == ["complete", "complete"]
