@@ -175,7 +175,7 @@ def cmd_plan(args) -> int:
         out["plan_complete"] = plan["final"]
     # a resumed store keeps the codec it was created with
     ratio = expected_ratio(existing.compression if existing is not None else cfg.store.compression)
-    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio)
+    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
     out["layout"] = layout_cost(
         points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
