@@ -93,6 +93,14 @@ def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, r
     check_store(open_store(cfg.store.resolved_url), reference)
     ticks = read_ticks(locate(cfg.store.resolved_url))
     assert [x["summary"]["tokens_this_run"] for x in ticks] == [MAX_TOKENS // 3] * 3
+    # the report covers the whole store across its ticks
+    from harvest.pipeline.report import write_report
+
+    rep = write_report(cfg.store.resolved_url, out_dir=tmp_path / "rep")["data"]
+    assert rep["committed_rows"] == MAX_TOKENS and len(rep["run"]["runs"]) == 3
+    assert [r["tokens"] for r in rep["run"]["runs"]] == [MAX_TOKENS // 3] * 3
+    assert all(r["per_actor"] and r["tokens_per_second"] for r in rep["run"]["runs"])
+    assert rep["run"]["skipped_reasons"]  # the corpus's empty/null rows, counted once
     # the budget is reached: the next tick decides from the store alone and starts nothing
     t = extend_tick(cfg, sc, run_fn=_no_run)
     assert t.status == "complete" and t.exit_code == 0 and t.tokens == MAX_TOKENS
