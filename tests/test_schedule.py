@@ -140,3 +140,27 @@ def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, cor
                               np.asarray(stores["step-2000"].read(p, 0, 64)))  # two models
     again = checkpoint_tick(cfg, sc, run_fn=_no_run)
     assert [t.status for t in again] == ["complete", "complete"]
+
+
+def test_alignment_check_finds_one_differing_token(tmp_path):
+    """Checkpoint stores are compared row by row (windows spread over the store): one token
+    different in one store is reported, naming both checkpoints."""
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.schedule import aligned
+    from harvest.pipeline.store import create_store, synthetic
+
+    n = 1024
+    for name, changed in (("a", None), ("b", None), ("c", 900)):
+        tok = np.arange(n, dtype=np.int32)
+        if changed is not None:
+            tok[changed] += 1
+        s = create_store(str(tmp_path / "st" / name), points=["resid_post.0"], width=8, n_rows=n,
+                         shard_rows=256, chunk_rows=128)
+        s.write_plan(s.default_plan(1))
+        synthetic.fill(s, synthetic.activations((1, n, 8), seed=1), token_id=tok,
+                       doc_id=np.arange(n) // 100, position=np.arange(n) % 100)
+        s.finalize({"tokens": n})
+    cfg = load_config(data={"store": {"url": str(tmp_path / "st")}})
+    assert aligned(cfg, ["a", "b"]) is None
+    msg = aligned(cfg, ["a", "b", "c"])
+    assert msg and "'a' and 'c' are not row-aligned" in msg
