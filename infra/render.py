@@ -1,7 +1,10 @@
 """Writes the KubeRay manifests that must stay identical to `infra/k8s/rayjob.yaml`.
 
-`raycluster.yaml` (interactive cluster) and `raycronjob.yaml` (KubeRay's own schedule) carry the
-same pod layout as the RayJob: same image, GPU groups, Secret-fed AWS_* variables, config mount.
+`raycluster.yaml` (interactive cluster), `raycron/raycronjob.yaml` (KubeRay's own schedule) and
+`schedule/rayjob-template.yaml` (the RayJob the scheduled CronJob creates) carry the same pod
+layout as the RayJob: same image, GPU groups, Secret-fed AWS_* variables, config mount, PVCs.
+The scheduled ones run `harvest schedule extend` (pipeline/schedule.py) instead of a plain run:
+a tick adds the next TICK_TOKENS to the one store of run.yaml until packing.max_tokens.
 Three hand-kept copies drift (a Secret renamed in one, an image bumped in two); so rayjob.yaml
 is the one source, these two are generated from it, and tests/test_infra.py fails when a
 generated file is stale.
@@ -36,11 +39,28 @@ CLUSTER_NOTE = (
 )
 
 CRON_NOTE = (
-    "# KubeRay's own schedule: a RayCronJob creates one RayJob (the spec of rayjob.yaml) per\n"
-    "# tick. Needs KubeRay >= 1.6.0 with the RayCronJob feature gate on (alpha), e.g. helm\n"
-    "# `--set featureGates[0].name=RayCronJob --set featureGates[0].enabled=true`. On older\n"
-    "# KubeRay use cronjob-submit.yaml (a plain Kubernetes CronJob that creates the RayJob).\n"
+    "# KubeRay's own schedule: a RayCronJob creates one RayJob (the spec of rayjob.yaml, running\n"
+    "# `harvest schedule extend`) per tick. Needs KubeRay >= 1.6.0 with the RayCronJob feature\n"
+    "# gate on (alpha). `kubectl apply -k infra/k8s/raycron` (its `images:` rewrite the image).\n"
+    "# Every tick starts the Ray cluster, GPUs included, before `harvest schedule` can see that\n"
+    "# the budget is reached or the previous tick still runs: prefer infra/k8s/schedule/ (a\n"
+    "# CronJob that decides from the store first and alerts on stuck or failed RayJobs).\n"
 )
+
+TEMPLATE_NOTE = (
+    "# The RayJob infra/k8s/schedule/cronjob-submit.yaml creates per tick (ConfigMap\n"
+    "# harvest-rayjob-template). The submitter replaces __TICK_TOKENS__ with HARVEST_TICK_TOKENS,\n"
+    "# every image with the image its own `decide` container runs (which kustomize rewrote), and\n"
+    "# the name with generateName.\n"
+)
+
+# A tick's entrypoint: the next slice of run.yaml's corpus into run.yaml's one store.
+TICK_TOKENS = "__TICK_TOKENS__"
+RAYCRON_TICK_TOKENS = "100000000"
+
+
+def tick_entrypoint(tokens: str) -> str:
+    return f"harvest schedule extend --config /config/run.yaml --tokens {tokens}"
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -80,12 +100,21 @@ def render() -> dict[Path, str]:
         "spec": {
             "schedule": "0 3 * * *",
             "suspend": False,
-            "jobTemplate": copy.deepcopy(job["spec"]),
+            "jobTemplate": {**copy.deepcopy(job["spec"]),
+                            "entrypoint": tick_entrypoint(RAYCRON_TICK_TOKENS)},
         },
+    }
+    template = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": "harvest-tick",
+                     "labels": {**labels, "app.kubernetes.io/component": "scheduled-run"}},
+        "spec": {**copy.deepcopy(job["spec"]), "entrypoint": tick_entrypoint(TICK_TOKENS)},
     }
     return {
         K8S / "raycluster.yaml": HEADER + CLUSTER_NOTE + _dump(cluster),
-        K8S / "raycronjob.yaml": HEADER + CRON_NOTE + _dump(cron),
+        K8S / "raycron" / "raycronjob.yaml": HEADER + CRON_NOTE + _dump(cron),
+        K8S / "schedule" / "rayjob-template.yaml": HEADER + TEMPLATE_NOTE + _dump(template),
     }
 
 

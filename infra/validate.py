@@ -53,7 +53,9 @@ def load_docs(path: Path) -> list[dict]:
 
 
 def object_manifests() -> list[Path]:
-    return sorted(p for p in K8S_DIR.glob("*.yaml") if p.name not in NOT_OBJECTS)
+    """infra/k8s and its kustomization folders (schedule/, raycron/)."""
+    return sorted(p for p in list(K8S_DIR.glob("*.yaml")) + list(K8S_DIR.glob("*/*.yaml"))
+                  if p.name not in NOT_OBJECTS)
 
 
 def _where(doc: dict) -> str:

@@ -1,4 +1,4 @@
-"""`harvest run|plan|status|verify|inspect|report|check-model`: the pipeline for people.
+"""`harvest run|plan|status|verify|inspect|report|check-model|schedule`: the pipeline for people.
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
@@ -175,7 +175,7 @@ def cmd_plan(args) -> int:
         out["plan_complete"] = plan["final"]
     # a resumed store keeps the codec it was created with
     ratio = expected_ratio(existing.compression if existing is not None else cfg.store.compression)
-    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio)
+    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
     out["layout"] = layout_cost(
         points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="capture even if the block-semantics probe refuses the trunk")
     cm.add_argument("--json", action="store_true")
     cm.set_defaults(fn=cmd_check_model)
+    from .schedule_cli import add_parser as add_schedule
+
+    add_schedule(sub, _config_args)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
         sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     return p

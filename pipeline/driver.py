@@ -44,24 +44,26 @@ DATA_KEYS = ("rows_read", "rows_skipped", "skipped_reasons")
 
 
 def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
-        engine_factory: str | None = None) -> dict:
+        engine_factory: str | None = None, stop_tokens: int | None = None) -> dict:
     """Run (or resume) the harvest described by `cfg`; returns the summary written to the store.
 
     `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
-    bookkeeping alone); runs never set it.
+    bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/schedule.py)
+    pauses the run once that many more tokens are placed, rounded up to whole units: the store
+    stays unfinalized and the next run resumes where this one paused (summary `"paused": True`).
     """
     # SIGTERM/SIGHUP unwind like Ctrl-C from here on (exits.py): the finally blocks below release
     # the lease and stop the Ray this driver started on every way out
     with orderly_signals():
-        return _run_leased(cfg, on_event, engine_factory)
+        return _run_leased(cfg, on_event, engine_factory, stop_tokens)
 
 
-def _run_leased(cfg: HarvestConfig, on_event, engine_factory) -> dict:
+def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) -> dict:
     t_start = time.perf_counter()
     sink = StoreSink(cfg)
     sink.on_write_start()
     try:
-        summary = _run(cfg, on_event, engine_factory, sink, t_start)
+        summary = _run(cfg, on_event, engine_factory, sink, t_start, stop_tokens)
     except BaseException:
         sink.on_write_failed()
         raise
@@ -69,7 +71,8 @@ def _run_leased(cfg: HarvestConfig, on_event, engine_factory) -> dict:
     return summary
 
 
-def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start: float) -> dict:
+def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start: float,
+         stop_tokens: "int | None" = None) -> dict:
     """Prepare, then write: tokenising workers and capture actors run the units into the sink's
     store; then the sink completes (verify, finalize)."""
     emit = on_event or (lambda e: None)
@@ -95,6 +98,9 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
         # every unit committed but never finalized (the driver died at the very end): no actors
         log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
         return _finish(cfg, prep, sink, existing, None, t_start, emit, len(state.units))
+    if stop_tokens is not None:
+        U = prep.layout.unit_contexts
+        state.frontier.stop_contexts = state.frontier.placed + -(-stop_tokens // (C * U)) * U
     if existing is not None and state.committed:
         log.info("resuming %s: %d of %d planned units committed, %d to run; %d tokenising jobs",
                  shown_url, len(state.committed), len(state.units), len(state.todo), len(state.jobs))
@@ -132,8 +138,27 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
             import ray
 
             ray.shutdown()
+    if sched.frontier.paused:
+        return _paused(cfg, prep, store, sched, t_start, emit, len(state.committed),
+                       dispatch_seconds)
     return _finish(cfg, prep, sink, store, sched, t_start, emit, len(state.committed),
                    dispatch_seconds=dispatch_seconds)
+
+
+def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
+            dispatch_seconds: float) -> dict:
+    """A tick's end (stop_tokens reached): every planned unit is committed, nothing finalized.
+    The same verify as at the end (markers, plan coverage) so a tick never reports rows it lost;
+    the summary is the caller's to keep (schedule.py records it beside the store)."""
+    verify = store.verify(objects=False)
+    if not verify["ok"] or verify["missing_units"]:
+        raise HarvestError(f"store {redact_url(store.url)} failed verification after a paused "
+                           f"run: {verify['errors'][:5]} missing {verify['missing_units'][:10]}")
+    summary = _summary(cfg, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
+    summary.update(status="paused", paused=True,
+                   planned_tokens=sched.frontier.placed * cfg.packing.context_size)
+    emit({"event": "done", "summary": summary})
+    return summary
 
 
 def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,

@@ -1,13 +1,16 @@
 """`harvest plan`'s estimates: tokens, stored size and time of a run, before anything runs.
 
-Rough by design (text bytes per token and tok/s from model size), and labelled so; what they
+Rough by design (text bytes per token; tok/s measured where a figure exists, else from model
+size), and labelled so; what they
 prevent is the surprise: a budget the corpus cannot fill (`packing.max_tokens=5000000` on a
 220k-token corpus used to say nothing until the summary), or a store that will not fit.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from .store.compression import expected_ratio
 
@@ -41,6 +44,29 @@ def corpus_bytes(sources: dict) -> "int | None":
                 return None
             total += int(seg["stop"]) - int(seg["start"])
     return total or None
+
+
+# Parquet text expands by about this much from its compressed file (snappy/zstd on prose: 2-4x);
+# the larger figure keeps the bound an upper bound, so a warning from it is a sure one.
+PARQUET_EXPANSION = 4.0
+
+
+def corpus_bound(sources: dict, block_bytes: int) -> "tuple[int, str] | None":
+    """An upper bound on the corpus's text bytes where it is known only from metadata, with how:
+    parquet files' sizes times PARQUET_EXPANSION, a `save_to_disk` dataset's blocks times
+    data.block_bytes (each block holds at most that much). None for line-based sources (exact:
+    corpus_bytes) and hub/streaming datasets (unknown without reading them)."""
+    blocks = sources.get("blocks") or []
+    kinds = {seg.get("kind") for b in blocks for seg in b}
+    if kinds == {"parquet"}:
+        sizes = {seg["path"]: int(seg.get("size") or 0) for b in blocks for seg in b}
+        n = int(sum(sizes.values()) * PARQUET_EXPANSION)
+        return n, f"{len(sizes)} parquet file(s) of {sum(sizes.values()) / 1e6:.1f} MB x {PARQUET_EXPANSION:g}"
+    if kinds == {"disk"}:
+        rows = max(int(seg.get("rows") or 0) for b in blocks for seg in b)
+        return len(blocks) * block_bytes, f"{rows:,} rows in {len(blocks)} block(s) of at most " \
+                                          f"data.block_bytes={block_bytes:,}"
+    return None
 
 
 def params(prep) -> float:
@@ -88,10 +114,70 @@ def guess_rate(cfg, prep) -> dict:
             "rate_source": f"{plat.upper()} {source} ({why})"}
 
 
+BENCH_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "results.json"
+
+
+def store_rate(cfg, store) -> "dict | None":
+    """The store's own measured rate: its newest run (a scheduled tick's record, else the final
+    summary) per actor, times this config's actors. The best figure there is: this model, this
+    corpus, this cluster's kind, measured end to end."""
+    from .schedule_log import read_ticks
+
+    runs = [t.get("summary") or {} for t in read_ticks(store.location)]
+    runs += [store.summary] if store.summary else []
+    for r in reversed(runs):
+        n = len(r.get("per_actor") or [])
+        if r.get("tokens_per_second") and n:
+            per_actor = float(r["tokens_per_second"]) / n
+            rate = per_actor * cfg.ray.num_actors
+            return {"tokens_per_second": round(rate),
+                    "rate_note": f"measured: ~{rate:,.0f} tok/s for {cfg.ray.num_actors} actors "
+                                 "at this store's last run's pace, plus engine start",
+                    "rate_source": f"measured: this store's last run ({r.get('tokens_this_run', 0):,} "
+                                   f"tokens at {float(r['tokens_per_second']):,.0f} tok/s on {n} "
+                                   f"actors, finished {r.get('finished_at') or 'paused'}), "
+                                   f"scaled to ray.num_actors={cfg.ray.num_actors}"}
+    return None
+
+
+def bench_rate(cfg, prep, plat: str, path: Path = BENCH_RESULTS) -> "dict | None":
+    """The freeze engine's measured tok/s from benchmarks/results/ when it measured this model's
+    shape on this kind of device, per core, scaled to the actors' threads; None otherwise."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    shape = d.get("tokens") or {}
+    dev = (d.get("machine") or {}).get("device")
+    if dev != plat or (shape.get("n_layers"), shape.get("width")) != (prep.n_layers, prep.width):
+        return None
+    rows = ((d.get("sections") or {}).get("engine") or {}).get("rows") or []
+    freeze = [r["tok_s"] for r in rows if r.get("mode") == "freeze" and r.get("tok_s")]
+    cores = (d.get("machine") or {}).get("cpus") or 1
+    if not freeze:
+        return None
+    actors = cfg.ray.num_actors
+    if plat == "cpu":
+        threads = cfg.ray.threads_per_actor or max(1, (os.cpu_count() or 1) // actors)
+        per_actor, scale = max(freeze) / cores * threads, f"{threads} thread(s) per actor"
+    else:
+        per_actor, scale = max(freeze), "one GPU per actor"
+    rate = per_actor * actors
+    return {"tokens_per_second": round(rate),
+            "rate_note": f"measured engine rate: ~{rate:,.0f} tok/s for {actors} "
+                         f"{plat.upper()} actors, plus engine start",
+            "rate_source": f"measured: {d.get('model_name')} freeze engine {max(freeze):,.0f} tok/s "
+                           f"on {cores} {plat.upper()} cores ({path.parent.name}/{path.name}, "
+                           f"{d.get('started')}), scaled to {scale}; the engine alone: a run "
+                           "end to end went at 0.4-0.7x of it there"}
+
+
 def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
-                  ratio: "float | None" = None) -> "tuple[dict, list[str]]":
-    """(estimate, warnings) for `harvest plan`; see plan_text for how they are shown. `rate`
-    (tok/s, `plan --rate`) replaces the guessed rate; `ratio` is the codec's expected compression
+                  ratio: "float | None" = None, store=None) -> "tuple[dict, list[str]]":
+    """(estimate, warnings) for `harvest plan`; see plan_text for how they are shown. The rate is,
+    first found: `rate` (tok/s, `plan --rate`), the store's own history (`store`: an existing
+    store's last run or tick), benchmarks/results/ (this model shape on this device kind), a guess
+    from model size; `rate_source` says which. `ratio` is the codec's expected compression
     (default: of store.compression)."""
     warnings: list[str] = []
     text = corpus_bytes(prep.sources)
@@ -102,6 +188,15 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
             f"packing.max_tokens={budget:,} is more than the corpus likely holds "
             f"(~{corpus_tokens:,} tokens from {text / 1e6:.1f} MB of text at ~{BYTES_PER_TOKEN:g} bytes per token): "
             "the run will stop at the end of the corpus, short of the budget")
+    bound = None if text else corpus_bound(prep.sources, cfg.data.block_bytes)
+    if bound and budget and budget > bound[0] / BYTES_PER_TOKEN:
+        # an upper bound, so the warning is sure; the estimate still prices the budget (the
+        # bound can be far above the real count: it would not make a better token figure)
+        warnings.append(
+            f"packing.max_tokens={budget:,} is more than the corpus can hold (at most "
+            f"~{int(bound[0] / BYTES_PER_TOKEN):,} tokens: {bound[1]}, at ~{BYTES_PER_TOKEN:g} bytes per token): the "
+            "run will stop at the end of the corpus, short of the budget; add data or lower "
+            "packing.max_tokens")
     if out.get("planned_tokens") and out.get("plan_complete"):
         tokens, source = out["planned_tokens"], "the stored plan"
     elif budget and (not corpus_tokens or budget <= corpus_tokens):
@@ -112,6 +207,13 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
     else:
         return {"tokens": None}, warnings
     r = guess_rate(cfg, prep)
+    measured = store_rate(cfg, store) if store is not None else None
+    if measured is None:
+        measured = bench_rate(cfg, prep, r["rate_platform"])
+        if measured:  # the device kind is still a choice: say why this one
+            measured["rate_source"] += f" ({platform(cfg)[1]})"
+    if measured:
+        r.update(measured)
     if rate:
         r.update(tokens_per_second=round(rate), rate_note=f"{rate:,.0f} tok/s given with --rate, "
                  "plus engine start", rate_source=f"given with --rate {rate:g}, instead of "

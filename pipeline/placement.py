@@ -37,6 +37,13 @@ class Frontier:
     unit_contexts: int
     n_blocks: int
     max_contexts: int | None = None
+    # A scheduled tick's stop (pipeline/schedule.py): placing pauses once `placed` reaches it at a
+    # unit's end. Unlike max_contexts it is not the run's end: the saved state stays `done: False`
+    # and the plan not final, so the next run resumes from here exactly as after a crash, and
+    # the rows of N such runs are those of one long run. A multiple of unit_contexts (a unit never
+    # ends early mid-store: units start on shard boundaries). `paused` says it was reached.
+    stop_contexts: int | None = None
+    paused: bool = False
     placed: int = 0         # contexts placed before `pending`
     next_unit: int = 0
     next_block: int = 0
@@ -117,6 +124,11 @@ class Frontier:
                 if budget_hit:
                     self.done = True
                 out.append(self._emit())
+                if (not self.done and self.stop_contexts is not None
+                        and self.placed >= self.stop_contexts and self.next_block < self.n_blocks):
+                    # after _emit: the recorded state is the resumable one (done False, not final);
+                    # at the data's end it is not a pause but the run's end (below)
+                    self.paused = self.done = True
         if self.done:
             return out
         if lo >= n:

@@ -28,6 +28,7 @@ import render  # noqa: E402  (infra/render.py)
 import validate as v  # noqa: E402  (infra/validate.py)
 
 K8S = REPO / "infra" / "k8s"
+SCHEDULE = K8S / "schedule"
 DOCKER = REPO / "infra" / "docker"
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION")
 
@@ -120,7 +121,7 @@ def test_validator_rejects_what_a_cluster_would(mutate, field):
 
 
 def test_builtin_kinds_are_validated_strictly():
-    cron = copy.deepcopy(one(K8S / "cronjob-submit.yaml", "CronJob"))
+    cron = copy.deepcopy(one(SCHEDULE / "cronjob-submit.yaml", "CronJob"))
     cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
     with pytest.raises(v.ManifestError, match="comand"):
         v.validate_doc(cron)
@@ -134,9 +135,13 @@ def test_generated_manifests_are_current():
 def test_generated_manifests_share_the_rayjob_pod_layout():
     job = rayjob()
     cluster = one(K8S / "raycluster.yaml", "RayCluster")
-    cron = one(K8S / "raycronjob.yaml", "RayCronJob")
+    cron = one(K8S / "raycron" / "raycronjob.yaml", "RayCronJob")
+    template = one(SCHEDULE / "rayjob-template.yaml", "RayJob")
     assert cluster["spec"] == job["spec"]["rayClusterSpec"]
-    assert cron["spec"]["jobTemplate"] == job["spec"]
+    # the scheduled ones differ in the entrypoint alone: a tick of `harvest schedule extend`
+    for spec in (cron["spec"]["jobTemplate"], template["spec"]):
+        assert {**spec, "entrypoint": None} == {**job["spec"], "entrypoint": None}
+        assert spec["entrypoint"].startswith("harvest schedule extend --config /config/run.yaml")
 
 
 def test_launcher_passes_rays_own_checks():
@@ -254,39 +259,121 @@ def test_gpu_worker_groups_and_a_gpu_free_head():
     assert gpu_groups, "no worker group requests nvidia.com/gpu"
 
 
-def test_cron_submitter_creates_a_valid_rayjob_from_the_template():
-    docs = v.load_docs(K8S / "cronjob-submit.yaml")
+def _cron_pod() -> tuple[list, dict, dict]:
+    docs = v.load_docs(SCHEDULE / "cronjob-submit.yaml")
     cron = next(d for d in docs if d["kind"] == "CronJob")
-    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return docs, cron, cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+
+
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_cron_submitter_creates_a_valid_rayjob_with_the_rewritten_image(tmp_path):
+    """The submit script's own sed, run on the template: a generateName'd RayJob, valid, every
+    image the one the decide container runs (kustomize rewrote that one; a ConfigMap's text is
+    never rewritten, which is how pods pulled the placeholder), the tick's tokens filled in."""
+    docs, cron, pod = _cron_pod()
     script = pod["containers"][0]["args"][0]
-    sed = re.search(r"sed -e '(s/(.*?)/(.*?)/)'", script)
-    assert sed, "the submit script no longer rewrites the RayJob name"
-    pattern, repl = sed.group(2), sed.group(3)
-    text = (K8S / "rayjob.yaml").read_text()
-    assert len(re.findall(pattern, text, flags=re.M)) == 1, "sed must hit exactly one line"
-    created = yaml.safe_load(re.sub(pattern, repl, text, flags=re.M))
+    sed = re.search(r"(sed -e .*?)/template/rayjob.yaml", script, flags=re.S)
+    assert sed, "the submit script no longer creates the RayJob from the template with sed"
+    env = {"image": "registry.example/harvest:1.2.3", "HARVEST_TICK_TOKENS": "12345"}
+    r = subprocess.run(["bash", "-c", sed.group(1).replace("\\\n", " ")
+                        + str(SCHEDULE / "rayjob-template.yaml")],
+                       capture_output=True, text=True, env={**env, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    created = yaml.safe_load(r.stdout)
     assert "name" not in created["metadata"] and created["metadata"]["generateName"]
     v.validate_doc(created)
+    spec = created["spec"]["rayClusterSpec"]
+    images = {c["image"] for _, t in pod_templates(spec) for c in t["spec"]["containers"]}
+    assert images == {env["image"]}
+    assert created["spec"]["entrypoint"].endswith("--tokens 12345")
+    decide = next(c for c in pod["initContainers"] if c["name"] == "decide")
+    assert "initContainers[?(@.name==\"decide\")].image" in script
+    assert decide["image"].split(":")[0] in {i["name"] for i in _kustomize(SCHEDULE)["images"]}
+    # one tick size in both containers, and the flags decide passes exist
+    assert _env(decide)["HARVEST_TICK_TOKENS"] == _env(pod["containers"][0])["HARVEST_TICK_TOKENS"]
+    from harvest.pipeline.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["schedule"].format_help()
+    for flag in re.findall(r"(--[a-z-]+)", decide["args"][0]):
+        assert flag in sub, f"harvest schedule has no {flag}"
     # the script's label selector finds the RayJobs it created
     selector = re.search(r"selector=(\S+)", script).group(1)
     labels = created["metadata"]["labels"]
     for pair in selector.split(","):
         k, _, val = pair.partition("=")
         assert labels.get(k) == val, f"selector {pair} does not match the RayJob labels"
-    # mounted template path and RBAC
+    # mounted template path and RBAC: old RayJobs are deleted, its own pod is read
     volume = next(vol for vol in pod["volumes"] if vol["name"] == "template")
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "template")
-    item = volume["configMap"]["items"][0]
-    assert f"{mount['mountPath']}/{item['path']}" in script
+    assert f"{mount['mountPath']}/{volume['configMap']['items'][0]['path']}" in script
     role = next(d for d in docs if d["kind"] == "Role")
     verbs = {vb for r in role["rules"] if "rayjobs" in r["resources"] for vb in r["verbs"]}
-    assert {"create", "list"} <= verbs
+    assert {"create", "list", "delete"} <= verbs
+    assert any("pods" in r["resources"] and "get" in r["verbs"] for r in role["rules"])
     sa = next(d for d in docs if d["kind"] == "ServiceAccount")
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == sa["metadata"]["name"]
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    gen = _kustomize(SCHEDULE)["configMapGenerator"][0]
+    assert gen["name"] == volume["configMap"]["name"]
+    assert gen["files"] == ["rayjob.yaml=rayjob-template.yaml"]
+
+
+def test_cron_submitter_alerts_on_busy_stuck_and_failed_ticks():
+    """Exit 3 (busy), 4 (stuck), 1 (failed) from the script; the store's own decision first."""
+    _, _, pod = _cron_pod()
+    script = pod["containers"][0]["args"][0]
+    for code in ("alert 4", "alert 3", "alert 1"):
+        assert code in script
+    assert "STUCK_AFTER_S" in _env(pod["containers"][0])
+    assert "exit 0 ;;" in script and "complete)" in script  # budget reached: nothing created
+    decide = pod["initContainers"][0]["args"][0]
+    assert "harvest schedule extend" in decide and "--check" in decide
+
+
+def _kustomize(folder: Path) -> dict:
+    return yaml.safe_load((folder / "kustomization.yaml").read_text())
+
+
+def test_every_kustomization_rewrites_the_same_image():
+    want = _kustomize(K8S)["images"]
+    for folder in (SCHEDULE, K8S / "raycron"):
+        assert _kustomize(folder)["images"] == want, folder.name
+        for res in _kustomize(folder)["resources"]:
+            assert (folder / res).is_file(), res
+
+
+def test_no_store_url_or_entrypoint_changes_between_retries():
+    """A `$(date ...)` in an entrypoint is evaluated per attempt: a retry after midnight started
+    a new, empty store. Entrypoints are fixed strings, and nothing but run.yaml names the store."""
+    for _, _, doc in MANIFEST_DOCS:
+        spec = doc.get("spec") or {}
+        spec = spec.get("jobTemplate", spec)
+        entry = spec.get("entrypoint") if isinstance(spec, dict) else None
+        if entry is not None:
+            assert "$" not in entry and "`" not in entry, (doc["metadata"], entry)
+        assert "store.url" not in yaml.safe_dump(doc), doc["metadata"]
+
+
+def test_weights_and_caches_live_on_pvcs_and_the_run_is_pinned():
+    from harvest.pipeline.config import load_config
+
+    claims = {d["metadata"]["name"] for d in v.load_docs(K8S / "pvc.yaml")}
+    for group, tmpl in pod_templates(rayjob()["spec"]["rayClusterSpec"]):
+        vols = {vol["name"]: vol for vol in tmpl["spec"]["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in tmpl["spec"]["containers"][0]["volumeMounts"]}
+        for name in ("cache", "models"):
+            assert vols[name]["persistentVolumeClaim"]["claimName"] in claims, (group, name)
+        cfg = load_config(K8S / "run.yaml")
+        assert cfg.model.path.startswith(mounts["models"] + "/"), "weights from the PVC"
+    assert cfg.data.revision, "a schedule must read a pinned dataset revision"
+    ignored = (REPO / ".gitignore").read_text().split()
+    assert {".harvest/", ".cache/", "harvest-report/"} <= set(ignored)
 
 
 def test_kustomization_names_files_that_exist():

@@ -83,3 +83,46 @@ def test_report_and_inspect_read_an_unpublished_units_metadata(store_and_data, t
     assert rows["token_id"] == [8, 9, 10, 11] and rows["position"] == [5, 6, 7, 8]
     x = data[0, 5:9].astype(np.float64)
     np.testing.assert_allclose(rows["norms"]["resid_post.0"], np.linalg.norm(x, axis=1), atol=1e-3)
+
+
+def test_report_shows_kept_rows_not_the_bos_sink(tmp_path):
+    """Every context starts with BOS (token 1) whose row is a sink (|x| ~ 1e4, as on Qwen-style
+    models): the report's plain figures are the kept rows' (recounted here), the all-rows ones
+    are labelled apart, BOS never tops the token list but is named as the largest excluded row;
+    a dimension held at 0 is dead and one with 1000x the variance an outlier."""
+    C, n = 64, 2048
+    data = synthetic.activations((1, n, W), seed=9).astype(np.float32)
+    data[0, :, 3] = 0.0                                   # dead
+    data[0, :, 5] *= 40.0                                 # outlier: 1600x the variance
+    tok = (np.arange(n) % 300 + 10).astype(np.int32)
+    tok[::C] = 1                                          # BOS at every context start
+    data[0, ::C, :] = 1e4 / np.sqrt(W)                    # the sink
+    s = create_store(str(tmp_path / "b.zarr"), points=["resid_post.0"], width=W, n_rows=n,
+                     shard_rows=512, chunk_rows=128, dtype="float32", context_size=C,
+                     special_token_ids=[1], bos_token_id=1)
+    s.write_plan(s.default_plan(1))
+    synthetic.fill(s, data, token_id=tok, doc_id=np.arange(n) // 500,
+                   position=np.arange(n) % 500)
+    out = tmp_path / "rep"
+    assert main(["report", s.url, "--out", str(out)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    p = rep["points"][0]
+    x = data[0].astype(np.float64)
+    keep = tok != 1
+    assert rep["subset"] == "kept" and p["count"] == keep.sum() and p["count_all"] == n
+    assert p["rms_norm"] == pytest.approx(np.sqrt((x[keep] ** 2).sum(1).mean()), rel=1e-6)
+    assert p["rms_norm_all"] == pytest.approx(np.sqrt((x ** 2).sum(1).mean()), rel=1e-6)
+    assert p["rms_norm_all"] > 10 * p["rms_norm"]         # what the old report showed
+    assert p["var_max"] == pytest.approx(x[keep].var(0).max(), rel=1e-6)
+    v = x[keep].var(0)
+    assert p["var_argmax"] == 5 and p["outliers"][0]["dim"] == 5
+    assert p["outlier_dims"] == int((v >= 100 * np.median(v)).sum())   # a recount of the rule
+    assert p["dead_dims"] == 1 and p["dead_first"] == [3]
+    tops = rep["top_rows"]["resid_post.0"]
+    assert tops and all(e["token_id"] != 1 for e in tops)
+    kn = np.linalg.norm(x, axis=1)
+    assert tops[0]["norm"] == pytest.approx(kn[keep].max(), rel=1e-5)
+    assert rep["excluded_top"]["resid_post.0"]["token_id"] == 1
+    assert sum(rep["norm_hist"]["resid_post.0"]["counts"]) == keep.sum()  # every shard sampled
+    page = (out / "report.html").read_text()
+    assert "RMS norm, all rows" in page and "largest excluded row" in page

@@ -1,0 +1,166 @@
+"""Scheduled ticks (pipeline/schedule.py): decisions from the store alone, and three extend ticks
+on a real local Ray cluster whose store equals one long run row for row."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import numpy as np
+import pytest
+
+from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.cli import main
+from harvest.pipeline.lease import Lease
+from harvest.pipeline.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
+                                       read_ticks, store_state)
+from harvest.pipeline.store import open_store
+from harvest.pipeline.store.backend import locate
+from tests.support.pipeline import MAX_TOKENS, check_store, make_cfg
+
+
+def _no_run(cfg, stop_tokens=None):
+    raise AssertionError("this tick must not start a run")
+
+
+def test_extend_needs_a_budget_and_a_pinned_hub_dataset(tmp_path):
+    cfg = make_cfg("tiny:llama", str(tmp_path / "s"), tmp_path / "c.jsonl",
+                   "packing.max_tokens=null")
+    with pytest.raises(ConfigError, match="packing.max_tokens"):
+        ScheduleConfig("extend", tokens_per_tick=1000).validate(cfg)
+    hub = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb")
+    with pytest.raises(ConfigError, match="data.revision"):
+        ScheduleConfig("extend", tokens_per_tick=1000).validate(hub)
+    branch = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb", "data.revision=main")
+    with pytest.raises(ConfigError, match="not a commit sha"):
+        ScheduleConfig("extend", tokens_per_tick=1000).validate(branch)
+    pinned = make_cfg("tiny:llama", str(tmp_path / "s"), "HuggingFaceFW/fineweb",
+                      "data.revision=" + "0123456789" * 4)
+    ScheduleConfig("extend", tokens_per_tick=1000).validate(pinned)
+    with pytest.raises(ConfigError, match="tokens_per_tick"):
+        ScheduleConfig("extend").validate(cfg)
+
+
+def test_a_live_driver_makes_the_tick_alert_busy_then_stuck(tmp_path):
+    cfg = make_cfg("tiny:llama", str(tmp_path / "s"), tmp_path / "c.jsonl")
+    loc = locate(cfg.store.resolved_url)
+    lease = Lease(loc, cfg.store.lease_seconds, "s", cfg.content_key(), "other").acquire()
+    try:
+        t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512), run_fn=_no_run)
+        assert t.status == "busy" and t.exit_code == EXIT_BUSY, t
+        assert "still writing" in t.message and f"pid {lease.record['pid']}" in t.message
+        # the command: the alert is the exit code (a cron job exiting 0 hides it), JSON says why
+        out = tmp_path / "out.json"
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            code = main(["schedule", "extend", "--tokens", "512", "--json",
+                         "--set", f"store.url={cfg.store.url}", "--set", "packing.max_tokens=6144"])
+        assert code == EXIT_BUSY
+        assert json.loads(out.read_text())["ticks"][0]["status"] == "busy"
+        time.sleep(1.2)  # the run is now older than stuck_after_s
+        t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512, stuck_after_s=1.0),
+                        run_fn=_no_run)
+        assert t.status == "stuck" and t.exit_code == EXIT_STUCK, t
+    finally:
+        lease.release()
+    # released: the tick would run (check_only: nothing starts)
+    t = extend_tick(cfg, ScheduleConfig("extend", tokens_per_tick=512, check_only=True),
+                    run_fn=_no_run)
+    assert t.status == "would_run" and t.exit_code == 0
+
+
+def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    ref, _ = reference
+    assert ref.packed.n_rows == MAX_TOKENS  # the corpus fills the budget
+    cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus)
+    sc = ScheduleConfig("extend", tokens_per_tick=MAX_TOKENS // 3)
+    statuses = []
+    for k in range(1, 4):
+        t = extend_tick(cfg, sc)
+        statuses.append(t.status)
+        assert t.tokens == k * MAX_TOKENS // 3, t
+        st = store_state(cfg)
+        assert st.committed_tokens == st.planned_tokens == k * MAX_TOKENS // 3
+        assert st.finished == (k == 3) and st.lease is None  # released at the tick's end
+        store = open_store(cfg.store.resolved_url)
+        n = t.tokens
+        tok, doc, pos = store.read_row_meta(0, n)  # the committed prefix is the long run's
+        assert np.array_equal(tok, ref.packed.token_ids[:n])
+        assert np.array_equal(pos, ref.packed.positions[:n])
+        assert t.summary["tokens_this_run"] == MAX_TOKENS // 3
+    assert statuses == ["paused", "paused", "ran"]
+    # the finished store: verified (deep) and recounted against one long run, bit for bit
+    check_store(open_store(cfg.store.resolved_url), reference)
+    ticks = read_ticks(locate(cfg.store.resolved_url))
+    assert [x["summary"]["tokens_this_run"] for x in ticks] == [MAX_TOKENS // 3] * 3
+    # the report covers the whole store across its ticks
+    from harvest.pipeline.report import write_report
+
+    rep = write_report(cfg.store.resolved_url, out_dir=tmp_path / "rep")["data"]
+    assert rep["committed_rows"] == MAX_TOKENS and len(rep["run"]["runs"]) == 3
+    assert [r["tokens"] for r in rep["run"]["runs"]] == [MAX_TOKENS // 3] * 3
+    assert all(r["per_actor"] and r["tokens_per_second"] for r in rep["run"]["runs"])
+    assert rep["run"]["skipped_reasons"]  # the corpus's empty/null rows, counted once
+    # the budget is reached: the next tick decides from the store alone and starts nothing
+    t = extend_tick(cfg, sc, run_fn=_no_run)
+    assert t.status == "complete" and t.exit_code == 0 and t.tokens == MAX_TOKENS
+
+
+def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, corpus, tmp_path):
+    """Two checkpoints of one architecture (different seeds, one tokenizer) saved as dirs: one
+    tick makes a store for each, the same token/document/position in every row, each store's
+    rows its own model's (eager reference); the next tick finds both finished and runs nothing."""
+    from harvest.engine.models import build_tiny_model
+    from harvest.pipeline.schedule import checkpoint_tick
+    from tests.support.pipeline import SHARD_ROWS, reference_capture
+
+    ckpts = tmp_path / "ckpts"
+    for name, seed in (("step-1000", 1), ("step-2000", 2)):
+        build_tiny_model(ckpts / name, "llama", seed=seed)
+    (ckpts / "notes").mkdir()  # not a checkpoint: no config.json
+    budget = 4 * SHARD_ROWS
+    cfg = make_cfg(tiny_llama, str(tmp_path / "stores"), corpus, f"packing.max_tokens={budget}")
+    sc = ScheduleConfig("checkpoints", checkpoints=str(ckpts))
+    ticks = checkpoint_tick(cfg, sc)
+    assert [t.status for t in ticks] == ["ran", "ran"], [t.message for t in ticks]
+    stores = {n: open_store(str(tmp_path / "stores" / n)) for n in ("step-1000", "step-2000")}
+    metas = {}
+    for name, s in stores.items():
+        v = s.verify(deep=True)
+        assert v["ok"] and v["committed_rows"] == budget, v
+        metas[name] = s.read_row_meta(0, s.n_rows)
+        acts = reference_capture(str(ckpts / name), metas[name][0], cfg.packing.context_size,
+                                 SHARD_ROWS, cfg.capture.batch_contexts, [s.points[-1]])
+        got = np.asarray(s.read(s.points[-1], 0, s.n_rows))
+        assert np.array_equal(got.view(np.uint16), acts[s.points[-1]].view(np.uint16)), name
+    for a, b in zip(metas["step-1000"], metas["step-2000"]):
+        assert np.array_equal(a, b)                       # row-aligned
+    p = stores["step-1000"].points[-1]
+    assert not np.array_equal(np.asarray(stores["step-1000"].read(p, 0, 64)),
+                              np.asarray(stores["step-2000"].read(p, 0, 64)))  # two models
+    again = checkpoint_tick(cfg, sc, run_fn=_no_run)
+    assert [t.status for t in again] == ["complete", "complete"]
+
+
+def test_alignment_check_finds_one_differing_token(tmp_path):
+    """Checkpoint stores are compared row by row (windows spread over the store): one token
+    different in one store is reported, naming both checkpoints."""
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.schedule import aligned
+    from harvest.pipeline.store import create_store, synthetic
+
+    n = 1024
+    for name, changed in (("a", None), ("b", None), ("c", 900)):
+        tok = np.arange(n, dtype=np.int32)
+        if changed is not None:
+            tok[changed] += 1
+        s = create_store(str(tmp_path / "st" / name), points=["resid_post.0"], width=8, n_rows=n,
+                         shard_rows=256, chunk_rows=128)
+        s.write_plan(s.default_plan(1))
+        synthetic.fill(s, synthetic.activations((1, n, 8), seed=1), token_id=tok,
+                       doc_id=np.arange(n) // 100, position=np.arange(n) % 100)
+        s.finalize({"tokens": n})
+    cfg = load_config(data={"store": {"url": str(tmp_path / "st")}})
+    assert aligned(cfg, ["a", "b"]) is None
+    msg = aligned(cfg, ["a", "b", "c"])
+    assert msg and "'a' and 'c' are not row-aligned" in msg
