@@ -33,7 +33,12 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     end = 0
     index = _commits.IndexBuilder()
     owner: dict[int, str] = {}   # shard -> attempt of the marker that vouches for it
+    from .objects import abort_losing_uploads, settle_uploads
+
+    pending = loc.pending_uploads("")  # uploads never completed ({} where objects are moved)
     for m in store.iter_committed():
+        if pending:
+            settle_uploads(store, pending, m)  # a writer died between its marker and publishing
         for sh in m["shards"]:
             owner[sh["index"]] = m.get("attempt")
         refs.append((m["unit_id"], m["stats"]))
@@ -64,6 +69,7 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     # one index object: status, verify and the reader then read one object instead of a marker each
     _commits.compact_index(loc, index)
     _settle_attempt_objects(store, owner)
+    abort_losing_uploads(store, pending, owner)
     logical = rows * store.row_bytes
     if not recorded:  # a marker without sizes (zarr fallback codec): list what it wrote
         stored = np.array([_listed_bytes(store, p) for p in store.points], np.int64)
