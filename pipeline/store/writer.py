@@ -237,7 +237,7 @@ class RegionWriter(ShardUploads):
             self._release()
             raise RegionWriteFailed(self._failed_msg) from None
         if created:
-            self._publish(manifest, self._etags())
+            self._publish(manifest)
         else:
             other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
                                                 fresh=True) or {}
@@ -282,14 +282,14 @@ class RegionWriter(ShardUploads):
             out[final] = u
         return out
 
-    def _publish(self, manifest: dict, etags: dict) -> None:
+    def _publish(self, manifest: dict) -> None:
         """Publish this attempt's objects (only the marker's creator does): complete its uploads
         (S3) or rename them to their zarr keys. Until then readers take renamed-by-name objects
         under the attempt's name, and finalize finishes a publish a crash cut."""
         from .objects import publish
 
         try:
-            publish(self._store, manifest, etags=etags)
+            publish(self._store, manifest, etags=self._etags())
         except Exception as e:  # noqa: BLE001 -- committed already; readers fall back, finalize repairs
             log.warning("unit %d: moving its objects to their zarr keys failed (%s); they stay under "
                         "attempt %s until finalize", self.unit_id,
