@@ -193,7 +193,8 @@ def writes_per_object(object_bytes: int, part_min_bytes: int, block_bytes: int) 
     the upload's start, its parts (compressed blocks gathered to `part_min_bytes`) and its
     completion after the marker (publishing: no copy, no delete). The parts' count is an
     estimate: blocks of `block_bytes` stored bytes, at least `part_min_bytes` a part."""
-    part = max(int(part_min_bytes), int(block_bytes), 1)
+    block = max(1, int(block_bytes))
+    part = block * max(1, -(-int(part_min_bytes) // block))  # whole blocks reaching the minimum
     return 2 + max(1, -(-int(object_bytes) // part))
 
 
