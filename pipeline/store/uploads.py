@@ -92,6 +92,9 @@ class ShardUploads:
         self._pending: "OrderedDict[int, list[cf.Future]]" = OrderedDict()
         self._done: set[int] = set()            # blocks encoded and appended
         self._checked: set[int] = set()         # shards whose first block looked for a marker
+        # shards whose metadata chunks were handed to an upload thread: commit uploads the rest.
+        # Marked when submitted, not when done: a second upload of a chunk still in flight
+        # would leave an upload no marker names (on S3, one never completed nor aborted)
         self._meta_uploaded: set[int] = set()
         self._streams: dict[tuple[int, int], ObjectStream] = {}  # (shard, point) -> its object
         # Statistics: a block's partials (all, kept per point) wait in _parts only until every
@@ -274,6 +277,7 @@ class ShardUploads:
         futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         self._blocks_done[si] = self._blocks_done.get(si, 0) + 1
         if self._blocks_done[si] == self._blocks_of[si] and self._meta.complete(*self.shard_span(si)):
+            self._meta_uploaded.add(si)
             futs.append(self._pool.submit(self._upload_meta, si))
         self._pending[sh.index] = futs
         self._note_peak()
@@ -302,7 +306,6 @@ class ShardUploads:
             return
         with self._lock:
             self._meta_rec[si] = rec
-            self._meta_uploaded.add(si)
 
     def _stream(self, si: int, p: int) -> ObjectStream:
         with self._lock:

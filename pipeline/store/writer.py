@@ -204,7 +204,8 @@ class RegionWriter(ShardUploads):
         self._meta.check_complete()
         for si in self._shard_ids:
             if si not in self._meta_uploaded:
-                self._pending.setdefault(si, []).append(self._pool.submit(self._upload_meta, si))
+                self._meta_uploaded.add(si)
+                self._pending[("meta", si)] = [self._pool.submit(self._upload_meta, si)]
         self._wait_pending(all_=True)
         self._check_usable()
         self._check_conflict()
