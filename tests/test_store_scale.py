@@ -86,6 +86,7 @@ def test_crc32c_combine_matches_the_whole():
         assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), lb) == google_crc32c.value(a + b)
 
 
+@pytest.mark.slow  # 1 GiB of rows through two stores (~3 min here): not in `pytest -m 'not slow'`
 def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatch):
     from harvest.pipeline.store.writer import RegionWriter
 
