@@ -85,7 +85,7 @@ class StoreSink:
             create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
             special_token_ids=prep.special_token_ids,
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
-            stats_skip_positions=prep.stats_skip_positions)
+            stats_skip_positions=prep.stats_skip_positions, meta_chunk_rows=L.unit_rows)
         self.store = store
         store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
                                    "chunk_contexts": chunk_contexts})

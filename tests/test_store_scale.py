@@ -161,3 +161,42 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
         sizes = [p.stat().st_size for p in __import__("pathlib").Path(url, "resid_post/5/c").rglob("0")
                  if p.is_file()]
         assert len(sizes) == 2 and min(sizes) > 10_000_000
+
+
+def test_row_metadata_in_one_chunk_per_unit(target, monkeypatch):
+    """A store made with meta_chunk_rows = the unit size (as the pipeline makes them) holds one
+    metadata object per unit and column, not one per shard; reads, verify, finalize (also of a
+    unit whose writer died before publishing) and plain zarr agree with what was written."""
+    from harvest.pipeline.store.errors import StoreError
+    from harvest.pipeline.store.writer import RegionWriter
+
+    url, so = target
+    n, unit = 2 * 1024 + 512, 1024  # two units of 4 shards, then a last one of 2
+    s = create_store(url, points=["resid_post.0", "resid_post.1"], width=64, n_rows=n,
+                     shard_rows=256, chunk_rows=64, storage_options=so, meta_chunk_rows=unit)
+    s.write_plan(s.default_plan(4))
+    x = synthetic.activations((2, n, 64), seed=9)
+    tok, doc, pos = (np.arange(n, dtype=np.int32) * 7) % 1000, np.arange(n) // 100, np.arange(n, dtype=np.int32) % 100
+    with pytest.raises(StoreError, match="inside a row metadata chunk"):
+        s.region_writer(9, 256, 1024)
+    kw = dict(token_id=tok, doc_id=doc, position=pos, order="shuffled", chunk=37)
+    ms = synthetic.fill(s, x, units=s.plan()[:2], **kw)
+    with monkeypatch.context() as mp:
+        mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
+        ms += synthetic.fill(s, x, units=s.plan()[2:], **kw)
+    for m in ms:  # every shard of a unit names the unit's one chunk
+        assert {sh["meta"]["token_id"]["chunk"] for sh in m["shards"]} == {m["unit_id"]}
+    s.finalize()
+    assert _leftovers(s) == ([], {})
+    r = open_store(url, storage_options=so)
+    got = r.read_row_meta_checked(0, n)
+    for g, want in zip(got, (tok, doc, pos)):
+        assert np.array_equal(g, want)
+    assert np.array_equal(r.read_row_meta_checked(300, 700)[0], tok[300:700])  # inside a unit's chunk
+    v = r.verify(deep=True)
+    assert v["ok"], v["errors"]
+    assert r.verify(objects=True)["ok"]
+    z = zarr.open_group(store=r.location.zarr_store(read_only=True), mode="r")
+    assert np.array_equal(np.asarray(z["doc_id"][:]), doc)
+    listed = r.location.list_tree("token_id/c")
+    assert sorted(listed) == ["0", "1", "2"]  # one object per unit

@@ -128,6 +128,15 @@ def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = N
     return x
 
 
+def _meta_cache(store) -> dict:
+    """Decoded unit metadata chunks recently read through this store (keyed by key, digest and
+    size: a rewrite after uncommit never hits an old entry); readers ask per shard."""
+    cache = getattr(store, "_meta_chunks", None)
+    if cache is None:
+        cache = store._meta_chunks = {}
+    return cache
+
+
 def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
     """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker."""
     rec = (sh.get("meta") or {}).get(name)
@@ -141,13 +150,24 @@ def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
             raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} differs from what its "
                                      f"writer committed; {_repair(marker)}")
         return col
-    keys = meta_keys(name, sh["index"], marker.get("attempt"))
+    chunk = rec.get("chunk")  # the unit's chunk (stores made with meta_chunk_rows = unit rows)
+    keys = meta_keys(name, sh["index"] if chunk is None else chunk, marker.get("attempt"))
     upload = rec.get("upload")
-    blob = read_checked(store.location, keys[:1] if upload else keys, rec.get("crc32c"),
-                        rec.get("nbytes"), what, marker, upload)
     codec = store.meta_codec(name)
+    c0 = a if chunk is None else chunk * codec.chunk
+    cache = _meta_cache(store)
+    ck = (keys[0], rec.get("crc32c"), rec.get("nbytes"))
+    col = cache.get(ck)
     try:
-        return codec.decode(blob, b - a)
+        if col is None:
+            blob = read_checked(store.location, keys[:1] if upload else keys, rec.get("crc32c"),
+                                rec.get("nbytes"), what, marker, upload)
+            col = codec.decode(blob, min(codec.chunk, marker["row_end"] - c0))
+            if chunk is not None:  # a unit's chunk serves each of its shards: keep a few
+                while len(cache) >= 8:
+                    cache.pop(next(iter(cache)))
+                cache[ck] = col
+        return col[a - c0:b - c0]
     except Exception as e:  # noqa: BLE001
         raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} cannot be decoded "
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
@@ -207,7 +227,7 @@ def publish(store, marker: dict, threads: int = 16, etags: "dict | None" = None)
     loc, att = store.location, marker.get("attempt")
     if not att:
         return 0
-    pairs, uploads = [], []
+    pairs, uploads, seen = [], [], set()
     for sh in marker.get("shards", []):
         ups = sh.get("upload") or [None] * len(store.points)
         if sh.get("object_crc32c") is not None:
@@ -217,10 +237,14 @@ def publish(store, marker: dict, threads: int = 16, etags: "dict | None" = None)
                 else:
                     pairs.append(point_keys(point, sh["index"], att)[::-1])
         for name, rec in (sh.get("meta") or {}).items():
+            c = rec.get("chunk", sh["index"])
+            if (name, c) in seen:  # a unit's chunk is named by each of its shards
+                continue
+            seen.add((name, c))
             if rec.get("upload") is not None:
-                uploads.append((layout.meta_chunk_key(name, sh["index"]), rec["upload"]))
+                uploads.append((layout.meta_chunk_key(name, c), rec["upload"]))
             else:
-                pairs.append(meta_keys(name, sh["index"], att)[::-1])
+                pairs.append(meta_keys(name, c, att)[::-1])
     n = loc.publish(pairs, threads) if pairs else 0
     return n + complete_uploads(loc, uploads, threads, etags or {})
 
@@ -251,7 +275,7 @@ def settle_uploads(store, pending: dict, marker: dict) -> None:
     for sh in marker.get("shards", []):
         recs = [(layout.shard_object_key(p, sh["index"]), u)
                 for p, u in zip(store.points, sh.get("upload") or [])]
-        recs += [(layout.meta_chunk_key(n, sh["index"]), r.get("upload"))
+        recs += [(layout.meta_chunk_key(n, r.get("chunk", sh["index"])), r.get("upload"))
                  for n, r in (sh.get("meta") or {}).items()]
         for final, up in recs:
             if up is not None and pending.pop(up["upload_id"], None) is not None:
@@ -259,14 +283,14 @@ def settle_uploads(store, pending: dict, marker: dict) -> None:
     complete_uploads(store.location, todo)
 
 
-def abort_losing_uploads(store, pending: dict, owner: dict) -> None:
+def abort_losing_uploads(store, pending: dict, owner: dict, meta_owner: dict) -> None:
     """Uploads left `pending` after every committed marker settled its own: those of a
-    committed shard are a losing (or failed) attempt's and are aborted; those of uncommitted
-    shards stay (a writer may still be at work on them)."""
+    committed shard (`owner`) or metadata chunk (`meta_owner`) are a losing (or failed)
+    attempt's and are aborted; the others stay (a writer may still be at work on them)."""
     for uid, key in pending.items():
         arr, _, rest = key.partition("/c/")
         shard = rest.split("/")[0]
-        if shard.isdigit() and int(shard) in owner:
+        if shard.isdigit() and int(shard) in (meta_owner if arr in layout.ROW_META else owner):
             store.location.abort_upload(key, uid)
 
 

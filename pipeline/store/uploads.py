@@ -74,6 +74,14 @@ class ShardUploads:
             raise StoreError(f"region_writer: arrays {foreign} of {store.url} use a codec chain harvest "
                              "does not write (it moves whole objects it encodes itself); create the "
                              "store with create_store")
+        # Row metadata chunks: one per shard, or one per unit where the store was created with
+        # meta_chunk_rows = the unit size (the pipeline does: ~1-2 MB objects, not 2-4 KiB ones).
+        # Units never share a chunk: a region must start on one (units do).
+        self._meta_rows = self._meta_codecs["token_id"].chunk
+        if self._meta_rows != store.shard_rows and row_start % self._meta_rows:
+            raise StoreError(f"region_writer: unit {unit_id} starts at row {row_start}, inside a row "
+                             f"metadata chunk of {self._meta_rows} rows (the store's unit size): units "
+                             "must start on a chunk, or two writers would share its object")
         sr, cr = store.shard_rows, self._codecs[0].chunk_rows
         # rows of a block: every block lies inside one shard and holds whole inner chunks
         self.block_rows = layout.block_rows(sr, cr, self._P, store.row_bytes, store.context_size)
@@ -276,17 +284,26 @@ class ShardUploads:
             self._unflush(sh)  # the slow path: the evicted rows come back, then as any block
         futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         self._blocks_done[si] = self._blocks_done.get(si, 0) + 1
-        if self._blocks_done[si] == self._blocks_of[si] and self._meta.complete(*self.shard_span(si)):
-            self._meta_uploaded.add(si)
+        if self._meta_rows == self._store.shard_rows and \
+                self._blocks_done[si] == self._blocks_of[si] and self._meta.complete(*self.shard_span(si)):
+            self._meta_uploaded.add(si)  # per-shard chunks go up with their shard; unit chunks at commit
             futs.append(self._pool.submit(self._upload_meta, si))
         self._pending[sh.index] = futs
         self._note_peak()
 
+    def meta_chunk_ids(self) -> list[int]:
+        """The row metadata chunks of this region (shards, or the unit's one chunk)."""
+        m = self._meta_rows
+        return list(range(self.row_start // m, -(-self.row_end // m)))
+
     def _upload_meta(self, si: int) -> None:
-        """The shard's rows of token_id, doc_id, position: one chunk object per column."""
+        """Chunk `si` of token_id, doc_id, position (this region's rows of it): one object per
+        column. Its record goes into every shard record of the chunk (with `chunk` when the
+        chunk is the unit's, so readers find the object and slice their shard's rows)."""
         if self._failed is not None or self._closed:
             return
-        s0, s1 = self.shard_span(si)
+        s0, s1 = si * self._meta_rows, min((si + 1) * self._meta_rows, self.row_end)
+        unit_chunk = self._meta_rows != self._store.shard_rows
         rec = {}
         loc = self._store.location
         try:
@@ -297,6 +314,8 @@ class ShardUploads:
                     self._written.append(att)
                 up = write_small(loc, final, att, blob)
                 rec[name] = {"crc32c": google_crc32c.value(blob), "nbytes": len(blob)}
+                if unit_chunk:
+                    rec[name]["chunk"] = si
                 if up is not None:
                     rec[name]["upload"] = up
                     with self._lock:
@@ -305,7 +324,9 @@ class ShardUploads:
             self._fail(e, f"metadata upload of shard {si}")
             return
         with self._lock:
-            self._meta_rec[si] = rec
+            sr = self._store.shard_rows
+            for shard in range(s0 // sr, -(-s1 // sr)):
+                self._meta_rec[shard] = rec
 
     def _stream(self, si: int, p: int) -> ObjectStream:
         with self._lock:

@@ -202,7 +202,7 @@ class RegionWriter(ShardUploads):
             raise ValueError(f"commit: unit {self.unit_id} has {n_miss} rows never written (e.g. {ex}); "
                              "write them, or abort() to leave the region uncommitted")
         self._meta.check_complete()
-        for si in self._shard_ids:
+        for si in self.meta_chunk_ids():
             if si not in self._meta_uploaded:
                 self._meta_uploaded.add(si)
                 self._pending[("meta", si)] = [self._pool.submit(self._upload_meta, si)]
