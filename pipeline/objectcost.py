@@ -8,8 +8,8 @@ writes the store, not from copies of its rules: `layout.ROW_META` for the object
 parts, completion), `commits.marker_size` (the real marker builder) for the marker and
 `commits.index_batch` for the index, so the plan follows the layout when the layout changes.
 
-Counted (FORMAT.md): per shard, one object per point and one chunk per row-metadata column; per
-unit, a stats sidecar and a marker; the index compacted into one segment by finalize. The few
+Counted (FORMAT.md): per shard, one object per point; per unit, one chunk per row-metadata
+column (stores the pipeline creates), a stats sidecar and a marker; the index compacted into one segment by finalize. The few
 dozen fixed objects of a store (zarr.json nodes, the plan, finalize's statistics) are not.
 """
 
@@ -65,9 +65,10 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     shards_per_unit = unit_rows // shard_rows
     data_logical = shard_rows * row_bytes
     data_stored = int(data_logical / ratio)
-    # row metadata at its logical size: an upper bound (doc_id and position compress well, token
-    # ids little); at 2-4 KiB the count matters, not the bytes
-    meta_by_column = {c: shard_rows * np.dtype(dt).itemsize for c, dt in ROW_META.items()}
+    # row metadata: one chunk per unit and column (the pipeline creates stores with
+    # meta_chunk_rows = unit_rows), at its logical size: an upper bound (doc_id and position
+    # compress well, token ids little)
+    meta_by_column = {c: unit_rows * np.dtype(dt).itemsize for c, dt in ROW_META.items()}
     meta_stored = round(sum(meta_by_column.values()) / M)
     # requests per streamed object: start + parts + completion on object storage (parts are
     # compressed blocks gathered to S3's 5 MiB minimum); a local store renames (0 requests, but
@@ -84,8 +85,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                   row_bytes=row_bytes, object_bytes=data_stored, meta_bytes=meta_by_column)
     marker_bytes = marker_size(n_shards=shards_per_unit, **marker)
     marker_one = marker_size(n_shards=1, **marker)
-    objects_unit = shards_per_unit * (P + M)
-    writes = {"objects": shards_per_unit * (P * per_data + M * per_meta), "sidecar": SIDECAR_WRITES,
+    writes = {"objects": shards_per_unit * P * per_data + M * per_meta, "sidecar": SIDECAR_WRITES,
               "marker": MARKER_WRITES,
               "index": round(index_requests(units) / units, 3) if units else 0.0}
     reads = shards_per_unit + 1
@@ -110,7 +110,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                    "max_marker_bytes": MAX_MARKER_BYTES, "max_objects": MAX_OBJECTS},
     }
     if tokens:
-        kinds = {"data": shards * P, "meta": shards * M, "sidecars": units, "markers": units,
+        kinds = {"data": shards * P, "meta": units * M, "sidecars": units, "markers": units,
                  "index": 1}
         out["objects"], out["objects_by_kind"] = sum(kinds.values()), kinds
         out["list_pages"] = -(-out["objects"] // LIST_PAGE_KEYS)
@@ -119,7 +119,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
         out["writes_per_second"] = round(writes_unit * per_s)
         out["reads_per_second"] = round(reads * per_s)
         # a reader taking every point back at the capture rate: one GET per object
-        out["readback_reads_per_second"] = round(objects_unit * per_s)
+        out["readback_reads_per_second"] = round(shards_per_unit * P * per_s)
     out["warnings"] = layout_warnings(out, width=width, itemsize=itemsize, shard_rows=shard_rows,
                                       unit_rows=unit_rows, marker_one=marker_one)
     return out
@@ -137,7 +137,7 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
         out.append(
             f"~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
             f"({c['writes_per_unit']['total']:,.0f} per unit of {unit_rows:,} tokens: each of its "
-            f"{c['shards_per_unit'] * (P + len(ROW_META)):,} objects is a multipart upload: "
+            f"{c['shards_per_unit'] * P + len(ROW_META):,} objects is a multipart upload: "
             "start, parts, completion) is over S3's "
             f"~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
             "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): raise "
@@ -178,8 +178,7 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
             f"{k['sidecars']:,} stats sidecars) are over {MAX_OBJECTS / 1e6:g} M: listing "
             f"({c['list_pages']:,} LIST pages of {LIST_PAGE_KEYS:,} keys), copying, deleting and "
             "lifecycle rules get slow and costly; larger shards (store.shard_rows), fewer "
-            f"points or fewer tokens cut it; {len(ROW_META)} metadata objects per shard are "
-            f"{KNOWN_LIMIT}")
+            "points or fewer tokens cut it")
     return out
 
 

@@ -229,7 +229,7 @@ def _plan_json(tmp_path, capsys, model: str, *sets: str) -> dict:
 
 def _recount(p: dict, ratio: float) -> dict:
     """The layout's figures from the plan's own fields and FORMAT.md's rules, not from the code
-    that computes them: one object per shard per point, one chunk per shard of each of the 3
+    that computes them: one object per shard per point, one chunk per unit of each of the 3
     row-metadata columns (int32, int64, int32), a stats sidecar and a marker per unit, the index
     compacted into one segment; every object a multipart upload (start, parts, completion
     after the marker): a data object's parts are its blocks (8 MiB per point, a block set at
@@ -244,11 +244,11 @@ def _recount(p: dict, ratio: float) -> dict:
     stored_block = int(block * row / ratio)
     part = stored_block * -(-(5 << 20) // stored_block)  # whole blocks, at least 5 MiB
     parts = -(-data // part)
-    writes = per_unit * (P * (2 + parts) + 3 * 3) + 2
+    writes = per_unit * P * (2 + parts) + 3 * 3 + 2
     return {"units": units, "shards": shards,
-            "objects": shards * P + shards * 3 + units + units + 1,
+            "objects": shards * P + units * 3 + units + units + 1,
             "data_object_bytes": int(S * p["width"] * 2 / ratio),
-            "meta_object_bytes": round(S * (4 + 8 + 4) / 3),
+            "meta_object_bytes": round(U * (4 + 8 + 4) / 3),
             "writes": writes, "requests": writes + per_unit + 1}
 
 
@@ -271,7 +271,7 @@ def _check_consistent(p: dict, ratio: float) -> dict:
 
 def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     """Llama-3.1-8B's shape, resid_post at all 32 layers, 10^9 tokens on GPUs: the figures of
-    issue 24: streamed 128 MiB shards make ~95 MB data objects and ~2.1 M objects (the old
+    issue 24: streamed 128 MiB shards make ~95 MB data objects and ~2.0 M objects (the old
     4 MiB shards made 68 M), with no warning left about object sizes or counts."""
     model = _model_dir(tmp_path, 32, 4096)
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
@@ -280,8 +280,9 @@ def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     lay = _check_consistent(p, 1.42)  # the default codec is compressed, not 1.0x
     assert lay["data_object_bytes_logical"] == 128 << 20 and lay["shards_per_unit"] == 16
     assert lay["data_object_bytes"] >= 32_000_000
-    assert lay["objects"] == 61036 * 32 + 61036 * 3 + 2 * 3815 + 1 == 2_143_891 <= 3_000_000
-    assert lay["objects_by_kind"]["meta"] == 183_108 and lay["units"] == 3815
+    assert lay["objects"] == 61036 * 32 + 3815 * 3 + 2 * 3815 + 1 == 1_972_228 <= 3_000_000
+    assert lay["objects_by_kind"]["meta"] == 11_445 and lay["units"] == 3815
+    assert lay["meta_object_bytes"] >= 1 << 20  # one chunk per unit: ~1.4 MB logical
     # per-object records in the marker (digests, sizes, upload ids): still ~100 B per shard x point
     assert lay["marker_bytes"] < 45 * 512 * 32
     warnings = "\n".join(lay["warnings"])
@@ -313,7 +314,7 @@ def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
     assert len(lines) == 1 and f"at 2,000 tok/s ~{per_s:,} writes/s" in lines[0]
     assert "rate      given with --rate 2000, instead of ~" in text
     assert "write requests/s" not in text  # ~410/s: under the limit
-    assert "objects   2,143,891 for 1,000,000,000 tokens: 1,953,152 data of ~134.2 MB" in text
+    assert "objects   1,972,228 for 1,000,000,000 tokens: 1,953,152 data of ~134.2 MB" in text
 
 
 def test_plan_layout_at_a_small_shape(tmp_path, capsys):
