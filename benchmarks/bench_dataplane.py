@@ -72,14 +72,42 @@ def _count_requests(store) -> dict:
     return counts
 
 
+def _meta_columns(a0: int, n: int, seed: int):
+    """Realistic row metadata: token ids over Llama-3's vocabulary, documents of ~600 tokens
+    (doc ids rising, positions restarting), so chunk sizes are real ones."""
+    rng = np.random.default_rng(seed)
+    starts = np.sort(rng.choice(n, n // 600, replace=False))
+    doc = np.zeros(n, np.int64)
+    doc[starts] = 1
+    doc = np.cumsum(doc) + a0 // 600
+    pos = np.arange(n) - np.maximum.accumulate(np.where(np.diff(doc, prepend=-1) > 0, np.arange(n), 0))
+    return rng.integers(0, 128256, n, dtype=np.int32), doc, pos.astype(np.int32)
+
+
+def meta_at_default_unit(tmp: str) -> dict:
+    """Stored bytes of each metadata column's chunk at the pipeline's default unit (262,144
+    rows: 16 shards of this shape, 64 GiB of rows, too much to write here), encoded by the
+    store's own codec from realistic columns."""
+    from harvest.pipeline.store import create_store, layout
+
+    unit = 1 << 18
+    s = create_store(os.path.join(tmp, "meta-probe"), points=["resid_post.0"], width=WIDTH, n_rows=unit,
+                     shard_rows=layout.choose_sizes(WIDTH, 2, POINTS, multiple=128)[0],
+                     context_size=128, meta_chunk_rows=unit)
+    cols = dict(zip(layout.ROW_META, _meta_columns(0, unit, 0)))
+    return {f"meta_chunk_bytes_default_unit_{k}": len(s.meta_codec(k).encode(v)) for k, v in cols.items()}
+
+
 def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.ndarray) -> dict:
     from harvest.pipeline.store import create_store, objects
 
-    probe = create_store(url, points=[f"resid_post.{i}" for i in range(POINTS)], width=WIDTH,
-                         n_rows=1 << 30, storage_options=so, context_size=128)
-    sr = probe.shard_rows
+    from harvest.pipeline.store import layout
+
+    sr = layout.choose_sizes(WIDTH, 2, POINTS, multiple=128)[0]
     unit_rows = sr * shards_per_unit
-    s = probe
+    # as the pipeline creates stores: row metadata in one chunk per unit
+    s = create_store(url, points=[f"resid_post.{i}" for i in range(POINTS)], width=WIDTH,
+                     n_rows=1 << 30, storage_options=so, context_size=128, meta_chunk_rows=unit_rows)
     s.write_plan(s.default_plan(shards_per_unit)[:units])
     counts = _count_requests(s)
     publish_s = []
@@ -105,8 +133,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
                 t = time.perf_counter()
                 w = s.region_writer(u["unit_id"], a0, b0)
                 n = b0 - a0
-                w.write_meta(a0, np.arange(a0, b0, dtype=np.int32) % 128256, np.arange(a0, b0) // 2048,
-                             np.arange(n, dtype=np.int32) % 2048)
+                w.write_meta(a0, *_meta_columns(a0, n, u["unit_id"]))
                 for r in range(a0, b0, PIECE):
                     piece = base.view(np.uint16) ^ np.uint16((r // PIECE) & 0x7F)
                     w.write(r, piece.view(base.dtype))
@@ -122,14 +149,16 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     finally:
         objects.publish = real_publish
     data = [b for m in markers for sh in m["shards"] for b in sh["nbytes"]]
-    meta = [r["nbytes"] for m in markers for sh in m["shards"] for r in sh["meta"].values()]
+    meta = sorted({(r.get("chunk", sh["index"]), c, r["nbytes"]) for m in markers for sh in m["shards"]
+                   for c, r in sh["meta"].items()})
+    meta = [b for _, _, b in meta]
     logical = unit_rows * POINTS * WIDTH * 2
     out.update({
         "data_object_bytes_min": min(data), "data_object_bytes_median": int(statistics.median(data)),
         "data_object_bytes_max": max(data), "compression_ratio": round(sr * WIDTH * 2 * len(data) / sum(data), 3),
         "meta_object_bytes_min": min(meta), "meta_object_bytes_max": max(meta),
-        "objects_per_unit": shards_per_unit * (POINTS + 3) + 2,
-        "objects_per_1b_tokens": round(1e9 / sr * (POINTS + 3) + 2 * 1e9 / unit_rows),
+        "objects_per_unit": shards_per_unit * POINTS + 3 + 2,
+        "objects_per_1b_tokens": round(1e9 / sr * POINTS + 5 * 1e9 / unit_rows),
         "writer_peak_buffered_mib": round(max(peaks) / 2**20, 1),
         "rss_growth_mib": round(max(rss) / 2**20, 1),
         "shard_set_mib": round(sr * POINTS * WIDTH * 2 / 2**20, 1),
@@ -163,6 +192,8 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
                 s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")
                 so, url = srv.storage_options, "s3://bench/store"
             rows.append(_one(st, url, so, units, shards_per_unit, base))
+            if st == "local":
+                rows[-1].update(meta_at_default_unit(tmp))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             if st == "local":
                 shutil.rmtree(url, ignore_errors=True)
