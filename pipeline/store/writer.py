@@ -1,8 +1,9 @@
 """Streaming writer for one shard-aligned region: bounded buffers, background uploads, commit.
 
 Memory bound and eviction: see uploads.py (ShardUploads, the machinery under this class). Rows
-are buffered per shard and uploaded in the background; `write` blocks when too many uploads are in
-flight instead of growing memory.
+are buffered per block (a few MiB per point), and each block is encoded and appended to its
+shard objects in the background as soon as its rows are complete (streams.py): no shard is ever
+held whole. `write` blocks when too many blocks are in flight instead of growing memory.
 
 Row metadata (token_id, doc_id, position) of the region is given with `write_meta` and written
 by this writer with its rows: the actor, not the driver, writes it, so nothing is written before
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 class RegionWriter(ShardUploads):
     """Write rows of one region in any order; `commit()` makes them visible, exactly once.
 
-    Knobs: max_open_shards / max_pending_shards (memory bound: uploads.py), upload_threads (parallel
-    point uploads), retries (attempts per upload for transient errors, with backoff).
+    Knobs: max_open_shards / max_pending_shards (blocks open and in flight: the memory bound,
+    uploads.py; the names predate blocks), upload_threads (parallel point encodes and uploads),
+    retries (attempts per upload for transient errors, with backoff).
     """
 
     def __init__(self, store, unit_id: int, row_start: int, row_end: int, *,
