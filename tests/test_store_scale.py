@@ -200,3 +200,35 @@ def test_row_metadata_in_one_chunk_per_unit(target, monkeypatch):
     assert np.array_equal(np.asarray(z["doc_id"][:]), doc)
     listed = r.location.list_tree("token_id/c")
     assert sorted(listed) == ["0", "1", "2"]  # one object per unit
+
+
+def test_attempt_named_objects_of_older_s3_stores_still_read_and_finalize(seaweedfs, s3_url, monkeypatch):
+    """Stores written before streamed uploads hold committed objects under the attempt's name on
+    S3 too (PUT, then copy + delete to publish). A unit left that way (its writer died before
+    the move) still reads exactly and finalize still publishes it."""
+    from harvest.pipeline.store.objectstorage import S3Storage
+    from harvest.pipeline.store.storage import Storage
+    from harvest.pipeline.store.writer import RegionWriter
+
+    so = seaweedfs.storage_options
+    s = create_store(s3_url, points=["resid_post.0", "resid_post.1"], width=64, n_rows=1024,
+                     shard_rows=256, chunk_rows=64, storage_options=so)
+    s.write_plan(s.default_plan(2))
+    x = synthetic.activations((2, 1024, 64), seed=4)
+    with monkeypatch.context() as mp:  # the old data plane: whole objects under attempt names
+        for name in ("begin_object", "write_part", "finish_object", "abort_object"):
+            mp.setattr(S3Storage, name, getattr(Storage, name))
+        mp.setattr(S3Storage, "part_min_bytes", 0)
+        mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
+        ms = synthetic.fill(s, x)
+    assert all("upload" not in sh for m in ms for sh in m["shards"])
+    assert len(_leftovers(s)[0]) == 4 * (2 + 3)  # 4 shards: every object under its attempt's name
+    r = open_store(s3_url, storage_options=so)
+    for i, p in enumerate(POINTS[:2]):
+        assert np.array_equal(r.read(p, 0, 1024).view(np.uint16), x[i].view(np.uint16))
+    s.finalize()
+    assert _leftovers(s) == ([], {})
+    r = open_store(s3_url, storage_options=so)
+    assert r.verify(deep=True)["ok"] and r.verify(objects=True)["ok"]
+    z = zarr.open_group(store=r.location.zarr_store(read_only=True), mode="r")
+    assert np.array_equal(np.asarray(z["resid_post/1"][:]).view(np.uint16), x[1].view(np.uint16))
