@@ -144,10 +144,12 @@ class ShardUploads:
         """Bytes this writer holds now: block buffers (open and pending) and compressed bytes
         waiting to make a part (see the module docstring)."""
         n = sum(1 for s in self._open.values() if s.data is not None) + len(self._pending)
-        held = sum(st.pending_bytes for st in list(self._streams.values()))
+        with self._lock:  # upload threads add streams meanwhile
+            held = sum(st.pending_bytes for st in self._streams.values())
         return n * self._P * self.block_rows * self._store.row_bytes + held
 
     def _note_peak(self) -> None:
+        """Producer thread only (it alone changes the open and pending blocks)."""
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
 
     # ---- internals ---------------------------------------------------------------------------
@@ -381,7 +383,6 @@ class ShardUploads:
                 self._nbytes.setdefault(si, [None] * self._P)[p] = rec["nbytes"]
                 self._ocrc.setdefault(si, [None] * self._P)[p] = rec["object_crc32c"]
                 self._upload.setdefault(si, [None] * self._P)[p] = rec["upload"]
-        self._note_peak()
 
     def _merge_ready(self) -> None:
         """Merge the blocks whose partials are all in, in block order, and drop them (caller
