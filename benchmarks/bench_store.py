@@ -271,12 +271,12 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     """
     global _SERVER_PID
     from harvest.pipeline.store import seaweed, synthetic
-    from harvest.pipeline.store.layout import default_sizes
+    from harvest.pipeline.store.layout import choose_sizes
 
     n_points = max(1, min(int(n_points), 64))
     row_bytes = width * 2
     n_rows = max(1, int(mb * 1e6 // (row_bytes * n_points)))
-    shard_rows, chunk_rows = default_sizes(width, 2, n_points, n_rows, None, None)
+    shard_rows, chunk_rows = choose_sizes(width, 2, n_points, n_rows=n_rows)
     if shard_mb is not None:  # whole default chunks per shard, so inner chunks stay ~1 MiB
         shard_rows = max(chunk_rows, int(shard_mb * 1e6 // row_bytes) // chunk_rows * chunk_rows)
     data = synthetic.activations((n_points, n_rows, width), seed=0)

@@ -228,8 +228,14 @@ def run_scale(model: str, tokens: dict, a) -> list[dict]:
     })
 
 
+def run_dataplane(model: str, tokens: dict, a) -> list[dict]:
+    # The data plane at an 8B model's shape (issue 24), whatever model the other sections ran:
+    # the quantity measured is the store's objects, requests and writer memory at that shape.
+    return call_section("harvest.benchmarks.bench_dataplane", {"units": 2, "shards_per_unit": 1})
+
+
 SECTIONS = {"engine": run_engine, "peer": run_peer, "e2e": run_e2e, "store": run_store,
-            "scale": run_scale}
+            "scale": run_scale, "dataplane": run_dataplane}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,7 +448,9 @@ def write_report(res: dict, out: Path) -> None:
               "peer": "Peer: SAELens CacheActivationsRunner on the same model and tokens",
               "e2e": "End to end: dataset -> committed store",
               "store": "Storage: writer and shuffled reader vs raw put/get of the same bytes",
-              "scale": "Scale: driver memory and first commit, tokenisation, bookkeeping, dispatch"}
+              "scale": "Scale: driver memory and first commit, tokenisation, bookkeeping, dispatch",
+              "dataplane": "Data plane at an 8B model's shape: objects, requests, writer memory, "
+                           "publish (`bench_dataplane.py`)"}
     for name in SECTIONS:
         sec = res["sections"].get(name)
         if sec is None:

@@ -1,16 +1,16 @@
 """What a run's store layout costs on object storage: objects, their sizes, requests, for `plan`.
 
-Issue 24: at an 8B model's shape (32 layers x 4096 wide) the layout makes ~68 M objects per 10^9
-tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
+Issue 24: at an 8B model's shape (32 layers x 4096 wide) the old layout made ~68 M objects per
+10^9 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
 megabyte, and nothing said so before the run. Every figure here is counted from the code that
 writes the store, not from copies of its rules: `layout.ROW_META` (the base columns, `role` too
 for chat input) for the objects of a shard,
-`objects.WRITES_PER_OBJECT` for the requests per object, `commits.marker_size` (the real marker
-builder) for the marker and `commits.index_batch` for the index, so the plan follows the layout
-when the layout changes.
+`layout.block_rows` and `objects.writes_per_object` for the requests per streamed object (start,
+parts, completion), `commits.marker_size` (the real marker builder) for the marker and
+`commits.index_batch` for the index, so the plan follows the layout when the layout changes.
 
-Counted (FORMAT.md): per shard, one object per point and one chunk per row-metadata column; per
-unit, a stats sidecar and a marker; the index compacted into one segment by finalize. The few
+Counted (FORMAT.md): per shard, one object per point; per unit, one chunk per row-metadata
+column (stores the pipeline creates), a stats sidecar and a marker; the index compacted into one segment by finalize. The few
 dozen fixed objects of a store (zarr.json nodes, the plan, finalize's statistics) are not.
 """
 
@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from .store.commits import index_batch, marker_size
-from .store.layout import BASE_META, ROW_META
-from .store.objects import WRITES_PER_OBJECT
+from .store.layout import BASE_META, ROW_META, block_rows, choose_sizes
+from .store.objects import writes_per_object
+from .store.objectstorage import S3Storage
 
 # S3's request baseline per prefix (and per second): PUT/COPY/POST/DELETE, and GET/HEAD. A store
 # is one prefix until S3 splits it under sustained load, answering 503 SlowDown meanwhile.
@@ -66,10 +67,19 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     shards_per_unit = unit_rows // shard_rows
     data_logical = shard_rows * row_bytes
     data_stored = int(data_logical / ratio)
-    # row metadata at its logical size: an upper bound (doc_id and position compress well, token
-    # ids little); at 2-4 KiB the count matters, not the bytes
-    meta_by_column = {c: shard_rows * np.dtype(dt).itemsize for c, dt in columns.items()}
+    # row metadata: one chunk per unit and column (the pipeline creates stores with
+    # meta_chunk_rows = unit_rows), at its logical size: an upper bound (doc_id and position
+    # compress well, token ids little)
+    meta_by_column = {c: unit_rows * np.dtype(dt).itemsize for c, dt in columns.items()}
     meta_stored = round(sum(meta_by_column.values()) / M)
+    # requests per streamed object: start + parts + completion on object storage (parts are
+    # compressed blocks gathered to S3's 5 MiB minimum); a local store renames (0 requests, but
+    # the figure stays the object store's, what the layout would cost there)
+    part_min = S3Storage.part_min_bytes
+    chunk = choose_sizes(width, itemsize, P, shard_rows=shard_rows)[1]
+    block_stored = int(block_rows(shard_rows, chunk, P, row_bytes) * row_bytes / ratio)
+    per_data = writes_per_object(data_stored, part_min, block_stored)
+    per_meta = writes_per_object(meta_stored, part_min, meta_stored)
     units = -(-tokens // unit_rows) if tokens else None
     shards = -(-tokens // shard_rows) if tokens else None
     last = max(0, (units or 1) - 1)  # the last unit has the longest numbers in its marker
@@ -77,8 +87,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                   row_bytes=row_bytes, object_bytes=data_stored, meta_bytes=meta_by_column)
     marker_bytes = marker_size(n_shards=shards_per_unit, **marker)
     marker_one = marker_size(n_shards=1, **marker)
-    objects_unit = shards_per_unit * (P + M)
-    writes = {"objects": WRITES_PER_OBJECT * objects_unit, "sidecar": SIDECAR_WRITES,
+    writes = {"objects": shards_per_unit * P * per_data + M * per_meta, "sidecar": SIDECAR_WRITES,
               "marker": MARKER_WRITES,
               "index": round(index_requests(units) / units, 3) if units else 0.0}
     reads = shards_per_unit + 1
@@ -89,6 +98,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
         "objects": None, "objects_by_kind": None,
         "data_object_bytes": data_stored, "data_object_bytes_logical": data_logical,
         "compression": ratio, "meta_object_bytes": meta_stored,
+        "writes_per_data_object": per_data, "part_min_bytes": part_min,
         "marker_bytes": marker_bytes,
         "marker_bytes_per_shard_point": round((marker_bytes - marker_one)
                                               / max(1, shards_per_unit - 1) / P, 1),
@@ -102,7 +112,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                    "max_marker_bytes": MAX_MARKER_BYTES, "max_objects": MAX_OBJECTS},
     }
     if tokens:
-        kinds = {"data": shards * P, "meta": shards * M, "sidecars": units, "markers": units,
+        kinds = {"data": shards * P, "meta": units * M, "sidecars": units, "markers": units,
                  "index": 1}
         out["objects"], out["objects_by_kind"] = sum(kinds.values()), kinds
         out["list_pages"] = -(-out["objects"] // LIST_PAGE_KEYS)
@@ -111,7 +121,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
         out["writes_per_second"] = round(writes_unit * per_s)
         out["reads_per_second"] = round(reads * per_s)
         # a reader taking every point back at the capture rate: one GET per object
-        out["readback_reads_per_second"] = round(objects_unit * per_s)
+        out["readback_reads_per_second"] = round(shards_per_unit * P * per_s)
     out["warnings"] = layout_warnings(out, width=width, itemsize=itemsize, shard_rows=shard_rows,
                                       unit_rows=unit_rows, marker_one=marker_one)
     return out
@@ -129,11 +139,11 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
         out.append(
             f"~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
             f"({c['writes_per_unit']['total']:,.0f} per unit of {unit_rows:,} tokens: each of its "
-            f"{c['shards_per_unit'] * (P + c['meta_columns']):,} objects is PUT, then copied and "
-            f"deleted to publish it) is over S3's ~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
+            f"{c['shards_per_unit'] * P + c['meta_columns']:,} objects is a multipart upload: "
+            "start, parts, completion) is over S3's "
+            f"~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
             "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): raise "
-            "store.shard_rows (fewer, larger objects), capture fewer points, or run fewer actors; "
-            f"the publish copy per object is {KNOWN_LIMIT}")
+            "store.shard_rows (fewer, larger objects), capture fewer points, or run fewer actors")
     r = c["readback_reads_per_second"]
     if c["object_store"] and r and r > S3_READS_PER_PREFIX:
         out.append(
@@ -147,10 +157,9 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
             f"data objects of ~{size(data)} stored ({size(c['data_object_bytes_logical'])} "
             f"logical: {shard_rows:,} rows x {width} x {itemsize} B, {n_data:,} of them) are too "
             "small for object storage: per-request overhead dominates (aim for >= "
-            f"{size(MIN_DATA_OBJECT_BYTES)}); one shard across all {P} points is capped at "
-            f"128 MiB by default, which is what makes them small: set store.shard_rows={rows:,} "
-            f"(a shard set is then {size(rows * width * itemsize * P)}, and the writer buffers "
-            "several per unit in flight) or capture fewer points")
+            f"{size(MIN_DATA_OBJECT_BYTES)}): set store.shard_rows={rows:,} (the writer streams "
+            "shards block by block, so larger shards cost no memory) or raise store.unit_tokens "
+            "(a shard never holds more rows than a unit)")
     m = c["marker_bytes"]
     if m > MAX_MARKER_BYTES:
         per = c["marker_bytes_per_shard_point"] * P
@@ -171,8 +180,7 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
             f"{k['sidecars']:,} stats sidecars) are over {MAX_OBJECTS / 1e6:g} M: listing "
             f"({c['list_pages']:,} LIST pages of {LIST_PAGE_KEYS:,} keys), copying, deleting and "
             "lifecycle rules get slow and costly; larger shards (store.shard_rows), fewer "
-            f"points or fewer tokens cut it; {c['meta_columns']} metadata objects per shard are "
-            f"{KNOWN_LIMIT}")
+            "points or fewer tokens cut it")
     return out
 
 

@@ -85,7 +85,7 @@ def layout_lines(c: dict) -> list[str]:
                 f"sidecars, {k['index']} index")
     else:
         n = c["shards_per_unit"]
-        what = (f"objects   per unit: {n * c['points']:,} {data}, {n * 3:,} {meta}, 1 of the "
+        what = (f"objects   per unit: {n * c['points']:,} {data}, 3 {meta}, 1 of the "
                 f"{marker}, 1 stats sidecar")
     w = c["writes_per_unit"]
     n = c["shards_per_unit"]

@@ -87,7 +87,8 @@ class StoreSink:
             create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
             special_token_ids=prep.special_token_ids,
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
-            stats_skip_positions=prep.stats_skip_positions, roles=cfg.data.format == "chat")
+            stats_skip_positions=prep.stats_skip_positions, roles=cfg.data.format == "chat",
+            meta_chunk_rows=L.unit_rows)
         self.store = store
         store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
                                    "chunk_contexts": chunk_contexts})

@@ -11,7 +11,7 @@ import pytest
 from harvest.pipeline.config import REPO_ROOT, ConfigError, load_config
 from harvest.pipeline.placement import Frontier
 from harvest.pipeline.plan import choose_layout
-from harvest.pipeline.store.layout import MAX_SHARD_SET_BYTES
+from harvest.pipeline.store.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
 from harvest.pipeline.store.plans import Unit, check_units
 
 
@@ -33,10 +33,14 @@ def test_shard_rows_must_be_a_multiple_of_context_size():
 def test_derived_layout_sizes_units_for_the_engine_and_bounds_shards():
     big = choose_layout(_cfg(packing={"context_size": 128}), 576, 2, 30)  # SmolLM2, all layers
     assert big.shard_rows % 128 == 0 and big.shard_rows % big.chunk_rows == 0
-    assert big.shard_rows * 30 * 576 * 2 <= MAX_SHARD_SET_BYTES  # the writer's buffer bound
+    # shards ~128 MiB per point (issue 24: few, large objects); the writer's buffer bound is a
+    # block set, independent of the shard size
+    assert TARGET_SHARD_BYTES // 2 < big.shard_rows * 576 * 2 <= TARGET_SHARD_BYTES
+    assert block_rows(big.shard_rows, big.chunk_rows, 30, 576 * 2, 128) * 30 * 576 * 2 \
+        <= MAX_BLOCK_SET_BYTES
     assert big.unit_rows % big.shard_rows == 0
-    assert 1 << 17 <= big.unit_rows <= 1 << 18  # ~unit_tokens: many shards, many engine steps
-    assert big.unit_rows // big.shard_rows > 10
+    assert 1 << 17 <= big.unit_rows <= 1 << 18  # ~unit_tokens: many engine steps
+    assert big.unit_rows // big.shard_rows >= 2
     # a small bounded run still gives every actor several units
     small = choose_layout(_cfg(packing={"context_size": 128, "max_tokens": 64 * 128}), 128, 2, 4)
     assert small.capacity_rows == 64 * 128 and small.capacity_rows // small.unit_rows >= 8
@@ -226,18 +230,26 @@ def _plan_json(tmp_path, capsys, model: str, *sets: str) -> dict:
 
 def _recount(p: dict, ratio: float) -> dict:
     """The layout's figures from the plan's own fields and FORMAT.md's rules, not from the code
-    that computes them: one object per shard per point, one chunk per shard of each of the 3
+    that computes them: one object per shard per point, one chunk per unit of each of the 3
     row-metadata columns (int32, int64, int32), a stats sidecar and a marker per unit, the index
-    compacted into one segment; every object PUT under its attempt's name, then copied and
-    deleted to publish it; a sidecar and a marker PUT per unit; a marker GET per shard and one
-    before the marker."""
+    compacted into one segment; every object a multipart upload (start, parts, completion
+    after the marker): a data object's parts are its blocks (8 MiB per point, a block set at
+    most 128 MiB: power-of-two rows here) gathered to S3's 5 MiB minimum, a metadata chunk one
+    part; a sidecar and a marker PUT per unit; a marker GET per shard and one before the marker."""
     T, U, S, P = p["estimate"]["tokens"], p["unit_rows"], p["shard_rows"], p["points"]
     units, shards, per_unit = -(-T // U), -(-T // S), U // S
-    writes = 3 * per_unit * (P + 3) + 2
+    row = p["width"] * 2
+    cap = min((8 << 20) // row, (128 << 20) // (row * P))
+    block = min(S, 1 << (cap.bit_length() - 1))
+    data = int(S * row / ratio)
+    stored_block = int(block * row / ratio)
+    part = stored_block * -(-(5 << 20) // stored_block)  # whole blocks, at least 5 MiB
+    parts = -(-data // part)
+    writes = per_unit * P * (2 + parts) + 3 * 3 + 2
     return {"units": units, "shards": shards,
-            "objects": shards * P + shards * 3 + units + units + 1,
+            "objects": shards * P + units * 3 + units + units + 1,
             "data_object_bytes": int(S * p["width"] * 2 / ratio),
-            "meta_object_bytes": round(S * (4 + 8 + 4) / 3),
+            "meta_object_bytes": round(U * (4 + 8 + 4) / 3),
             "writes": writes, "requests": writes + per_unit + 1}
 
 
@@ -260,25 +272,22 @@ def _check_consistent(p: dict, ratio: float) -> dict:
 
 def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     """Llama-3.1-8B's shape, resid_post at all 32 layers, 10^9 tokens on GPUs: the figures of
-    issue 24 (4 MiB data objects, ~68 M objects, half-megabyte markers), each warned about."""
+    issue 24: streamed 128 MiB shards make ~95 MB data objects and ~2.0 M objects (the old
+    4 MiB shards made 68 M), with no warning left about object sizes or counts."""
     model = _model_dir(tmp_path, 32, 4096)
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
                    "ray.num_gpus_per_actor=1")
-    assert (p["points"], p["width"], p["shard_rows"], p["unit_rows"]) == (32, 4096, 512, 1 << 18)
+    assert (p["points"], p["width"], p["shard_rows"], p["unit_rows"]) == (32, 4096, 16384, 1 << 18)
     lay = _check_consistent(p, 1.42)  # the default codec is compressed, not 1.0x
-    assert lay["data_object_bytes_logical"] == 4 << 20 and lay["shards_per_unit"] == 512
-    assert lay["objects"] == 62_500_000 + 5_859_375 + 2 * 3815 + 1 == 68_367_006
-    assert lay["objects_by_kind"]["meta"] == 5_859_375 and lay["units"] == 3815
-    # ~35 B per shard x point measured on real markers (issue 24: 71,735 B at 64 x 32)
-    assert 30 <= lay["marker_bytes_per_shard_point"] <= 45
-    assert 30 * 512 * 32 < lay["marker_bytes"] < 45 * 512 * 32
+    assert lay["data_object_bytes_logical"] == 128 << 20 and lay["shards_per_unit"] == 16
+    assert lay["data_object_bytes"] >= 32_000_000
+    assert lay["objects"] == 61036 * 32 + 3815 * 3 + 2 * 3815 + 1 == 1_972_228 <= 3_000_000
+    assert lay["objects_by_kind"]["meta"] == 11_445 and lay["units"] == 3815
+    assert lay["meta_object_bytes"] >= 1 << 20  # one chunk per unit: ~1.4 MB logical
+    # per-object records in the marker (digests, sizes, upload ids): still ~100 B per shard x point
+    assert lay["marker_bytes"] < 45 * 512 * 32
     warnings = "\n".join(lay["warnings"])
-    assert "data objects of ~3.0 MB stored (4.2 MB logical" in warnings
-    assert "too small for object storage: per-request overhead dominates" in warnings
-    assert "store.shard_rows=2,048" in warnings
-    assert "commit markers of ~" in warnings and "store.unit_tokens" in warnings
-    assert "68,367,006 objects" in warnings and "over 10 M" in warnings
-    assert "issue 24" in warnings
+    assert "too small for object storage" not in warnings and "over 10 M" not in warnings
     assert "write requests/s" not in warnings  # a local store: no per-prefix request limit
     est = p["estimate"]  # GPUs asked for: priced as GPUs, and said to be a guess
     assert est["rate_platform"] == "gpu" and "no measured GPU rate" in est["rate_source"]
@@ -291,9 +300,9 @@ def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
                    "ray.num_gpus_per_actor=1", f"store.url=memory://plan-{tmp_path.name}/s",
                    "store.compression=none")
     lay = _check_consistent(p, 1.0)
-    assert lay["object_store"] and lay["data_object_bytes"] == 4 << 20
+    assert lay["object_store"] and lay["data_object_bytes"] == 128 << 20
     w = lay["writes_per_second"]
-    assert w > 3500 and f"~{w:,} write requests/s" in "\n".join(lay["warnings"])
+    assert w < 3500 and "write requests/s" not in "\n".join(lay["warnings"])  # issue 24: fixed
     from harvest.pipeline.cli import main
 
     # --rate prices requests (and time) at the given rate
@@ -306,7 +315,7 @@ def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
     assert len(lines) == 1 and f"at 2,000 tok/s ~{per_s:,} writes/s" in lines[0]
     assert "rate      given with --rate 2000, instead of ~" in text
     assert "write requests/s" not in text  # ~410/s: under the limit
-    assert "objects   68,367,006 for 1,000,000,000 tokens: 62,500,000 data of ~4.2 MB" in text
+    assert "objects   1,972,228 for 1,000,000,000 tokens: 1,953,152 data of ~134.2 MB" in text
 
 
 def test_plan_layout_at_a_small_shape(tmp_path, capsys):
@@ -324,10 +333,11 @@ def test_plan_layout_at_a_small_shape(tmp_path, capsys):
     freeze = max(r["tok_s"] for r in bench["sections"]["engine"]["rows"] if r["mode"] == "freeze")
     assert est["rate_platform"] == "cpu" and est["rate_source"].startswith("measured: ")
     assert f"{freeze:,.0f} tok/s on {bench['machine']['cpus']} CPU cores" in est["rate_source"]
-    # all layers of SmolLM2 at 10^9 tokens make small objects too
+    # all layers of SmolLM2 at 10^9 tokens: streamed shards of ~64 MiB, no small objects left
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000")
     lay = _check_consistent(p, 1.42)
-    assert any("too small for object storage" in w for w in lay["warnings"])
+    assert lay["data_object_bytes"] > 32_000_000
+    assert not any("too small for object storage" in w for w in lay["warnings"])
     if p["estimate"]["rate_platform"] == "cpu":  # no GPU here and none asked for: said so
         assert "ray.num_gpus_per_actor is unset" in p["estimate"]["rate_source"]
 

@@ -58,11 +58,14 @@ _CHILD = textwrap.dedent("""
 
 
 def _shard_object_exists(store, point, shard):
-    """An object of shard `shard` written by some attempt (not yet published: no marker)."""
+    """An object of shard `shard` written by some attempt (not yet published: no marker): under
+    the attempt's name (local), or an upload to the zarr key not completed (S3 multipart)."""
     from harvest.pipeline.store.objects import attempt_objects
 
     loc = store.location
     loc.invalidate()
+    if layout.shard_object_key(point, shard) in loc.pending_uploads("").values():
+        return True
     return any(s == shard for _, s, _, _ in attempt_objects(loc).get(layout.point_path(point), []))
 
 
@@ -166,6 +169,18 @@ def _reads_exactly(url, so, want, attempt):
     assert r.committed_units()[0]["attempt"] == attempt
 
 
+def _refuses_unpublished(url, so, finalize_with):
+    """A committed unit whose uploads were never completed: checked reads raise the error that
+    names the fix; `finalize_with` (a store) then completes them."""
+    from harvest.pipeline.store.errors import DataIntegrityError
+
+    r = open_store(url, storage_options=so)
+    with pytest.raises(DataIntegrityError, match="committed, not yet published.*harvest finalize"):
+        r.read(r.points[0], 0, 2048)
+    if finalize_with is not None:
+        finalize_with.finalize()
+
+
 @pytest.mark.parametrize("publish", [True, False], ids=["published", "died-before-publish"])
 def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkeypatch, publish):
     """Issue 29, item 1: the documented repair (uncommit + rewrite) after the unit was indexed.
@@ -181,9 +196,15 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     x = synthetic.activations((P, N, W), seed=21)
     y = synthetic.activations((P, N, W), seed=22)
     y[:, :700] = 0                          # compresses differently: other sizes, other digests
+    # On S3 a writer's objects are multipart uploads to the zarr keys, completed after its
+    # marker: one that died before completing them has nothing readable until finalize does,
+    # and every checked read says so (never fill zeros, never the previous attempt's bytes).
+    unpublished = not publish and so is not None
     old = _fill_unit(s, x, 0, monkeypatch, publish)
     m1 = _fill_unit(s, x, 1, monkeypatch)
     s.write_index([old, m1])                # the driver indexes markers as units commit
+    if unpublished:
+        _refuses_unpublished(url, so, s)
     _reads_exactly(url, so, x, old["attempt"])
 
     s.uncommit(0)
@@ -191,9 +212,14 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     assert new["attempt"] != old["attempt"]
     assert [sh["nbytes"] for sh in new["shards"]] != [sh["nbytes"] for sh in old["shards"]]
     want = np.concatenate([y[:, :2048], x[:, 2048:]], axis=1)
-    _reads_exactly(url, so, want, new["attempt"])     # the rewrite's marker, not yet indexed
-    s.write_index([new])                    # ... and once the driver indexed it as well
-    _reads_exactly(url, so, want, new["attempt"])
+    if unpublished:  # the zarr keys still hold the old attempt's bytes: refused by digest
+        _refuses_unpublished(url, so, None)
+        s.write_index([new])
+        _refuses_unpublished(url, so, None)
+    else:
+        _reads_exactly(url, so, want, new["attempt"])     # the rewrite's marker, not yet indexed
+        s.write_index([new])                    # ... and once the driver indexed it as well
+        _reads_exactly(url, so, want, new["attempt"])
 
     s.finalize()
     _reads_exactly(url, so, want, new["attempt"])
@@ -205,6 +231,7 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     r.location.invalidate()
     left = {a for objs in attempt_objects(r.location).values() for _, _, a, _ in objs}
     assert not left & {old["attempt"], new["attempt"]}  # stale leftovers cleaned, new published
+    assert not r.location.pending_uploads("")  # S3: every upload completed or aborted
     s.finalize()                            # a second finalize (compacted index) changes nothing
     _reads_exactly(url, so, want, new["attempt"])
 

@@ -44,13 +44,19 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                  overwrite: bool = False, *, context_size: int | None = None,
                  special_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
                  tokenizer: str | None = None, stats_skip_positions: int = 0,
-                 create_bucket: bool = False, roles: bool = False) -> Store:
+                 create_bucket: bool = False, roles: bool = False,
+                 meta_chunk_rows: int | None = None) -> Store:
     """Create the group and every array pre-sized (driver only). See FORMAT.md for the layout.
 
     context_size, special_token_ids, bos_token_id, tokenizer and stats_skip_positions are format
     facts readers rely on (context geometry, the `kept` row statistics) and go into the
     `harvest` attributes; `attrs` are the run's free-form attributes. A missing S3 bucket is an
     error unless `create_bucket` (a typo in the URL would otherwise create a bucket).
+
+    `meta_chunk_rows`: rows per chunk of the row metadata arrays (default: `shard_rows`). The
+    pipeline passes its unit size: one chunk per unit and column (~1-2 MB at the default unit)
+    instead of one per shard (issue 24: 2-4 KiB objects by the million). A multiple of
+    `shard_rows`; every writer's region must then start on a chunk (units do).
     """
     points = [str(p) for p in points]
     if not points:
@@ -71,6 +77,11 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                                                      shard_rows=shard_rows, chunk_rows=chunk_rows)
     except ValueError as e:
         raise ValueError(f"create_store: {e}") from None
+    _positive("meta_chunk_rows", meta_chunk_rows)
+    meta_chunk_rows = int(meta_chunk_rows or shard_rows)
+    if meta_chunk_rows % shard_rows:
+        raise ValueError(f"create_store: meta_chunk_rows={meta_chunk_rows} must be a multiple of "
+                         f"shard_rows={shard_rows} (a unit's metadata chunk holds whole shards)")
     comp = _compression.normalize(compression)
     # the `role` column only where there are roles (chat input): a text store keeps the three
     # columns (and objects per shard) it always had
@@ -114,7 +125,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                            dimension_names=["row", "dim"], config={"write_empty_chunks": True})
         for name, dt in row_meta.items():
             isz = np.dtype(dt).itemsize
-            g.create_array(name, shape=(int(n_rows),), dtype=dt, chunks=(shard_rows,),
+            g.create_array(name, shape=(int(n_rows),), dtype=dt, chunks=(meta_chunk_rows,),
                            compressors=_compression.compressors(
                                {"codec": "blosc", "cname": "zstd", "clevel": 3, "shuffle": "shuffle"}, isz),
                            fill_value=layout.META_UNWRITTEN, dimension_names=["row"],

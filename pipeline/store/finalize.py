@@ -33,9 +33,17 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     end = 0
     index = _commits.IndexBuilder()
     owner: dict[int, str] = {}   # shard -> attempt of the marker that vouches for it
+    meta_owner: dict[int, str] = {}  # row metadata chunk (a shard's, or a unit's) -> attempt
+    from .objects import abort_losing_uploads, settle_uploads
+
+    pending = loc.pending_uploads("")  # uploads never completed ({} where objects are moved)
     for m in store.iter_committed():
+        if pending:
+            settle_uploads(store, pending, m)  # a writer died between its marker and publishing
         for sh in m["shards"]:
             owner[sh["index"]] = m.get("attempt")
+            for rec in (sh.get("meta") or {}).values():
+                meta_owner[rec.get("chunk", sh["index"])] = m.get("attempt")
         refs.append((m["unit_id"], m["stats"]))
         rows += m["row_end"] - m["row_start"]
         end = max(end, m["row_end"])
@@ -63,7 +71,8 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
                         "nonfinite_rows": [m.nonfinite for m in moments]})
     # one index object: status, verify and the reader then read one object instead of a marker each
     _commits.compact_index(loc, index)
-    _settle_attempt_objects(store, owner)
+    _settle_attempt_objects(store, owner, meta_owner)
+    abort_losing_uploads(store, pending, owner, meta_owner)
     logical = rows * store.row_bytes
     if not recorded:  # a marker without sizes (zarr fallback codec): list what it wrote
         stored = np.array([_listed_bytes(store, p) for p in store.points], np.int64)
@@ -91,7 +100,7 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
             "stats": attrs_update["stats"], "stats_kept": attrs_update["stats_kept"]}
 
 
-def _settle_attempt_objects(store: Store, owner: dict) -> None:
+def _settle_attempt_objects(store: Store, points_owner: dict, meta_owner: dict) -> None:
     """Objects still under an attempt's name: a committed attempt's are published (its writer
     died between its marker and the move), a losing attempt's of a committed shard are garbage
     and removed. Those of uncommitted shards stay (a writer may still be at work on them)."""
@@ -99,6 +108,7 @@ def _settle_attempt_objects(store: Store, owner: dict) -> None:
 
     loc = store.location
     for arr, objs in attempt_objects(loc).items():
+        owner = meta_owner if arr in layout.ROW_META else points_owner  # chunks of a unit: by chunk
         for key, shard, attempt, _ in objs:
             if shard not in owner:
                 continue

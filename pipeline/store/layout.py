@@ -42,11 +42,19 @@ SCRATCH_DIR = f"{CONTROL_DIR}/scratch"   # rows of shards a writer had to evict 
 STATS_GROUP = "stats"             # zarr group: stats/<subset>/{mean,var} [points, width], finalize
 STATS_SUBSETS = ("all", "kept")
 
-TARGET_SHARD_BYTES = 32 << 20     # per point array: tens of MB per object suits S3 GET/PUT
+# Per point array: one object per shard, ~128 MiB logical (~100 MB stored at bf16's ~1.2x).
+# At an 8B model's shape (32 points x 4096 wide) 4 MiB shards made ~68 M objects and ~205 M
+# requests per 10^9 tokens (issue 24); 128 MiB makes ~2 M objects. The writer never holds a shard:
+# it streams each point's shard object block by block (uploads.py), so the shard size no longer
+# bounds memory and memory no longer bounds the shard size.
+TARGET_SHARD_BYTES = 128 << 20
 TARGET_CHUNK_BYTES = 1 << 20      # inner chunk: the unit a partial read decodes
-# One shard across all points is what a writer buffers per open or pending shard; an actor has
-# two units in flight, each with one open and up to two pending shards.
-MAX_SHARD_SET_BYTES = 128 << 20
+# A block is the writer's unit of buffering, encoding and (on S3) of multipart parts: whole inner
+# chunks, ~8 MiB per point (compressed ~6 MB at bf16's ~1.2x: above S3's 5 MiB minimum part, so
+# most blocks go out as one part each), with one block across all points under
+# MAX_BLOCK_SET_BYTES. A writer buffers max_open + max_pending block sets per unit in flight.
+TARGET_BLOCK_BYTES = 8 << 20
+MAX_BLOCK_SET_BYTES = 128 << 20
 
 _POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[0-9]+)?$")
 _MARKER = re.compile(r"^unit-(\d{8,})\.(\d+)-(\d+)\.json$")
@@ -168,18 +176,19 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
     """(shard_rows, chunk_rows) for arrays of `width` x `itemsize`-byte rows, `n_points` of them.
 
     - shard_rows: a multiple of `multiple` (the context size: a unit then holds whole contexts)
-      near TARGET_SHARD_BYTES per point, with one shard across all points under
-      MAX_SHARD_SET_BYTES (the writer's buffer bound); at most `n_rows` rounded up when the store
-      is known to be small, so tiny runs do not allocate 32 MB buffers.
+      near TARGET_SHARD_BYTES per point (the writer streams shards block by block, so the number
+      of points does not shrink them); at most `n_rows` rounded up when the store is known to be
+      small, so tiny runs do not make 128 MiB objects of padding. The plan also caps it at the
+      unit size (plan.choose_layout).
     - chunk_rows: the largest divisor of shard_rows near TARGET_CHUNK_BYTES (a power of two when
       shard_rows is one; gcd() alone could give 4-row chunks for shard_rows=7812 and per-chunk
       overhead would dominate decoding).
-    Explicit values are checked, not changed.
+    Explicit values are checked, not changed. `n_points` no longer matters (kept for callers).
     """
     row_bytes = max(1, width * itemsize)
     m = max(1, int(multiple))
     if shard_rows is None:
-        target = min(TARGET_SHARD_BYTES / row_bytes, MAX_SHARD_SET_BYTES / (row_bytes * max(1, n_points)))
+        target = TARGET_SHARD_BYTES / row_bytes
         if m == 1 or (m & (m - 1)) == 0:
             shard_rows = max(m, _pow2_floor(target))
         else:
@@ -197,3 +206,30 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
         raise ValueError(f"shard_rows={shard_rows} must be a multiple of chunk_rows={chunk_rows} "
                          "(a shard holds whole inner chunks)")
     return int(shard_rows), int(chunk_rows)
+
+
+def block_rows(shard_rows: int, chunk_rows: int, n_points: int, row_bytes: int,
+               context_size: int | None = None) -> int:
+    """Rows of a writer's block: a divisor of shard_rows made of whole inner chunks (a block's
+    chunks are encoded and appended to the shard object together), about TARGET_BLOCK_BYTES per
+    point and at most MAX_BLOCK_SET_BYTES across the points.
+
+    A multiple of the context size when one fits: the capture actor asks the writer for a
+    context's rows in place (`reserve`), which a context straddling two blocks cannot have (it
+    then pays a second host copy). When no such multiple fits the bound, the smallest one that
+    divides the shard is taken if it is at most 2x the bound, else the bound wins (correct, one
+    copy more)."""
+    sr, cr = int(shard_rows), int(chunk_rows)
+    per_row = max(1, int(row_bytes))
+    cap = max(1, min(TARGET_BLOCK_BYTES // per_row, MAX_BLOCK_SET_BYTES // (per_row * max(1, n_points))))
+    units = sr // cr  # a block is k chunks, k a divisor of the chunks in a shard
+    ks = [k for k in range(1, units + 1) if units % k == 0]
+    fit = [k for k in ks if k * cr <= cap] or [1]
+    c = int(context_size or 1)
+    aligned = [k for k in ks if (k * cr) % c == 0]
+    best = [k for k in fit if k in aligned]
+    if best:
+        return max(best) * cr
+    if aligned and min(aligned) * cr <= 2 * cap:
+        return min(aligned) * cr
+    return max(fit) * cr

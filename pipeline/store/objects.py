@@ -50,9 +50,37 @@ def _repair(m: dict) -> str:
             "harvest again (it rewrites that unit)")
 
 
+# A reader meeting a committed object recorded as an upload (S3 multipart) that is not at its
+# zarr key yet retries this long: its writer completes it right after the marker, in a second.
+UNPUBLISHED_WAIT_S = (0.25, 0.5, 1.0, 2.0)
+
+
 def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | None, what: str,
-                 marker: dict) -> bytes:
-    """The first copy at `keys` whose size and CRC32C match the marker's record."""
+                 marker: dict, upload: "dict | None" = None) -> bytes:
+    """The first copy at `keys` whose size and CRC32C match the marker's record. An object
+    recorded as an upload exists only once completed: it is waited for briefly, then reported
+    as committed but unpublished (never read as fill zeros)."""
+    import time
+
+    for delay in (UNPUBLISHED_WAIT_S if upload else ()):
+        try:
+            return _read_first(loc, keys, want_crc, want_size, what, marker)
+        except DataIntegrityError:
+            time.sleep(delay)
+            loc.invalidate(keys[0])
+    try:
+        return _read_first(loc, keys, want_crc, want_size, what, marker)
+    except DataIntegrityError as e:
+        if not upload:
+            raise
+        raise DataIntegrityError(
+            f"{what} of unit {marker.get('unit_id')} is committed, not yet published (upload "
+            f"{upload.get('upload_id')} of attempt {marker.get('attempt')} not completed): a writer "
+            f"is publishing it or died; run `harvest finalize` ({e})") from None
+
+
+def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | None, what: str,
+                marker: dict) -> bytes:
     tried = []
     for k in keys:
         try:
@@ -84,9 +112,10 @@ def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = N
     ocrc = (sh.get("object_crc32c") or [None] * (p + 1))[p]
     size = (sh.get("nbytes") or [None] * (p + 1))[p]
     keys = point_keys(point, sh["index"], marker.get("attempt"))
-    if ocrc is None:  # legacy marker: the published object only, checked after decoding
+    upload = (sh.get("upload") or [None] * (p + 1))[p]
+    if ocrc is None or upload is not None:  # legacy marker / an upload: the zarr key only
         keys = keys[:1]
-    blob = read_checked(store.location, keys, ocrc, size, what, marker)
+    blob = read_checked(store.location, keys, ocrc, size, what, marker, upload)
     try:
         x = codec.decode(blob, sh["index"], out=out, rows=n)
     except Exception as e:  # noqa: BLE001 -- a digest-checked object that cannot decode is damage
@@ -97,6 +126,15 @@ def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = N
             raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')}: rows differ from what "
                                      f"its writer committed; {_repair(marker)}")
     return x
+
+
+def _meta_cache(store) -> dict:
+    """Decoded unit metadata chunks recently read through this store (keyed by key, digest and
+    size: a rewrite after uncommit never hits an old entry); readers ask per shard."""
+    cache = getattr(store, "_meta_chunks", None)
+    if cache is None:
+        cache = store._meta_chunks = {}
+    return cache
 
 
 def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
@@ -112,11 +150,24 @@ def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
             raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} differs from what its "
                                      f"writer committed; {_repair(marker)}")
         return col
-    blob = read_checked(store.location, meta_keys(name, sh["index"], marker.get("attempt")),
-                        rec.get("crc32c"), rec.get("nbytes"), what, marker)
+    chunk = rec.get("chunk")  # the unit's chunk (stores made with meta_chunk_rows = unit rows)
+    keys = meta_keys(name, sh["index"] if chunk is None else chunk, marker.get("attempt"))
+    upload = rec.get("upload")
     codec = store.meta_codec(name)
+    c0 = a if chunk is None else chunk * codec.chunk
+    cache = _meta_cache(store)
+    ck = (keys[0], rec.get("crc32c"), rec.get("nbytes"))
+    col = cache.get(ck)
     try:
-        return codec.decode(blob, b - a)
+        if col is None:
+            blob = read_checked(store.location, keys[:1] if upload else keys, rec.get("crc32c"),
+                                rec.get("nbytes"), what, marker, upload)
+            col = codec.decode(blob, min(codec.chunk, marker["row_end"] - c0))
+            if chunk is not None:  # a unit's chunk serves each of its shards: keep a few
+                while len(cache) >= 8:
+                    cache.pop(next(iter(cache)))
+                cache[ck] = col
+        return col[a - c0:b - c0]
     except Exception as e:  # noqa: BLE001
         raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} cannot be decoded "
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
@@ -157,26 +208,90 @@ class CommittedMeta:
         return col[a - p0:b - p0]
 
 
-# Object-store write requests per shard object or metadata chunk of a unit: the PUT under the
-# attempt's name, then publish's server-side copy and delete (`ObjectStorage.move`). Local stores
-# rename instead (no requests). `harvest plan` counts requests with this.
-WRITES_PER_OBJECT = 3
+def writes_per_object(object_bytes: int, part_min_bytes: int, block_bytes: int) -> int:
+    """Object-store write requests of one streamed object (`harvest plan` counts with this):
+    the upload's start, its parts (compressed blocks gathered to `part_min_bytes`) and its
+    completion after the marker (publishing: no copy, no delete). The parts' count is an
+    estimate: blocks of `block_bytes` stored bytes, at least `part_min_bytes` a part."""
+    block = max(1, int(block_bytes))
+    part = block * max(1, -(-int(part_min_bytes) // block))  # whole blocks reaching the minimum
+    return 2 + max(1, -(-int(object_bytes) // part))
 
 
-def publish(store, marker: dict, threads: int = 16) -> int:
-    """Move a committed unit's attempt objects to their zarr keys; returns how many moved (0 when
-    it was published already). Only the writer that created the marker, or finalize for a unit
-    whose writer died between its marker and this, calls it. How the moves run (renames, or
-    concurrent copies and deletes) is the storage's choice (`Storage.publish`)."""
+def publish(store, marker: dict, threads: int = 16, etags: "dict | None" = None) -> int:
+    """Publish a committed unit's objects; returns how many it published (0 when it was
+    published already). Uploads (S3 multipart to the zarr key) are completed, concurrently;
+    objects under the attempt's name are moved (a rename locally). Only the writer that created
+    the marker (which passes its parts' `etags`), or finalize for a unit whose writer died
+    between its marker and this, calls it."""
     loc, att = store.location, marker.get("attempt")
     if not att:
         return 0
-    pairs = []
+    pairs, uploads, seen = [], [], set()
     for sh in marker.get("shards", []):
+        ups = sh.get("upload") or [None] * len(store.points)
         if sh.get("object_crc32c") is not None:
-            pairs += [point_keys(p, sh["index"], att)[::-1] for p in store.points]
-        pairs += [meta_keys(name, sh["index"], att)[::-1] for name in (sh.get("meta") or {})]
-    return loc.publish(pairs, threads)
+            for p, point in enumerate(store.points):
+                if ups[p] is not None:
+                    uploads.append((layout.shard_object_key(point, sh["index"]), ups[p]))
+                else:
+                    pairs.append(point_keys(point, sh["index"], att)[::-1])
+        for name, rec in (sh.get("meta") or {}).items():
+            c = rec.get("chunk", sh["index"])
+            if (name, c) in seen:  # a unit's chunk is named by each of its shards
+                continue
+            seen.add((name, c))
+            if rec.get("upload") is not None:
+                uploads.append((layout.meta_chunk_key(name, c), rec["upload"]))
+            else:
+                pairs.append(meta_keys(name, c, att)[::-1])
+    n = loc.publish(pairs, threads) if pairs else 0
+    return n + complete_uploads(loc, uploads, threads, etags or {})
+
+
+def complete_uploads(loc, uploads: list, threads: int = 16, etags: "dict | None" = None) -> int:
+    """Complete (final key, upload record) pairs, concurrently (one request each); the ETags
+    the writer kept are used when given, else the parts are listed."""
+    if not uploads:
+        return 0
+    etags = etags or {}
+
+    def one(kv) -> bool:
+        final, up = kv
+        return loc.complete_upload(final, etags.get(final, up))
+
+    if len(uploads) == 1:
+        return int(one(uploads[0]))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(uploads)), thread_name_prefix="harvest-publish") as ex:
+        return sum(ex.map(one, uploads))
+
+
+def settle_uploads(store, pending: dict, marker: dict) -> None:
+    """Finalize's part for one committed marker: complete its uploads still `pending` ({upload
+    id: key}, from one listing; entries it settles are removed)."""
+    todo = []
+    for sh in marker.get("shards", []):
+        recs = [(layout.shard_object_key(p, sh["index"]), u)
+                for p, u in zip(store.points, sh.get("upload") or [])]
+        recs += [(layout.meta_chunk_key(n, r.get("chunk", sh["index"])), r.get("upload"))
+                 for n, r in (sh.get("meta") or {}).items()]
+        for final, up in recs:
+            if up is not None and pending.pop(up["upload_id"], None) is not None:
+                todo.append((final, up))
+    complete_uploads(store.location, todo)
+
+
+def abort_losing_uploads(store, pending: dict, owner: dict, meta_owner: dict) -> None:
+    """Uploads left `pending` after every committed marker settled its own: those of a
+    committed shard (`owner`) or metadata chunk (`meta_owner`) are a losing (or failed)
+    attempt's and are aborted; the others stay (a writer may still be at work on them)."""
+    for uid, key in pending.items():
+        arr, _, rest = key.partition("/c/")
+        shard = rest.split("/")[0]
+        if shard.isdigit() and int(shard) in (meta_owner if arr in layout.ROW_META else owner):
+            store.location.abort_upload(key, uid)
 
 
 def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
@@ -191,5 +306,6 @@ def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
     return out
 
 
-__all__ = ["WRITES_PER_OBJECT", "read_point", "read_meta", "read_checked", "publish",
+__all__ = ["writes_per_object", "complete_uploads", "settle_uploads", "abort_losing_uploads",
+           "read_point", "read_meta", "read_checked", "publish",
            "attempt_objects", "point_keys", "meta_keys"]

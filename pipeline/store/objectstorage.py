@@ -167,6 +167,85 @@ class S3Storage(ObjectStorage):
 
         return with_retries(put, f"commit {rel}", budget_s=self.budget_s)
 
+    # ---- streamed objects: multipart uploads to the zarr key, completed after the marker ------
+    # A point's shard object is one multipart upload to its final zarr key: parts go up as the
+    # writer's blocks complete, and CompleteMultipartUpload -- after this attempt's marker was
+    # created -- makes the whole object appear at once. Publishing is one request, no copy (a
+    # server-side copy of a unit took longer than capturing it, issue 24). An upload never
+    # completed is invisible: a losing attempt aborts its own, and finalize completes a
+    # committed one whose writer died (or aborts a loser's) from one listing of the uploads.
+    part_min_bytes: ClassVar[int] = 5 << 20
+
+    def _bucket_key(self, rel: str) -> tuple[str, str]:
+        bucket, _, key = self.key(rel).partition("/")
+        return bucket, key
+
+    def _s3(self, what: str, op: str, **kw):
+        return with_retries(lambda: self.fs.call_s3(op, **kw), what, budget_s=self.budget_s)
+
+    def begin_object(self, final_rel: str, attempt_rel: str) -> dict:
+        b, k = self._bucket_key(final_rel)
+        r = self._s3(f"start upload of {final_rel}", "create_multipart_upload", Bucket=b, Key=k)
+        return {"rel": final_rel, "bucket": b, "key": k, "id": r["UploadId"], "etags": []}
+
+    def write_part(self, handle: dict, data) -> None:
+        n = len(handle["etags"]) + 1
+        r = self._s3(f"upload part {n} of {handle['rel']}", "upload_part", Bucket=handle["bucket"],
+                     Key=handle["key"], UploadId=handle["id"], PartNumber=n, Body=bytes(data))
+        handle["etags"].append(r["ETag"])
+
+    def finish_object(self, handle: dict) -> dict:
+        """The upload id and part count (and, in memory only, the parts' ETags: the writer's
+        own publish completes without asking the server for them)."""
+        return {"upload_id": handle["id"], "parts": len(handle["etags"]),
+                "_etags": list(handle["etags"])}
+
+    def abort_object(self, handle: dict) -> None:
+        self.abort_upload(handle["rel"], handle["id"])
+
+    def abort_upload(self, final_rel: str, upload_id: str) -> None:
+        b, k = self._bucket_key(final_rel)
+        try:
+            self._s3(f"abort upload of {final_rel}", "abort_multipart_upload", Bucket=b, Key=k,
+                     UploadId=upload_id)
+        except FileNotFoundError:
+            pass
+
+    def complete_upload(self, final_rel: str, upload: dict) -> bool:
+        """CompleteMultipartUpload from the ETags the writer kept, else from ListParts (a
+        finalize after the writer died), checked against the part count its record holds."""
+        b, k = self._bucket_key(final_rel)
+        uid, want = upload["upload_id"], int(upload["parts"])
+        try:
+            etags = upload.get("_etags")
+            if etags is None:
+                got = self._s3(f"list parts of {final_rel}", "list_parts", Bucket=b, Key=k,
+                               UploadId=uid, MaxParts=10000).get("Parts", [])
+                etags = [p["ETag"] for p in sorted(got, key=lambda p: p["PartNumber"])]
+            if len(etags) != want:
+                raise StoreAccessError(f"upload {uid} of {final_rel} holds {len(etags)} parts, its "
+                                       f"writer recorded {want}: not completed")
+            parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+            self._s3(f"complete upload of {final_rel}", "complete_multipart_upload", Bucket=b,
+                     Key=k, UploadId=uid, MultipartUpload={"Parts": parts})
+        except FileNotFoundError:
+            return False  # no such upload: completed already (a retried request) or aborted
+        self.fs.invalidate_cache(self.key(final_rel))
+        return True
+
+    def pending_uploads(self, rel: str) -> "dict[str, str]":
+        b, k = self._bucket_key(rel)
+        root = self.key("")[len(b) + 1:]
+        out: dict[str, str] = {}
+        kw: dict = {"Bucket": b, "Prefix": k}
+        while True:
+            r = self._s3(f"list uploads under {rel}", "list_multipart_uploads", **kw)
+            for u in r.get("Uploads", []):
+                out[u["UploadId"]] = u["Key"][len(root):]
+            if not r.get("IsTruncated"):
+                return out
+            kw.update(KeyMarker=r.get("NextKeyMarker"), UploadIdMarker=r.get("NextUploadIdMarker"))
+
     def honours_if_none_match(self) -> bool:
         """Probe the server once: does a second create-once PUT of the same key fail?"""
         ck = (self.storage_options.get("client_kwargs") or {}).get("endpoint_url")

@@ -194,38 +194,58 @@ class ShardCodec:
         # uncompressed: a view of the caller's rows; the join in encode() is then the only copy
         return raw.view(np.uint8).data if self._comp is None else self._comp.encode(raw)
 
-    def encode(self, rows: np.ndarray, shard: int, visit=None) -> bytes:
-        """Shard object bytes for rows [shard*shard_rows, +len(rows)) of this array.
+    def encode_block(self, rows: np.ndarray, first_chunk: int, visit=None) -> list:
+        """Compressed inner chunks of rows that start at inner chunk `first_chunk` of their shard
+        (a writer's block: whole chunks, the last one maybe short at the end of a unit).
 
-        `visit(i, chunk_rows)`, if given, is called on each inner chunk's rows (this dtype) in
-        the codec thread just before that chunk is compressed: the writer's statistics then read
-        rows that are already in cache instead of making their own pass over the whole shard.
+        `visit(i, chunk_rows)`, if given, is called on each inner chunk's rows (this dtype, `i`
+        counted from the block's first chunk) in the codec thread just before that chunk is
+        compressed: the writer's statistics then read rows that are already in cache instead of
+        making their own pass over the block.
         """
-        n = rows.shape[0]
-        # fewer rows than the shard holds: the last unit of a run ends inside its shard; the
-        # chunks past its end are absent from the index, which every zarr reader takes as fill
-        if not 0 < n <= self.shard_len(shard) or rows.shape[1:] != (self.width,):
-            raise ValueError(f"shard {shard} takes at most {(self.shard_len(shard), self.width)} "
-                             f"rows, got {rows.shape}")
-        if rows.dtype != self.dtype:
-            raise ValueError(f"shard dtype {rows.dtype} != array dtype {self.dtype}")
+        if rows.dtype != self.dtype or rows.shape[1:] != (self.width,) or rows.shape[0] == 0:
+            raise ValueError(f"block rows must be [n > 0, {self.width}] of {self.dtype}, got "
+                             f"{rows.shape} {rows.dtype}")
+        n_chunks = -(-rows.shape[0] // self.chunk_rows)
+        if not 0 <= first_chunk or first_chunk + n_chunks > self.per_shard:
+            raise ValueError(f"block of {n_chunks} chunks at chunk {first_chunk} does not fit a "
+                             f"shard of {self.per_shard}")
         raw = rows.view(self._raw)
-        n_chunks = -(-n // self.chunk_rows)
+
         def one(i: int):
             chunk = raw[i * self.chunk_rows:(i + 1) * self.chunk_rows]
             if visit is not None:
                 visit(i, chunk.view(self.dtype))
             return self._encode_chunk(chunk)
 
-        parts = list(codec_pool(background=True).map(one, range(n_chunks)))
+        return list(codec_pool(background=True).map(one, range(n_chunks)))
+
+    def index_tail(self, entries: "dict[int, tuple[int, int]]") -> bytes:
+        """The shard index (offset, nbytes per inner chunk, absent ones 2^64-1) and its CRC32C:
+        the bytes that end a shard object whose chunks lie at the given offsets. Zarr's
+        sharding index lets chunks sit in any order, so a writer can append blocks in the order
+        they complete."""
         index = np.full((self.per_shard, 2), _MAX, "<u8")
-        off = 0
-        for i, p in enumerate(parts):
-            index[i] = (off, len(p))
-            off += len(p)
+        for i, (off, ln) in entries.items():
+            index[i] = (off, ln)
         ib = index.tobytes()
-        crc = np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes()
-        return b"".join([*parts, ib, crc])
+        return ib + np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes()
+
+    def encode(self, rows: np.ndarray, shard: int, visit=None) -> bytes:
+        """Shard object bytes for rows [shard*shard_rows, +len(rows)) of this array, in one piece
+        (tests and tools; the writer streams blocks, see `encode_block` and `index_tail`)."""
+        n = rows.shape[0]
+        # fewer rows than the shard holds: the last unit of a run ends inside its shard; the
+        # chunks past its end are absent from the index, which every zarr reader takes as fill
+        if not 0 < n <= self.shard_len(shard) or rows.shape[1:] != (self.width,):
+            raise ValueError(f"shard {shard} takes at most {(self.shard_len(shard), self.width)} "
+                             f"rows, got {rows.shape}")
+        parts = self.encode_block(rows, 0, visit)
+        entries, off = {}, 0
+        for i, p in enumerate(parts):
+            entries[i] = (off, len(p))
+            off += len(p)
+        return b"".join([*parts, self.index_tail(entries)])
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, blob: bytes, shard: int, out: np.ndarray | None = None,

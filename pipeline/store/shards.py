@@ -1,4 +1,7 @@
-"""A region writer's shard buffers: one shard of every point, filled in any row order."""
+"""A region writer's block buffers: one block of every point, filled in any row order.
+
+`Shard` is the state of one buffer; since the writer streams shard objects (streams.py) it holds
+a block (`layout.block_rows` rows), not a whole shard: the name stayed with the machinery."""
 
 from __future__ import annotations
 
@@ -28,21 +31,26 @@ class Shard:
         self.pins = 0
 
 
-def shard_buffers(store, keep: int) -> BufferPool:
-    """The store's pool of shard buffers [n_points, shard_rows, width]: writers of units in flight
-    at once (an actor commits one while capturing the next) reuse each other's buffers."""
+def shard_buffers(store, block_rows: int, keep: int) -> BufferPool:
+    """The store's pool of block buffers [n_points, block_rows, width]: writers of units in
+    flight at once (an actor commits one while capturing the next) reuse each other's buffers."""
     pool = getattr(store, "_shard_buffers", None)
-    if pool is None:
-        pool = store._shard_buffers = BufferPool((len(store.points), store.shard_rows, store.width),
-                                                 raw_dtype(store.np_dtype), keep)
+    if pool is None or pool.shape[1] != block_rows:
+        alloc = pool.allocate if pool is not None else None
+        pool = store._shard_buffers = BufferPool((len(store.points), block_rows, store.width),
+                                                 raw_dtype(store.np_dtype), keep, alloc)
     pool.keep = max(pool.keep, keep)
     return pool
 
 
 def use_allocator(store, allocate) -> None:
-    """Make the store's shard buffers come from `allocate(shape, dtype)` (page-locked memory on
+    """Make the store's block buffers come from `allocate(shape, dtype)` (page-locked memory on
     CUDA, see BufferPool). Call before the first writer: buffers already handed out stay as they are."""
-    shard_buffers(store, 0).allocate = allocate
+    from . import layout
+
+    br = layout.block_rows(store.shard_rows, store.chunk_rows, len(store.points), store.row_bytes,
+                           store.context_size)
+    shard_buffers(store, br, 0).allocate = allocate
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

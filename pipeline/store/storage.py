@@ -149,6 +149,61 @@ class Storage(abc.ABC):
         except FileNotFoundError:
             pass
 
+    # ---- streamed objects: written part by part, made visible by the commit ------------------
+    # A writer streams each shard object (uploads.py): `begin_object`, then `write_part` as its
+    # blocks complete, `finish_object` before the commit marker (the bytes are durable but not
+    # at the zarr key), and `complete_upload` after the marker (what publishing is). `abort_object`
+    # drops an unfinished one. Backends without a cheaper way write a file under the attempt's
+    # name (this default, through fsspec's buffered files) and publish it with `move`.
+
+    # The smallest part a backend takes but for the last (S3 and SeaweedFS: 5 MiB): the writer
+    # holds a point's compressed blocks until they reach it.
+    part_min_bytes: ClassVar[int] = 0
+
+    def begin_object(self, final_rel: str, attempt_rel: str) -> dict:
+        """A handle for an object streamed in parts, to appear at `final_rel` once published;
+        `attempt_rel` is the attempt's own name for backends that publish by moving."""
+        f = with_retries(lambda: self.fs.open(self.key(attempt_rel), "wb"), f"open {attempt_rel}",
+                         budget_s=self.budget_s)
+        return {"rel": attempt_rel, "file": f}
+
+    def write_part(self, handle: dict, data) -> None:
+        """Append `data` (the parts of one object arrive in order, from one thread at a time)."""
+        handle["file"].write(data)
+
+    def finish_object(self, handle: dict) -> "dict | None":
+        """Every part is written, durably; the object is not yet at its zarr key. Returns what
+        a commit must record to publish it later (None: nothing, it is moved by name)."""
+        handle.pop("file").close()
+        return None
+
+    def abort_object(self, handle: dict) -> None:
+        """Drop an unfinished object (best effort: what remains is under the attempt's name)."""
+        f = handle.pop("file", None)
+        if f is not None:
+            try:
+                f.discard() if hasattr(f, "discard") else f.close()
+            except Exception:  # noqa: BLE001 -- garbage under an attempt name harms nothing
+                pass
+        try:
+            self.delete(handle["rel"])
+        except Exception:  # noqa: BLE001
+            pass
+
+    def complete_upload(self, final_rel: str, upload: dict) -> bool:
+        """Make an object `finish_object` recorded `upload` for appear at `final_rel`; False if
+        there is nothing left to complete (completed already, or aborted). Backends whose
+        `finish_object` returns None never get here."""
+        raise NotImplementedError(f"{self.kind} storage records no uploads to complete")
+
+    def abort_upload(self, final_rel: str, upload_id: str) -> None:
+        """Drop a finished but never completed upload (a losing attempt's)."""
+
+    def pending_uploads(self, rel: str) -> "dict[str, str]":
+        """{upload id: key relative to the root} of every upload under `rel` finished but not
+        completed (one listing); {} on backends that record none."""
+        return {}
+
     # ---- what each backend does its own way -------------------------------------------------
     @abc.abstractmethod
     def write_bytes(self, rel: str, data: bytes, attempts: int = 5) -> None:

@@ -1,24 +1,27 @@
-"""The machinery under RegionWriter: shard buffers, eviction, background uploads, failure cleanup.
+"""The machinery under RegionWriter: block buffers, eviction, streamed shard objects, cleanup.
 
-Memory bound. Rows are buffered per shard (all points of `shard_rows` rows). A shard buffer is
-"open" while rows arrive and "pending" while its upload runs; `write` blocks when
-`max_pending_shards` uploads are in flight (backpressure on the producer instead of growing
-memory), and evicts the least recently touched open shard when `max_open_shards` are open. So
+Memory bound. Rows are buffered per *block* (all points of `block_rows` rows: whole inner
+chunks, a divisor of the shard, `layout.block_rows`), never per shard. A block is "open" while
+rows arrive and "pending" while its encode and append run; `write` blocks when
+`max_pending_shards` blocks are in flight (backpressure on the producer instead of growing
+memory), and evicts the least recently touched open block when `max_open_shards` are open (the
+knobs keep their old names: they count blocks now). Each point's shard object is streamed
+(streams.py): a completed block's chunks are appended to it at once, so
 
-    buffered bytes <= n_points x shard_bytes x (max_open_shards + max_pending_shards)
+    buffered bytes <= n_points x block_bytes x (max_open + max_pending)
+                      + n_points x open shard objects x (part_min_bytes + compressed block)
 
-with shard_bytes = shard_rows x width x itemsize; with rows arriving in order only one shard is
-open at a time and the bound is n_points x shard_bytes x (1 + max_pending_shards). Encoding adds a
-transient copy per in-flight point upload (zarr encodes a shard into one object).
+independent of the shard size (the second term is 0 locally; on S3 it is what the 5 MiB minimum
+part costs). `buffered_bytes` and `peak_buffered_bytes` are this accounting.
 
-Why evict instead of refusing: the engine yields requests in completion order, which straddles shard
-boundaries. An evicted shard's filled rows go to scratch objects of this attempt and are read back
-when the shard completes, so no object a reader may trust is ever half written. Slower, never
-wrong, and rare with max_open_shards >= 2.
+Why evict instead of refusing: the engine yields requests in completion order, which straddles
+block boundaries. An evicted block's filled rows go to scratch objects of this attempt and are
+read back when the block completes, so no object a reader may trust is ever half written. Slower,
+never wrong, and rare with max_open_shards >= 2.
 
-Every object is written under this attempt's name (layout.attempt_object_key, scratch keys) and
-recorded, so a failed or conflicting attempt removes exactly what it wrote. writer.py holds the
-API (write, reserve, commit, abort) on top of this class.
+Every object is written under this attempt's name or as an upload only its commit completes
+(streams.py, storage.py), and recorded, so a failed or conflicting attempt removes exactly what it
+wrote. writer.py holds the API (write, reserve, commit, abort) on top of this class.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from .credentials import scrub
 from .dtypes import raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
 from .shardio import lower_priority
-from .shards import Shard, runs, shard_buffers
 from .roles import captured_codes
+from .shards import Shard, runs, shard_buffers
+from .streams import ObjectStream, write_small
 from .unitmeta import UnitMeta
 
 log = logging.getLogger(__name__)
@@ -71,28 +75,51 @@ class ShardUploads:
             raise StoreError(f"region_writer: arrays {foreign} of {store.url} use a codec chain harvest "
                              "does not write (it moves whole objects it encodes itself); create the "
                              "store with create_store")
-        self._buffers = shard_buffers(store, 2 * (max_open_shards + max_pending_shards))
-        sr = store.shard_rows
+        # Row metadata chunks: one per shard, or one per unit where the store was created with
+        # meta_chunk_rows = the unit size (the pipeline does: ~1-2 MB objects, not 2-4 KiB ones).
+        # Units never share a chunk: a region must start on one (units do).
+        self._meta_rows = self._meta_codecs["token_id"].chunk
+        if self._meta_rows != store.shard_rows and row_start % self._meta_rows:
+            raise StoreError(f"region_writer: unit {unit_id} starts at row {row_start}, inside a row "
+                             f"metadata chunk of {self._meta_rows} rows (the store's unit size): units "
+                             "must start on a chunk, or two writers would share its object")
+        sr, cr = store.shard_rows, self._codecs[0].chunk_rows
+        # rows of a block: every block lies inside one shard and holds whole inner chunks
+        self.block_rows = layout.block_rows(sr, cr, self._P, store.row_bytes, store.context_size)
+        self._buffers = shard_buffers(store, self.block_rows, 2 * (max_open_shards + max_pending_shards))
+        br = self.block_rows
         self._shard_ids = list(range(row_start // sr, -(-row_end // sr)))
+        self._block_ids = list(range(row_start // br, -(-row_end // br)))
+        self._blocks_of: dict[int, int] = {}  # shard -> its blocks in this region
+        for b in self._block_ids:
+            si = b * br // sr
+            self._blocks_of[si] = self._blocks_of.get(si, 0) + 1
+        self._blocks_done: dict[int, int] = {}  # shard -> blocks handed to the encoders
         self._meta = UnitMeta(unit_id, row_start, row_end, store.stats_filter(),
                               list(store.meta_columns), captured_codes(store))
-        self._states: dict[int, Shard] = {}
+        self._states: dict[int, Shard] = {}     # block id -> its buffer state
         self._open: "OrderedDict[int, Shard]" = OrderedDict()
         self._pending: "OrderedDict[int, list[cf.Future]]" = OrderedDict()
-        self._done: set[int] = set()
+        self._done: set[int] = set()            # blocks encoded and appended
+        self._checked: set[int] = set()         # shards whose first block looked for a marker
+        # shards whose metadata chunks were handed to an upload thread: commit uploads the rest.
+        # Marked when submitted, not when done: a second upload of a chunk still in flight
+        # would leave an upload no marker names (on S3, one never completed nor aborted)
         self._meta_uploaded: set[int] = set()
-        # Statistics: a shard's partials (all, kept per point) wait in _parts only until every
-        # shard before it is merged into _acc, in shard order (the order commit always merged in,
-        # so the same bits). Held: O(points x width) plus shards that complete out of order
-        # (bounded by the producer's rows in flight, not by the unit's shard count).
+        self._streams: dict[tuple[int, int], ObjectStream] = {}  # (shard, point) -> its object
+        # Statistics: a block's partials (all, kept per point) wait in _parts only until every
+        # block before it is merged into _acc, in block order (deterministic bits whatever order
+        # blocks complete in). Held: O(points x width) plus blocks that complete out of order.
         self._parts: dict[int, dict] = {}
         self._acc = {s: [_stats.Moments.empty(self._W) for _ in range(self._P)]
                      for s in layout.STATS_SUBSETS}
-        self._next_stat = 0  # index in _shard_ids of the next shard to merge into _acc
+        self._next_stat = 0  # index in _block_ids of the next block to merge into _acc
         self._crc: dict[int, list] = {}
         self._nbytes: dict[int, list] = {}
         self._ocrc: dict[int, list] = {}         # CRC32C of each stored object, per point
-        self._meta_rec: dict[int, dict] = {}     # shard -> column -> {crc32c, nbytes} of its chunk
+        self._upload: dict[int, list] = {}       # shard -> per point: the storage's upload record
+        self._meta_rec: dict[int, dict] = {}     # shard -> column -> {crc32c, nbytes[, upload]}
+        self._meta_streams: list[tuple[str, str, dict]] = []  # (final, attempt, upload) of chunks
         self._written: list[str] = []            # this attempt's objects, removed if it never commits
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(upload_threads, thread_name_prefix=f"harvest-up-{unit_id}",
@@ -102,18 +129,53 @@ class ShardUploads:
         self._closed = False
         self._warned_evict = False
         self.bytes_uploaded = 0
+        self.peak_buffered_bytes = 0
 
     def shard_span(self, si: int) -> tuple[int, int]:
         """Rows of shard `si` that belong to this region (the last unit may end inside one)."""
         s0 = si * self._store.shard_rows
         return s0, min(s0 + self._store.shard_rows, self.row_end)
 
+    def block_span(self, b: int) -> tuple[int, int]:
+        """Rows of block `b` that belong to this region."""
+        b0 = b * self.block_rows
+        return b0, min(b0 + self.block_rows, self.row_end)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this writer holds now: block buffers (open and pending) and compressed bytes
+        waiting to make a part (see the module docstring)."""
+        n = sum(1 for s in self._open.values() if s.data is not None) + len(self._pending)
+        with self._lock:  # upload threads add streams meanwhile
+            held = sum(st.pending_bytes for st in self._streams.values())
+        return n * self._P * self.block_rows * self._store.row_bytes + held
+
+    def _note_peak(self) -> None:
+        """Producer thread only (it alone changes the open and pending blocks)."""
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
+
     # ---- internals ---------------------------------------------------------------------------
     def _cleanup(self, *extra: str) -> None:
-        """Best effort: remove this attempt's objects and scratch (it never committed)."""
+        """Best effort: remove this attempt's objects, uploads and scratch (it never committed).
+        Called after the upload threads stopped, so no stream is being appended to."""
         with self._lock:
             keys = list(self._written) + list(extra)
             self._written.clear()
+            streams = list(self._streams.values())
+            self._streams.clear()
+            metas = list(self._meta_streams)
+            self._meta_streams.clear()
+        for st in streams:
+            try:
+                st.abort()
+            except Exception as e:  # noqa: BLE001 -- an upload left behind is never completed
+                log.warning("unit %d: could not drop %s (%s)", self.unit_id, st.final_rel, type(e).__name__)
+        for final, _, up in metas:
+            if up is not None:
+                try:
+                    self._store.location.abort_upload(final, up["upload_id"])
+                except Exception as e:  # noqa: BLE001
+                    log.warning("unit %d: could not drop %s (%s)", self.unit_id, final, type(e).__name__)
         self._remove(keys)
 
     def _remove(self, keys: list[str]) -> None:
@@ -148,23 +210,25 @@ class ShardUploads:
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
                                  f"{other.get('attempt')}); this writer stopped before uploading more")
 
-    def _shard_for_write(self, si: int) -> Shard:
-        sh = self._open.get(si)
+    def _shard_for_write(self, b: int) -> Shard:
+        """Block `b`'s open buffer (a `Shard` state at block granularity)."""
+        sh = self._open.get(b)
         if sh is None:
-            sh = self._states.get(si)
+            sh = self._states.get(b)
             if sh is None:
-                s0, s1 = self.shard_span(si)
-                sh = self._states[si] = Shard(si, s0, s1)
+                s0, s1 = self.block_span(b)
+                sh = self._states[b] = Shard(b, s0, s1)
             while len(self._open) >= self.max_open_shards:
-                # the least recently touched shard nobody is writing in place; when all are
+                # the least recently touched block nobody is writing in place; when all are
                 # pinned, open one more (memory then bounded by the producer's rows in flight)
                 victim = next((i for i, o in self._open.items() if not o.pins), None)
                 if victim is None:
                     break
                 self._evict(victim)
             sh.data = self._buffers.take()[:, :sh.n]  # each point's rows stay contiguous
-            self._open[si] = sh
-        self._open.move_to_end(si)
+            self._open[b] = sh
+            self._note_peak()
+        self._open.move_to_end(b)
         return sh
 
     def _put(self, key: str, blob: bytes) -> None:
@@ -195,7 +259,7 @@ class ShardUploads:
                 self._put(key, np.ascontiguousarray(sh.data[:, a:b]).tobytes())
                 sh.scratch.append((a, b, key))
         except Exception as e:  # noqa: BLE001
-            self._fail(e, f"upload of shard {sh.index}")
+            self._fail(e, f"scratch upload of block {sh.index}")
             self._raise_failed()
         sh.flushed |= rows
 
@@ -208,81 +272,126 @@ class ShardUploads:
                     raise StoreError(f"scratch object {key} of this writer vanished")
                 sh.data[:, a:b] = np.frombuffer(raw, self._raw).reshape(self._P, b - a, self._W)
         except Exception as e:  # noqa: BLE001
-            self._fail(e, f"reading back evicted rows of shard {sh.index}")
+            self._fail(e, f"reading back evicted rows of block {sh.index}")
             self._raise_failed()
 
     def _complete(self, sh: Shard) -> None:
+        """Block `sh` has all its rows: encode and append it to its shard's objects (threads)."""
         del self._open[sh.index]
-        self._check_conflict()
+        si = sh.start // self._store.shard_rows
+        if si not in self._checked:  # one marker GET per shard, as before blocks existed
+            self._checked.add(si)
+            self._check_conflict()
         self._wait_pending(all_=False)
         sh.keep = self._meta.keep_mask(sh.start, sh.end)
         if sh.scratch:
-            self._unflush(sh)  # the slow path: the evicted rows come back, then as any shard
+            self._unflush(sh)  # the slow path: the evicted rows come back, then as any block
         self._meta.zero_unstored(sh.data, sh.start, sh.end)  # capture.roles (store/roles.py)
         futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
-        if self._meta.complete(sh.start, sh.end):
-            futs.append(self._pool.submit(self._upload_meta, sh.index))
+        self._blocks_done[si] = self._blocks_done.get(si, 0) + 1
+        if self._meta_rows == self._store.shard_rows and \
+                self._blocks_done[si] == self._blocks_of[si] and self._meta.complete(*self.shard_span(si)):
+            self._meta_uploaded.add(si)  # per-shard chunks go up with their shard; unit chunks at commit
+            futs.append(self._pool.submit(self._upload_meta, si))
         self._pending[sh.index] = futs
+        self._note_peak()
+
+    def meta_chunk_ids(self) -> list[int]:
+        """The row metadata chunks of this region (shards, or the unit's one chunk)."""
+        m = self._meta_rows
+        return list(range(self.row_start // m, -(-self.row_end // m)))
 
     def _upload_meta(self, si: int) -> None:
-        """The shard's rows of token_id, doc_id, position: one chunk object per column."""
+        """Chunk `si` of token_id, doc_id, position (this region's rows of it): one object per
+        column. Its record goes into every shard record of the chunk (with `chunk` when the
+        chunk is the unit's, so readers find the object and slice their shard's rows)."""
         if self._failed is not None or self._closed:
             return
-        s0, s1 = self.shard_span(si)
+        s0, s1 = si * self._meta_rows, min((si + 1) * self._meta_rows, self.row_end)
+        unit_chunk = self._meta_rows != self._store.shard_rows
         rec = {}
+        loc = self._store.location
         try:
             for name, col in self._meta.columns(s0, s1).items():
                 blob = self._meta_codecs[name].encode(col)
-                self._put(layout.attempt_object_key(name, si, self.attempt), blob)
+                final, att = layout.meta_chunk_key(name, si), layout.attempt_object_key(name, si, self.attempt)
+                with self._lock:
+                    self._written.append(att)
+                up = write_small(loc, final, att, blob)
                 rec[name] = {"crc32c": google_crc32c.value(blob), "nbytes": len(blob)}
+                if unit_chunk:
+                    rec[name]["chunk"] = si
+                if up is not None:
+                    rec[name]["upload"] = up
+                    with self._lock:
+                        self._meta_streams.append((final, att, up))
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"metadata upload of shard {si}")
             return
         with self._lock:
-            self._meta_rec[si] = rec
-            self._meta_uploaded.add(si)
+            sr = self._store.shard_rows
+            for shard in range(s0 // sr, -(-s1 // sr)):
+                self._meta_rec[shard] = rec
+
+    def _stream(self, si: int, p: int) -> ObjectStream:
+        with self._lock:
+            st = self._streams.get((si, p))
+            if st is None:
+                point = self._store.points[p]
+                att = layout.attempt_object_key(layout.point_path(point), si, self.attempt)
+                self._written.append(att)
+                st = self._streams[(si, p)] = ObjectStream(
+                    self._store.location, layout.shard_object_key(point, si), att,
+                    self._blocks_of[si], self._codecs[p].index_tail)
+            return st
 
     def _upload_point(self, sh: Shard, p: int) -> None:
+        """Encode block `sh` of point `p` and append it to the point's shard object; the last
+        block of a shard finishes the object."""
         if self._failed is not None or self._closed:
             return
         x = sh.data[p].view(self._dtype)
         crc = _stats.crc32c(sh.data[p])
+        sr = self._store.shard_rows
+        si = sh.start // sr
         try:
             codec = self._codecs[p]
-            parts: list = [None] * -(-x.shape[0] // codec.chunk_rows)
             cr = codec.chunk_rows
+            parts: list = [None] * -(-x.shape[0] // cr)
 
             def moments(i, rows):  # in the codec thread, while the chunk is in cache
                 keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
                 parts[i] = _stats.subsets_of(rows, keep)
 
-            blob = codec.encode(x, sh.index, visit=moments)
+            chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=moments)
             # in chunk order: deterministic
             mom_all = _stats.merge_all([[q[0]] for q in parts], 1, self._W)[0]
             mom_kept = _stats.merge_all([[q[1]] for q in parts], 1, self._W)[0]
-            ocrc = google_crc32c.value(blob)  # what readers check before decoding
-            point = self._store.points[p]
-            self._put(layout.attempt_object_key(layout.point_path(point), sh.index, self.attempt), blob)
-            nbytes = len(blob)
+            stream = self._stream(si, p)
+            last = stream.append((sh.start - si * sr) // cr, chunks, crc, x.nbytes)
+            del chunks
+            rec = stream.finish() if last else None
             with self._lock:
                 self.bytes_uploaded += x.nbytes
         except Exception as e:  # noqa: BLE001
-            self._fail(e, f"upload of shard {sh.index} ({self._store.points[p]})")
+            self._fail(e, f"upload of block {sh.index} of shard {si} ({self._store.points[p]})")
             return
         with self._lock:
             part = self._parts.setdefault(sh.index, {"all": [None] * self._P,
                                                      "kept": [None] * self._P})
             part["all"][p], part["kept"][p] = mom_all, mom_kept
             self._merge_ready()
-            self._crc.setdefault(sh.index, [None] * self._P)[p] = crc
-            self._nbytes.setdefault(sh.index, [None] * self._P)[p] = nbytes
-            self._ocrc.setdefault(sh.index, [None] * self._P)[p] = ocrc
+            if rec is not None:
+                self._crc.setdefault(si, [None] * self._P)[p] = rec["crc32c"]
+                self._nbytes.setdefault(si, [None] * self._P)[p] = rec["nbytes"]
+                self._ocrc.setdefault(si, [None] * self._P)[p] = rec["object_crc32c"]
+                self._upload.setdefault(si, [None] * self._P)[p] = rec["upload"]
 
     def _merge_ready(self) -> None:
-        """Merge the shards whose partials are all in, in shard order, and drop them (caller
-        holds the lock). Without this a unit held every shard's float64 partials until commit:
-        4 MiB a shard at 32 points x 4096 wide, about 2 GiB for a unit of 512 shards."""
-        ids = self._shard_ids
+        """Merge the blocks whose partials are all in, in block order, and drop them (caller
+        holds the lock). Without this a unit held every block's float64 partials until commit:
+        4 MiB a block at 32 points x 4096 wide."""
+        ids = self._block_ids
         while self._next_stat < len(ids):
             part = self._parts.get(ids[self._next_stat])
             if part is None or any(m is None for m in part["all"]):
@@ -297,7 +406,7 @@ class ShardUploads:
 
     def merged_stats(self) -> dict:
         """subset -> per-point Moments of the whole unit: the running merge, then any partials
-        left behind a gap, in shard order (as commit merged them before: same bits)."""
+        left behind a gap, in block order (the same bits whatever order blocks completed in)."""
         with self._lock:
             self._merge_ready()
             for si in sorted(self._parts):
@@ -316,6 +425,7 @@ class ShardUploads:
             self._pending.clear()
             self._meta = None
             self._crc, self._nbytes, self._ocrc, self._meta_rec = {}, {}, {}, {}
+            self._upload = {}
 
     def _reap(self) -> None:
         for si in [si for si, fs in self._pending.items() if all(f.done() for f in fs)]:

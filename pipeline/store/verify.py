@@ -168,6 +168,7 @@ class _Wanted:
         self.meta_columns = list(meta_columns)
         self.width = self.n_points + len(self.meta_columns)
         self.units, self.shards, self.sizes = array("q"), array("q"), array("q")
+        self.meta_chunks = array("q")  # the metadata chunk each shard's rows are in (its own, or its unit's)
         self.attempts: list = []   # one string per unit, shared by its shards
 
     def add(self, m: dict, sh: dict) -> None:
@@ -178,12 +179,15 @@ class _Wanted:
         nb += [None] * (self.n_points - len(nb))
         meta = sh.get("meta") or {}
         nb += [(meta.get(name) or {}).get("nbytes") for name in self.meta_columns]
+        self.meta_chunks.append(int((meta.get("token_id") or {}).get("chunk", sh["index"])))
         self.sizes.extend(-1 if x is None else int(x) for x in nb)
 
     def column(self, col: int):
         """(unit, shard, attempt, recorded size or None) of array `col`: points, then metadata."""
         w = self.width
         for i, (u, s) in enumerate(zip(self.units, self.shards)):
+            if col >= self.n_points:
+                s = self.meta_chunks[i]
             size = self.sizes[i * w + col]
             yield u, s, self.attempts[i], None if size < 0 else size
 

@@ -1,8 +1,9 @@
 """Streaming writer for one shard-aligned region: bounded buffers, background uploads, commit.
 
 Memory bound and eviction: see uploads.py (ShardUploads, the machinery under this class). Rows
-are buffered per shard and uploaded in the background; `write` blocks when too many uploads are in
-flight instead of growing memory.
+are buffered per block (a few MiB per point), and each block is encoded and appended to its
+shard objects in the background as soon as its rows are complete (streams.py): no shard is ever
+held whole. `write` blocks when too many blocks are in flight instead of growing memory.
 
 Row metadata (token_id, doc_id, position) of the region is given with `write_meta` and written
 by this writer with its rows: the actor, not the driver, writes it, so nothing is written before
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 class RegionWriter(ShardUploads):
     """Write rows of one region in any order; `commit()` makes them visible, exactly once.
 
-    Knobs: max_open_shards / max_pending_shards (memory bound: uploads.py), upload_threads (parallel
-    point uploads), retries (attempts per upload for transient errors, with backoff).
+    Knobs: max_open_shards / max_pending_shards (blocks open and in flight: the memory bound,
+    uploads.py; the names predate blocks), upload_threads (parallel point encodes and uploads),
+    retries (attempts per upload for transient errors, with backoff).
     """
 
     def __init__(self, store, unit_id: int, row_start: int, row_end: int, *,
@@ -94,21 +96,22 @@ class RegionWriter(ShardUploads):
         pieces = []
         r = lo
         while r < hi:
-            si = r // self._store.shard_rows
-            s0, s1 = self.shard_span(si)
+            bi = r // self.block_rows
+            s0, s1 = self.block_span(bi)
             e = min(hi, s1)
-            pieces.append((si, r - s0, e - s0, r - lo, e - lo))
+            pieces.append((bi, r - s0, e - s0, r - lo, e - lo))
             r = e
-        for si, o0, o1, _, _ in pieces:  # refuse duplicates before touching anything
-            st = self._states.get(si)
-            if si in self._done or si in self._pending or (
+        for bi, o0, o1, _, _ in pieces:  # refuse duplicates before touching anything
+            st = self._states.get(bi)
+            if bi in self._done or bi in self._pending or (
                     st is not None and (st.filled[o0:o1].any() or st.reserved[o0:o1].any())):
-                raise ValueError(f"write: rows of [{lo}, {hi}) in shard {si} were already written to unit "
-                                 f"{self.unit_id}; each row is written once (stats would count it twice)")
+                raise ValueError(f"write: rows of [{lo}, {hi}) in block {bi} were already written to "
+                                 f"unit {self.unit_id}; each row is written once (stats would count "
+                                 "it twice)")
         if self.t_first_write is None:
             self.t_first_write = time.perf_counter()
-        for si, o0, o1, a0, a1 in pieces:
-            sh = self._shard_for_write(si)
+        for bi, o0, o1, a0, a1 in pieces:
+            sh = self._shard_for_write(bi)
             sh.data[:, o0:o1] = a[:, a0:a1]
             self._filled(sh, o0, o1)
         self._reap()
@@ -123,7 +126,9 @@ class RegionWriter(ShardUploads):
         The rows count as written only when `fill_reserved` says so; until then the shard is
         pinned: it is neither evicted nor recycled, because the producer may still be writing
         (asynchronously, on CUDA). Rows already written or reserved are refused, as in `write`.
-        After `abort` an outstanding view stays valid memory (it is dropped, never reused)."""
+        After `abort` an outstanding view stays valid memory (it is dropped, never reused).
+        Buffers hold blocks (`block_rows`, a multiple of the context size when one fits the
+        memory bound), so a context's rows fit one unless contexts are larger than that."""
         if self.already_committed:
             return None
         self._check_usable()
@@ -131,19 +136,19 @@ class RegionWriter(ShardUploads):
         if n <= 0 or lo < self.row_start or hi > self.row_end:
             raise ValueError(f"reserve: rows [{lo}, {hi}) fall outside unit {self.unit_id}'s region "
                              f"[{self.row_start}, {self.row_end})")
-        si = lo // self._store.shard_rows
-        s0, s1 = self.shard_span(si)
+        bi = lo // self.block_rows
+        s0, s1 = self.block_span(bi)
         if hi > s1:
             return None
         o0, o1 = lo - s0, hi - s0
-        st = self._states.get(si)
-        if si in self._done or si in self._pending or (
+        st = self._states.get(bi)
+        if bi in self._done or bi in self._pending or (
                 st is not None and (st.filled[o0:o1].any() or st.reserved[o0:o1].any())):
-            raise ValueError(f"reserve: rows of [{lo}, {hi}) in shard {si} were already written or "
+            raise ValueError(f"reserve: rows of [{lo}, {hi}) in block {bi} were already written or "
                              f"reserved in unit {self.unit_id}; each row is written once")
         if self.t_first_write is None:
             self.t_first_write = time.perf_counter()
-        sh = self._shard_for_write(si)
+        sh = self._shard_for_write(bi)
         sh.reserved[o0:o1] = True
         sh.pins += 1
         return sh.data[:, o0:o1]
@@ -153,10 +158,10 @@ class RegionWriter(ShardUploads):
         if self.already_committed:
             return
         self._check_usable()
-        si = int(row_start) // self._store.shard_rows
-        s0, _ = self.shard_span(si)
+        bi = int(row_start) // self.block_rows
+        s0, _ = self.block_span(bi)
         o0, o1 = int(row_start) - s0, int(row_start) - s0 + int(n)
-        sh = self._open.get(si)
+        sh = self._open.get(bi)
         if sh is None or not sh.reserved[o0:o1].all():
             raise ValueError(f"fill_reserved: rows [{row_start}, {row_start + n}) of unit "
                              f"{self.unit_id} were not reserved")
@@ -186,11 +191,11 @@ class RegionWriter(ShardUploads):
         self._check_usable()
         extra = redact_attrs(_jsonable(extra or {}, "commit extra"), self._store.location.storage_options)
         missing = []
-        for si in self._shard_ids:
-            if si in self._done or si in self._pending:
+        for bi in self._block_ids:
+            if bi in self._done or bi in self._pending:
                 continue
-            st = self._states.get(si)
-            s0, s1 = self.shard_span(si)
+            st = self._states.get(bi)
+            s0, s1 = self.block_span(bi)
             holes = runs(~st.filled) if st is not None else [(0, s1 - s0)]
             missing += [(s0 + a, s0 + b) for a, b in holes]
         if missing:
@@ -199,9 +204,10 @@ class RegionWriter(ShardUploads):
             raise ValueError(f"commit: unit {self.unit_id} has {n_miss} rows never written (e.g. {ex}); "
                              "write them, or abort() to leave the region uncommitted")
         self._meta.check_complete()
-        for si in self._shard_ids:
+        for si in self.meta_chunk_ids():
             if si not in self._meta_uploaded:
-                self._pending.setdefault(si, []).append(self._pool.submit(self._upload_meta, si))
+                self._meta_uploaded.add(si)
+                self._pending[("meta", si)] = [self._pool.submit(self._upload_meta, si)]
         self._wait_pending(all_=True)
         self._check_usable()
         self._check_conflict()
@@ -217,6 +223,14 @@ class RegionWriter(ShardUploads):
                                   "count": merged["all"][0].count if merged["all"] else 0,
                                   "kept": merged["kept"][0].count if merged["kept"] else 0},
             seconds, extra)
+        for sh in manifest["shards"]:  # uploads to complete after the marker (S3 multipart)
+            ups = self._upload.get(sh["index"])
+            if ups is not None and any(u is not None for u in ups):
+                sh["upload"] = [None if u is None else {k: v for k, v in u.items() if k[0] != "_"}
+                                for u in ups]
+            for rec in (sh.get("meta") or {}).values():
+                if rec.get("upload") is not None:
+                    rec["upload"] = {k: v for k, v in rec["upload"].items() if k[0] != "_"}
         try:
             self._store.location.write_bytes(skey, blob)
             created = _commits.create_marker(self._store.location, manifest)
@@ -259,18 +273,34 @@ class RegionWriter(ShardUploads):
         if self._manifest is None and not self.already_committed:
             self._cleanup()
 
+    def _etags(self) -> dict:
+        """{final key: the upload record with its parts' ETags} of this attempt's uploads: its
+        own publish completes them without listing the parts (finalize lists them)."""
+        out = {}
+        for si, ups in self._upload.items():
+            for p, u in enumerate(ups):
+                if u is not None:
+                    out[layout.shard_object_key(self._store.points[p], si)] = u
+        for final, _, u in self._meta_streams:
+            out[final] = u
+        return out
+
     def _publish(self, manifest: dict) -> None:
-        """Move this attempt's objects to their zarr keys (only the marker's creator does): until
-        then readers take them under the attempt's name, and finalize finishes a move a crash cut."""
+        """Publish this attempt's objects (only the marker's creator does): complete its uploads
+        (S3) or rename them to their zarr keys. Until then readers take renamed-by-name objects
+        under the attempt's name, and finalize finishes a publish a crash cut."""
         from .objects import publish
 
         try:
-            publish(self._store, manifest)
+            publish(self._store, manifest, etags=self._etags())
         except Exception as e:  # noqa: BLE001 -- committed already; readers fall back, finalize repairs
             log.warning("unit %d: moving its objects to their zarr keys failed (%s); they stay under "
                         "attempt %s until finalize", self.unit_id,
                         scrub(f"{type(e).__name__}: {e}", self._store.location.storage_options), self.attempt)
         self._remove([k for k in self._written if k.startswith(layout.SCRATCH_DIR)])
+        with self._lock:
+            self._streams.clear()
+            self._meta_streams.clear()
 
     def throughput(self) -> dict:
         now = time.perf_counter()
@@ -279,11 +309,6 @@ class RegionWriter(ShardUploads):
         return {"bytes_written": written, "bytes_uploaded": self.bytes_uploaded, "seconds": secs,
                 "write_bytes_per_s": written / secs if secs > 0 else None,
                 "upload_bytes_per_s": self.bytes_uploaded / secs if secs > 0 else None}
-
-    @property
-    def buffered_bytes(self) -> int:
-        n = sum(1 for s in self._open.values() if s.data is not None) + len(self._pending)
-        return n * self._P * self._store.shard_rows * self._store.row_bytes
 
     def __enter__(self):
         return self
