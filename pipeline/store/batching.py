@@ -51,15 +51,22 @@ class BatchBuffers:
     own is one no caller can still read: a trainer that drops each batch after its step gets the
     same few buffers back forever, a caller that keeps every batch (`list(dataset)`) gets fresh
     ones, as before. At most `keep` buffers are pooled; beyond that they are left to the caller.
+
+    `alloc` (optional): makes every buffer afresh instead, never pooled: a DataLoader worker
+    allocates its batches in shared memory (reader.py), which its parent holds after the
+    worker let go, so no count here can say when one is free again.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int):
-        self.shape, self.dtype, self.keep = shape, dtype, keep
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int, alloc=None):
+        self.shape, self.dtype, self.keep, self.alloc = shape, dtype, keep, alloc
         self._bufs: list[np.ndarray] = []
         self._idle = _idle_refcount()
         self.allocated = 0    # fresh arrays made (tests and benchmarks read it)
 
     def get(self) -> np.ndarray:
+        if self.alloc is not None:
+            self.allocated += 1
+            return self.alloc()
         for b in self._bufs:
             if sys.getrefcount(b) <= self._idle:
                 return b
