@@ -52,21 +52,20 @@ class BatchBuffers:
     same few buffers back forever, a caller that keeps every batch (`list(dataset)`) gets fresh
     ones, as before. At most `keep` buffers are pooled; beyond that they are left to the caller.
 
-    `alloc` (optional): makes every buffer afresh instead, never pooled: a DataLoader worker
-    allocates its batches in shared memory (reader.py), which its parent holds after the
-    worker let go, so no count here can say when one is free again.
+    In a DataLoader worker the pickler that sends a batch to the parent copies it into a fresh
+    shared segment and repoints the tensor there, so the buffer comes back here as soon as the
+    batch is sent (worker CPU 2.65 us/row against 2.82 with a fresh array per batch). Gathering
+    straight into fresh shared memory instead (torch's default_collate does so, to skip that
+    copy) measured worse, 3.07 us/row: 4 KiB shmem page faults cost more than the copy saves.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int, alloc=None):
-        self.shape, self.dtype, self.keep, self.alloc = shape, dtype, keep, alloc
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int):
+        self.shape, self.dtype, self.keep = shape, dtype, keep
         self._bufs: list[np.ndarray] = []
         self._idle = _idle_refcount()
         self.allocated = 0    # fresh arrays made (tests and benchmarks read it)
 
     def get(self) -> np.ndarray:
-        if self.alloc is not None:
-            self.allocated += 1
-            return self.alloc()
         for b in self._bufs:
             if sys.getrefcount(b) <= self._idle:
                 return b

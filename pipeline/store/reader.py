@@ -58,40 +58,12 @@ _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless",
                "n_rows", "window_shards")
 
 
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:
     return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np_dtype.name)
 
 
-def _shared_batch(shape: tuple[int, ...], raw: np.dtype) -> np.ndarray:
-    """A batch buffer in shared memory, as a raw-bits array whose base is the tensor over it.
-
-    A DataLoader worker hands each batch to its parent through a pickler that copies any tensor
-    not already in shared memory into a fresh shared segment: a second pass over every byte plus
-    the segment's page faults, in the worker, per batch. Gathering straight into a shared segment
-    (what torch's default_collate does for its batches) leaves the pickler only the file
-    descriptor to send: 0.46 against 0.7-1.0 CPU-s per 262,144 x 576 bf16 rows measured here.
-    """
-    n = int(np.prod(shape)) * raw.itemsize
-    st = torch.UntypedStorage._new_shared(n)
-    t = torch.empty(0, dtype=_SAME_SIZE_INT[raw.itemsize]).set_(st, 0, shape)
-    return t.numpy().view(raw)
-
-
 def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
-    """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy.
-
-    A whole `_shared_batch` array gives back the shared tensor it views (torch.from_numpy would
-    make a tensor over the same bytes that torch no longer knows are shared, and copy them again
-    when the batch goes to the parent)."""
-    base = raw.base
-    while isinstance(base, np.ndarray):   # numpy stops collapsing bases at a non-array owner
-        base = base.base
-    if isinstance(base, torch.Tensor) and raw.shape == tuple(base.shape) and \
-            raw.ctypes.data == base.data_ptr():
-        return base.view(_torch_dtype(np_dtype))
+    """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
     raw = np.ascontiguousarray(raw)
     if np_dtype == BF16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
@@ -351,9 +323,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         if self._arenas is None:
             self._arenas = Arenas(self._slot_rows, len(self.points), self.width, self._raw)
         if self._batch_bufs is None:   # per process, kept across epochs like the arenas
-            shape = (self.batch_size, len(self.points), self.width)
-            shared = (lambda: _shared_batch(shape, self._raw)) if info is not None else None
-            self._batch_bufs = BatchBuffers(shape, self._raw, keep=_GATHER_AHEAD + 2, alloc=shared)
+            self._batch_bufs = BatchBuffers((self.batch_size, len(self.points), self.width), self._raw,
+                                            keep=_GATHER_AHEAD + 2)
         finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
                                 self._slot_rows, self.shuffle, self.seed, g, self.return_meta)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
