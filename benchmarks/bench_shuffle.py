@@ -7,12 +7,18 @@ random permutation of them cut into batches), averaged over a few permutations. 
 default training recipe's (BOS excluded); everything else is at the reader's defaults, with 1 and
 2 DataLoader workers. Targets: distinct >= 0.9 x ideal, lag-1 <= 3 x ideal.
 
-Speed: rows/s of a shuffled epoch at num_workers=0 against the raw decode of the same shards
-(`vs_raw_decode`, target >= 0.9; every shard read and decoded once, 8 threads), and with 2
-persistent DataLoader workers against num_workers=0 (`new/2w` `vs_no_workers`, target >= 1.7 on
->= 4 cores; `worker_rss_mb` after each epoch), alternated over repeats, with the page cache warm
-for both (the store fits in RAM: this measures the reader's own CPU, the part a change to
-sampling could slow down). Each reader is one dataset whose first epoch is reported apart
+Speed, in one invocation: rows/s of a shuffled epoch at num_workers=0 against two raw decodes of
+the same shards, each reading every shard once: `raw_decode` (our checked whole-shard decode,
+Store.read_shard, 8 threads) and `zarr_decode` (zarr-python reading whole shards, the reference
+issue 22 named); `vs_raw_decode` / `vs_zarr_decode` are medians of per-repeat ratios (each repeat
+runs all of them back to back, target >= 0.9), `cpu_vs_raw_decode` the same for process
+CPU-seconds (stable when other jobs share the cores; wall ratios then depend on how many threads
+each side runs). Then 2 persistent DataLoader workers against num_workers=0 (`new/2w`,
+`vs_no_workers`, target >= 1.7 on >= 4 cores; on fewer cores the scaling shows as
+`decoded_rows` (each worker decodes about half) and `cpu_s_per_row` (the workers' CPU per row
+delivered, against the no-worker figure), and `worker_rss_mb` after each of `--epochs` epochs
+(target: within 10 % of epoch 1). Page cache warm for all (the store fits in RAM: this
+measures the reader's own CPU). Each reader is one dataset whose first epoch is reported apart
 (`first_epoch`): it pays the first touch of its buffers, about 2 s per GiB on these VMs, which a
 training process pays once; the timed epochs are the steady state, as in bench_store.
 
@@ -25,7 +31,8 @@ of lognormal lengths (median ~300 tokens) packed across context boundaries, like
 run; `--rows` rows (default 2^19, 0.6 GB: a store that fits one default shuffle window, the
 small-store case where a whole-shard split narrowed each worker's batches).
 
-    .venv/bin/python -m harvest.benchmarks.bench_shuffle [--rows 524288] [--repeats 3] [--baseline REV]
+    .venv/bin/python -m harvest.benchmarks.bench_shuffle [--rows 524288] [--repeats 5] [--epochs 10]
+        [--baseline REV] [--speed-only]
 """
 
 from __future__ import annotations
@@ -113,11 +120,18 @@ def quality(Dataset, url: str, workers: int, **kw) -> dict:
     return _batch_stats([b["doc_id"].numpy() for b in dl])
 
 
-def speed(ds, epoch: int) -> float:
-    ds.set_epoch(epoch)
-    t = time.perf_counter()
-    n = sum(b.shape[0] for b in ds)
-    return n / (time.perf_counter() - t)
+def timed(fn) -> tuple[float, float]:
+    """(wall s, this process's CPU s, all threads) of fn()."""
+    c, t = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def epoch_of(ds, epoch: int):
+    def go():
+        ds.set_epoch(epoch)
+        go.rows = sum(b.shape[0] for b in ds)
+    return go
 
 
 def _note_pid(pids):
@@ -131,23 +145,44 @@ def _rss_mb(pid: int) -> float:
         return int([ln for ln in f if ln.startswith("VmRSS")][0].split()[1]) / 1024
 
 
-def loader_speed(ds, workers: int, epochs: int, first: int = 1):
-    """rows/s of each epoch through a persistent DataLoader, and each worker's RSS (MB) after
-    each epoch: the first epoch pays worker start and the first touch of the arenas."""
+def _uss_mb(pid: int) -> float:
+    """Private memory of a process (MB): RSS less the pages it shares, e.g. with the parent it
+    was forked from (RSS counts a forked worker's copy-on-write view of the parent's arenas)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return sum(int(ln.split()[1]) for ln in f if ln.startswith(("Private_Clean", "Private_Dirty"))) / 1024
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loader_speed(ds, workers: int, epochs: int, first: int = 1) -> dict:
+    """Per epoch through a persistent DataLoader: rows/s, each worker's RSS (MB) and CPU seconds
+    per row delivered; the first epoch pays worker start and the first touch of the arenas."""
     import torch
 
     pids = torch.zeros(workers, dtype=torch.int64).share_memory_()
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True,
                                      worker_init_fn=_note_pid(pids))
-    rates, rss = [], []
+    rates, rss, uss, cpu = [], [], [], []
+    before = None
     for e in range(first, first + epochs):
         ds.set_epoch(e)
         t = time.perf_counter()
         n = sum(b.shape[0] for b in dl)
         rates.append(n / (time.perf_counter() - t))
+        now = [_cpu_s(int(p)) for p in pids]
+        if before is not None:
+            cpu.append(sum(now) - sum(before))
+        before = now
         rss.append([_rss_mb(int(p)) for p in pids])
+        uss.append([_uss_mb(int(p)) for p in pids])
     del dl
-    return rates, rss
+    return {"rates": rates, "rss": rss, "uss": uss, "cpu_s_per_row": float(np.median(cpu)) / n if cpu else None,
+            "decoded_rows": ds.decoded_rows[:workers], "rows_per_epoch": n}
 
 
 def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
@@ -169,20 +204,110 @@ def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
     return float(out.split()[-1])
 
 
-def raw_decode(store) -> float:
+def raw_decoder(store):
+    """fn() reading, checking and decoding every shard once (Store.read_shard), 8 threads, into 8
+    destination buffers made here, outside the timing (the reader's arenas are warm too)."""
     import concurrent.futures as cf
 
-    out = np.empty((store.shard_rows, WIDTH), np.uint16)
-    outs = [out.copy() for _ in range(8)]
-    t = time.perf_counter()
-    with cf.ThreadPoolExecutor(8) as ex:
-        list(ex.map(lambda i: store.read_shard("resid_post.20", i, out=outs[i % 8][:store.shard_range(i)[1]
-                                                                                  - store.shard_range(i)[0]]),
-                    range(store.n_shards)))
-    return store.n_rows / (time.perf_counter() - t)
+    outs = [np.ones((store.shard_rows, WIDTH), np.uint16) for _ in range(8)]
+
+    def one(i):
+        a, b = store.shard_range(i)
+        store.read_shard("resid_post.20", i, out=outs[i % 8][:b - a])
+
+    def run():
+        with cf.ThreadPoolExecutor(8) as ex:
+            list(ex.map(one, range(store.n_shards)))
+    return run
 
 
-def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root: str | None = None) -> dict:
+def gatherer(store):
+    """fn() doing the one pass a shuffling reader adds to the decode: every row copied once, in a
+    random order, into batch-sized buffers (np.take from a warm arena, this thread). Raw decode
+    plus this pass is the floor for any reader that yields uniformly mixed batches."""
+    arena = np.ones((store.n_rows, WIDTH), np.uint16)
+    perm = np.random.default_rng(0).permutation(store.n_rows)
+    outs = [np.ones((BATCH, WIDTH), np.uint16) for _ in range(2)]
+
+    def run():
+        for j, i in enumerate(range(0, store.n_rows - BATCH + 1, BATCH)):
+            np.take(arena, perm[i:i + BATCH], axis=0, out=outs[j % 2])
+    return run
+
+
+def zarr_decode(store) -> None:
+    """Every shard read and decoded once by zarr-python (whole-shard slices, its own threads)."""
+    arr = store.array("resid_post.20")
+    for i in range(store.n_shards):
+        a, b = store.shard_range(i)
+        arr[a:b]
+
+
+def _quality(out: dict, readers: dict, url: str, rows: int) -> None:
+    # default settings (targets), then a window of a quarter of the store (no target: shows that
+    # two workers streaming their own windows draw from as many shards as one worker does)
+    for window, suffix in ((None, ""), (rows // 4, " window=1/4")):
+        for name, D in readers.items():
+            for w in (0, 2):
+                q = quality(D, url, w, **({"shuffle_buffer_rows": window} if window else {}))
+                q["vs_ideal"] = {"distinct_docs": q["distinct_docs"] / out["ideal"]["distinct_docs"],
+                                 "lag1_same_doc": q["lag1_same_doc"] / out["ideal"]["lag1_same_doc"]}
+                out["quality"][f"{name}/{max(1, w)}w{suffix}"] = q
+
+
+def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
+    from harvest.pipeline.store.reader import ActivationDataset
+
+    # two persistent DataLoader workers first, while this process holds no arenas that forked
+    # workers would map (their RSS would count them); target 1.7x the no-worker rate on >= 4
+    # cores, each worker decoding only its part: shown here on os.cpu_count()
+    lw = loader_speed(ActivationDataset(url, batch_size=BATCH, seed=0), 2, epochs)
+
+    datasets = {name: D(url, batch_size=BATCH, seed=0) for name, D in readers.items()}
+    first = {name: timed(epoch_of(ds, 0)) for name, ds in datasets.items()}
+    fns = {"raw_decode": raw_decoder(s), "zarr_decode": lambda: zarr_decode(s), "gather_pass": gatherer(s)}
+    times: dict = {k: [] for k in [*fns, *datasets]}
+    for r in range(repeats):    # every side once per repeat, back to back: ratios share the load
+        for k, f in fns.items():
+            times[k].append(timed(f))
+        for name, ds in datasets.items():
+            times[name].append(timed(epoch_of(ds, r + 1)))
+    n = s.n_rows
+    sp = {k: {"rows_per_s": float(np.median([n / w for w, _ in v])), "runs": [n / w for w, _ in v],
+              "cpu_s_per_row": float(np.median([c for _, c in v])) / n} for k, v in times.items()}
+
+    def paired(a: str, b: str, i: int) -> float:   # median over repeats of time(b) / time(a)
+        return float(np.median([y[i] / x[i] for x, y in zip(times[a], times[b])]))
+
+    for name in datasets:
+        sp[name]["first_epoch"] = n / first[name][0]
+        sp[name]["vs_raw_decode"] = paired(name, "raw_decode", 0)
+        sp[name]["vs_zarr_decode"] = paired(name, "zarr_decode", 0)
+        sp[name]["cpu_vs_raw_decode"] = paired(name, "raw_decode", 1)
+        sp[name]["cpu_vs_zarr_decode"] = paired(name, "zarr_decode", 1)
+    # the floor: raw decode then one gather pass, in CPU-seconds (the two could overlap in wall)
+    floor = [a[1] + g[1] for a, g in zip(times["raw_decode"], times["gather_pass"])]
+    for name in datasets:
+        sp[name]["cpu_vs_decode_plus_gather"] = float(np.median([f / x[1] for f, x in zip(floor, times[name])]))
+    if "baseline" in datasets:
+        sp["new"]["vs_baseline_paired"] = paired("new", "baseline", 0)
+
+    def growth(series):   # largest per-worker value over the epochs, relative to epoch 1's
+        return max(max(r[w] / series[0][w] for w in range(len(r))) for r in series) - 1
+
+    rate = float(np.median(lw["rates"][1:]))
+    sp["new/2w"] = {"rows_per_s": rate, "runs": lw["rates"][1:], "first_epoch": lw["rates"][0],
+                    "cpus": os.cpu_count(), "vs_no_workers": rate / sp["new"]["rows_per_s"],
+                    "cpu_s_per_row": lw["cpu_s_per_row"],
+                    "decoded_rows_per_worker_per_epoch": [d / epochs for d in lw["decoded_rows"]],
+                    "rows_per_epoch": lw["rows_per_epoch"], "worker_rss_mb": lw["rss"],
+                    "worker_private_mb": lw["uss"], "worker_rss_growth_vs_epoch1": growth(lw["rss"]),
+                    "worker_private_growth_vs_epoch1": growth(lw["uss"])}
+    return sp
+
+
+def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root: str | None = None,
+        epochs: int = 10, speed_only: bool = False) -> dict:
     from harvest.pipeline.store.reader import ActivationDataset
 
     root = root or tempfile.mkdtemp(prefix="bench-shuffle-")
@@ -194,55 +319,54 @@ def run(rows: int = 1 << 19, repeats: int = 3, baseline: str | None = None, root
     out = {"rows": rows, "width": WIDTH, "context": CTX, "batch_size": BATCH, "shard_rows": s.shard_rows,
            "shards": s.n_shards, "docs": int(np.unique(doc[doc >= 0]).size), "ideal": ideal(doc, tok),
            "quality": {}, "speed": {}}
-    # default settings (targets), then a window of a quarter of the store (no target: shows that
-    # two workers streaming their own windows draw from as many shards as one worker does)
-    for window, suffix in ((None, ""), (rows // 4, " window=1/4")):
-        for name, D in readers.items():
-            for w in (0, 2):
-                q = quality(D, url, w, **({"shuffle_buffer_rows": window} if window else {}))
-                q["vs_ideal"] = {"distinct_docs": q["distinct_docs"] / out["ideal"]["distinct_docs"],
-                                 "lag1_same_doc": q["lag1_same_doc"] / out["ideal"]["lag1_same_doc"]}
-                out["quality"][f"{name}/{max(1, w)}w{suffix}"] = q
-    for window, label in ((None, "default"), (rows // 4, "window=1/4")):
-        kw = {"shuffle_buffer_rows": window} if window else {}
-        out.setdefault("peak_rss_mb", {})[label] = {
-            "new": peak_rss_mb(None, url, **kw), **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
-            "store_mb": rows * WIDTH * 2 / 2**20}
-    # two DataLoader workers against the no-worker rate of the same reader, both in this run
-    # (target 1.7x on >= 4 cores: each worker decodes only its part; shown here on os.cpu_count())
-    rates, rss = loader_speed(ActivationDataset(url, batch_size=BATCH, seed=0), 2, repeats + 1)
-    datasets = {name: D(url, batch_size=BATCH, seed=0) for name, D in readers.items()}
-    first = {name: speed(ds, 0) for name, ds in datasets.items()}
-    speeds = {name: [] for name in readers}
-    speeds["raw_decode"] = []
-    for r in range(repeats):
-        speeds["raw_decode"].append(raw_decode(s))
-        for name, ds in datasets.items():
-            speeds[name].append(speed(ds, r + 1))
-    out["speed"] = {k: {"rows_per_s": float(np.median(v)), "runs": v} for k, v in speeds.items()}
-    for name, v in first.items():
-        out["speed"][name]["first_epoch"] = v
-    for name in readers:
-        out["speed"][name]["vs_raw_decode"] = out["speed"][name]["rows_per_s"] / out["speed"]["raw_decode"]["rows_per_s"]
-    out["speed"]["new/2w"] = {"rows_per_s": float(np.median(rates[1:])), "runs": rates[1:],
-                              "first_epoch": rates[0], "cpus": os.cpu_count(), "worker_rss_mb": rss}
-    out["speed"]["new/2w"]["vs_no_workers"] = out["speed"]["new/2w"]["rows_per_s"] / out["speed"]["new"]["rows_per_s"]
-    if baseline:  # each repeat ran both back to back: the median of their ratios shares the load
-        out["speed"]["new"]["vs_baseline_paired"] = float(np.median(
-            [a / b for a, b in zip(speeds["new"], speeds["baseline"])]))
+    if not speed_only:
+        _quality(out, readers, url, rows)
+        for window, label in ((None, "default"), (rows // 4, "window=1/4")):
+            kw = {"shuffle_buffer_rows": window} if window else {}
+            out.setdefault("peak_rss_mb", {})[label] = {
+                "new": peak_rss_mb(None, url, **kw),
+                **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
+                "store_mb": rows * WIDTH * 2 / 2**20}
+    out["speed"] = _speed(s, url, readers, repeats, epochs)
     return out
+
+
+def _mb(values) -> str:
+    return "/".join(f"{v:.0f}" for v in values)
+
+
+def summary(res: dict) -> str:
+    """The two targets side by side, one line each."""
+    sp, w2 = res["speed"]["new"], res["speed"]["new/2w"]
+    return "\n".join([
+        f"reader, no workers: {sp['rows_per_s']:,.0f} rows/s = {sp['vs_raw_decode']:.2f}x raw decode "
+        f"({res['speed']['raw_decode']['rows_per_s']:,.0f}), {sp['vs_zarr_decode']:.2f}x zarr-python "
+        f"({res['speed']['zarr_decode']['rows_per_s']:,.0f}); CPU {sp['cpu_vs_raw_decode']:.2f}x / "
+        f"{sp['cpu_vs_zarr_decode']:.2f}x, {sp['cpu_vs_decode_plus_gather']:.2f}x raw decode + one gather pass "
+        f"(target >= 0.9x)",
+        f"reader, 2 workers: {w2['rows_per_s']:,.0f} rows/s = {w2['vs_no_workers']:.2f}x no workers on "
+        f"{w2['cpus']} cores (target >= 1.7x on >= 4); rows decoded per worker per epoch "
+        f"{[int(d) for d in w2['decoded_rows_per_worker_per_epoch']]} of {w2['rows_per_epoch']:,}; "
+        f"workers' CPU {w2['cpu_s_per_row'] * 1e6:.2f} us/row vs {sp['cpu_s_per_row'] * 1e6:.2f} with none",
+        f"worker memory over {len(w2['worker_rss_mb'])} epochs: RSS {_mb(w2['worker_rss_mb'][0])} -> "
+        f"{_mb(w2['worker_rss_mb'][-1])} MB (max {100 * w2['worker_rss_growth_vs_epoch1']:+.1f} % of epoch 1), "
+        f"private {_mb(w2['worker_private_mb'][0])} -> {_mb(w2['worker_private_mb'][-1])} MB "
+        f"(max {100 * w2['worker_private_growth_vs_epoch1']:+.1f} %; target within 10 %)"])
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=1 << 19)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=10, help="epochs of the 2-worker run (RSS per epoch)")
+    ap.add_argument("--speed-only", action="store_true", help="skip the shuffle quality and peak RSS")
     ap.add_argument("--baseline", default=None, help="git revision of a reader to compare with")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = run(a.rows, a.repeats, a.baseline)
+    res = run(a.rows, a.repeats, a.baseline, epochs=a.epochs, speed_only=a.speed_only)
     text = json.dumps(res, indent=1)
     print(text)
+    print(summary(res))
     if a.out:
         Path(a.out).write_text(text)
 

@@ -36,7 +36,7 @@ import torch
 
 from . import mixing
 from . import normalize as _norm
-from .batching import Tally, batches
+from .batching import BatchBuffers, Tally, batches
 from .dtypes import BF16, raw_dtype
 from .filters import RowFilter, store_context_size, store_facts, store_special_ids
 from .roles import resolve_roles
@@ -45,6 +45,7 @@ from .objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader
 from .readplan import PiecePlanning, committed_pieces, rank_world
 from .sampling import lane, worker_share
+from .shardio import codec_pool
 from .store import Store, open_store
 from .workermem import cap_malloc_arenas
 
@@ -52,9 +53,14 @@ log = logging.getLogger(__name__)
 
 NORMALIZE_MODES = _norm.MODES
 _DEFAULT_BUFFER_BYTES = 1 << 30
+_GATHER_AHEAD = 4         # batches gathered ahead on the codec threads (batching.py)
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
 _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
+
+
+def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:
+    return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np_dtype.name)
 
 
 def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
@@ -190,13 +196,13 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self.norm_limit: np.ndarray | None = None   # per point: max ||x||^2 kept
         self._meta_cols: CommittedMeta | None = None
         self._arenas: Arenas | None = None
+        self._batch_bufs: BatchBuffers | None = None
         self._served = self._resumed = 0
         self._store, self._store_pid = st, os.getpid()
         self._index_of: dict | None = None
         self._setup_norm(st, norm_constants, norm_sample_rows)
         if out_dtype is None:
-            out_dtype = torch.float32 if normalize else (torch.bfloat16 if st.np_dtype == BF16
-                                                         else getattr(torch, st.np_dtype.name))
+            out_dtype = torch.float32 if normalize else _torch_dtype(st.np_dtype)
         self.out_dtype = out_dtype
         if self.world_size > 1:
             self.count_rows()  # once here, not once per worker
@@ -252,6 +258,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             self._store_pid = os.getpid()
             self._meta_cols = None
             self._arenas = None  # a forked copy's arenas are the parent's pages (copy-on-write)
+            self._batch_bufs = None
         return self._store
 
     def _meta(self) -> CommittedMeta:
@@ -264,7 +271,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # DataLoader workers started with spawn/forkserver get the dataset pickled: an open store
         # (an async S3 client) and arenas cannot travel, and each worker opens its own
         state = dict(self.__dict__)
-        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None)
+        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None)
         return state
 
     # ---- epochs (counts and plans: readplan.PiecePlanning) -----------------------------------
@@ -321,15 +328,19 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             self._meta()   # opened here, not raced for by the fetch threads
         if self._arenas is None:
             self._arenas = Arenas(self._slot_rows, len(self.points), self.width, self._raw)
+        if self._batch_bufs is None:   # per process, kept across epochs like the arenas
+            self._batch_bufs = BatchBuffers((self.batch_size, len(self.points), self.width), self._raw,
+                                            keep=_GATHER_AHEAD + 2)
         finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
                                 self._slot_rows, self.shuffle, self.seed, g, self.return_meta)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
         self.tally = Tally()
-        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self.width), self._raw, self._emit,
-                             skip=skip_rows, limit=limit, drop_last=self.drop_last, shuffle=self.shuffle,
-                             seed=self.seed, tally=self.tally):
+        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self.width),
+                             self._raw, self._emit, skip=skip_rows, limit=limit, drop_last=self.drop_last,
+                             shuffle=self.shuffle, seed=self.seed, tally=self.tally, pool=codec_pool(),
+                             ahead=_GATHER_AHEAD, buffers=self._batch_bufs):
             self._served += 1
             yield batch
 

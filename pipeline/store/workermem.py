@@ -9,10 +9,19 @@ With MALLOC_ARENA_MAX=2 the same run stayed at 610-648 MB (within 5 % of epoch 1
 rate within this machine's noise; a fixed mmap threshold (MALLOC_MMAP_THRESHOLD_=1 MiB) was
 flat too but halved the rate (every batch and shard buffer faulted in afresh).
 
-The bound that holds then, per worker: RSS after imports (~250 MB: torch, zarr) + the two
-window arenas (2 x window shards x shard_rows x points x width x itemsize; 340 MB above)
-+ about 2 arenas' worth of decode temporaries (~ 2 x io_threads x compressed shard, kept below
-64 MB here). `decoded_rows` and readahead.Arenas say what a worker decodes and holds.
+Measured again with batches gathered ahead into recycled buffers (batching.py; 524,288 rows,
+32 shards, default buffer, 2 persistent workers forked from a process that had read nothing):
+over 20 epochs each worker's private memory (RSS less pages shared with the parent) went
+417/415 MB after epoch 1 -> at most 433/416 (+3.9 %), RSS 586/584 -> at most 601/585 (+2.6 %),
+in steps of ~12 MB that come and go (glibc's heap growing and trimming with the compressed
+shards in flight), not a climb. bench_shuffle, whose workers fork from a parent that has run
+the quality epochs, saw 10 epochs at RSS +4.7 %, private 465 -> 511 MB (+9.8 %).
+
+The bound per worker, private memory: the window arena (its part's pieces x shard_rows x points x
+width x itemsize, 17 x 18.9 MB = 321 MB above; a second one when its part spans several windows)
++ (4 ahead + 2) batch buffers (28 MB at 4,096 x 576 bf16) + up to io_threads compressed shards in
+flight (8 x ~17 MB); plus the imports (~250-350 MB of RSS, mostly shared with the parent).
+`decoded_rows` and readahead.Arenas say what a worker decodes and holds.
 """
 
 from __future__ import annotations
