@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from . import commits as _commits
+from . import tables as _tables
 from . import layout
 from . import stats as _stats
 from .credentials import redact_attrs, scrub
@@ -209,7 +210,7 @@ class RegionWriter(ShardUploads):
         blob = _stats.dumps(merged)
         skey = layout.stats_key(self.unit_id, self.attempt)
         seconds = time.perf_counter() - (self.t_first_write or self.t_created)
-        manifest = _commits.build_marker(
+        prep = _commits.prepare(
             self._store, self.unit_id, self.row_start, self.row_end, self.attempt,
             [(si, *self.shard_span(si), self._crc[si], self._nbytes.get(si), self._ocrc.get(si),
               self._meta_rec.get(si)) for si in self._shard_ids],
@@ -217,22 +218,27 @@ class RegionWriter(ShardUploads):
                                   "count": merged["all"][0].count if merged["all"] else 0,
                                   "kept": merged["kept"][0].count if merged["kept"] else 0},
             seconds, extra)
+        manifest = prep.marker
+        own = [k for k in (skey, prep.table_key) if k]   # this attempt's, removed if it loses
         try:
             self._store.location.write_bytes(skey, blob)
+            if prep.table_key:   # layout 3: the per-shard records, before the marker names them
+                self._store.location.write_bytes(prep.table_key, prep.table_blob)
             created = _commits.create_marker(self._store.location, manifest)
         except Exception as e:  # noqa: BLE001 -- reported without secrets, region left uncommitted
             self._fail(e, "writing the commit marker")
-            self._cleanup(skey)
+            self._cleanup(*own)
             self._release()
             raise RegionWriteFailed(self._failed_msg) from None
         if created:
+            _tables.remember(self._store, manifest, prep.records)
             self._publish(manifest)
         else:
             other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
                                                 fresh=True) or {}
             if other.get("attempt") != self.attempt:
                 self._shutdown()
-                self._cleanup(skey)
+                self._cleanup(*own)
                 self._release()
                 raise RegionConflict(
                     f"commit: unit {self.unit_id} was committed by another writer (attempt "
