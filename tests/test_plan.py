@@ -271,7 +271,7 @@ def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     assert lay["objects_by_kind"]["meta"] == 5_859_375 and lay["units"] == 3815
     # issue 24: a marker was ~35 B per shard x point (574 KB here); now it does not grow at all
     assert lay["marker_bytes_per_shard_point"] == 0 and lay["marker_bytes"] < 2000
-    # the records went to the table: ~13 B per shard x point gzip'ed (the CRCs do not compress)
+    # the records went to the table: ~17 B per shard x point gzip'ed (the CRCs do not compress)
     assert 8 * 512 * 32 < lay["table_bytes"] < 20 * 512 * 32
     warnings = "\n".join(lay["warnings"])
     assert "data objects of ~3.0 MB stored (4.2 MB logical" in warnings

@@ -47,9 +47,10 @@ def records(shards: list) -> list[dict]:
 
 def encode(unit_id: int, attempt: str, recs: list[dict]) -> bytes:
     """A table's stored bytes. gzip with mtime 0, so the same records give the same bytes (and
-    sha256) on every host; level 6: the CRCs are incompressible, the rest compresses ~3x."""
+    sha256) on every host. Level 1, like the index: at 512 shards x 32 points (604 KB of JSON) it
+    gives 273 KB in 9 ms, level 6 254 KB in 56 ms (measured); the CRCs are incompressible."""
     body = {"unit_id": int(unit_id), "attempt": attempt, "shards": recs}
-    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), 6, mtime=0)
+    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), 1, mtime=0)
 
 
 def ref(key: str, blob: bytes, n_shards: int) -> dict:
