@@ -11,12 +11,16 @@ Sections (each row says what it measured):
   not the engine). Driver peak RSS (VmHWM of the driver process) and time from `run()` to the
   first committed unit.
 - tokenise: tokens/s of the tokenising workers alone on the same corpus, 1, 2 and 4 workers.
-- bookkeeping: a store with N committed units (synthetic markers: 30 points, width 64, one shard
-  per unit, a stats sidecar object per unit, 90 % of the markers in the compacted index as a
+- bookkeeping: a store with N committed units (synthetic layout-3 markers and object tables: 30
+  points, width 64, one shard per unit, a stats sidecar object per unit, 90 % of the markers in the compacted index as a
   running driver leaves them), local and SeaweedFS on 127.0.0.1: time and
   peak RSS of the resume decision, `status`, `verify` (markers and plan; the synthetic store has
   no shard objects, so the per-object size check is left out) and `finalize`, each in a fresh
   process.
+- shape: the same bookkeeping at Llama-3.1-8B's shape (32 points x 4096, 512 shards a unit) at
+  1,000-3,815 units (3,815 = 10^9 tokens): marker, table and index bytes, time and peak RSS to
+  open the store for reading, resume, status, verify and finalize, and the growth law
+  extrapolated to 10^9 and 10^10 tokens (benchmarks/scale_shape.py; issue 24).
 - dispatch: the driver's scheduling loop handing pre-planned units to stub actors that return at
   once: units/s.
 """
