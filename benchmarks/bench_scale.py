@@ -12,8 +12,8 @@ Sections (each row says what it measured):
   first committed unit.
 - tokenise: tokens/s of the tokenising workers alone on the same corpus, 1, 2 and 4 workers.
 - bookkeeping: a store with N committed units (synthetic layout-3 markers and object tables: 30
-  points, width 64, one shard per unit, a stats sidecar object per unit, 90 % of the markers in the compacted index as a
-  running driver leaves them), local and SeaweedFS on 127.0.0.1: time and
+  points, width 64, one shard per unit, a stats sidecar object per unit, the index as a running driver
+  leaves it: `commits.index_batch` segments, the markers since the last one unindexed), local and SeaweedFS on 127.0.0.1: time and
   peak RSS of the resume decision, `status`, `verify` (markers and plan; the synthetic store has
   no shard objects, so the per-object size check is left out) and `finalize`, each in a fresh
   process.
