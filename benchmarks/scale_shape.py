@@ -20,7 +20,6 @@ squares line over the sizes) extrapolated to 10^9 and 10^10 tokens.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -168,7 +167,7 @@ def fit(xs, ys) -> tuple[float, float]:
 def shape_rows(sizes, workdir: Path, child) -> list[dict]:
     """The `shape` section's rows (see the module docstring); `child(flag, spec)` runs one
     operation in a fresh process and returns its JSON."""
-    from harvest.pipeline.store.commits import marker_size
+    from harvest.pipeline.store.markersize import marker_size
 
     sh = SHAPE_8B
     U = sh["shard_rows"] * sh["unit_shards"]

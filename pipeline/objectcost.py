@@ -5,7 +5,7 @@ tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and (layout 2
 half a megabyte, and nothing said so before the run; layout 3 moved the per-shard records into a
 per-unit object table, so markers are ~1 KB whatever the shape (`table_bytes` says the table's). Every figure here is counted from the code that
 writes the store, not from copies of its rules: `layout.ROW_META` for the objects of a shard,
-`objects.WRITES_PER_OBJECT` for the requests per object, `commits.marker_size` (the real marker
+`objects.WRITES_PER_OBJECT` for the requests per object, `markersize.marker_size` (the real marker
 builder) for the marker and its object table, and `commits.index_batch` for the index, so the plan follows the layout
 when the layout changes.
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .store.commits import index_batch, marker_size, table_size
+from .store.commits import index_batch
+from .store.markersize import marker_size, table_size
 from .store.layout import ROW_META
 from .store.objects import WRITES_PER_OBJECT
 

@@ -331,11 +331,12 @@ def test_plan_layout_at_a_small_shape(tmp_path, capsys):
 
 def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     """`plan`'s marker size is the real marker's: a unit of 8 shards x 32 points written by the
-    store's writer, against commits.marker_size for the same shape and sizes."""
+    store's writer, against markersize.marker_size for the same shape and sizes."""
     import numpy as np
 
     from harvest.pipeline.store import create_store, synthetic
-    from harvest.pipeline.store.commits import encode_marker, marker_size, table_size
+    from harvest.pipeline.store.commits import encode_marker
+    from harvest.pipeline.store.markersize import marker_size, table_size
     from harvest.pipeline.store.layout import commit_key
     from harvest.pipeline.store.tables import unit_shards
 

@@ -28,7 +28,6 @@ import json
 import threading
 from collections import OrderedDict
 
-from . import layout
 from .errors import DataIntegrityError
 
 # Tables one Store object keeps parsed. A 512-shard x 32-point table is ~2 MB parsed; a reader's
