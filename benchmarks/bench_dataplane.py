@@ -148,8 +148,11 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
                     {k: v - before.get(k, 0) for k, v in counts.items() if v - before.get(k, 0)})
     finally:
         objects.publish = real_publish
-    data = [b for m in markers for sh in m["shards"] for b in sh["nbytes"]]
-    meta = sorted({(r.get("chunk", sh["index"]), c, r["nbytes"]) for m in markers for sh in m["shards"]
+    from harvest.pipeline.store.tables import unit_shards  # layout 3: records in the unit's table
+
+    recs = [sh for m in markers for sh in unit_shards(s, m)]
+    data = [b for sh in recs for b in sh["nbytes"]]
+    meta = sorted({(r.get("chunk", sh["index"]), c, r["nbytes"]) for sh in recs
                    for c, r in sh["meta"].items()})
     meta = [b for _, _, b in meta]
     logical = unit_rows * POINTS * WIDTH * 2
@@ -157,7 +160,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
         "data_object_bytes_min": min(data), "data_object_bytes_median": int(statistics.median(data)),
         "data_object_bytes_max": max(data), "compression_ratio": round(sr * WIDTH * 2 * len(data) / sum(data), 3),
         "meta_object_bytes_min": min(meta), "meta_object_bytes_max": max(meta),
-        "objects_per_unit": shards_per_unit * POINTS + 3 + 2,
+        "objects_per_unit": shards_per_unit * POINTS + 3 + 3,  # + sidecar, table, marker
         "objects_per_1b_tokens": round(1e9 / sr * POINTS + 5 * 1e9 / unit_rows),
         "writer_peak_buffered_mib": round(max(peaks) / 2**20, 1),
         "rss_growth_mib": round(max(rss) / 2**20, 1),

@@ -11,12 +11,16 @@ Sections (each row says what it measured):
   not the engine). Driver peak RSS (VmHWM of the driver process) and time from `run()` to the
   first committed unit.
 - tokenise: tokens/s of the tokenising workers alone on the same corpus, 1, 2 and 4 workers.
-- bookkeeping: a store with N committed units (synthetic markers: 30 points, width 64, one shard
-  per unit, a stats sidecar object per unit, 90 % of the markers in the compacted index as a
-  running driver leaves them), local and SeaweedFS on 127.0.0.1: time and
+- bookkeeping: a store with N committed units (synthetic layout-3 markers and object tables: 30
+  points, width 64, one shard per unit, a stats sidecar object per unit, the index as a running driver
+  leaves it: `commits.index_batch` segments, the markers since the last one unindexed), local and SeaweedFS on 127.0.0.1: time and
   peak RSS of the resume decision, `status`, `verify` (markers and plan; the synthetic store has
   no shard objects, so the per-object size check is left out) and `finalize`, each in a fresh
   process.
+- shape: the same bookkeeping at Llama-3.1-8B's shape (32 points x 4096, 512 shards a unit) at
+  1,000-3,815 units (3,815 = 10^9 tokens): marker, table and index bytes, time and peak RSS to
+  open the store for reading, resume, status, verify and finalize, and the growth law
+  extrapolated to 10^9 and 10^10 tokens (benchmarks/scale_shape.py; issue 24).
 - dispatch: the driver's scheduling loop handing pre-planned units to stub actors that return at
   once: units/s.
 """
@@ -33,6 +37,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harvest.benchmarks.scale_shape import TABLES as SHAPE_TABLES
+from harvest.benchmarks.scale_shape import UNITS_PER_1B, read_open_child, shape_rows, table_child
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
@@ -220,6 +227,17 @@ def _child(args: list[str], env: dict | None = None, timeout: int = 3600) -> dic
     return json.loads(lines[-1])
 
 
+def _child_json(flag: str, spec: dict) -> dict:
+    """`_child` with its spec as a JSON file (scale_shape's calls)."""
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="harvest-bench-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    try:
+        return _child([flag, path])
+    finally:
+        os.unlink(path)
+
+
 # ---- driver ------------------------------------------------------------------------------------
 
 def driver_child(spec: dict) -> dict:
@@ -317,64 +335,12 @@ def tokenize_rows(workers, workdir: Path, head: Head, corpus: Path, model: str, 
 P, W, SHARD = 30, 64, 128
 
 
-def synthetic_store(url: str, so: dict | None, n_units: int) -> None:
-    """A store with n_units committed one-shard units as a running driver leaves it."""
-    import hashlib
+def synthetic_store(url: str, so: dict | None, n_units: int) -> dict:
+    """A store with n_units committed one-shard units as a running driver leaves it
+    (scale_shape.synthetic_bookkeeping at P points x W wide, SHARD-row units)."""
+    from harvest.benchmarks.scale_shape import synthetic_bookkeeping
 
-    import numpy as np
-
-    from harvest.pipeline.store import create_store, layout
-    from harvest.pipeline.store import stats as _stats
-    from harvest.pipeline.store.commits import IndexBuilder, index_batch
-    from harvest.pipeline.store.plans import Unit
-
-    s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W,
-                     n_rows=n_units * SHARD, shard_rows=SHARD, chunk_rows=SHARD, context_size=128,
-                     storage_options=so)
-    loc = s.location
-    rng = np.random.default_rng(0)
-    moments = [_stats.Moments.of(rng.standard_normal((64, W)).astype(np.float32)) for _ in range(P)]
-    blob = _stats.dumps({"all": moments, "kept": moments})
-    sha = hashlib.sha256(blob).hexdigest()
-    sidecars = {loc.key(layout.stats_key(u, "synthetic")): blob for u in range(n_units)}
-    units = [Unit(u, u * SHARD, (u + 1) * SHARD, ((u, 0, 0, 1, 0),)) for u in range(n_units)]
-    chunks = {f"{u}:0": {"n_contexts": 1, "cursor": {"row": 0, "pos": None, "offset": 0},
-                         "final": True, "rows": 1, "digest": [u, 0, 0], "stats": {}}
-              for u in range(n_units)}
-    state = {"placed": n_units, "next_unit": n_units, "next_block": n_units, "next_chunk": 0,
-             "skip_ctx": 0, "doc_base": n_units, "last_cursor": None, "last_chunk": -1, "done": True}
-    seg = 256
-    for i in range(0, n_units, seg):
-        s.plans.write_segment(i // seg, units[i:i + seg], {"chunks": {k: chunks[k] for k in
-                              (f"{u.unit_id}:0" for u in units[i:i + seg])}, "state": state},
-                              final=i + seg >= n_units)
-    s.plans.compact(units[: n_units // seg * seg], [{"chunks": chunks, "state": state}],
-                    n_units // seg - 1, False)
-    markers = {}
-    index, indexed = IndexBuilder(), 0
-    for u in units:
-        m = {"layout_version": 2, "unit_id": u.unit_id, "row_start": u.row_start,
-             "row_end": u.row_end, "n_rows": SHARD, "points": s.points, "attempt": "synthetic",
-             "shards": [{"index": u.unit_id, "row_start": u.row_start, "row_end": u.row_end,
-                         "crc32c": [int(x) for x in rng.integers(0, 2**32, P)], "nbytes": [4000] * P}],
-             "row_meta": {"crc32c": {"token_id": 1, "doc_id": 2, "position": 3}},
-             "stats": {"key": layout.stats_key(u.unit_id, "synthetic"), "sha256": sha,
-                       "count": SHARD, "kept": SHARD - 1},
-             "bytes": SHARD * P * W * 2, "seconds": 1.0, "bytes_per_s": 1.0,
-             "committed_at": "2026-12-03T00:00:00+00:00", "host": "bench", "pid": 1,
-             "extra": {"actor": u.unit_id % 8}}
-        markers[loc.key(layout.commit_key(u.unit_id, u.row_start, u.row_end))] = \
-            json.dumps(m, separators=(",", ":")).encode()
-        # indexed as the driver does (commits.index_batch); the markers since the last segment
-        # stay unindexed, as a driver killed between two segments leaves them (status, verify
-        # and the reader read those one GET each)
-        index.add(m)
-        if index.count >= index_batch(indexed):
-            s.write_index(index)
-            indexed += index.count
-            index = IndexBuilder()
-    for objects, batch in ((sidecars, 500), (markers, 2000)):
-        loc.write_many(objects, durable=False, batch=batch)
+    return synthetic_bookkeeping(url, so, n_units, P, W, SHARD, 1)
 
 
 def bookkeeping_child(spec: dict) -> dict:
@@ -391,7 +357,7 @@ def bookkeeping_child(spec: dict) -> dict:
         n = spec["units"]
         prep = SimpleNamespace(sources={"blocks": [[{}]] * n},
                                cfg=SimpleNamespace(packing=SimpleNamespace(context_size=128)),
-                               layout=SimpleNamespace(unit_contexts=1))
+                               layout=SimpleNamespace(unit_contexts=spec.get("unit_contexts", 1)))
         st = resume_state(s, prep, None)
         out = {"todo": len(st.todo), "committed": len(st.committed)}
     elif op == "status":
@@ -570,6 +536,7 @@ def report_tables(rows: list[dict], md_table) -> list[str]:
               ("dispatch", "Dispatch to stub actors (the scheduler loop vs a bare Ray loop)",
                ("actors", "units", "units_per_s", "driver_cpu_ms_per_unit",
                 "driver_bound_units_per_s", "bare_ray_units_per_s", "vs_bare_ray"))]
+    groups += SHAPE_TABLES
     out = []
     for key, title, cols in groups:
         sel = [{c: r.get(c) for c in cols} for r in rows if r.get("mode", "").startswith(key)]
@@ -580,11 +547,12 @@ def report_tables(rows: list[dict], md_table) -> list[str]:
 
 # ---- suite entry -------------------------------------------------------------------------------
 
-SECTIONS = ("driver", "tokenise", "bookkeeping", "dispatch")
+SECTIONS = ("driver", "tokenise", "bookkeeping", "shape", "dispatch")
 
 
 def run(tokens=(1e6, 1e7, 1e8), workers=(1, 2, 4), units=(1000, 10000, 100000),
         storage=("local", "s3"), dispatch_actors=(8, 64), dispatch_units=5000,
+        shape_units=(1000, 2000, UNITS_PER_1B),
         only=SECTIONS, workdir: str | None = None, tokenise_blocks: int = 8, **_ignored) -> list[dict]:
     """Result rows for the benchmark suite (see the module docstring)."""
     own = workdir is None
@@ -596,6 +564,8 @@ def run(tokens=(1e6, 1e7, 1e8), workers=(1, 2, 4), units=(1000, 10000, 100000),
         model = scale_model() if need_corpus else None
         if "bookkeeping" in only:
             rows += bookkeeping_rows(units, storage, work)
+        if "shape" in only:
+            rows += shape_rows(shape_units, work, _child_json)
         if {"driver", "tokenise", "dispatch"} & set(only):
             with Head() as head:
                 if "dispatch" in only:
@@ -613,7 +583,8 @@ def run(tokens=(1e6, 1e7, 1e8), workers=(1, 2, 4), units=(1000, 10000, 100000),
 def main(argv: "list[str] | None" = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     for flag, fn in (("--driver-child", driver_child), ("--tokenize-child", tokenize_child),
-                     ("--bookkeeping-child", bookkeeping_child), ("--dispatch-child", dispatch_child)):
+                     ("--bookkeeping-child", bookkeeping_child), ("--dispatch-child", dispatch_child),
+                     ("--table-child", table_child), ("--read-open-child", read_open_child)):
         if argv[:1] == [flag]:
             print(json.dumps(fn(json.loads(Path(argv[1]).read_text()))))
             return 0
@@ -625,6 +596,8 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--storage", nargs="+", default=["local", "s3"])
     p.add_argument("--dispatch-actors", nargs="+", type=int, default=[8, 64])
     p.add_argument("--dispatch-units", type=int, default=5000)
+    p.add_argument("--shape-units", nargs="+", type=int, default=[1000, 2000, UNITS_PER_1B],
+                   help="unit counts of the 8B-shape bookkeeping stores (3,815 = 10^9 tokens)")
     p.add_argument("--json", help="also write the rows to this file")
     a = p.parse_args(argv)
     import logging
@@ -632,6 +605,7 @@ def main(argv: "list[str] | None" = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = run(tokens=a.tokens, workers=a.workers, units=a.units, storage=a.storage,
                dispatch_actors=a.dispatch_actors, dispatch_units=a.dispatch_units,
+               shape_units=a.shape_units,
                only=[s.strip() for s in a.only.split(",")])
     for r in rows:
         print(json.dumps(r))

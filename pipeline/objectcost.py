@@ -2,15 +2,17 @@
 
 Issue 24: at an 8B model's shape (32 layers x 4096 wide) the old layout made ~68 M objects per
 10^9 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
-megabyte, and nothing said so before the run. Every figure here is counted from the code that
-writes the store, not from copies of its rules: `layout.ROW_META` (the base columns, `role` too
-for chat input) for the objects of a shard,
-`layout.block_rows` and `objects.writes_per_object` for the requests per streamed object (start,
-parts, completion), `commits.marker_size` (the real marker builder) for the marker and
+megabyte, and nothing said so before the run. Layout 3 streams ~128 MiB shards, chunks row
+metadata per unit and moves the per-shard records into a per-unit object table, so markers are
+~1 KB whatever the shape (`table_bytes` says the table's). Every figure here is counted from the
+code that writes the store, not from copies of its rules: `layout.ROW_META` (the base columns,
+`role` too for chat input) for the objects of a shard, `layout.block_rows` and
+`objects.writes_per_object` for the requests per streamed object (start, parts, completion),
+`markersize.marker_size` (the real marker builder) for the marker and its object table, and
 `commits.index_batch` for the index, so the plan follows the layout when the layout changes.
 
 Counted (FORMAT.md): per shard, one object per point; per unit, one chunk per row-metadata
-column (stores the pipeline creates), a stats sidecar and a marker; the index compacted into one segment by finalize. The few
+column (stores the pipeline creates), a stats sidecar, an object table and a marker; the index compacted into one segment by finalize. The few
 dozen fixed objects of a store (zarr.json nodes, the plan, finalize's statistics) are not.
 """
 
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .store.commits import index_batch, marker_size
+from .store.commits import index_batch
 from .store.layout import BASE_META, ROW_META, block_rows, choose_sizes
+from .store.markersize import marker_size, table_size
 from .store.objects import writes_per_object
 from .store.objectstorage import S3Storage
 
@@ -41,6 +44,7 @@ MAX_OBJECTS = 10_000_000
 # without If-None-Match takes HEAD + PUT + GET, see FORMAT.md). Reads: the writer looks for
 # another writer's marker (one GET) before each shard's upload and once before its own marker.
 SIDECAR_WRITES = 1
+TABLE_WRITES = 1   # the unit's object table (layout 3), one PUT before its marker
 MARKER_WRITES = 1
 KNOWN_LIMIT = "a known limit of the layout (issue 24)"
 
@@ -88,6 +92,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     marker_bytes = marker_size(n_shards=shards_per_unit, **marker)
     marker_one = marker_size(n_shards=1, **marker)
     writes = {"objects": shards_per_unit * P * per_data + M * per_meta, "sidecar": SIDECAR_WRITES,
+              "table": TABLE_WRITES,
               "marker": MARKER_WRITES,
               "index": round(index_requests(units) / units, 3) if units else 0.0}
     reads = shards_per_unit + 1
@@ -100,6 +105,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
         "compression": ratio, "meta_object_bytes": meta_stored,
         "writes_per_data_object": per_data, "part_min_bytes": part_min,
         "marker_bytes": marker_bytes,
+        "table_bytes": table_size(n_shards=shards_per_unit, **marker),
         "marker_bytes_per_shard_point": round((marker_bytes - marker_one)
                                               / max(1, shards_per_unit - 1) / P, 1),
         "requests_per_unit": round(writes_unit + reads, 3),
@@ -112,7 +118,8 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                    "max_marker_bytes": MAX_MARKER_BYTES, "max_objects": MAX_OBJECTS},
     }
     if tokens:
-        kinds = {"data": shards * P, "meta": units * M, "sidecars": units, "markers": units,
+        kinds = {"data": shards * P, "meta": units * M, "sidecars": units, "tables": units,
+                 "markers": units,
                  "index": 1}
         out["objects"], out["objects_by_kind"] = sum(kinds.values()), kinds
         out["list_pages"] = -(-out["objects"] // LIST_PAGE_KEYS)

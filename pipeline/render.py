@@ -82,11 +82,11 @@ def layout_lines(c: dict) -> list[str]:
     if k:
         what = (f"objects   {c['objects']:,} for {c['tokens']:,} tokens: {k['data']:,} {data}, "
                 f"{k['meta']:,} {meta}, {k['markers']:,} markers {marker}, {k['sidecars']:,} stats "
-                f"sidecars, {k['index']} index")
+                f"sidecars, {k.get('tables', 0):,} object tables, {k['index']} index")
     else:
         n = c["shards_per_unit"]
-        what = (f"objects   per unit: {n * c['points']:,} {data}, 3 {meta}, 1 of the "
-                f"{marker}, 1 stats sidecar")
+        what = (f"objects   per unit: {n * c['points']:,} {data}, {c.get('meta_columns', 3)} {meta}, 1 of "
+                f"the {marker}, 1 stats sidecar, 1 object table")
     w = c["writes_per_unit"]
     n = c["shards_per_unit"]
     req = (f"requests  ~{c['requests_per_unit']:,.0f} per unit of {n:,} shard{'s' * (n != 1)} "

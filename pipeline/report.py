@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .store.tables import shard_ids
+
 log = logging.getLogger("harvest.report")
 
 TOP_TOKENS = 5          # largest-norm rows listed per layer
@@ -50,8 +52,11 @@ def _committed_sizes(markers: dict, n_points: int) -> tuple[int, list[int | None
     stored: list[int | None] = [0] * n_points
     for m in markers.values():
         rows += m["row_end"] - m["row_start"]
-        for sh in m.get("shards", []):
-            nb = sh.get("nbytes") or [None] * n_points
+        # a layout-3 marker sums them per point; a layout-2 one lists them per shard
+        per = [m["stored_bytes"]] if "stored_bytes" in m else \
+            [sh.get("nbytes") for sh in m.get("shards", [])]
+        for nb in per:
+            nb = nb or [None] * n_points
             for p in range(n_points):
                 stored[p] = None if stored[p] is None or nb[p] is None else stored[p] + nb[p]
     return rows, stored
@@ -68,11 +73,18 @@ def _throughput(markers: dict) -> list[tuple[str, int]]:
     return out
 
 
-def _sample_shards(markers: dict, k: int) -> list[int]:
-    shards = sorted({sh["index"] for m in markers.values() for sh in m.get("shards", [])})
-    if len(shards) <= k:
-        return shards
-    return [shards[i] for i in np.linspace(0, len(shards) - 1, k).round().astype(int)]
+def _sample_shards(markers: dict, k: int, shard_rows: int) -> list[int]:
+    """k committed shards evenly spaced, from the markers' row ranges (no object table read, and
+    no set of every shard: 2 M of them at 1 B tokens of an 8B model)."""
+    units = sorted((shard_ids(shard_rows, m) for m in markers.values()), key=lambda r: r.start)
+    ends = np.cumsum([len(r) for r in units])
+    n = int(ends[-1]) if len(units) else 0
+    picks = range(n) if n <= k else np.linspace(0, n - 1, k).round().astype(int)
+    out = []
+    for i in picks:
+        u = int(np.searchsorted(ends, i, side="right"))
+        out.append(units[u].start + int(i) - (int(ends[u - 1]) if u else 0))
+    return out
 
 
 def _decoder(store, tokenizer_path: str | None):
@@ -130,7 +142,7 @@ def collect(store, tokenizer_path: str | None = None, sample_shards: int = SAMPL
             "compression": round(logical / stored[i], 4) if stored[i] else None,
         })
     decode = _decoder(store, tokenizer_path)
-    shards = _sample_shards(markers, sample_shards)
+    shards = _sample_shards(markers, sample_shards, store.shard_rows)
     sampled = sample_rows(store, points, shards, top) if markers else {
         "top_rows": {}, "excluded_top": {}, "norm_hist": {}}
     if decode is not None:

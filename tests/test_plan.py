@@ -231,11 +231,12 @@ def _plan_json(tmp_path, capsys, model: str, *sets: str) -> dict:
 def _recount(p: dict, ratio: float) -> dict:
     """The layout's figures from the plan's own fields and FORMAT.md's rules, not from the code
     that computes them: one object per shard per point, one chunk per unit of each of the 3
-    row-metadata columns (int32, int64, int32), a stats sidecar and a marker per unit, the index
+    row-metadata columns (int32, int64, int32), a stats sidecar, an object table and a marker
+    per unit, the index
     compacted into one segment; every object a multipart upload (start, parts, completion
     after the marker): a data object's parts are its blocks (8 MiB per point, a block set at
     most 128 MiB: power-of-two rows here) gathered to S3's 5 MiB minimum, a metadata chunk one
-    part; a sidecar and a marker PUT per unit; a marker GET per shard and one before the marker."""
+    part; a sidecar, a table and a marker PUT per unit; a marker GET per shard and one before the marker."""
     T, U, S, P = p["estimate"]["tokens"], p["unit_rows"], p["shard_rows"], p["points"]
     units, shards, per_unit = -(-T // U), -(-T // S), U // S
     row = p["width"] * 2
@@ -245,9 +246,9 @@ def _recount(p: dict, ratio: float) -> dict:
     stored_block = int(block * row / ratio)
     part = stored_block * -(-(5 << 20) // stored_block)  # whole blocks, at least 5 MiB
     parts = -(-data // part)
-    writes = per_unit * P * (2 + parts) + 3 * 3 + 2
+    writes = per_unit * P * (2 + parts) + 3 * 3 + 3
     return {"units": units, "shards": shards,
-            "objects": shards * P + units * 3 + units + units + 1,
+            "objects": shards * P + units * 3 + units + units + units + 1,
             "data_object_bytes": int(S * p["width"] * 2 / ratio),
             "meta_object_bytes": round(U * (4 + 8 + 4) / 3),
             "writes": writes, "requests": writes + per_unit + 1}
@@ -273,7 +274,8 @@ def _check_consistent(p: dict, ratio: float) -> dict:
 def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     """Llama-3.1-8B's shape, resid_post at all 32 layers, 10^9 tokens on GPUs: the figures of
     issue 24: streamed 128 MiB shards make ~95 MB data objects and ~2.0 M objects (the old
-    4 MiB shards made 68 M), with no warning left about object sizes or counts."""
+    4 MiB shards made 68 M), with no warning left about object sizes or counts; markers of ~1 KB
+    whatever the shard count (layout 3: the per-shard records are in the unit's object table)."""
     model = _model_dir(tmp_path, 32, 4096)
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
                    "ray.num_gpus_per_actor=1")
@@ -281,13 +283,17 @@ def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     lay = _check_consistent(p, 1.42)  # the default codec is compressed, not 1.0x
     assert lay["data_object_bytes_logical"] == 128 << 20 and lay["shards_per_unit"] == 16
     assert lay["data_object_bytes"] >= 32_000_000
-    assert lay["objects"] == 61036 * 32 + 3815 * 3 + 2 * 3815 + 1 == 1_972_228 <= 3_000_000
+    assert lay["objects"] == 61036 * 32 + 3815 * 3 + 3 * 3815 + 1 == 1_976_043 <= 3_000_000
     assert lay["objects_by_kind"]["meta"] == 11_445 and lay["units"] == 3815
     assert lay["meta_object_bytes"] >= 1 << 20  # one chunk per unit: ~1.4 MB logical
-    # per-object records in the marker (digests, sizes, upload ids): still ~100 B per shard x point
-    assert lay["marker_bytes"] < 45 * 512 * 32
+    # issue 24: a marker was ~35 B per shard x point (574 KB at 4 MiB shards); now it does not grow
+    # (a few digits more in the summed sizes and the table's length: < 1 B per shard x point)
+    assert lay["marker_bytes_per_shard_point"] < 1 and lay["marker_bytes"] < 2000
+    # the records went to the table: ~17 B per shard x point gzip'ed (the CRCs do not compress)
+    assert 8 * 16 * 32 < lay["table_bytes"] < 20 * 16 * 32
     warnings = "\n".join(lay["warnings"])
     assert "too small for object storage" not in warnings and "over 10 M" not in warnings
+    assert "commit markers of ~" not in warnings
     assert "write requests/s" not in warnings  # a local store: no per-prefix request limit
     est = p["estimate"]  # GPUs asked for: priced as GPUs, and said to be a guess
     assert est["rate_platform"] == "gpu" and "no measured GPU rate" in est["rate_source"]
@@ -315,7 +321,7 @@ def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
     assert len(lines) == 1 and f"at 2,000 tok/s ~{per_s:,} writes/s" in lines[0]
     assert "rate      given with --rate 2000, instead of ~" in text
     assert "write requests/s" not in text  # ~410/s: under the limit
-    assert "objects   1,972,228 for 1,000,000,000 tokens: 1,953,152 data of ~134.2 MB" in text
+    assert "objects   1,976,043 for 1,000,000,000 tokens: 1,953,152 data of ~134.2 MB" in text
 
 
 def test_plan_layout_at_a_small_shape(tmp_path, capsys):
@@ -325,7 +331,7 @@ def test_plan_layout_at_a_small_shape(tmp_path, capsys):
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=16384",
                    "ray.num_gpus_per_actor=0")
     lay = _check_consistent(p, 1.42)
-    assert lay["objects"] == 8 * 30 + 8 * 3 + 2 * lay["units"] + 1
+    assert lay["objects"] == 8 * 30 + 8 * 3 + 3 * lay["units"] + 1
     assert lay["marker_bytes"] < 64_000 and lay["warnings"] == []
     est = p["estimate"]
     # SmolLM2's shape on CPU was measured (benchmarks/results/): that figure, said to be one
@@ -344,12 +350,14 @@ def test_plan_layout_at_a_small_shape(tmp_path, capsys):
 
 def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     """`plan`'s marker size is the real marker's: a unit of 8 shards x 32 points written by the
-    store's writer, against commits.marker_size for the same shape and sizes."""
+    store's writer, against markersize.marker_size for the same shape and sizes."""
     import numpy as np
 
     from harvest.pipeline.store import create_store, synthetic
-    from harvest.pipeline.store.commits import encode_marker, marker_size
+    from harvest.pipeline.store.commits import encode_marker
+    from harvest.pipeline.store.markersize import marker_size, table_size
     from harvest.pipeline.store.layout import commit_key
+    from harvest.pipeline.store.tables import unit_shards
 
     points = [f"resid_post.{i}" for i in range(32)]
     s = create_store(str(tmp_path / "s"), points=points, width=64, n_rows=512, shard_rows=32,
@@ -359,12 +367,15 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     [m] = synthetic.fill(s, data, units=units)
     raw = s.location.read_bytes(commit_key(1, 256, 512))
     assert raw == encode_marker(m)
-    shards = m["shards"]
+    shards = unit_shards(s, m)
     obj = round(np.mean([n for sh in shards for n in sh["nbytes"]]))
     meta = {c: r["nbytes"] for c, r in shards[0]["meta"].items()}
     est = marker_size(points, 1, 256, len(shards), 32, 64 * 2, obj, meta)
-    # the estimate writes 10-digit CRCs and the actor's `extra` (fill passes none)
-    assert abs(est - len(raw)) < 0.04 * len(raw)
+    # the estimate writes the actor's `extra` (fill passes none): ~90 bytes of a fixed-size marker
+    assert abs(est - len(raw)) < 150
+    # and the table the marker names: built whole, so close (10-digit CRCs vs real ones)
+    tab = table_size(points, 1, 256, len(shards), 32, 64 * 2, obj, meta)
+    assert abs(tab - m["table"]["nbytes"]) < 0.1 * m["table"]["nbytes"]
 
 
 def test_plan_prices_an_existing_store_at_its_own_last_run(tmp_path):

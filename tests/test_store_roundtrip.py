@@ -12,6 +12,7 @@ import torch
 from harvest.pipeline.store import create_store, open_store
 from harvest.pipeline.store import synthetic
 from harvest.pipeline.store.dtypes import BF16
+from harvest.pipeline.store.tables import unit_shards
 
 P, W, N = 3, 48, 2300        # 3 points, 3 shards of 1024 (last one partial) -> exercises the edge
 SHARD, CHUNK = 1024, 256
@@ -132,7 +133,7 @@ def test_out_of_order_beyond_open_shard_limit_is_still_exact(tmp_path):
         st = s.stats()[p]
         np.testing.assert_allclose(st["mean"], mean, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(st["var"], var, rtol=1e-10, atol=1e-12)
-    assert len(m["shards"]) == 3
+    assert len(unit_shards(s, m)) == 3 and m["table"]["n_shards"] == 3
     assert s.verify(deep=True)["ok"]
 
 
@@ -168,7 +169,7 @@ def test_layout_on_disk_matches_format(tmp_path):
         m = json.load(open(root / name / "zarr.json"))
         assert m["data_type"] == dt and m["shape"] == [N]
     g = json.load(open(root / "zarr.json"))["attributes"]
-    assert g["harvest"]["layout"] == "harvest.activations" and g["harvest"]["layout_version"] == 2
+    assert g["harvest"]["layout"] == "harvest.activations" and g["harvest"]["layout_version"] == 3
     synthetic.fill(s, _data(), units=s.plan()[:1], token_id=np.zeros(N, np.int32))
     assert os.path.exists(root / "_harvest" / "commits" / f"unit-00000000.0-{SHARD}.json")
     assert sorted(os.listdir(root / "resid_post" / "1" / "c")) == ["0"]  # one object per shard

@@ -3,7 +3,8 @@
 A unit is committed when its marker `_harvest/commits/unit-<id>.<row_start>-<row_end>.json`
 exists. The marker's name carries the row range, so the questions a resume asks (which units are
 done, does each marker agree with the plan) are answered by one listing, without a GET per marker.
-Marker *contents* (per-shard CRCs and sizes, stats sidecar, metadata digests, timings) are needed
+Marker *contents* (the object table's reference, stats sidecar, metadata digests, timings; in
+layout version 2 the per-shard CRCs and sizes themselves, see tables.py) are needed
 by status, verify, finalize and the reader; reading 10^5 markers one GET each is what made them
 slow, so the driver copies markers into immutable index segments (`_harvest/index/idx-<seq>`,
 gzip'ed JSON lines) as units commit. An index entry is trusted only while the listing still shows
@@ -36,6 +37,7 @@ import zlib
 from typing import Iterable, Iterator
 
 from . import layout
+from . import tables as _tables
 from .backend import Location
 
 log = logging.getLogger(__name__)
@@ -100,26 +102,81 @@ def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dic
     return out
 
 
+def points_digest(points) -> str:
+    """How a version-3 marker names its points: a fixed-size digest of the list (80 layers x a
+    few kinds of point names would otherwise be most of the marker)."""
+    return hashlib.sha256(json.dumps(list(points), separators=(",", ":")).encode()).hexdigest()
+
+
+def _stored_by_point(recs: list[dict], n_points: int) -> "list[int | None]":
+    """Stored bytes per point over a unit's shards; None for a point where a size is missing."""
+    out: list = [0] * n_points
+    for r in recs:
+        nb = r.get("nbytes") or [None] * n_points
+        for p in range(n_points):
+            out[p] = None if out[p] is None or nb[p] is None else out[p] + int(nb[p])
+    return out
+
+
 def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str, shards: list,
-                 meta_crc32c: dict, stats: dict, seconds: float, extra: dict) -> dict:
-    """The marker (FORMAT.md, "Work units and commits"); `shards`: (index, row_start, row_end,
-    crc32c of the rows per point, stored bytes per point, CRC32C of the stored object per point,
-    {column: {crc32c, nbytes}} of its metadata chunks)."""
+                 meta_crc32c: dict, stats: dict, seconds: float, extra: dict,
+                 table: dict | None = None) -> dict:
+    """The marker (FORMAT.md, "Work units and commits"); `shards`: per shard (index, row_start,
+    row_end, crc32c of the rows per point, stored bytes per point, CRC32C of the stored object per
+    point, {column: {crc32c, nbytes}} of its metadata chunks), as a tuple or a dict (tables.records).
+
+    In the store's own layout version: version 2 carries the records inline (`points`, `shards`);
+    version 3 a fixed-size reference to the unit's object table (`table`, made by `prepare`) and
+    the stored bytes per point (finalize and the report sum these instead of every shard's)."""
+    recs = _tables.records(shards)
     nbytes = (row_end - row_start) * len(store.points) * store.row_bytes
-    return {
-        "layout_version": store.layout_version, "unit_id": unit_id,
-        "row_start": row_start, "row_end": row_end, "n_rows": row_end - row_start,
-        "points": list(store.points), "attempt": attempt,
-        "shards": [{"index": i, "row_start": a, "row_end": b, "crc32c": crc, "nbytes": nb,
-                    "object_crc32c": ocrc, "meta": meta}
-                   for i, a, b, crc, nb, ocrc, meta in shards],
+    m = {"layout_version": store.layout_version, "unit_id": unit_id,
+         "row_start": row_start, "row_end": row_end, "n_rows": row_end - row_start}
+    if store.layout_version < 3:
+        m.update({"points": list(store.points), "attempt": attempt, "shards": recs})
+    else:
+        if table is None:
+            raise ValueError("build_marker: a layout-3 marker needs its table reference "
+                             "(commits.prepare writes both)")
+        m.update({"n_points": len(store.points), "points_sha256": points_digest(store.points),
+                  "attempt": attempt, "table": table,
+                  "stored_bytes": _stored_by_point(recs, len(store.points))})
+    m.update({
         "row_meta": {"crc32c": meta_crc32c},
         "stats": stats,
         "bytes": nbytes, "seconds": round(seconds, 6),
         "bytes_per_s": nbytes / seconds if seconds > 0 else None,
         "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(), "pid": os.getpid(), "extra": extra or {},
-    }
+    })
+    return m
+
+
+class Prepared(tuple):
+    """(marker, table key, table bytes, records): what a writer stores to commit a unit. The
+    table (None for a version-2 store) goes before the marker, like the stats sidecar."""
+
+    __slots__ = ()
+
+    marker = property(lambda self: self[0])
+    table_key = property(lambda self: self[1])
+    table_blob = property(lambda self: self[2])
+    records = property(lambda self: self[3])
+
+
+def prepare(store, unit_id: int, row_start: int, row_end: int, attempt: str, shards: list,
+            meta_crc32c: dict, stats: dict, seconds: float, extra: dict) -> Prepared:
+    """`build_marker` plus, from layout version 3, the unit's object table it refers to."""
+    recs = _tables.records(shards)
+    if store.layout_version < 3:
+        m = build_marker(store, unit_id, row_start, row_end, attempt, recs, meta_crc32c, stats,
+                         seconds, extra)
+        return Prepared((m, None, None, recs))
+    key = layout.table_key(unit_id, attempt)
+    blob = _tables.encode(unit_id, attempt, recs)
+    m = build_marker(store, unit_id, row_start, row_end, attempt, recs, meta_crc32c, stats,
+                     seconds, extra, table=_tables.ref(key, blob, len(recs)))
+    return Prepared((m, key, blob, recs))
 
 
 def encode_marker(marker: dict) -> bytes:
@@ -131,43 +188,6 @@ def create_marker(loc: Location, marker: dict) -> bool:
     """Create-once; True if this call created it."""
     key = layout.commit_key(marker["unit_id"], marker["row_start"], marker["row_end"])
     return loc.create_once(key, encode_marker(marker))
-
-
-# A CRC32C is uniform over 32 bits, so most (98%) have 10 decimal digits: the size estimate
-# writes this one wherever the marker holds a digest.
-_TYPICAL_CRC = 0xAAAAAAAA
-
-
-def marker_size(points: list, unit_id: int, row_start: int, n_shards: int, shard_rows: int,
-                row_bytes: int, object_bytes: int, meta_bytes: dict) -> int:
-    """Bytes of a unit's marker, for `harvest plan`: `build_marker` run for one and for two shards
-    of this shape, then extended linearly (every shard adds one record of the same form), so the
-    estimate follows the marker's format without building 10^4 records. `meta_bytes`: stored
-    bytes of each row-metadata column's chunk; `object_bytes`: of each point's shard object."""
-    from types import SimpleNamespace
-
-    store = SimpleNamespace(layout_version=layout.LAYOUT_VERSION, points=list(points),
-                            row_bytes=row_bytes)
-    attempt = "f" * 16  # writers' attempt ids are 16 hex digits
-    P = len(points)
-
-    def one(k: int) -> int:
-        shards = [(row_start // shard_rows + i, row_start + i * shard_rows,
-                   row_start + (i + 1) * shard_rows, [_TYPICAL_CRC] * P, [object_bytes] * P,
-                   [_TYPICAL_CRC] * P,
-                   {c: {"crc32c": _TYPICAL_CRC, "nbytes": n} for c, n in meta_bytes.items()})
-                  for i in range(k)]
-        rows = n_shards * shard_rows
-        stats = {"key": layout.stats_key(unit_id, attempt), "sha256": "0" * 64,
-                 "count": rows, "kept": rows}
-        # what the actor passes as `extra` (pipeline/actor.py)
-        extra = {"actor": 0, "pid": 1 << 20, "attempt": attempt, "host": socket.gethostname()}
-        m = build_marker(store, unit_id, row_start, row_start + rows, attempt, shards,
-                         {c: _TYPICAL_CRC for c in meta_bytes}, stats, 1.0, extra)
-        return len(encode_marker(m))
-
-    first = one(1)
-    return first + (one(2) - first) * (max(1, n_shards) - 1)
 
 
 def delete_marker(loc: Location, name: MarkerName) -> None:
@@ -331,6 +351,6 @@ def uncommit(loc: Location, unit_id: int) -> list[MarkerName]:
 
 
 __all__ = ["MarkerName", "list_markers", "read_marker", "read_markers", "create_marker",
-           "delete_marker", "uncommit", "attempt_token", "build_marker", "encode_marker",
-           "marker_size", "IndexBuilder", "index_batch", "write_index_segment", "compact_index",
+           "delete_marker", "uncommit", "attempt_token", "build_marker", "prepare", "Prepared",
+           "points_digest", "encode_marker", "IndexBuilder", "index_batch", "write_index_segment", "compact_index",
            "iter_committed"]

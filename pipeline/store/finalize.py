@@ -3,7 +3,8 @@
 Everything here streams over the committed units, so its memory is O(points x width) plus a small
 record per unit (unit id, stats reference), never the units' partials or markers all at once
 (74 GB at 1 B tokens x 30 points when every partial was held). Stored sizes come from the sizes
-writers recorded in their markers: no listing of millions of shard objects.
+writers recorded in their markers (per point per unit from layout 3: no object table is read):
+no listing of millions of shard objects.
 """
 
 from __future__ import annotations
@@ -32,27 +33,26 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     rows = 0
     end = 0
     index = _commits.IndexBuilder()
-    owner: dict[int, str] = {}   # shard -> attempt of the marker that vouches for it
-    meta_owner: dict[int, str] = {}  # row metadata chunk (a shard's, or a unit's) -> attempt
+    owner = _Owners(store.shard_rows)   # shard -> attempt of the marker that vouches for it
+    # row metadata chunk (a shard's, or a unit's: meta_chunk_rows) -> attempt
+    codec = store.meta_codec("token_id")  # None: a codec chain harvest does not write (per shard)
+    meta_owner = _Owners(codec.chunk if codec is not None else store.shard_rows)
     from .objects import abort_losing_uploads, settle_uploads
 
     pending = loc.pending_uploads("")  # uploads never completed ({} where objects are moved)
     for m in store.iter_committed():
         if pending:
             settle_uploads(store, pending, m)  # a writer died between its marker and publishing
-        for sh in m["shards"]:
-            owner[sh["index"]] = m.get("attempt")
-            for rec in (sh.get("meta") or {}).values():
-                meta_owner[rec.get("chunk", sh["index"])] = m.get("attempt")
+        owner.add(m)
+        meta_owner.add(m)
         refs.append((m["unit_id"], m["stats"]))
         rows += m["row_end"] - m["row_start"]
         end = max(end, m["row_end"])
-        for sh in m["shards"]:
-            nb = sh.get("nbytes")
-            if nb is None or None in nb:
-                recorded = False
-            else:
-                stored += np.asarray(nb, np.int64)
+        nb = _marker_stored(m, P)
+        if nb is None:
+            recorded = False
+        else:
+            stored += nb
         index.add(m)
     acc = store.merge_stats(refs)
     merged = {s: acc.moments(s) for s in layout.STATS_SUBSETS}
@@ -100,7 +100,54 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
             "stats": attrs_update["stats"], "stats_kept": attrs_update["stats_kept"]}
 
 
-def _settle_attempt_objects(store: Store, points_owner: dict, meta_owner: dict) -> None:
+def _marker_stored(m: dict, n_points: int) -> "np.ndarray | None":
+    """Stored bytes per point of one unit, from its marker (layout 3 sums them per point; a
+    layout-2 marker lists them per shard); None where a writer recorded no size."""
+    if "stored_bytes" in m:
+        nb = m.get("stored_bytes")
+        return None if nb is None or None in nb else np.asarray(nb, np.int64)
+    out = np.zeros(n_points, np.int64)
+    for sh in m.get("shards", []):
+        nb = sh.get("nbytes")
+        if nb is None or None in nb:
+            return None
+        out += np.asarray(nb, np.int64)
+    return out
+
+
+class _Owners:
+    """shard -> attempt of its committed unit, one entry per unit (shards come from the row
+    range): a dict per shard was 2 M entries at 1 B tokens of an 8B model."""
+
+    def __init__(self, shard_rows: int):
+        # rows per chunk: shards for point objects, the metadata chunk size for row metadata
+        self.shard_rows, self._units = shard_rows, []
+
+    def add(self, m: dict) -> None:
+        self._units.append((m["row_start"] // self.shard_rows, -(-m["row_end"] // self.shard_rows),
+                            m.get("attempt")))
+
+    def _index(self):
+        if not hasattr(self, "_first"):
+            self._units.sort(key=lambda u: u[:2])
+            self._first = np.array([u[0] for u in self._units], np.int64)
+        return self._first
+
+    def __contains__(self, shard: int) -> bool:
+        return self._find(shard) is not None
+
+    def __getitem__(self, shard: int):
+        u = self._find(shard)
+        if u is None:
+            raise KeyError(shard)
+        return u[2]
+
+    def _find(self, shard: int):
+        i = int(np.searchsorted(self._index(), shard, side="right")) - 1
+        return self._units[i] if i >= 0 and shard < self._units[i][1] else None
+
+
+def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
     """Objects still under an attempt's name: a committed attempt's are published (its writer
     died between its marker and the move), a losing attempt's of a committed shard are garbage
     and removed. Those of uncommitted shards stay (a writer may still be at work on them)."""

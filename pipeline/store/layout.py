@@ -11,8 +11,10 @@ import math
 import re
 
 LAYOUT_NAME = "harvest.activations"
-LAYOUT_VERSION = 2
-SUPPORTED_LAYOUT_VERSIONS = (2,)
+# Version 3 moved the per-shard records out of the commit marker into a per-unit object table
+# (FORMAT.md, "Layout version 3"); version 2 stores, whose markers carry them inline, still read.
+LAYOUT_VERSION = 3
+SUPPORTED_LAYOUT_VERSIONS = (2, 3)
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
 # `role` (int8, codes in store/roles.py) was added later: a store records the columns it has in
@@ -31,6 +33,7 @@ CONTROL_DIR = "_harvest"          # plain objects beside the zarr hierarchy, nev
 PLAN_DIR = f"{CONTROL_DIR}/plan"  # seg-<seq>.json create-once segments, compact.json, sources.json
 COMMITS_DIR = f"{CONTROL_DIR}/commits"   # one create-once marker per committed unit, nothing else
 SIDECAR_DIR = f"{CONTROL_DIR}/stats"     # per-unit stats partials, written before their marker
+TABLES_DIR = f"{CONTROL_DIR}/tables"     # per-unit object tables (v3), written before their marker
 # compacted copies of markers (a cache, see commits.py) and void records of stale copies
 INDEX_DIR = f"{CONTROL_DIR}/index"
 PROBE_DIR = f"{CONTROL_DIR}/probe"
@@ -91,6 +94,12 @@ def commit_key(unit_id: int, row_start: int, row_end: int) -> str:
 
 def stats_key(unit_id: int, attempt: str) -> str:
     return f"{SIDECAR_DIR}/unit-{int(unit_id):08d}.{attempt}.bin"
+
+
+def table_key(unit_id: int, attempt: str) -> str:
+    """A unit's object table (layout 3): named by attempt like the stats sidecar, so a rewrite
+    after `uncommit` writes a new table and never overwrites the one an old index entry names."""
+    return f"{TABLES_DIR}/unit-{int(unit_id):08d}.{attempt}.json.gz"
 
 
 def plan_segment_key(seq: int) -> str:

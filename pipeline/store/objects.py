@@ -26,6 +26,7 @@ import numpy as np
 from . import layout
 from .errors import DataIntegrityError
 from .stats import crc32c
+from .tables import shard_record, unit_shards
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,10 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
 
 def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = None,
                rows: int | None = None) -> np.ndarray:
-    """Rows [sh.row_start, sh.row_end) of point index `p`, checked; into `out` when given."""
+    """Rows [sh.row_start, sh.row_end) of point index `p`, checked; into `out` when given.
+    `sh`: the shard's record, or its index (the record then comes from the unit's table)."""
+    if not isinstance(sh, dict):
+        sh = shard_record(store, marker, int(sh))
     point = store.points[p]
     codec = store.shard_codec(point)
     n = sh["row_end"] - sh["row_start"] if rows is None else rows
@@ -138,7 +142,10 @@ def _meta_cache(store) -> dict:
 
 
 def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
-    """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker."""
+    """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker (`sh`: the
+    shard's record or its index, as in read_point)."""
+    if not isinstance(sh, dict):
+        sh = shard_record(store, marker, int(sh))
     rec = (sh.get("meta") or {}).get(name)
     a, b = sh["row_start"], sh["row_end"]
     what = f"row metadata {name} of shard {sh['index']}"
@@ -185,7 +192,9 @@ class CommittedMeta:
         import threading
 
         self._store, self._pieces, self._sources, self._keep = store, pieces, sources, keep
-        self._starts = [a for a, _ in pieces]
+        self._starts = getattr(pieces, "starts", None)   # readplan.Pieces: its int64 array
+        if self._starts is None:
+            self._starts = [a for a, _ in pieces]
         self._bisect = bisect.bisect_right
         self._cache: dict = {}
         self._lock = threading.Lock()
@@ -228,7 +237,7 @@ def publish(store, marker: dict, threads: int = 16, etags: "dict | None" = None)
     if not att:
         return 0
     pairs, uploads, seen = [], [], set()
-    for sh in marker.get("shards", []):
+    for sh in unit_shards(store, marker):
         ups = sh.get("upload") or [None] * len(store.points)
         if sh.get("object_crc32c") is not None:
             for p, point in enumerate(store.points):
@@ -272,7 +281,7 @@ def settle_uploads(store, pending: dict, marker: dict) -> None:
     """Finalize's part for one committed marker: complete its uploads still `pending` ({upload
     id: key}, from one listing; entries it settles are removed)."""
     todo = []
-    for sh in marker.get("shards", []):
+    for sh in unit_shards(store, marker):
         recs = [(layout.shard_object_key(p, sh["index"]), u)
                 for p, u in zip(store.points, sh.get("upload") or [])]
         recs += [(layout.meta_chunk_key(n, r.get("chunk", sh["index"])), r.get("upload"))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .errors import DataIntegrityError
+from .reads import lite
 from .readahead import WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan
 from .store import Store
@@ -32,38 +33,121 @@ def rank_world(rank, world_size) -> tuple[int, int]:
     return rank, world_size
 
 
-def committed_pieces(st: Store) -> tuple[list, list]:
-    """(pieces, sources): each committed shard's rows and (marker facts, shard entry), sorted.
+class Pieces:
+    """The committed pieces (one per committed shard: its rows), sorted: a read-only sequence of
+    (row_start, row_end) computed from per-unit arrays (row range, cumulative piece count). A list
+    of tuples was ~110 B a piece, and 1 B tokens of an 8B model are 2 M pieces (512-row shards):
+    220 MB of every reader process before it read a row, twice with the dict that found a piece's
+    index; per-piece int64 arrays were still 80 B a piece at their peak (measured, bench_scale
+    `shape`). A lookup is a bisect over the units (microseconds, per shard read)."""
+
+    def __init__(self, lo, hi, shard_rows: int):
+        self.shard_rows = R = int(shard_rows)
+        self.lo = np.asarray(lo, np.int64)
+        self.hi = np.asarray(hi, np.int64)
+        self.first = self.lo // R                       # first shard of each unit
+        self.cum = np.cumsum(-(-self.hi // R) - self.first)   # pieces up to and with each unit
+        self._starts = None
+
+    def __len__(self) -> int:
+        return int(self.cum[-1]) if len(self.cum) else 0
+
+    def unit_of(self, i: int) -> int:
+        """Which unit (index into the sorted units) piece i belongs to."""
+        return int(np.searchsorted(self.cum, i, side="right"))
+
+    def __getitem__(self, i) -> tuple[int, int]:
+        n = len(self)
+        i = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= i < n:
+            raise IndexError(f"piece {i} of {n}")
+        u = self.unit_of(i)
+        s = int(self.first[u]) + i - (int(self.cum[u - 1]) if u else 0)
+        R = self.shard_rows
+        return max(s * R, int(self.lo[u])), min((s + 1) * R, int(self.hi[u]))
+
+    def __iter__(self):
+        R = self.shard_rows
+        for lo, hi in zip(self.lo.tolist(), self.hi.tolist()):
+            for s in range(lo // R, -(-hi // R)):
+                yield max(s * R, lo), min((s + 1) * R, hi)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Every piece's first row (made when first asked: only metadata reads bisect it)."""
+        if self._starts is None:
+            self._starts = np.fromiter((a for a, _ in self), np.int64, len(self))
+        return self._starts
+
+    def total_rows(self) -> int:
+        return int((self.hi - self.lo).sum())
+
+    def max_rows(self, default: int = 1) -> int:
+        if not len(self):
+            return default
+        R = self.shard_rows
+        first_end = np.minimum((self.first + 1) * R, self.hi)
+        last_start = np.maximum((-(-self.hi // R) - 1) * R, self.lo)
+        longest = np.maximum(first_end - self.lo, self.hi - last_start)
+        middle = (-(-self.hi // R) - self.first) > 2
+        return int(max(longest.max(), R if middle.any() else 0))
+
+    def index(self, piece: tuple[int, int]) -> int:
+        a = int(piece[0])
+        u = int(np.searchsorted(self.lo, a, side="right")) - 1
+        if u >= 0 and a < self.hi[u]:
+            i = (int(self.cum[u - 1]) if u else 0) + a // self.shard_rows - int(self.first[u])
+            if self[i] == tuple(piece):
+                return i
+        raise ValueError(f"{piece} is not a committed piece")
+
+
+class Sources:
+    """Per piece: (its unit's marker facts, its shard index). Records come from the unit's table
+    when the piece is read (objects.read_point takes a shard index), never at open: opening a
+    1 B-token store would otherwise parse 3,815 tables of 512 shards (tables.py)."""
+
+    def __init__(self, pieces: Pieces, lites: list):
+        self._pieces, self._lites = pieces, lites
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def __getitem__(self, i) -> tuple[dict, int]:
+        i = int(i) + len(self) if int(i) < 0 else int(i)
+        return self._lites[self._pieces.unit_of(i)], self._pieces[i][0] // self._pieces.shard_rows
+
+
+def committed_pieces(st: Store) -> tuple[Pieces, Sources]:
+    """(pieces, sources): each committed shard's rows and (marker facts, shard index), sorted.
+    From the markers' row ranges and `shard_rows` alone: no table is read here.
 
     Refuses a store whose facts disagree with themselves (n_rows edited, markers lost after
     finalize): reading it would yield wrong or fewer rows without a word."""
-    src = []
-    for m in st.committed_units().values():
-        lite = {k: m.get(k) for k in ("unit_id", "row_start", "row_end", "attempt", "row_meta")}
-        for sh in m["shards"]:
-            src.append(((sh["row_start"], sh["row_end"]), (lite, sh)))
-    src.sort(key=lambda t: t[0])
-    pieces = [pc for pc, _ in src]
+    lites = [lite(m) for m in sorted(st.committed_units().values(), key=lambda m: m["row_start"])]
+    pieces = Pieces([m["row_start"] for m in lites], [m["row_end"] for m in lites], st.shard_rows)
     for p in st.points:
         codec = st.shard_codec(p)
         if codec is not None and codec.n_rows != st.n_rows:
             raise DataIntegrityError(
                 f"{st.url}: array {p} holds {codec.n_rows} rows but the store's attributes say "
                 f"n_rows={st.n_rows} (zarr.json edited?); run `harvest verify`")
-    if pieces and pieces[-1][1] > st.n_rows:
+    if len(pieces) and pieces[-1][1] > st.n_rows:
         raise DataIntegrityError(f"{st.url}: committed rows reach {pieces[-1][1]} beyond n_rows="
                                  f"{st.n_rows} (attributes edited?); run `harvest verify`")
-    for (a0, b0), (a1, _) in zip(pieces, pieces[1:]):
-        if a1 < b0:
-            raise DataIntegrityError(f"{st.url}: committed rows [{a0}, {b0}) and [{a1}, ...) overlap "
-                                     "(markers disagree with the plan); run `harvest verify`")
+    bad = np.nonzero(pieces.lo[1:] < pieces.hi[:-1])[0]
+    if len(bad):
+        u = int(bad[0])
+        raise DataIntegrityError(f"{st.url}: committed rows [{pieces.lo[u]}, {pieces.hi[u]}) and "
+                                 f"[{pieces.lo[u + 1]}, ...) overlap (markers disagree with the "
+                                 "plan); run `harvest verify`")
     final_rows = st._meta["attributes"].get("committed_rows") if st.summary is not None else None
-    have = sum(b - a for a, b in pieces)
+    have = pieces.total_rows()
     if final_rows is not None and have != final_rows:
         raise DataIntegrityError(
             f"{st.url} was finalized with {final_rows} committed rows but its markers now cover "
             f"{have}: commit markers were lost or added; run `harvest verify`")
-    return pieces, [s for _, s in src]
+    return pieces, Sources(pieces, lites)
 
 
 class PiecePlanning:

@@ -13,14 +13,35 @@ from . import layout
 from .objects import read_meta
 
 
-def committed_shard_map(st) -> dict:
-    """shard index -> (marker facts, its entry for the shard), over the committed units."""
-    out = {}
-    for m in st.iter_committed():
-        lite = {k: m.get(k) for k in ("unit_id", "row_start", "row_end", "attempt", "row_meta")}
-        for sh in m.get("shards", []):
-            out[sh["index"]] = (lite, sh)
-    return out
+# what a reader keeps of each committed marker: enough to find and check its shards (`table`
+# or, for layout 2, the inline `shards` list itself: the same object the marker held, no copy)
+LITE_KEYS = ("unit_id", "row_start", "row_end", "attempt", "row_meta", "layout_version", "table",
+             "shards")
+
+
+def lite(m: dict) -> dict:
+    return {k: m[k] for k in LITE_KEYS if k in m}
+
+
+class UnitMap:
+    """shard -> the committed unit holding it, one entry per unit (not per shard: 3,815 units of
+    512 shards at 1 B tokens of an 8B model were 2 M entries, each with its shard's record)."""
+
+    def __init__(self, markers, shard_rows: int):
+        units = sorted(((m["row_start"] // shard_rows, -(-m["row_end"] // shard_rows), lite(m))
+                        for m in markers), key=lambda u: u[:2])
+        self.first = np.array([u[0] for u in units], np.int64)
+        self.end = np.array([u[1] for u in units], np.int64)
+        self.lites = [u[2] for u in units]
+
+    def find(self, shard: int) -> "dict | None":
+        i = int(np.searchsorted(self.first, shard, side="right")) - 1
+        return self.lites[i] if i >= 0 and shard < self.end[i] else None
+
+
+def committed_shard_map(st) -> UnitMap:
+    """The committed units by shard (Store.committed_shard); records come lazily from tables."""
+    return UnitMap(st.iter_committed(), st.shard_rows)
 
 
 def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:

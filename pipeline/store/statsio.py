@@ -33,8 +33,17 @@ def _fetch_partials(store, refs: list) -> list:
     return [_check_partial(blobs.get(k), r[1], r[0]) for k, r in zip(keys, refs)]
 
 
+# Bytes of sidecars one batch fetches. A sidecar is ~32 x points x width bytes (two subsets, mean
+# and M2 in float64): 4 MiB at 8B's shape, where the old 256 a batch, 3 batches ahead, held
+# 4 GiB raw plus the parsed arrays (finalize must stay under 1 GB at 1 B tokens). Small models
+# still take 256 a batch (one request round per batch on object storage).
+BATCH_BYTES = 32 << 20
+
+
 def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 256) -> _stats.StreamingMerge:
     refs = sorted(refs, key=lambda r: r[0])
+    partial = 32 * len(store.points) * store.width
+    batch = max(1, min(batch, BATCH_BYTES // max(1, partial)))
     acc = _stats.StreamingMerge(layout.STATS_SUBSETS, len(store.points), store.width)
     batches = [refs[i:i + batch] for i in range(0, len(refs), batch)]
     ahead = 3  # batches in flight while one merges (memory: ahead x batch partials)

@@ -21,6 +21,7 @@ import zarr
 from . import commits as _commits
 from . import layout
 from . import stats as _stats
+from . import tables as _tables
 from .backend import Location, locate
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
@@ -55,7 +56,8 @@ class Store:
         # lives for the whole run and commits unit after unit, and a marker of a 512-shard unit
         # at 8B's shape is ~0.5 MB of JSON (a few MB parsed); kept all, they grew without end
         self._markers: OrderedDict = OrderedDict()
-        self._shard_map: dict | None = None   # shard -> (marker, entry), for read_shard
+        self._shard_map = None   # reads.UnitMap: shard -> its committed unit, for read_shard
+        self._tables = _tables.TableCache()   # per-unit object tables (layout 3), bounded
         self.plans = PlanStore(loc)
 
     @property
@@ -195,10 +197,10 @@ class Store:
             from .reads import committed_shard_map
 
             self._shard_map = committed_shard_map(self)
-        got = self._shard_map.get(int(shard))
-        if got is None:
+        m = self._shard_map.find(int(shard))
+        if m is None:
             raise StoreError(f"shard {shard} of {self.url} is not committed (no marker covers it)")
-        return got
+        return m, _tables.shard_record(self, m, int(shard))
 
     def read_shard(self, point: str, shard: int, out: np.ndarray | None = None) -> np.ndarray:
         """The committed rows of one shard of one point: one GET, the object checked against its

@@ -8,6 +8,11 @@ Deep mode reads every committed byte back: each object against the CRC32C its ma
 the decoded rows against the rows' CRC32C, each unit's metadata against its digests, each stats
 sidecar against its sha256; it reports how many objects and bytes it checked.
 
+Layout 3 keeps a unit's per-shard records in its object table (tables.py): default mode checks the
+marker's reference (its shard count) and reads no table; objects and deep mode read each unit's
+table as they reach the unit (checked against the marker's sha256 and shard list; a missing or
+damaged one is reported with the repair), one unit at a time.
+
 A damaged store is what verify exists for, so nothing in it may crash: every check runs guarded,
 and whatever it cannot read is reported as damage (exit 1 in the CLI), never as a traceback.
 """
@@ -19,9 +24,11 @@ from array import array
 
 import numpy as np
 
+from . import commits as _commits
 from . import layout
 from . import stats as _stats
 from .objects import attempt_objects, read_meta, read_point
+from .tables import shard_ids, unit_shards
 from .plans import check_units
 from .store import Store
 
@@ -38,7 +45,7 @@ def _guard(errors: list[str], what: str, fn, default=None):
 
 def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
     errors: list[str] = []
-    checked: dict = {"markers": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
+    checked: dict = {"markers": 0, "tables": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
                      "bytes_read": 0}
     plan_units = _guard(errors, "the plan cannot be read", store.plan_units, []) or []
     plan = {u.unit_id: u for u in plan_units}
@@ -93,10 +100,19 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
         errors += errs
         if errs:
             continue
-        for sh in m["shards"]:
+        if want is not None or deep:   # the unit's table: one at a time, never all at once
+            recs = _guard(errors, f"unit {m.get('unit_id')}", lambda: unit_shards(store, m))
+            if recs is None:
+                continue
+            checked["tables"] += "shards" not in m
+            errs = _check_records(store, m, recs)
+            errors += errs
+            if errs:
+                continue
             if want is not None:
-                want.add(m, sh)
-            stored += sum(x for x in (sh.get("nbytes") or []) if x is not None)
+                for sh in recs:
+                    want.add(m, sh)
+        stored += _stored(m)
         if deep:
             errors += _deep_unit(store, m, checked)
         if len(errors) > _MAX_ERRORS:
@@ -114,21 +130,43 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
             "deep_checked": deep, "checked": checked, "stored_bytes": stored}
 
 
+def _stored(m: dict) -> int:
+    """Stored bytes a marker vouches for: its per-point sums (layout 3), else its shards'."""
+    if "stored_bytes" in m:
+        return sum(x for x in (m.get("stored_bytes") or []) if x is not None)
+    return sum(x for sh in m.get("shards", []) for x in (sh.get("nbytes") or []) if x is not None)
+
+
 def _check_marker(store: Store, m: dict) -> list[str]:
+    """A marker against its region, without its table (default mode reads no table)."""
     out = []
     uid = m["unit_id"]
-    if m.get("points") != store.points:
+    if "points_sha256" in m:
+        if m["points_sha256"] != _commits.points_digest(store.points):
+            out.append(f"unit {uid} was written with {m.get('n_points')} points other than the "
+                       f"store's {len(store.points)} ({', '.join(store.points[:3])}...)")
+    elif m.get("points") != store.points:
         out.append(f"unit {uid} was written with points {m.get('points')}, store has {store.points}")
     if m.get("layout_version") != store.layout_version:
         out.append(f"unit {uid} marker has layout_version {m.get('layout_version')}")
     if not 0 <= m["row_start"] < m["row_end"] <= store.n_rows:
         out.append(f"unit {uid} rows [{m['row_start']}, {m['row_end']}) lie outside the store's "
                    f"{store.n_rows} rows (n_rows edited?)")
-    exp = list(range(m["row_start"] // store.shard_rows, -(-m["row_end"] // store.shard_rows)))
-    got = [sh["index"] for sh in m.get("shards", [])]
-    if got != exp:
-        out.append(f"unit {uid} marker lists shards {got[:10]}, expected {exp[:10]}")
+    exp = shard_ids(store.shard_rows, m)
+    if "shards" in m:
+        out += _check_records(store, m, m["shards"])
+    elif (m.get("table") or {}).get("n_shards") != len(exp) or not (m.get("table") or {}).get("key"):
+        out.append(f"unit {uid} marker's object table {m.get('table')} does not cover its "
+                   f"{len(exp)} shards")
     return out
+
+
+def _check_records(store: Store, m: dict, recs: list) -> list[str]:
+    exp = list(shard_ids(store.shard_rows, m))
+    got = [sh.get("index") for sh in recs]
+    if got != exp:
+        return [f"unit {m['unit_id']} marker lists shards {got[:10]}, expected {exp[:10]}"]
+    return []
 
 
 def _check_arrays(store: Store, errors: list[str]) -> None:
@@ -215,7 +253,8 @@ def _check_objects(store: Store, want: _Wanted, checked: dict) -> list[str]:
 def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
     bad = []
     uid = m["unit_id"]
-    for sh in m.get("shards", []):
+    recs = unit_shards(store, m)   # the caller read and checked it (cached)
+    for sh in recs:
         for pi, p in enumerate(store.points):
             try:
                 rows = read_point(store, m, sh, pi)
@@ -233,11 +272,11 @@ def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
     else:
         for name in store.meta_columns:
             try:
-                col = np.concatenate([read_meta(store, m, sh, name) for sh in m.get("shards", [])])
+                col = np.concatenate([read_meta(store, m, sh, name) for sh in recs])
             except Exception as exc:  # noqa: BLE001
                 bad.append(f"unit {uid}: row metadata {name}: {type(exc).__name__}: {exc}")
                 continue
-            checked["meta_chunks"] += len(m.get("shards", []))
+            checked["meta_chunks"] += len(recs)
             checked["bytes_read"] += col.nbytes
             if _stats.crc32c(col) != want.get(name):
                 bad.append(f"unit {uid}: row metadata {name} differs from what its writer committed")

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from . import commits as _commits
+from . import tables as _tables
 from . import layout
 from . import stats as _stats
 from .credentials import redact_attrs, scrub
@@ -215,15 +216,10 @@ class RegionWriter(ShardUploads):
         blob = _stats.dumps(merged)
         skey = layout.stats_key(self.unit_id, self.attempt)
         seconds = time.perf_counter() - (self.t_first_write or self.t_created)
-        manifest = _commits.build_marker(
-            self._store, self.unit_id, self.row_start, self.row_end, self.attempt,
+        recs = _tables.records(
             [(si, *self.shard_span(si), self._crc[si], self._nbytes.get(si), self._ocrc.get(si),
-              self._meta_rec.get(si)) for si in self._shard_ids],
-            self._meta.crc32c(), {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
-                                  "count": merged["all"][0].count if merged["all"] else 0,
-                                  "kept": merged["kept"][0].count if merged["kept"] else 0},
-            seconds, extra)
-        for sh in manifest["shards"]:  # uploads to complete after the marker (S3 multipart)
+              self._meta_rec.get(si)) for si in self._shard_ids])
+        for sh in recs:  # uploads to complete after the marker (S3 multipart): in the table
             ups = self._upload.get(sh["index"])
             if ups is not None and any(u is not None for u in ups):
                 sh["upload"] = [None if u is None else {k: v for k, v in u.items() if k[0] != "_"}
@@ -231,22 +227,33 @@ class RegionWriter(ShardUploads):
             for rec in (sh.get("meta") or {}).values():
                 if rec.get("upload") is not None:
                     rec["upload"] = {k: v for k, v in rec["upload"].items() if k[0] != "_"}
+        prep = _commits.prepare(
+            self._store, self.unit_id, self.row_start, self.row_end, self.attempt, recs,
+            self._meta.crc32c(), {"key": skey, "sha256": hashlib.sha256(blob).hexdigest(),
+                                  "count": merged["all"][0].count if merged["all"] else 0,
+                                  "kept": merged["kept"][0].count if merged["kept"] else 0},
+            seconds, extra)
+        manifest = prep.marker
+        own = [k for k in (skey, prep.table_key) if k]   # this attempt's, removed if it loses
         try:
             self._store.location.write_bytes(skey, blob)
+            if prep.table_key:   # layout 3: the per-shard records, before the marker names them
+                self._store.location.write_bytes(prep.table_key, prep.table_blob)
             created = _commits.create_marker(self._store.location, manifest)
         except Exception as e:  # noqa: BLE001 -- reported without secrets, region left uncommitted
             self._fail(e, "writing the commit marker")
-            self._cleanup(skey)
+            self._cleanup(*own)
             self._release()
             raise RegionWriteFailed(self._failed_msg) from None
         if created:
+            _tables.remember(self._store, manifest, prep.records)
             self._publish(manifest)
         else:
             other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
                                                 fresh=True) or {}
             if other.get("attempt") != self.attempt:
                 self._shutdown()
-                self._cleanup(skey)
+                self._cleanup(*own)
                 self._release()
                 raise RegionConflict(
                     f"commit: unit {self.unit_id} was committed by another writer (attempt "

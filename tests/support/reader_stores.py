@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store.tables import unit_shards
 
 BOS = 1
 
@@ -62,7 +63,7 @@ def unpublish(store, unit_ids) -> int:
     moved = 0
     for uid in unit_ids:
         m = store.commit_manifest(uid)
-        for sh in m["shards"]:
+        for sh in unit_shards(store, m):
             pairs = [point_keys(p, sh["index"], m["attempt"]) for p in store.points]
             pairs += [meta_keys(n, sh["index"], m["attempt"]) for n in sh.get("meta") or {}]
             moved += sum(store.location.move(pub, att) for pub, att in pairs)
