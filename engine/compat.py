@@ -281,6 +281,13 @@ def cpu_thread_binding(tp: int, pp: int = 1) -> str:
     return "|".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
 
 
+def executor_failed(llm) -> bool:
+    """MultiprocExecutor.is_failed: its monitor thread set it when a worker process died (and
+    shut the executor down). The in-process executor has no such flag (it cannot lose a worker)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return bool(getattr(getattr(core, "model_executor", None), "is_failed", False))
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
@@ -390,6 +397,9 @@ def check() -> list[str]:
             need(callable(getattr(ps, f, None)), f"vllm.distributed.parallel_state.{f}")
         need("fuse_allreduce_rms" in getattr(PassConfig, "__dataclass_fields__", {})
              or hasattr(PassConfig, "fuse_allreduce_rms"), "PassConfig.fuse_allreduce_rms")
+        need("self.is_failed" in inspect.getsource(MultiprocExecutor.__init__)
+             or "is_failed" in inspect.getsource(MultiprocExecutor),
+             "MultiprocExecutor.is_failed (a worker died)")
         src = inspect.getsource(MultiprocExecutor._get_output_rank)
         need("world_size" in src and "tensor_parallel_size" in src,
              "MultiprocExecutor._get_output_rank (TP rank 0 of the last PP stage)")

@@ -27,3 +27,8 @@ def check_parallel(tp: int, pp: int, mode: str) -> int:
             "hooked mode (enforce_eager / Python hooks) reads rows in the engine's own process. "
             "Drop enforce_eager=True or use tensor_parallel_size=1")
     return tp
+
+
+class EngineLost(RuntimeError):
+    """A worker process of a multi-process (tensor-parallel) engine died: the engine cannot run
+    again. The pipeline's actor exits on it so that Ray restarts it with a fresh engine."""

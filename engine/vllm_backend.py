@@ -26,7 +26,7 @@ from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_point
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
-from .parallel import check_parallel
+from .parallel import EngineLost, check_parallel
 from .remote import RemoteHarvest, RemoteStats
 
 log = logging.getLogger("harvest.engine")
@@ -165,6 +165,12 @@ class VLLMModel:
         return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes, self.width,
                              self.dtype, self.max_num_batched_tokens, out)
 
+    @property
+    def lost(self) -> bool:
+        """True once vLLM's executor failed (a worker process died): the engine is unusable."""
+        llm = getattr(self, "llm", None)
+        return llm is not None and compat.executor_failed(llm)
+
     # -- metadata ---------------------------------------------------------------------------
     @property
     def tokenizer(self):
@@ -182,7 +188,8 @@ class VLLMModel:
             "dtype": str(self.dtype).replace("torch.", ""), "n_layers": self.n_layers,
             "width": self.width, "max_num_batched_tokens": self.max_num_batched_tokens,
             "frozen_reads": [str(a) for a in self.frozen.reads] if self.frozen else None,
-            "platform": self.profile.name,
+            "platform": self.profile.name, "tensor_parallel_size": self.tp,
+            "rows_path": "step ring (one extra host copy)" if self.tp > 1 else "in process",
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         }
 
@@ -290,7 +297,15 @@ class VLLMModel:
                 if not reqs:
                     break
                 stepped = engine.has_unfinished_requests()
-                outputs = engine.step() if stepped else []
+                try:
+                    outputs = engine.step() if stepped else []
+                except Exception as e:
+                    if self.lost:
+                        raise EngineLost(
+                            f"a tensor-parallel worker process of this engine died mid-step "
+                            f"(vLLM shut its executor down; it answered: {e!r}); the engine "
+                            "cannot run again: load a new one") from e
+                    raise
                 for out in outputs:
                     if out.finished:
                         finished.append(out.request_id)
