@@ -126,3 +126,23 @@ def test_step_ring_file_is_gone_after_unlink_and_rows_stay_readable():
     (s,) = list(reader.steps())
     assert np.array_equal(s.rows[0, :2].numpy(), buf[0, :2].numpy())
     reader.close()
+
+
+def test_plan_prices_a_tp_actor_as_its_gpus():
+    from types import SimpleNamespace
+
+    from harvest.pipeline.config import load_config
+    from harvest.pipeline.estimate import guess_rate
+
+    prep = SimpleNamespace(n_layers=80, width=8192, vocab_size=128256)
+    base = {"name": "t", "model": {"path": "x"}, "data": {"source": "pydoc"},
+            "ray": {"num_actors": 2, "num_gpus_per_actor": 8}}
+    one = guess_rate(load_config(data={**base, "ray": {"num_actors": 2, "num_gpus_per_actor": 1}}),
+                     prep)
+    tp8 = guess_rate(load_config(data={**base, "model": {"path": "x", "tensor_parallel_size": 8}}),
+                     prep)
+    assert tp8["tokens_per_second"] == pytest.approx(8 * one["tokens_per_second"], rel=0.01)
+    assert "tensor_parallel_size=8 (16 GPUs)" in tp8["rate_note"]
+    with pytest.raises(ConfigError, match="num_gpus_per_actor"):
+        load_config(data={**base, "model": {"path": "x", "tensor_parallel_size": 8},
+                          "ray": {"num_actors": 2, "num_gpus_per_actor": 4}})
