@@ -93,6 +93,16 @@ class VLLMModel:
         compat.engine_environment(on_cpu=self.profile.name == "cpu")
         compat.require()
         if self.tp > 1:
+            # Inside a Ray actor vLLM would pick its Ray executor (ranks as Ray actors, maybe on
+            # other nodes: "current platform cpu does not support ray" on the CPU build). The
+            # ranks must be processes of this one, on this node: they share the step ring in
+            # /dev/shm, and the actor's placement group holds their devices.
+            backend = eng.get("distributed_executor_backend") or "mp"
+            if backend != "mp":
+                raise ValueError(
+                    f"distributed_executor_backend={backend!r}: tensor-parallel capture runs its "
+                    "ranks with vLLM's multiprocessing executor ('mp'), on the engine's node")
+            eng["distributed_executor_backend"] = "mp"
             if self.profile.name == "cpu":
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", compat.cpu_thread_binding(self.tp))
             if self.mode != "plain":
