@@ -46,19 +46,23 @@ def _timed_capture(model, prompts, points, repeats: int) -> tuple[float, int]:
     return best, rows
 
 
-def host_memory_mb() -> float:
-    """Proportional set size of this process and every process it started (a TP engine's rank
-    processes), in MB: host memory the engine costs an actor, shared pages split fairly."""
+def host_memory_mb() -> tuple[float, float]:
+    """(this process and every process it started, those started processes alone): proportional
+    set size in MB, shared pages split fairly. The second is a TP engine's rank processes; the
+    first also holds whatever earlier modes of this invocation left in this process (RSS rarely
+    shrinks after an engine closes), so compare the rank figures across TP sizes."""
     import psutil
 
     me = psutil.Process()
-    total = 0
+    own = kids = 0
     for p in [me, *me.children(recursive=True)]:
         try:
-            total += p.memory_full_info().pss
+            pss = p.memory_full_info().pss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total / 1e6
+            continue
+        own += pss if p.pid == me.pid else 0
+        kids += pss if p.pid != me.pid else 0
+    return (own + kids) / 1e6, kids / 1e6
 
 
 def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1):
@@ -186,7 +190,8 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
                 raise ValueError(mode)
             rows_out.append({"mode": mode, "tp": tp, "tok_s": tokens / secs, "seconds": secs,
                              "rows": rows, "layers": 0 if mode == "plain" else info.n_layers,
-                             "host_mb": round(mem, 1) if mem is not None else None})
+                             "host_mb": round(mem[0], 1) if mem else None,
+                             "ranks_mb": round(mem[1], 1) if mem else None})
         except Exception as e:  # a mode this build cannot run is reported, not fatal
             rows_out.append({"mode": mode, "tp": tp, "tok_s": None,
                              "error": f"{type(e).__name__}: {e}"[:300]})
@@ -211,14 +216,15 @@ def median_ratio(rows: list[dict], mode: str, tp: int = 1) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | TP | tok/s | × plain | layers captured | host MB (PSS) | note |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| mode | TP | tok/s | × plain | layers captured | host MB (PSS) | rank processes MB "
+             "| note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         tok = f"{r['tok_s']:.0f}" if r.get("tok_s") else "—"
         ratio = f"{r['ratio_to_plain']:.2f}" if r.get("ratio_to_plain") else "—"
         mem = f"{r['host_mb']:.0f}" if r.get("host_mb") else "—"
+        ranks = f"{r['ranks_mb']:.0f}" if r.get("ranks_mb") else "—"
         lines.append(f"| {r['mode']} | {r.get('tp', 1)} | {tok} | {ratio} | {r.get('layers', '')} "
-                     f"| {mem} | {r.get('error', '')} |")
+                     f"| {mem} | {ranks} | {r.get('error', '')} |")
     return "\n".join(lines)
 
 
