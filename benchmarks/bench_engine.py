@@ -8,7 +8,11 @@ drift on a noisy machine shows up as a gap between plain runs rather than as a f
 the median of the paired ratios: the figure for the freeze target (>= 0.95x plain).
 
     flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_engine \
-        [--model PATH] [--prompts 32] [--len 256] [--modes plain freeze] [--rounds 3]
+        [--model PATH] [--prompts 32] [--len 256] [--modes plain freeze] [--rounds 3] [--tp 1 2]
+
+`--tp 1 2` runs plain and freeze at each tensor-parallel size (TP > 1: vLLM's multiprocessing
+executor, rows through the step ring) and reports host memory (PSS of this process and the rank
+processes it started) beside tok/s.
 """
 
 from __future__ import annotations
@@ -42,10 +46,31 @@ def _timed_capture(model, prompts, points, repeats: int) -> tuple[float, int]:
     return best, rows
 
 
-def _vllm_mode(path, prompts, repeats, mode, max_batched):
+def host_memory_mb() -> tuple[float, float]:
+    """(this process and every process it started, those started processes alone): proportional
+    set size in MB, shared pages split fairly. The second is a TP engine's rank processes; the
+    first also holds whatever earlier modes of this invocation left in this process (RSS rarely
+    shrinks after an engine closes), so compare the rank figures across TP sizes."""
+    import psutil
+
+    me = psutil.Process()
+    own = kids = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            pss = p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        own += pss if p.pid == me.pid else 0
+        kids += pss if p.pid != me.pid else 0
+    return (own + kids) / 1e6, kids / 1e6
+
+
+def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1):
     from harvest.engine import load_model
 
     kw = dict(max_num_batched_tokens=max_batched)
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
     if mode == "plain":
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
@@ -57,9 +82,10 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched):
         points = [f"resid_post.{i}" for i in range(m.n_layers)]
     try:
         secs, rows = _timed_capture(m, prompts, points, repeats)
+        mem = host_memory_mb()
     finally:
         m.close()
-    return secs, rows
+    return secs, rows, mem
 
 
 def _eager_mode(path, prompts, repeats):
@@ -122,11 +148,13 @@ def schedule(modes, rounds: int) -> list[str]:
 
 
 def _paired_base(rows: list[dict], i: int) -> float | None:
-    """Mean tok/s of the nearest plain runs before and after row i (either one if only one)."""
+    """Mean tok/s of the nearest plain runs (same TP size) before and after row i (either one if
+    only one)."""
     near = []
+    tp = rows[i].get("tp", 1)
     for rng in (range(i - 1, -1, -1), range(i + 1, len(rows))):
         for j in rng:
-            if rows[j]["mode"] == "plain":
+            if rows[j]["mode"] == "plain" and rows[j].get("tp", 1) == tp:
                 if rows[j].get("tok_s"):
                     near.append(rows[j]["tok_s"])
                 break
@@ -136,7 +164,7 @@ def _paired_base(rows: list[dict], i: int) -> float | None:
 def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, repeats: int = 2,
         max_batched: int = 2048, modes=("plain", "freeze", "hooked", "extract_hidden_states",
                                         "hf_eager"),
-        prompts: list[list[int]] | None = None, rounds: int = 1) -> list[dict]:
+        prompts: list[list[int]] | None = None, rounds: int = 1, tps=(1,)) -> list[dict]:
     from harvest.engine.common import read_model_info
     from harvest.engine.models import smollm2_path
 
@@ -146,32 +174,41 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
         prompts = make_prompts(n_prompts, prompt_len, info.vocab_size)
     tokens = sum(len(p) for p in prompts)
     rows_out: list[dict] = []
-    for mode in schedule(modes, rounds):
+    # --tp 1 2: the whole schedule at each TP size in turn, ratios paired within a size
+    plan = [(mode, tp) for tp in tps for mode in schedule(modes, rounds)
+            if tp == 1 or mode in ("plain", "freeze")]
+    for mode, tp in plan:
         try:
+            mem = None
             if mode in ("plain", "freeze", "hooked"):
-                secs, rows = _vllm_mode(path, prompts, repeats, mode, max_batched)
+                secs, rows, mem = _vllm_mode(path, prompts, repeats, mode, max_batched, tp)
             elif mode == "hf_eager":
                 secs, rows = _eager_mode(path, prompts, repeats)
             elif mode == "extract_hidden_states":
                 secs, rows = _extract_hidden_states(path, prompts, repeats, info.n_layers)
             else:
                 raise ValueError(mode)
-            rows_out.append({"mode": mode, "tok_s": tokens / secs, "seconds": secs, "rows": rows,
-                             "layers": 0 if mode == "plain" else info.n_layers})
+            rows_out.append({"mode": mode, "tp": tp, "tok_s": tokens / secs, "seconds": secs,
+                             "rows": rows, "layers": 0 if mode == "plain" else info.n_layers,
+                             "host_mb": round(mem[0], 1) if mem else None,
+                             "ranks_mb": round(mem[1], 1) if mem else None})
         except Exception as e:  # a mode this build cannot run is reported, not fatal
-            rows_out.append({"mode": mode, "tok_s": None, "error": f"{type(e).__name__}: {e}"[:300]})
+            rows_out.append({"mode": mode, "tp": tp, "tok_s": None,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(rows_out[-1]), flush=True)
-    plain = [r["tok_s"] for r in rows_out if r["mode"] == "plain" and r["tok_s"]]
-    mean_plain = sum(plain) / len(plain) if plain else None
     for i, r in enumerate(rows_out):
+        plain = [x["tok_s"] for x in rows_out
+                 if x["mode"] == "plain" and x["tok_s"] and x.get("tp", 1) == r.get("tp", 1)]
+        mean_plain = sum(plain) / len(plain) if plain else None
         base = mean_plain if r["mode"] == "plain" else _paired_base(rows_out, i)
         r["ratio_to_plain"] = (r["tok_s"] / base) if (base and r.get("tok_s")) else None
         r.update(model=os.path.basename(path), tokens=tokens, device="cuda" if torch.cuda.is_available() else "cpu")
     return rows_out
 
 
-def median_ratio(rows: list[dict], mode: str) -> float | None:
-    vals = sorted(r["ratio_to_plain"] for r in rows if r["mode"] == mode and r.get("ratio_to_plain"))
+def median_ratio(rows: list[dict], mode: str, tp: int = 1) -> float | None:
+    vals = sorted(r["ratio_to_plain"] for r in rows if r["mode"] == mode
+                  and r.get("tp", 1) == tp and r.get("ratio_to_plain"))
     if not vals:
         return None
     k = len(vals) // 2
@@ -179,11 +216,15 @@ def median_ratio(rows: list[dict], mode: str) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | tok/s | × plain | layers captured | note |", "|---|---:|---:|---:|---|"]
+    lines = ["| mode | TP | tok/s | × plain | layers captured | host MB (PSS) | rank processes MB "
+             "| note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         tok = f"{r['tok_s']:.0f}" if r.get("tok_s") else "—"
         ratio = f"{r['ratio_to_plain']:.2f}" if r.get("ratio_to_plain") else "—"
-        lines.append(f"| {r['mode']} | {tok} | {ratio} | {r.get('layers', '')} | {r.get('error', '')} |")
+        mem = f"{r['host_mb']:.0f}" if r.get("host_mb") else "—"
+        ranks = f"{r['ranks_mb']:.0f}" if r.get("ranks_mb") else "—"
+        lines.append(f"| {r['mode']} | {r.get('tp', 1)} | {tok} | {ratio} | {r.get('layers', '')} "
+                     f"| {mem} | {ranks} | {r.get('error', '')} |")
     return "\n".join(lines)
 
 
@@ -197,14 +238,20 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=None,
                     help="modes besides plain (default: freeze hooked extract_hidden_states hf_eager)")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the modes with plain N times")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1],
+                    help="tensor-parallel sizes, each running plain and freeze (e.g. --tp 1 2)")
     a = ap.parse_args()
     kw = {"modes": a.modes} if a.modes else {}
-    rows = run(a.model, a.prompts, a.len, a.repeats, a.max_batched, rounds=a.rounds, **kw)
+    rows = run(a.model, a.prompts, a.len, a.repeats, a.max_batched, rounds=a.rounds,
+               tps=tuple(a.tp), **kw)
     print(table(rows))
-    ratio = median_ratio(rows, "freeze")
-    if ratio is not None:
-        n = sum(1 for r in rows if r["mode"] == "freeze" and r.get("ratio_to_plain"))
-        print(f"freeze / plain = {ratio:.3f} (median of {n} paired runs; target >= 0.95)")
+    for tp in a.tp:
+        ratio = median_ratio(rows, "freeze", tp)
+        if ratio is not None:
+            n = sum(1 for r in rows if r["mode"] == "freeze" and r.get("tp", 1) == tp
+                    and r.get("ratio_to_plain"))
+            print(f"TP={tp}: freeze / plain = {ratio:.3f} (median of {n} paired runs; "
+                  "target >= 0.95)")
 
 
 if __name__ == "__main__":

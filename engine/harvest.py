@@ -28,6 +28,7 @@ from . import compat
 from . import taps as tapmod
 from . import vllm_probe
 from .addresses import Address, FreezeSet
+from .stepring import RingSpec, RingWriter
 from .coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
 from .transport import check_destination, make_transport
 
@@ -66,6 +67,7 @@ class HarvestState:
     rows: int = 0
     rewrites: int = 0
     dropped_rows: int = 0
+    ring: "RingWriter | None" = None  # tensor parallel: this rank publishes steps (stepring.py)
 
     # -- capture loop side ------------------------------------------------------------------
     def begin_capture(self, points: tuple[Address, ...]) -> None:
@@ -151,22 +153,42 @@ class HarvestState:
     def after_forward(self, runner, scheduler_output) -> None:
         self.steps += 1
         self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
+        if self.ring is not None:
+            self._publish(runner, scheduler_output)
+            return
         if self.taps.buf is None or self.error is not None or not (self.dests or self.retired):
             return
         try:
             lay = compat.step_layout(runner, scheduler_output)
-            lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
-            plan = plan_step(lay.req_ids, lay.counts, lay.starts, lengths, self.retired)
-            require_no_stray(plan)
-            self.dropped_rows += plan.dropped
             fed_pos, fed_ids = compat.fed_inputs(runner, lay.n)
-            dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
-            ticket = self.transport.submit(plan, self.taps.buf, self.slots, fed_pos, fed_ids, dests)
-            for s in plan.segments:
-                self.dests[s.rid].pending += 1
-            self.tickets.append(ticket)
+            self.submit_step(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf)
         except (CoverageError, compat.VLLMIncompatible, KeyError, ValueError) as e:
             self.error = e
+
+    def _publish(self, runner, scheduler_output) -> None:
+        """Tensor parallel, the output rank: every step goes to the step ring, whatever the
+        capture loop registered (it lives in another process); the loop plans and checks it."""
+        try:
+            lay = compat.step_layout(runner, scheduler_output)
+            fed_pos, fed_ids = compat.fed_inputs(runner, lay.n)
+            self.ring.publish(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf)
+        except (compat.VLLMIncompatible, KeyError, ValueError) as e:
+            self.ring.fail(f"{type(e).__name__}: {e}")
+
+    def submit_step(self, req_ids, counts, starts, fed_pos, fed_ids, buf) -> None:
+        """Plan one step's rows (request order, counts, first positions as the runner ran
+        them), refuse stray rows and submit the copies from `buf` into the destinations. The
+        in-process runner calls it after each forward; across processes (tensor parallel) the
+        capture loop calls it with a step read from the step ring (engine/remote.py)."""
+        lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
+        plan = plan_step(req_ids, counts, starts, lengths, self.retired)
+        require_no_stray(plan)
+        self.dropped_rows += plan.dropped
+        dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
+        ticket = self.transport.submit(plan, buf, self.slots, fed_pos, fed_ids, dests)
+        for s in plan.segments:
+            self.dests[s.rid].pending += 1
+        self.tickets.append(ticket)
 
     def _set_hooked_points(self, points: tuple[Address, ...]) -> None:
         """Hooked mode serves any point: (re)install Python hooks for exactly these."""
@@ -212,5 +234,13 @@ def setup(runner, cfg: dict) -> HarvestState:
             layers = vllm_probe.probed_trunk(runner, runner.get_model(), g["n_layers"], cfg)
         ts = tapmod.TapSet((), (), None, {}, g["width"])
     transport = make_transport(ts.buf, g["max_tokens"], staging=staging)
-    return HarvestState(ts, layers, mode, g["max_tokens"], g["width"], g["dtype"], g["device"],
-                        transport, staging)
+    st = HarvestState(ts, layers, mode, g["max_tokens"], g["width"], g["dtype"], g["device"],
+                      transport, staging)
+    par = compat.parallel_ranks()
+    if par["tp_size"] > 1 and mode == "freeze" and ts.buf is not None:
+        # Every rank computed the same probe and installed the same taps (so every rank compiles
+        # the same graph); a point whose value differs between ranks is a shard, refused here.
+        vllm_probe.require_replicated(runner, model, layers, fs.reads, g["n_layers"])
+    if cfg.get("ring") and par["output_rank"]:
+        st.ring = RingWriter(RingSpec(**cfg["ring"]))
+    return st

@@ -63,6 +63,28 @@ class _HarvestRPC:
     def harvest_state(self):
         return self.model_runner.harvest
 
+    # Tensor parallel: the workers are other processes; these take and return plain values.
+    def harvest_info(self) -> dict | None:
+        st = self.model_runner.harvest
+        if st is None:
+            return None
+        report = dict(st.layers.report) if st.layers is not None else {}
+        return {"mode": st.mode, "report": report, "publishes": st.ring is not None,
+                "publishes_stats": compat.parallel_ranks()["output_rank"],
+                "summary": st.summary()}
+
+    def harvest_set_poison(self, on: bool) -> None:
+        self.model_runner.harvest.poison = bool(on)
+
+    def harvest_set_steer(self, addr: str, values) -> None:
+        """Every rank adds the vector: the stream it shifts is replicated on every rank."""
+        import torch
+
+        from .addresses import Address
+
+        vec = self.model_runner.harvest.taps.steer[Address.parse(addr)]
+        vec.copy_(torch.as_tensor(values, dtype=vec.dtype))
+
 
 class HarvestGPUWorker(_HarvestRPC, _workers["gpu"]):
     def _make_model_runner(self):

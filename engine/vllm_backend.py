@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -20,10 +21,13 @@ import torch
 
 from . import compat
 from . import platform as plat
+from . import stepring
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
+from .parallel import EngineLost, check_parallel
+from .remote import RemoteHarvest, RemoteStats
 
 log = logging.getLogger("harvest.engine")
 
@@ -48,6 +52,10 @@ def _quiet_chat_warmup() -> None:
     if not any(isinstance(f, _NoChatWarmupTrace) for f in lg.filters):
         lg.addFilter(_NoChatWarmupTrace())
 
+
+# vLLM's default max_num_seqs when none is given (SchedulerConfig, 0.32.0): sizes the step ring's
+# request table; a step with more requests fails loudly (stepring.RingWriter.publish).
+DEFAULT_MAX_SEQS = 1024
 
 class VLLMModel:
     """A harvest.engine.protocol.CaptureEngine on vLLM."""
@@ -74,12 +82,8 @@ class VLLMModel:
             self.mode = "plain"
         else:
             self.mode = "freeze"
-        if (tensor_parallel_size != 1 or engine_args.get("pipeline_parallel_size", 1) != 1) \
-                and self.mode != "plain":
-            raise ValueError(
-                "tensor_parallel_size / pipeline_parallel_size > 1 are not supported for capture "
-                "yet: the tap rows are read in the engine's own process; run one engine per GPU "
-                "(the Ray pipeline does)")
+        self.tp = check_parallel(tensor_parallel_size, engine_args.get("pipeline_parallel_size", 1),
+                                 self.mode)
         self.profile = plat.detect()
         eng = plat.engine_defaults(self.profile, {
             **engine_args, "max_num_batched_tokens": max_num_batched_tokens,
@@ -88,6 +92,21 @@ class VLLMModel:
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
         compat.engine_environment(on_cpu=self.profile.name == "cpu")
         compat.require()
+        if self.tp > 1:
+            # Inside a Ray actor vLLM would pick its Ray executor (ranks as Ray actors, maybe on
+            # other nodes: "current platform cpu does not support ray" on the CPU build). The
+            # ranks must be processes of this one, on this node: they share the step ring in
+            # /dev/shm, and the actor's placement group holds their devices.
+            backend = eng.get("distributed_executor_backend") or "mp"
+            if backend != "mp":
+                raise ValueError(
+                    f"distributed_executor_backend={backend!r}: tensor-parallel capture runs its "
+                    "ranks with vLLM's multiprocessing executor ('mp'), on the engine's node")
+            eng["distributed_executor_backend"] = "mp"
+            if self.profile.name == "cpu":
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", compat.cpu_thread_binding(self.tp))
+            if self.mode != "plain":
+                eng["compilation_config"] = compat.tp_compilation_config(eng.get("compilation_config"))
         from vllm import LLM
 
         _quiet_chat_warmup()
@@ -110,20 +129,57 @@ class VLLMModel:
             # holds under async scheduling too; each step's fed positions and token ids are
             # checked against it, and a stray row fails the capture.
             eng["async_scheduling"] = async_scheduling
+        ring = None
+        if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
+            ring = stepring.RingReader(stepring.new_spec(
+                len(self.frozen.reads), self.max_num_batched_tokens, self.width,
+                getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS))
+            extra["harvest"]["ring"] = ring.spec.as_dict()
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.llm = LLM(
-            model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
-            enforce_eager=bool(enforce_eager) or self.frozen is None, enable_prefix_caching=False,
-            enable_chunked_prefill=True, max_model_len=self.max_model_len,
-            skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size, seed=seed,
-            additional_config=extra, worker_cls=worker, **eng)
-        self.state = compat.worker_call(self.llm, "harvest_state")
+        try:
+            self.llm = LLM(
+                model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
+                enforce_eager=bool(enforce_eager) or self.frozen is None,
+                enable_prefix_caching=False, enable_chunked_prefill=True,
+                max_model_len=self.max_model_len, skip_tokenizer_init=True,
+                tensor_parallel_size=tensor_parallel_size, seed=seed, additional_config=extra,
+                worker_cls=worker, **eng)
+        finally:
+            if ring is not None:
+                ring.unlink()  # the workers mapped it while loading (or failed): no file left
+        if self.tp > 1:
+            self.state = self._remote_state(ring)
+        else:
+            self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
             raise RuntimeError(f"vLLM built the engine without the harvest runner ({worker}): "
                                "is the V1 model runner in use (VLLM_USE_V2_MODEL_RUNNER=0)?")
         self._next_id = 0
         self._tokenizer = None
+
+    def _remote_state(self, ring):
+        """Tensor parallel: the runner state lives in the workers; the capture loop keeps a
+        RemoteHarvest fed from the step ring (engine/remote.py)."""
+        infos = compat.worker_calls(self.llm, "harvest_info")
+        if any(i is None for i in infos):
+            return None
+        publishers = sum(bool(i["publishes"]) for i in infos)
+        if ring is not None and publishers != 1:
+            raise RuntimeError(f"{publishers} tensor-parallel ranks publish rows (expected exactly "
+                               "one, the output rank): rows would be lost or doubled")
+        if ring is None:  # plain: no taps, nothing to read; steps are counted on the workers
+            return RemoteStats(self.llm)
+        out = infos[0]
+        return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes, self.width,
+                             self.dtype, self.max_num_batched_tokens, out)
+
+    @property
+    def lost(self) -> bool:
+        """True once vLLM's executor failed (a worker process died): the engine is unusable."""
+        llm = getattr(self, "llm", None)
+        return llm is not None and compat.executor_failed(llm)
 
     # -- metadata ---------------------------------------------------------------------------
     @property
@@ -142,7 +198,8 @@ class VLLMModel:
             "dtype": str(self.dtype).replace("torch.", ""), "n_layers": self.n_layers,
             "width": self.width, "max_num_batched_tokens": self.max_num_batched_tokens,
             "frozen_reads": [str(a) for a in self.frozen.reads] if self.frozen else None,
-            "platform": self.profile.name,
+            "platform": self.profile.name, "tensor_parallel_size": self.tp,
+            "rows_path": "step ring (one extra host copy)" if self.tp > 1 else "in process",
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         }
 
@@ -174,10 +231,13 @@ class VLLMModel:
     def set_steering(self, addr, vec) -> None:
         """Additive steering at a frozen write site; zeros turn it off."""
         a = Address.parse(addr)
-        if a not in self.state.taps.steer:
+        if not self.frozen or a not in self.frozen.writes:
             writes = ", ".join(map(str, self.frozen.writes)) if self.frozen else "none"
             raise ValueError(f"{a} has no write buffer (frozen writes: {writes})")
-        self.state.taps.steer[a].copy_(torch.as_tensor(vec, dtype=self.dtype))
+        if self.tp > 1:
+            self.state.set_steer(a, torch.as_tensor(vec, dtype=self.dtype))
+        else:
+            self.state.taps.steer[a].copy_(torch.as_tensor(vec, dtype=self.dtype))
 
     def set_poison(self, on: bool) -> None:
         """Fill the tap buffer with NaN before every forward: a delivered row no tap wrote in
@@ -247,7 +307,15 @@ class VLLMModel:
                 if not reqs:
                     break
                 stepped = engine.has_unfinished_requests()
-                outputs = engine.step() if stepped else []
+                try:
+                    outputs = engine.step() if stepped else []
+                except Exception as e:
+                    if self.lost:
+                        raise EngineLost(
+                            f"a tensor-parallel worker process of this engine died mid-step "
+                            f"(vLLM shut its executor down; it answered: {e!r}); the engine "
+                            "cannot run again: load a new one") from e
+                    raise
                 for out in outputs:
                     if out.finished:
                         finished.append(out.request_id)

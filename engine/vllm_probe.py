@@ -60,6 +60,58 @@ def _probe_attention(model: torch.nn.Module):
             del m.forward
 
 
+def _probe_inputs(runner):
+    geometry = compat.runner_geometry(runner)
+    vocab = runner.model_config.get_vocab_size()
+    ids = torch.linspace(3, vocab - 1, PROBE_TOKENS).long().to(geometry["device"])
+    return ids, torch.zeros_like(ids)
+
+
+# Ranks compute a replicated value with the same kernels on the same all-reduced inputs: equal
+# to the bit on CPU. A shard (a rank's partial sum before the all-reduce) differs by the size of
+# the value itself. The bound sits far from both and only guards against a reduction whose order
+# differs between ranks.
+REPLICA_TOL = 1e-2
+
+
+def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_layers: int) -> None:
+    """Tensor parallel: prove that every read point is complete and the same on every TP rank at
+    the tap (the stream after the all-reduce), so one rank's copy is the whole row. Every rank
+    runs one eager probe forward with hooks at exactly the read points (the taps' own readings,
+    engine/taps.install_hooks) and the ranks compare what they saw; a point that differs is a
+    shard (e.g. a sub-module output before its all-reduce) and is refused at load, on every
+    rank alike (all ranks see the same spread), rather than captured as a shard."""
+    from vllm.forward_context import set_forward_context
+
+    from . import taps as tapmod
+
+    ids, positions = _probe_inputs(runner)
+    width = compat.runner_geometry(runner)["width"]
+    buf = torch.full((len(reads), len(ids), width), float("nan"),
+                     dtype=compat.runner_geometry(runner)["dtype"], device=ids.device)
+    ts = tapmod.TapSet(tuple(reads), (), buf, {}, width)
+    with torch.inference_mode(), _probe_attention(model):
+        handles = tapmod.install_hooks(trunk, ts)
+        try:
+            with set_forward_context(None, runner.vllm_config, num_tokens=len(ids),
+                                     skip_compiled=True):
+                model(input_ids=ids, positions=positions)
+        finally:
+            for h in handles:
+                h.remove()
+    scale = buf.float().abs().amax(dim=(1, 2)).clamp_min(1e-6)
+    spread = compat.tp_spread(buf).amax(dim=(1, 2)) / scale
+    bad = [(str(a), float(x)) for a, x in zip(reads, spread.tolist()) if not x <= REPLICA_TOL]
+    trunk.report["tp_replicated"] = {str(a): float(x) for a, x in zip(reads, spread.tolist())}
+    if bad:
+        shown = ", ".join(f"{a} (ranks differ by {x:.3g} of its size)" for a, x in bad[:6])
+        raise probe.TrunkRefused(
+            f"tensor_parallel_size > 1: {len(bad)} read point(s) are not the same on every "
+            f"tensor-parallel rank at the tap, so one rank holds only a shard: {shown}. Capture "
+            "resid_post / resid_pre there (the stream is all-reduced), or load the model with "
+            "tensor_parallel_size=1")
+
+
 def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Trunk:
     """The decoder layers of the runner's model, with each block's measured semantics.
 

@@ -32,6 +32,9 @@ from .messages import ActorSpec, UnitResult, UnitTask
 
 log = logging.getLogger("harvest.actor")
 
+ENGINE_LOST_EXIT = 75  # EX_TEMPFAIL: the actor exits because its engine died; a restart fixes it
+ENGINE_LOST_GRACE_S = 1.0
+
 STREAM_START_WAIT = 0.05  # seconds a new stream waits for units to fill its first engine step
 STREAM_GAP_WAIT = 0.01    # seconds a running stream waits for the next unit before draining
 
@@ -149,9 +152,17 @@ class HarvestActor:
         if spec.engine_kwargs.get("backend") == "vllm" and not gpus:
             # Two CPU engines that both bind "auto" would pin their OpenMP threads to the same
             # cores; give each actor its own slice unless the operator chose a binding.
-            cores = _cpu_slice(self.index, threads)
+            # A tensor-parallel engine's ranks each need cores of their own: the slice is split
+            # into one group per rank ("0|1"), at least one core each.
+            tp = int(spec.engine_kwargs.get("tensor_parallel_size") or 1)
+            cores = _cpu_slice(self.index, max(threads, tp))
             if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+                if tp > 1:
+                    from harvest.engine.compat import cpu_thread_binding
+
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, cores=cores)
+                else:
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         from harvest.engine import load_model
 
         return load_model(spec.model_path, **spec.engine_kwargs)
@@ -316,6 +327,8 @@ class HarvestActor:
         except BaseException as e:  # noqa: BLE001 -- the engine failed: every unit in it fails
             for job in list(live):
                 job.fail(e)
+            if getattr(self.engine, "lost", False):
+                self._exit_engine_lost(e)
             return True
         finally:
             routes.clear()
@@ -324,6 +337,19 @@ class HarvestActor:
                 job.fail(RuntimeError(f"unit {job.unit_id}: the engine returned {job.received} of "
                                       f"{len(job.contexts)} contexts"))
         return True
+
+    def _exit_engine_lost(self, e: BaseException) -> None:
+        """The engine is gone for good (a tensor-parallel worker process died: vLLM shut its
+        executor down). Every later unit here would fail the same way until its attempts ran
+        out, so the actor process exits instead: Ray restarts it with a fresh engine
+        (ray.max_restarts) or the driver declares it lost, and the units of the failed stream,
+        which failed just above, are retried on any actor. The pause lets their failures reach
+        the driver as task errors (naming the cause) rather than as the actor's death; either
+        way they are retried."""
+        log.error("actor %d: engine lost (%s); exiting so Ray restarts this actor", self.index, e)
+        time.sleep(ENGINE_LOST_GRACE_S)
+        logging.shutdown()
+        os._exit(ENGINE_LOST_EXIT)
 
     def _feed(self, job: _Job, routes: dict, live: set):
         """The stream's requests: the contexts of `job`, then of every unit queued meanwhile."""

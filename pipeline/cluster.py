@@ -86,11 +86,32 @@ def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None,
     if local and not fitting_nodes(request):
         # a local cluster never grows: waiting out ray.start_timeout_s would change nothing
         raise HarvestError(start_report(cfg, [], request, None))
-    log.info("starting %d actors with %s CPU and %s GPU each", cfg.ray.num_actors, cpus, gpus)
+    tp = cfg.model.tensor_parallel_size
+    log.info("starting %d actors with %s CPU and %s GPU each%s", cfg.ray.num_actors, cpus, gpus,
+             f", each a tensor-parallel group of {tp} ranks on one node" if tp > 1 else "")
     opts = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=cfg.ray.max_restarts,
                 max_task_retries=cfg.ray.max_task_retries, max_concurrency=ACTOR_CONCURRENCY)
-    return [Remote.options(**opts).remote(actor_spec(cfg, prep, i, engine_factory))
-            for i in range(cfg.ray.num_actors)]
+    return [Remote.options(**opts, **group_placement(cfg, request, i))
+            .remote(actor_spec(cfg, prep, i, engine_factory)) for i in range(cfg.ray.num_actors)]
+
+
+def group_placement(cfg: HarvestConfig, request: dict, index: int) -> dict:
+    """Tensor parallel: the actor's TP devices reserved together on one node, as one placement
+    group (one bundle, STRICT_PACK) the actor is scheduled into. vLLM's multiprocessing executor
+    starts its rank processes inside the actor, on the actor's node, with the devices Ray gave
+    the actor (CUDA_VISIBLE_DEVICES), so the actor must hold all of them; the group makes that
+    reservation explicit and atomic (no actor holding half its GPUs while another waits for the
+    rest), and a restarted actor (ray.max_restarts) comes back into the same reservation. The
+    group lives as long as the driver's job. TP=1 actors keep plain resource requests."""
+    if cfg.model.tensor_parallel_size <= 1:
+        return {}
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {k: float(v) for k, v in request.items() if v}
+    pg = placement_group([bundle], strategy="STRICT_PACK")  # unnamed: runs may share a namespace
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0)}
 
 
 def actor_request(cfg: HarvestConfig) -> dict:

@@ -101,8 +101,11 @@ def guess_rate(cfg, prep) -> dict:
     plat, why = platform(cfg)
     n = params(prep)
     actors = cfg.ray.num_actors
+    tp = cfg.model.tensor_parallel_size
     if plat == "gpu":
-        per_actor = min(GPU_CAP, GPU_RATE / n)
+        # A TP=k actor spans k GPUs: priced as k GPUs' worth of prefill (linear scaling is a
+        # guess; all-reduces cost some of it). The cap is per GPU.
+        per_actor = min(GPU_CAP, GPU_RATE / n) * tp
     else:
         threads = cfg.ray.threads_per_actor or max(1, (os.cpu_count() or 1) // actors)
         per_actor = CPU_RATE / n * threads
@@ -110,7 +113,9 @@ def guess_rate(cfg, prep) -> dict:
     source = GPU_RATE_SOURCE if plat == "gpu" else CPU_RATE_SOURCE
     return {"tokens_per_second": round(rate), "rate_platform": plat,
             "rate_note": f"guess: ~{rate:,.0f} tok/s for {actors} {plat.upper()} actors of a "
-                         f"{n / 1e9:.2g}B model, plus engine start",
+                         f"{n / 1e9:.2g}B model"
+                         + (f" at tensor_parallel_size={tp} ({actors * tp} GPUs)"
+                            if tp > 1 and plat == "gpu" else "") + ", plus engine start",
             "rate_source": f"{plat.upper()} {source} ({why})"}
 
 

