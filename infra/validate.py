@@ -33,7 +33,7 @@ LAUNCHER_YAMLS = sorted((INFRA / "ray").glob("*.yaml"))
 # The oldest Kubernetes minor still in common managed offerings; manifests valid here are valid
 # on newer ones (fields are only added). Override with validate(..., k8s_version=...).
 K8S_VERSION = "1.31"
-# Files in infra/k8s that are not Kubernetes objects.
+# Files in infra/k8s that are not Kubernetes objects (and harvest run configs, `run-*.yaml`).
 NOT_OBJECTS = {"run.yaml", "kustomization.yaml"}
 
 
@@ -55,7 +55,7 @@ def load_docs(path: Path) -> list[dict]:
 def object_manifests() -> list[Path]:
     """infra/k8s and its kustomization folders (schedule/, raycron/)."""
     return sorted(p for p in list(K8S_DIR.glob("*.yaml")) + list(K8S_DIR.glob("*/*.yaml"))
-                  if p.name not in NOT_OBJECTS)
+                  if p.name not in NOT_OBJECTS and not p.name.startswith("run-"))
 
 
 def _where(doc: dict) -> str:
