@@ -55,7 +55,7 @@ def test_stray_rows_are_counted_and_refused_for_prompt_capture():
     # a decode row of "a" (position 100 of a 100-token prompt) and a request nobody registered
     plan = plan_step(["a", "x"], [1, 5], [100, 0], {"a": 100})
     assert plan.segments == () and sum(s.count for s in plan.stray) == 6
-    with pytest.raises(CoverageError, match="6 rows of a step belong to no captured prompt"):
+    with pytest.raises(CoverageError, match="6 rows of a step belong to no captured request"):
         require_no_stray(plan)
     # rows of an aborted (retired) request are dropped, not stray
     plan = plan_step(["x"], [5], [0], {}, retired={"x"})
