@@ -43,6 +43,8 @@ class HarvestConfig:
         for section in SECTIONS:
             getattr(self, section).validate()
         check_shard_rows(self.store.shard_rows, self.packing.context_size)
+        if self.capture.generate is not None:
+            self.capture.generate.validate(self.packing.context_size)
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
@@ -83,7 +85,10 @@ class HarvestConfig:
                 k: v for k, v in dataclasses.asdict(self.packing).items()
                 if k not in ("tokenize_batch", "chunk_tokens")
             },
-            "capture": {"points": list(self.capture.points)},
+            "capture": {"points": list(self.capture.points),
+                        # only when set: stores made before generation existed keep their key
+                        **({"generate": self.capture.generate.describe()}
+                           if self.capture.generate is not None else {})},
             "store": {"stats_skip_positions": self.store.stats_skip_positions},
         }
 

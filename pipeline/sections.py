@@ -220,6 +220,9 @@ class CaptureConfig:
     # wrongly would otherwise fill the store with rows that look fine. Costs one fp32 forward of
     # the model on CPU in a subprocess; set false to skip (the result is in the store attributes).
     check_model: bool = True
+    # capture.generate: complete each context and capture the generated tokens too (None: prompt
+    # capture only). A mapping in YAML, a pipeline.generation.GenerateConfig once validated.
+    generate: Any = None
 
     def validate(self) -> None:
         if not isinstance(self.points, list) or not self.points:
@@ -230,6 +233,11 @@ class CaptureConfig:
             check_point(p)
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
+        from .generation import from_section
+
+        self.generate = from_section(self.generate)
+        if self.generate is not None:
+            self.generate.validate()
 
 
 def check_point(p: Any) -> None:
