@@ -195,8 +195,13 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
                 break
             stepped = engine.has_unfinished_requests()
             outputs = engine.step() if stepped else []
+            if capturing:  # a stray row (a request nobody captures) first, named as such
+                st.raise_if_failed()
             for out in outputs:
-                g = reqs[out.request_id]
+                g = reqs.get(out.request_id)
+                if g is None:
+                    raise RuntimeError(f"vLLM returned request {out.request_id!r}, which this "
+                                       "generation never submitted: one generation per engine")
                 new = list(out.outputs[0].token_ids)
                 g.generated += new
                 if capturing and new:

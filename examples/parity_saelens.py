@@ -51,7 +51,7 @@ def store_tokens(store) -> np.ndarray:
     i * C + j.
     """
     c = store.context_size
-    tok, doc, _ = store.read_row_meta(0, store.n_rows)
+    tok, doc, *_ = store.read_row_meta(0, store.n_rows)
     tok, doc = np.asarray(tok), np.asarray(doc)
     if c is None or store.n_rows % c or (doc == -1).any():
         raise SystemExit(f"{store.url}: needs a complete store of whole contexts "

@@ -89,7 +89,7 @@ def _top_rows(store, points: list[str], shards: list[int], k: int) -> dict[str, 
     rows = sorted({e["row"] for v in out.values() for e in v})
     meta = {}
     for r in rows:
-        tok, doc, pos = store.read_row_meta_checked(r, r + 1)  # an unpublished unit: not fill
+        tok, doc, pos, *_ = store.read_row_meta_checked(r, r + 1)  # an unpublished unit: not fill
         meta[r] = (int(tok[0]), int(doc[0]), int(pos[0]))
     for v in out.values():
         for e in v:

@@ -32,7 +32,7 @@ def test_same_rows_with_one_and_three_tokenising_workers(ray_cluster, tiny_llama
     assert len(blocks) >= 3  # the rows span several blocks (each packed on its own)
     for w, st in stores.items():
         assert st.n_rows == ref.n_rows == 6144
-        tok, doc, pos = st.read_row_meta(0, st.n_rows)
+        tok, doc, pos, *_ = st.read_row_meta(0, st.n_rows)
         assert np.array_equal(tok, ref.token_ids), w
         assert np.array_equal(doc, ref.doc_ids), w
         assert np.array_equal(pos, ref.positions), w

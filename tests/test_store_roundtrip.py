@@ -66,7 +66,7 @@ def test_round_trip_bits_metadata_and_stats(target):
         got = r.read(p, 0, N)
         assert got.dtype == BF16
         assert np.array_equal(got.view(np.uint16), x[i].view(np.uint16)), p
-    t, d, q = r.read_row_meta(0, N)
+    t, d, q, *_ = r.read_row_meta(0, N)
     assert t.dtype == np.int32 and d.dtype == np.int64 and q.dtype == np.int32
     assert np.array_equal(t, tok) and np.array_equal(d, doc) and np.array_equal(q, pos)
     st = r.stats()  # rows with inf/NaN are counted apart so they cannot poison the moments

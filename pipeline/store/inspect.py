@@ -19,7 +19,7 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
     out["stats_summary"] = stats_summary(store) if out.get("finalized") else None
     if rows is not None:
         a, b = rows
-        tok, doc, pos = store.read_row_meta_checked(a, b)  # as the rows: unpublished units too
+        tok, doc, pos, *_ = store.read_row_meta_checked(a, b)  # as the rows: unpublished units too
         norms = {}
         for p in store.points[:4]:
             x = np.asarray(store.read(p, a, b)).astype(np.float32)

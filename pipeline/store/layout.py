@@ -15,9 +15,16 @@ LAYOUT_VERSION = 2
 SUPPORTED_LAYOUT_VERSIONS = (2,)
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
-ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32"}
+# Columns after the first three are optional for a writer (write_meta(..., gen=...)): omitted,
+# they are written as 0.
+ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "gen": "int8"}
 META_UNWRITTEN = -1   # fill value of every metadata array: the row was never written
 META_INSERTED = -2    # doc_id and position of a BOS the packer inserted (it is from no document)
+META_PAD = -3         # token_id, doc_id and position of a padding row of a generation slot
+# `gen`: what a row is (FORMAT.md, "Generation"). Only GEN_PROMPT and GEN_SAMPLED rows hold
+# activations; the others are zeros, outside the statistics and never yielded by the reader.
+GEN_PROMPT, GEN_SAMPLED, GEN_LAST, GEN_DROPPED, GEN_PAD = 0, 1, 2, 3, 4
+GEN_HAS_ACTS = (GEN_PROMPT, GEN_SAMPLED)
 
 # Arrays are created this long when the run's length is not known in advance (a streamed corpus
 # without packing.max_tokens); zarr stores nothing for unwritten shards, and finalize shrinks the

@@ -34,7 +34,7 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty((0, st.width), st.np_dtype)
 
 
-def read_row_meta_checked(st, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def read_row_meta_checked(st, start: int, stop: int) -> tuple[np.ndarray, ...]:
     """Like Store.read_row_meta, committed rows only, each chunk checked against its marker."""
     cols = {n: [] for n in layout.ROW_META}
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):

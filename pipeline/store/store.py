@@ -218,9 +218,10 @@ class Store:
             arr = self._arrays[name] = self._open_array(name)
         return arr
 
-    def read_row_meta(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """token_id, doc_id, position of rows [start, stop). doc_id and position are -2
-        (layout.META_INSERTED) for an inserted BOS and -1 for a row never written.
+    def read_row_meta(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        """layout.ROW_META columns (token_id, doc_id, position, gen) of rows [start, stop).
+        doc_id and position are -2 (layout.META_INSERTED) for an inserted BOS, -3 (META_PAD) on
+        a generation slot's padding, and every column is -1 for a row never written.
 
         Plain zarr, unchecked: a committed unit not yet published (its objects still under its
         attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
@@ -228,7 +229,7 @@ class Store:
             raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
         return tuple(self._meta_array(n)[start:stop] for n in layout.ROW_META)
 
-    def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
         """Like read_row_meta, committed rows only, each chunk checked against its marker."""
         from .reads import read_row_meta_checked
 

@@ -22,8 +22,15 @@ class UnitMeta:
         self.set = np.zeros(n, bool)
         self.filter = stats_filter
 
-    def write(self, row_start: int, token_id, doc_id, position) -> None:
+    def write(self, row_start: int, token_id, doc_id, position, **extra) -> None:
+        unknown = set(extra) - set(layout.ROW_META)
+        if unknown:
+            raise ValueError(f"write_meta: unknown row metadata {sorted(unknown)}; the columns are "
+                             f"{', '.join(layout.ROW_META)}")
         cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
+        n0 = np.asarray(token_id).shape[0] if np.ndim(token_id) == 1 else 0
+        for k in list(layout.ROW_META)[3:]:  # optional columns: 0 when the writer omits them
+            cols[k] = extra[k] if k in extra else np.zeros(n0, layout.ROW_META[k])
         n = None
         arrs = {}
         for name, v in cols.items():
@@ -65,6 +72,15 @@ class UnitMeta:
 
     def crc32c(self) -> dict:
         return {k: crc32c(v) for k, v in self.cols.items()}
+
+    def present_mask(self, start: int, end: int) -> np.ndarray | None:
+        """Rows [start, end) that hold activations (None: all of them): generation slots have
+        rows without (the last sampled token, dropped prompts, padding; FORMAT.md "Generation"),
+        which no statistic counts."""
+        g = self.columns(start, end)["gen"]
+        if not (g < layout.GEN_LAST).all() or (g < 0).any():
+            return np.isin(g, layout.GEN_HAS_ACTS)
+        return None
 
     def keep_mask(self, start: int, end: int) -> np.ndarray | None:
         """Rows [start, end) counted in the `kept` statistics (None: every row)."""

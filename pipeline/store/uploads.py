@@ -214,6 +214,8 @@ class ShardUploads:
         self._check_conflict()
         self._wait_pending(all_=False)
         sh.keep = self._meta.keep_mask(sh.start, sh.end)
+        sh.present = self._meta.present_mask(sh.start, sh.end) \
+            if self._meta.complete(sh.start, sh.end) else None
         if sh.scratch:
             self._unflush(sh)  # the slow path: the evicted rows come back, then as any shard
         futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
@@ -251,6 +253,9 @@ class ShardUploads:
 
             def moments(i, rows):  # in the codec thread, while the chunk is in cache
                 keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
+                if sh.present is not None:  # rows without activations count in no statistic
+                    have = sh.present[i * cr:i * cr + rows.shape[0]]
+                    rows, keep = rows[have], (None if keep is None else keep[have])
                 parts[i] = _stats.subsets_of(rows, keep)
 
             blob = codec.encode(x, sh.index, visit=moments)

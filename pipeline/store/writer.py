@@ -59,13 +59,14 @@ class RegionWriter(ShardUploads):
                      unit_id, existing.get("attempt"))
 
     # ---- public ------------------------------------------------------------------------------
-    def write_meta(self, row_start: int, token_id, doc_id, position) -> None:
+    def write_meta(self, row_start: int, token_id, doc_id, position, **extra) -> None:
         """Row metadata of rows [row_start, row_start + n); each row once, before its activations
-        (the `kept` statistics of a shard need its token ids when the shard is encoded)."""
+        (the `kept` statistics of a shard need its token ids when the shard is encoded).
+        `extra`: the optional columns of layout.ROW_META (e.g. gen=), 0 when omitted."""
         if self.already_committed:
             return
         self._check_usable()
-        self._meta.write(row_start, token_id, doc_id, position)
+        self._meta.write(row_start, token_id, doc_id, position, **extra)
 
     def write(self, row_start: int, acts) -> None:
         """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width]."""

@@ -200,7 +200,7 @@ def check_store(store, reference, rel_tol: float | None = None):
     assert v["ok"], v["errors"]
     assert v["committed_rows"] == ref.packed.n_rows and not v["missing_units"]
     assert store.n_rows == ref.packed.n_rows  # finalize shrank the arrays to the rows committed
-    tok, doc, pos = store.read_row_meta(0, store.n_rows)
+    tok, doc, pos, *_ = store.read_row_meta(0, store.n_rows)
     assert np.array_equal(tok, ref.packed.token_ids)
     assert np.array_equal(doc, ref.packed.doc_ids)
     assert np.array_equal(pos, ref.packed.positions)
