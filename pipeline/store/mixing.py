@@ -40,7 +40,8 @@ class DocSample:
             a, b = pieces[i]
             doc = read_meta("doc_id", a, b)
             tok = read_meta("token_id", a, b) if filt.needs_tokens else None
-            m = filt.mask(a, b, tok, doc)
+            gen = read_meta("gen", a, b) if filt.generated else None
+            m = filt.mask(a, b, tok, doc, gen)
             d = doc if m is None else doc[m]
             d = d[d >= 0]
             kept.append(m.sum() if m is not None else b - a)

@@ -186,7 +186,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
     order = rng.permutation(total) if total <= (1 << 22) else None
     dtype = store.np_dtype
     raw = np.dtype(f"u{dtype.itemsize}")
-    meta_names = [n for n, need in (("token_id", filt.needs_tokens), ("doc_id", filt.needs_docs)) if need]
+    meta_names = filt.columns()
     point_index = [store.points.index(p) for p in points]
 
     def span(block: int) -> tuple[int, int, int]:
@@ -202,7 +202,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
         masks = []
         for a, b in spans:
             cols = {n: meta.read(n, a, b) for n in meta_names}
-            masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id")))
+            masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("gen")))
         live = [m is None or bool(m.any()) for m in masks]
         out = [np.empty((b - a if ok else 0, len(points), store.width), raw)
                for (a, b), ok in zip(spans, live)]

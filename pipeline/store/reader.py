@@ -160,7 +160,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                  "written before they were recorded); pass exclude_token_ids=[...] "
                                  "with the tokenizer's BOS/EOS/pad ids instead")
             exclude |= set(self.special_token_ids)
-        self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction, split_seed)
+        self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction, split_seed,
+                                      generated="generation" in attrs)
 
         # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
         # the marker facts that check its bytes (objects.py) ----
@@ -286,9 +287,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     def _meta_names(self) -> list[str]:
         if self.return_meta:
-            return ["token_id", "doc_id", "position"]
-        return [n for n, need in (("token_id", self.filter.needs_tokens), ("doc_id", self.filter.needs_docs))
-                if need]
+            return ["token_id", "doc_id", "position"] + (["gen"] if self.filter.generated else [])
+        return self.filter.columns()
 
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:
         cols = self._meta()

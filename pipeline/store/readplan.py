@@ -80,9 +80,8 @@ class PiecePlanning:
             m = f.mask(a, b)
             return b - a if m is None else int(m.sum())
         cols = self._meta()
-        tok = cols.read("token_id", a, b) if f.needs_tokens else None
-        doc = cols.read("doc_id", a, b) if f.needs_docs else None
-        return int(f.mask(a, b, tok, doc).sum())
+        got = {n: cols.read(n, a, b) for n in f.columns()}
+        return int(f.mask(a, b, got.get("token_id"), got.get("doc_id"), got.get("gen")).sum())
 
     def _ensure_counts(self, which=None) -> np.ndarray:
         todo = [i for i in (range(len(self.pieces)) if which is None else which) if self._counts[i] < 0]
