@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -127,7 +127,8 @@ def eos_ids(model) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if 0 <= i < model.info.vocab_size))
 
 
-def sampling_params(gp: GenerateParams, sample: int, eos: tuple[int, ...]):
+def sampling_params(gp: GenerateParams, sample: int, eos: tuple[int, ...],
+                    seed: int | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -137,19 +138,22 @@ def sampling_params(gp: GenerateParams, sample: int, eos: tuple[int, ...]):
     # no tokenizer) stays out; the model's EOS ids are in `stop` when asked for.
     return SamplingParams(
         max_tokens=gp.max_new_tokens, temperature=float(gp.temperature), top_p=float(gp.top_p),
-        seed=None if gp.seed is None else gp.seed + sample, stop_token_ids=stop,
+        seed=None if seed is None else seed + sample, stop_token_ids=stop,
         ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
 
 def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
              sampling: GenerateParams | None = None, max_in_flight_tokens: int | None = None,
-             destinations: DestinationProvider | None = None) -> Iterator[GeneratedRequest]:
+             destinations: DestinationProvider | None = None,
+             seeds: Callable[[int], int | None] | None = None) -> Iterator[GeneratedRequest]:
     """Complete each prompt `sampling.n` times, streaming each sample once its rows are final.
 
     Like VLLMModel.capture (same ownership contract for `destinations`), except that
     `destinations(index * n + sample, room)` is asked for room = prompt + max_new_tokens rows:
     the sample's real length is known only when it ends, and rows [0, prompt + generated - 1)
     of that room are filled (the rest is left as it was). `max_in_flight_tokens` counts room.
+    `seeds(index)`: prompt `index`'s own seed (sample s draws with seed + s) instead of
+    `sampling.seed`; the pipeline seeds each slot by its place in the store (slot_seed).
     """
     gp = sampling or GenerateParams()
     pts = model._resolve_points(points)
@@ -158,7 +162,7 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
     if capturing:
         st.begin_capture(pts)
     eos = eos_ids(model) if gp.stop_at_eos else ()
-    params = [sampling_params(gp, i, eos) for i in range(gp.n)]
+    params = [sampling_params(gp, i, eos, gp.seed) for i in range(gp.n)]
     budget = max_in_flight_tokens or 4 * model.max_num_batched_tokens
     engine = model.llm.llm_engine
     source = (t for batch in batches for t in batch)
@@ -176,6 +180,7 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
                 ids = validate_tokens(toks, model.max_model_len - gp.max_new_tokens,
                                       model.info.vocab_size)
                 room = len(ids) + gp.max_new_tokens
+                own = None if seeds is None else seeds(prompt_no)
                 for sample in range(gp.n):
                     rid = f"g{model._next_id}"
                     model._next_id += 1
@@ -183,7 +188,8 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
                     if capturing:
                         want = destinations(prompt_no * gp.n + sample, room) if destinations else None
                         acts = st.destination(want, room)
-                    internal = compat.add_request(engine, rid, ids.tolist(), params[sample])
+                    sp = params[sample] if own is None else sampling_params(gp, sample, eos, own)
+                    internal = compat.add_request(engine, rid, ids.tolist(), sp)
                     if capturing:
                         tokens = np.zeros(room, dtype=np.int32)
                         tokens[: len(ids)] = ids

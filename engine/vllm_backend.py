@@ -276,11 +276,11 @@ class VLLMModel:
                 self._abort(engine, reqs, capturing)
 
     def generate(self, batches, points=None, sampling=None, max_in_flight_tokens: int | None = None,
-                 destinations: DestinationProvider | None = None):
+                 destinations: DestinationProvider | None = None, seeds=None):
         """Complete prompts and stream each sample's prompt + generated rows (engine/generate.py)."""
         from .generate import generate
 
-        return generate(self, batches, points, sampling, max_in_flight_tokens, destinations)
+        return generate(self, batches, points, sampling, max_in_flight_tokens, destinations, seeds)
 
     def generate_with_cache(self, prompts, points=None, sampling=None):
         """out[i][s]: sample s of prompt i, a GeneratedRequest (rows of every fed token)."""

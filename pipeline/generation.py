@@ -30,10 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .checks import ConfigError, check_bool, check_float, check_int
-
-GEN_PROMPT, GEN_SAMPLED, GEN_LAST, GEN_DROPPED, GEN_PAD = 0, 1, 2, 3, 4
-HAS_ROWS = (GEN_PROMPT, GEN_SAMPLED)
-META_PAD = -3  # token_id / doc_id / position of a padding row
+from .store.layout import (GEN_DROPPED, GEN_HAS_ACTS as HAS_ROWS, GEN_LAST, GEN_PAD,  # noqa: F401
+                           GEN_PROMPT, GEN_SAMPLED, META_PAD)
 
 
 @dataclass
@@ -150,3 +148,56 @@ def zero_rows_without_activations(acts, gen: np.ndarray) -> None:
     none = np.flatnonzero(~np.isin(gen, HAS_ROWS))
     if none.size:
         acts[:, none[0]:none[-1] + 1][:, none - none[0]] = 0
+
+
+class Slots:
+    """An actor's generation: prompts from contexts, a seed per slot, a slot's rows to write.
+
+    Built from ActorSpec.generate (GenerateConfig.describe()); the actor keeps its unit
+    bookkeeping and calls these three."""
+
+    def __init__(self, described: dict, context_size: int):
+        self.cfg = GenerateConfig(**described)
+        self.C = context_size
+        self.P = self.cfg.prompt_len(context_size)
+        self.params = self.cfg.params()
+
+    def stream(self, engine, feed, points, routes: dict, **kw):
+        """The engine's generation over the actor's feed: each context's first P tokens, seeded
+        by the slot's global context number (routes: request index -> (job, context index))."""
+        def seed(index: int):
+            job, i = routes[index]
+            return slot_seed(self.cfg.seed, job.row_start // self.C + i)
+
+        prompts = ([ctx[: self.P] for ctx in batch] for batch in feed)
+        return engine.generate(prompts, points, self.params, seeds=seed, **kw)
+
+    def deliver(self, job, i: int, req, view) -> int:
+        """Write slot i of an actor's unit (pipeline/actor._Job): its metadata, then its rows
+        (in place: marks the engine's rows final). Returns the rows written in place."""
+        row = job.row_start + i * self.C
+        meta, acts = self.rows(job.contexts[i], job.meta[0][i], job.meta[1][i], req, view)
+        job.writer.write_meta(row, **meta)
+        if view is not None:
+            job.writer.fill_reserved(row, self.C)
+            return self.C
+        job.writer.write(row, acts)
+        return 0
+
+    def rows(self, context: np.ndarray, doc: np.ndarray, pos: np.ndarray, req, view=None):
+        """(metadata columns, activations to write or None) of one slot from the engine's
+        GeneratedRequest. `view`: the slot's rows in the shard buffer when the engine wrote them
+        in place (padding and dropped prompt rows are zeroed there; nothing to write)."""
+        if req.prompt_len != self.P or not np.array_equal(req.token_ids[: self.P], context[: self.P]):
+            raise RuntimeError("the engine returned a generation of another prompt than the "
+                               "context's; refusing to write rows that do not match their metadata")
+        meta = slot_meta(self.cfg, self.C, doc, pos, req)
+        if view is not None:
+            zero_rows_without_activations(view, meta["gen"])
+            return meta, None
+        import torch
+
+        acts = torch.zeros((req.acts.shape[0], self.C, req.acts.shape[2]), dtype=req.acts.dtype)
+        acts[:, : len(req)] = req.acts
+        zero_rows_without_activations(acts, meta["gen"])
+        return meta, acts
