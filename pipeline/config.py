@@ -45,6 +45,11 @@ class HarvestConfig:
         check_shard_rows(self.store.shard_rows, self.packing.context_size)
         if self.capture.generate is not None:
             self.capture.generate.validate(self.packing.context_size)
+            if self.model.backend != "vllm":
+                raise ConfigError(
+                    f"capture.generate needs model.backend: vllm (the {self.model.backend} "
+                    "backend captures prompts only): set model.backend: vllm or drop "
+                    "capture.generate")
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(

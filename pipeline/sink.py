@@ -77,6 +77,11 @@ class StoreSink:
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
         }
+        if cfg.capture.generate is not None:
+            # the reader skips rows without activations in a store that has this (FORMAT.md)
+            g = cfg.capture.generate
+            attrs["generation"] = {**g.describe(), "prompt_len": g.prompt_len(cfg.packing.context_size),
+                                   "slot_rows": cfg.packing.context_size}
         L = prep.layout
         store = create_store(
             cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,

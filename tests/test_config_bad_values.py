@@ -89,15 +89,18 @@ def test_issue_values_are_refused_by_harvest_plan(capsys, config, settings, fiel
     ("capture.generate=32", "capture.generate must be a mapping"),
 ])
 def test_bad_generation_settings_are_refused_naming_the_field(capsys, config, setting, says):
-    msg = _refused_line(capsys, config, setting)
+    msg = _refused_line(capsys, config, "model.backend=vllm", setting)
     assert msg.startswith("capture.generate") or msg.startswith("unknown field capture.generate")
     assert says in msg, msg
 
 
 def test_a_good_generation_section_gets_as_far_as_the_model(capsys, config):
-    msg = _refused_line(capsys, config, "capture.generate={max_new_tokens: 16, temperature: 0.7, "
-                        "top_p: 0.9, seed: 3, stop: [2], keep_prompt: false}")
+    gen = "capture.generate={max_new_tokens: 16, temperature: 0.7, top_p: 0.9, seed: 3, " \
+          "stop: [2], keep_prompt: false}"
+    msg = _refused_line(capsys, config, "model.backend=vllm", gen)
     assert msg.startswith("model.path="), msg
+    msg = _refused_line(capsys, config, gen)  # the eager reference captures prompts only
+    assert msg.startswith("capture.generate needs model.backend: vllm"), msg
 
 
 def test_shard_rows_and_points_errors_say_the_fix(capsys, config):
