@@ -67,7 +67,9 @@ def test_preempted_generations_are_recomputed_and_match_hf_teacher_forced(crampe
     toks = prompts(12, (150, 140, 160, 130, 150))
     before = m.state.summary()["rewrites"]
     gp = GenerateParams(max_new_tokens=60, temperature=1.0, seed=4, stop_at_eos=False)
-    out = [per[0] for per in m.generate_with_cache(toks, ["resid_post.2"], gp)]
+    # all five in flight at once (the default budget would admit about two)
+    out = sorted(m.generate([toks], ["resid_post.2"], gp, max_in_flight_tokens=10_000),
+                 key=lambda r: r.index)
     assert m.state.summary()["rewrites"] > before  # something was recomputed
     ref, _ = hf_hidden_states(path, [r.token_ids.tolist() for r in out])
     for r, hs in zip(out, ref):
