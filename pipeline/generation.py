@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .checks import ConfigError, check_bool, check_float, check_int
-from .store.layout import (GEN_DROPPED, GEN_HAS_ACTS as HAS_ROWS, GEN_LAST, GEN_PAD,  # noqa: F401
-                           GEN_PROMPT, GEN_SAMPLED, META_PAD)
+
+# The `gen` values and META_PAD live in store/layout.py (the store's format); imported where
+# used, so loading a config (which validates this section) never imports the store package
+# (zarr, numcodecs: ~2 s).
 
 
 @dataclass
@@ -124,6 +126,8 @@ def slot_meta(gc: GenerateConfig, C: int, doc: np.ndarray, pos: np.ndarray, req)
     """Row metadata of one slot of C rows, from the request the engine returned (a
     GeneratedRequest: fed tokens, prompt_len, generated). `doc`/`pos` are the context's planned
     columns; generated rows continue the prompt's last document and its positions."""
+    from .store.layout import GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD
+
     P, n = req.prompt_len, len(req)
     tok = np.full(C, META_PAD, np.int32)
     d = np.full(C, META_PAD, np.int64)
@@ -145,7 +149,9 @@ def zero_rows_without_activations(acts, gen: np.ndarray) -> None:
     """Rows that hold no activations are zeros in the store: the engine never wrote the padding
     (a destination's rows past the generation are left as they were) and wrote a dropped
     prompt's rows. `acts` is [points, C, width] (a torch tensor or a numpy view)."""
-    none = np.flatnonzero(~np.isin(gen, HAS_ROWS))
+    from .store.layout import GEN_HAS_ACTS
+
+    none = np.flatnonzero(~np.isin(gen, GEN_HAS_ACTS))
     if none.size:
         acts[:, none[0]:none[-1] + 1][:, none - none[0]] = 0
 

@@ -233,10 +233,10 @@ class CaptureConfig:
             check_point(p)
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
-        from .generation import from_section
-
-        self.generate = from_section(self.generate)
         if self.generate is not None:
+            from .generation import from_section
+
+            self.generate = from_section(self.generate)
             self.generate.validate()
 
 
