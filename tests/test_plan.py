@@ -225,18 +225,18 @@ def _plan_json(tmp_path, capsys, model: str, *sets: str) -> dict:
 
 def _recount(p: dict, ratio: float) -> dict:
     """The layout's figures from the plan's own fields and FORMAT.md's rules, not from the code
-    that computes them: one object per shard per point, one chunk per shard of each of the 3
-    row-metadata columns (int32, int64, int32), a stats sidecar and a marker per unit, the index
+    that computes them: one object per shard per point, one chunk per shard of each of the 4
+    row-metadata columns (int32, int64, int32, int8), a stats sidecar and a marker per unit, the index
     compacted into one segment; every object PUT under its attempt's name, then copied and
     deleted to publish it; a sidecar and a marker PUT per unit; a marker GET per shard and one
     before the marker."""
     T, U, S, P = p["estimate"]["tokens"], p["unit_rows"], p["shard_rows"], p["points"]
     units, shards, per_unit = -(-T // U), -(-T // S), U // S
-    writes = 3 * per_unit * (P + 3) + 2
+    writes = 3 * per_unit * (P + 4) + 2
     return {"units": units, "shards": shards,
-            "objects": shards * P + shards * 3 + units + units + 1,
+            "objects": shards * P + shards * 4 + units + units + 1,
             "data_object_bytes": int(S * p["width"] * 2 / ratio),
-            "meta_object_bytes": round(S * (4 + 8 + 4) / 3),
+            "meta_object_bytes": round(S * (4 + 8 + 4 + 1) / 4),
             "writes": writes, "requests": writes + per_unit + 1}
 
 
@@ -266,8 +266,8 @@ def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     assert (p["points"], p["width"], p["shard_rows"], p["unit_rows"]) == (32, 4096, 512, 1 << 18)
     lay = _check_consistent(p, 1.42)  # the default codec is compressed, not 1.0x
     assert lay["data_object_bytes_logical"] == 4 << 20 and lay["shards_per_unit"] == 512
-    assert lay["objects"] == 62_500_000 + 5_859_375 + 2 * 3815 + 1 == 68_367_006
-    assert lay["objects_by_kind"]["meta"] == 5_859_375 and lay["units"] == 3815
+    assert lay["objects"] == 62_500_000 + 7_812_500 + 2 * 3815 + 1 == 70_320_131
+    assert lay["objects_by_kind"]["meta"] == 7_812_500 and lay["units"] == 3815
     # ~35 B per shard x point measured on real markers (issue 24: 71,735 B at 64 x 32)
     assert 30 <= lay["marker_bytes_per_shard_point"] <= 45
     assert 30 * 512 * 32 < lay["marker_bytes"] < 45 * 512 * 32
@@ -276,7 +276,7 @@ def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     assert "too small for object storage: per-request overhead dominates" in warnings
     assert "store.shard_rows=2,048" in warnings
     assert "commit markers of ~" in warnings and "store.unit_tokens" in warnings
-    assert "68,367,006 objects" in warnings and "over 10 M" in warnings
+    assert "70,320,131 objects" in warnings and "over 10 M" in warnings
     assert "issue 24" in warnings
     assert "write requests/s" not in warnings  # a local store: no per-prefix request limit
     est = p["estimate"]  # GPUs asked for: priced as GPUs, and said to be a guess
@@ -305,7 +305,7 @@ def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
     assert len(lines) == 1 and f"at 2,000 tok/s ~{per_s:,} writes/s" in lines[0]
     assert "rate      given with --rate 2000, instead of ~" in text
     assert "write requests/s" not in text  # ~410/s: under the limit
-    assert "objects   68,367,006 for 1,000,000,000 tokens: 62,500,000 data of ~4.2 MB" in text
+    assert "objects   70,320,131 for 1,000,000,000 tokens: 62,500,000 data of ~4.2 MB" in text
 
 
 def test_plan_layout_at_a_small_shape(tmp_path, capsys):
@@ -315,7 +315,7 @@ def test_plan_layout_at_a_small_shape(tmp_path, capsys):
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=16384",
                    "ray.num_gpus_per_actor=0")
     lay = _check_consistent(p, 1.42)
-    assert lay["objects"] == 8 * 30 + 8 * 3 + 2 * lay["units"] + 1
+    assert lay["objects"] == 8 * 30 + 8 * 4 + 2 * lay["units"] + 1
     assert lay["marker_bytes"] < 64_000 and lay["warnings"] == []
     est = p["estimate"]
     assert est["rate_platform"] == "cpu" and est["rate_source"].startswith("CPU guess")
