@@ -1,4 +1,4 @@
-"""A unit's row metadata as its writer holds it: token_id, doc_id, position of every row.
+"""A unit's row metadata as its writer holds it: token_id, doc_id, position, gen of every row.
 
 The writer needs it whole before it commits (the marker carries a CRC32C per column, which
 verify(deep=True) checks against the stored arrays), and per shard before it encodes the shard:

@@ -224,7 +224,7 @@ class ShardUploads:
         self._pending[sh.index] = futs
 
     def _upload_meta(self, si: int) -> None:
-        """The shard's rows of token_id, doc_id, position: one chunk object per column."""
+        """The shard's rows of token_id, doc_id, position, gen: one chunk object per column."""
         if self._failed is not None or self._closed:
             return
         s0, s1 = self.shard_span(si)
