@@ -96,7 +96,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             `norm_constants=` to normalise its held-out split identically.
         endless, steps: endless=True runs epoch after epoch; steps=N stops after N batches per
             rank (spread over its DataLoader workers), crossing epochs as needed.
-        return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a generation store) instead of tensors.
+        return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a
+            generation store) instead of tensors.
         out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
         prefetch_shards, io_threads: concurrent fetch+decode tasks (default 2 x prefetch_shards).
     """
