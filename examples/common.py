@@ -48,7 +48,11 @@ def recipe_kwargs(store, seed: int, test_fraction: float = 0.05) -> dict:
     kw = dict(max_norm_ratio=10.0, normalize="norm_scale", split_seed=seed,
               test_fraction=test_fraction)
     packing = (store.attrs.get("config") or {}).get("packing") or {}
-    if store.attrs.get("special_token_ids") is not None:
+    # The special ids are a format attribute (`harvest.special_token_ids`, what
+    # `store.special_token_ids` reads); the run attributes keep them under `tokenizer`, never at
+    # the top level, so reading `attrs["special_token_ids"]` missed every pipeline store and the
+    # recipe trained on attention-sink BOS rows (|x|^2 ~ 1e4 x the median).
+    if store.special_token_ids:
         kw["exclude_special"] = True
     elif packing.get("bos", "context") == "context":
         kw["seqpos"] = slice(1, None)

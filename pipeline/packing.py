@@ -231,8 +231,9 @@ class BlockPacker:
         if self.fill:
             self.stats.tokens_tail_dropped += self.fill - (1 if self.per_context_bos else 0)
             self.fill = 0
+        capped = self.done and self.stats.budget_reached  # before _emit resets the stats
         c = self._emit(None)
-        c.final, c.capped = True, self.done and self.stats.budget_reached
+        c.final, c.capped = True, capped
         return [c]
 
     # ---- internals -----------------------------------------------------------------------------

@@ -182,6 +182,10 @@ def test_a_packer_resumed_with_the_budget_left_stops_where_the_run_ends():
 
     chunks = run(12)
     assert [c.n_contexts for c in chunks] == [2] * 6 and chunks[-1].stats["budget_reached"]
+    # the last chunk says the budget, not the data, ended the block (finish read the flag after
+    # resetting the stats, so `capped` was always False); one that runs out of data is not capped
+    assert chunks[-1].capped and chunks[-1].final and not any(c.capped for c in chunks[:-1])
+    assert not run(10_000)[-1].capped
     for c in chunks[1:]:
         before = sum(x.n_contexts for x in chunks[:c.index])
         again = run(12 - before, c.cursor, c.index)
