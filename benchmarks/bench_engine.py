@@ -63,6 +63,33 @@ def _timed_generate(model, prompts, points, repeats: int, new_tokens: int) -> tu
     return best, rows
 
 
+def _same_engine_generate(path, prompts, rounds: int, max_batched: int, generate: int) -> dict:
+    """One freeze engine generating the same prompts with every layer captured and with nothing
+    captured (taps still in the graph), alternated `rounds` times in one process: the capture's
+    own cost (copies, row checks) without engine reloads between the two, which on a loaded
+    machine move the plain-vs-freeze pairs by more than the difference they measure."""
+    from harvest.engine import load_model
+
+    m = load_model(path, backend="vllm", freeze_points="auto", freeze_writes=[],
+                   max_num_batched_tokens=max_batched)
+    ratios, best = [], {"captured": 0.0, "uncaptured": 0.0}
+    try:
+        _timed_generate(m, prompts, [], 0, generate)  # warm-up
+        for _ in range(rounds):
+            cap, _ = _timed_generate(m, prompts, None, 0, generate)
+            off, _ = _timed_generate(m, prompts, [], 0, generate)
+            ratios.append(off / cap)
+            best = {"captured": max(best["captured"], 1 / cap), "uncaptured": max(best["uncaptured"], 1 / off)}
+    finally:
+        m.close()
+    tokens = len(prompts) * generate
+    ratios.sort()
+    return {"mode": "freeze_same_engine", "tok_s": tokens * best["captured"],
+            "uncaptured_tok_s": tokens * best["uncaptured"], "rounds": rounds,
+            "ratio_to_uncaptured": ratios[len(ratios) // 2], "ratios": [round(r, 3) for r in ratios],
+            "layers": "all"}
+
+
 def _vllm_mode(path, prompts, repeats, mode, max_batched, generate: int = 0):
     from harvest.engine import load_model
 
@@ -188,9 +215,21 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
         except Exception as e:  # a mode this build cannot run is reported, not fatal
             rows_out.append({"mode": mode, "tok_s": None, "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(rows_out[-1]), flush=True)
+    if generate and "freeze" in modes:
+        try:
+            rows_out.append(_same_engine_generate(path, prompts, max(3, rounds * 2), max_batched,
+                                                  generate))
+        except Exception as e:  # noqa: BLE001 -- reported, not fatal
+            rows_out.append({"mode": "freeze_same_engine", "tok_s": None,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(rows_out[-1]), flush=True)
     plain = [r["tok_s"] for r in rows_out if r["mode"] == "plain" and r["tok_s"]]
     mean_plain = sum(plain) / len(plain) if plain else None
     for i, r in enumerate(rows_out):
+        if r["mode"] == "freeze_same_engine":
+            r["ratio_to_plain"] = None  # its own ratio: ratio_to_uncaptured
+            r.update(model=os.path.basename(path), tokens=tokens, task="generate")
+            continue
         base = mean_plain if r["mode"] == "plain" else _paired_base(rows_out, i)
         r["ratio_to_plain"] = (r["tok_s"] / base) if (base and r.get("tok_s")) else None
         r.update(model=os.path.basename(path), tokens=tokens, task="generate" if generate else "prefill",
@@ -238,6 +277,10 @@ def main() -> None:
         target = 0.9 if a.generate else 0.95
         what = f"generation of {a.generate} tokens" if a.generate else "prefill"
         print(f"{what}: freeze / plain = {ratio:.3f} (median of {n} paired runs; target >= {target})")
+    same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
+    if same:
+        print(f"{what}: one freeze engine, captured / uncaptured = {same['ratio_to_uncaptured']:.3f} "
+              f"(median of {same['rounds']} alternations {same['ratios']})")
 
 
 if __name__ == "__main__":
