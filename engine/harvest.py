@@ -200,6 +200,8 @@ class HarvestState:
             plan = plan_step(lay.req_ids, lay.counts, lay.starts, lengths, self.retired)
             require_no_stray(plan)
             self.dropped_rows += plan.dropped
+            if not plan.segments:  # only dropped rows: nothing to copy, no ticket to wait for
+                return
             fed_pos, fed_ids = compat.fed_inputs(runner, lay.n)
             dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
             ticket = self.transport.submit(plan, self.taps.buf, self.slots, fed_pos, fed_ids, dests)
