@@ -4,7 +4,7 @@ Issue 24: at an 8B model's shape (32 layers x 4096 wide) the old layout made ~68
 10^9 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
 megabyte, and nothing said so before the run. Every figure here is counted from the code that
 writes the store, not from copies of its rules: `layout.ROW_META` (the base columns, `role` too
-for chat input) for the objects of a shard,
+for chat input, `gen` for generation) for the objects of a shard,
 `layout.block_rows` and `objects.writes_per_object` for the requests per streamed object (start,
 parts, completion), `commits.marker_size` (the real marker builder) for the marker and
 `commits.index_batch` for the index, so the plan follows the layout when the layout changes.
@@ -58,10 +58,12 @@ def index_requests(units: int) -> int:
 
 def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
                 tokens: "int | None", ratio: float, rate: "float | None",
-                object_store: bool, roles: bool = False) -> dict:
+                object_store: bool, roles: bool = False, generated: bool = False) -> dict:
     """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
     whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at."""
-    columns = {c: ROW_META[c] for c in BASE_META + (("role",) if roles else ())}
+    # `roles`: a chat store's `role` column; `generated`: a generation store's `gen` column
+    extra = (("role",) if roles else ()) + (("gen",) if generated else ())
+    columns = {c: ROW_META[c] for c in BASE_META + extra}
     P, M = len(points), len(columns)
     row_bytes = width * itemsize
     shards_per_unit = unit_rows // shard_rows
