@@ -13,6 +13,11 @@ the median of the paired ratios: the figure for the freeze target (>= 0.95x plai
 `--tp 1 2` runs plain and freeze at each tensor-parallel size (TP > 1: vLLM's multiprocessing
 executor, rows through the step ring) and reports host memory (PSS of this process and the rank
 processes it started) beside tok/s.
+
+`--generate N` measures generation instead (engine/generate.py): every prompt completed with N
+new tokens (greedy, no stop: the same work in every mode), tok/s = generated tokens per second;
+plain is plain vLLM generating, freeze generates with every layer's rows (prompt and decode)
+delivered. Target: freeze >= 0.9x plain.
 """
 
 from __future__ import annotations
@@ -65,7 +70,50 @@ def host_memory_mb() -> tuple[float, float]:
     return (own + kids) / 1e6, kids / 1e6
 
 
-def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1):
+def _timed_generate(model, prompts, points, repeats: int, new_tokens: int) -> tuple[float, int]:
+    """Best of `repeats` generation passes; returns (seconds, rows delivered)."""
+    from harvest.engine import GenerateParams
+
+    gp = GenerateParams(max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
+    best, rows = float("inf"), 0
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        rows = 0
+        for req in model.generate([prompts], points, gp):
+            assert len(req.generated) == new_tokens
+            rows += len(req) if points is None or points else 0
+        best = min(best, time.perf_counter() - t)
+    return best, rows
+
+
+def _same_engine_generate(path, prompts, rounds: int, max_batched: int, generate: int) -> dict:
+    """One freeze engine generating the same prompts with every layer captured and with nothing
+    captured (taps still in the graph), alternated `rounds` times in one process: the capture's
+    own cost (copies, row checks) without engine reloads between the two, which on a loaded
+    machine move the plain-vs-freeze pairs by more than the difference they measure."""
+    from harvest.engine import load_model
+
+    m = load_model(path, backend="vllm", freeze_points="auto", freeze_writes=[],
+                   max_num_batched_tokens=max_batched)
+    ratios, best = [], {"captured": 0.0, "uncaptured": 0.0}
+    try:
+        _timed_generate(m, prompts, [], 0, generate)  # warm-up
+        for _ in range(rounds):
+            cap, _ = _timed_generate(m, prompts, None, 0, generate)
+            off, _ = _timed_generate(m, prompts, [], 0, generate)
+            ratios.append(off / cap)
+            best = {"captured": max(best["captured"], 1 / cap), "uncaptured": max(best["uncaptured"], 1 / off)}
+    finally:
+        m.close()
+    tokens = len(prompts) * generate
+    ratios.sort()
+    return {"mode": "freeze_same_engine", "tok_s": tokens * best["captured"],
+            "uncaptured_tok_s": tokens * best["uncaptured"], "rounds": rounds,
+            "ratio_to_uncaptured": ratios[len(ratios) // 2], "ratios": [round(r, 3) for r in ratios],
+            "layers": "all"}
+
+
+def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate: int = 0):
     from harvest.engine import load_model
 
     kw = dict(max_num_batched_tokens=max_batched)
@@ -81,7 +129,10 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1):
         m = load_model(path, backend="vllm", enforce_eager=True, **kw)
         points = [f"resid_post.{i}" for i in range(m.n_layers)]
     try:
-        secs, rows = _timed_capture(m, prompts, points, repeats)
+        if generate:
+            secs, rows = _timed_generate(m, prompts, points, repeats, generate)
+        else:
+            secs, rows = _timed_capture(m, prompts, points, repeats)
         mem = host_memory_mb()
     finally:
         m.close()
@@ -164,7 +215,8 @@ def _paired_base(rows: list[dict], i: int) -> float | None:
 def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, repeats: int = 2,
         max_batched: int = 2048, modes=("plain", "freeze", "hooked", "extract_hidden_states",
                                         "hf_eager"),
-        prompts: list[list[int]] | None = None, rounds: int = 1, tps=(1,)) -> list[dict]:
+        prompts: list[list[int]] | None = None, rounds: int = 1, tps=(1,),
+        generate: int = 0) -> list[dict]:
     from harvest.engine.common import read_model_info
     from harvest.engine.models import smollm2_path
 
@@ -172,7 +224,10 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
     info = read_model_info(path)
     if prompts is None:
         prompts = make_prompts(n_prompts, prompt_len, info.vocab_size)
-    tokens = sum(len(p) for p in prompts)
+    # generation: the figure is generated tokens per second (every mode does the same work)
+    tokens = len(prompts) * generate if generate else sum(len(p) for p in prompts)
+    if generate:
+        modes = [m for m in modes if m in ("plain", "freeze", "hooked")]
     rows_out: list[dict] = []
     # --tp 1 2: the whole schedule at each TP size in turn, ratios paired within a size
     plan = [(mode, tp) for tp in tps for mode in schedule(modes, rounds)
@@ -181,7 +236,8 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
         try:
             mem = None
             if mode in ("plain", "freeze", "hooked"):
-                secs, rows, mem = _vllm_mode(path, prompts, repeats, mode, max_batched, tp)
+                secs, rows, mem = _vllm_mode(path, prompts, repeats, mode, max_batched, tp,
+                                             generate)
             elif mode == "hf_eager":
                 secs, rows = _eager_mode(path, prompts, repeats)
             elif mode == "extract_hidden_states":
@@ -196,13 +252,26 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
             rows_out.append({"mode": mode, "tp": tp, "tok_s": None,
                              "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(rows_out[-1]), flush=True)
+    if generate and "freeze" in modes:
+        try:
+            rows_out.append(_same_engine_generate(path, prompts, max(3, rounds * 2), max_batched,
+                                                  generate))
+        except Exception as e:  # noqa: BLE001 -- reported, not fatal
+            rows_out.append({"mode": "freeze_same_engine", "tok_s": None,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
+        print(json.dumps(rows_out[-1]), flush=True)
     for i, r in enumerate(rows_out):
+        if r["mode"] == "freeze_same_engine":
+            r["ratio_to_plain"] = None  # its own ratio: ratio_to_uncaptured
+            r.update(model=os.path.basename(path), tokens=tokens, task="generate")
+            continue
         plain = [x["tok_s"] for x in rows_out
                  if x["mode"] == "plain" and x["tok_s"] and x.get("tp", 1) == r.get("tp", 1)]
         mean_plain = sum(plain) / len(plain) if plain else None
         base = mean_plain if r["mode"] == "plain" else _paired_base(rows_out, i)
         r["ratio_to_plain"] = (r["tok_s"] / base) if (base and r.get("tok_s")) else None
-        r.update(model=os.path.basename(path), tokens=tokens, device="cuda" if torch.cuda.is_available() else "cpu")
+        r.update(model=os.path.basename(path), tokens=tokens, task="generate" if generate else "prefill",
+                 device="cuda" if torch.cuda.is_available() else "cpu")
     return rows_out
 
 
@@ -240,18 +309,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternate the modes with plain N times")
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes, each running plain and freeze (e.g. --tp 1 2)")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="measure generation of N new tokens per prompt (plain vs freeze)")
     a = ap.parse_args()
     kw = {"modes": a.modes} if a.modes else {}
     rows = run(a.model, a.prompts, a.len, a.repeats, a.max_batched, rounds=a.rounds,
-               tps=tuple(a.tp), **kw)
+               tps=tuple(a.tp), generate=a.generate, **kw)
     print(table(rows))
+    target = 0.9 if a.generate else 0.95
+    what = f"generation of {a.generate} tokens" if a.generate else "prefill"
     for tp in a.tp:
         ratio = median_ratio(rows, "freeze", tp)
         if ratio is not None:
             n = sum(1 for r in rows if r["mode"] == "freeze" and r.get("tp", 1) == tp
                     and r.get("ratio_to_plain"))
-            print(f"TP={tp}: freeze / plain = {ratio:.3f} (median of {n} paired runs; "
-                  "target >= 0.95)")
+            print(f"{what}, TP={tp}: freeze / plain = {ratio:.3f} (median of {n} paired runs; "
+                  f"target >= {target})")
+    same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
+    if same:
+        print(f"{what}: one freeze engine, captured / uncaptured = {same['ratio_to_uncaptured']:.3f} "
+              f"(median of {same['rounds']} alternations {same['ratios']})")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
     model.capture(batches, points, destinations=fn)   # fn(index, n): rows land in caller memory
     caches = run_with_cache(model, token_lists, ["resid_post.3"])   # per request {Address: [n, width]}
     caches[0]["resid_post.3"]                                      # string keys work too
+    gens = model.generate_with_cache(token_lists, points, GenerateParams(max_new_tokens=32))
+    gens[0][0].generated, gens[0][0].point("resid_post.3")   # sampled ids; prompt + decode rows
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_fre
 # Names whose modules import torch are loaded on first use (PEP 562), so `harvest.engine.addresses`,
 # which pipeline config validation reads (the point kinds), costs no torch import (3 s here).
 _LAZY = {"ActivationCache": "captured", "CapturedRequest": "captured", "to_numpy": "captured",
-         "CheckConfig": "check", "check_loaded": "check", "check_model": "check",
+         "CheckConfig": "check", "GenerateParams": "generate", "GeneratedRequest": "generate", "check_loaded": "check", "check_model": "check",
          "TrunkRefused": "probe"}
 
 
@@ -63,6 +65,7 @@ def run_with_cache(model, tokens, points=None) -> list[ActivationCache]:
     return out
 
 
-__all__ = ["ActivationCache", "Address", "CapturedRequest", "CheckConfig", "FreezePlan", "FreezeSet", "KNOWN_POINTS",
+__all__ = ["ActivationCache", "Address", "CapturedRequest", "CheckConfig", "FreezePlan", "FreezeSet",
+           "GenerateParams", "GeneratedRequest", "KNOWN_POINTS",
            "TrunkRefused", "check_loaded", "check_model", "load_model", "resolve_freeze_points",
            "run_with_cache", "to_numpy"]

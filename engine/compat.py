@@ -178,6 +178,42 @@ def runner_geometry(runner) -> dict:
             "device": runner.device}
 
 
+# -- seeded sampling on the CPU build --------------------------------------------------------------
+
+def snapshot_generators(runner) -> dict:
+    """{generator: state} of every per-request (seeded) generator, before a step samples.
+
+    vLLM 0.32.0 rewinds a seeded request's generator when it throws away the sample of a partial
+    prefill chunk (`GPUModelRunner._bookkeeping_sync`: `gen.set_offset(gen.get_offset() - 4)`,
+    one Philox draw). A CPU torch.Generator has no offset ("CPU Generator does not use offset"),
+    so on the CPU build any seeded request whose prompt is chunked kills the engine step. Keyed
+    by the generator object: `input_batch.generators` is keyed by batch index, which the step's
+    state update may move."""
+    gens = getattr(runner.input_batch, "generators", None) or {}
+    return {g: g.get_state() for g in gens.values() if g.device.type == "cpu"}
+
+
+def rewind_discarded_generators(runner, snapshot: dict) -> dict:
+    """The CPU equivalent of vLLM's rewind: the generators of requests whose sample this step
+    discards get their state from before the step back, and are taken out of
+    `input_batch.generators` (returned, to put back after `_bookkeeping_sync`) so vLLM's own
+    offset rewind skips them. Same effect as on CUDA: the seeded sequence of draws does not
+    depend on how a prompt was chunked."""
+    ib = runner.input_batch
+    num = ib.num_reqs
+    taken = {}
+    for i in np.nonzero(runner.discard_request_mask.np[:num])[0].tolist():
+        g = ib.generators.get(int(i))
+        if g is not None and g in snapshot:
+            g.set_state(snapshot[g])
+            taken[int(i)] = ib.generators.pop(int(i))
+    return taken
+
+
+def restore_generators(runner, taken: dict) -> None:
+    runner.input_batch.generators.update(taken)
+
+
 # -- classes ---------------------------------------------------------------------------------------
 
 def v1_runner_classes() -> dict:
@@ -327,7 +363,7 @@ def installed_version() -> str:
 # their assignments are found in the source the installed vLLM ships).
 _RUNNER_ATTRS = ("self.input_batch = ", "self.positions = ", "self.input_ids = ",
                  "self.execute_model_state")
-_INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu")
+_INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu", "generators")
 
 
 def check() -> list[str]:
@@ -344,7 +380,7 @@ def check() -> list[str]:
     except ImportError as e:
         return [f"import: {e}"]
     gpu, cpu = runners["gpu"], runners["cpu"]
-    for name in ("load_model", "execute_model", "get_model"):
+    for name in ("load_model", "execute_model", "get_model", "sample_tokens", "_bookkeeping_sync"):
         need(callable(getattr(gpu, name, None)), f"GPUModelRunner.{name}")
     need("load_model" in cpu.__dict__, "CPUModelRunner.load_model (own override)")
     try:
@@ -354,6 +390,10 @@ def check() -> list[str]:
         src = inspect.getsource(gpu.__init__)
         for a in _RUNNER_ATTRS:
             need(a in src, f"GPUModelRunner.__init__: {a.strip(' =')}")
+        # snapshot_generators / rewind_discarded_generators: the rewind they replace on CPU
+        src = inspect.getsource(gpu._bookkeeping_sync)
+        need("discard_request_mask.np" in src and "set_offset" in src,
+             "GPUModelRunner._bookkeeping_sync rewinds discarded seeded generators")
     except (OSError, TypeError):
         missing.append("GPUModelRunner source (cannot inspect)")
     try:

@@ -50,11 +50,15 @@ class Coverage:
         d = np.diff(np.concatenate(([1], self.seen.view(np.int8), [1])))
         return list(zip(np.flatnonzero(d == -1).tolist(), np.flatnonzero(d == 1).tolist()))
 
-    def require_complete(self, what: str) -> None:
-        if not self.complete:
-            runs = self.gaps()
+    def require_complete(self, what: str, upto: int | None = None) -> None:
+        """Every position [0, upto) (default: all n) has a row. A generated request registers
+        room for its longest possible sequence and learns its real length only when it finishes;
+        `upto` is that length."""
+        n = self.n if upto is None else upto
+        if not self.seen[:n].all():
+            runs = [(a, min(b, n)) for a, b in self.gaps() if a < n]
             shown = ", ".join(f"[{a}, {b})" for a, b in runs[:5]) + (" ..." if len(runs) > 5 else "")
-            raise CoverageError(f"{what}: positions {shown} of {self.n} never received rows; "
+            raise CoverageError(f"{what}: positions {shown} of {n} never received rows; "
                                 "refusing to hand over a partial request")
 
 
@@ -98,15 +102,17 @@ def plan_step(req_ids, counts, starts, lengths: Mapping[str, int],
 
 
 def require_no_stray(plan: StepPlan) -> None:
-    """Prompt capture forwards prompt tokens only (max_tokens=1: the sampled token is never fed).
-    A stray row means a decode step or a foreign request ran through the taps: the request map
-    no longer describes what vLLM runs."""
+    """Prompt capture forwards prompt tokens only (max_tokens=1: the sampled token is never fed);
+    generation registers room for prompt + max_new_tokens positions per request (engine/generate.py),
+    so its decode rows are planned like prompt rows. A stray row means a decode step of a request
+    nobody captures, a position past a request's room, or a foreign request ran through the taps:
+    the request map no longer describes what vLLM runs."""
     if plan.stray:
         s = plan.stray[0]
         raise CoverageError(
-            f"{sum(x.count for x in plan.stray)} rows of a step belong to no captured prompt "
+            f"{sum(x.count for x in plan.stray)} rows of a step belong to no captured request "
             f"(first: request {s.rid!r} positions [{s.start}, {s.start + s.count})); "
-            "prompt capture expects none")
+            "a capture expects none")
 
 
 def check_fed(plan: StepPlan, fed_positions: np.ndarray, fed_ids: np.ndarray,

@@ -38,8 +38,10 @@ class Dest:
     """One registered request: where its rows go and which of its positions have arrived."""
 
     acts: torch.Tensor  # [points of this capture, n, width], host
-    tokens: np.ndarray  # int32 [n]
+    tokens: np.ndarray  # int32 [n]: the prompt, then generated tokens as vLLM reports them
     coverage: Coverage
+    known: int = 0  # tokens[:known] are known (a prompt: all; a generation grows, see extend)
+    rows: int | None = None  # positions handed over; None: all n (set when a generation ends)
     pending: int = 0  # submitted tickets that write into acts and are not processed yet
     finished: bool = False  # vLLM reported the request finished
 
@@ -57,6 +59,10 @@ class HarvestState:
     staging: bool = True
     dests: dict[str, Dest] = field(default_factory=dict)
     retired: set = field(default_factory=set)  # aborted internal ids: their rows are dropped
+    # (step, id) of generated requests handed over: under async scheduling vLLM may already run
+    # one more decode step of a request whose stop token it has not seen yet; that row is dropped
+    # like an aborted one's, and the id leaves `retired` a few steps later (bounded memory)
+    lingering: deque = field(default_factory=deque)
     slots: tuple[int, ...] = ()
     tickets: deque = field(default_factory=deque)
     error: BaseException | None = None
@@ -85,8 +91,28 @@ class HarvestState:
             return self.transport.new_destination(shape, self.dtype)
         return check_destination(acts, shape, self.dtype, self.transport.pinned)
 
-    def register(self, rid: str, acts: torch.Tensor, tokens: np.ndarray) -> None:
-        self.dests[rid] = Dest(acts, tokens, Coverage(len(tokens)))
+    def register(self, rid: str, acts: torch.Tensor, tokens: np.ndarray,
+                 known: int | None = None) -> None:
+        """`tokens` has room for every position of the request; the first `known` are its
+        prompt (default: all of them, a prompt capture)."""
+        n = len(tokens)
+        self.dests[rid] = Dest(acts, tokens, Coverage(n), n if known is None else known)
+
+    def extend(self, rid: str, new_ids) -> None:
+        """Tokens vLLM sampled for a generated request, in order: the rows of positions up to
+        `known` can now be checked against what the runner fed (tickets wait until then)."""
+        d = self.dests[rid]
+        k = len(new_ids)
+        if d.known + k > len(d.tokens):
+            raise CoverageError(f"request {rid!r}: vLLM reported {d.known + k} tokens, more than "
+                                f"the {len(d.tokens)} positions registered for it")
+        d.tokens[d.known : d.known + k] = new_ids
+        d.known += k
+
+    def end_rows(self, rid: str, rows: int) -> None:
+        """A generated request finished: positions [0, rows) are handed over (the last sampled
+        token is never fed, so it has no row; see engine/generate.py)."""
+        self.dests[rid].rows = rows
 
     def mark_finished(self, rid: str) -> None:
         self.dests[rid].finished = True
@@ -101,9 +127,12 @@ class HarvestState:
         d = self.dests[rid]
         if not self.is_final(rid):
             raise RuntimeError(f"{what}: handed over before its rows are final")
-        d.coverage.require_complete(what)
+        d.coverage.require_complete(what, d.rows)
         del self.dests[rid]
-        self.rows += d.coverage.n
+        self.rows += d.coverage.n if d.rows is None else d.rows
+        if d.rows is not None:
+            self.retired.add(rid)
+            self.lingering.append((self.steps, rid))
         self.rewrites += d.coverage.rewrites
         return d.acts
 
@@ -111,6 +140,13 @@ class HarvestState:
         """Process completed tickets in submission order (one stream: they complete in order)."""
         while self.tickets:
             t = self.tickets[0]
+            if not self._tokens_known(t):
+                # a decode row whose fed token vLLM has not reported yet (async scheduling): the
+                # check waits for the output; with no step left to run that output never comes
+                if block:
+                    raise CoverageError("a step fed generated tokens that vLLM never reported: "
+                                        "the rows cannot be checked against their tokens")
+                return
             if not self.transport.ready(t):
                 if not block:
                     return
@@ -133,6 +169,9 @@ class HarvestState:
             e, self.error = self.error, None
             raise e
 
+    def _tokens_known(self, t) -> bool:
+        return all(s.start + s.count <= self.dests[s.rid].known for s in t.plan.segments)
+
     def _process(self, t) -> None:
         pos, ids = t.fed()
         try:
@@ -153,6 +192,8 @@ class HarvestState:
     def after_forward(self, runner, scheduler_output) -> None:
         self.steps += 1
         self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
+        while self.lingering and self.lingering[0][0] < self.steps - 4:
+            self.retired.discard(self.lingering.popleft()[1])
         if self.ring is not None:
             self._publish(runner, scheduler_output)
             return
@@ -184,6 +225,8 @@ class HarvestState:
         plan = plan_step(req_ids, counts, starts, lengths, self.retired)
         require_no_stray(plan)
         self.dropped_rows += plan.dropped
+        if not plan.segments:  # only dropped rows: nothing to copy, no ticket to wait for
+            return
         dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
         ticket = self.transport.submit(plan, buf, self.slots, fed_pos, fed_ids, dests)
         for s in plan.segments:

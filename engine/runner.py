@@ -46,7 +46,24 @@ class HarvestGPUModelRunner(HarvestRunnerMixin, _runners["gpu"]):
 
 
 class HarvestCPUModelRunner(HarvestRunnerMixin, _runners["cpu"]):
-    pass
+    """Also fixes seeded sampling on the CPU build (compat.snapshot_generators): without it, a
+    generation with a seed dies on the first prompt vLLM prefills in chunks."""
+
+    _generator_states: dict | None = None
+
+    def sample_tokens(self, *args, **kwargs):
+        self._generator_states = compat.snapshot_generators(self)
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            self._generator_states = None
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        taken = compat.rewind_discarded_generators(self, self._generator_states or {})
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            compat.restore_generators(self, taken)
 
 
 def _refuse_v2(worker) -> None:

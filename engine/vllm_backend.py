@@ -343,6 +343,19 @@ class VLLMModel:
             if reqs:
                 self._abort(engine, reqs, capturing)
 
+    def generate(self, batches, points=None, sampling=None, max_in_flight_tokens: int | None = None,
+                 destinations: DestinationProvider | None = None, seeds=None):
+        """Complete prompts and stream each sample's prompt + generated rows (engine/generate.py)."""
+        from .generate import generate
+
+        return generate(self, batches, points, sampling, max_in_flight_tokens, destinations, seeds)
+
+    def generate_with_cache(self, prompts, points=None, sampling=None):
+        """out[i][s]: sample s of prompt i, a GeneratedRequest (rows of every fed token)."""
+        from .generate import generate_with_cache
+
+        return generate_with_cache(self, prompts, points, sampling)
+
     def _handover(self, r: _Req, pts) -> CapturedRequest:
         n = len(r.ids)
         if pts:

@@ -50,10 +50,11 @@ def _cpu_slice(index: int, threads: int) -> list[int]:
 class _Job:
     """A unit queued for the engine stream."""
 
-    __slots__ = ("unit_id", "row_start", "contexts", "writer", "received", "error", "done")
+    __slots__ = ("unit_id", "row_start", "contexts", "writer", "received", "error", "done", "meta")
 
-    def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer):
+    def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer, meta=None):
         self.unit_id, self.row_start, self.contexts, self.writer = unit_id, row_start, contexts, writer
+        self.meta = meta  # generation: (doc_id, position) per context, written per slot
         self.received = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -96,6 +97,11 @@ class HarvestActor:
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
         self.points = list(spec.points)
         self.context_size = spec.context_size
+        self.slots = None
+        if spec.generate is not None:
+            from .generation import Slots
+
+            self.slots = Slots(spec.generate, spec.context_size)
         self._store = None
         self._store_lock = threading.Lock()
         self._queue: "queue.Queue[_Job | None]" = queue.Queue()
@@ -253,8 +259,13 @@ class HarvestActor:
             return result("already_committed")
         try:
             tok, doc, pos, role = unit_rows(unit, self.context_size)
-            writer.write_meta(rs, tok, doc, pos, role)
-            job = _Job(uid, rs, tok.reshape(-1, self.context_size), writer)
+            C, meta = self.context_size, None
+            if self.slots is None:
+                writer.write_meta(rs, tok, doc, pos, role)
+            else:  # a slot's metadata is known once it is generated: written on delivery
+                # (config.check_generate refuses chat input with generation: no roles here)
+                meta = (doc.reshape(-1, C), pos.reshape(-1, C))
+            job = _Job(uid, rs, tok.reshape(-1, C), writer, meta)
             self._queue.put(job)
             job.done.wait()
             if job.error is not None:
@@ -299,7 +310,7 @@ class HarvestActor:
         feed = self._feed(first, routes, live)
         del first  # the feed and `live` hold it now, and only while it is in flight
         self.streams += 1
-        reserved: set[int] = set()  # request indices whose rows the engine writes in place
+        reserved: dict = {}  # request index -> its rows in the shard buffer (written in place)
         kw = {}
         if self._in_place():
             def destination(index: int, n: int):
@@ -309,20 +320,22 @@ class HarvestActor:
                 view = job.writer.reserve(job.row_start + i * self.context_size, n)
                 if view is None:
                     return None
-                reserved.add(index)
+                reserved[index] = view
                 return self._as_tensor(view)
             kw["destinations"] = destination
+        stream = self.engine.capture(feed, self.points, **kw) if self.slots is None else \
+            self.slots.stream(self.engine, feed, self.points, routes, **kw)
         try:
-            for req in self.engine.capture(feed, self.points, **kw):
+            for req in stream:
                 job, i = routes.pop(req.index)
                 if job.error is None:
                     try:
-                        self._deliver(job, i, req, req.index in reserved)
+                        self._deliver(job, i, req, reserved.get(req.index))
                     except BaseException as e:  # noqa: BLE001 -- the unit fails, the stream goes on
                         job.fail(e)
                 if job.done.is_set():
                     live.discard(job)
-                reserved.discard(req.index)
+                reserved.pop(req.index, None)
                 del job  # the unit commits on its own thread now: hold it no longer
         except BaseException as e:  # noqa: BLE001 -- the engine failed: every unit in it fails
             for job in list(live):
@@ -376,20 +389,26 @@ class HarvestActor:
                 return
             live.add(job)
 
-    def _deliver(self, job: _Job, i: int, req, in_place: bool) -> None:
-        """The capture -> writer hand-off, and the only place it happens. In place: the engine
-        already wrote the rows into the writer's shard buffer (one host copy), this marks them
-        final; otherwise they are copied from the request's own tensor."""
-        if not np.array_equal(np.asarray(req.token_ids), job.contexts[i]):
+    def _deliver(self, job: _Job, i: int, req, view) -> None:
+        """The capture -> writer hand-off, and the only place it happens. In place (`view`, the
+        rows in the shard buffer): the engine already wrote the rows into the writer's shard
+        buffer (one host copy), this marks them final; otherwise they are copied from the
+        request's own tensor. A generation slot's metadata and rows come from the one request
+        delivered here: what a unit commits is one attempt's samples, never a mix."""
+        in_place = view is not None
+        if self.slots is not None:
+            self.rows_in_place += self.slots.deliver(job, i, req, view)
+        elif not np.array_equal(np.asarray(req.token_ids), job.contexts[i]):
             raise RuntimeError(
                 f"unit {job.unit_id}: engine returned context {i} with other tokens than "
                 "submitted; refusing to write rows that do not match their metadata")
-        row = job.row_start + i * self.context_size
-        if in_place:
-            job.writer.fill_reserved(row, len(req))
-            self.rows_in_place += len(req)
         else:
-            job.writer.write(row, req.acts)
+            row = job.row_start + i * self.context_size
+            if in_place:
+                job.writer.fill_reserved(row, len(req))
+                self.rows_in_place += len(req)
+            else:
+                job.writer.write(row, req.acts)
         job.received += 1
         if job.received == len(job.contexts):
             job.done.set()

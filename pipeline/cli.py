@@ -182,7 +182,7 @@ def cmd_plan(args) -> int:
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
-        roles=cfg.data.format == "chat")
+        roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None)
     if args.json:
         _json_out(args, out)
     else:

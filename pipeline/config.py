@@ -44,6 +44,7 @@ class HarvestConfig:
             getattr(self, section).validate()
         check_shard_rows(self.store.shard_rows, self.packing.context_size)
         check_chat(self)
+        check_generate(self)
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
@@ -87,8 +88,11 @@ class HarvestConfig:
                 k: v for k, v in dataclasses.asdict(self.packing).items()
                 if k not in ("tokenize_batch", "chunk_tokens")
             },
-            "capture": {"points": list(self.capture.points), **(
-                {"roles": sorted(self.capture.roles)} if self.capture.roles else {})},
+            # roles, generate: only when set, so stores made before they existed keep their key
+            "capture": {"points": list(self.capture.points),
+                        **({"roles": sorted(self.capture.roles)} if self.capture.roles else {}),
+                        **({"generate": self.capture.generate.describe()}
+                           if self.capture.generate is not None else {})},
             "store": {"stats_skip_positions": self.store.stats_skip_positions},
         }
 
@@ -116,6 +120,32 @@ def check_chat(cfg: "HarvestConfig") -> None:
             f"packing.bos={cfg.packing.bos!r} with data.format: chat: the chat template writes "
             "the conversation's own start tokens (SmolLM2's BOS is <|im_start|>, so an inserted "
             "one would be a stray turn marker); set packing.bos: none")
+
+
+def check_generate(cfg: "HarvestConfig") -> None:
+    """capture.generate against the other sections."""
+    if cfg.capture.generate is None:
+        return
+    cfg.capture.generate.validate(cfg.packing.context_size)
+    if cfg.model.backend != "vllm":
+        raise ConfigError(
+            f"capture.generate needs model.backend: vllm (the {cfg.model.backend} "
+            "backend captures prompts only): set model.backend: vllm or drop "
+            "capture.generate")
+    if cfg.data.format == "chat":
+        # a slot's rows are written from its request on delivery, with no role column to fill
+        # (the generated rows would need the assistant role and the prompt's roles kept); not
+        # built: refused rather than a chat store with wrong or missing roles
+        raise ConfigError(
+            "capture.generate with data.format: chat is not supported (generated rows get no "
+            "roles): use data.format: text for generation, or drop capture.generate")
+    if cfg.model.tensor_parallel_size > 1:
+        # built apart and never run together: the step ring (engine/stepring.py) carries prompt
+        # steps, and the retired-request bookkeeping generation needs lives in the in-process
+        # runner; refused rather than shipped untested
+        raise ConfigError(
+            f"capture.generate with model.tensor_parallel_size={cfg.model.tensor_parallel_size} "
+            "is not supported yet: generate with tensor_parallel_size: 1, or drop capture.generate")
 
 
 SECTIONS = {

@@ -49,6 +49,9 @@ class ActorSpec:
     factory_options: dict = field(default_factory=dict)
     """Options only an `engine_factory` reads (a test engine's fault to inject); load_model
     never sees them."""
+    generate: dict | None = None
+    """capture.generate (GenerateConfig.describe()): complete each context's prompt and write
+    its slot (pipeline/generation.py); None captures the contexts as they are."""
 
     def __post_init__(self):
         if not isinstance(self.points, tuple) or not self.points:

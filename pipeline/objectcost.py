@@ -6,7 +6,8 @@ megabyte, and nothing said so before the run. Layout 3 streams ~128 MiB shards, 
 metadata per unit and moves the per-shard records into a per-unit object table, so markers are
 ~1 KB whatever the shape (`table_bytes` says the table's). Every figure here is counted from the
 code that writes the store, not from copies of its rules: `layout.ROW_META` (the base columns,
-`role` too for chat input) for the objects of a shard, `layout.block_rows` and
+`role` too for chat input,
+`gen` for generation) for the objects of a shard, `layout.block_rows` and
 `objects.writes_per_object` for the requests per streamed object (start, parts, completion),
 `markersize.marker_size` (the real marker builder) for the marker and its object table, and
 `commits.index_batch` for the index, so the plan follows the layout when the layout changes.
@@ -62,10 +63,12 @@ def index_requests(units: int) -> int:
 
 def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
                 tokens: "int | None", ratio: float, rate: "float | None",
-                object_store: bool, roles: bool = False) -> dict:
+                object_store: bool, roles: bool = False, generated: bool = False) -> dict:
     """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
     whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at."""
-    columns = {c: ROW_META[c] for c in BASE_META + (("role",) if roles else ())}
+    # `roles`: a chat store's `role` column; `generated`: a generation store's `gen` column
+    extra = (("role",) if roles else ()) + (("gen",) if generated else ())
+    columns = {c: ROW_META[c] for c in BASE_META + extra}
     P, M = len(points), len(columns)
     row_bytes = width * itemsize
     shards_per_unit = unit_rows // shard_rows

@@ -245,6 +245,9 @@ class CaptureConfig:
     # Chat input only: the roles whose rows the store keeps (e.g. [assistant]); None keeps all.
     # Rows of the other roles still run as context; FORMAT.md ("Chat") says what a masked store holds.
     roles: list | None = None
+    # capture.generate: complete each context and capture the generated tokens too (None: prompt
+    # capture only). A mapping in YAML, a pipeline.generation.GenerateConfig once validated.
+    generate: Any = None
 
     def validate(self) -> None:
         if not isinstance(self.points, list) or not self.points:
@@ -263,6 +266,11 @@ class CaptureConfig:
                 codes_of(self.roles, "capture.roles")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.generate is not None:
+            from .generation import from_section
+
+            self.generate = from_section(self.generate)
+            self.generate.validate()
 
 
 def check_point(p: Any) -> None:

@@ -79,6 +79,11 @@ class StoreSink:
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
             **chat_attrs(cfg),
         }
+        if cfg.capture.generate is not None:
+            # the reader skips rows without activations in a store that has this (FORMAT.md)
+            g = cfg.capture.generate
+            attrs["generation"] = {**g.describe(), "prompt_len": g.prompt_len(cfg.packing.context_size),
+                                   "slot_rows": cfg.packing.context_size}
         L = prep.layout
         store = create_store(
             cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
@@ -88,7 +93,7 @@ class StoreSink:
             special_token_ids=prep.special_token_ids,
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
             stats_skip_positions=prep.stats_skip_positions, roles=cfg.data.format == "chat",
-            meta_chunk_rows=L.unit_rows)
+            generated=cfg.capture.generate is not None, meta_chunk_rows=L.unit_rows)
         self.store = store
         store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
                                    "chunk_contexts": chunk_contexts})

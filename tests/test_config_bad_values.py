@@ -71,6 +71,44 @@ def test_issue_values_are_refused_by_harvest_plan(capsys, config, settings, fiel
     assert _refused_line(capsys, config, *settings).startswith(field)
 
 
+@pytest.mark.parametrize("setting, says", [
+    ("capture.generate.max_new_tokens=0", "capture.generate.max_new_tokens must be >= 1"),
+    ("capture.generate.max_new_tokens=64", "leaves no prompt in a packing.context_size=64 slot"),
+    ("capture.generate.max_new_tokens=.nan", "capture.generate.max_new_tokens must be an integer"),
+    ("capture.generate.temperature=-0.5", "capture.generate.temperature must be between 0"),
+    ("capture.generate.temperature=.inf", "capture.generate.temperature must be between 0"),
+    ("capture.generate.top_p=0", "capture.generate.top_p must be > 0"),
+    ("capture.generate.top_p=1.5", "capture.generate.top_p must be between 0 and 1"),
+    ("capture.generate.n=2", "capture.generate.n=2: the pipeline captures one sample"),
+    ("capture.generate.seed=-1", "capture.generate.seed must be >= 0"),
+    ("capture.generate.stop=[hello]", "stop strings are not supported"),
+    ("capture.generate.stop_at_eos=maybe", "capture.generate.stop_at_eos must be true or false"),
+    ("capture.generate.keep_prompt=1", "capture.generate.keep_prompt must be true or false"),
+    ("capture.generate.max_new=4", "unknown field capture.generate.max_new: did you mean "
+                                   "capture.generate.max_new_tokens?"),
+    ("capture.generate=32", "capture.generate must be a mapping"),
+])
+def test_bad_generation_settings_are_refused_naming_the_field(capsys, config, setting, says):
+    msg = _refused_line(capsys, config, "model.backend=vllm", setting)
+    assert msg.startswith("capture.generate") or msg.startswith("unknown field capture.generate")
+    assert says in msg, msg
+
+
+def test_a_good_generation_section_gets_as_far_as_the_model(capsys, config):
+    gen = "capture.generate={max_new_tokens: 16, temperature: 0.7, top_p: 0.9, seed: 3, " \
+          "stop: [2], keep_prompt: false}"
+    msg = _refused_line(capsys, config, "model.backend=vllm", gen)
+    assert msg.startswith("model.path="), msg
+    msg = _refused_line(capsys, config, gen)  # the eager reference captures prompts only
+    assert msg.startswith("capture.generate needs model.backend: vllm"), msg
+    msg = _refused_line(capsys, config, "model.backend=vllm", gen, "data.format=chat",
+                        "data.messages_column=messages", "packing.bos=none")
+    assert msg.startswith("capture.generate with data.format: chat is not supported"), msg
+    msg = _refused_line(capsys, config, "model.backend=vllm", gen, "model.tensor_parallel_size=2",
+                        "ray.num_gpus_per_actor=2")
+    assert msg.startswith("capture.generate with model.tensor_parallel_size=2 is not supported"), msg
+
+
 def test_shard_rows_and_points_errors_say_the_fix(capsys, config):
     msg = _refused_line(capsys, config, "store.shard_rows=100")
     assert "packing.context_size=64" in msg and "use 128 or 64" in msg

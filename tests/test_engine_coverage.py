@@ -55,7 +55,7 @@ def test_stray_rows_are_counted_and_refused_for_prompt_capture():
     # a decode row of "a" (position 100 of a 100-token prompt) and a request nobody registered
     plan = plan_step(["a", "x"], [1, 5], [100, 0], {"a": 100})
     assert plan.segments == () and sum(s.count for s in plan.stray) == 6
-    with pytest.raises(CoverageError, match="6 rows of a step belong to no captured prompt"):
+    with pytest.raises(CoverageError, match="6 rows of a step belong to no captured request"):
         require_no_stray(plan)
     # rows of an aborted (retired) request are dropped, not stray
     plan = plan_step(["x"], [5], [0], {}, retired={"x"})
@@ -198,7 +198,7 @@ def test_a_row_map_error_inside_the_runner_surfaces_in_the_capture_loop():
     st.begin_capture((Address("resid_post", 0),))
     st.register("a-1", st.destination(None, 20), tokens["a-1"])
     runner.step(st, buf, tokens, [("a-1", 0, 12), ("zz", 0, 4)])  # rows of an unknown request
-    with pytest.raises(CoverageError, match="no captured prompt"):
+    with pytest.raises(CoverageError, match="no captured request"):
         st.raise_if_failed()
     runner.step(st, buf, {"a-1": tokens["a-1"][::-1].copy()}, [("a-1", 12, 4)])  # wrong tokens fed
     with pytest.raises(CoverageError, match="fed token"):
@@ -235,3 +235,59 @@ def test_platform_profiles_keep_cpu_defaults_out_of_gpu_runs():
     assert plat.engine_threads(plat.CUDA, 3, 16) == 3
     assert plat.codec_for(plat.CUDA, 7e9, 11) == "none" and plat.codec_for(plat.CPU, 112e6, 2) == "default"
     assert plat.cpu_share(3) == 3 and plat.cpu_share() >= 1
+
+
+def test_decode_rows_wait_for_their_sampled_tokens_and_end_where_the_generation_ends():
+    """A generation registers room for prompt + max_new_tokens; each decode row is checked against
+    the token vLLM reports (a ticket waits for it), the handover stops at prompt + generated - 1,
+    and a row vLLM still runs for it after the handover (async scheduling) is dropped."""
+    st, buf = _state(CPUTransport())
+    runner = FakeRunner(16)
+    prompt, sampled = np.arange(10, 16, dtype=np.int32), np.array([70, 71, 72], dtype=np.int32)
+    full = {"g-1": np.concatenate([prompt, sampled])}
+    st.begin_capture((Address("resid_post", 1),))
+    room = np.zeros(6 + 5, dtype=np.int32)
+    room[:6] = prompt
+    st.register("g-1", st.destination(None, 11), room, known=6)
+    runner.step(st, buf, full, [("g-1", 0, 6)])  # prefill; samples 70
+    st.poll()
+    runner.step(st, buf, full, [("g-1", 6, 1)])  # decode feeds 70 before the loop saw it
+    st.poll()
+    assert len(st.tickets) == 1  # held: its fed token cannot be checked yet
+    st.extend("g-1", [70])
+    st.poll()
+    assert not st.tickets
+    runner.step(st, buf, full, [("g-1", 7, 1)])  # feeds 71, vLLM then samples 72 and stops
+    st.extend("g-1", [71, 72])
+    st.end_rows("g-1", 6 + 3 - 1)
+    st.mark_finished("g-1")
+    st.poll()
+    got = st.take("g-1", "prompt 0 sample 0")
+    assert torch.equal(got[:, :8], _rows(full["g-1"][:8], 3, 4)[[1]])
+    assert st.rows == 8
+    runner.step(st, buf, full, [("g-1", 8, 1)])  # the stop token fed by a step already planned
+    st.raise_if_failed()
+    assert st.dropped_rows == 1
+    for _ in range(6):  # the handed-over id is forgotten a few steps later: bounded memory
+        runner.step(st, buf, {"x": np.zeros(1, np.int32)}, [])
+    assert "g-1" not in st.retired
+
+
+def test_a_decode_row_past_the_registered_room_or_a_wrong_sample_is_refused():
+    st, buf = _state(CPUTransport())
+    runner = FakeRunner(16)
+    full = {"g-1": np.arange(10, 20, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 0),))
+    room = np.zeros(8, dtype=np.int32)
+    room[:6] = full["g-1"][:6]
+    st.register("g-1", st.destination(None, 8), room, known=6)
+    runner.step(st, buf, full, [("g-1", 0, 6)])
+    st.extend("g-1", [99])  # vLLM reported 99 but the runner fed 16 at position 6
+    runner.step(st, buf, full, [("g-1", 6, 1)])
+    with pytest.raises(CoverageError, match="fed token 16 at position 6"):
+        st.poll()
+    with pytest.raises(CoverageError, match="more than the 8 positions"):
+        st.extend("g-1", [1, 2])
+    runner.step(st, buf, full, [("g-1", 7, 2)])  # position 8 is past the room of 8
+    with pytest.raises(CoverageError, match="no captured request.*positions \\[8, 9\\)"):
+        st.raise_if_failed()

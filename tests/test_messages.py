@@ -20,7 +20,8 @@ from harvest.pipeline.messages import ActorSpec, UnitResult, UnitTask
 SPEC = dict(index=1, model_path="/models/m", engine_kwargs={"backend": "vllm", "dtype": "bf16"},
             points=("resid_post.0", "resid_post.3"), context_size=128, store_url="s3://b/run",
             storage_options={"key": "k"}, threads=2, threads_requested=None, check_model=False,
-            env={"HF_HOME": "/h"}, engine_factory="pkg.mod:Engine", factory_options={"x": 1})
+            env={"HF_HOME": "/h"}, engine_factory="pkg.mod:Engine", factory_options={"x": 1},
+            generate={"max_new_tokens": 4, "seed": 1})
 TASK = dict(unit_id=7, row_start=256, row_end=512, pieces=((0, 1, 0, 2, 10),), refs=("ref",),
             digests=((1, 2, 3),))
 RESULT = dict(unit_id=7, row_start=256, row_end=512, actor=1, pid=4242, attempt=2,

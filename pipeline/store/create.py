@@ -44,7 +44,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                  overwrite: bool = False, *, context_size: int | None = None,
                  special_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
                  tokenizer: str | None = None, stats_skip_positions: int = 0,
-                 create_bucket: bool = False, roles: bool = False,
+                 create_bucket: bool = False, roles: bool = False, generated: bool = False,
                  meta_chunk_rows: int | None = None) -> Store:
     """Create the group and every array pre-sized (driver only). See FORMAT.md for the layout.
 
@@ -84,8 +84,10 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                          f"shard_rows={shard_rows} (a unit's metadata chunk holds whole shards)")
     comp = _compression.normalize(compression)
     # the `role` column only where there are roles (chat input): a text store keeps the three
-    # columns (and objects per shard) it always had
-    row_meta = {k: layout.ROW_META[k] for k in layout.BASE_META + (("role",) if roles else ())}
+    # columns (and objects per shard) it always had; likewise `gen` only in a store made for
+    # generation (capture.generate, FORMAT.md "Generation")
+    extra = (("role",) if roles else ()) + (("gen",) if generated else ())
+    row_meta = {k: layout.ROW_META[k] for k in layout.BASE_META + extra}
     loc = locate(url, storage_options)
     run_attrs = redact_attrs(_jsonable(attrs or {}, "create_store attrs"), loc.storage_options)
     from . import __version__
@@ -96,7 +98,8 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
         "n_rows": int(n_rows), "shard_rows": shard_rows, "chunk_rows": chunk_rows,
         "dtype": dtype_name(np_dtype), "compression": comp,
         "row_meta": row_meta,
-        "row_meta_values": {"unwritten": layout.META_UNWRITTEN, "inserted": layout.META_INSERTED},
+        "row_meta_values": {"unwritten": layout.META_UNWRITTEN, "inserted": layout.META_INSERTED,
+                            **({"pad": layout.META_PAD} if generated else {})},
         "context_size": int(context_size) if context_size else None,
         "special_token_ids": sorted({int(t) for t in special_token_ids}),
         "bos_token_id": None if bos_token_id is None else int(bos_token_id),

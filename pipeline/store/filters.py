@@ -114,11 +114,14 @@ class RowFilter:
     split_seed: int = 0
     roles: tuple | None = None         # role codes kept (store/roles.py); None: every role
     _pos_keep: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # a generation store: rows whose `gen` says they hold no activations (the last sampled token,
+    # dropped prompts, padding; FORMAT.md "Generation") are never yielded, whatever else is asked
+    generated: bool = False
 
     @classmethod
     def build(cls, exclude: Sequence[int] = (), context_size: int | None = None, seqpos=None,
               split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
-              roles: "tuple | None" = None) -> "RowFilter":
+              roles: "tuple | None" = None, generated: bool = False) -> "RowFilter":
         if split not in SPLITS:
             raise ValueError(f"split={split!r}: use None (every row), 'train' or 'test'")
         if split is not None and not 0.0 < test_fraction < 1.0:
@@ -140,7 +143,8 @@ class RowFilter:
             seqpos = (seqpos.start, seqpos.stop, seqpos.step)
         return cls(tuple(sorted({int(t) for t in exclude})), int(context_size) if context_size else None,
                    seqpos, split, float(test_fraction) if split else 0.0, int(split_seed),
-                   None if roles is None else tuple(sorted(int(r) for r in roles)), pos_keep)
+                   None if roles is None else tuple(sorted(int(r) for r in roles)), pos_keep,
+                   bool(generated))
 
     @property
     def needs_tokens(self) -> bool:
@@ -156,12 +160,12 @@ class RowFilter:
 
     @property
     def needs_meta(self) -> bool:
-        return self.needs_tokens or self.needs_docs or self.needs_roles
+        return self.needs_tokens or self.needs_docs or self.needs_roles or self.generated
 
     def meta_names(self) -> list[str]:
         """The metadata columns `mask` needs."""
         return [n for n, need in (("token_id", self.needs_tokens), ("doc_id", self.needs_docs),
-                                  ("role", self.needs_roles)) if need]
+                                  ("role", self.needs_roles), ("gen", self.generated)) if need]
 
     def kept_positions(self) -> frozenset | None:
         """Context positions kept, or None for all of them."""
@@ -170,11 +174,17 @@ class RowFilter:
         return frozenset(np.flatnonzero(self._pos_keep).tolist())
 
     def mask(self, a: int, b: int, token_id: np.ndarray | None = None,
-             doc_id: np.ndarray | None = None, role: np.ndarray | None = None) -> np.ndarray | None:
+             doc_id: np.ndarray | None = None, role: np.ndarray | None = None,
+             gen: np.ndarray | None = None) -> np.ndarray | None:
         """Boolean keep-mask of rows [a, b), or None when every row is kept."""
         m = None
+        if self.generated:
+            from .layout import GEN_HAS_ACTS
+
+            m = np.isin(gen, GEN_HAS_ACTS)
         if self._pos_keep is not None:
-            m = self._pos_keep[np.arange(a, b, dtype=np.int64) % self.context_size]
+            p = self._pos_keep[np.arange(a, b, dtype=np.int64) % self.context_size]
+            m = p if m is None else m & p
         if self.exclude:
             t = ~np.isin(token_id, np.asarray(self.exclude, np.int64))
             m = t if m is None else m & t
@@ -191,7 +201,9 @@ class RowFilter:
         return {"exclude_token_ids": list(self.exclude), "context_size": self.context_size,
                 "seqpos": list(self.seqpos) if self.seqpos else None, "split": self.split,
                 "test_fraction": self.test_fraction, "split_seed": self.split_seed,
-                "roles": list(self.roles) if self.roles is not None else None}
+                "roles": list(self.roles) if self.roles is not None else None,
+                # only in a generation store: other descriptions stay as they were recorded
+                **({"generated": True} if self.generated else {})}
 
 
 def matches_recorded(filt: RowFilter, recorded: tuple[frozenset, int] | None,

@@ -17,12 +17,20 @@ LAYOUT_VERSION = 3
 SUPPORTED_LAYOUT_VERSIONS = (2, 3)
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
-# `role` (int8, codes in store/roles.py) was added later: a store records the columns it has in
-# its `row_meta` attribute (Store.meta_columns), and one without `role` reads as before.
-ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "role": "int8"}
+# `role` (int8, codes in store/roles.py) and `gen` (int8, FORMAT.md "Generation") were added
+# later: a store records the columns it has in its `row_meta` attribute (Store.meta_columns), and
+# one without them reads as before. `role`: chat stores only (create_store(roles=True)); `gen`:
+# generation stores only (create_store(generated=True)).
+ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "role": "int8",
+            "gen": "int8"}
 BASE_META = ("token_id", "doc_id", "position")  # what every store has; read_row_meta returns these
 META_UNWRITTEN = -1   # fill value of every metadata array: the row was never written
 META_INSERTED = -2    # doc_id and position of a BOS the packer inserted (it is from no document)
+META_PAD = -3         # token_id, doc_id and position of a padding row of a generation slot
+# `gen`: what a row is (FORMAT.md, "Generation"). Only GEN_PROMPT and GEN_SAMPLED rows hold
+# activations; the others are zeros, outside the statistics and never yielded by the reader.
+GEN_PROMPT, GEN_SAMPLED, GEN_LAST, GEN_DROPPED, GEN_PAD = 0, 1, 2, 3, 4
+GEN_HAS_ACTS = (GEN_PROMPT, GEN_SAMPLED)
 
 # Arrays are created this long when the run's length is not known in advance (a streamed corpus
 # without packing.max_tokens); zarr stores nothing for unwritten shards, and finalize shrinks the

@@ -41,7 +41,8 @@ class DocSample:
             doc = read_meta("doc_id", a, b)
             tok = read_meta("token_id", a, b) if filt.needs_tokens else None
             role = read_meta("role", a, b) if filt.needs_roles else None
-            m = filt.mask(a, b, tok, doc, role)
+            gen = read_meta("gen", a, b) if filt.generated else None
+            m = filt.mask(a, b, tok, doc, role, gen)
             d = doc if m is None else doc[m]
             d = d[d >= 0]
             kept.append(m.sum() if m is not None else b - a)

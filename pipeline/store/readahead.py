@@ -138,12 +138,14 @@ class WindowFinisher:
                  seed: int, g: int, return_meta: bool):
         self.pieces, self.filt, self.counts, self.norm_limit = pieces, filt, counts, norm_limit
         self.dtype, self.R, self.shuffle, self.seed, self.g = dtype, slot_rows, shuffle, seed, g
-        self.names = ["token_id", "doc_id", "position"] if return_meta else []
+        self.names = (["token_id", "doc_id", "position"] + (["gen"] if filt.generated else [])
+                      if return_meta else [])
         self.epoch_rows: dict[int, int] = {}
 
     def _local(self, k: int, t: Take, cols: dict, arena: np.ndarray) -> tuple[np.ndarray, int]:
         a, b = self.pieces[t.piece]
-        m = self.filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"))
+        m = self.filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
+                           cols.get("gen"))
         kept = np.flatnonzero(m) if m is not None else None
         n_kept = b - a if kept is None else kept.shape[0]
         if self.counts[t.piece] >= 0 and self.counts[t.piece] != n_kept:

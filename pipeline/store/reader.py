@@ -106,7 +106,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             `norm_constants=` to normalise its held-out split identically.
         endless, steps: endless=True runs epoch after epoch; steps=N stops after N batches per
             rank (spread over its DataLoader workers), crossing epochs as needed.
-        return_meta: yield dicts {acts, row, token_id, doc_id, position} instead of tensors.
+        return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a
+            generation store) instead of tensors.
         out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
         prefetch_shards, io_threads: concurrent fetch+decode tasks (default 2 x prefetch_shards).
     """
@@ -172,8 +173,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                  "with the tokenizer's BOS/EOS/pad ids instead")
             exclude |= set(self.special_token_ids)
         self.roles = resolve_roles(st, roles)  # store/roles.py: None, or the role codes kept
+        # a generation store (it has the `gen` column): rows without activations never yielded
         self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction,
-                                      split_seed, self.roles)
+                                      split_seed, self.roles, generated="gen" in st.meta_columns)
 
         # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
         # the marker facts that check its bytes (objects.py) ----
@@ -297,7 +299,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     def _meta_names(self) -> list[str]:
         if self.return_meta:
-            return ["token_id", "doc_id", "position"] + (["role"] if self.filter.needs_roles else [])
+            return ["token_id", "doc_id", "position"] + (["role"] if self.filter.needs_roles else []) \
+                + (["gen"] if self.filter.generated else [])
         return self.filter.meta_names()
 
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:

@@ -57,10 +57,14 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
 
 def read_row_meta_checked(st, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Like Store.read_row_meta, committed rows only, each chunk checked against its marker."""
-    cols = {n: [] for n in layout.BASE_META}
+    return tuple(read_meta_checked(st, n, start, stop) for n in layout.BASE_META)
+
+
+def read_meta_checked(st, name: str, start: int, stop: int) -> np.ndarray:
+    """One row-metadata column of committed rows [start, stop), each chunk checked."""
+    parts = []
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):
         m, sh = st.committed_shard(s)
         a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
-        for n in layout.BASE_META:
-            cols[n].append(read_meta(st, m, sh, n)[a - sh["row_start"]:b - sh["row_start"]])
-    return tuple(np.concatenate(cols[n]) for n in layout.BASE_META)
+        parts.append(read_meta(st, m, sh, name)[a - sh["row_start"]:b - sh["row_start"]])
+    return np.concatenate(parts) if parts else np.empty(0, layout.ROW_META[name])

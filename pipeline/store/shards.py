@@ -13,11 +13,12 @@ from .dtypes import BF16, raw_dtype
 
 class Shard:
     __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq", "keep",
-                 "reserved", "pins", "scratch")
+                 "present", "reserved", "pins", "scratch")
 
     def __init__(self, index: int, start: int, end: int):
         self.index, self.start, self.end = index, start, end
         self.keep: np.ndarray | None = None  # rows counted in the `kept` stats (None: all)
+        self.present: np.ndarray | None = None  # rows holding activations (None: all)
         self.n = end - start
         self.data: np.ndarray | None = None
         self.filled = np.zeros(self.n, bool)

@@ -227,8 +227,10 @@ class Store:
         return arr
 
     def read_row_meta(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """token_id, doc_id, position of rows [start, stop). doc_id and position are -2
-        (layout.META_INSERTED) for an inserted BOS and -1 for a row never written.
+        """token_id, doc_id, position (layout.BASE_META, what every store has) of rows
+        [start, stop). doc_id and position are -2 (layout.META_INSERTED) for an inserted BOS, -3
+        (META_PAD) on a generation slot's padding, and -1 for a row never written. The optional
+        columns have their own accessors (read_gen; store/roles.py for `role`).
 
         Plain zarr, unchecked: a committed unit not yet published (its objects still under its
         attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
@@ -241,6 +243,21 @@ class Store:
         from .reads import read_row_meta_checked
 
         return read_row_meta_checked(self, start, stop)
+
+    def read_gen(self, start: int, stop: int, checked: bool = False) -> np.ndarray:
+        """The `gen` column of rows [start, stop) (FORMAT.md "Generation"), plain zarr like
+        read_row_meta, or committed rows checked against their markers (`checked`). Only a store
+        made for generation has it: on any other store this is an error saying so."""
+        if "gen" not in self.meta_columns:
+            raise ValueError("read_gen: this store has no `gen` column (it was not created for "
+                             "generation: capture.generate / create_store(generated=True))")
+        if not 0 <= start <= stop <= self.n_rows:
+            raise ValueError(f"read_gen: [{start}, {stop}) is outside 0..{self.n_rows}")
+        if checked:
+            from .reads import read_meta_checked
+
+            return read_meta_checked(self, "gen", start, stop)
+        return self._meta_array("gen")[start:stop]
 
     # ---- plan --------------------------------------------------------------------------------
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:

@@ -1,5 +1,5 @@
 """A unit's row metadata as its writer holds it: token_id, doc_id, position (and role, in
-stores that have the column) of every row.
+chat stores, and gen, in generation stores: the stores that have those columns) of every row.
 
 The writer needs it whole before it commits (the marker carries a CRC32C per column, which
 verify(deep=True) checks against the stored arrays), and per shard before it encodes the shard:
@@ -28,7 +28,7 @@ class UnitMeta:
         self.filter = stats_filter
         self.stored_roles = None if stored_roles is None else np.asarray(stored_roles, np.int8)
 
-    def write(self, row_start: int, token_id, doc_id, position, role=None) -> None:
+    def write(self, row_start: int, token_id, doc_id, position, role=None, gen=None) -> None:
         cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
         if "role" in self.cols:
             # a text unit gives no roles: every row is plain text (roles.TEXT = 0)
@@ -36,6 +36,13 @@ class UnitMeta:
         elif role is not None:
             raise ValueError(f"write_meta: unit {self.unit_id}'s store has no role column (made "
                              "before chat input existed); write chat rows to a new store")
+        if "gen" in self.cols:
+            # rows written without gen are prompt rows (layout.GEN_PROMPT = 0)
+            cols["gen"] = np.zeros(len(token_id), np.int8) if gen is None else gen
+        elif gen is not None:
+            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no gen column (not "
+                             "created for generation: create_store(generated=True), which the "
+                             "pipeline does when capture.generate is set)")
         n = None
         arrs = {}
         for name, v in cols.items():
@@ -46,7 +53,7 @@ class UnitMeta:
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
-                raise ValueError(f"write_meta: token_id, doc_id, position (and role) must have the same "
+                raise ValueError(f"write_meta: token_id, doc_id, position (and role, gen) must have the same "
                                  f"length, got {n} and {a.shape[0]} for {name}")
             arrs[name] = a
         lo = int(row_start) - self.row_start
@@ -77,6 +84,17 @@ class UnitMeta:
 
     def crc32c(self) -> dict:
         return {k: crc32c(v) for k, v in self.cols.items()}
+
+    def present_mask(self, start: int, end: int) -> np.ndarray | None:
+        """Rows [start, end) that hold activations (None: all of them): generation slots have
+        rows without (the last sampled token, dropped prompts, padding; FORMAT.md "Generation"),
+        which no statistic counts. Stores without the `gen` column have no such rows."""
+        if "gen" not in self.cols:
+            return None
+        g = self.columns(start, end)["gen"]
+        if not (g < layout.GEN_LAST).all() or (g < 0).any():
+            return np.isin(g, layout.GEN_HAS_ACTS)
+        return None
 
     def keep_mask(self, start: int, end: int) -> np.ndarray | None:
         """Rows [start, end) counted in the `kept` statistics (None: every row)."""

@@ -284,6 +284,8 @@ class ShardUploads:
             self._check_conflict()
         self._wait_pending(all_=False)
         sh.keep = self._meta.keep_mask(sh.start, sh.end)
+        sh.present = self._meta.present_mask(sh.start, sh.end) \
+            if self._meta.complete(sh.start, sh.end) else None
         if sh.scratch:
             self._unflush(sh)  # the slow path: the evicted rows come back, then as any block
         self._meta.zero_unstored(sh.data, sh.start, sh.end)  # capture.roles (store/roles.py)
@@ -302,9 +304,10 @@ class ShardUploads:
         return list(range(self.row_start // m, -(-self.row_end // m)))
 
     def _upload_meta(self, si: int) -> None:
-        """Chunk `si` of token_id, doc_id, position (this region's rows of it): one object per
-        column. Its record goes into every shard record of the chunk (with `chunk` when the
-        chunk is the unit's, so readers find the object and slice their shard's rows)."""
+        """Chunk `si` of token_id, doc_id, position (and role, gen where the store has them; this
+        region's rows of it): one object per column. Its record goes into every shard record of
+        the chunk (with `chunk` when the chunk is the unit's, so readers find the object and
+        slice their shard's rows)."""
         if self._failed is not None or self._closed:
             return
         s0, s1 = si * self._meta_rows, min((si + 1) * self._meta_rows, self.row_end)
@@ -361,6 +364,9 @@ class ShardUploads:
 
             def moments(i, rows):  # in the codec thread, while the chunk is in cache
                 keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
+                if sh.present is not None:  # rows without activations count in no statistic
+                    have = sh.present[i * cr:i * cr + rows.shape[0]]
+                    rows, keep = rows[have], (None if keep is None else keep[have])
                 parts[i] = _stats.subsets_of(rows, keep)
 
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=moments)

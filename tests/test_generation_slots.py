@@ -1,0 +1,163 @@
+"""Generation slots without an engine: a slot's metadata from a completion, its rows without
+activations zeroed, and a store of such slots whose statistics (a recount) and reader skip every
+row without activations (FORMAT.md, "Generation"). The engine and pipeline runs are in
+test_engine_generate.py and test_pipeline_generate.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harvest.engine.generate import GeneratedRequest
+from harvest.pipeline.generation import GenerateConfig, Slots, slot_meta, slot_seed
+from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store.layout import (GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT,
+                                           GEN_SAMPLED, META_INSERTED, META_PAD)
+
+C, NEW = 16, 6
+P = C - NEW
+
+
+def _req(prompt, generated, width=4, points=2):
+    fed = np.concatenate([prompt, generated[:-1]]).astype(np.int32)
+    acts = torch.arange(1, points * len(fed) * width + 1, dtype=torch.float32)
+    return GeneratedRequest(0, fed, np.arange(len(fed), dtype=np.int32), (), acts.reshape(
+        points, len(fed), width), sample=0, prompt_len=len(prompt),
+        generated=np.asarray(generated, np.int32), finish_reason="stop")
+
+
+def test_a_slot_reads_prompt_sampled_last_padding():
+    prompt = np.arange(100, 100 + P, dtype=np.int32)
+    doc, pos = np.full(C, 7, np.int64), np.arange(20, 20 + C, dtype=np.int32)
+    m = slot_meta(GenerateConfig(max_new_tokens=NEW), C, doc, pos, _req(prompt, [5, 6, 9]))
+    want_gen = [GEN_PROMPT] * P + [GEN_SAMPLED] * 2 + [GEN_LAST] + [GEN_PAD] * 3
+    assert m["gen"].tolist() == want_gen
+    assert m["token_id"].tolist() == prompt.tolist() + [5, 6, 9] + [META_PAD] * 3
+    # generated rows continue the prompt's last document and its positions
+    assert m["doc_id"].tolist() == [7] * (P + 2) + [META_PAD] * 4
+    assert m["position"].tolist() == list(range(20, 20 + P + 2)) + [META_PAD] * 4
+
+
+def test_all_new_tokens_leave_only_the_last_without_a_row_and_a_bos_has_no_document():
+    prompt = np.arange(3, 3 + P, dtype=np.int32)
+    doc = np.full(C, META_INSERTED, np.int64)  # e.g. a context that is one inserted BOS + ...
+    pos = np.full(C, META_INSERTED, np.int32)
+    m = slot_meta(GenerateConfig(max_new_tokens=NEW, keep_prompt=False), C, doc, pos,
+                  _req(prompt, list(range(50, 50 + NEW))))
+    assert m["gen"].tolist() == [GEN_DROPPED] * P + [GEN_SAMPLED] * (NEW - 1) + [GEN_LAST]
+    assert (m["doc_id"][P:C - 1] == META_INSERTED).all()
+    assert (m["position"][P:C - 1] == META_INSERTED).all()
+
+
+def test_slot_rows_are_padded_and_zeroed_where_they_hold_no_activations():
+    s = Slots(GenerateConfig(max_new_tokens=NEW, keep_prompt=False).describe(), C)
+    prompt = np.arange(100, 100 + P, dtype=np.int32)
+    req = _req(prompt, [5, 6, 9])
+    meta, acts = s.rows(np.concatenate([prompt, np.zeros(NEW, np.int32)]),
+                        np.zeros(C, np.int64), np.arange(C, dtype=np.int32), req)
+    assert acts.shape == (2, C, 4)
+    assert (acts[:, :P] == 0).all() and (acts[:, P + 2:] == 0).all()  # dropped, last, padding
+    assert torch.equal(acts[:, P:P + 2], req.acts[:, P:P + 2])
+    # in place: the same zeroing on the engine's view of the shard buffer (raw bits)
+    view = np.full((2, C, 4), 0x3F80, np.uint16)
+    s.rows(np.concatenate([prompt, np.zeros(NEW, np.int32)]), np.zeros(C, np.int64),
+           np.arange(C, dtype=np.int32), req, view)
+    assert (view[:, P:P + 2] == 0x3F80).all() and (view[:, :P] == 0).all() and (view[:, P + 2:] == 0).all()
+
+
+def test_slot_seeds_depend_on_the_run_seed_and_the_slot_only():
+    assert slot_seed(None, 5) is None
+    seeds = {slot_seed(3, k) for k in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= x < 2 ** 31 for x in seeds)
+    assert slot_seed(3, 7) == slot_seed(3, 7) != slot_seed(4, 7)
+
+
+def test_a_store_of_slots_counts_and_reads_only_rows_with_activations(tmp_path):
+    from harvest.pipeline.store.reader import ActivationDataset
+
+    n, width = 512, 8
+    s = create_store(str(tmp_path / "g.zarr"), points=["resid_post.0"], width=width, n_rows=n,
+                     shard_rows=128, context_size=C, attrs={"generation": {"max_new_tokens": NEW}},
+                     generated=True)
+    rng = np.random.default_rng(0)
+    gen = np.empty(n, np.int8)
+    for k in range(n // C):  # slots of random lengths
+        g = int(rng.integers(1, NEW + 1))
+        gen[k * C:(k + 1) * C] = [GEN_PROMPT] * P + [GEN_SAMPLED] * (g - 1) + [GEN_LAST] + \
+            [GEN_PAD] * (NEW - g)
+    have = np.isin(gen, (GEN_PROMPT, GEN_SAMPLED))
+    data = synthetic.activations((1, n, width), seed=1)
+    data[:, ~have] = 0
+    s.write_plan(s.default_plan(1))
+    for u in s.plan():
+        a, b = u["row_start"], u["row_end"]
+        w = s.region_writer(u["unit_id"], a, b)
+        w.write_meta(a, np.zeros(b - a, np.int32), np.zeros(b - a, np.int64),
+                     np.zeros(b - a, np.int32), gen=gen[a:b])
+        w.write(a, data[:, a:b])
+        w.commit()
+    s.finalize({"status": "complete"})
+    assert len(s.read_row_meta(0, n)) == 3  # the base columns, as for every store
+    assert np.array_equal(s.read_gen(0, n), gen) and np.array_equal(s.read_gen(0, n, checked=True), gen)
+    st = s.stats(["resid_post.0"], "all")["resid_post.0"]
+    x = data[0, have].astype(np.float64)
+    assert st["count"] == int(have.sum()) < n
+    assert np.allclose(st["mean"], x.mean(0), rtol=1e-6, atol=1e-9)
+    ds = ActivationDataset(str(tmp_path / "g.zarr"), "resid_post.0", batch_size=100,
+                           shuffle=False, return_meta=True)
+    batches = list(ds)
+    rows = np.concatenate([b["row"].numpy() for b in batches])
+    assert np.array_equal(np.sort(rows), np.flatnonzero(have))
+    assert all(set(b["gen"].tolist()) <= {GEN_PROMPT, GEN_SAMPLED} for b in batches)
+
+
+def test_gen_rows_and_a_role_filter_combine_and_a_plain_store_has_no_gen_column(tmp_path):
+    """The reader's gen skipping and a chat role filter keep the intersection (through the
+    gather-ahead windows); a store not made for generation keeps the three base columns and
+    refuses gen= writes and read_gen (old stores resume and verify as before)."""
+    from harvest.pipeline.store.reader import ActivationDataset
+    from harvest.pipeline.store.roles import ASSISTANT, USER
+
+    n, width = 512, 8
+    url = str(tmp_path / "gr.zarr")
+    s = create_store(url, points=["resid_post.0"], width=width, n_rows=n, shard_rows=128,
+                     context_size=C, attrs={"chat": {"captured": None}}, roles=True,
+                     generated=True)
+    assert list(s.meta_columns) == ["token_id", "doc_id", "position", "role", "gen"]
+    rng = np.random.default_rng(1)
+    gen = rng.choice([GEN_PROMPT, GEN_SAMPLED, GEN_LAST, GEN_PAD], n).astype(np.int8)
+    role = rng.choice([ASSISTANT, USER], n).astype(np.int8)
+    data = synthetic.activations((1, n, width), seed=2)
+    s.write_plan(s.default_plan(1))
+    for u in s.plan():
+        a, b = u["row_start"], u["row_end"]
+        w = s.region_writer(u["unit_id"], a, b)
+        w.write_meta(a, np.zeros(b - a, np.int32), np.zeros(b - a, np.int64),
+                     np.zeros(b - a, np.int32), role=role[a:b], gen=gen[a:b])
+        w.write(a, data[:, a:b])
+        w.commit()
+    s.finalize({"status": "complete"})
+    want = np.flatnonzero(np.isin(gen, (GEN_PROMPT, GEN_SAMPLED)) & (role == ASSISTANT))
+    ds = ActivationDataset(url, "resid_post.0", batch_size=37, shuffle=True, roles=["assistant"])
+    rows = np.concatenate([b["row"].numpy() for b in ActivationDataset(
+        url, "resid_post.0", batch_size=37, shuffle=True, roles=["assistant"], return_meta=True)])
+    assert np.array_equal(np.sort(rows), want)
+    acts = torch.cat(list(ds))
+    assert acts.shape[0] == want.shape[0]
+
+    plain = create_store(str(tmp_path / "p.zarr"), points=["resid_post.0"], width=width,
+                         n_rows=128, shard_rows=128, context_size=C)
+    assert list(plain.meta_columns) == ["token_id", "doc_id", "position"]
+    plain.write_plan(plain.default_plan(1))
+    w = plain.region_writer(0, 0, 128)
+    z = np.zeros(128, np.int32)
+    try:
+        w.write_meta(0, z, z.astype(np.int64), z, gen=np.zeros(128, np.int8))
+        raise AssertionError("gen= on a store without the column was accepted")
+    except ValueError as e:
+        assert "no gen column" in str(e)
+    try:
+        plain.read_gen(0, 128)
+        raise AssertionError("read_gen on a store without the column worked")
+    except ValueError as e:
+        assert "no `gen` column" in str(e)
