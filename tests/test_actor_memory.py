@@ -33,7 +33,7 @@ def _unit_rows(unit: UnitTask, context_size: int):
     """Stands in for the Ray fetch of the tokenisers' chunks (pipeline.rows.unit_rows)."""
     rs, re_ = unit.row_start, unit.row_end
     tok = tokens_of(rs, re_ - rs)
-    return tok, np.arange(rs, re_) // 50, np.arange(rs, re_) % C
+    return tok, np.arange(rs, re_) // 50, np.arange(rs, re_) % C, None  # no roles: text input
 
 
 def _spec(url: str, points: list, **factory_options) -> ActorSpec:
