@@ -92,8 +92,27 @@ def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None,
              f", each a tensor-parallel group of {tp} ranks on one node" if tp > 1 else "")
     opts = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=cfg.ray.max_restarts,
                 max_task_retries=cfg.ray.max_task_retries, max_concurrency=ACTOR_CONCURRENCY)
-    return [Remote.options(**opts, **group_placement(cfg, request, i))
-            .remote(actor_spec(cfg, prep, i, engine_factory)) for i in range(cfg.ray.num_actors)]
+    actors = Actors()
+    for i in range(cfg.ray.num_actors):
+        placement = group_placement(cfg, request, i)
+        if placement:
+            actors.groups.append(placement["scheduling_strategy"].placement_group)
+        actors.append(Remote.options(**opts, **placement).remote(actor_spec(cfg, prep, i, engine_factory)))
+    return actors
+
+
+class Actors(list):
+    """The run's actor handles, and the placement groups reserved for them (tensor parallel).
+
+    The groups are removed with the actors (`kill_all`): a group outlives its actor otherwise, and
+    on a cluster shared by several runs (a driver that connects with ray.address, or a test
+    session's cluster) each finished run's groups kept their CPUs and GPUs reserved, so a later
+    run's actors waited for resources nobody used (two TP runs' groups held 1 of a 2-CPU
+    cluster's CPUs and the next two-actor run never placed its second actor)."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.groups: list = []
 
 
 def group_placement(cfg: HarvestConfig, request: dict, index: int) -> dict:
@@ -103,7 +122,7 @@ def group_placement(cfg: HarvestConfig, request: dict, index: int) -> dict:
     the actor (CUDA_VISIBLE_DEVICES), so the actor must hold all of them; the group makes that
     reservation explicit and atomic (no actor holding half its GPUs while another waits for the
     rest), and a restarted actor (ray.max_restarts) comes back into the same reservation. The
-    group lives as long as the driver's job. TP=1 actors keep plain resource requests."""
+    group is removed with the actors at the end of the run (kill_all). TP=1 actors keep plain resource requests."""
     if cfg.model.tensor_parallel_size <= 1:
         return {}
     from ray.util.placement_group import placement_group
@@ -211,6 +230,7 @@ def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[dict]:
 
 
 def kill_all(handles: list) -> None:
+    """Kill the actors, then remove their placement groups (see Actors)."""
     import ray
 
     for a in handles:
@@ -218,6 +238,14 @@ def kill_all(handles: list) -> None:
             ray.kill(a, no_restart=True)
         except Exception:  # noqa: BLE001
             pass
+    if getattr(handles, "groups", None):
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in handles.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 -- a group gone with its job already
+                pass
 
 
 def waiting_line(pending: int, total: int, t0: float) -> str:
