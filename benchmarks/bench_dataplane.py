@@ -35,8 +35,9 @@ import numpy as np
 POINTS, WIDTH, PIECE = 32, 4096, 512
 
 
-class _Peak:
-    """RSS growth of this process while the block runs, sampled every 20 ms."""
+class PeakRSS:
+    """RSS growth of this process while the block runs, sampled every 20 ms (`base`, `peak`;
+    tests/test_store_scale.py uses it too)."""
 
     def __enter__(self):
         import psutil
@@ -129,7 +130,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
         for u in s.plan():
             a0, b0 = u["row_start"], u["row_end"]
             before = dict(counts)
-            with _Peak() as pk:
+            with PeakRSS() as pk:
                 t = time.perf_counter()
                 w = s.region_writer(u["unit_id"], a0, b0)
                 n = b0 - a0

@@ -10,13 +10,12 @@ and publishing (finalize completes it), and the writer's own buffer accounting a
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
-import psutil
 import pytest
 import zarr
 
+from harvest.benchmarks.bench_dataplane import PeakRSS
 from harvest.pipeline.store import create_store, layout, open_store, synthetic
 from harvest.pipeline.store.errors import DataIntegrityError, RegionConflict
 from harvest.pipeline.store.objects import attempt_objects
@@ -58,25 +57,6 @@ def _leftovers(s):
     return [k for objs in attempt_objects(loc).values() for k, *_ in objs], loc.pending_uploads("")
 
 
-class _RSS:
-    """Peak resident memory of this process while the block runs, sampled every 20 ms."""
-
-    def __enter__(self):
-        self._p, self._stop, self.base = psutil.Process(), threading.Event(), psutil.Process().memory_info().rss
-        self.peak = self.base
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self._p.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-
-
 def test_crc32c_combine_matches_the_whole():
     import os
 
@@ -111,7 +91,7 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
     late = _meta(s.region_writer(0, 0, SHARD))
     late.write(0, rows[:, :512])         # its first block: the shard's objects are begun
     # the winner, rows out of order (blocks complete out of order), memory measured
-    with _RSS() as rss:
+    with PeakRSS() as rss:
         m0 = synthetic.fill(s, rows, units=[s.plan()[0]], order="shuffled", chunk=97,
                             token_id=np.arange(N, dtype=np.int32) % 50000,
                             doc_id=np.arange(N) // 128, position=np.arange(N, dtype=np.int32) % 128)[0]
