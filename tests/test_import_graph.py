@@ -15,13 +15,8 @@ submodule would otherwise sit in a cycle with a package that re-exports it).
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-# folder at the repository root -> its package name (pyproject.toml's package-dir)
-ROOTS = {"harvest": "harvest", "engine": "harvest.engine", "pipeline": "harvest.pipeline",
-         "jobs": "harvest.jobs", "benchmarks": "harvest.benchmarks"}
+from tests.support.source_tree import modules
 
 # Cycles still known, each one entry (its modules), so fixing one is deleting its line: the
 # test fails on a cycle not listed AND on a listed one that is gone (the list only shrinks).
@@ -34,17 +29,6 @@ ALLOWED_CYCLES = [
     # the CLI and its `schedule` subcommand's parser: each imports the other
     {"harvest.pipeline.cli", "harvest.pipeline.schedule_cli"},
 ]
-
-
-def modules(repo: Path = REPO, roots: dict = ROOTS) -> dict[str, tuple[Path, bool]]:
-    """{module name: (path, is a package __init__)} for every .py file under the roots."""
-    out = {}
-    for folder, name in roots.items():
-        for p in sorted((repo / folder).rglob("*.py")):
-            parts = [x for x in p.relative_to(repo / folder).with_suffix("").parts
-                     if x != "__init__"]
-            out[".".join([name, *parts])] = (p, p.name == "__init__.py")
-    return out
 
 
 def _target(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
