@@ -50,12 +50,14 @@ class CommitIndex:
 
 
 class Scheduler:
-    """One run's loop; `driver.run` builds it, `run()` returns when every unit is committed.
+    """One run's loop; `driver.run` builds it, then `attach`es the actors and `step`s it until
+    `finished()`.
 
-    Each concern keeps its own state: `units` (chunks held, units waiting and ready),
-    `plan` (the plan segments), `health` (the actors: alive, pids, pings, deadlines),
-    `inflight` (units handed out), `counts` (what became of them), `index` (the commit index).
-    The driver reads `frontier`, `has_work()`, `data_stats()` and `report()`."""
+    Each concern keeps its own state, in its own module: `units` (chunks held, units waiting and
+    ready), `plan` (the plan segments), `health` (the actors: alive, pids, pings, deadlines),
+    `inflight` (units handed out), `counts` (what became of them), `index` (the commit index),
+    `waits` (no silent waits). The driver reads `frontier`, `has_work()`, `data_stats()` and, for
+    the summary, `report()`; it touches none of those objects."""
 
     def __init__(self, cfg, prep, state, pool, emit, lease=None):
         self.cfg, self.pool, self.emit = cfg, pool, emit
