@@ -458,7 +458,7 @@ def dispatch_child(spec: dict) -> dict:
     from harvest.pipeline.messages import UnitTask
     from harvest.pipeline.placement import Frontier
     from harvest.pipeline.resume import ResumeState
-    from harvest.pipeline.store.plans import Unit
+    from harvest.pipeline.store.planlog import Unit
 
     if not ray.is_initialized():  # the suite's toy run calls this in its own connected process
         ray.init(address=spec["address"])

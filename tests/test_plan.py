@@ -12,7 +12,7 @@ from harvest.pipeline.config import REPO_ROOT, ConfigError, load_config
 from harvest.pipeline.placement import Frontier
 from harvest.pipeline.plan import choose_layout
 from harvest.pipeline.store.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
-from harvest.pipeline.store.plans import Unit, check_units
+from harvest.pipeline.store.planlog import Unit, check_units
 
 
 def _cfg(**kw):

@@ -19,7 +19,7 @@ from .errors import (  # noqa: E402
     UnknownLayoutVersion,
 )
 from .create import create_store  # noqa: E402
-from .plans import Unit  # noqa: E402
+from .planlog import Unit  # noqa: E402
 from .store import Store, open_store  # noqa: E402
 
 __all__ = [

@@ -27,7 +27,7 @@ from .dtypes import BF16
 from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
 from .objects import read_point
 from .roles import captured_codes
-from .stats import Moments
+from .moments import Moments
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 How rows are chosen (filters.py), split over ranks x workers (sampling.py), decoded and mixed
 (readahead.py), cut into batches (batching.py) and normalised (normalize.py) each live in their
-own module; this one holds the dataset object and its per-process state, and readplan.py which
+own module; this one holds the dataset object and its per-process state, and readorder.py which
 pieces each worker reads in an epoch. `loader.py` adds a DataLoader that counts what it delivers,
 for resume with workers.
 
@@ -43,9 +43,9 @@ from .roles import resolve_roles
 from .loader import ActivationLoader
 from .objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader
-from .readplan import PiecePlanning, committed_pieces, rank_world
+from .readorder import PiecePlanning, committed_pieces, rank_world
 from .sampling import lane, worker_share
-from .shardio import codec_pool
+from .shardcodec import codec_pool
 from .store import Store, open_store
 from .workermem import cap_malloc_arenas
 
@@ -275,7 +275,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None)
         return state
 
-    # ---- epochs (counts and plans: readplan.PiecePlanning) -----------------------------------
+    # ---- epochs (counts and plans: readorder.PiecePlanning) -----------------------------------
     @property
     def epoch(self) -> int:
         return int(self._ctl[0])

@@ -20,12 +20,12 @@ import zarr
 
 from . import commits as _commits
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
 from . import tables as _tables
 from .backend import Location, locate
 from .dtypes import resolve_dtype
 from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
-from .plans import PlanStore, Unit, check_units
+from .planlog import PlanStore, Unit, check_units
 
 MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
 
@@ -165,7 +165,7 @@ class Store:
 
     def shard_codec(self, point: str):
         """Our direct whole-shard codec for `point`, or None where zarr must do the work."""
-        from .shardio import ShardCodec, Unsupported
+        from .shardcodec import ShardCodec, Unsupported
 
         key = ("codec", point)
         if key not in self._arrays:
@@ -179,7 +179,7 @@ class Store:
 
     def meta_codec(self, name: str):
         """Our codec for one chunk of row metadata array `name`, or None where zarr must do it."""
-        from .shardio import MetaCodec, Unsupported
+        from .shardcodec import MetaCodec, Unsupported
 
         key = ("meta_codec", name)
         if key not in self._arrays:
@@ -293,7 +293,7 @@ class Store:
         The plan is not re-read here (that was a read of the whole plan per unit): a marker
         whose row range disagrees with the plan never counts, which verify reports.
         """
-        from .plans import check_region
+        from .planlog import check_region
         from .writer import RegionWriter
 
         if self.read_only:
@@ -368,9 +368,9 @@ class Store:
         return _commits.write_index_segment(self._loc, markers)
 
     # ---- statistics --------------------------------------------------------------------------
-    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _stats.StreamingMerge:
-        """Every unit's partials merged in unit-id order (see statsio.merge_partials)."""
-        from .statsio import merge_partials
+    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
+        """Every unit's partials merged in unit-id order (see statsfiles.merge_partials)."""
+        from .statsfiles import merge_partials
 
         return merge_partials(self, refs, batch)
 
@@ -381,7 +381,7 @@ class Store:
         From finalize if present, else merged now from the committed partials. Each value:
         count, mean [width] float64, var [width] float64, mean_sq_norm, nonfinite_rows.
         """
-        from .statsio import read_stats
+        from .statsfiles import read_stats
 
         return read_stats(self, points, subset)
 

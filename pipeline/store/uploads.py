@@ -36,13 +36,13 @@ import google_crc32c
 import numpy as np
 
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
 from .credentials import scrub
 from .dtypes import raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
-from .shardio import lower_priority
+from .shardcodec import lower_priority
 from .roles import captured_codes
-from .shards import Shard, runs, shard_buffers
+from .writeblocks import Shard, runs, shard_buffers
 from .streams import ObjectStream, write_small
 from .unitmeta import UnitMeta
 
@@ -111,7 +111,7 @@ class ShardUploads:
         # block before it is merged into _acc, in block order (deterministic bits whatever order
         # blocks complete in). Held: O(points x width) plus blocks that complete out of order.
         self._parts: dict[int, dict] = {}
-        self._acc = {s: [_stats.Moments.empty(self._W) for _ in range(self._P)]
+        self._acc = {s: [_moments.Moments.empty(self._W) for _ in range(self._P)]
                      for s in layout.STATS_SUBSETS}
         self._next_stat = 0  # index in _block_ids of the next block to merge into _acc
         self._crc: dict[int, list] = {}
@@ -354,7 +354,7 @@ class ShardUploads:
         if self._failed is not None or self._closed:
             return
         x = sh.data[p].view(self._dtype)
-        crc = _stats.crc32c(sh.data[p])
+        crc = _moments.crc32c(sh.data[p])
         sr = self._store.shard_rows
         si = sh.start // sr
         try:
@@ -367,12 +367,12 @@ class ShardUploads:
                 if sh.present is not None:  # rows without activations count in no statistic
                     have = sh.present[i * cr:i * cr + rows.shape[0]]
                     rows, keep = rows[have], (None if keep is None else keep[have])
-                parts[i] = _stats.subsets_of(rows, keep)
+                parts[i] = _moments.subsets_of(rows, keep)
 
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=moments)
             # in chunk order: deterministic
-            mom_all = _stats.merge_all([[q[0]] for q in parts], 1, self._W)[0]
-            mom_kept = _stats.merge_all([[q[1]] for q in parts], 1, self._W)[0]
+            mom_all = _moments.merge_all([[q[0]] for q in parts], 1, self._W)[0]
+            mom_kept = _moments.merge_all([[q[1]] for q in parts], 1, self._W)[0]
             stream = self._stream(si, p)
             last = stream.append((sh.start - si * sr) // cr, chunks, crc, x.nbytes)
             del chunks
