@@ -393,7 +393,7 @@ def bookkeeping_rows(sizes, storages, workdir: Path) -> list[dict]:
             if where == "s3":
                 import s3fs
 
-                from harvest.pipeline.store import seaweed
+                from harvest.testing import seaweed
 
                 srv = srv or seaweed.start()
                 s3fs.S3FileSystem(skip_instance_cache=True, **srv.storage_options).mkdir("bench")

@@ -270,7 +270,7 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     store timed back to back), which a busy shared machine disturbs far less than either speed.
     """
     global _SERVER_PID
-    from harvest.pipeline.store import seaweed, synthetic
+    from harvest.testing import seaweed, synthetic
     from harvest.pipeline.store.layout import choose_sizes
 
     n_points = max(1, min(int(n_points), 64))

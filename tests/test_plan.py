@@ -353,7 +353,8 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     store's writer, against markersize.marker_size for the same shape and sizes."""
     import numpy as np
 
-    from harvest.pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store
+    from harvest.testing import synthetic
     from harvest.pipeline.store.commits import encode_marker
     from harvest.pipeline.store.markersize import marker_size, table_size
     from harvest.pipeline.store.layout import commit_key

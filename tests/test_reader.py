@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store
+from harvest.testing import synthetic
 from harvest.pipeline.store.reader import ActivationDataset
 from tests.support.reader_stores import BOS, committed_rows, make_store
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from harvest.pipeline.store import RegionConflict, RegionWriteFailed, create_store, open_store
-from harvest.pipeline.store import backend, layout, synthetic
+from harvest.pipeline.store import backend, layout
+from harvest.testing import synthetic
 from harvest.pipeline.store.reader import ActivationDataset
 from harvest.pipeline.store.tables import unit_shards
 
@@ -46,7 +47,8 @@ def target(request, tmp_path):
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from harvest.pipeline.store import open_store, synthetic
+    from harvest.pipeline.store import open_store
+    from harvest.testing import synthetic
     url, so = sys.argv[1], json.loads(sys.argv[2])
     s = open_store(url, storage_options=so)
     x = synthetic.activations((2, 4096, 32), seed=7)

@@ -11,7 +11,7 @@ import zarr
 
 from harvest.pipeline.store import (NotAHarvestStore, StoreAccessError, StoreError, UnknownLayoutVersion,
                             create_store, open_store)
-from harvest.pipeline.store import synthetic
+from harvest.testing import synthetic
 from harvest.pipeline.store.credentials import scrub
 
 

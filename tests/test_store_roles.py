@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.pipeline.store import create_store, layout, open_store, synthetic
+from harvest.pipeline.store import create_store, layout, open_store
+from harvest.testing import synthetic
 from harvest.pipeline.store.finalize import finalize
 from harvest.pipeline.store.reader import ActivationDataset
 from harvest.pipeline.store.roles import CODES

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harvest.pipeline.store import create_store, open_store
-from harvest.pipeline.store import synthetic
+from harvest.testing import synthetic
 from harvest.pipeline.store.dtypes import BF16
 from harvest.pipeline.store.tables import unit_shards
 

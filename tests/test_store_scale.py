@@ -16,7 +16,8 @@ import pytest
 import zarr
 
 from harvest.benchmarks.bench_dataplane import PeakRSS
-from harvest.pipeline.store import create_store, layout, open_store, synthetic
+from harvest.pipeline.store import create_store, layout, open_store
+from harvest.testing import synthetic
 from harvest.pipeline.store.errors import DataIntegrityError, RegionConflict
 from harvest.pipeline.store.objects import attempt_objects
 from harvest.pipeline.store.streams import crc32c_combine

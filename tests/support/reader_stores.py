@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store
+from harvest.testing import synthetic
 from harvest.pipeline.store.tables import unit_shards
 
 BOS = 1
