@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 import zarr
 
+from harvest import __version__   # the one version; not `from . import`: the package imports this module
 from . import compression as _compression
 from . import layout
 from .backend import Location, locate
@@ -90,8 +91,6 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
     row_meta = {k: layout.ROW_META[k] for k in layout.BASE_META + extra}
     loc = locate(url, storage_options)
     run_attrs = redact_attrs(_jsonable(attrs or {}, "create_store attrs"), loc.storage_options)
-    from . import __version__
-
     harvest = {
         "layout": layout.LAYOUT_NAME, "layout_version": layout.LAYOUT_VERSION,
         "points": points, "arrays": dict(zip(points, paths)), "width": int(width),

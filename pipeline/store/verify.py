@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,7 +31,9 @@ from . import moments as _moments
 from .objects import attempt_objects, read_meta, read_point
 from .tables import shard_ids, unit_shards
 from .planlog import check_units
-from .store import Store
+
+if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.verify
+    from .store import Store
 
 _MAX_ERRORS = 200
 

@@ -31,6 +31,7 @@ from .credentials import redact_attrs, scrub
 from .dtypes import dtype_name
 from .errors import RegionConflict, RegionWriteFailed
 from .jsonattrs import jsonable as _jsonable
+from .objects import publish
 from .writeblocks import Shard, runs, to_numpy
 from .uploads import ShardUploads
 
@@ -298,7 +299,6 @@ class RegionWriter(ShardUploads):
         """Publish this attempt's objects (only the marker's creator does): complete its uploads
         (S3) or rename them to their zarr keys. Until then readers take renamed-by-name objects
         under the attempt's name, and finalize finishes a publish a crash cut."""
-        from .objects import publish
 
         try:
             publish(self._store, manifest, etags=self._etags())
