@@ -37,7 +37,7 @@ from . import verify as _verify
 from . import writer as _writer
 from .backend import Location, locate
 from .dtypes import resolve_dtype
-from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
+from .errors import StoreError
 from .planlog import PlanStore, Unit, check_region, check_units
 
 MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
@@ -399,32 +399,7 @@ def open_store(url, storage_options: dict | None = None, read_only: bool = False
         raw = loc.read_bytes("zarr.json", attempts=2)
     except Exception as e:  # noqa: BLE001 -- translated without secrets
         raise loc.error("open_store", e) from None
-    if raw is None:
-        raise NotAHarvestStore(f"open_store: no store at {loc.url} (zarr.json not found); check the "
-                               "URL, or create one with create_store")
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise NotAHarvestStore(f"open_store: {loc.url}/zarr.json is not JSON; not a harvest store") from None
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
-        raise NotAHarvestStore(f"open_store: {loc.url} is not a zarr v3 group (zarr_format="
-                               f"{meta.get('zarr_format') if isinstance(meta, dict) else None}); "
-                               "not a harvest store")
-    h = (meta.get("attributes") or {}).get("harvest")
-    if not isinstance(h, dict) or h.get("layout") != layout.LAYOUT_NAME:
-        raise NotAHarvestStore(f"open_store: {loc.url} is a zarr group but not a harvest activation "
-                               f"store (attributes.harvest.layout != {layout.LAYOUT_NAME!r})")
-    v = h.get("layout_version")
-    if v not in layout.SUPPORTED_LAYOUT_VERSIONS:
-        raise UnknownLayoutVersion(
-            f"open_store: {loc.url} has layout_version={v!r}; this harvest reads versions "
-            f"{list(layout.SUPPORTED_LAYOUT_VERSIONS)}"
-            + (" (version 1 stores came from before the streamed data plane: re-harvest them)"
-               if v == 1 else ". Upgrade harvest to read it."))
-    missing = [k for k in ("points", "width", "n_rows", "shard_rows", "chunk_rows", "dtype", "compression")
-               if k not in h]
-    if missing:
-        raise NotAHarvestStore(f"open_store: {loc.url} harvest attributes lack {', '.join(missing)}")
+    meta = layout.check_group(raw, loc.url, "open_store")
     return Store(loc, meta, read_only=read_only)
 
 
