@@ -354,11 +354,11 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     import numpy as np
 
     from harvest.pipeline.store import create_store
-    from harvest.testing import synthetic
     from harvest.pipeline.store.commits import encode_marker
     from harvest.pipeline.store.markersize import marker_size, table_size
     from harvest.pipeline.store.layout import commit_key
     from harvest.pipeline.store.tables import unit_shards
+    from harvest.testing import synthetic
 
     points = [f"resid_post.{i}" for i in range(32)]
     s = create_store(str(tmp_path / "s"), points=points, width=64, n_rows=512, shard_rows=32,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harvest.pipeline.store import create_store
-from harvest.testing import synthetic
 from harvest.pipeline.store.reader import ActivationDataset, ReaderConfig
+from harvest.testing import synthetic
 from tests.support.reader_stores import BOS, committed_rows, make_store
 
 P, W, N, SHARD, C = 2, 16, 5000, 512, 100   # 10 shards, the last one partial (392 rows)

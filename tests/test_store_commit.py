@@ -14,9 +14,9 @@ import pytest
 
 from harvest.pipeline.store import RegionConflict, RegionWriteFailed, create_store, open_store
 from harvest.pipeline.store import backend, layout
-from harvest.testing import synthetic
 from harvest.pipeline.store.reader import ActivationDataset
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 P, W, N, SHARD = 2, 32, 4096, 1024
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

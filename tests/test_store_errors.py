@@ -11,8 +11,8 @@ import zarr
 
 from harvest.pipeline.store import (NotAHarvestStore, StoreAccessError, StoreError, StoreSpec,
                                     UnknownLayoutVersion, create_store, open_store)
-from harvest.testing import synthetic
 from harvest.pipeline.store.credentials import scrub
+from harvest.testing import synthetic
 
 
 def _small(url, **kw):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from harvest.pipeline.store import create_store, open_store
-from harvest.testing import synthetic
 from harvest.pipeline.store.dtypes import BF16
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 P, W, N = 3, 48, 2300        # 3 points, 3 shards of 1024 (last one partial) -> exercises the edge
 SHARD, CHUNK = 1024, 256

@@ -1,10 +1,10 @@
 """SAE-training reader: shuffled batches of the committed, filtered rows of a store, local or S3.
 
-How rows are chosen (filters.py), split over ranks x workers (sampling.py), decoded and mixed
-(readahead.py), cut into batches (batching.py) and normalised (normalize.py) each live in their
-own module; this one holds the dataset object and its per-process state, and readorder.py which
-pieces each worker reads in an epoch. `loader.py` adds a DataLoader that counts what it delivers,
-for resume with workers.
+The options and their checks (readerconfig.py), how rows are chosen (filters.py), split over
+ranks x workers (sampling.py), decoded and mixed (readahead.py), cut into batches (batching.py)
+and normalised (normalize.py) each live in their own module; this one holds the dataset object
+and its per-process state, and readorder.py which pieces each worker reads in an epoch.
+`loader.py` adds a DataLoader that counts what it delivers, for resume with workers.
 
 Guarantees, per epoch: every kept row (committed, passing the filters) is yielded exactly once,
 except that with G = world_size x num_workers > 1 the epoch's last N mod G kept rows (fewer than

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from harvest.pipeline.store import create_store
-from harvest.testing import synthetic
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 BOS = 1
 
