@@ -161,7 +161,7 @@ def test_reader_config_is_the_keyword_form(store):
     assert BOS not in np.concatenate([x["token_id"].numpy() for x in a])
     with pytest.raises(ValueError, match="not both"):
         ActivationDataset(store, "resid_post.1", config=ReaderConfig())
-    with pytest.raises(TypeError, match="unknown reader option.*batchsize.*batch_size"):
+    with pytest.raises(TypeError, match="unknown ReaderConfig field.*batchsize.*batch_size"):
         ActivationDataset(store, batchsize=64)
     for bad, match in (({"batch_size": 0}, "batch_size=0 must be a positive number of rows"),
                        ({"steps": 2.5}, "steps=2.5 must be a positive number of batches"),

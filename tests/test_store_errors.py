@@ -91,7 +91,7 @@ def test_store_spec_is_the_keyword_form(tmp_path):
     assert b.array("resid_post.1").shards == (b.shard_rows, 16)
     with pytest.raises(ValueError, match="not both"):
         create_store(str(tmp_path / "x"), spec=spec, width=32)
-    with pytest.raises(TypeError, match="unknown store field.*shardrows"):
+    with pytest.raises(TypeError, match="unknown StoreSpec field.*shardrows"):
         create_store(str(tmp_path / "x"), points=["resid_post.0"], width=8, n_rows=64, shardrows=64)
     with pytest.raises(ValueError, match="meta_chunk_rows=96 must be a multiple of shard_rows=64"):
         StoreSpec(points=["resid_post.0"], width=8, n_rows=256, shard_rows=64, chunk_rows=32, meta_chunk_rows=96)

@@ -14,12 +14,12 @@ not imported.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .filters import check_split
+from .keywordconfig import config_from
 
 if TYPE_CHECKING:
     import torch
@@ -139,21 +139,8 @@ class ReaderConfig:
 
     @classmethod
     def build(cls, config: "ReaderConfig | None" = None, **options) -> "ReaderConfig":
-        """`config` as given, or one made of keyword `options` (the keyword call style); both at
-        once is an error, since which one wins would be a guess."""
-        if config is not None:
-            if not isinstance(config, ReaderConfig):
-                raise TypeError(f"config= must be a ReaderConfig, got {type(config).__name__}")
-            if options:
-                raise ValueError(f"pass options either in config= or as keywords, not both (got "
-                                 f"config= and {', '.join(sorted(options))}); use "
-                                 "dataclasses.replace(config, ...) to change a few")
-            return config
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"unknown reader option(s) {', '.join(unknown)}; ReaderConfig's fields are "
-                            f"{', '.join(f.name for f in dataclasses.fields(cls))}")
-        return cls(**options)
+        """`config` as given, or one made of keyword `options` (keywordconfig.config_from)."""
+        return config_from(cls, config, options, "config")
 
 
 def _count(name: str, v, unit: str, optional: bool) -> int | None:

@@ -25,6 +25,7 @@ from typing import Any
 from . import compression as _compression
 from . import layout
 from .dtypes import dtype_name, resolve_dtype
+from .keywordconfig import config_from
 
 
 def column(name: str) -> Any:
@@ -119,26 +120,12 @@ class StoreSpec:
 
     @classmethod
     def build(cls, spec: "StoreSpec | None" = None, **fields) -> "StoreSpec":
-        """`spec` as given, or one made of keyword `fields` (the keyword call style); both at once
-        is an error, since which one wins would be a guess."""
-        given = {k: v for k, v in fields.items() if v is not None}
-        if spec is not None:
-            if not isinstance(spec, StoreSpec):
-                raise TypeError(f"spec= must be a StoreSpec, got {type(spec).__name__}")
-            if given:
-                raise ValueError(f"pass the store's format either in spec= or as keywords, not both "
-                                 f"(got spec= and {', '.join(sorted(given))}); use "
-                                 "dataclasses.replace(spec, ...) to change a few")
-            return spec
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(fields) - set(names))
-        if unknown:
-            raise TypeError(f"unknown store field(s) {', '.join(unknown)}; StoreSpec's fields are "
-                            f"{', '.join(names)}")
+        """`spec` as given, or one made of keyword `fields` (keywordconfig.config_from)."""
+        given = {k: v for k, v in fields.items() if v is not None}   # None: not given
         missing = [k for k in ("points", "width", "n_rows") if given.get(k) is None]
-        if missing:
+        if spec is None and missing:
             raise TypeError(f"create_store needs {', '.join(missing)} (or spec=StoreSpec(...))")
-        return cls(**given)
+        return config_from(cls, spec, given, "spec")
 
 
 def _column_fields() -> list:
