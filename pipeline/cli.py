@@ -257,7 +257,7 @@ def cmd_report(args) -> int:
 def cmd_check_model(args) -> int:
     """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
     refuses the trunk at load (docs/engine.md, "Supported model families")."""
-    from harvest.engine.check import run_command
+    from harvest.engine.model_check import run_command
 
     from .prepare import resolve_model_path
 
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
     cm.add_argument("--tol-p50", type=float, default=0.03,
                     help="cap on the p50 bound; below it, each point's bound is a multiple "
-                         "of HF's own engine-dtype-vs-fp32 gap there (engine.check.GAP_RATIO)")
+                         "of HF's own engine-dtype-vs-fp32 gap there (engine.model_check.GAP_RATIO)")
     cm.add_argument("--tol-p99", type=float, default=0.15, help="cap on the p99 bound")
     cm.add_argument("--reference-device", default="cpu")
     cm.add_argument("--no-compile", action="store_true", help="skip torch.compile: starts in seconds")

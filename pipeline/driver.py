@@ -229,7 +229,7 @@ def _model_check(info0: dict, cfg: HarvestConfig) -> None:
     if check.get("error"):
         why = check["error"]
     else:
-        from harvest.engine.check import format_check
+        from harvest.engine.model_check import format_check
 
         why = "\n" + format_check(check)
     raise HarvestError(
