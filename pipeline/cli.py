@@ -116,7 +116,7 @@ def cmd_plan(args) -> int:
     from .estimate import corpus_bytes, plan_estimate
     from .objectcost import layout_cost
     from .prepare import prepare
-    from .render import plan_text
+    from .cli_text import plan_text
     from .resume import probe_store
 
     cfg = load_args_config(args)
@@ -164,7 +164,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .render import status_text
+    from .cli_text import status_text
     from .views import status
 
     url, so = store_target(args)
@@ -180,7 +180,7 @@ def cmd_verify(args) -> int:
     """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
     from harvest.pipeline.store import open_store
 
-    from .render import verify_text
+    from .cli_text import verify_text
     from .views import store_missing
 
     url, so = store_target(args)
@@ -199,7 +199,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .render import inspect_text
+    from .cli_text import inspect_text
     from .views import inspect
 
     url, so = store_target(args)

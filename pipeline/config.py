@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .checks import ConfigError, check_bool, check_str
+from .config_fields import ConfigError, check_bool, check_str
 from .paths import REPO_ROOT, cache_dir, expand_path  # noqa: F401
 from .sections import (CaptureConfig, DataConfig, ModelConfig, PackingConfig, RayConfig,
                        StoreConfig)

@@ -31,7 +31,7 @@ from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported fo
 from .exits import orderly_signals
 from .logs import StartWatch, progress_bar
 from .packing import PackingError
-from .placement import sum_stats
+from .context_rows import sum_stats
 from .prepare import Prepared, prepare
 from .resume import check_resume, fresh_state, resume_state
 from .sink import StoreSink

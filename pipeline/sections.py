@@ -15,10 +15,10 @@ from typing import Any
 from harvest.engine import BACKENDS
 from harvest.engine.addresses import KNOWN_POINTS
 
-from .checks import ConfigError, check_bool, check_choice, check_float, check_int, check_str
+from .config_fields import ConfigError, check_bool, check_choice, check_float, check_int, check_str
 from .paths import expand_path
 
-# Upper bounds of the float fields (checks.check_float refuses NaN and inf for all of them):
+# Upper bounds of the float fields (config_fields.check_float refuses NaN and inf for all of them):
 # a deadline or lease over a week is a unit slip (milliseconds written as seconds), and a
 # thread's wait on 1e300 s raises OverflowError; no node has more CPUs or GPUs than this.
 MAX_SECONDS = 7 * 24 * 3600.0
