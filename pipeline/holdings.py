@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .messages import UnitTask
-from .placement import Emitted, chunk_key
+from .context_rows import Emitted, chunk_key
 
 
 @dataclass

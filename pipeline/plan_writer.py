@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from .errors import HarvestError, ResumeMismatch
-from .placement import Emitted, chunk_key, sum_stats
+from .context_rows import Emitted, chunk_key, sum_stats
 
 PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units are waiting
 
