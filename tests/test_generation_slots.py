@@ -18,18 +18,18 @@ C, NEW = 16, 6
 P = C - NEW
 
 
-def _req(prompt, generated, width=4, points=2):
+def _req(prompt, generated, width=4, points=2, sample=0):
     fed = np.concatenate([prompt, generated[:-1]]).astype(np.int32)
-    acts = torch.arange(1, points * len(fed) * width + 1, dtype=torch.float32)
+    acts = torch.arange(1, points * len(fed) * width + 1, dtype=torch.float32) + 1000 * sample
     return GeneratedRequest(0, fed, np.arange(len(fed), dtype=np.int32), (), acts.reshape(
-        points, len(fed), width), sample=0, prompt_len=len(prompt),
+        points, len(fed), width), sample=sample, prompt_len=len(prompt),
         generated=np.asarray(generated, np.int32), finish_reason="stop")
 
 
 def test_a_slot_reads_prompt_sampled_last_padding():
     prompt = np.arange(100, 100 + P, dtype=np.int32)
     doc, pos = np.full(C, 7, np.int64), np.arange(20, 20 + C, dtype=np.int32)
-    m = slot_meta(GenerateConfig(max_new_tokens=NEW), C, doc, pos, _req(prompt, [5, 6, 9]))
+    m = slot_meta(GenerateConfig(max_new_tokens=NEW), C, doc, pos, [_req(prompt, [5, 6, 9])])
     want_gen = [GEN_PROMPT] * P + [GEN_SAMPLED] * 2 + [GEN_LAST] + [GEN_PAD] * 3
     assert m["gen"].tolist() == want_gen
     assert m["token_id"].tolist() == prompt.tolist() + [5, 6, 9] + [META_PAD] * 3
@@ -43,7 +43,7 @@ def test_all_new_tokens_leave_only_the_last_without_a_row_and_a_bos_has_no_docum
     doc = np.full(C, META_INSERTED, np.int64)  # e.g. a context that is one inserted BOS + ...
     pos = np.full(C, META_INSERTED, np.int32)
     m = slot_meta(GenerateConfig(max_new_tokens=NEW, keep_prompt=False), C, doc, pos,
-                  _req(prompt, list(range(50, 50 + NEW))))
+                  [_req(prompt, list(range(50, 50 + NEW)))])
     assert m["gen"].tolist() == [GEN_DROPPED] * P + [GEN_SAMPLED] * (NEW - 1) + [GEN_LAST]
     assert (m["doc_id"][P:C - 1] == META_INSERTED).all()
     assert (m["position"][P:C - 1] == META_INSERTED).all()
@@ -54,14 +54,14 @@ def test_slot_rows_are_padded_and_zeroed_where_they_hold_no_activations():
     prompt = np.arange(100, 100 + P, dtype=np.int32)
     req = _req(prompt, [5, 6, 9])
     meta, acts = s.rows(np.concatenate([prompt, np.zeros(NEW, np.int32)]),
-                        np.zeros(C, np.int64), np.arange(C, dtype=np.int32), req)
+                        np.zeros(C, np.int64), np.arange(C, dtype=np.int32), [req])
     assert acts.shape == (2, C, 4)
     assert (acts[:, :P] == 0).all() and (acts[:, P + 2:] == 0).all()  # dropped, last, padding
     assert torch.equal(acts[:, P:P + 2], req.acts[:, P:P + 2])
     # in place: the same zeroing on the engine's view of the shard buffer (raw bits)
     view = np.full((2, C, 4), 0x3F80, np.uint16)
     s.rows(np.concatenate([prompt, np.zeros(NEW, np.int32)]), np.zeros(C, np.int64),
-           np.arange(C, dtype=np.int32), req, view)
+           np.arange(C, dtype=np.int32), [req], view)
     assert (view[:, P:P + 2] == 0x3F80).all() and (view[:, :P] == 0).all() and (view[:, P + 2:] == 0).all()
 
 

@@ -45,7 +45,7 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
                  special_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
                  tokenizer: str | None = None, stats_skip_positions: int = 0,
                  create_bucket: bool = False, roles: bool = False, generated: bool = False,
-                 meta_chunk_rows: int | None = None) -> Store:
+                 samples: bool = False, meta_chunk_rows: int | None = None) -> Store:
     """Create the group and every array pre-sized (driver only). See FORMAT.md for the layout.
 
     context_size, special_token_ids, bos_token_id, tokenizer and stats_skip_positions are format
@@ -85,8 +85,12 @@ def create_store(url, points: Sequence[str], width: int, n_rows: int, shard_rows
     comp = _compression.normalize(compression)
     # the `role` column only where there are roles (chat input): a text store keeps the three
     # columns (and objects per shard) it always had; likewise `gen` only in a store made for
-    # generation (capture.generate, FORMAT.md "Generation")
-    extra = (("role",) if roles else ()) + (("gen",) if generated else ())
+    # generation (capture.generate, FORMAT.md "Generation"), and `sample` only where prompts
+    # have n > 1 samples (`samples`, with `generated`)
+    if samples and not generated:
+        raise ValueError("create_store: samples=True (a sample index per row) needs generated=True")
+    extra = (("role",) if roles else ()) + (("gen",) if generated else ()) + \
+        (("sample",) if samples else ())
     row_meta = {k: layout.ROW_META[k] for k in layout.BASE_META + extra}
     loc = locate(url, storage_options)
     run_attrs = redact_attrs(_jsonable(attrs or {}, "create_store attrs"), loc.storage_options)
