@@ -143,6 +143,8 @@ def test_generation_units_survive_a_killed_actor_and_match_hf(ray_cluster, tiny_
     k = KillOnce()
     summary = run(cfg, on_event=k)
     assert k.killed is not None and summary["actor_restarts"] >= 1, summary
+    # sample 0's rows (prompt + its region) went straight into the shard buffers
+    assert sum(a["rows_in_place"] or 0 for a in summary["per_actor"]) > 0, summary["per_actor"]
     store = open_store(cfg.store.resolved_url)
     v = store.verify(deep=True)
     assert v["ok"], v["errors"]
