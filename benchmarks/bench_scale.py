@@ -456,7 +456,7 @@ def dispatch_child(spec: dict) -> dict:
     from harvest.pipeline.config import load_config
     from harvest.pipeline.dispatch import Scheduler
     from harvest.pipeline.messages import UnitTask
-    from harvest.pipeline.placement import Frontier
+    from harvest.pipeline.context_rows import Frontier
     from harvest.pipeline.resume import ResumeState
     from harvest.pipeline.store.plans import Unit
 

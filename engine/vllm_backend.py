@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import compat
+from . import compat, compat_check
 from . import platform as plat
 from . import stepring
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
@@ -91,7 +91,7 @@ class VLLMModel:
         self.max_num_batched_tokens = eng["max_num_batched_tokens"]
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
         compat.engine_environment(on_cpu=self.profile.name == "cpu")
-        compat.require()
+        compat_check.require()
         if self.tp > 1:
             # Inside a Ray actor vLLM would pick its Ray executor (ranks as Ray actors, maybe on
             # other nodes: "current platform cpu does not support ray" on the CPU build). The

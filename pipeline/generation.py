@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checks import ConfigError, check_bool, check_float, check_int
+from .config_fields import ConfigError, check_bool, check_float, check_int
 
 # The `sample` column is int16 (store/layout.py): more samples per prompt would not fit it.
 MAX_SAMPLES = (1 << 15) - 1

@@ -1,5 +1,6 @@
-"""Work units: the layout policy, and placement of tokenised chunks into dense, shard-aligned
-units that do not depend on the order chunks arrive in (the frontier), with resume."""
+"""Work units: the layout policy (pipeline/unit_sizes.py), and placement of tokenised chunks into
+dense, shard-aligned units that do not depend on the order chunks arrive in (the frontier,
+pipeline/context_rows.py), with resume."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import random
 import pytest
 
 from harvest.pipeline.config import REPO_ROOT, ConfigError, load_config
-from harvest.pipeline.placement import Frontier
-from harvest.pipeline.plan import choose_layout
+from harvest.pipeline.context_rows import Frontier
+from harvest.pipeline.unit_sizes import choose_layout
 from harvest.pipeline.store.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
 from harvest.pipeline.store.plans import Unit, check_units
 

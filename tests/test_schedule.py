@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.config_fields import ConfigError
 from harvest.pipeline.cli import main
 from harvest.pipeline.lease import Lease
 from harvest.pipeline.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,

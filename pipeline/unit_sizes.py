@@ -1,4 +1,5 @@
-"""Work units: fixed runs of contexts, aligned to store shards, sized for the engine and commits.
+"""Work-unit sizes: fixed runs of contexts, aligned to store shards, sized for the engine and
+commits (and the shard and chunk sizes of a run).
 
 Unit k is global contexts [k * U, (k + 1) * U) of the packed corpus (the last one may be short):
 its rows are known as soon as the contexts before it are counted, whatever the block sizes, so
