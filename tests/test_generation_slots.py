@@ -258,6 +258,17 @@ def test_sample_column_only_in_n_sample_stores_and_old_generation_stores_read_sa
     assert np.array_equal(many.read_sample(0, n), smp)
     assert np.array_equal(many.read_sample(0, n, checked=True), smp)
     assert not one.read_sample(0, n).any() and one.read_sample(0, n).shape == (n,)
+    # the reader's metadata carries it, row for row
+    from harvest.pipeline.store.reader import ActivationDataset
+
+    for shuffle in (False, True):
+        batches = list(ActivationDataset(many, "resid_post.0", batch_size=50, shuffle=shuffle,
+                                         return_meta=True))
+        rows = np.concatenate([b["row"].numpy() for b in batches])
+        got = np.concatenate([b["sample"].numpy() for b in batches])
+        assert np.array_equal(np.sort(rows), np.arange(n)) and np.array_equal(got, smp[rows])
+    assert "sample" not in next(iter(ActivationDataset(one, "resid_post.0", batch_size=50,
+                                                       return_meta=True)))
     plain = create_store(str(tmp_path / "p.zarr"), points=["resid_post.0"], width=4, n_rows=n,
                          shard_rows=128, context_size=C)
     with pytest.raises(ValueError, match="not created for generation"):
