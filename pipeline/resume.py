@@ -19,7 +19,7 @@ from .errors import HarvestError, ResumeMismatch
 from .context_rows import Frontier, chunk_key
 from .sources import check_sizes
 from .store.credentials import redact_url
-from .store.plans import Unit
+from .store.planlog import Unit
 from .tokenpool import Job
 
 RUN_ATTR = "harvest_run"

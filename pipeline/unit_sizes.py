@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .config import ConfigError, HarvestConfig, check_shard_rows
 from .store.layout import CAPACITY_ROWS, choose_sizes
-from .store.plans import Unit
+from .store.planlog import Unit
 
 UNITS_PER_ACTOR = 4
 
