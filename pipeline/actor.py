@@ -54,7 +54,7 @@ class _Job:
 
     def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer, meta=None):
         self.unit_id, self.row_start, self.contexts, self.writer = unit_id, row_start, contexts, writer
-        self.meta = meta  # generation: (doc_id, position) per context, written per slot
+        self.meta = meta  # generation: (doc_id, position, role) per context, per slot
         self.received = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -263,8 +263,8 @@ class HarvestActor:
             if self.slots is None:
                 writer.write_meta(rs, tok, doc, pos, role)
             else:  # a slot's metadata is known once it is generated: written on delivery
-                # (config.check_generate refuses chat input with generation: no roles here)
-                meta = (doc.reshape(-1, C), pos.reshape(-1, C))
+                meta = (doc.reshape(-1, C), pos.reshape(-1, C),
+                        None if role is None else role.reshape(-1, C))
             job = _Job(uid, rs, tok.reshape(-1, C), writer, meta)
             self._queue.put(job)
             job.done.wait()

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from . import exits
+from . import exits, generation
 from .config import HarvestConfig
 from .errors import HarvestError
 from .messages import ActorSpec
@@ -70,7 +70,7 @@ def actor_spec(cfg: HarvestConfig, prep, index: int,
         threads_requested=cfg.ray.threads_per_actor,  # GPU actors size from their own share
         check_model=index == 0 and cfg.capture.check_model and cfg.model.backend == "vllm",
         env=forwarded_env(),
-        generate=None if cfg.capture.generate is None else cfg.capture.generate.describe(),
+        generate=generation.actor_section(cfg, prep.model_path),
     )
 
 
