@@ -162,6 +162,18 @@ def fed_inputs(runner, n: int):
     return runner.positions[:n], runner.input_ids.gpu[:n]
 
 
+def finished_req_ids(scheduler_output) -> frozenset:
+    """Requests vLLM finished or aborted since the previous step (SchedulerOutput, checked
+    0.32.0): none of them is in this step's batch, and none is scheduled again."""
+    return frozenset(getattr(scheduler_output, "finished_req_ids", None) or ())
+
+
+def max_concurrent_batches(llm) -> int:
+    """Steps vLLM keeps in flight (VllmConfig.max_concurrent_batches, checked 0.32.0: 2 with
+    async scheduling, else 1); up to this many minus one may still run after engine.step()."""
+    return int(llm.llm_engine.vllm_config.max_concurrent_batches)
+
+
 def scheduled_tokens(scheduler_output) -> int:
     return int(scheduler_output.total_num_scheduled_tokens)
 

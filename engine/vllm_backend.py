@@ -22,6 +22,7 @@ import torch
 from . import compat
 from . import platform as plat
 from . import stepring
+from .shmdest import SharedArena
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
@@ -53,6 +54,9 @@ def _quiet_chat_warmup() -> None:
         lg.addFilter(_NoChatWarmupTrace())
 
 
+# the shared destination arena's least default size (a file in /dev/shm, backed only where used)
+SHARED_MIN = 256 << 20
+
 # vLLM's default max_num_seqs when none is given (SchedulerConfig, 0.32.0): sizes the step ring's
 # request table; a step with more requests fails loudly (stepring.RingWriter.publish).
 DEFAULT_MAX_SEQS = 1024
@@ -69,7 +73,7 @@ class VLLMModel:
                  max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                  revision: str | None = None, tensor_parallel_size: int = 1, seed: int = 0,
                  staging: bool | None = None, async_scheduling: bool | None = None,
-                 **engine_args):
+                 shared_destination_bytes: int | None = None, **engine_args):
         self.info: ModelInfo = read_model_info(name_or_path, revision)
         self.name, self.revision = name_or_path, revision
         self.n_layers, self.width = self.info.n_layers, self.info.width
@@ -129,12 +133,19 @@ class VLLMModel:
             # holds under async scheduling too; each step's fed positions and token ids are
             # checked against it, and a stray row fails the capture.
             eng["async_scheduling"] = async_scheduling
-        ring = None
+        ring = self.arena = None
         if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
+            tdt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            size = shared_destination_bytes
+            if size is None:  # tmpfs backs only the pages the writers' buffers touch
+                size = max(SHARED_MIN, 8 * len(self.frozen.reads) * self.max_num_batched_tokens
+                           * self.width * torch.empty(0, dtype=tdt).element_size())
+            if size:
+                self.arena = SharedArena(size)
             ring = stepring.RingReader(stepring.new_spec(
-                len(self.frozen.reads), self.max_num_batched_tokens, self.width,
-                getattr(torch, dtype) if isinstance(dtype, str) else dtype,
-                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS))
+                len(self.frozen.reads), self.max_num_batched_tokens, self.width, tdt,
+                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS,
+                self.arena.path if self.arena else "", self.arena.size if self.arena else 0))
             extra["harvest"]["ring"] = ring.spec.as_dict()
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -149,6 +160,8 @@ class VLLMModel:
         finally:
             if ring is not None:
                 ring.unlink()  # the workers mapped it while loading (or failed): no file left
+            if self.arena is not None:
+                self.arena.unlink()
         if self.tp > 1:
             self.state = self._remote_state(ring)
         else:
@@ -172,8 +185,13 @@ class VLLMModel:
         if ring is None:  # plain: no taps, nothing to read; steps are counted on the workers
             return RemoteStats(self.llm)
         out = infos[0]
+        if self.arena is not None:
+            # memory a writer dropped is reused only after every step that was running then
+            # has published (shmdest: the fence against a late write by the rank)
+            self.arena.published = ring.latest
+            self.arena.in_flight = compat.max_concurrent_batches(self.llm) - 1
         return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes, self.width,
-                             self.dtype, self.max_num_batched_tokens, out)
+                             self.dtype, self.max_num_batched_tokens, out, self.arena)
 
     @property
     def lost(self) -> bool:
@@ -199,9 +217,17 @@ class VLLMModel:
             "width": self.width, "max_num_batched_tokens": self.max_num_batched_tokens,
             "frozen_reads": [str(a) for a in self.frozen.reads] if self.frozen else None,
             "platform": self.profile.name, "tensor_parallel_size": self.tp,
-            "rows_path": "step ring (one extra host copy)" if self.tp > 1 else "in process",
+            "rows_path": ("in process" if self.tp == 1 else "shared destinations (one host copy)"
+                          if self.arena is not None else "step ring (one extra host copy)"),
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         }
+
+    def shared_allocator(self):
+        """Tensor parallel: `allocate(shape, dtype) -> np.ndarray` from the shared destination
+        arena, for the buffers rows go to (the writer's block buffers: store.shards.
+        use_allocator), so the publishing rank writes rows straight into them (engine/shmdest.py).
+        None when rows never leave another process (TP=1) or the arena is off."""
+        return self.arena.allocate if getattr(self, "arena", None) is not None else None
 
     def engine_settings(self) -> dict:
         """vLLM's resolved compile / CUDA-graph / async-scheduling settings (gpu_check prints)."""
@@ -373,6 +399,7 @@ class VLLMModel:
 
     def close(self) -> None:
         self.state = None
+        arena, self.arena = getattr(self, "arena", None), None
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:
@@ -381,3 +408,5 @@ class VLLMModel:
                 pass
             del llm
         gc.collect()
+        if arena is not None:
+            arena.close()
