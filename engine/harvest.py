@@ -286,5 +286,5 @@ def setup(runner, cfg: dict) -> HarvestState:
         # the same graph); a point whose value differs between ranks is a shard, refused here.
         vllm_probe.require_replicated(runner, model, layers, fs.reads, g["n_layers"])
     if cfg.get("ring") and par["output_rank"]:
-        st.ring = RingWriter(RingSpec(**cfg["ring"]))
+        st.ring = RingWriter(RingSpec.from_env())
     return st

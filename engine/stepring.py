@@ -49,6 +49,12 @@ RECORD = 128  # one registration: int64 [generation, offset, n, point stride, id
 RECORD_ID = 40  # the id's byte offset within a record
 LOG_HEAD, LOG_READ, PLACED = 5, 6, 7  # control words
 SHM_DIR = "/dev/shm"
+# The spec reaches the workers in their environment, not in additional_config: vLLM hashes
+# additional_config into its compile-cache key (VllmConfig.compute_hash, checked 0.32.0), and a
+# per-engine file name there made every tensor-parallel engine start (every actor, every
+# restart) miss the cache and compile its graph again. The mp executor spawns the workers while
+# vllm.LLM() is being built, so they inherit the variable the engine sets around that call.
+RING_ENV = "HARVEST_STEP_RING"
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,15 @@ class RingSpec:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_env(cls) -> "RingSpec":
+        raw = os.environ.get(RING_ENV)
+        if not raw:
+            raise RuntimeError(f"the capture engine asked for a step ring but {RING_ENV} is not "
+                               "set in this worker: was it started by vllm.LLM() inside "
+                               "VLLMModel (the mp executor spawns workers from that call)?")
+        return cls(**json.loads(raw))
 
 
 def _align(n: int) -> int:

@@ -10,6 +10,7 @@ vLLM explicitly (engine/runner.py); every vLLM internal they read is in engine/c
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 from collections import deque
@@ -146,7 +147,10 @@ class VLLMModel:
                 len(self.frozen.reads), self.max_num_batched_tokens, self.width, tdt,
                 eng.get("max_num_seqs") or DEFAULT_MAX_SEQS,
                 self.arena.path if self.arena else "", self.arena.size if self.arena else 0))
-            extra["harvest"]["ring"] = ring.spec.as_dict()
+            # a fixed marker: the spec (per-engine file names) travels in the workers'
+            # environment, out of vLLM's compile-cache key (stepring.RING_ENV)
+            extra["harvest"]["ring"] = True
+            os.environ[stepring.RING_ENV] = json.dumps(ring.spec.as_dict())
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
@@ -158,6 +162,7 @@ class VLLMModel:
                 tensor_parallel_size=tensor_parallel_size, seed=seed, additional_config=extra,
                 worker_cls=worker, **eng)
         finally:
+            os.environ.pop(stepring.RING_ENV, None)
             if ring is not None:
                 ring.unlink()  # the workers mapped it while loading (or failed): no file left
             if self.arena is not None:
