@@ -354,6 +354,7 @@ def engine_settings(llm) -> dict:
         "cudagraph_mode": str(cc.cudagraph_mode),
         "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or []),
         "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+        "fuse_allreduce_rms": getattr(cc.pass_config, "fuse_allreduce_rms", None),
         "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
         "v2_model_runner": bool(cfg.use_v2_model_runner),
         "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),

@@ -143,6 +143,9 @@ class RemoteHarvest(HarvestState):
         self.tickets.append(Ticket(plan, step.fed_pos, step.fed_ids,
                                    rids=tuple(s.rid for s in plan.segments)))
 
+    def step_stats(self) -> dict:
+        return {**super().step_stats(), "rows_placed": self.rows_placed}
+
     def summary(self) -> dict:
         """The in-process summary plus where the rows' path spends its time (`ring`: the
         output rank's publish and its rows copy, this process's read, checks and copy out)."""

@@ -215,6 +215,8 @@ class HarvestActor:
                "tokens": self.tokens_done, "streams": self.streams,
                "rows_in_place": self.rows_in_place}
         now, base = self.engine.step_stats(), self._steps0
+        if "rows_placed" in now:  # tensor parallel: rows the rank wrote into the shared arena
+            out["rows_placed"] = now["rows_placed"] - base.get("rows_placed", 0)
         steps = now["steps"] - base["steps"]
         sched = now["scheduled_tokens"] - base["scheduled_tokens"]
         out.update(steps=steps, scheduled_tokens=sched,
