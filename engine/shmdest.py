@@ -87,10 +87,12 @@ class SharedArena:
             off, n = self._free[at]
             self._free[at:at + 1] = [(off + need, n - need)] if n > need else []
             self.allocated += 1
-        arr = np.frombuffer(self.mm, dtype=dtype, count=int(np.prod(shape)), offset=off)
-        arr = arr.reshape(shape)
-        weakref.finalize(arr, self._release, off, need)
-        return arr
+        flat = np.frombuffer(self.mm, dtype=dtype, count=int(np.prod(shape)), offset=off)
+        # on `flat`, not on the reshaped array: numpy points every view's `base` at the array
+        # whose base is the mmap (flat), so a writer's slice keeps flat alive; a finalizer on
+        # the reshaped array fired while such a slice still held the memory (it would be reused)
+        weakref.finalize(flat, self._release, off, need)
+        return flat.reshape(shape)
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Byte offset of a tensor's first element in the arena, or None if it is not wholly in."""

@@ -148,6 +148,22 @@ def test_freed_arena_memory_waits_for_the_steps_that_may_still_write_it():
         pr.close()
 
 
+def test_arena_memory_stays_out_of_reuse_while_any_view_of_it_lives():
+    pr = Pair(arena_bytes=4096)
+    try:
+        a = pr.buffer(64)
+        view = _bf16(a[:, 10:20])  # a writer reserves a numpy slice; the engine gets torch over it
+        off = pr.arena.offset_of(view)
+        del a
+        b = pr.buffer(64)  # the arena's only page is still held through the view
+        assert pr.arena.offset_of(torch.from_numpy(b)) is None
+        del view
+        c = pr.buffer(64)
+        assert pr.arena.offset_of(torch.from_numpy(c)) == off - 10 * W * 2
+    finally:
+        pr.close()
+
+
 def test_a_full_log_sends_rows_through_the_slot_and_finished_ids_leave_the_rank():
     pr = Pair(max_reqs=1)  # log capacity 4 records
     try:
