@@ -79,6 +79,9 @@ class SharedArena:
         dtype = np.dtype(dtype)
         need = _page(int(np.prod(shape)) * dtype.itemsize)
         with self._lock:
+            if self.mm is None or self.mm.closed:  # the engine closed: no rank reads it now
+                self.fallbacks += 1
+                return np.empty(shape, dtype)
             self._reclaim()
             at = next((i for i, (_, n) in enumerate(self._free) if n >= need), None)
             if at is None:
