@@ -10,9 +10,16 @@ the median of the paired ratios: the figure for the freeze target (>= 0.95x plai
     flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_engine \
         [--model PATH] [--prompts 32] [--len 256] [--modes plain freeze] [--rounds 3] [--tp 1 2]
 
+Freeze delivers into one destination block reused by every pass, as the pipeline's writers
+reuse their block buffers (at TP > 1 the block is in the engine's shared arena, so the rank
+writes the rows in place: engine/shmdest.py); fresh memory per pass would time page faults.
+
 `--tp 1 2` runs plain and freeze at each tensor-parallel size (TP > 1: vLLM's multiprocessing
-executor, rows through the step ring) and reports host memory (PSS of this process and the rank
-processes it started) beside tok/s.
+executor) and reports host memory (PSS of this process and the rank processes it started)
+beside tok/s, the all-reduce fusion each engine resolved, and for TP > 1 freeze where the rows'
+path spent its time (`ring`, `rows_placed`, `rows_copied`). `--modes plain_nofuse freeze` adds
+plain vLLM with capture's compile settings (fusion off) at TP > 1: on GPUs where vLLM fuses the
+all-reduce, it separates that cost from the taps'.
 
 `--generate N` measures generation instead (engine/generate.py): every prompt completed with N
 new tokens (greedy, no stop: the same work in every mode), tok/s = generated tokens per second;

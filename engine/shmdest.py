@@ -55,8 +55,11 @@ class SharedArena:
         self.path = str(Path(shm_dir) / f"harvest-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, self.size)
+            reserve(fd, self.size, self.path, "shared_destination_bytes")
             self.mm = mmap.mmap(fd, self.size)
+        except BaseException:
+            self.unlink()
+            raise
         finally:
             os.close(fd)
         self.base = np.frombuffer(self.mm, dtype=np.uint8, count=1).ctypes.data
@@ -136,6 +139,20 @@ class SharedArena:
             self.mm.close()
         except BufferError:  # a writer still holds a buffer: the mapping goes with the last one
             self.mm = None
+
+
+def reserve(fd: int, size: int, path: str, knob: str) -> None:
+    """Give a /dev/shm file all its pages now: a sparse tmpfs file whose volume fills up kills
+    the process that next touches an unbacked page (SIGBUS, mid-step); reserving them turns
+    that into this error at engine load."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        free = os.statvfs(os.path.dirname(path))
+        raise RuntimeError(
+            f"cannot reserve {size / 2**20:.0f} MiB in {os.path.dirname(path)} ({e.strerror}; "
+            f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): give the process a larger "
+            f"/dev/shm (a memory-backed volume, docs/operations.md) or lower {knob}") from e
 
 
 def _page(n: int) -> int:

@@ -137,7 +137,13 @@ class _Mapped:
         fd = os.open(spec.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, spec.size())
+                from .shmdest import reserve
+
+                try:
+                    reserve(fd, spec.size(), spec.path, "max_num_batched_tokens")
+                except BaseException:
+                    os.unlink(spec.path)
+                    raise
             self.mm = mmap.mmap(fd, spec.size())
         finally:
             os.close(fd)

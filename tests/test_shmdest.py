@@ -195,3 +195,14 @@ def test_a_capture_of_some_points_keeps_the_slot_path():
         assert pr.st.rows_placed == 0 and pr.st.rows_copied == 4
     finally:
         pr.close()
+
+
+def test_an_arena_larger_than_dev_shm_is_refused_at_creation_naming_the_fix():
+    """A sparse tmpfs file on a full volume kills whoever touches an unbacked page (SIGBUS
+    mid-step); the arena reserves its pages at creation instead, and says what to change."""
+    import os
+
+    st = os.statvfs("/dev/shm")
+    with pytest.raises(RuntimeError, match="larger /dev/shm.*shared_destination_bytes"):
+        SharedArena(st.f_bavail * st.f_frsize + (1 << 30))
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"harvest-arena-{os.getpid()}-")]
