@@ -31,8 +31,31 @@ from .addresses import Address
 from .coverage import CoverageError, plan_step, require_no_stray
 from .harvest import HarvestState
 from .shmdest import Registrations, SharedArena
-from .stepring import RingReader, RingStep
+from .stepring import RingReader, RingStep, new_spec
 from .transport import CPUTransport, Ticket, copy_segment
+
+
+# the shared destination arena's least default size (reserved in /dev/shm at engine load)
+SHARED_MIN = 256 << 20
+
+
+def open_rows_path(n_points: int, max_tokens: int, width: int, dtype: torch.dtype, max_seqs: int,
+                   shared_bytes: int | None) -> tuple[RingReader, SharedArena | None]:
+    """The step ring and the shared destination arena of a tensor-parallel freeze engine, made
+    before vLLM starts the ranks. The arena holds the writers' block buffers: by default 8 full
+    steps of rows, at least SHARED_MIN; 0 turns it off (every row through the ring's slots)."""
+    if shared_bytes is None:
+        item = torch.empty(0, dtype=dtype).element_size()
+        shared_bytes = max(SHARED_MIN, 8 * n_points * max_tokens * width * item)
+    arena = SharedArena(shared_bytes) if shared_bytes else None
+    try:
+        ring = RingReader(new_spec(n_points, max_tokens, width, dtype, max_seqs,
+                                   arena.path if arena else "", arena.size if arena else 0))
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+    return ring, arena
 
 
 class RemoteHarvest(HarvestState):

@@ -23,13 +23,12 @@ import torch
 from . import compat
 from . import platform as plat
 from . import stepring
-from .shmdest import SharedArena
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
 from .parallel import EngineLost, check_parallel
-from .remote import RemoteHarvest, RemoteStats
+from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
 
@@ -54,9 +53,6 @@ def _quiet_chat_warmup() -> None:
     if not any(isinstance(f, _NoChatWarmupTrace) for f in lg.filters):
         lg.addFilter(_NoChatWarmupTrace())
 
-
-# the shared destination arena's least default size (a file in /dev/shm, backed only where used)
-SHARED_MIN = 256 << 20
 
 # vLLM's default max_num_seqs when none is given (SchedulerConfig, 0.32.0): sizes the step ring's
 # request table; a step with more requests fails loudly (stepring.RingWriter.publish).
@@ -136,17 +132,10 @@ class VLLMModel:
             eng["async_scheduling"] = async_scheduling
         ring = self.arena = None
         if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
-            tdt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            size = shared_destination_bytes
-            if size is None:  # tmpfs backs only the pages the writers' buffers touch
-                size = max(SHARED_MIN, 8 * len(self.frozen.reads) * self.max_num_batched_tokens
-                           * self.width * torch.empty(0, dtype=tdt).element_size())
-            if size:
-                self.arena = SharedArena(size)
-            ring = stepring.RingReader(stepring.new_spec(
-                len(self.frozen.reads), self.max_num_batched_tokens, self.width, tdt,
-                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS,
-                self.arena.path if self.arena else "", self.arena.size if self.arena else 0))
+            ring, self.arena = open_rows_path(
+                len(self.frozen.reads), self.max_num_batched_tokens, self.width,
+                getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS, shared_destination_bytes)
             # a fixed marker: the spec (per-engine file names) travels in the workers'
             # environment, out of vLLM's compile-cache key (stepring.RING_ENV)
             extra["harvest"]["ring"] = True
