@@ -23,8 +23,13 @@ max_concurrent_batches - 1 of them in flight after `engine.step()` returns) is t
 left. So memory freed by its owner (a writer's buffer dropped: garbage-collected) becomes
 reusable only once the rank has published that many more steps (`SharedArena.fence`); until
 then the allocator hands out other memory or, when the arena is full, plain memory (whose
-requests take the copy through the step ring). Correctness never depends on the arena: a request
-outside it, or one the log had no room for, goes the old way.
+requests take the copy through the step ring). A writer that reuses a buffer through its pool
+(no free) does so only after the rows there were handed over, and a handed-over prompt request
+is never scheduled again (max_tokens=1). Generation is refused at TP > 1 (pipeline config); if
+it is allowed one day, the one decode step async scheduling may still run for a finished sample
+(harvest.HarvestState.lingering) must not be placed: drop the registration at `end_rows`.
+Correctness never depends on the arena: a request outside it, or one the log had no room for,
+goes the old way.
 
 Points: the rank places rows only when the capture reads every frozen point in tap order (what
 the pipeline does); another selection takes the step ring path (its slot mapping stays in the
