@@ -181,7 +181,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
 
 def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
         workdir: str | None = None, **_ignored) -> list[dict]:
-    from harvest.pipeline.store import seaweed, synthetic
+    from harvest.testing import seaweed, synthetic
 
     base = synthetic.activations((POINTS, PIECE, WIDTH), seed=3)
     tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-dataplane-")

@@ -157,7 +157,7 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
                 if seaweed is None:
                     import s3fs
 
-                    from harvest.pipeline.store import seaweed as sw
+                    from harvest.testing import seaweed as sw
 
                     seaweed = sw.start(nice=10)  # see seaweed.start: stands in for remote S3
                     s3fs.S3FileSystem(skip_instance_cache=True, **seaweed.storage_options).mkdir("bench")

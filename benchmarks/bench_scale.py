@@ -393,7 +393,7 @@ def bookkeeping_rows(sizes, storages, workdir: Path) -> list[dict]:
             if where == "s3":
                 import s3fs
 
-                from harvest.pipeline.store import seaweed
+                from harvest.testing import seaweed
 
                 srv = srv or seaweed.start()
                 s3fs.S3FileSystem(skip_instance_cache=True, **srv.storage_options).mkdir("bench")
@@ -456,9 +456,9 @@ def dispatch_child(spec: dict) -> dict:
     from harvest.pipeline.config import load_config
     from harvest.pipeline.dispatch import Scheduler
     from harvest.pipeline.messages import UnitTask
-    from harvest.pipeline.placement import Frontier
+    from harvest.pipeline.context_rows import Frontier
     from harvest.pipeline.resume import ResumeState
-    from harvest.pipeline.store.plans import Unit
+    from harvest.pipeline.store.planlog import Unit
 
     if not ray.is_initialized():  # the suite's toy run calls this in its own connected process
         ray.init(address=spec["address"])

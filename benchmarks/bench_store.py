@@ -270,8 +270,8 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     store timed back to back), which a busy shared machine disturbs far less than either speed.
     """
     global _SERVER_PID
-    from harvest.pipeline.store import seaweed, synthetic
     from harvest.pipeline.store.layout import choose_sizes
+    from harvest.testing import seaweed, synthetic
 
     n_points = max(1, min(int(n_points), 64))
     row_bytes = width * 2

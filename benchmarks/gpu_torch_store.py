@@ -48,7 +48,7 @@ def _cpu_s() -> float:
 def _write_store(url: str, P: int, W: int, rows: int, piece: int, threads: int, seed: int = 0):
     """A store of `rows` rows, written by RegionWriter units; returns (store, wall s, cpu s)."""
     from harvest.pipeline.store import create_store
-    from harvest.pipeline.store.synthetic import activations
+    from harvest.testing.synthetic import activations
 
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=rows,
                      context_size=1024)

@@ -50,18 +50,18 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
                           shard_rows: int, unit_shards: int) -> dict:
     """Build the store (see the module docstring); returns its sizes."""
     from harvest.pipeline.store import create_store, layout
-    from harvest.pipeline.store import stats as _stats
+    from harvest.pipeline.store import moments as _moments
     from harvest.pipeline.store.commits import IndexBuilder, encode_marker, index_batch, prepare
-    from harvest.pipeline.store.plans import Unit
+    from harvest.pipeline.store.planlog import Unit
 
     U = shard_rows * unit_shards
     s = create_store(url, points=[f"resid_post.{i}" for i in range(points)], width=width,
                      n_rows=n_units * U, shard_rows=shard_rows, chunk_rows=shard_rows,
                      context_size=CTX, storage_options=so)
     loc, rng = s.location, np.random.default_rng(0)
-    moments = [_stats.Moments.of(rng.standard_normal((64, width)).astype(np.float32))
+    moments = [_moments.Moments.of(rng.standard_normal((64, width)).astype(np.float32))
                for _ in range(points)]
-    blob = _stats.dumps({"all": moments, "kept": moments})
+    blob = _moments.dumps({"all": moments, "kept": moments})
     sha = hashlib.sha256(blob).hexdigest()
     local = Path(url).is_dir()
     n_ctx = U // CTX

@@ -1,4 +1,5 @@
-"""The unit a capture yields: one request's prompt rows at every requested point."""
+"""The unit a capture yields: one request's prompt rows at every requested point, and
+`run_with_cache`, which collects them into per-request caches."""
 
 from __future__ import annotations
 
@@ -68,3 +69,12 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
         return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def run_with_cache(model, tokens, points=None) -> list[ActivationCache]:
+    """Capture a list of token lists; results in submission order, one {Address: [n, width]} each
+    (string keys work too: `caches[0]["resid_post.3"]`)."""
+    out: list = [None] * len(tokens)
+    for req in model.capture([tokens], points):
+        out[req.index] = req.as_dict()
+    return out

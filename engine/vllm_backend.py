@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import compat
+from . import compat, compat_check
 from . import platform as plat
 from . import stepring
 from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
@@ -92,7 +92,7 @@ class VLLMModel:
         self.max_num_batched_tokens = eng["max_num_batched_tokens"]
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
         compat.engine_environment(on_cpu=self.profile.name == "cpu")
-        compat.require()
+        compat_check.require()
         if self.tp > 1:
             # Inside a Ray actor vLLM would pick its Ray executor (ranks as Ray actors, maybe on
             # other nodes: "current platform cpu does not support ray" on the CPU build). The
@@ -218,7 +218,7 @@ class VLLMModel:
 
     def shared_allocator(self):
         """Tensor parallel: `allocate(shape, dtype) -> np.ndarray` from the shared destination
-        arena, for the buffers rows go to (the writer's block buffers: store.shards.
+        arena, for the buffers rows go to (the writer's block buffers: store.writeblocks.
         use_allocator), so the publishing rank writes rows straight into them (engine/shmdest.py).
         None when rows never leave another process (TP=1) or the arena is off."""
         return self.arena.allocate if getattr(self, "arena", None) is not None else None

@@ -2,7 +2,7 @@
 
 Every import is `harvest.<part>`: `harvest.engine` (capture engines), `harvest.pipeline` (data,
 Ray driver and actors, the store under `harvest.pipeline.store`), `harvest.jobs` (`ray job
-submit` entrypoints) and `harvest.benchmarks`. The folders stay at the repository root
+submit` entrypoints), `harvest.benchmarks` and `harvest.testing` (test servers, synthetic data). The folders stay at the repository root
 (`engine/`, `pipeline/`, ...); pyproject.toml's `package-dir` installs them under this one name,
 so no top-level `pipeline` or `engine` of ours collides with another library's.
 

@@ -82,7 +82,7 @@ class HarvestActor:
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
         # Named at the OS level before the engine loads, so its OpenMP team (spawned from this
         # thread) carries the name too: per-thread CPU in /proc then splits engine from writer.
-        from harvest.pipeline.store.shardio import name_native_thread
+        from harvest.pipeline.store.shardcodec import name_native_thread
 
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine",
                                                  initializer=name_native_thread)
@@ -433,11 +433,11 @@ class HarvestActor:
             if shared is not None:
                 # tensor parallel: block buffers in the engine's shared arena, so the rank
                 # that computes the rows writes them in place (engine/shmdest.py)
-                from harvest.pipeline.store.shards import use_allocator
+                from harvest.pipeline.store.writeblocks import use_allocator
 
                 use_allocator(store, shared)
             elif ok and torch.cuda.is_available():
-                from harvest.pipeline.store.shards import use_allocator
+                from harvest.pipeline.store.writeblocks import use_allocator
 
                 use_allocator(store, _pinned_empty)
             self._in_place_ok = ok

@@ -9,10 +9,11 @@ exits 130, SIGTERM 143 and SIGHUP 129 (128 + the signal), after the same cleanup
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from .config import ConfigError, HarvestConfig, default_config_path, load_config
+from .cli_args import config_args, load_args_config, print_json, store_args, store_target
+from .config import ConfigError, HarvestConfig
+from .schedule_cli import add_parser as add_schedule
 from .store.credentials import redact_url
 
 EXIT_BAD_INPUT = 2
@@ -22,34 +23,6 @@ def _setup_logging(verbose: bool) -> None:
     from .logs import setup_console
 
     setup_console(verbose)
-
-
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", help=f"run config YAML (default {default_config_path()})")
-    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set packing.context_size=256 (repeatable)")
-
-
-def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", nargs="?", help="store URL or path (default: store.url of the config)")
-    _config_args(p)
-
-
-def _load(args) -> HarvestConfig:
-    return load_config(args.config or default_config_path(), args.set)
-
-
-def _store_target(args) -> tuple[str, dict | None]:
-    if args.url:
-        return args.url, None
-    cfg = _load(args)
-    return cfg.store.resolved_url, cfg.store.fs_options()
-
-
-def _json_out(args, obj) -> None:
-    """The command's one JSON document, on the stream `main` keeps for it (logs.json_stdout:
-    nothing else reaches stdout under --json)."""
-    print(json.dumps(obj, indent=2, default=str), file=getattr(args, "json_out", None) or sys.stdout)
 
 
 def format_summary(s: dict) -> str:
@@ -93,7 +66,7 @@ def cmd_run(args) -> int:
     from .driver import run
     from .logs import new_log_dir, quiet_run
 
-    cfg = _load(args)
+    cfg = load_args_config(args)
     if args.verbose:
         summary = run(cfg)
         log_dir = None
@@ -105,7 +78,7 @@ def cmd_run(args) -> int:
             summary = run(cfg)
     report = None if args.no_report or summary.get("noop") else _run_report(cfg, summary)
     if args.json:
-        _json_out(args, {**summary, "log_dir": str(log_dir) if log_dir else None,
+        print_json(args, {**summary, "log_dir": str(log_dir) if log_dir else None,
                          "report": report,
                          "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]})
         return 0
@@ -143,10 +116,10 @@ def cmd_plan(args) -> int:
     from .estimate import corpus_bytes, plan_estimate
     from .objectcost import layout_cost
     from .prepare import prepare
-    from .render import plan_text
+    from .cli_text import plan_text
     from .resume import probe_store
 
-    cfg = _load(args)
+    cfg = load_args_config(args)
     existing = probe_store(cfg)
     prep = prepare(cfg, existing)
     L = prep.layout
@@ -184,20 +157,20 @@ def cmd_plan(args) -> int:
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
         roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None)
     if args.json:
-        _json_out(args, out)
+        print_json(args, out)
     else:
         print(plan_text(out))
     return 0
 
 
 def cmd_status(args) -> int:
-    from .render import status_text
+    from .cli_text import status_text
     from .views import status
 
-    url, so = _store_target(args)
+    url, so = store_target(args)
     s = status(url, so)
     if args.json:
-        _json_out(args, s)
+        print_json(args, s)
     else:
         print(status_text(s))
     return 0
@@ -207,10 +180,10 @@ def cmd_verify(args) -> int:
     """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
     from harvest.pipeline.store import open_store
 
-    from .render import verify_text
+    from .cli_text import verify_text
     from .views import store_missing
 
-    url, so = _store_target(args)
+    url, so = store_target(args)
     if store_missing(url, so):
         print(f"no store at {redact_url(url)} yet: nothing to verify (the job may still be "
               "starting)", file=sys.stderr)
@@ -219,24 +192,24 @@ def cmd_verify(args) -> int:
                                                                    objects=args.objects)
     complete = v["ok"] and not v["missing_units"]
     if args.json:
-        _json_out(args, {**v, "complete": complete})
+        print_json(args, {**v, "complete": complete})
     else:
         print(verify_text(v, complete))
     return 0 if complete else 1
 
 
 def cmd_inspect(args) -> int:
-    from .render import inspect_text
+    from .cli_text import inspect_text
     from .views import inspect
 
-    url, so = _store_target(args)
+    url, so = store_target(args)
     rows = None
     if args.rows:
         a, _, b = args.rows.partition(":")
         rows = (int(a), int(b) if b else int(a) + 8)
     info = inspect(url, so, rows)
     if args.json:
-        _json_out(args, info)
+        print_json(args, info)
     else:
         print(inspect_text(info))
     return 0
@@ -245,10 +218,10 @@ def cmd_inspect(args) -> int:
 def cmd_report(args) -> int:
     from .report import write_report
 
-    url, so = _store_target(args)
+    url, so = store_target(args)
     r = write_report(url, so, out_dir=args.out, tokenizer_path=args.tokenizer)
     if args.json:
-        _json_out(args, {k: v for k, v in r.items() if k != "data"})
+        print_json(args, {k: v for k, v in r.items() if k != "data"})
     else:
         print(f"report: {r['png']} (and {r['html']})")
     return 0
@@ -257,7 +230,7 @@ def cmd_report(args) -> int:
 def cmd_check_model(args) -> int:
     """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
     refuses the trunk at load (docs/engine.md, "Supported model families")."""
-    from harvest.engine.check import run_command
+    from harvest.engine.model_check import run_command
 
     from .prepare import resolve_model_path
 
@@ -270,24 +243,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show vLLM's, Ray's and torch's output too (run: instead of a log file)")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run or resume a harvest (connects to Ray or starts it)")
-    _config_args(r)
+    config_args(r)
     r.add_argument("--json", action="store_true", help="print only the summary, as JSON")
     r.add_argument("--no-report", action="store_true",
                    help="skip the report (PNG/HTML of norms, variances, top tokens) at the end")
     r.set_defaults(fn=cmd_run)
     pl = sub.add_parser("plan", help="layout, blocks, estimated size and time; nothing runs")
-    _config_args(pl)
+    config_args(pl)
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--rate", type=float, metavar="TOK_PER_S",
                     help="aggregate tok/s to price time and requests/s at (default: a guess "
                          "from the model's size and the actors)")
     pl.set_defaults(fn=cmd_plan)
     st = sub.add_parser("status", help="progress of a store, from the store alone")
-    _store_args(st)
+    store_args(st)
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
     v = sub.add_parser("verify", help="every planned row committed exactly once?")
-    _store_args(v)
+    store_args(v)
     v.add_argument("--deep", action="store_true", help="also check every shard's CRC")
     v.add_argument("--objects", action="store_true",
                    help="also list every object and check its size (one LIST page per 1,000 "
@@ -295,12 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
     i = sub.add_parser("inspect", help="layout, statistics, run attributes, rows with --rows A:B")
-    _store_args(i)
+    store_args(i)
     i.add_argument("--rows", help="rows to show, e.g. 0:16")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
     rp = sub.add_parser("report", help="PNG + HTML: norms, variances, top tokens, compression, rate")
-    _store_args(rp)
+    store_args(rp)
     rp.add_argument("--out", help="output folder (default: <store>/_report, or ./harvest-report)")
     rp.add_argument("--tokenizer", help="tokenizer path to decode tokens (default: the run's model)")
     rp.add_argument("--json", action="store_true", help="print the written paths as JSON")
@@ -312,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
     cm.add_argument("--tol-p50", type=float, default=0.03,
                     help="cap on the p50 bound; below it, each point's bound is a multiple "
-                         "of HF's own engine-dtype-vs-fp32 gap there (engine.check.GAP_RATIO)")
+                         "of HF's own engine-dtype-vs-fp32 gap there (engine.model_check.GAP_RATIO)")
     cm.add_argument("--tol-p99", type=float, default=0.15, help="cap on the p99 bound")
     cm.add_argument("--reference-device", default="cpu")
     cm.add_argument("--no-compile", action="store_true", help="skip torch.compile: starts in seconds")
@@ -320,9 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="capture even if the block-semantics probe refuses the trunk")
     cm.add_argument("--json", action="store_true")
     cm.set_defaults(fn=cmd_check_model)
-    from .schedule_cli import add_parser as add_schedule
-
-    add_schedule(sub, _config_args)
+    add_schedule(sub)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
         sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     return p

@@ -4,7 +4,8 @@ Everything is validated before any data is read, any actor starts or any byte is
 a typo found after an hour of capture (or, worse, silently ignored) costs the hour. Every error
 names the field as it is written in YAML (`packing.context_size`) and says how to fix it.
 
-The sections live in pipeline/sections.py, the YAML and override helpers in pipeline/yamlconf.py,
+The sections live in pipeline/sections.py (model, capture, store, ray) and
+pipeline/corpus_sections.py (data, packing), the YAML and override helpers in pipeline/yamlconf.py,
 the cache paths in pipeline/paths.py; the names callers import from here are re-exported.
 """
 
@@ -18,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from .checks import ConfigError, check_bool, check_str
+from .config_fields import ConfigError, check_bool, check_str
 from .paths import REPO_ROOT, cache_dir, expand_path  # noqa: F401
-from .sections import (CaptureConfig, DataConfig, ModelConfig, PackingConfig, RayConfig,
-                       StoreConfig)
+from .corpus_sections import DataConfig, PackingConfig
+from .sections import CaptureConfig, ModelConfig, RayConfig, StoreConfig
 from .yamlconf import (deep_merge, load_yaml_unique, parse_override, read_text,  # noqa: F401
                        unknown_msg)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .errors import HarvestError, ResumeMismatch
 from .health import ActorFigures, ActorHealth
 from .messages import UnitResult, UnitTask
-from .placement import Emitted, chunk_key, sum_stats
+from .context_rows import Emitted, chunk_key, sum_stats
 from .store.commits import IndexBuilder, index_batch
 
 log = logging.getLogger("harvest.pipeline")

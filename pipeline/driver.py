@@ -31,7 +31,7 @@ from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported fo
 from .exits import orderly_signals
 from .logs import StartWatch, progress_bar
 from .packing import PackingError
-from .placement import sum_stats
+from .context_rows import sum_stats
 from .prepare import Prepared, prepare
 from .resume import check_resume, fresh_state, resume_state
 from .sink import StoreSink
@@ -229,7 +229,7 @@ def _model_check(info0: dict, cfg: HarvestConfig) -> None:
     if check.get("error"):
         why = check["error"]
     else:
-        from harvest.engine.check import format_check
+        from harvest.engine.model_check import format_check
 
         why = "\n" + format_check(check)
     raise HarvestError(

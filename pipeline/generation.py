@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checks import ConfigError, check_bool, check_float, check_int
+from .config_fields import ConfigError, check_bool, check_float, check_int
 
 # The `gen` values and META_PAD live in store/layout.py (the store's format); imported where
 # used, so loading a config (which validates this section) never imports the store package

@@ -76,7 +76,7 @@ class UnitTask:
     row_end: int
     pieces: tuple[tuple[int, int, int, int, int], ...] = ()
     """Per chunk the unit takes contexts from: (block, chunk, ctx_lo, ctx_hi, doc_base), in row
-    order (store.plans.Unit.pieces)."""
+    order (store.planlog.Unit.pieces)."""
     refs: tuple = ()
     """Ray object references to those chunks' arrays, one per piece."""
     digests: tuple[tuple[int, ...], ...] = ()

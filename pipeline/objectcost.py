@@ -204,7 +204,7 @@ def _rows_for(logical_bytes: float, row_bytes: int, shard_rows: int) -> int:
 
 
 def _size(n: float) -> str:
-    from .render import size
+    from .cli_text import size
 
     return size(n)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .config import ConfigError, HarvestConfig
 from .packing import resolve_bos
-from .plan import Layout, choose_layout
+from .unit_sizes import Layout, choose_layout
 from .sections import check_point
 from .datacheck import check_fills_context, probe_text_column
 from .sources import plan_blocks

@@ -104,7 +104,7 @@ def dimensions(var: np.ndarray) -> dict:
 
 def run_figures(store) -> dict:
     """Skipped rows by reason over the whole store, and each run's rates (ticks, or the one run)."""
-    from .placement import sum_stats
+    from .context_rows import sum_stats
     from .schedule_log import read_ticks
 
     skipped: dict = {}

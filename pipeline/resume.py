@@ -16,10 +16,10 @@ from typing import Any
 
 from .config import HarvestConfig
 from .errors import HarvestError, ResumeMismatch
-from .placement import Frontier, chunk_key
+from .context_rows import Frontier, chunk_key
 from .sources import check_sizes
 from .store.credentials import redact_url
-from .store.plans import Unit
+from .store.planlog import Unit
 from .tokenpool import Job
 
 RUN_ATTR = "harvest_run"

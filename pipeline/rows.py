@@ -15,7 +15,7 @@ from .store.layout import META_INSERTED
 
 
 def chunk_digest(arrays: dict) -> list[int]:
-    from .store.stats import crc32c
+    from .store.moments import crc32c
 
     out = [crc32c(arrays["token_id"]), crc32c(arrays["doc_id"]), crc32c(arrays["position"])]
     # chat chunks carry roles; text chunks keep their three-column digest, so plans recorded

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .checks import ConfigError, check_float, check_int
+from .config_fields import ConfigError, check_float, check_int
 from . import schedule_log
 from .config import HarvestConfig, from_dict
 from .schedule_log import TICK_DIR, read_ticks  # noqa: F401 -- re-exported

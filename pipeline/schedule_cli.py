@@ -8,9 +8,10 @@ this command exists to prevent, so "still running" is not success.
 
 from __future__ import annotations
 
+from .cli_args import config_args, load_args_config, print_json
 
 
-def add_parser(sub, config_args) -> None:
+def add_parser(sub) -> None:
     s = sub.add_parser("schedule", help="one scheduled tick: extend a store, or a store per "
                        "checkpoint; exit 3/4 when the previous run is alive/stuck")
     s.add_argument("mode", choices=("extend", "checkpoints"))
@@ -31,17 +32,16 @@ def add_parser(sub, config_args) -> None:
 
 
 def cmd_schedule(args) -> int:
-    from .cli import _json_out, _load
     from .schedule import ScheduleConfig, checkpoint_tick, extend_tick, notify
 
-    cfg = _load(args)
+    cfg = load_args_config(args)
     sc = ScheduleConfig(args.mode, args.tokens_per_tick, args.checkpoints,
                         args.stuck_after * 3600.0, args.webhook, args.check).validate(cfg)
     ticks = [extend_tick(cfg, sc)] if sc.mode == "extend" else checkpoint_tick(cfg, sc)
     code = max(t.exit_code for t in ticks)
     hook = notify(sc.webhook, ticks) if sc.webhook and code else None
     if args.json:
-        _json_out(args, {"exit_code": code, "ticks": [t.as_dict() for t in ticks],
+        print_json(args, {"exit_code": code, "ticks": [t.as_dict() for t in ticks],
                          "webhook_error": hook})
         return code
     for t in ticks:

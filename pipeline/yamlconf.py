@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from .checks import ConfigError
+from .config_fields import ConfigError
 
 
 def load_yaml_unique(text: str, where: str) -> Any:

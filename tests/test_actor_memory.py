@@ -123,7 +123,7 @@ def test_statistics_partials_stay_bounded_over_a_unit_of_many_shards(tmp_path):
     """A unit's float64 partials do not grow with its shard count: each shard's partials merge
     into the unit's running total once its uploads finish (same bits, in shard order), and a
     committed writer keeps none. Counted as live `Moments` objects (count, mean[W], m2[W])."""
-    from harvest.pipeline.store import stats as stats_mod
+    from harvest.pipeline.store import moments as stats_mod
 
     shards = 40
     n = shards * SHARD

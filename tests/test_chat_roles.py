@@ -10,7 +10,7 @@ import pytest
 
 from harvest.engine.models import smollm2_path
 from harvest.pipeline.chat import ChatLabelError, ChatTemplateError, label_conversation
-from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.config_fields import ConfigError
 from harvest.pipeline.config import from_dict
 from harvest.pipeline.sources import plan_blocks
 from harvest.pipeline.store.roles import CODES, NAMES

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from harvest.engine import load_model, taps
-from harvest.engine.check import NO_COMPILE
+from harvest.engine.model_check import NO_COMPILE
 from harvest.pipeline.cli import main
 from harvest.pipeline.config import REPO_ROOT
 
@@ -54,7 +54,8 @@ def test_bound_is_the_bf16_gap_of_the_model_not_a_constant(tiny_llama):
     import json
 
     from harvest.engine import check_loaded, run_with_cache
-    from harvest.engine.check import CheckConfig, check_prompts, compare, format_check, references
+    from harvest.engine.model_check import (CheckConfig, check_prompts, compare, format_check,
+                                            references)
 
     pts = [f"resid_post.{i}" for i in range(4)]
     m = load_model(tiny_llama, backend="vllm", freeze_points=pts, max_num_batched_tokens=64,

@@ -1,19 +1,20 @@
 """The vLLM internals the engine relies on, checked against the installed vLLM (no engine start).
 
 If this fails after a vLLM upgrade, port engine/compat.py (the one place those internals are
-touched) instead of loosening the check: a moved internal used to skip the taps silently.
+listed; engine/compat_check.py checks them) instead of loosening the check: a moved internal used
+to skip the taps silently.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harvest.engine import compat
+from harvest.engine import compat, compat_check
 
 
 def test_installed_vllm_has_every_internal_the_engine_needs():
-    assert compat.check() == []
-    compat.require()
+    assert compat_check.check() == []
+    compat_check.require()
 
 
 def test_the_version_checked_is_the_installed_one():
@@ -28,9 +29,9 @@ def test_the_version_checked_is_the_installed_one():
 def test_a_missing_internal_is_named_and_refused(monkeypatch, cls_key, attr, named):
     classes = compat.v1_runner_classes() if cls_key == "runner" else compat.worker_classes()
     monkeypatch.delattr(classes["gpu"], attr)
-    assert named in compat.check()
+    assert named in compat_check.check()
     with pytest.raises(compat.VLLMIncompatible, match=named):
-        compat.require()
+        compat_check.require()
 
 
 def test_a_moved_runner_attribute_is_found_in_the_source(monkeypatch):
@@ -42,7 +43,7 @@ def test_a_moved_runner_attribute_is_found_in_the_source(monkeypatch):
         src = real(obj)
         return src.replace("self.positions = ", "self.positions_v3 = ")
     monkeypatch.setattr(inspect, "getsource", renamed)
-    assert "GPUModelRunner.__init__: self.positions" in compat.check()
+    assert "GPUModelRunner.__init__: self.positions" in compat_check.check()
 
 
 def test_importing_the_engine_patches_nothing_in_vllm():

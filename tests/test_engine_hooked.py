@@ -3,7 +3,7 @@
 The hooks read the same probed block semantics as the freeze taps, so the families whose blocks
 break naive rules are checked here too: Cohere (a `residual` argument it does not add), Granite
 (`layer(positions, hidden_states)`), GPT-NeoX (Transformers backend, `[1, tokens, width]`) and
-Mixtral (`block_sparse_moe`). Their references come from a subprocess (engine.check), since
+Mixtral (`block_sparse_moe`). Their references come from a subprocess (engine.model_check), since
 loading GPT-NeoX through vLLM's Transformers backend patches its HF classes in this process.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harvest.engine import Address, load_model, run_with_cache
-from harvest.engine.check import reference_many, row_errors
+from harvest.engine.model_check import reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
 from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from harvest.engine import Address, load_model, run_with_cache
-from harvest.engine.check import NO_COMPILE, reference_many, row_errors
+from harvest.engine.model_check import NO_COMPILE, reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
 from tests.support.engine_reference import BF16_REL_TOL, prompts
 

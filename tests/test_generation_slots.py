@@ -10,9 +10,10 @@ import torch
 
 from harvest.engine.generate import GeneratedRequest
 from harvest.pipeline.generation import GenerateConfig, Slots, slot_meta, slot_seed
-from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store
 from harvest.pipeline.store.layout import (GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT,
                                            GEN_SAMPLED, META_INSERTED, META_PAD)
+from harvest.testing import synthetic
 
 C, NEW = 16, 6
 P = C - NEW

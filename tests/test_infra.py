@@ -24,7 +24,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "infra"))
 
-import render  # noqa: E402  (infra/render.py)
+import render_manifests  # noqa: E402  (infra/render_manifests.py)
 import validate as v  # noqa: E402  (infra/validate.py)
 
 K8S = REPO / "infra" / "k8s"
@@ -128,8 +128,8 @@ def test_builtin_kinds_are_validated_strictly():
 
 
 def test_generated_manifests_are_current():
-    for path, text in render.render().items():
-        assert path.read_text() == text, f"{path.name} is stale: run `python infra/render.py`"
+    for path, text in render_manifests.render().items():
+        assert path.read_text() == text, f"{path.name} is stale: run `python infra/render_manifests.py`"
 
 
 def test_generated_manifests_share_the_rayjob_pod_layout():

@@ -14,7 +14,7 @@ import torch
 
 from harvest.engine import compat, stepring
 from harvest.engine.parallel import PP_REFUSED, check_parallel
-from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.config_fields import ConfigError
 from harvest.pipeline.sections import ModelConfig
 
 

@@ -1,5 +1,6 @@
-"""Work units: the layout policy, and placement of tokenised chunks into dense, shard-aligned
-units that do not depend on the order chunks arrive in (the frontier), with resume."""
+"""Work units: the layout policy (pipeline/unit_sizes.py), and placement of tokenised chunks into
+dense, shard-aligned units that do not depend on the order chunks arrive in (the frontier,
+pipeline/context_rows.py), with resume."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import random
 import pytest
 
 from harvest.pipeline.config import REPO_ROOT, ConfigError, load_config
-from harvest.pipeline.placement import Frontier
-from harvest.pipeline.plan import choose_layout
+from harvest.pipeline.context_rows import Frontier
+from harvest.pipeline.unit_sizes import choose_layout
 from harvest.pipeline.store.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
-from harvest.pipeline.store.plans import Unit, check_units
+from harvest.pipeline.store.planlog import Unit, check_units
 
 
 def _cfg(**kw):
@@ -353,11 +354,12 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     store's writer, against markersize.marker_size for the same shape and sizes."""
     import numpy as np
 
-    from harvest.pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store
     from harvest.pipeline.store.commits import encode_marker
     from harvest.pipeline.store.markersize import marker_size, table_size
     from harvest.pipeline.store.layout import commit_key
     from harvest.pipeline.store.tables import unit_shards
+    from harvest.testing import synthetic
 
     points = [f"resid_post.{i}" for i in range(32)]
     s = create_store(str(tmp_path / "s"), points=points, width=64, n_rows=512, shard_rows=32,

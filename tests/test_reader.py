@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.pipeline.store import create_store, synthetic
-from harvest.pipeline.store.reader import ActivationDataset
+from harvest.pipeline.store import create_store
+from harvest.pipeline.store.reader import ActivationDataset, ReaderConfig
+from harvest.testing import synthetic
 from tests.support.reader_stores import BOS, committed_rows, make_store
 
 P, W, N, SHARD, C = 2, 16, 5000, 512, 100   # 10 shards, the last one partial (392 rows)
@@ -141,6 +142,35 @@ def test_reader_argument_errors(store):
         ActivationDataset(store, split="dev")
     with pytest.raises(ValueError, match="max_norm_ratio=0.5"):
         ActivationDataset(store, max_norm_ratio=0.5)
+
+
+def test_reader_config_is_the_keyword_form(store):
+    """config=ReaderConfig(...) and the same options as keywords read the same batches, in order;
+    both at once, an unknown option or a bad value (checked when the config is made, no store
+    needed) are errors naming the field."""
+    kw = dict(points="resid_post.1", batch_size=300, seed=5, return_meta=True, shuffle_buffer_rows=4 * SHARD,
+              exclude_token_ids=[BOS])
+    by_kw = ActivationDataset(store, **kw)
+    by_cfg = ActivationDataset(store, config=ReaderConfig(**kw))
+    assert by_kw.config == by_cfg.config
+    a, b = list(by_kw), list(by_cfg)
+    assert len(a) == len(b) > 1
+    for x, y in zip(a, b):
+        assert np.array_equal(x["row"].numpy(), y["row"].numpy())
+        assert np.array_equal(_bits(x["acts"]), _bits(y["acts"]))
+    assert BOS not in np.concatenate([x["token_id"].numpy() for x in a])
+    with pytest.raises(ValueError, match="not both"):
+        ActivationDataset(store, "resid_post.1", config=ReaderConfig())
+    with pytest.raises(TypeError, match="unknown ReaderConfig field.*batchsize.*batch_size"):
+        ActivationDataset(store, batchsize=64)
+    for bad, match in (({"batch_size": 0}, "batch_size=0 must be a positive number of rows"),
+                       ({"steps": 2.5}, "steps=2.5 must be a positive number of batches"),
+                       ({"roles": "assistant"}, r"roles='assistant': give a list"),
+                       ({"split": "dev"}, "split='dev'"),
+                       ({"normalize": "zscore"}, "normalize='zscore'"),
+                       ({"batch_size": 100, "shuffle_buffer_rows": 10}, "shuffle_buffer_rows=10 must be >=")):
+        with pytest.raises(ValueError, match=match):
+            ReaderConfig(**bad)
 
 
 def test_seqpos_needs_a_context_size(tmp_path):

@@ -75,6 +75,9 @@ def test_light_package_reads_the_store_without_vllm_or_ray(sparse_store):
             "from harvest.pipeline.store.reader import ActivationDataset\n"
             "assert u.find_spec('vllm') is None and u.find_spec('ray') is None\n"
             "assert 'site-packages' in ps.__file__, ps.__file__\n"
+            # the test server and data generator live in harvest.testing, which it does not ship
+            "assert not any(u.find_spec(m) for m in ('harvest.testing', 'harvest.pipeline.store.seaweed', "
+            "'harvest.pipeline.store.synthetic'))\n"
             f"ds = ActivationDataset({sparse_store!r}, batch_size=1000, exclude_special=True, return_meta=True)\n"
             "rows = np.concatenate([b['row'].numpy() for b in ds])\n"
             "print(len(rows), len(np.unique(rows)), ds.count_rows())\n")

@@ -126,7 +126,8 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
     """A real layout-v2 store: its writers recorded kept-row statistics for the special ids the
     driver put in the format attributes; the reader uses them only when its filters select exactly
     those rows, and they equal a recount over those rows."""
-    from harvest.pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store
+    from harvest.testing import synthetic
 
     _, data, tok, doc, _ = sinky
     pos = np.where(doc < 0, -2, np.arange(N) % C).astype(np.int32)

@@ -86,7 +86,7 @@ def test_links_and_anchors_resolve():
 
 
 TOP = ("engine", "pipeline", "jobs", "infra", "benchmarks", "tests", "examples", "packages",
-       "harvest")
+       "harvest", "testing")
 
 
 def test_repository_paths_named_exist():
@@ -144,7 +144,8 @@ def test_engine_block_runs_offline_with_string_keys(smollm2, tmp_path):
 def default_like_store(tmp_path_factory):
     """`.harvest/stores/default` in a scratch cwd: packed contexts with a BOS per context and
     special ids recorded, rows with a few huge-norm sinks, 11 layers so resid_post.10 exists."""
-    from harvest.pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store
+    from harvest.testing import synthetic
     from tests.support.reader_stores import BOS, packed_meta
 
     cwd = tmp_path_factory.mktemp("readme")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from harvest.pipeline.cli import main
-from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store
+from harvest.testing import synthetic
 
 P, W, N, SHARD = 3, 32, 3000, 512   # 6 shards, the last one partial
 

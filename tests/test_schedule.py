@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from harvest.pipeline.checks import ConfigError
+from harvest.pipeline.config_fields import ConfigError
 from harvest.pipeline.cli import main
 from harvest.pipeline.lease import Lease
 from harvest.pipeline.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
@@ -147,7 +147,8 @@ def test_alignment_check_finds_one_differing_token(tmp_path):
     different in one store is reported, naming both checkpoints."""
     from harvest.pipeline.config import load_config
     from harvest.pipeline.schedule import aligned
-    from harvest.pipeline.store import create_store, synthetic
+    from harvest.pipeline.store import create_store
+    from harvest.testing import synthetic
 
     n = 1024
     for name, changed in (("a", None), ("b", None), ("c", 900)):

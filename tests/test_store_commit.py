@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from harvest.pipeline.store import RegionConflict, RegionWriteFailed, create_store, open_store
-from harvest.pipeline.store import backend, layout, synthetic
+from harvest.pipeline.store import backend, layout
 from harvest.pipeline.store.reader import ActivationDataset
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 P, W, N, SHARD = 2, 32, 4096, 1024
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,8 @@ def target(request, tmp_path):
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from harvest.pipeline.store import open_store, synthetic
+    from harvest.pipeline.store import open_store
+    from harvest.testing import synthetic
     url, so = sys.argv[1], json.loads(sys.argv[2])
     s = open_store(url, storage_options=so)
     x = synthetic.activations((2, 4096, 32), seed=7)
@@ -359,21 +361,21 @@ def test_retry_policy_classifies_errors():
 def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
     """The writer's upload and encode threads are nice'd (they must fill the engine's idle gaps,
     not preempt its OpenMP team), and the next unit's shard buffers are the previous unit's."""
-    from harvest.pipeline.store import shardio
+    from harvest.pipeline.store import shardcodec
 
     s = _store(str(tmp_path / "run.zarr"))
     x = synthetic.activations((P, N, W), seed=3)
     me = os.getpriority(os.PRIO_PROCESS, os.getpid())
     w = _meta(s.region_writer(0, 0, 2048))
     nice_up = w._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
-    nice_enc = shardio.codec_pool(background=True).submit(
+    nice_enc = shardcodec.codec_pool(background=True).submit(
         lambda: os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id())).result()
-    assert nice_up == nice_enc == min(19, me + shardio.BACKGROUND_NICE)
+    assert nice_up == nice_enc == min(19, me + shardcodec.BACKGROUND_NICE)
     # and they carry their names at the OS level, where per-thread CPU is measured (/proc, top -H)
     comm = lambda: open(f"/proc/self/task/{__import__('threading').get_native_id()}/comm").read().strip()
     if os.path.exists("/proc/self/task"):
         assert w._pool.submit(comm).result().startswith("harvest-up-0")
-        assert shardio.codec_pool(background=True).submit(comm).result().startswith("harvest-encode")
+        assert shardcodec.codec_pool(background=True).submit(comm).result().startswith("harvest-encode")
     w.write(0, x[:, :2048])
     w.commit()
     seen = {id(b) for b in s._shard_buffers._free}

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import zarr
 
-from harvest.pipeline.store import (NotAHarvestStore, StoreAccessError, StoreError, UnknownLayoutVersion,
-                            create_store, open_store)
-from harvest.pipeline.store import synthetic
+from harvest.pipeline.store import (NotAHarvestStore, StoreAccessError, StoreError, StoreSpec,
+                                    UnknownLayoutVersion, create_store, open_store)
 from harvest.pipeline.store.credentials import scrub
+from harvest.testing import synthetic
 
 
 def _small(url, **kw):
@@ -70,6 +70,33 @@ def test_create_store_argument_errors(tmp_path):
     with pytest.raises(StoreError, match="already holds a zarr node.*overwrite=True"):
         _small(u)
     assert _small(u, overwrite=True).n_rows == 1000
+
+
+def test_store_spec_is_the_keyword_form(tmp_path):
+    """create_store(spec=StoreSpec(...)) records exactly what the same fields as keywords record
+    (read back from each store's attributes and arrays, not from the spec); a spec is resolved
+    when made (sizes chosen, names canonical); both forms at once or an unknown field is refused."""
+    fields = dict(points=["resid_post.3", "resid_post.1"], width=16, n_rows=1000, chunk_rows=64,
+                  dtype="bf16", context_size=64, special_token_ids=[5, 1, 5], bos_token_id=1,
+                  stats_skip_positions=1, generated=True)
+    a = create_store(str(tmp_path / "kw"), **fields)
+    spec = StoreSpec(**fields)
+    b = create_store(str(tmp_path / "spec"), spec=spec)
+    drop = ("created_at", "created_by")
+    ha, hb = ({k: v for k, v in s._h.items() if k not in drop} for s in (a, b))
+    assert ha == hb
+    assert (spec.shard_rows, spec.chunk_rows, spec.meta_chunk_rows) == (b.shard_rows, 64, b.shard_rows)
+    assert spec.dtype == "bfloat16" and spec.special_token_ids == (1, 5) and spec.points == tuple(fields["points"])
+    assert spec.columns == ("token_id", "doc_id", "position", "gen") and list(b.meta_columns) == list(spec.columns)
+    assert b.array("resid_post.1").shards == (b.shard_rows, 16)
+    with pytest.raises(ValueError, match="not both"):
+        create_store(str(tmp_path / "x"), spec=spec, width=32)
+    with pytest.raises(TypeError, match="unknown StoreSpec field.*shardrows"):
+        create_store(str(tmp_path / "x"), points=["resid_post.0"], width=8, n_rows=64, shardrows=64)
+    with pytest.raises(ValueError, match="meta_chunk_rows=96 must be a multiple of shard_rows=64"):
+        StoreSpec(points=["resid_post.0"], width=8, n_rows=256, shard_rows=64, chunk_rows=32, meta_chunk_rows=96)
+    with pytest.raises(ValueError, match="roles=1 must be True or False"):
+        StoreSpec(points=["resid_post.0"], width=8, n_rows=64, roles=1)
 
 
 def test_region_and_write_errors(tmp_path):

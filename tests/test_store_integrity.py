@@ -18,9 +18,10 @@ import pytest
 
 from harvest.pipeline.cli import main
 from harvest.pipeline.store import (DataIntegrityError, RegionConflict, RegionWriteFailed, StoreAccessError,
-                            StoreError, backend, create_store, layout, open_store, synthetic)
+                                    StoreError, backend, create_store, layout, open_store)
 from harvest.pipeline.store.objects import attempt_objects
 from harvest.pipeline.store.reader import ActivationDataset
+from harvest.testing import synthetic
 from tests.support.reader_stores import make_store
 
 N, SHARD, W, CTX = 2048, 256, 16, 64

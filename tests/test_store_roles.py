@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.pipeline.store import create_store, layout, open_store, synthetic
+from harvest.pipeline.store import create_store, layout, open_store
 from harvest.pipeline.store.finalize import finalize
 from harvest.pipeline.store.reader import ActivationDataset
 from harvest.pipeline.store.roles import CODES
 from harvest.pipeline.store.verify import verify
+from harvest.testing import synthetic
 
 N, SHARD, C, W = 1024, 256, 64, 16
 

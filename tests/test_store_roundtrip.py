@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from harvest.pipeline.store import create_store, open_store
-from harvest.pipeline.store import synthetic
 from harvest.pipeline.store.dtypes import BF16
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 P, W, N = 3, 48, 2300        # 3 points, 3 shards of 1024 (last one partial) -> exercises the edge
 SHARD, CHUNK = 1024, 256
@@ -194,7 +194,7 @@ def test_tensorstore_reads_the_same_values(tmp_path):
 @pytest.mark.parametrize("compression", ["default", "none", "zstd", "blosc-lz4-bitshuffle"])
 def test_direct_shard_codec_is_byte_identical_to_zarr(tmp_path, compression):
     """The writer/reader fast path encodes shards itself: it must produce zarr's exact bytes."""
-    from harvest.pipeline.store.shardio import ShardCodec
+    from harvest.pipeline.store.shardcodec import ShardCodec
 
     root = tmp_path / "c.zarr"
     s = create_store(str(root), points=["resid_post.0"], width=W, n_rows=N, shard_rows=SHARD,

@@ -16,11 +16,12 @@ import pytest
 import zarr
 
 from harvest.benchmarks.bench_dataplane import PeakRSS
-from harvest.pipeline.store import create_store, layout, open_store, synthetic
+from harvest.pipeline.store import create_store, layout, open_store
 from harvest.pipeline.store.errors import DataIntegrityError, RegionConflict
 from harvest.pipeline.store.objects import attempt_objects
 from harvest.pipeline.store.streams import crc32c_combine
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 P, W, SHARD, N = 32, 4096, 2048, 4096
 POINTS = [f"resid_post.{i}" for i in range(P)]

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.pipeline.store import DataIntegrityError, create_store, layout, open_store, synthetic
+from harvest.pipeline.store import DataIntegrityError, create_store, layout, open_store
 from harvest.pipeline.store.reader import ActivationDataset
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 W, SHARD = 8, 16
 

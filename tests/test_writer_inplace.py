@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harvest.pipeline.store import create_store, open_store, synthetic
+from harvest.pipeline.store import create_store, open_store
+from harvest.testing import synthetic
 
 P, W, SHARD, N = 2, 8, 64, 256  # 4 shards in one unit
 

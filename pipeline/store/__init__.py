@@ -19,10 +19,11 @@ from .errors import (  # noqa: E402
     UnknownLayoutVersion,
 )
 from .create import create_store  # noqa: E402
-from .plans import Unit  # noqa: E402
+from .planlog import Unit  # noqa: E402
 from .store import Store, open_store  # noqa: E402
+from .storespec import StoreSpec  # noqa: E402
 
 __all__ = [
-    "Store", "Unit", "create_store", "open_store", "StoreError", "NotAHarvestStore", "UnknownLayoutVersion",
+    "Store", "StoreSpec", "Unit", "create_store", "open_store", "StoreError", "NotAHarvestStore", "UnknownLayoutVersion",
     "StoreAccessError", "RegionWriteFailed", "RegionConflict", "DataIntegrityError",
 ]

@@ -20,6 +20,15 @@ import numpy as np
 SPLITS = (None, "train", "test")
 
 
+def check_split(split: str | None, test_fraction: float) -> None:
+    """The held-out split's two settings (ReaderConfig checks them when made; RowFilter.build too,
+    for callers that build a filter directly)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use None (every row), 'train' or 'test'")
+    if split is not None and not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction={test_fraction!r} must be in (0, 1) with split={split!r}")
+
+
 # ---- what the store's attributes say ------------------------------------------------------------
 def _packing(attrs: dict) -> dict:
     return ((attrs or {}).get("config") or {}).get("packing") or {}
@@ -122,10 +131,7 @@ class RowFilter:
     def build(cls, exclude: Sequence[int] = (), context_size: int | None = None, seqpos=None,
               split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
               roles: "tuple | None" = None, generated: bool = False) -> "RowFilter":
-        if split not in SPLITS:
-            raise ValueError(f"split={split!r}: use None (every row), 'train' or 'test'")
-        if split is not None and not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction={test_fraction!r} must be in (0, 1) with split={split!r}")
+        check_split(split, test_fraction)
         pos_keep = None
         if seqpos is not None:
             if isinstance(seqpos, int):

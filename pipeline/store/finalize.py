@@ -10,6 +10,7 @@ no listing of millions of shard objects.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zarr
@@ -19,7 +20,10 @@ from . import layout
 from .credentials import redact_attrs
 from .errors import StoreError
 from .jsonattrs import jsonable as _jsonable, now as _now
-from .store import Store
+from .objects import abort_losing_uploads, attempt_objects, settle_uploads
+
+if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.finalize
+    from .store import Store
 
 
 def finalize(store: Store, summary: dict | None = None) -> dict:
@@ -37,8 +41,6 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     # row metadata chunk (a shard's, or a unit's: meta_chunk_rows) -> attempt
     codec = store.meta_codec("token_id")  # None: a codec chain harvest does not write (per shard)
     meta_owner = _Owners(codec.chunk if codec is not None else store.shard_rows)
-    from .objects import abort_losing_uploads, settle_uploads
-
     pending = loc.pending_uploads("")  # uploads never completed ({} where objects are moved)
     for m in store.iter_committed():
         if pending:
@@ -151,8 +153,6 @@ def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
     """Objects still under an attempt's name: a committed attempt's are published (its writer
     died between its marker and the move), a losing attempt's of a committed shard are garbage
     and removed. Those of uncommitted shards stay (a writer may still be at work on them)."""
-    from .objects import attempt_objects
-
     loc = store.location
     for arr, objs in attempt_objects(loc).items():
         owner = meta_owner if arr in layout.ROW_META else points_owner  # chunks of a unit: by chunk

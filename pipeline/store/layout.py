@@ -7,8 +7,11 @@ chunk rows) lives here too, and only here: the driver's plan and `create_store` 
 
 from __future__ import annotations
 
+import json
 import math
 import re
+
+from .errors import NotAHarvestStore, UnknownLayoutVersion
 
 LAYOUT_NAME = "harvest.activations"
 # Version 3 moved the per-shard records out of the commit marker into a per-unit object table
@@ -250,3 +253,39 @@ def block_rows(shard_rows: int, chunk_rows: int, n_points: int, row_bytes: int,
     if aligned and min(aligned) * cr <= 2 * cap:
         return min(aligned) * cr
     return max(fit) * cr
+
+
+# what open_store needs in the `harvest` attributes before it trusts a group (FORMAT.md)
+REQUIRED_ATTRS = ("points", "width", "n_rows", "shard_rows", "chunk_rows", "dtype", "compression")
+
+
+def check_group(raw: "bytes | None", url: str, what: str) -> dict:
+    """The root `zarr.json` (`raw`, None when absent) of a harvest store of a layout this code
+    reads, parsed; anything else is refused with a NotAHarvestStore or UnknownLayoutVersion
+    that says what the object at `url` is instead."""
+    if raw is None:
+        raise NotAHarvestStore(f"{what}: no store at {url} (zarr.json not found); check the "
+                               "URL, or create one with create_store")
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise NotAHarvestStore(f"{what}: {url}/zarr.json is not JSON; not a harvest store") from None
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
+        raise NotAHarvestStore(f"{what}: {url} is not a zarr v3 group (zarr_format="
+                               f"{meta.get('zarr_format') if isinstance(meta, dict) else None}); "
+                               "not a harvest store")
+    h = (meta.get("attributes") or {}).get("harvest")
+    if not isinstance(h, dict) or h.get("layout") != LAYOUT_NAME:
+        raise NotAHarvestStore(f"{what}: {url} is a zarr group but not a harvest activation "
+                               f"store (attributes.harvest.layout != {LAYOUT_NAME!r})")
+    v = h.get("layout_version")
+    if v not in SUPPORTED_LAYOUT_VERSIONS:
+        raise UnknownLayoutVersion(
+            f"{what}: {url} has layout_version={v!r}; this harvest reads versions "
+            f"{list(SUPPORTED_LAYOUT_VERSIONS)}"
+            + (" (version 1 stores came from before the streamed data plane: re-harvest them)"
+               if v == 1 else ". Upgrade harvest to read it."))
+    missing = [k for k in REQUIRED_ATTRS if k not in h]
+    if missing:
+        raise NotAHarvestStore(f"{what}: {url} harvest attributes lack {', '.join(missing)}")
+    return meta

@@ -27,11 +27,12 @@ from .dtypes import BF16
 from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
 from .objects import read_point
 from .roles import captured_codes
-from .stats import Moments
+from .moments import Moments
+from .readerconfig import NORMALIZE_MODES
 
 log = logging.getLogger(__name__)
 
-MODES = (None, "standardize", "norm_scale", "center_norm_scale")
+MODES = NORMALIZE_MODES   # defined with the option (readerconfig.py), which must not import torch
 
 
 @dataclass(frozen=True)

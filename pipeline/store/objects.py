@@ -25,7 +25,7 @@ import numpy as np
 
 from . import layout
 from .errors import DataIntegrityError
-from .stats import crc32c
+from .moments import crc32c
 from .tables import shard_record, unit_shards
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class CommittedMeta:
         import threading
 
         self._store, self._pieces, self._sources, self._keep = store, pieces, sources, keep
-        self._starts = getattr(pieces, "starts", None)   # readplan.Pieces: its int64 array
+        self._starts = getattr(pieces, "starts", None)   # readorder.Pieces: its int64 array
         if self._starts is None:
             self._starts = [a for a, _ in pieces]
         self._bisect = bisect.bisect_right

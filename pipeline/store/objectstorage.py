@@ -129,10 +129,10 @@ class ObjectStorage(Storage):
 
     def lower_io_priority(self) -> None:
         """Uploads run on fsspec's event-loop thread: put it below the engine, like the
-        writer's own threads (see shardio.lower_priority)."""
+        writer's own threads (see shardcodec.lower_priority)."""
         from fsspec.asyn import get_loop
 
-        from .shardio import lower_priority
+        from .shardcodec import lower_priority
 
         get_loop().call_soon_threadsafe(lower_priority)
 

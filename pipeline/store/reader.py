@@ -1,10 +1,10 @@
 """SAE-training reader: shuffled batches of the committed, filtered rows of a store, local or S3.
 
-How rows are chosen (filters.py), split over ranks x workers (sampling.py), decoded and mixed
-(readahead.py), cut into batches (batching.py) and normalised (normalize.py) each live in their
-own module; this one holds the dataset object and its per-process state, and readplan.py which
-pieces each worker reads in an epoch. `loader.py` adds a DataLoader that counts what it delivers,
-for resume with workers.
+The options and their checks (readerconfig.py), how rows are chosen (filters.py), split over
+ranks x workers (sampling.py), decoded and mixed (readahead.py), cut into batches (batching.py)
+and normalised (normalize.py) each live in their own module; this one holds the dataset object
+and its per-process state, and readorder.py which pieces each worker reads in an epoch.
+`loader.py` adds a DataLoader that counts what it delivers, for resume with workers.
 
 Guarantees, per epoch: every kept row (committed, passing the filters) is yielded exactly once,
 except that with G = world_size x num_workers > 1 the epoch's last N mod G kept rows (fewer than
@@ -43,15 +43,15 @@ from .roles import resolve_roles
 from .loader import ActivationLoader
 from .objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader
-from .readplan import PiecePlanning, committed_pieces, rank_world
+from .readerconfig import NORMALIZE_MODES, ReaderConfig  # noqa: F401 -- re-exported for users
+from .readorder import PiecePlanning, committed_pieces, rank_world
 from .sampling import lane, worker_share
-from .shardio import codec_pool
+from .shardcodec import codec_pool
 from .store import Store, open_store
 from .workermem import cap_malloc_arenas
 
 log = logging.getLogger(__name__)
 
-NORMALIZE_MODES = _norm.MODES
 _DEFAULT_BUFFER_BYTES = 1 << 30
 _GATHER_AHEAD = 4         # batches gathered ahead on the codec threads (batching.py)
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
@@ -74,58 +74,19 @@ def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
 class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors.
 
-    Args:
-        store: a Store or a URL (then `storage_options` apply).
-        points: a point name -> 2-D batches; a list -> 3-D batches in that order; None -> all
-            points (2-D if the store has one).
-        batch_size: rows per batch; each worker's last batch of an epoch may be short unless
-            drop_last (never in endless mode: batches run on into the next epoch).
-        shuffle, seed: piece order and in-window permutations are reproducible from (seed, epoch).
-        shuffle_buffer_rows: rows in one shuffle window, rounded up to whole shards (default 1 GiB
-            worth per process); every batch is a uniform draw from its window, mixed across its
-            shards. Memory: up to two windows per process (the next one decodes meanwhile).
-        rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
-        exclude_token_ids: rows whose token_id is in this set are dropped.
-        exclude_special: also drop the special token ids (BOS included) the store records.
-        seqpos: slice of context positions kept (context position = row % context_size), e.g.
-            slice(1, None) drops each context's first token; `context_size` from the store's
-            attributes, or this argument for stores that lack it.
-        max_norm_ratio: drop rows whose norm exceeds this multiple of the median row norm (per
-            point, median from the start-up sample; a row goes if any point exceeds): attention
-            sinks that are not special tokens (SmolLM2: ~100 rows at positions 1-5).
-        split, test_fraction, split_seed: None (all rows), "train" or "test": a held-out split by
-            a hash of doc_id, `test_fraction` of the documents in "test".
-        roles: chat stores only: role names kept, e.g. ["assistant"] (store/roles.py). A
-            role-masked store (capture.roles) yields its stored roles by default and refuses
-            others; a store without roles refuses roles= (FORMAT.md, "Chat").
-        normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (E||x||^2 = width)
-            | "center_norm_scale" (subtract mean, then E||x-mean||^2 = width), with statistics
-            of the rows this dataset yields: the store's kept-row statistics when the filters
-            select exactly that class, else a seeded start-up sample of `norm_sample_rows`
-            filtered rows. `norm_constants` shows which; pass a train split's constants as
-            `norm_constants=` to normalise its held-out split identically.
-        endless, steps: endless=True runs epoch after epoch; steps=N stops after N batches per
-            rank (spread over its DataLoader workers), crossing epochs as needed.
-        return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a
-            generation store) instead of tensors.
-        out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
-        prefetch_shards, io_threads: concurrent fetch+decode tasks (default 2 x prefetch_shards).
+    `store`: a Store or a URL (then `storage_options` apply). What to read and how is one
+    ReaderConfig (readerconfig.py, every option documented there): pass `config=ReaderConfig(...)`,
+    or the options as keywords as before (`ActivationDataset(store, "resid_post.10",
+    batch_size=4096, seed=0)`), which build the same config; `self.config` holds it.
     """
 
     def __init__(self, store: "Store | str", points: "str | Sequence[str] | None" = None,
-                 batch_size: int = 4096, *, shuffle: bool = True, seed: int = 0,
-                 shuffle_buffer_rows: int | None = None, rank: int | None = None,
-                 world_size: int | None = None, exclude_token_ids: Sequence[int] = (),
-                 exclude_special: bool = False, seqpos: slice | None = None,
-                 context_size: int | None = None, max_norm_ratio: float | None = None,
-                 split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
-                 normalize: str | None = None, norm_constants: "_norm.NormConstants | None" = None,
-                 norm_sample_rows: int = 1 << 16, endless: bool = False, steps: int | None = None,
-                 prefetch_shards: int = 4, drop_last: bool = False, return_meta: bool = False,
-                 out_dtype: torch.dtype | None = None, storage_options: dict | None = None,
-                 epoch: int = 0, eps: float = 1e-6, io_threads: int | None = None,
-                 roles: "Sequence[str] | None" = None):
+                 batch_size: int | None = None, *, config: ReaderConfig | None = None,
+                 storage_options: dict | None = None, **options):
         super().__init__()
+        # the positional pair of the keyword style is part of the options (None: not given)
+        options.update({k: v for k, v in (("points", points), ("batch_size", batch_size)) if v is not None})
+        self.config = cfg = ReaderConfig.build(config, **options)
         if isinstance(store, Store):
             self._url = store.location.reopen_url()
             self._so = store.location.storage_options
@@ -133,6 +94,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         else:
             self._url, self._so = store, storage_options
             st = open_store(store, storage_options=storage_options, read_only=True)
+        points = cfg.points
         if points is None:
             points = st.points[0] if len(st.points) == 1 else list(st.points)
         self.stack = not isinstance(points, str)
@@ -140,42 +102,32 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         for p in self.points:
             if p not in st.points:
                 raise ValueError(f"points: {p!r} is not in the store; it holds {', '.join(st.points)}")
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        if normalize not in NORMALIZE_MODES:
-            raise ValueError(f"normalize={normalize!r}: use one of {NORMALIZE_MODES}")
-        if norm_sample_rows < 1:
-            raise ValueError(f"norm_sample_rows={norm_sample_rows!r} must be a positive number of rows")
-        if steps is not None and steps < 1:
-            raise ValueError(f"steps={steps!r} must be a positive number of batches, or None")
-        if max_norm_ratio is not None and not max_norm_ratio > 1:
-            raise ValueError(f"max_norm_ratio={max_norm_ratio!r} must be > 1 (a multiple of the median norm)")
-        self.batch_size, self.shuffle, self.seed = int(batch_size), bool(shuffle), int(seed)
-        self.rank, self.world_size = rank_world(rank, world_size)
-        self.endless, self.steps = bool(endless or steps is not None), steps
-        self.drop_last, self.return_meta, self.eps = drop_last, return_meta, eps
-        self.io_threads = io_threads or 2 * max(1, int(prefetch_shards))
+        self.batch_size, self.shuffle, self.seed = cfg.batch_size, cfg.shuffle, cfg.seed
+        self.rank, self.world_size = rank_world(cfg.rank, cfg.world_size)
+        self.endless, self.steps = bool(cfg.endless or cfg.steps is not None), cfg.steps
+        self.drop_last, self.return_meta, self.eps = cfg.drop_last, cfg.return_meta, cfg.eps
+        self.io_threads = cfg.io_threads or 2 * cfg.prefetch_shards
         self.width, self.store_dtype = st.width, st.np_dtype
         self._raw = raw_dtype(st.np_dtype)
 
         # ---- what the store records about its tokens ----
         attrs = store_facts(st)
-        self.context_size = int(context_size) if context_size else store_context_size(attrs)
+        self.context_size = cfg.context_size or store_context_size(attrs)
         self.special_token_ids = store_special_ids(attrs)
         self.bos_token_id = attrs.get("bos_token_id")
         tok = attrs.get("tokenizer")
         self.tokenizer = tok if isinstance(tok, str) else (tok or {}).get("name") if isinstance(tok, dict) else None
-        exclude = {int(t) for t in exclude_token_ids}
-        if exclude_special:
+        exclude = set(cfg.exclude_token_ids)
+        if cfg.exclude_special:
             if self.special_token_ids is None:
                 raise ValueError("exclude_special=True: this store records no special_token_ids (it was "
                                  "written before they were recorded); pass exclude_token_ids=[...] "
                                  "with the tokenizer's BOS/EOS/pad ids instead")
             exclude |= set(self.special_token_ids)
-        self.roles = resolve_roles(st, roles)  # store/roles.py: None, or the role codes kept
+        self.roles = resolve_roles(st, cfg.roles)  # store/roles.py: None, or the role codes kept
         # a generation store (it has the `gen` column): rows without activations never yielded
-        self.filter = RowFilter.build(exclude, self.context_size, seqpos, split, test_fraction,
-                                      split_seed, self.roles, generated="gen" in st.meta_columns)
+        self.filter = RowFilter.build(exclude, self.context_size, cfg.seqpos, cfg.split, cfg.test_fraction,
+                                      cfg.split_seed, self.roles, generated="gen" in st.meta_columns)
 
         # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
         # the marker facts that check its bytes (objects.py) ----
@@ -184,16 +136,14 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._slot_rows = self.pieces.max_rows(default=1)
         self._counts = np.full(len(self.pieces), -1, np.int64)
 
-        buf = int(shuffle_buffer_rows) if shuffle_buffer_rows is not None else \
+        buf = cfg.shuffle_buffer_rows or \
             max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (st.row_bytes * len(self.points)))
-        if buf < self.batch_size:
-            raise ValueError(f"shuffle_buffer_rows={buf} must be >= batch_size={self.batch_size}")
         self.shuffle_buffer_rows = buf
         self.window_shards = max(1, math.ceil(buf / st.shard_rows))
         self.shard_rows, self._mix_docs = st.shard_rows, None
 
         # ---- normalisation and the norm filter ----
-        self.normalize, self.max_norm_ratio = normalize, max_norm_ratio
+        self.normalize, self.max_norm_ratio = cfg.normalize, cfg.max_norm_ratio
         self.norm_constants: _norm.NormConstants | None = None
         self.norm_limit: np.ndarray | None = None   # per point: max ||x||^2 kept
         self._meta_cols: CommittedMeta | None = None
@@ -201,24 +151,20 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._batch_bufs: BatchBuffers | None = None
         self._served = self._resumed = 0
         self._store, self._store_pid = st, os.getpid()
-        self._setup_norm(st, norm_constants, norm_sample_rows)
-        if out_dtype is None:
-            out_dtype = torch.float32 if normalize else _torch_dtype(st.np_dtype)
-        self.out_dtype = out_dtype
+        self._setup_norm(st, cfg.norm_constants, cfg.norm_sample_rows)
+        self.out_dtype = cfg.out_dtype or (torch.float32 if cfg.normalize else _torch_dtype(st.np_dtype))
         if self.world_size > 1:
             self.count_rows()  # once here, not once per worker
 
         mixing.check(self)   # warns when windows hold under half the uniform documents a batch
         # [epoch, resume batches]: shared with DataLoader workers, persistent ones included
-        self._ctl = torch.tensor([int(epoch), 0], dtype=torch.int64).share_memory_()
+        self._ctl = torch.tensor([cfg.epoch, 0], dtype=torch.int64).share_memory_()
         self._decoded = torch.zeros(_COUNTED_WORKERS, dtype=torch.int64).share_memory_()
         self.tally = Tally()   # rows the norm filter dropped / repeated, this process's last iteration
 
     # ---- setup -------------------------------------------------------------------------------
     def _setup_norm(self, st: Store, given, sample_rows: int) -> None:
-        if given is not None:
-            if not self.normalize:
-                raise ValueError("norm_constants= given without normalize=; pass normalize=given.mode")
+        if given is not None:   # (given without normalize= is refused by ReaderConfig)
             if tuple(given.points) != tuple(self.points) or given.mode != self.normalize:
                 raise ValueError(f"norm_constants are for points {list(given.points)} mode {given.mode!r}, "
                                  f"this dataset reads {self.points} with normalize={self.normalize!r}")
@@ -275,7 +221,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None)
         return state
 
-    # ---- epochs (counts and plans: readplan.PiecePlanning) -----------------------------------
+    # ---- epochs (counts and plans: readorder.PiecePlanning) -----------------------------------
     @property
     def epoch(self) -> int:
         return int(self._ctl[0])

@@ -280,7 +280,7 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def lower_io_priority(self) -> None:
         """Make this backend's background I/O threads yield to the engine (see
-        `shardio.lower_priority`); the writer's own threads lower themselves."""
+        `shardcodec.lower_priority`); the writer's own threads lower themselves."""
 
 
 __all__ = ["Storage"]

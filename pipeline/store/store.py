@@ -6,6 +6,11 @@ objects inside their own shard-aligned region, its row metadata, and then one cr
 marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
 data. Creation is in create.py, finalize and verify in their own modules; checked reads by
 row range in reads.py, info() in info.py, attribute JSON helpers in jsonattrs.py.
+
+Imports run one way: this module imports the operations its methods delegate to (finalize,
+verify, reads, writer, ...), and none of them imports it at run time (they name `Store` in
+annotations only), so no import is deferred to hide a cycle. create.py sits above: it imports
+this module to open what it made.
 """
 
 from __future__ import annotations
@@ -19,13 +24,21 @@ import numpy as np
 import zarr
 
 from . import commits as _commits
+from . import finalize as _finalize
+from . import info as _info
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
+from . import objects as _objects
+from . import reads as _reads
+from . import shardcodec as _codec
+from . import statsfiles as _statsfiles
 from . import tables as _tables
+from . import verify as _verify
+from . import writer as _writer
 from .backend import Location, locate
 from .dtypes import resolve_dtype
-from .errors import NotAHarvestStore, StoreError, UnknownLayoutVersion
-from .plans import PlanStore, Unit, check_units
+from .errors import StoreError
+from .planlog import PlanStore, Unit, check_region, check_units
 
 MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
 
@@ -141,9 +154,7 @@ class Store:
 
     def info(self) -> dict:
         """What a user inspecting a store wants: shape, progress, stats, attrs."""
-        from .info import store_info
-
-        return store_info(self)
+        return _info.store_info(self)
 
     # ---- arrays ------------------------------------------------------------------------------
     def array(self, point: str) -> zarr.Array:
@@ -165,28 +176,24 @@ class Store:
 
     def shard_codec(self, point: str):
         """Our direct whole-shard codec for `point`, or None where zarr must do the work."""
-        from .shardio import ShardCodec, Unsupported
-
         key = ("codec", point)
         if key not in self._arrays:
             raw = self._loc.read_bytes(f"{layout.point_path(point)}/zarr.json")
             try:
-                self._arrays[key] = ShardCodec(json.loads(raw), self.np_dtype) if raw else None
-            except Unsupported as e:
+                self._arrays[key] = _codec.ShardCodec(json.loads(raw), self.np_dtype) if raw else None
+            except _codec.Unsupported as e:
                 log.info("%s: zarr does the (de)coding (%s)", point, e)
                 self._arrays[key] = None
         return self._arrays[key]
 
     def meta_codec(self, name: str):
         """Our codec for one chunk of row metadata array `name`, or None where zarr must do it."""
-        from .shardio import MetaCodec, Unsupported
-
         key = ("meta_codec", name)
         if key not in self._arrays:
             raw = self._loc.read_bytes(f"{name}/zarr.json")
             try:
-                self._arrays[key] = MetaCodec(json.loads(raw)) if raw else None
-            except Unsupported as e:
+                self._arrays[key] = _codec.MetaCodec(json.loads(raw)) if raw else None
+            except _codec.Unsupported as e:
                 log.info("%s: zarr does the (de)coding (%s)", name, e)
                 self._arrays[key] = None
         return self._arrays[key]
@@ -194,9 +201,7 @@ class Store:
     def committed_shard(self, shard: int) -> "tuple[dict, dict]":
         """(marker, its entry for `shard`) of the committed unit holding that shard."""
         if self._shard_map is None:
-            from .reads import committed_shard_map
-
-            self._shard_map = committed_shard_map(self)
+            self._shard_map = _reads.committed_shard_map(self)
         m = self._shard_map.find(int(shard))
         if m is None:
             raise StoreError(f"shard {shard} of {self.url} is not committed (no marker covers it)")
@@ -208,17 +213,13 @@ class Store:
 
         `out`: optional destination rows (see ShardCodec.decode); the result is then `out`.
         """
-        from .objects import read_point
-
         self.array(point)  # names the store's points when `point` is not one
         m, sh = self.committed_shard(shard)
-        return read_point(self, m, sh, self.points.index(point), out=out)
+        return _objects.read_point(self, m, sh, self.points.index(point), out=out)
 
     def read(self, point: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of one point, committed rows only, each shard checked."""
-        from .reads import read_rows
-
-        return read_rows(self, point, start, stop)
+        return _reads.read_rows(self, point, start, stop)
 
     def _meta_array(self, name: str) -> zarr.Array:
         arr = self._arrays.get(name)
@@ -240,9 +241,7 @@ class Store:
 
     def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like read_row_meta, committed rows only, each chunk checked against its marker."""
-        from .reads import read_row_meta_checked
-
-        return read_row_meta_checked(self, start, stop)
+        return _reads.read_row_meta_checked(self, start, stop)
 
     def read_gen(self, start: int, stop: int, checked: bool = False) -> np.ndarray:
         """The `gen` column of rows [start, stop) (FORMAT.md "Generation"), plain zarr like
@@ -254,9 +253,7 @@ class Store:
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"read_gen: [{start}, {stop}) is outside 0..{self.n_rows}")
         if checked:
-            from .reads import read_meta_checked
-
-            return read_meta_checked(self, "gen", start, stop)
+            return _reads.read_meta_checked(self, "gen", start, stop)
         return self._meta_array("gen")[start:stop]
 
     # ---- plan --------------------------------------------------------------------------------
@@ -293,13 +290,10 @@ class Store:
         The plan is not re-read here (that was a read of the whole plan per unit): a marker
         whose row range disagrees with the plan never counts, which verify reports.
         """
-        from .plans import check_region
-        from .writer import RegionWriter
-
         if self.read_only:
             raise StoreError("region_writer: store was opened read-only")
         check_region(row_start, row_end, self.shard_rows, self.n_rows, f"region_writer unit {unit_id}")
-        return RegionWriter(self, int(unit_id), int(row_start), int(row_end), **kwargs)
+        return _writer.RegionWriter(self, int(unit_id), int(row_start), int(row_end), **kwargs)
 
     def marker_names(self) -> list[_commits.MarkerName]:
         return _commits.list_markers(self._loc)
@@ -368,11 +362,9 @@ class Store:
         return _commits.write_index_segment(self._loc, markers)
 
     # ---- statistics --------------------------------------------------------------------------
-    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _stats.StreamingMerge:
-        """Every unit's partials merged in unit-id order (see statsio.merge_partials)."""
-        from .statsio import merge_partials
-
-        return merge_partials(self, refs, batch)
+    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
+        """Every unit's partials merged in unit-id order (see statsfiles.merge_partials)."""
+        return _statsfiles.merge_partials(self, refs, batch)
 
     def stats(self, points: Sequence[str] | None = None, subset: str = "all") -> dict[str, dict]:
         """Per-point stats of `subset` rows: "all", or "kept" (rows whose token is not a special
@@ -381,16 +373,12 @@ class Store:
         From finalize if present, else merged now from the committed partials. Each value:
         count, mean [width] float64, var [width] float64, mean_sq_norm, nonfinite_rows.
         """
-        from .statsio import read_stats
-
-        return read_stats(self, points, subset)
+        return _statsfiles.read_stats(self, points, subset)
 
     # ---- finalize and verify (driver) ---------------------------------------------------------
     def finalize(self, summary: dict | None = None) -> dict:
         """Merge committed stats into the store, record compression and the run summary."""
-        from .finalize import finalize
-
-        return finalize(self, summary)
+        return _finalize.finalize(self, summary)
 
     def verify(self, deep: bool = False, objects: bool = False) -> dict:
         """Every planned row committed exactly once, markers consistent with the plan and their
@@ -400,9 +388,7 @@ class Store:
         default: at 1 B tokens of an 8B model that is ~68 k LIST pages on S3 (an hour, sequential,
         holding every entry of an array at once), so it is asked for explicitly
         (`harvest verify --objects`), never run at the end of a job."""
-        from .verify import verify
-
-        return verify(self, deep=deep, objects=objects)
+        return _verify.verify(self, deep=deep, objects=objects)
 
 
 def open_store(url, storage_options: dict | None = None, read_only: bool = False) -> Store:
@@ -413,32 +399,7 @@ def open_store(url, storage_options: dict | None = None, read_only: bool = False
         raw = loc.read_bytes("zarr.json", attempts=2)
     except Exception as e:  # noqa: BLE001 -- translated without secrets
         raise loc.error("open_store", e) from None
-    if raw is None:
-        raise NotAHarvestStore(f"open_store: no store at {loc.url} (zarr.json not found); check the "
-                               "URL, or create one with create_store")
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise NotAHarvestStore(f"open_store: {loc.url}/zarr.json is not JSON; not a harvest store") from None
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
-        raise NotAHarvestStore(f"open_store: {loc.url} is not a zarr v3 group (zarr_format="
-                               f"{meta.get('zarr_format') if isinstance(meta, dict) else None}); "
-                               "not a harvest store")
-    h = (meta.get("attributes") or {}).get("harvest")
-    if not isinstance(h, dict) or h.get("layout") != layout.LAYOUT_NAME:
-        raise NotAHarvestStore(f"open_store: {loc.url} is a zarr group but not a harvest activation "
-                               f"store (attributes.harvest.layout != {layout.LAYOUT_NAME!r})")
-    v = h.get("layout_version")
-    if v not in layout.SUPPORTED_LAYOUT_VERSIONS:
-        raise UnknownLayoutVersion(
-            f"open_store: {loc.url} has layout_version={v!r}; this harvest reads versions "
-            f"{list(layout.SUPPORTED_LAYOUT_VERSIONS)}"
-            + (" (version 1 stores came from before the streamed data plane: re-harvest them)"
-               if v == 1 else ". Upgrade harvest to read it."))
-    missing = [k for k in ("points", "width", "n_rows", "shard_rows", "chunk_rows", "dtype", "compression")
-               if k not in h]
-    if missing:
-        raise NotAHarvestStore(f"open_store: {loc.url} harvest attributes lack {', '.join(missing)}")
+    meta = layout.check_group(raw, loc.url, "open_store")
     return Store(loc, meta, read_only=read_only)
 
 

@@ -20,9 +20,12 @@ marker keeps its meaning and deep verify its check, whatever order the blocks ca
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import google_crc32c
+
+log = logging.getLogger(__name__)
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 _ZEROS_OPS: dict[int, list[int]] = {}
@@ -168,4 +171,28 @@ def write_small(loc, final_rel: str, attempt_rel: str, blob: bytes) -> "dict | N
         raise
 
 
-__all__ = ["ObjectStream", "crc32c_combine", "write_small"]
+def discard(loc, streams: "list[ObjectStream]", uploads: "list[tuple[str, dict | None]]",
+            keys: "list[str]", who: str) -> None:
+    """Best effort: abort `streams` and the `uploads` ((final key, upload record or None) of
+    small objects), then delete `keys`: what an attempt that never commits wrote. Failures are
+    logged, not raised: an upload left behind is never completed and garbage under an attempt's
+    name harms nothing (finalize and verify see both)."""
+    for st in streams:
+        try:
+            st.abort()
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: could not drop %s (%s)", who, st.final_rel, type(e).__name__)
+    for final, up in uploads:
+        if up is not None:
+            try:
+                loc.abort_upload(final, up["upload_id"])
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s: could not drop %s (%s)", who, final, type(e).__name__)
+    for k in keys:
+        try:
+            loc.delete(k)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: could not remove %s (%s)", who, k, type(e).__name__)
+
+
+__all__ = ["ObjectStream", "crc32c_combine", "discard", "write_small"]

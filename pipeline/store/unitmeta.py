@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import layout
-from .stats import crc32c
+from .moments import crc32c
 
 
 class UnitMeta:

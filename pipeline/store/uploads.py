@@ -21,7 +21,9 @@ never wrong, and rare with max_open_shards >= 2.
 
 Every object is written under this attempt's name or as an upload only its commit completes
 (streams.py, storage.py), and recorded, so a failed or conflicting attempt removes exactly what it
-wrote. writer.py holds the API (write, reserve, commit, abort) on top of this class.
+wrote. writer.py holds the API (write, reserve, commit, abort) on top of this class; the unit's
+statistics merge in blockstats.py, an evicted block's scratch objects are writeblocks.py's
+(flush_partial, unflush), and removing an attempt's objects is streams.discard.
 """
 
 from __future__ import annotations
@@ -33,17 +35,17 @@ import uuid
 from collections import OrderedDict
 
 import google_crc32c
-import numpy as np
 
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
+from .blockstats import BlockStats, chunk_partials
 from .credentials import scrub
 from .dtypes import raw_dtype
 from .errors import RegionConflict, RegionWriteFailed, StoreError
-from .shardio import lower_priority
+from .shardcodec import lower_priority
 from .roles import captured_codes
-from .shards import Shard, runs, shard_buffers
-from .streams import ObjectStream, write_small
+from .writeblocks import Shard, flush_partial, shard_buffers, unflush
+from .streams import ObjectStream, discard, write_small
 from .unitmeta import UnitMeta
 
 log = logging.getLogger(__name__)
@@ -107,13 +109,7 @@ class ShardUploads:
         # would leave an upload no marker names (on S3, one never completed nor aborted)
         self._meta_uploaded: set[int] = set()
         self._streams: dict[tuple[int, int], ObjectStream] = {}  # (shard, point) -> its object
-        # Statistics: a block's partials (all, kept per point) wait in _parts only until every
-        # block before it is merged into _acc, in block order (deterministic bits whatever order
-        # blocks complete in). Held: O(points x width) plus blocks that complete out of order.
-        self._parts: dict[int, dict] = {}
-        self._acc = {s: [_stats.Moments.empty(self._W) for _ in range(self._P)]
-                     for s in layout.STATS_SUBSETS}
-        self._next_stat = 0  # index in _block_ids of the next block to merge into _acc
+        self._stats = BlockStats(self._block_ids, self._P, self._W)   # merged in block order
         self._crc: dict[int, list] = {}
         self._nbytes: dict[int, list] = {}
         self._ocrc: dict[int, list] = {}         # CRC32C of each stored object, per point
@@ -165,25 +161,11 @@ class ShardUploads:
             self._streams.clear()
             metas = list(self._meta_streams)
             self._meta_streams.clear()
-        for st in streams:
-            try:
-                st.abort()
-            except Exception as e:  # noqa: BLE001 -- an upload left behind is never completed
-                log.warning("unit %d: could not drop %s (%s)", self.unit_id, st.final_rel, type(e).__name__)
-        for final, _, up in metas:
-            if up is not None:
-                try:
-                    self._store.location.abort_upload(final, up["upload_id"])
-                except Exception as e:  # noqa: BLE001
-                    log.warning("unit %d: could not drop %s (%s)", self.unit_id, final, type(e).__name__)
-        self._remove(keys)
+        discard(self._store.location, streams, [(final, up) for final, _, up in metas], keys,
+                f"unit {self.unit_id}")
 
     def _remove(self, keys: list[str]) -> None:
-        for k in keys:
-            try:
-                self._store.location.delete(k)
-            except Exception as e:  # noqa: BLE001 -- garbage under an attempt name harms nothing
-                log.warning("unit %d: could not remove %s (%s)", self.unit_id, k, type(e).__name__)
+        discard(self._store.location, [], [], keys, f"unit {self.unit_id}")
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -250,27 +232,16 @@ class ShardUploads:
     def _flush_partial(self, sh: Shard) -> None:
         """An evicted shard's filled rows go to scratch objects of this attempt (raw rows of every
         point), read back when the shard completes; never into an object a reader may trust."""
-        if sh.flushed is None:
-            sh.flushed = np.zeros(sh.n, bool)
-        rows = sh.filled & ~sh.flushed
         try:
-            for a, b in runs(rows):
-                key = layout.scratch_key(self.unit_id, self.attempt, sh.index, a, b)
-                self._put(key, np.ascontiguousarray(sh.data[:, a:b]).tobytes())
-                sh.scratch.append((a, b, key))
+            flush_partial(sh, self._put, self.unit_id, self.attempt)
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"scratch upload of block {sh.index}")
             self._raise_failed()
-        sh.flushed |= rows
 
     def _unflush(self, sh: Shard) -> None:
         """Rows an eviction put in scratch objects, back into the shard's buffer."""
         try:
-            for a, b, key in sh.scratch:
-                raw = self._store.location.read_bytes(key, attempts=self.retries)
-                if raw is None:
-                    raise StoreError(f"scratch object {key} of this writer vanished")
-                sh.data[:, a:b] = np.frombuffer(raw, self._raw).reshape(self._P, b - a, self._W)
+            unflush(sh, self._store.location, self.retries)
         except Exception as e:  # noqa: BLE001
             self._fail(e, f"reading back evicted rows of block {sh.index}")
             self._raise_failed()
@@ -354,25 +325,15 @@ class ShardUploads:
         if self._failed is not None or self._closed:
             return
         x = sh.data[p].view(self._dtype)
-        crc = _stats.crc32c(sh.data[p])
+        crc = _moments.crc32c(sh.data[p])
         sr = self._store.shard_rows
         si = sh.start // sr
         try:
             codec = self._codecs[p]
             cr = codec.chunk_rows
-            parts: list = [None] * -(-x.shape[0] // cr)
-
-            def moments(i, rows):  # in the codec thread, while the chunk is in cache
-                keep = None if sh.keep is None else sh.keep[i * cr:i * cr + rows.shape[0]]
-                if sh.present is not None:  # rows without activations count in no statistic
-                    have = sh.present[i * cr:i * cr + rows.shape[0]]
-                    rows, keep = rows[have], (None if keep is None else keep[have])
-                parts[i] = _stats.subsets_of(rows, keep)
-
-            chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=moments)
-            # in chunk order: deterministic
-            mom_all = _stats.merge_all([[q[0]] for q in parts], 1, self._W)[0]
-            mom_kept = _stats.merge_all([[q[1]] for q in parts], 1, self._W)[0]
+            visit, partials = chunk_partials(sh.keep, sh.present, cr, -(-x.shape[0] // cr))
+            chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=visit)
+            mom_all, mom_kept = partials(self._W)
             stream = self._stream(si, p)
             last = stream.append((sh.start - si * sr) // cr, chunks, crc, x.nbytes)
             del chunks
@@ -383,49 +344,24 @@ class ShardUploads:
             self._fail(e, f"upload of block {sh.index} of shard {si} ({self._store.points[p]})")
             return
         with self._lock:
-            part = self._parts.setdefault(sh.index, {"all": [None] * self._P,
-                                                     "kept": [None] * self._P})
-            part["all"][p], part["kept"][p] = mom_all, mom_kept
-            self._merge_ready()
+            self._stats.add(sh.index, p, mom_all, mom_kept)
             if rec is not None:
                 self._crc.setdefault(si, [None] * self._P)[p] = rec["crc32c"]
                 self._nbytes.setdefault(si, [None] * self._P)[p] = rec["nbytes"]
                 self._ocrc.setdefault(si, [None] * self._P)[p] = rec["object_crc32c"]
                 self._upload.setdefault(si, [None] * self._P)[p] = rec["upload"]
 
-    def _merge_ready(self) -> None:
-        """Merge the blocks whose partials are all in, in block order, and drop them (caller
-        holds the lock). Without this a unit held every block's float64 partials until commit:
-        4 MiB a block at 32 points x 4096 wide."""
-        ids = self._block_ids
-        while self._next_stat < len(ids):
-            part = self._parts.get(ids[self._next_stat])
-            if part is None or any(m is None for m in part["all"]):
-                return
-            self._merge_part(self._parts.pop(ids[self._next_stat]))
-            self._next_stat += 1
-
-    def _merge_part(self, part: dict) -> None:
-        for subset, acc in self._acc.items():
-            for p in range(self._P):
-                acc[p] = acc[p].merge(part[subset][p])
-
     def merged_stats(self) -> dict:
-        """subset -> per-point Moments of the whole unit: the running merge, then any partials
-        left behind a gap, in block order (the same bits whatever order blocks completed in)."""
+        """subset -> per-point Moments of the whole unit, in block order (blockstats.py)."""
         with self._lock:
-            self._merge_ready()
-            for si in sorted(self._parts):
-                self._merge_part(self._parts.pop(si))
-            return {s: list(acc) for s, acc in self._acc.items()}
+            return self._stats.merged()
 
     def _release(self) -> None:
         """Drop what only an open writer needs: partials, row metadata (the token ids), shard
         states and per-shard records. A committed or failed writer may stay referenced for a
         while (a caller's frame, a result); it must not keep a unit's memory with it."""
         with self._lock:
-            self._parts.clear()
-            self._acc = {}
+            self._stats.clear()
             self._states.clear()
             self._open.clear()
             self._pending.clear()

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import commits as _commits
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
 from .objects import attempt_objects, read_meta, read_point
 from .tables import shard_ids, unit_shards
-from .plans import check_units
-from .store import Store
+from .planlog import check_units
+
+if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.verify
+    from .store import Store
 
 _MAX_ERRORS = 200
 
@@ -263,7 +266,7 @@ def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
                 continue
             checked["shards"] += 1
             checked["bytes_read"] += ((sh.get("nbytes") or [None] * len(store.points))[pi] or rows.nbytes)
-            if _stats.crc32c(np.ascontiguousarray(rows)) != sh["crc32c"][pi]:
+            if _moments.crc32c(np.ascontiguousarray(rows)) != sh["crc32c"][pi]:
                 bad.append(f"unit {uid} shard {sh['index']} of {p}: rows differ from what its writer "
                            "committed (overwritten or corrupt); uncommit and rewrite")
     want = (m.get("row_meta") or {}).get("crc32c")
@@ -278,7 +281,7 @@ def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
                 continue
             checked["meta_chunks"] += len(recs)
             checked["bytes_read"] += col.nbytes
-            if _stats.crc32c(col) != want.get(name):
+            if _moments.crc32c(col) != want.get(name):
                 bad.append(f"unit {uid}: row metadata {name} differs from what its writer committed")
     st = m.get("stats") or {}
     if st.get("key"):

@@ -26,12 +26,13 @@ import numpy as np
 from . import commits as _commits
 from . import tables as _tables
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
 from .credentials import redact_attrs, scrub
 from .dtypes import dtype_name
 from .errors import RegionConflict, RegionWriteFailed
 from .jsonattrs import jsonable as _jsonable
-from .shards import Shard, runs, to_numpy
+from .objects import publish
+from .writeblocks import Shard, runs, to_numpy
 from .uploads import ShardUploads
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class RegionWriter(ShardUploads):
         self._check_usable()
         self._check_conflict()
         merged = self.merged_stats()
-        blob = _stats.dumps(merged)
+        blob = _moments.dumps(merged)
         skey = layout.stats_key(self.unit_id, self.attempt)
         seconds = time.perf_counter() - (self.t_first_write or self.t_created)
         recs = _tables.records(
@@ -298,7 +299,6 @@ class RegionWriter(ShardUploads):
         """Publish this attempt's objects (only the marker's creator does): complete its uploads
         (S3) or rename them to their zarr keys. Until then readers take renamed-by-name objects
         under the attempt's name, and finalize finishes a publish a crash cut."""
-        from .objects import publish
 
         try:
             publish(self._store, manifest, etags=self._etags())

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.pipeline.store import create_store, synthetic
+from harvest.pipeline.store import create_store
 from harvest.pipeline.store.tables import unit_shards
+from harvest.testing import synthetic
 
 BOS = 1
 

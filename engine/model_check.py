@@ -27,6 +27,11 @@ import numpy as np
 import torch
 
 from .addresses import Address
+from .captured import run_with_cache
+from .common import read_model_info
+from .load import load_model
+from .models import resolve_model
+from .probe import TrunkRefused
 from .protocol import CaptureEngine
 
 # Mixed lengths: one-token prompts, prompts shorter than a step, and prompts spanning several
@@ -132,8 +137,8 @@ def reference_many(jobs: list[dict], hidden_states: bool = False) -> list[list[d
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run([sys.executable, "-m", "harvest.engine.check", str(spec), str(out)],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "harvest.engine.model_check", str(spec),
+                               str(out)], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"the Hugging Face reference failed:\n{proc.stderr[-4000:]}")
         return torch.load(out)
@@ -141,8 +146,6 @@ def reference_many(jobs: list[dict], hidden_states: bool = False) -> list[list[d
 
 @torch.inference_mode()
 def _reference_main(spec_path: str, out_path: str) -> None:
-    from . import load_model, run_with_cache
-
     spec = json.loads(Path(spec_path).read_text())
     results = []
     for job in spec["jobs"]:
@@ -210,8 +213,6 @@ def _refs(path: str, tokens, points: list[str], cfg: CheckConfig, revision, engi
 
 def _measure(model, path: str, tokens, refs, points: list[str], cfg: CheckConfig,
              engine_dtype: str) -> dict:
-    from . import run_with_cache
-
     got = run_with_cache(model, tokens, points)
     out = compare(got, refs[0], points, cfg, refs[1])
     trunk = getattr(getattr(model, "state", None), "layers", None)  # vLLM's probed trunk only
@@ -248,10 +249,6 @@ def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig()
     """Load `name_or_path` in freeze mode (the mode of a harvest run) with a small
     max_num_batched_tokens so prefill is chunked, check it and close it. The reference is
     computed first, before this process holds an engine."""
-    from . import load_model
-    from .common import read_model_info
-    from .models import resolve_model
-
     name_or_path = resolve_model(name_or_path)  # smollm2, tiny:<arch> as in load_model
     info = read_model_info(name_or_path, engine_args.get("revision"))
     pts = [str(p) for p in points] if points else [f"resid_post.{i}" for i in range(info.n_layers)]
@@ -301,8 +298,6 @@ def format_check(result: dict) -> str:
 def run_command(path: str, args) -> int:
     """`harvest check-model` (pipeline/cli.py parses the arguments): print the per-point table,
     return 0 on pass, 1 above tolerance or when the trunk is refused at load."""
-    from .probe import TrunkRefused
-
     cfg = CheckConfig(tol_p50=args.tol_p50, tol_p99=args.tol_p99,
                       lengths=tuple(int(n) for n in args.lengths.split(",")),
                       reference_device=args.reference_device)

@@ -1,14 +1,18 @@
 """A region writer's block buffers: one block of every point, filled in any row order.
 
 `Shard` is the state of one buffer; since the writer streams shard objects (streams.py) it holds
-a block (`layout.block_rows` rows), not a whole shard: the name stayed with the machinery."""
+a block (`layout.block_rows` rows), not a whole shard: the class name stayed with the machinery.
+(The module was `shards.py`; renamed so it is not read as a twin of shardcodec.py, which encodes
+and decodes whole shard objects.)"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import layout
 from .buffers import BufferPool
 from .dtypes import BF16, raw_dtype
+from .errors import StoreError
 
 
 class Shard:
@@ -47,11 +51,33 @@ def shard_buffers(store, block_rows: int, keep: int) -> BufferPool:
 def use_allocator(store, allocate) -> None:
     """Make the store's block buffers come from `allocate(shape, dtype)` (page-locked memory on
     CUDA, see BufferPool). Call before the first writer: buffers already handed out stay as they are."""
-    from . import layout
-
     br = layout.block_rows(store.shard_rows, store.chunk_rows, len(store.points), store.row_bytes,
                            store.context_size)
     shard_buffers(store, br, 0).allocate = allocate
+
+
+def flush_partial(sh: Shard, put, unit_id: int, attempt: str) -> None:
+    """An evicted block's filled rows go to scratch objects of this attempt (raw rows of every
+    point, `put(key, bytes)`), read back by `unflush` when the block completes; never into an
+    object a reader may trust. Rows already flushed by an earlier eviction are not put again."""
+    if sh.flushed is None:
+        sh.flushed = np.zeros(sh.n, bool)
+    rows = sh.filled & ~sh.flushed
+    for a, b in runs(rows):
+        key = layout.scratch_key(unit_id, attempt, sh.index, a, b)
+        put(key, np.ascontiguousarray(sh.data[:, a:b]).tobytes())
+        sh.scratch.append((a, b, key))
+    sh.flushed |= rows
+
+
+def unflush(sh: Shard, loc, retries: int) -> None:
+    """Rows an eviction put in scratch objects, back into the block's buffer (`sh.data`, raw
+    bits [n_points, rows, width])."""
+    for a, b, key in sh.scratch:
+        raw = loc.read_bytes(key, attempts=retries)
+        if raw is None:
+            raise StoreError(f"scratch object {key} of this writer vanished")
+        sh.data[:, a:b] = np.frombuffer(raw, sh.data.dtype).reshape(sh.data.shape[0], b - a, -1)
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -1,4 +1,5 @@
-"""Work units: fixed runs of contexts, aligned to store shards, sized for the engine and commits.
+"""Work-unit sizes: fixed runs of contexts, aligned to store shards, sized for the engine and
+commits (and the shard and chunk sizes of a run).
 
 Unit k is global contexts [k * U, (k + 1) * U) of the packed corpus (the last one may be short):
 its rows are known as soon as the contexts before it are counted, whatever the block sizes, so
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from .config import ConfigError, HarvestConfig, check_shard_rows
 from .store.layout import CAPACITY_ROWS, choose_sizes
-from .store.plans import Unit
+from .store.planlog import Unit
 
 UNITS_PER_ACTOR = 4
 

@@ -14,7 +14,7 @@ from typing import Sequence
 import zarr
 
 from . import layout
-from . import stats as _stats
+from . import moments as _moments
 from .errors import StoreError
 
 
@@ -22,7 +22,7 @@ def _check_partial(raw, stats_ref: dict, unit_id: int) -> dict:
     if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref["sha256"]:
         raise StoreError(f"stats partial of unit {unit_id} is missing or does not "
                          f"match its commit marker ({stats_ref['key']}); rewrite the unit")
-    return _stats.load_arrays(raw)
+    return _moments.load_arrays(raw)
 
 
 def _fetch_partials(store, refs: list) -> list:
@@ -40,11 +40,11 @@ def _fetch_partials(store, refs: list) -> list:
 BATCH_BYTES = 32 << 20
 
 
-def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 256) -> _stats.StreamingMerge:
+def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
     refs = sorted(refs, key=lambda r: r[0])
     partial = 32 * len(store.points) * store.width
     batch = max(1, min(batch, BATCH_BYTES // max(1, partial)))
-    acc = _stats.StreamingMerge(layout.STATS_SUBSETS, len(store.points), store.width)
+    acc = _moments.StreamingMerge(layout.STATS_SUBSETS, len(store.points), store.width)
     batches = [refs[i:i + batch] for i in range(0, len(refs), batch)]
     ahead = 3  # batches in flight while one merges (memory: ahead x batch partials)
     with cf.ThreadPoolExecutor(ahead) as ex:

@@ -177,7 +177,7 @@ def _wait_ready(srv: SeaweedS3, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m harvest.pipeline.store.seaweed ENV_FILE`: run a server until SIGTERM/Ctrl-C (for .ci).
+    """`python -m harvest.testing.seaweed ENV_FILE`: run a server until SIGTERM/Ctrl-C (for .ci).
 
     The AWS_* variables go to ENV_FILE (mode 0600), never to stdout, so CI logs hold no secret.
     """

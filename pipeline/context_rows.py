@@ -1,4 +1,5 @@
-"""Placing tokenised chunks in the row space, in block order, as their counts arrive.
+"""Every tokenised context's global row: chunks placed in the row space, in block order, as their
+counts arrive, and the work units cut from them.
 
 Chunks are tokenised in parallel and arrive in any order; the frontier takes them in (block,
 chunk) order and gives every context its global index by a running sum, so rows depend only on
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .store.plans import Unit
+from .store.planlog import Unit
 
 
 def chunk_key(block: int, chunk: int) -> str:
