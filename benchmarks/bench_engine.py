@@ -10,9 +10,16 @@ the median of the paired ratios: the figure for the freeze target (>= 0.95x plai
     flock /tmp/harvest-vllm.lock .venv/bin/python -m harvest.benchmarks.bench_engine \
         [--model PATH] [--prompts 32] [--len 256] [--modes plain freeze] [--rounds 3] [--tp 1 2]
 
+Freeze delivers into one destination block reused by every pass, as the pipeline's writers
+reuse their block buffers (at TP > 1 the block is in the engine's shared arena, so the rank
+writes the rows in place: engine/shmdest.py); fresh memory per pass would time page faults.
+
 `--tp 1 2` runs plain and freeze at each tensor-parallel size (TP > 1: vLLM's multiprocessing
-executor, rows through the step ring) and reports host memory (PSS of this process and the rank
-processes it started) beside tok/s.
+executor) and reports host memory (PSS of this process and the rank processes it started)
+beside tok/s, the all-reduce fusion each engine resolved, and for TP > 1 freeze where the rows'
+path spent its time (`ring`, `rows_placed`, `rows_copied`). `--modes plain_nofuse freeze` adds
+plain vLLM with capture's compile settings (fusion off) at TP > 1: on GPUs where vLLM fuses the
+all-reduce, it separates that cost from the taps'.
 
 `--generate N` measures generation instead (engine/generate.py): every prompt completed with N
 new tokens (greedy, no stop: the same work in every mode), tok/s = generated tokens per second;
@@ -37,14 +44,14 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
-def _timed_capture(model, prompts, points, repeats: int) -> tuple[float, int]:
+def _timed_capture(model, prompts, points, repeats: int, destinations=None) -> tuple[float, int]:
     """Best of `repeats` passes (the first pass also warms caches)."""
     best = float("inf")
     rows = 0
     for _ in range(repeats + 1):
         t = time.perf_counter()
         rows = 0
-        for req in model.capture([prompts], points):
+        for req in model.capture([prompts], points, destinations=destinations):
             assert req.acts.shape[0] == len(points or ()) or not points
             rows += len(req)
         best = min(best, time.perf_counter() - t)
@@ -113,18 +120,39 @@ def _same_engine_generate(path, prompts, rounds: int, max_batched: int, generate
             "layers": "all"}
 
 
+def writer_destinations(model, prompts):
+    """Where a freeze capture's rows go, as in the pipeline: one block [points, all tokens,
+    width] reused by every pass, like the writers' pooled block buffers; at TP > 1 it comes from
+    the engine's shared arena, so the rank writes rows in place (engine/shmdest.py). Fresh
+    tensors per request would time first-touch page faults, which the pipeline does not pay."""
+    import numpy as np
+
+    alloc = model.shared_allocator() or (lambda shape, dtype: np.empty(shape, dtype))
+    raw = {2: np.int16, 4: np.int32}[torch.empty(0, dtype=model.dtype).element_size()]
+    offs = np.cumsum([0, *map(len, prompts)]).tolist()
+    block = alloc((len(model.frozen.reads), offs[-1], model.width), raw)
+    view = torch.from_numpy(block).view(model.dtype)
+    view.zero_()  # touch every page once, before timing
+    return lambda i, n: view[:, offs[i]:offs[i] + n]
+
+
 def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate: int = 0):
-    from harvest.engine import load_model
+    from harvest.engine import compat, load_model
 
     kw = dict(max_num_batched_tokens=max_batched)
     if tp > 1:
         kw["tensor_parallel_size"] = tp
-    if mode == "plain":
+    dests = None
+    if mode in ("plain", "plain_nofuse"):
+        if mode == "plain_nofuse":  # plain with capture's compile settings (fusion off)
+            kw["compilation_config"] = compat.tp_compilation_config(None)
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
     elif mode == "freeze":
         m = load_model(path, backend="vllm", freeze_points="auto", freeze_writes=[], **kw)
         points = None
+        if not generate:
+            dests = writer_destinations(m, prompts)
     else:
         m = load_model(path, backend="vllm", enforce_eager=True, **kw)
         points = [f"resid_post.{i}" for i in range(m.n_layers)]
@@ -132,11 +160,16 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
         if generate:
             secs, rows = _timed_generate(m, prompts, points, repeats, generate)
         else:
-            secs, rows = _timed_capture(m, prompts, points, repeats)
+            secs, rows = _timed_capture(m, prompts, points, repeats, dests)
         mem = host_memory_mb()
+        extra = {"fuse_allreduce_rms": compat.engine_settings(m.llm).get("fuse_allreduce_rms")}
+        if tp > 1 and mode == "freeze":
+            s = m.state.summary()  # where the rows' path spent its time (engine/remote.py)
+            extra.update(rows_placed=s["rows_placed"], rows_copied=s["rows_copied"],
+                         ring=s["ring"])
     finally:
         m.close()
-    return secs, rows, mem
+    return secs, rows, mem, extra
 
 
 def _eager_mode(path, prompts, repeats):
@@ -231,13 +264,14 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
     rows_out: list[dict] = []
     # --tp 1 2: the whole schedule at each TP size in turn, ratios paired within a size
     plan = [(mode, tp) for tp in tps for mode in schedule(modes, rounds)
-            if tp == 1 or mode in ("plain", "freeze")]
+            if tp == 1 and mode != "plain_nofuse" or tp > 1 and mode in ("plain", "plain_nofuse",
+                                                                         "freeze")]
     for mode, tp in plan:
         try:
-            mem = None
-            if mode in ("plain", "freeze", "hooked"):
-                secs, rows, mem = _vllm_mode(path, prompts, repeats, mode, max_batched, tp,
-                                             generate)
+            mem, extra = None, {}
+            if mode in ("plain", "plain_nofuse", "freeze", "hooked"):
+                secs, rows, mem, extra = _vllm_mode(path, prompts, repeats, mode, max_batched,
+                                                    tp, generate)
             elif mode == "hf_eager":
                 secs, rows = _eager_mode(path, prompts, repeats)
             elif mode == "extract_hidden_states":
@@ -247,7 +281,7 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
             rows_out.append({"mode": mode, "tp": tp, "tok_s": tokens / secs, "seconds": secs,
                              "rows": rows, "layers": 0 if mode == "plain" else info.n_layers,
                              "host_mb": round(mem[0], 1) if mem else None,
-                             "ranks_mb": round(mem[1], 1) if mem else None})
+                             "ranks_mb": round(mem[1], 1) if mem else None, **extra})
         except Exception as e:  # a mode this build cannot run is reported, not fatal
             rows_out.append({"mode": mode, "tp": tp, "tok_s": None,
                              "error": f"{type(e).__name__}: {e}"[:300]})

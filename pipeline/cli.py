@@ -155,7 +155,8 @@ def cmd_plan(args) -> int:
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
-        roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None)
+        roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
+        samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1)
     if args.json:
         print_json(args, out)
     else:

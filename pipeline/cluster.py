@@ -11,7 +11,7 @@ import multiprocessing
 import os
 from typing import Any
 
-from . import exits
+from . import exits, generation
 from .actor import HarvestActor
 from .config import HarvestConfig
 from .errors import HarvestError
@@ -69,7 +69,7 @@ def actor_spec(cfg: HarvestConfig, prep, index: int,
         threads_requested=cfg.ray.threads_per_actor,  # GPU actors size from their own share
         check_model=index == 0 and cfg.capture.check_model and cfg.model.backend == "vllm",
         env=forwarded_env(),
-        generate=None if cfg.capture.generate is None else cfg.capture.generate.describe(),
+        generate=generation.actor_section(cfg, prep.model_path),
     )
 
 

@@ -133,13 +133,9 @@ def check_generate(cfg: "HarvestConfig") -> None:
             f"capture.generate needs model.backend: vllm (the {cfg.model.backend} "
             "backend captures prompts only): set model.backend: vllm or drop "
             "capture.generate")
-    if cfg.data.format == "chat":
-        # a slot's rows are written from its request on delivery, with no role column to fill
-        # (the generated rows would need the assistant role and the prompt's roles kept); not
-        # built: refused rather than a chat store with wrong or missing roles
-        raise ConfigError(
-            "capture.generate with data.format: chat is not supported (generated rows get no "
-            "roles): use data.format: text for generation, or drop capture.generate")
+    # chat input: each conversation is a prompt ending in the template's generation prompt, its
+    # generated rows are the assistant's (pipeline/generation.py); capture.roles applies to
+    # prompt and generated rows alike
     if cfg.model.tensor_parallel_size > 1:
         # built apart and never run together: the step ring (engine/stepring.py) carries prompt
         # steps, and the retired-request bookkeeping generation needs lives in the in-process

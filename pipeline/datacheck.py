@@ -168,7 +168,7 @@ def check_fills_context(cfg: HarvestConfig, blocks: list[list[dict]], tokenizer,
     context), before Ray starts: 100 empty documents once started Ray, tokenisers and actors
     (over 300 s) to say so. Packs with the workers' own code and stops at the first context, so
     a usable corpus costs one tokenizer call here."""
-    from .tokenize import pack_block
+    from .tokenize import chat_prompt_tokens, pack_block
 
     size = _known_bytes(blocks)
     scan = blocks if size is not None and size <= SMALL_SOURCE_BYTES else blocks[:1]
@@ -176,7 +176,8 @@ def check_fills_context(cfg: HarvestConfig, blocks: list[list[dict]], tokenizer,
     reasons: dict = {}
     for b, block in enumerate(scan):
         for chunk in pack_block(b, block, cfg.data, cfg.packing, tokenizer, bos,
-                                chunk_contexts=1, max_contexts=1):
+                                chunk_contexts=1, max_contexts=1,
+                                prompt_tokens=chat_prompt_tokens(cfg)):
             if chunk.n_contexts:
                 return
             s = chunk.stats

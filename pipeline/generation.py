@@ -2,25 +2,34 @@
 
 Slots. Units are planned as dense row ranges before anything runs, but the rows of a generation
 are known only after sampling (a stop token or EOS ends it early). So a context of the packed
-corpus (packing.context_size = C rows, planned as for prompt capture) is a *slot*: its first
-P = C - max_new_tokens tokens are the prompt, the model completes it, and the slot's rows are
-the prompt's rows, then one row per generated token that was fed back (G - 1 of G sampled), then
-padding up to C. The corpus tokens of positions [P, C) are not used. Planning, units, shards,
-commits and resume are those of prompt capture, unchanged; which rows hold activations is in
-the `gen` row-metadata column (store/FORMAT.md, "Generation"):
+corpus (packing.context_size = C rows, planned as for prompt capture) is a *slot*: its first L
+tokens are the prompt (text: L = P = C - n * max_new_tokens; chat: the rendered conversation
+ending in the template's generation prompt, L <= P), the model completes it n times, and the
+slot's rows are the prompt's rows once, then one *region* of M = max_new_tokens rows per sample
+(region s at [L + s*M, L + (s+1)*M): a row per generated token that was fed back, G - 1 of G
+sampled, the last sampled token, padding), then padding up to C. The corpus tokens past the
+prompt are not used. Planning, units, shards, commits and resume are those of prompt capture,
+unchanged; which rows hold activations is in the `gen` row-metadata column, which sample a row
+belongs to in `sample` (n > 1 only; store/FORMAT.md, "Generation"):
 
     GEN_PROMPT (0)   a prompt row (and every row of a store without generation)
     GEN_SAMPLED (1)  a generated token, fed back: its row is the forward at that token
     GEN_LAST (2)     the last sampled token: never fed, so no activations (zeros); token_id is it
     GEN_DROPPED (3)  a prompt row whose activations were dropped (keep_prompt: false; zeros)
-    GEN_PAD (4)      past the end of the generation: zeros, token_id/doc_id/position -3
+    GEN_PAD (4)      past the end of a generation: zeros, token_id/doc_id/position -3
 
 Only GEN_PROMPT and GEN_SAMPLED rows hold activations; statistics and the reader skip the rest.
 Zeros compress to almost nothing, so padding costs metadata, not activation bytes.
 
-Seeds. Sample of the context at global context index k uses seed `slot_seed(seed, k)`: a retry
-on another actor, or a resumed run, asks for the same draws (see FORMAT.md for what a retry
-guarantees).
+Why the prompt is stored once with n > 1: the engine runs each sample as its own request (prompt
+included), and the n prompt forwards are the same tokens at the same positions; storing them n
+times would put n copies of every prompt row into the statistics and the SAE's training data.
+Sample 0's prompt rows are kept (they are the rows of the sequence prompt + sample 0), and a
+sample s's sequence is the prompt rows followed by its region.
+
+Seeds. The context at global context index k samples with seed `slot_seed(seed, k)` and its
+sample s with that + s (the engine's rule): a retry on another actor, or a resumed run, asks for
+the same draws (see FORMAT.md for what a retry guarantees).
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ import numpy as np
 
 from .config_fields import ConfigError, check_bool, check_float, check_int
 
+# The `sample` column is int16 (store/layout.py): more samples per prompt would not fit it.
+MAX_SAMPLES = (1 << 15) - 1
+
 # The `gen` values and META_PAD live in store/layout.py (the store's format); imported where
 # used, so loading a config (which validates this section) never imports the store package
 # (zarr, numcodecs: ~2 s).
@@ -40,9 +52,11 @@ from .config_fields import ConfigError, check_bool, check_float, check_int
 class GenerateConfig:
     """`capture.generate`: complete each context's prompt and capture the generated tokens too.
 
-    The prompt is the first `packing.context_size - max_new_tokens` tokens of each context.
-    `stop` lists token ids (the engine feeds ids and never detokenizes); `stop_at_eos` adds the
-    model's EOS ids. `keep_prompt: false` keeps the prompt's token ids but not its activations.
+    The prompt is the first `packing.context_size - n * max_new_tokens` tokens of each context
+    (chat: the conversation, at most that long). `n` samples per prompt. `stop` lists token ids
+    (the engine feeds ids and never detokenizes); `stop_at_eos` adds the model's EOS ids and,
+    with chat input, the template's end-of-turn token (resolved_stop). `keep_prompt: false`
+    keeps the prompt's token ids but not its activations.
     """
 
     max_new_tokens: int = 16
@@ -61,11 +75,11 @@ class GenerateConfig:
         check_float(w + "top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0:
             raise ConfigError(f"{w}top_p must be > 0 (1 keeps the whole distribution)")
-        check_int(w + "n", self.n, 1)
-        if self.n != 1:
+        check_int(w + "n", self.n, 1, hi=MAX_SAMPLES)
+        if self.n > 1 and self.temperature == 0:
             raise ConfigError(
-                f"{w}n={self.n}: the pipeline captures one sample per context (a slot is one "
-                "context's rows); repeat contexts or call model.generate_with_cache with n > 1")
+                f"{w}n={self.n} with temperature 0: greedy decoding samples the same text n "
+                "times; set capture.generate.temperature > 0 or n: 1")
         check_int(w + "seed", self.seed, 0, optional=True, hi=(1 << 31) - 1)
         if not isinstance(self.stop, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop):
@@ -75,21 +89,23 @@ class GenerateConfig:
                 "tokenize the string and list its ids")
         check_bool(w + "stop_at_eos", self.stop_at_eos)
         check_bool(w + "keep_prompt", self.keep_prompt)
-        if context_size is not None and self.max_new_tokens >= context_size:
+        if context_size is not None and self.n * self.max_new_tokens >= context_size:
             raise ConfigError(
-                f"{w}max_new_tokens={self.max_new_tokens} leaves no prompt in a "
-                f"packing.context_size={context_size} slot (prompt = context_size - "
-                "max_new_tokens): raise packing.context_size or lower max_new_tokens")
+                f"{w}n={self.n} x max_new_tokens={self.max_new_tokens} leaves no prompt in a "
+                f"packing.context_size={context_size} slot (prompt = context_size - n * "
+                "max_new_tokens; each sample has a region of max_new_tokens rows): raise "
+                "packing.context_size or lower capture.generate.n or max_new_tokens")
 
     def prompt_len(self, context_size: int) -> int:
-        return context_size - self.max_new_tokens
+        """P: the prompt's rows in a slot (chat: the most a conversation may have)."""
+        return context_size - self.n * self.max_new_tokens
 
     def params(self):
         """The engine's sampling parameters (seeds are set per slot, see slot_seed)."""
         from harvest.engine.generate import GenerateParams
 
         return GenerateParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, n=1, seed=self.seed, stop=tuple(self.stop),
+                              top_p=self.top_p, n=self.n, seed=self.seed, stop=tuple(self.stop),
                               stop_at_eos=self.stop_at_eos)
 
     def describe(self) -> dict:
@@ -122,27 +138,45 @@ def slot_seed(seed: int | None, context_index: int) -> int | None:
     return int((seed * 0x9E3779B1 + context_index * 0x85EBCA77) % ((1 << 31) - 1))
 
 
-def slot_meta(gc: GenerateConfig, C: int, doc: np.ndarray, pos: np.ndarray, req) -> dict:
-    """Row metadata of one slot of C rows, from the request the engine returned (a
-    GeneratedRequest: fed tokens, prompt_len, generated). `doc`/`pos` are the context's planned
-    columns; generated rows continue the prompt's last document and its positions."""
+def slot_meta(gc: GenerateConfig, C: int, doc: np.ndarray, pos: np.ndarray, reqs,
+              role: "np.ndarray | None" = None) -> dict:
+    """Row metadata of one slot of C rows, from the n requests the engine returned for it (each
+    a GeneratedRequest: fed tokens, prompt_len, generated), sample s at reqs[s]. `doc`/`pos`
+    (and `role`, chat input) are the context's planned columns; generated rows continue the
+    prompt's last document and its positions, and are the assistant's in a chat store."""
+    from .store import roles as R
     from .store.layout import GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD
 
-    P, n = req.prompt_len, len(req)
+    L, M = reqs[0].prompt_len, gc.max_new_tokens
     tok = np.full(C, META_PAD, np.int32)
     d = np.full(C, META_PAD, np.int64)
     p = np.full(C, META_PAD, np.int32)
     g = np.full(C, GEN_PAD, np.int8)
-    tok[:n] = req.token_ids
-    d[:P], p[:P] = doc[:P], pos[:P]
-    d[P:n] = doc[P - 1]
-    # after an inserted BOS (no document: -2) the generated tokens belong to no document either
-    p[P:n] = pos[P - 1] + 1 + np.arange(n - P) if doc[P - 1] >= 0 else doc[P - 1]
-    g[:P] = GEN_PROMPT if gc.keep_prompt else GEN_DROPPED
-    g[P:n] = GEN_SAMPLED
-    tok[n] = int(req.generated[-1])  # n = P + G - 1 <= C - 1: the first free row holds it
-    g[n] = GEN_LAST
-    return {"token_id": tok, "doc_id": d, "position": p, "gen": g}
+    smp = np.zeros(C, np.int16)
+    rl = np.full(C, R.PAD, np.int8)
+    tok[:L], d[:L], p[:L] = reqs[0].token_ids[:L], doc[:L], pos[:L]
+    g[:L] = GEN_PROMPT if gc.keep_prompt else GEN_DROPPED
+    if role is not None:
+        rl[:L] = role[:L]
+    for s, r in enumerate(reqs):
+        a, G = L + s * M, len(r.generated)
+        if not 1 <= G <= M:
+            raise RuntimeError(f"sample {s}: {G} generated tokens, outside 1..{M} (max_new_tokens)")
+        # the fed tokens, then the last sampled one (its row holds no activations)
+        tok[a:a + G] = r.generated
+        d[a:a + G - 1] = doc[L - 1]
+        # after an inserted BOS (no document: -2) the generated tokens belong to no document either
+        p[a:a + G - 1] = pos[L - 1] + 1 + np.arange(G - 1) if doc[L - 1] >= 0 else doc[L - 1]
+        g[a:a + G - 1] = GEN_SAMPLED
+        g[a + G - 1] = GEN_LAST
+        smp[a:a + M] = s
+        rl[a:a + G] = R.ASSISTANT
+    out = {"token_id": tok, "doc_id": d, "position": p, "gen": g}
+    if role is not None:
+        out["role"] = rl
+    if gc.n > 1:
+        out["sample"] = smp
+    return out
 
 
 def zero_rows_without_activations(acts, gen: np.ndarray) -> None:
@@ -156,54 +190,166 @@ def zero_rows_without_activations(acts, gen: np.ndarray) -> None:
         acts[:, none[0]:none[-1] + 1][:, none - none[0]] = 0
 
 
+@dataclass
+class SlotSamples:
+    """The n samples of one slot's prompt, delivered together (sample s at `samples[s]`): a slot's
+    metadata is written once, and only when all its samples are known. `index` is the prompt's
+    request index in the actor's stream, as a captured request's is."""
+
+    index: int
+    samples: list
+
+
+def _role(job, i: int):
+    """Context i's planned roles (chat input), None for text."""
+    return job.meta[2][i] if len(job.meta) > 2 and job.meta[2] is not None else None
+
+
 class Slots:
     """An actor's generation: prompts from contexts, a seed per slot, a slot's rows to write.
 
-    Built from ActorSpec.generate (GenerateConfig.describe()); the actor keeps its unit
-    bookkeeping and calls these three."""
+    Built from ActorSpec.generate (GenerateConfig.describe(), stop ids resolved: actor_section);
+    the actor keeps its unit bookkeeping and calls stream and deliver. A unit's job carries
+    (doc_id, position, role or None) per context in `job.meta`."""
 
     def __init__(self, described: dict, context_size: int):
         self.cfg = GenerateConfig(**described)
-        self.C = context_size
+        self.C, self.M, self.n = context_size, self.cfg.max_new_tokens, self.cfg.n
         self.P = self.cfg.prompt_len(context_size)
         self.params = self.cfg.params()
 
+    def prompt_len(self, role: "np.ndarray | None") -> int:
+        """L: text prompts are P rows; a chat context is its conversation (which ends in the
+        template's generation prompt), then pad rows: the prompt stops at the first of them."""
+        if role is None:
+            return self.P
+        from .store.roles import PAD
+
+        pad = np.flatnonzero(role == PAD)
+        L = int(pad[0]) if pad.size else len(role)
+        if not 0 < L <= self.P or (role[L:] != PAD).any():
+            # the tokenisers skip conversations longer than P (prompt_too_long): never a guess
+            raise RuntimeError(f"a chat context's conversation has {L} tokens, outside 1..{self.P} "
+                               "(the prompt room of a slot), or is followed by more than padding")
+        return L
+
     def stream(self, engine, feed, points, routes: dict, **kw):
-        """The engine's generation over the actor's feed: each context's first P tokens, seeded
-        by the slot's global context number (routes: request index -> (job, context index))."""
+        """The engine's generation over the actor's feed, one SlotSamples per context once its n
+        samples are done: each context's prompt, seeded by the slot's global context number
+        (routes: request index -> (job, context index), set by the feed before it yields)."""
+        n = self.n
+
         def seed(index: int):
             job, i = routes[index]
             return slot_seed(self.cfg.seed, job.row_start // self.C + i)
 
-        prompts = ([ctx[: self.P] for ctx in batch] for batch in feed)
-        return engine.generate(prompts, points, self.params, seeds=seed, **kw)
+        def prompts():
+            k = 0
+            for batch in feed:
+                out = []
+                for ctx in batch:
+                    job, i = routes[k]
+                    k += 1
+                    out.append(ctx[: self.prompt_len(_role(job, i))])
+                    del job
+                yield out
 
-    def deliver(self, job, i: int, req, view) -> int:
+        dest = kw.pop("destinations", None)
+        if dest is not None:
+            # sample 0's rows (the prompt, then region 0) are one contiguous range at the slot's
+            # start, so the engine may write them in place; a later sample's prompt rows are not
+            # stored (sample 0's are), so its rows go to a buffer of the engine's and rows()
+            # copies its region
+            kw["destinations"] = lambda k, room: dest(k // n, room) if k % n == 0 else None
+        pending: dict[int, list] = {}
+        for r in engine.generate(prompts(), points, self.params, seeds=seed, **kw):
+            got = pending.setdefault(r.index, [None] * n)
+            got[r.sample] = r
+            if all(x is not None for x in got):
+                del pending[r.index]
+                yield SlotSamples(r.index, got)
+
+    def deliver(self, job, i: int, slot: SlotSamples, view) -> int:
         """Write slot i of an actor's unit (pipeline/actor._Job): its metadata, then its rows
-        (in place: marks the engine's rows final). Returns the rows written in place."""
+        (in place: marks the engine's rows final, and writes the later samples' regions).
+        Returns the rows written in place."""
         row = job.row_start + i * self.C
-        meta, acts = self.rows(job.contexts[i], job.meta[0][i], job.meta[1][i], req, view)
+        meta, acts = self.rows(job.contexts[i], job.meta[0][i], job.meta[1][i], slot.samples,
+                               view, _role(job, i))
         job.writer.write_meta(row, **meta)
-        if view is not None:
-            job.writer.fill_reserved(row, self.C)
-            return self.C
-        job.writer.write(row, acts)
-        return 0
+        if view is None:
+            job.writer.write(row, acts)
+            return 0
+        k = view.shape[1]
+        job.writer.fill_reserved(row, k)
+        if acts is not None:
+            job.writer.write(row + k, acts)
+        return k
 
-    def rows(self, context: np.ndarray, doc: np.ndarray, pos: np.ndarray, req, view=None):
+    def rows(self, context: np.ndarray, doc: np.ndarray, pos: np.ndarray, reqs, view=None,
+             role: "np.ndarray | None" = None):
         """(metadata columns, activations to write or None) of one slot from the engine's
-        GeneratedRequest. `view`: the slot's rows in the shard buffer when the engine wrote them
-        in place (padding and dropped prompt rows are zeroed there; nothing to write)."""
-        if req.prompt_len != self.P or not np.array_equal(req.token_ids[: self.P], context[: self.P]):
-            raise RuntimeError("the engine returned a generation of another prompt than the "
-                               "context's; refusing to write rows that do not match their metadata")
-        meta = slot_meta(self.cfg, self.C, doc, pos, req)
-        if view is not None:
-            zero_rows_without_activations(view, meta["gen"])
-            return meta, None
+        GeneratedRequests, sample s at reqs[s]. Without `view`: the activations of all C rows.
+        `view`: sample 0's rows [0, k) in the shard buffer, which the engine wrote in place
+        (rows without activations are zeroed there); the activations returned are rows [k, C)
+        (the later samples' regions, padding), None when k = C."""
+        reqs = list(reqs)
+        L = self.prompt_len(role)
+        if len(reqs) != self.n:
+            raise RuntimeError(f"a slot got {len(reqs)} samples, not capture.generate.n={self.n}")
+        for s, r in enumerate(reqs):
+            if r.sample != s or r.prompt_len != L or not np.array_equal(r.token_ids[:L], context[:L]):
+                raise RuntimeError("the engine returned a generation of another prompt than the "
+                                   "context's; refusing to write rows that do not match their "
+                                   "metadata")
+        meta = slot_meta(self.cfg, self.C, doc, pos, reqs, role)
         import torch
 
-        acts = torch.zeros((req.acts.shape[0], self.C, req.acts.shape[2]), dtype=req.acts.dtype)
-        acts[:, : len(req)] = req.acts
-        zero_rows_without_activations(acts, meta["gen"])
-        return meta, acts
+        first = reqs[0]
+        k = 0 if view is None else view.shape[1]
+        if view is not None:
+            zero_rows_without_activations(view, meta["gen"][:k])
+        if k == self.C:
+            return meta, None
+        out = torch.zeros((first.acts.shape[0], self.C - k, first.acts.shape[2]),
+                          dtype=first.acts.dtype)
+        if view is None:
+            out[:, : len(first)] = first.acts
+        for s, r in enumerate(reqs[1:], 1):
+            a = L + s * self.M - k  # region s, in `out`'s rows (a >= 0: k is L + M at most)
+            out[:, a:a + len(r) - L] = r.acts[:, L:]
+        zero_rows_without_activations(out, meta["gen"][k:])
+        return meta, out
+
+
+def resolved_stop(cfg, model_path: str) -> list:
+    """capture.generate.stop as the engine gets it: with chat input and stop_at_eos, plus the
+    chat template's end-of-turn token (SmolLM2's <|im_end|>, Llama-3's <|eot_id|>) and the
+    tokenizer's EOS. The engine adds the checkpoint's EOS ids itself (engine/generate.eos_ids),
+    but an instruct model's end of turn is often not among them, and a completion that ran past
+    it would write the next turn's scaffolding and a made-up user message as 'assistant'."""
+    g = cfg.capture.generate
+    stop = list(g.stop)
+    if cfg.data.format == "chat" and g.stop_at_eos:
+        from transformers import AutoTokenizer
+
+        from .chat import end_of_turn_ids
+
+        stop = sorted(set(stop) | set(end_of_turn_ids(AutoTokenizer.from_pretrained(model_path))))
+    return stop
+
+
+def actor_section(cfg, model_path: str) -> "dict | None":
+    """ActorSpec.generate: the settings Slots is built from, stop ids resolved."""
+    g = cfg.capture.generate
+    if g is None:
+        return None
+    return {**g.describe(), "stop": resolved_stop(cfg, model_path)}
+
+
+def store_attrs(cfg, model_path: str) -> dict:
+    """The store's `generation` attribute (FORMAT.md, "Generation"): the settings, the prompt
+    room P, the slot's rows and the stop ids the engine was given."""
+    g = cfg.capture.generate
+    return {**g.describe(), "prompt_len": g.prompt_len(cfg.packing.context_size),
+            "slot_rows": cfg.packing.context_size, "stop_ids": resolved_stop(cfg, model_path)}

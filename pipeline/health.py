@@ -47,6 +47,7 @@ class ActorFigures:
             "restarts": self.restarts, "step_fill": self.step.get("step_fill"),
             "steps": self.step.get("steps"), "streams": self.step.get("streams"),
             "rows_in_place": self.step.get("rows_in_place"),
+            "rows_placed": self.step.get("rows_placed"),
         }
 
 

@@ -127,9 +127,13 @@ class CaptureConfig:
     check_model: bool = True
     # Chat input only: the roles whose rows the store keeps (e.g. [assistant]); None keeps all.
     # Rows of the other roles still run as context; FORMAT.md ("Chat") says what a masked store holds.
+    # With capture.generate, generated rows are `assistant` rows and are kept or dropped likewise.
     roles: list | None = None
-    # capture.generate: complete each context and capture the generated tokens too (None: prompt
-    # capture only). A mapping in YAML, a pipeline.generation.GenerateConfig once validated.
+    # capture.generate: complete each context's prompt (text: its first context_size - n *
+    # max_new_tokens tokens; chat: the conversation with the template's generation prompt) n
+    # times and capture the generated tokens too (None: prompt capture only); fields
+    # {max_new_tokens, n, temperature, top_p, seed, stop, stop_at_eos, keep_prompt}. A mapping in
+    # YAML, a pipeline.generation.GenerateConfig once validated; FORMAT.md "Generation".
     generate: Any = None
 
     def validate(self) -> None:

@@ -23,6 +23,7 @@ from typing import Callable
 from .chat import chat_attrs
 from .config import HarvestConfig
 from .errors import HarvestError
+from .generation import store_attrs
 from .lease import Lease, refuse_if_held
 from .prepare import Prepared
 from .resume import RUN_ATTR, check_resume, probe_store
@@ -81,9 +82,7 @@ class StoreSink:
         }
         if cfg.capture.generate is not None:
             # the reader skips rows without activations in a store that has this (FORMAT.md)
-            g = cfg.capture.generate
-            attrs["generation"] = {**g.describe(), "prompt_len": g.prompt_len(cfg.packing.context_size),
-                                   "slot_rows": cfg.packing.context_size}
+            attrs["generation"] = store_attrs(cfg, prep.model_path)
         L = prep.layout
         store = create_store(
             cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
@@ -93,7 +92,9 @@ class StoreSink:
             special_token_ids=prep.special_token_ids,
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
             stats_skip_positions=prep.stats_skip_positions, roles=cfg.data.format == "chat",
-            generated=cfg.capture.generate is not None, meta_chunk_rows=L.unit_rows)
+            generated=cfg.capture.generate is not None,
+            samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
+            meta_chunk_rows=L.unit_rows)
         self.store = store
         store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
                                    "chunk_contexts": chunk_contexts})

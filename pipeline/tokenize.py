@@ -42,12 +42,14 @@ def capped_ids(tokenizer, text: str, cap: int) -> "tuple[list[int], bool]":
 
 def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
                tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
-               start: dict | None = None, first_index: int = 0, last_index: int | None = None
-               ) -> Iterator:
-    """Chunks of one block, from `start` (a chunk's cursor) on, until `last_index` if given."""
+               start: dict | None = None, first_index: int = 0, last_index: int | None = None,
+               prompt_tokens: int | None = None) -> Iterator:
+    """Chunks of one block, from `start` (a chunk's cursor) on, until `last_index` if given.
+    `prompt_tokens`: chat input completed by capture.generate (chat_prompt_tokens)."""
     if data.format == "chat":
         yield from pack_chat_block(block_id, block, data, packing, tokenizer, bos,
-                                   chunk_contexts, max_contexts, start, first_index, last_index)
+                                   chunk_contexts, max_contexts, start, first_index, last_index,
+                                   prompt_tokens)
         return
     p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index)
     batch: list = []
@@ -109,12 +111,16 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
 def pack_chat_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
                     tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
                     start: dict | None = None, first_index: int = 0,
-                    last_index: int | None = None) -> Iterator:
+                    last_index: int | None = None, prompt_tokens: int | None = None) -> Iterator:
     """pack_block for chat input: one conversation at a time, rendered and labelled
     (pipeline/chat.py), each ending its context (packing.py). Renders are per conversation (a
     template renders one), so there is no batching to gain; a conversation that cannot be
     labelled exactly is skipped and counted under its reason, a template that cannot be diffed
-    stops the block (ChatTemplateError)."""
+    stops the block (ChatTemplateError).
+
+    `prompt_tokens` (capture.generate): each conversation is a generation's prompt, rendered with
+    the template's generation prompt at its end; one longer than the slot's prompt room is
+    skipped (`prompt_too_long`): cut, it would no longer end in the generation prompt."""
     from .chat import ChatLabelError, label_conversation, pad_token_id
 
     p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index,
@@ -125,9 +131,12 @@ def pack_chat_block(block_id: int, block: list[dict], data: DataConfig, packing:
             break
         if reason is None:
             try:
-                ids, roles = label_conversation(tokenizer, messages)
+                ids, roles = label_conversation(tokenizer, messages, prompt_tokens is not None)
             except ChatLabelError as e:
                 reason = e.reason
+            else:
+                if prompt_tokens is not None and len(ids) > prompt_tokens:
+                    reason = "prompt_too_long"
         if reason is not None:
             chunks = p.skip(row, reason)
         else:
@@ -158,6 +167,7 @@ class TokenizeWorker:
         self.bos = spec["bos"]
         self.chunk_contexts = int(spec["chunk_contexts"])
         self.max_contexts = spec.get("max_contexts")
+        self.prompt_tokens = spec.get("prompt_tokens")  # chat_prompt_tokens(cfg)
         self.blocks_started = 0
 
     def ping(self) -> int:
@@ -171,6 +181,15 @@ class TokenizeWorker:
         self.blocks_started += 1
         max_contexts = self.max_contexts if budget is None else budget
         for c in pack_block(block_id, block, self.data, self.packing, self.tokenizer, self.bos,
-                            self.chunk_contexts, max_contexts, start, first_index, last_index):
+                            self.chunk_contexts, max_contexts, start, first_index, last_index,
+                            self.prompt_tokens):
             yield c.arrays()
             yield {**c.describe(), "pid": os.getpid()}
+
+
+def chat_prompt_tokens(cfg) -> "int | None":
+    """The prompt room of a chat generation slot (pack_block's prompt_tokens), None otherwise."""
+    g = cfg.capture.generate
+    if g is None or cfg.data.format != "chat":
+        return None
+    return g.prompt_len(cfg.packing.context_size)

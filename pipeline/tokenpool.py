@@ -52,11 +52,12 @@ class TokenPool:
 
         import ray
 
-        from .tokenize import TokenizeWorker
+        from .tokenize import TokenizeWorker, chat_prompt_tokens
 
         spec = {"model_path": prep.model_path, "data": dataclasses.asdict(cfg.data),
                 "packing": dataclasses.asdict(cfg.packing), "bos": prep.bos_token_id,
-                "chunk_contexts": chunk_contexts, "max_contexts": max_contexts, "env": env}
+                "chunk_contexts": chunk_contexts, "max_contexts": max_contexts, "env": env,
+                "prompt_tokens": chat_prompt_tokens(cfg)}
         cpus = cfg.ray.tokenizer_cpus(ray.cluster_resources())
         blocks = prep.sources["blocks"]
         total = len(jobs) + (len(blocks) - fresh_from if fresh_from is not None else 0)

@@ -184,3 +184,32 @@ def test_good_chat_settings_load():
     assert cfg.content_key()["capture"]["roles"] == ["assistant", "tool"]
     # text configs keep the content key stores made before chat input recorded
     assert "messages_column" not in from_dict({}).content_key()["data"]
+
+
+def test_generation_prompt_is_scaffolding_and_end_of_turn_is_im_end(tok):
+    """capture.generate with chat input: the prompt is the render with SmolLM2's generation
+    prompt (`<|im_start|>assistant\\n`, scaffolding) at its end; the template's end of turn is
+    found by labelling (not hard-coded) and is <|im_end|>."""
+    from harvest.pipeline.chat import end_of_turn_ids
+
+    conv = CONVERSATION[:4]
+    ids, roles = label_conversation(tok, conv, generation_prompt=True)
+    own = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    assert ids == list(getattr(own, "input_ids", own))
+    plain, plain_roles = label_conversation(tok, conv)
+    assert ids[:len(plain)] == plain and roles[:len(plain)].tolist() == plain_roles.tolist()
+    tail = [(tok.decode([i]), NAMES[int(r)]) for i, r in zip(ids[len(plain):], roles[len(plain):])]
+    assert tail == [("<|im_start|>", S), ("ass", S), ("istant", S), ("\n", S)]
+    assert tok.convert_tokens_to_ids("<|im_end|>") in end_of_turn_ids(tok)
+
+
+def test_chat_prompts_longer_than_the_prompt_room_are_skipped(tok, tmp_path):
+    convs = [CONVERSATION[:2], CONVERSATION]  # ~20 and 48 tokens with the generation prompt
+    cfg = _chat_cfg(_write(tmp_path, convs), overflow="truncate")
+    blocks = plan_blocks(cfg.data)["blocks"]
+    chunks = [c for b, blk in enumerate(blocks) for c in pack_block(
+        b, blk, cfg.data, cfg.packing, tok, None, 1 << 20, None, prompt_tokens=C - 8)]
+    assert chunks[-1].stats["skipped_reasons"] == {"prompt_too_long": 1}
+    tok_ids = np.concatenate([c.token_id for c in chunks]).reshape(-1, C)
+    want, _ = label_conversation(tok, CONVERSATION[:2], generation_prompt=True)
+    assert tok_ids.shape[0] == 1 and tok_ids[0, :len(want)].tolist() == want

@@ -79,7 +79,10 @@ def test_issue_values_are_refused_by_harvest_plan(capsys, config, settings, fiel
     ("capture.generate.temperature=.inf", "capture.generate.temperature must be between 0"),
     ("capture.generate.top_p=0", "capture.generate.top_p must be > 0"),
     ("capture.generate.top_p=1.5", "capture.generate.top_p must be between 0 and 1"),
-    ("capture.generate.n=2", "capture.generate.n=2: the pipeline captures one sample"),
+    ("capture.generate.n=4", "n=4 x max_new_tokens=16 leaves no prompt in a "
+                             "packing.context_size=64 slot"),
+    ("capture.generate={n: 2, temperature: 0}", "greedy decoding samples the same text"),
+    ("capture.generate.n=40000", "capture.generate.n must be <= 32767"),
     ("capture.generate.seed=-1", "capture.generate.seed must be >= 0"),
     ("capture.generate.stop=[hello]", "stop strings are not supported"),
     ("capture.generate.stop_at_eos=maybe", "capture.generate.stop_at_eos must be true or false"),
@@ -101,9 +104,11 @@ def test_a_good_generation_section_gets_as_far_as_the_model(capsys, config):
     assert msg.startswith("model.path="), msg
     msg = _refused_line(capsys, config, gen)  # the eager reference captures prompts only
     assert msg.startswith("capture.generate needs model.backend: vllm"), msg
+    # chat input completed by the model, n samples per prompt: both load (issue 26)
     msg = _refused_line(capsys, config, "model.backend=vllm", gen, "data.format=chat",
-                        "data.messages_column=messages", "packing.bos=none")
-    assert msg.startswith("capture.generate with data.format: chat is not supported"), msg
+                        "data.messages_column=messages", "packing.bos=none",
+                        "capture.generate.n=2", "capture.roles=[assistant]")
+    assert msg.startswith("model.path="), msg
     msg = _refused_line(capsys, config, "model.backend=vllm", gen, "model.tensor_parallel_size=2",
                         "ray.num_gpus_per_actor=2")
     assert msg.startswith("capture.generate with model.tensor_parallel_size=2 is not supported"), msg

@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.model_check import NO_COMPILE, reference_many, row_errors
@@ -101,3 +102,34 @@ def test_tp2_poisoned_buffer_never_reaches_a_row(tp_engine):
     for g in got:
         for p in points_for(arch):
             assert not g[Address.parse(p)].float().isnan().any(), (arch, p)
+
+
+def test_tp2_rows_written_in_place_into_shared_destinations(tp_engine):
+    """Destinations from the engine's shared arena (what the pipeline's writers use at TP > 1):
+    the output rank writes every row straight into them (one host copy; engine/shmdest.py), and
+    they equal HF fp32 like the slot path's rows; a fresh tensor's rows still take the slot."""
+    arch, m, (toks, refs) = tp_engine
+    ref = refs[arch]
+    alloc = m.shared_allocator()
+    assert alloc is not None and m.describe()["rows_path"].startswith("shared destinations")
+    pts = points_for(arch)
+    offs = np.cumsum([0, *map(len, toks)])
+    block = alloc((len(pts), int(offs[-1]) + 8, m.width), np.int16)  # a writer's block buffer
+    view = torch.from_numpy(block).view(torch.bfloat16)
+    fresh = 3  # this request's destination is a fresh tensor: rows through the slot
+
+    def dest(i, n):
+        return None if i == fresh else view[:, offs[i]:offs[i] + n]
+
+    s0 = dict(m.state.summary())
+    got = {r.index: r.acts for r in m.capture([toks], pts, destinations=dest)}
+    s1 = m.state.summary()
+    assert s1["rows_placed"] - s0["rows_placed"] == sum(LENGTHS) - LENGTHS[fresh]
+    assert s1["rows_copied"] - s0["rows_copied"] == LENGTHS[fresh]
+    for i, r in enumerate(ref):
+        if i != fresh:  # the handed-over rows are the block's own memory
+            assert got[i].data_ptr() == view[:, offs[i]].data_ptr()
+        for k, p in enumerate(pts):
+            tol = BF16_REL_TOL if p.startswith("resid") else SUBLAYER_TOL
+            assert float(np.percentile(row_errors(got[i][k], r[p]), 99)) <= tol, (arch, i, p)
+    assert not view[:, offs[-1]:].any()  # nothing written past the last request's rows

@@ -6,6 +6,7 @@ test_engine_generate.py and test_pipeline_generate.py."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from harvest.engine.generate import GeneratedRequest
@@ -19,18 +20,18 @@ C, NEW = 16, 6
 P = C - NEW
 
 
-def _req(prompt, generated, width=4, points=2):
+def _req(prompt, generated, width=4, points=2, sample=0):
     fed = np.concatenate([prompt, generated[:-1]]).astype(np.int32)
-    acts = torch.arange(1, points * len(fed) * width + 1, dtype=torch.float32)
+    acts = torch.arange(1, points * len(fed) * width + 1, dtype=torch.float32) + 1000 * sample
     return GeneratedRequest(0, fed, np.arange(len(fed), dtype=np.int32), (), acts.reshape(
-        points, len(fed), width), sample=0, prompt_len=len(prompt),
+        points, len(fed), width), sample=sample, prompt_len=len(prompt),
         generated=np.asarray(generated, np.int32), finish_reason="stop")
 
 
 def test_a_slot_reads_prompt_sampled_last_padding():
     prompt = np.arange(100, 100 + P, dtype=np.int32)
     doc, pos = np.full(C, 7, np.int64), np.arange(20, 20 + C, dtype=np.int32)
-    m = slot_meta(GenerateConfig(max_new_tokens=NEW), C, doc, pos, _req(prompt, [5, 6, 9]))
+    m = slot_meta(GenerateConfig(max_new_tokens=NEW), C, doc, pos, [_req(prompt, [5, 6, 9])])
     want_gen = [GEN_PROMPT] * P + [GEN_SAMPLED] * 2 + [GEN_LAST] + [GEN_PAD] * 3
     assert m["gen"].tolist() == want_gen
     assert m["token_id"].tolist() == prompt.tolist() + [5, 6, 9] + [META_PAD] * 3
@@ -44,7 +45,7 @@ def test_all_new_tokens_leave_only_the_last_without_a_row_and_a_bos_has_no_docum
     doc = np.full(C, META_INSERTED, np.int64)  # e.g. a context that is one inserted BOS + ...
     pos = np.full(C, META_INSERTED, np.int32)
     m = slot_meta(GenerateConfig(max_new_tokens=NEW, keep_prompt=False), C, doc, pos,
-                  _req(prompt, list(range(50, 50 + NEW))))
+                  [_req(prompt, list(range(50, 50 + NEW)))])
     assert m["gen"].tolist() == [GEN_DROPPED] * P + [GEN_SAMPLED] * (NEW - 1) + [GEN_LAST]
     assert (m["doc_id"][P:C - 1] == META_INSERTED).all()
     assert (m["position"][P:C - 1] == META_INSERTED).all()
@@ -55,14 +56,14 @@ def test_slot_rows_are_padded_and_zeroed_where_they_hold_no_activations():
     prompt = np.arange(100, 100 + P, dtype=np.int32)
     req = _req(prompt, [5, 6, 9])
     meta, acts = s.rows(np.concatenate([prompt, np.zeros(NEW, np.int32)]),
-                        np.zeros(C, np.int64), np.arange(C, dtype=np.int32), req)
+                        np.zeros(C, np.int64), np.arange(C, dtype=np.int32), [req])
     assert acts.shape == (2, C, 4)
     assert (acts[:, :P] == 0).all() and (acts[:, P + 2:] == 0).all()  # dropped, last, padding
     assert torch.equal(acts[:, P:P + 2], req.acts[:, P:P + 2])
     # in place: the same zeroing on the engine's view of the shard buffer (raw bits)
     view = np.full((2, C, 4), 0x3F80, np.uint16)
     s.rows(np.concatenate([prompt, np.zeros(NEW, np.int32)]), np.zeros(C, np.int64),
-           np.arange(C, dtype=np.int32), req, view)
+           np.arange(C, dtype=np.int32), [req], view)
     assert (view[:, P:P + 2] == 0x3F80).all() and (view[:, :P] == 0).all() and (view[:, P + 2:] == 0).all()
 
 
@@ -162,3 +163,117 @@ def test_gen_rows_and_a_role_filter_combine_and_a_plain_store_has_no_gen_column(
         raise AssertionError("read_gen on a store without the column worked")
     except ValueError as e:
         assert "no `gen` column" in str(e)
+
+
+def test_n_samples_store_the_prompt_once_then_one_region_per_sample():
+    """n = 2: prompt rows once (sample 0's), region s at [L + s*M, L + (s+1)*M) holding sample s's
+    fed tokens, its last token and padding; the sample column says whose region a row is in.
+    The in-place path (sample 0's rows in the shard buffer) gives the same rows as the copy."""
+    n, M = 2, 4
+    Pn = C - n * M
+    gc = GenerateConfig(max_new_tokens=M, n=n)
+    s = Slots(gc.describe(), C)
+    assert s.P == Pn == gc.prompt_len(C)
+    prompt = np.arange(100, 100 + Pn, dtype=np.int32)
+    reqs = [_req(prompt, [5, 6], sample=0), _req(prompt, [7, 8, 9, 10], sample=1)]
+    ctx = np.concatenate([prompt, np.zeros(C - Pn, np.int32)])
+    doc, pos = np.full(C, 3, np.int64), np.arange(C, dtype=np.int32)
+    meta, acts = s.rows(ctx, doc, pos, reqs)
+    assert meta["gen"].tolist() == [GEN_PROMPT] * Pn + [GEN_SAMPLED, GEN_LAST, GEN_PAD, GEN_PAD] \
+        + [GEN_SAMPLED] * 3 + [GEN_LAST]
+    assert meta["sample"].tolist() == [0] * Pn + [0] * M + [1] * M
+    assert meta["token_id"].tolist() == prompt.tolist() + [5, 6, META_PAD, META_PAD, 7, 8, 9, 10]
+    # each sample's generated rows continue the prompt's positions
+    assert meta["position"].tolist() == list(range(Pn)) + [Pn, META_PAD, META_PAD, META_PAD] \
+        + [Pn, Pn + 1, Pn + 2, META_PAD]
+    assert torch.equal(acts[:, :Pn + 1], reqs[0].acts)  # prompt + sample 0's fed token
+    assert torch.equal(acts[:, Pn + M:Pn + M + 3], reqs[1].acts[:, Pn:])  # sample 1's own rows
+    assert (acts[:, Pn + 1:Pn + M] == 0).all() and (acts[:, -1] == 0).all()
+    # in place: the engine wrote sample 0's prompt + region (L + M rows) into the buffer
+    view = np.zeros((2, Pn + M, 4), np.float32)
+    view[:, :Pn + 1] = reqs[0].acts.numpy()
+    view[:, Pn + 1:] = 7  # stale bytes of a recycled buffer
+    meta2, rest = s.rows(ctx, doc, pos, reqs, view)
+    assert all(np.array_equal(meta[k], meta2[k]) for k in meta)
+    assert rest.shape == (2, C - Pn - M, 4)
+    assert np.array_equal(np.concatenate([view, rest.numpy()], 1), acts.numpy())
+    # samples out of order or of another prompt are refused, never written
+    with pytest.raises(RuntimeError, match="another prompt"):
+        s.rows(ctx, doc, pos, reqs[::-1])
+    with pytest.raises(RuntimeError, match="2 samples"):
+        Slots(GenerateConfig(max_new_tokens=M, n=3).describe(), C).rows(ctx, doc, pos, reqs)
+
+
+def test_a_chat_slot_prompt_ends_at_its_padding_and_generated_rows_are_the_assistants():
+    """Chat: the prompt is the conversation (up to the first pad row), regions follow it at once;
+    generated rows (fed and last) get role assistant, the rest of the slot role pad."""
+    from harvest.pipeline.store.roles import ASSISTANT, PAD, SCAFFOLD, USER
+
+    M = 4
+    s = Slots(GenerateConfig(max_new_tokens=M).describe(), C)
+    L = 7
+    role = np.full(C, PAD, np.int8)
+    role[:L] = [SCAFFOLD, USER, USER, SCAFFOLD, SCAFFOLD, SCAFFOLD, SCAFFOLD]
+    ctx = np.full(C, 2, np.int32)
+    ctx[:L] = np.arange(40, 40 + L)
+    doc = np.where(role == PAD, META_INSERTED, 9).astype(np.int64)
+    pos = np.where(role == PAD, META_INSERTED, np.arange(C)).astype(np.int32)
+    assert s.prompt_len(role) == L
+    req = _req(ctx[:L], [11, 12, 2])
+    meta, acts = s.rows(ctx, doc, pos, [req], role=role)
+    want_role = role[:L].tolist() + [ASSISTANT] * 3 + [PAD] * (C - L - 3)
+    assert meta["role"].tolist() == want_role
+    assert meta["gen"].tolist() == [GEN_PROMPT] * L + [GEN_SAMPLED] * 2 + [GEN_LAST] + \
+        [GEN_PAD] * (C - L - 3)
+    assert meta["doc_id"][:L + 2].tolist() == [9] * (L + 2) and (meta["doc_id"][L + 2:] == META_PAD).all()
+    assert "sample" not in meta  # n = 1: no sample column
+    assert torch.equal(acts[:, :L + 2], req.acts) and (acts[:, L + 2:] == 0).all()
+    # a conversation that overruns the prompt room (the tokenisers skip those) is refused
+    bad = np.full(C, USER, np.int8)
+    with pytest.raises(RuntimeError, match="prompt room"):
+        s.prompt_len(bad)
+
+
+def test_sample_column_only_in_n_sample_stores_and_old_generation_stores_read_sample_0(tmp_path):
+    n = 128
+    one = create_store(str(tmp_path / "one.zarr"), points=["resid_post.0"], width=4, n_rows=n,
+                       shard_rows=128, context_size=C, generated=True, dtype="float32")
+    many = create_store(str(tmp_path / "many.zarr"), points=["resid_post.0"], width=4, n_rows=n,
+                        shard_rows=128, context_size=C, generated=True, samples=True,
+                        dtype="float32")
+    assert "sample" not in one.meta_columns and list(many.meta_columns)[-1] == "sample"
+    smp = (np.arange(n) % 3).astype(np.int16)
+    for st in (one, many):
+        st.write_plan(st.default_plan(1))
+        w = st.region_writer(0, 0, n)
+        z = np.zeros(n, np.int32)
+        if st is one:
+            with pytest.raises(ValueError, match="no sample column"):
+                w.write_meta(0, z, z.astype(np.int64), z, sample=smp)
+            w.write_meta(0, z, z.astype(np.int64), z)
+        else:
+            w.write_meta(0, z, z.astype(np.int64), z, sample=smp)
+        w.write(0, np.zeros((1, n, 4), np.float32))
+        w.commit()
+        st.finalize({"status": "complete"})
+    assert np.array_equal(many.read_sample(0, n), smp)
+    assert np.array_equal(many.read_sample(0, n, checked=True), smp)
+    assert not one.read_sample(0, n).any() and one.read_sample(0, n).shape == (n,)
+    # the reader's metadata carries it, row for row
+    from harvest.pipeline.store.reader import ActivationDataset
+
+    for shuffle in (False, True):
+        batches = list(ActivationDataset(many, "resid_post.0", batch_size=50, shuffle=shuffle,
+                                         return_meta=True))
+        rows = np.concatenate([b["row"].numpy() for b in batches])
+        got = np.concatenate([b["sample"].numpy() for b in batches])
+        assert np.array_equal(np.sort(rows), np.arange(n)) and np.array_equal(got, smp[rows])
+    assert "sample" not in next(iter(ActivationDataset(one, "resid_post.0", batch_size=50,
+                                                       return_meta=True)))
+    plain = create_store(str(tmp_path / "p.zarr"), points=["resid_post.0"], width=4, n_rows=n,
+                         shard_rows=128, context_size=C)
+    with pytest.raises(ValueError, match="not created for generation"):
+        plain.read_sample(0, n)
+    with pytest.raises(ValueError, match="needs generated=True"):
+        create_store(str(tmp_path / "x.zarr"), points=["resid_post.0"], width=4, n_rows=n,
+                     shard_rows=128, samples=True)

@@ -23,9 +23,11 @@ SUPPORTED_LAYOUT_VERSIONS = (2, 3)
 # `role` (int8, codes in store/roles.py) and `gen` (int8, FORMAT.md "Generation") were added
 # later: a store records the columns it has in its `row_meta` attribute (Store.meta_columns), and
 # one without them reads as before. `role`: chat stores only (create_store(roles=True)); `gen`:
-# generation stores only (create_store(generated=True)).
+# generation stores only (create_store(generated=True)); `sample` (int16: which of a prompt's n
+# samples a row belongs to, FORMAT.md "Generation"): stores of n > 1 samples per prompt only
+# (create_store(samples=True)); a generation store without it reads as sample 0 everywhere.
 ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "role": "int8",
-            "gen": "int8"}
+            "gen": "int8", "sample": "int16"}
 BASE_META = ("token_id", "doc_id", "position")  # what every store has; read_row_meta returns these
 META_UNWRITTEN = -1   # fill value of every metadata array: the row was never written
 META_INSERTED = -2    # doc_id and position of a BOS the packer inserted (it is from no document)

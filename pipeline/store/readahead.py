@@ -135,11 +135,11 @@ class WindowFinisher:
     """
 
     def __init__(self, pieces, filt, counts: np.ndarray, norm_limit, dtype, slot_rows: int, shuffle: bool,
-                 seed: int, g: int, return_meta: bool):
+                 seed: int, g: int, return_meta: bool, extra_meta: tuple = ()):
         self.pieces, self.filt, self.counts, self.norm_limit = pieces, filt, counts, norm_limit
         self.dtype, self.R, self.shuffle, self.seed, self.g = dtype, slot_rows, shuffle, seed, g
         self.names = (["token_id", "doc_id", "position"] + (["gen"] if filt.generated else [])
-                      if return_meta else [])
+                      + list(extra_meta) if return_meta else [])
         self.epoch_rows: dict[int, int] = {}
 
     def _local(self, k: int, t: Take, cols: dict, arena: np.ndarray) -> tuple[np.ndarray, int]:

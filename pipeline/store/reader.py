@@ -128,6 +128,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # a generation store (it has the `gen` column): rows without activations never yielded
         self.filter = RowFilter.build(exclude, self.context_size, cfg.seqpos, cfg.split, cfg.test_fraction,
                                       cfg.split_seed, self.roles, generated="gen" in st.meta_columns)
+        # return_meta only: which of its prompt's samples a row is (FORMAT.md "Generation")
+        self._extra_meta = ("sample",) if "sample" in st.meta_columns else ()
 
         # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
         # the marker facts that check its bytes (objects.py) ----
@@ -246,7 +248,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def _meta_names(self) -> list[str]:
         if self.return_meta:
             return ["token_id", "doc_id", "position"] + (["role"] if self.filter.needs_roles else []) \
-                + (["gen"] if self.filter.generated else [])
+                + (["gen"] if self.filter.generated else []) + list(self._extra_meta)
         return self.filter.meta_names()
 
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:
@@ -278,7 +280,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             self._batch_bufs = BatchBuffers((self.batch_size, len(self.points), self.width), self._raw,
                                             keep=_GATHER_AHEAD + 2)
         finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
-                                self._slot_rows, self.shuffle, self.seed, g, self.return_meta)
+                                self._slot_rows, self.shuffle, self.seed, g, self.return_meta,
+                                self._extra_meta)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume

@@ -256,6 +256,24 @@ class Store:
             return _reads.read_meta_checked(self, "gen", start, stop)
         return self._meta_array("gen")[start:stop]
 
+    def read_sample(self, start: int, stop: int, checked: bool = False) -> np.ndarray:
+        """Which of its prompt's n samples each row of [start, stop) belongs to (int16;
+        FORMAT.md "Generation"), like read_gen. A generation store made for one sample per
+        prompt (no `sample` column, e.g. every store made before n > 1) reads as zeros; a store
+        not made for generation is an error, as in read_gen."""
+        if "gen" not in self.meta_columns:
+            raise ValueError("read_sample: this store has no generated rows (it was not created "
+                             "for generation: capture.generate / create_store(generated=True))")
+        if not 0 <= start <= stop <= self.n_rows:
+            raise ValueError(f"read_sample: [{start}, {stop}) is outside 0..{self.n_rows}")
+        if "sample" not in self.meta_columns:
+            return np.zeros(stop - start, np.int16)
+        if checked:
+            from .reads import read_meta_checked
+
+            return read_meta_checked(self, "sample", start, stop)
+        return self._meta_array("sample")[start:stop]
+
     # ---- plan --------------------------------------------------------------------------------
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
         """Units of `shards_per_unit` consecutive shards covering every row."""

@@ -50,7 +50,8 @@ class StoreSpec:
         start on a chunk (units do).
     context_size, special_token_ids, bos_token_id, tokenizer, stats_skip_positions: facts readers
         rely on (context geometry, the `kept` row statistics).
-    roles: a `role` column (chat input); generated: a `gen` column (capture.generate).
+    roles: a `role` column (chat input); generated: a `gen` column (capture.generate); samples:
+        a `sample` column (capture.generate.n > 1; needs generated).
     """
 
     points: tuple[str, ...]
@@ -70,6 +71,7 @@ class StoreSpec:
     # objects per shard) it always had
     roles: bool = column("role")
     generated: bool = column("gen")
+    samples: bool = column("sample")
 
     def __post_init__(self):
         set_ = object.__setattr__   # frozen: the resolved values are set once, here
@@ -112,6 +114,9 @@ class StoreSpec:
             if not isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be True or False (whether "
                                  f"the store has a `{f.metadata['column']}` column)")
+        if self.samples and not self.generated:
+            raise ValueError("samples=True (a sample index per generated row) needs "
+                             "generated=True: only a generation store has samples")
 
     @property
     def columns(self) -> tuple[str, ...]:

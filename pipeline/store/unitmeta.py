@@ -28,7 +28,8 @@ class UnitMeta:
         self.filter = stats_filter
         self.stored_roles = None if stored_roles is None else np.asarray(stored_roles, np.int8)
 
-    def write(self, row_start: int, token_id, doc_id, position, role=None, gen=None) -> None:
+    def write(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
+              sample=None) -> None:
         cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
         if "role" in self.cols:
             # a text unit gives no roles: every row is plain text (roles.TEXT = 0)
@@ -43,6 +44,13 @@ class UnitMeta:
             raise ValueError(f"write_meta: unit {self.unit_id}'s store has no gen column (not "
                              "created for generation: create_store(generated=True), which the "
                              "pipeline does when capture.generate is set)")
+        if "sample" in self.cols:
+            # rows written without sample belong to sample 0 (FORMAT.md, "Generation")
+            cols["sample"] = np.zeros(len(token_id), np.int16) if sample is None else sample
+        elif sample is not None:
+            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no sample column "
+                             "(made for one sample per prompt: create_store(samples=True), "
+                             "which the pipeline does when capture.generate.n > 1)")
         n = None
         arrs = {}
         for name, v in cols.items():
@@ -53,7 +61,7 @@ class UnitMeta:
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
-                raise ValueError(f"write_meta: token_id, doc_id, position (and role, gen) must have the same "
+                raise ValueError(f"write_meta: token_id, doc_id, position (and role, gen, sample) must have the same "
                                  f"length, got {n} and {a.shape[0]} for {name}")
             arrs[name] = a
         lo = int(row_start) - self.row_start

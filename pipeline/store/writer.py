@@ -63,15 +63,17 @@ class RegionWriter(ShardUploads):
                      unit_id, existing.get("attempt"))
 
     # ---- public ------------------------------------------------------------------------------
-    def write_meta(self, row_start: int, token_id, doc_id, position, role=None, gen=None) -> None:
+    def write_meta(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
+                   sample=None) -> None:
         """Row metadata of rows [row_start, row_start + n); each row once, before its activations
         (the `kept` statistics of a shard need its token ids when the shard is encoded).
         `role` (chat stores) and `gen` (generation stores, FORMAT.md "Generation"): 0 when
-        omitted in a store that has the column; refused in a store without it."""
+        omitted in a store that has the column; refused in a store without it. Likewise `sample`
+        (stores of n > 1 samples per prompt)."""
         if self.already_committed:
             return
         self._check_usable()
-        self._meta.write(row_start, token_id, doc_id, position, role, gen)
+        self._meta.write(row_start, token_id, doc_id, position, role, gen, sample)
 
     def write(self, row_start: int, acts) -> None:
         """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width]."""
