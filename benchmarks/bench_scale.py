@@ -448,7 +448,6 @@ class StubActor:
 
 
 def dispatch_child(spec: dict) -> dict:
-    from collections import deque
     from types import SimpleNamespace
 
     import ray
@@ -477,7 +476,7 @@ def dispatch_child(spec: dict) -> dict:
     actors = [Remote.options(num_cpus=0.001).remote(i) for i in range(n_actors)]
     infos = ray.get([a.info.remote() for a in actors])
     sched.attach(None, actors, infos)
-    sched.ready = deque((Unit(i, i * 256, (i + 1) * 256), 1) for i in range(n_units))
+    sched.units.ready.extend((Unit(i, i * 256, (i + 1) * 256), 1) for i in range(n_units))
     bar = SimpleNamespace(update=lambda n: None)
     # the floor: the same calls on the same actors with no scheduler at all (2 per actor in flight)
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -498,7 +497,7 @@ def dispatch_child(spec: dict) -> dict:
     while not sched.finished():
         sched.step(bar)
     secs = time.perf_counter() - t0
-    done = sum(f.units for f in sched.figures.values())
+    done = sum(f["units"] for f in sched.report().per_actor)
     cpu = 1000 * (time.process_time() - cpu0) / done
     return {"actors": n_actors, "units": done, "seconds": round(secs, 2),
             "done_once": sorted(seen) == list(range(n_units)),

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .actor_engine import check_engine, gpu_ids, load_engine
+from .logs import mark_phase, redirect_actor
 from .messages import ActorSpec, UnitResult, UnitTask
 
 log = logging.getLogger("harvest.actor")
@@ -37,14 +39,6 @@ ENGINE_LOST_GRACE_S = 1.0
 
 STREAM_START_WAIT = 0.05  # seconds a new stream waits for units to fill its first engine step
 STREAM_GAP_WAIT = 0.01    # seconds a running stream waits for the next unit before draining
-
-
-def _cpu_slice(index: int, threads: int) -> list[int]:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not cpus:
-        return []
-    start = (index * threads) % len(cpus)
-    return [cpus[(start + k) % len(cpus)] for k in range(min(threads, len(cpus)))]
 
 
 class _Job:
@@ -73,8 +67,6 @@ class HarvestActor:
         self.index = spec.index
         for k, v in spec.env.items():
             os.environ[k] = v
-        from .logs import mark_phase, redirect_actor
-
         redirect_actor(self.index)  # quiet runs: vLLM's and torch's output to actor-<i>.log
         mark_phase("engine")
         # Every engine call runs on this one thread. Ray runs a threaded actor's methods on pool
@@ -87,13 +79,13 @@ class HarvestActor:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine",
                                                  initializer=name_native_thread)
         t0 = time.perf_counter()
-        self.engine = self._engine_thread.submit(self._load_engine, spec).result()
+        self.engine, self.profile = self._engine_thread.submit(load_engine, spec).result()
         self.load_seconds = time.perf_counter() - t0
         self.check = None
         if spec.check_model:
             mark_phase("model check")
             t1 = time.perf_counter()
-            self.check = self._engine_thread.submit(self._check_engine).result()
+            self.check = self._engine_thread.submit(check_engine, self.engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
         self.points = list(spec.points)
         self.context_size = spec.context_size
@@ -114,93 +106,15 @@ class HarvestActor:
         self._engine_thread.submit(self._engine_loop)
         mark_phase("ready")
 
-    def _load_engine(self, spec: ActorSpec):
-        engine = self._build_engine(spec)
-        from harvest.engine.protocol import problems
-
-        wrong = problems(engine)
-        if wrong:  # before any unit: a stub or new backend that lacks a member fails here, named
-            raise TypeError(f"{type(engine).__qualname__} is not a harvest.engine.protocol."
-                            f"CaptureEngine: {'; '.join(wrong)}")
-        return engine
-
-    def _build_engine(self, spec: ActorSpec):
-        from harvest.engine import platform
-
-        profile = platform.detect()
-        share = platform.cpu_share()
-        if profile.name == "cpu":
-            # the forward runs on these threads: the driver's default splits this node's cores
-            # over its actors (Ray's fractional CPU share of a CPU actor says nothing about them)
-            threads = spec.threads
-        else:
-            # a GPU actor's host threads come from its own CPU share, never the driver's cores
-            threads = platform.engine_threads(profile, spec.threads_requested, share)
-        # the writer's compression pool (pipeline.store stays free of engine imports: it reads
-        # the size from the environment, set here before the first encode)
-        os.environ.setdefault("HARVEST_CODEC_THREADS", str(platform.codec_threads(profile, share)))
-        self.profile = profile.name
-        # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; OpenMP reads it when torch loads.
-        # PASSIVE: OpenMP threads that spin at barriers take the cores the writer's compression
-        # threads and Ray's own threads need; measured in a Ray actor on 2 shared cores, tiny
-        # llama: 9.6k tok/s spinning vs 40.5k passive (eager), 12.4k vs 33-53k (vLLM freeze).
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        import torch
-
-        torch.set_num_threads(threads)
-        if spec.engine_factory:  # benchmarks: a stub engine measures the bookkeeping alone
-            import importlib
-
-            mod, _, name = spec.engine_factory.partition(":")
-            return getattr(importlib.import_module(mod), name)(spec)
-        gpus = self._gpu_ids()
-        if spec.engine_kwargs.get("backend") == "vllm" and not gpus:
-            # Two CPU engines that both bind "auto" would pin their OpenMP threads to the same
-            # cores; give each actor its own slice unless the operator chose a binding.
-            # A tensor-parallel engine's ranks each need cores of their own: the slice is split
-            # into one group per rank ("0|1"), at least one core each.
-            tp = int(spec.engine_kwargs.get("tensor_parallel_size") or 1)
-            cores = _cpu_slice(self.index, max(threads, tp))
-            if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                if tp > 1:
-                    from harvest.engine.compat import cpu_thread_binding
-
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, cores=cores)
-                else:
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        from harvest.engine import load_model
-
-        return load_model(spec.model_path, **spec.engine_kwargs)
-
-    def _check_engine(self) -> dict:
-        """harvest.engine.check_loaded on this actor's engine: its rows against an HF fp32 reference."""
-        from harvest.engine import check_loaded
-
-        try:
-            return check_loaded(self.engine)
-        except Exception as e:  # noqa: BLE001 -- reported to the driver, which stops the run
-            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-
     # -- introspection ----------------------------------------------------------------------
-    @staticmethod
-    def _gpu_ids() -> list:
-        try:
-            import ray
-
-            # outside a Ray worker (tests, benchmarks) get_gpu_ids() would start a cluster
-            return list(ray.get_gpu_ids()) if ray.is_initialized() else []
-        except Exception:
-            return []
-
     def info(self) -> dict:
         e = self.engine
         return {
             "index": self.index, "pid": os.getpid(), "host": socket.gethostname(),
-            "gpus": self._gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
+            "gpus": gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
             "max_model_len": int(e.max_model_len), "dtype": str(e.dtype).replace("torch.", ""),
             "describe": e.describe(), "load_seconds": round(self.load_seconds, 3),
-            "threads": self.spec.threads, "platform": getattr(self, "profile", None),
+            "threads": self.spec.threads, "platform": self.profile,
             "check": self.check,
             # rows the driver keeps queued here so the engine never runs dry between units
             "queue_tokens": 4 * self._step_tokens,

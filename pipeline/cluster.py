@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import time
 from typing import Any
 
 from . import exits, generation
+from .actor import HarvestActor
 from .config import HarvestConfig
 from .errors import HarvestError
+from .logs import quiet
 from .messages import ActorSpec
 
 log = logging.getLogger("harvest.pipeline")
@@ -37,8 +38,6 @@ def ensure_ray(cfg: HarvestConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    from .logs import quiet
-
     # quiet runs (logs.quiet_run): worker output stays in the run's log folder, not on the console
     kw: dict[str, Any] = {"log_to_driver": not quiet()}
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
@@ -78,8 +77,6 @@ def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None,
                  local: bool = False) -> list:
     """The capture actors (not yet ready). `local`: the cluster is one this driver started."""
     import ray
-
-    from .actor import HarvestActor
 
     Remote = ray.remote(HarvestActor)
     request = actor_request(cfg)
@@ -246,10 +243,3 @@ def kill_all(handles: list) -> None:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001 -- a group gone with its job already
                 pass
-
-
-def waiting_line(pending: int, total: int, t0: float) -> str:
-    import ray
-
-    return (f"waiting for {pending} of {total} actors to start ({time.time() - t0:.0f} s; the "
-            f"cluster has {({k: v for k, v in ray.cluster_resources().items() if k in ('CPU', 'GPU')})})")

@@ -27,6 +27,7 @@ from .cluster import (actor_request, collect_infos, ensure_ray, kill_all, start_
                       start_report)
 from .config import HarvestConfig
 from .dispatch import Scheduler
+from .dispatch_report import DispatchReport
 from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
 from .exits import orderly_signals
 from .logs import StartWatch, progress_bar
@@ -118,7 +119,8 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
         sched = Scheduler(cfg, prep, state, pool, emit, lease)
         bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
         try:
-            store = _start(cfg, prep, sched, actors, sink, chunk_contexts, bar, emit)
+            store = _start(cfg, prep, sched, actors, sink, chunk_contexts, bar, emit,
+                           skipped=len(state.committed))
             t_dispatch = time.perf_counter()
             while not sched.finished():
                 sched.step(bar)
@@ -162,7 +164,7 @@ def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, 
 
 
 def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
-           chunk_contexts: int, bar, emit):
+           chunk_contexts: int, bar, emit, skipped: int):
     """Tokenise while the actors load; create the store once both are ready. Returns the store."""
     import ray
 
@@ -191,7 +193,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
                 f"{d.get('tokens_seen', 0)} tokens; one context needs packing.context_size="
                 f"{cfg.packing.context_size}: check data.source/data.text_column or lower "
                 "packing.context_size")
-        have_work = sched.unplanned or sched.ready or sched.waiting or existing is not None
+        have_work = sched.has_work() or existing is not None
         if infos is not None and have_work:
             break
         if pending:
@@ -209,9 +211,9 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
             ray.get(ref, timeout=limit)
         except Exception as e:  # the dispatch loop handles a dead actor
             log.warning("actor %d could not open the store: %s", i, e)
-    sched.attach(store, actors, infos)
-    emit({"event": "plan", "planned": len(sched.plan_units), "todo": len(sched.waiting),
-          "skipped": len(sched.state.committed), "slots_per_actor": sched.slots})
+    plan = sched.attach(store, actors, infos)
+    emit({"event": "plan", "planned": plan["planned"], "todo": plan["todo"], "skipped": skipped,
+          "slots_per_actor": plan["slots_per_actor"]})
     return store
 
 
@@ -250,9 +252,9 @@ def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | Non
 def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict,
              t_start: float, skipped: int, dispatch_seconds: float) -> dict:
     """The run's summary, recorded in the store at finalize and returned to the caller."""
-    figures = sched.figures if sched is not None else {}
-    tokens_run = sum(f.tokens for f in figures.values())
-    stats = sched.data_stats() if sched is not None else _plan_stats(store)
+    report = sched.report() if sched is not None else DispatchReport()
+    tokens_run = report.tokens_run
+    stats = report.data if report.data is not None else _plan_stats(store)
     stored = verify.get("stored_bytes") or 0
     logical = verify["committed_rows"] * len(store.points) * store.row_bytes
     summary = {
@@ -266,7 +268,7 @@ def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict
         "tokens": verify["committed_rows"],
         "tokens_this_run": tokens_run,
         "units": verify["planned_units"],
-        "units_run": sched.units_run if sched is not None else 0,
+        "units_run": report.units_run,
         "units_skipped": skipped,
         "bytes_logical": logical,
         "bytes_stored": stored,
@@ -274,39 +276,16 @@ def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict
         "dispatch_seconds": round(dispatch_seconds, 3),
         "wall_seconds": round(time.perf_counter() - t_start, 3),
         "tokens_per_second": round(tokens_run / dispatch_seconds, 1) if dispatch_seconds else None,
-        "per_actor": [f.as_dict() for f in figures.values()],
-        **_fault_figures(sched, figures),
+        "per_actor": report.per_actor,
+        **report.fault_figures(),
         "blocks": len(prep.sources["blocks"]),
-        "tokenised_jobs": len(sched.pool.blocks_tokenised) if sched is not None else 0,
+        "tokenised_jobs": report.tokenised_jobs,
         "data": {"source": prep.sources["description"], **{k: stats.get(k, 0) for k in DATA_KEYS}},
         "packing": {k: v for k, v in stats.items() if k not in DATA_KEYS},
         "verified": {k: verify[k] for k in ("ok", "planned_units", "committed_units", "committed_rows")},
         "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     return summary
-
-
-def _fault_figures(sched: "Scheduler | None", figures: dict) -> dict:
-    """Retries and deaths counted from what happened, Ray's own included: a unit Ray re-ran in
-    a restarted actor (max_task_retries) reaches the loop as a success, seen only as a new pid
-    (45 actor kills once read `unit_retries 0, actor deaths 0`)."""
-    if sched is None:
-        return {"unit_retries": 0, "ray_task_retries": 0, "unit_deadlines": 0,
-                "actor_restarts": 0, "actors_lost": 0, "actor_deaths_seen": 0,
-                "units_found_committed": 0}
-    restarts = sum(f.restarts for f in figures.values())
-    return {
-        "unit_retries": sched.retries + sched.ray_retries,
-        "ray_task_retries": sched.ray_retries,
-        "unit_deadlines": sched.deadline_kills,
-        "actor_restarts": restarts,
-        "actors_lost": sched.deaths,
-        # an actor killed at the deadline and not seen since (back or lost) died all the same
-        "actor_deaths_seen": restarts + sched.deaths + len(sched.killed_unseen),
-        # units_skipped + units_run + units_found_committed == units; per_actor units plus
-        # already_committed sum to units_run + units_found_committed
-        "units_found_committed": sched.found_committed,
-    }
 
 
 def _plan_stats(store) -> dict:

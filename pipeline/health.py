@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
-
-from .errors import HarvestError
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -53,9 +52,55 @@ class ActorFigures:
 
 
 class ActorHealth:
-    """Mixed into `dispatch.Scheduler` (its state: inflight, load, alive, probing, figures...)."""
+    """The capture actors as the dispatch loop sees them: handles, which are alive, their
+    process ids, pings to actors coming back, deadlines and deaths. Held by `dispatch.Scheduler`
+    (not mixed into it): every field used here is defined here. What happens to the units of a
+    hung actor (re-queued, or the run fails) is the scheduler's; `hung` only names the actors."""
 
-    def _saw_pid(self, a: int, pid: int) -> None:
+    def __init__(self, ray_cfg, emit):
+        self.ray_cfg, self.emit = ray_cfg, emit
+        self.actors: list = []
+        self.alive: set = set()
+        self.figures: dict[int, ActorFigures] = {}
+        self.pid: dict[int, int] = {}           # actor -> its current process id
+        self.seen_pids: dict[int, set] = {}     # actor -> every process id it ran in
+        self.progress: dict[int, float] = {}    # actor -> when it last finished something
+        self.probing: dict = {}                 # ping ref -> actor
+        self.probe_sent: dict = {}              # ping ref -> when it was sent
+        self.unit_seconds: deque = deque(maxlen=256)
+        self.load_seconds = 0.0
+        self.deaths = 0
+        self.deadline_kills = 0     # actors killed for missing the unit deadline
+        self.killed_unseen: set = set()  # of those, actors neither back (new pid) nor lost yet
+
+    def attach(self, actors: list, infos: list[dict]) -> None:
+        self.actors = actors
+        self.figures = {i: ActorFigures(i) for i in range(len(actors))}
+        self.alive = set(range(len(actors)))
+        now = time.monotonic()
+        for i, inf in enumerate(infos):
+            self.pid[i] = inf["pid"]
+            self.seen_pids[i] = {inf["pid"]}
+            self.progress[i] = now
+        self.load_seconds = max(float(i.get("load_seconds") or 0.0) for i in infos)
+
+    def usable(self) -> list[int]:
+        """Actors that may get units now: alive and not being pinged back."""
+        return sorted(self.alive - set(self.probing.values()))
+
+    def gone(self) -> bool:
+        """No actor left and none coming back."""
+        return not self.alive and not self.probing
+
+    def finished_unit(self, a: int) -> None:
+        """Actor `a` returned something (a result or an error): its deadline starts again."""
+        self.progress[a] = time.monotonic()
+
+    def unit_took(self, seconds: float) -> None:
+        """A committed unit's time: the derived unit deadline is a multiple of their median."""
+        self.unit_seconds.append(float(seconds))
+
+    def saw_pid(self, a: int, pid: int) -> None:
         seen = self.seen_pids.setdefault(a, set())
         if pid not in seen:
             self.killed_unseen.discard(a)
@@ -88,6 +133,18 @@ class ActorHealth:
         back |= {a for a, (st, _) in self._ray_actors().items() if st == "RESTARTING"}
         return len(back)
 
+    def collect_figures(self) -> None:
+        """At the end of the run: each live actor's own figures (step fill), and restarts."""
+        import ray
+
+        for a in sorted(self.alive):
+            try:
+                self.figures[a].step = ray.get(self.actors[a].figures.remote(), timeout=30)
+                self.saw_pid(a, int(self.figures[a].step["pid"]))  # a restart seen only now
+            except Exception:  # noqa: BLE001 -- figures are a report, never a failure
+                pass
+        self.sync_restarts()
+
     def sync_restarts(self) -> None:
         """At the end of the run: take Ray's restart count where it saw more than the loop did
         (a restarted process that ran no unit afterwards shows no new pid here)."""
@@ -98,18 +155,23 @@ class ActorHealth:
                 self.figures[a].restarts = n
                 self.killed_unseen.discard(a)  # back, in Ray's words: not a death unseen
 
-    def _on_probe(self, ref) -> None:
+    def on_probe(self, ref) -> None:
         import ray
 
         a = self.probing.pop(ref)
         self.probe_sent.pop(ref, None)
-        self.progress[a] = self.last_event = time.monotonic()
+        self.progress[a] = time.monotonic()
         try:
             pid = ray.get(ref)
-            self._saw_pid(a, int(pid))
+            self.saw_pid(a, int(pid))
             log.info("actor %d answers again after a failure (pid %d)", a, pid)
         except Exception:  # noqa: BLE001
             self._lose(a)
+
+    def probe_once(self, a: int) -> None:
+        """Ping actor `a` after it died under a unit, unless it is gone or pinged already."""
+        if a in self.alive and a not in self.probing.values():
+            self.probe(a)
 
     def _lose(self, a: int) -> None:
         self.killed_unseen.discard(a)
@@ -121,7 +183,7 @@ class ActorHealth:
     # ---- deadlines ---------------------------------------------------------------------------
     def unit_deadline(self) -> float:
         """Seconds an actor with units in flight may go without finishing one."""
-        r = self.cfg.ray
+        r = self.ray_cfg
         if r.unit_timeout_s is not None:
             return float(r.unit_timeout_s)
         times = sorted(self.unit_seconds)
@@ -132,16 +194,21 @@ class ActorHealth:
         """A restarted actor loads its engine again before it answers."""
         return max(self.unit_deadline(), 3 * self.load_seconds)
 
-    def _check_deadlines(self) -> None:
+    def hung(self, sent_by_actor: dict[int, list]) -> list[tuple[int, list, float]]:
+        """The actors with units in flight (`{actor: [(ref, sent), ...]}`) that finished nothing
+        within the unit deadline, as (actor, refs, seconds stalled)."""
         now = time.monotonic()
         limit = self.unit_deadline()
-        by_actor: dict[int, list] = {}
-        for ref, (_, a, _, sent, _) in self.inflight.items():
-            by_actor.setdefault(a, []).append((ref, sent))
-        for a, refs in by_actor.items():
+        out = []
+        for a, refs in sent_by_actor.items():
             since = max(self.progress.get(a, 0.0), min(t for _, t in refs))
             if now - since > limit:
-                self._hung(a, [r for r, _ in refs], now - since, limit)
+                out.append((a, [r for r, _ in refs], now - since))
+        return out
+
+    def check_probes(self) -> None:
+        """An actor that does not answer its ping in time is given up."""
+        now = time.monotonic()
         for ref, sent in list(self.probe_sent.items()):
             if now - sent > self.probe_deadline():
                 a = self.probing.pop(ref)
@@ -158,42 +225,19 @@ class ActorHealth:
         except Exception as e:  # noqa: BLE001 -- already gone
             log.debug("ray.kill of actor %d: %s", a, e)
 
-    def _hung(self, a: int, refs: list, stalled: float, limit: float) -> None:
+    def kill_hung(self, a: int, stalled: float) -> None:
         """Actor `a` finished nothing within the deadline (a hung engine, a SIGSTOPped process,
-        storage that never answers): its units go to other actors and it is killed; Ray
+        storage that never answers) and its units went to other actors: it is killed; Ray
         restarts it (max_restarts) and a ping tells when it is back."""
-        import ray
-
-        log.warning("actor %d (pid %s) finished no unit in %.0f s (unit deadline %.0f s): "
-                    "killing it; its %d units in flight go to other actors", a, self.pid.get(a),
-                    stalled, limit, len(refs))
-        for ref in refs:
-            unit, _, attempt, _, _ = self.inflight.pop(ref)
-            self.load[a] -= 1
-            try:  # so Ray does not run it again in the restarted process as well
-                ray.cancel(ref)
-            except Exception:  # noqa: BLE001
-                pass
-            why = f"no result within the unit deadline of {limit:.0f} s"
-            if attempt >= self.cfg.ray.unit_attempts:
-                raise HarvestError(
-                    f"unit {unit.unit_id} rows [{unit.row_start}, {unit.row_end}) failed {attempt} "
-                    f"times, last on actor {a}: {why}. The store is resumable: fix the cause and "
-                    "re-run the same config (ray.unit_timeout_s sets the deadline)")
-            self.retries += 1
-            self.figures[a].failures += 1
-            self.emit({"event": "unit_retry", "unit": unit.unit_id, "actor": a,
-                       "attempt": attempt, "error": why})
-            self.ready.appendleft((unit, attempt + 1))
         self.deadline_kills += 1
         self.killed_unseen.add(a)
         self.emit({"event": "actor_deadline", "actor": a, "pid": self.pid.get(a),
                    "stalled_seconds": round(stalled, 1)})
         self._kill(a, restart=True)
-        self._probe(a)
+        self.probe(a)
         self.progress[a] = time.monotonic()
 
-    def _probe(self, a: int) -> None:
+    def probe(self, a: int) -> None:
         """Ping actor `a` to learn when it is back. The ping is retried by Ray through the
         actor's restart whatever ray.max_task_retries says: sent right after a kill it reaches
         the dying process first, and without a retry it failed there, so with
@@ -203,14 +247,21 @@ class ActorHealth:
         self.probing[ping] = a
         self.probe_sent[ping] = time.monotonic()
 
-    def _wait_line(self) -> None:
-        """No silent waits: say what the loop waits for while nothing finishes."""
+
+class WaitLine:
+    """No silent waits: while nothing finishes, a line at least every WAIT_LINE_SECONDS."""
+
+    def __init__(self):
+        self.last_event = self.last_line = time.monotonic()
+
+    def event(self) -> None:
+        """Something finished (a unit, a ping, a chunk): the silence starts again."""
+        self.last_event = time.monotonic()
+
+    def silent_for(self) -> "float | None":
+        """Seconds since the last event when a line is due now, else None."""
         now = time.monotonic()
         if now - max(self.last_event, self.last_line) < WAIT_LINE_SECONDS:
-            return
+            return None
         self.last_line = now
-        per = {a: n for a, n in enumerate(self.load) if n}
-        log.info("nothing finished for %.0f s: %d units in flight %s, %d ready, %d waiting for "
-                 "tokens, %d actors restarting; unit deadline %.0f s", now - self.last_event,
-                 len(self.inflight), per or "", len(self.ready), len(self.waiting),
-                 self.restarting(), self.unit_deadline())
+        return now - self.last_event

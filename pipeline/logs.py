@@ -253,8 +253,6 @@ class StartWatch:
         elapsed = f"{now - self.t0:.0f} s"
         if self.dir is None or max(self.phase) < 0:
             # names the cluster's resources: a start may be waiting for them
-            from .cluster import waiting_line
-
             return waiting_line(pending, self.n, self.t0)
         counts: dict[int, int] = {}
         for k in self.phase:
@@ -268,6 +266,18 @@ class StartWatch:
         text = self.line(pending)
         if text:
             log.info(text)
+
+
+def waiting_line(pending: int, total: int, t0: float) -> str:
+    """The start line before any actor has logged a phase. It lives here, with the StartWatch
+    that shows it, not in cluster.py: cluster.py imports this module (quiet runs) and the
+    actor module (which imports this one), so this line's import of cluster.py, hidden inside
+    StartWatch.line, closed the cycles logs -> cluster -> logs and logs -> cluster -> actor ->
+    logs (tests/test_import_graph.py fails on such cycles, function-level imports included)."""
+    import ray
+
+    return (f"waiting for {pending} of {total} actors to start ({time.time() - t0:.0f} s; the "
+            f"cluster has {({k: v for k, v in ray.cluster_resources().items() if k in ('CPU', 'GPU')})})")
 
 
 class LineProgress:
