@@ -49,6 +49,13 @@ import numpy as np
 import torch
 
 PAGE = 4096
+# The registration log, in the step ring's file (engine/stepring.py sizes it, places it after the
+# control block and error text, and leaves these two control words to it). Its layout lives here,
+# with its writer (Registrations) and reader (Placer), and both take the mapped ring as an
+# argument: stepring imports this module, never the reverse (no import cycle).
+RECORD = 128  # one registration: int64 [generation, offset, n, point stride, id length] + id
+RECORD_ID = 40  # the id's byte offset within a record
+LOG_HEAD, LOG_READ = 5, 6  # the ring's control words: records written (engine), read (rank)
 
 
 class SharedArena:
@@ -168,26 +175,24 @@ class Registrations:
     """The engine's side of the registration log (in the step ring's file, engine/stepring.py)."""
 
     def __init__(self, ring):
-        from . import stepring as sr
-
-        self._ring, self._sr = ring, sr
+        self._ring = ring  # a stepring.RingReader (duck-typed: see RECORD above)
         self._gen = 0
 
     def add(self, rid: str, offset: int, n: int, point_stride: int) -> int:
         """Write one record; returns its generation, or 0 when the log is full (the request then
         takes the step ring path)."""
-        sr, ring = self._sr, self._ring
+        ring = self._ring
         c, cap = ring.control, ring.spec.log_records
-        head = int(c[sr.LOG_HEAD])
+        head = int(c[LOG_HEAD])
         rid_b = rid.encode()
-        if cap == 0 or head - int(c[sr.LOG_READ]) >= cap or len(rid_b) > sr.RECORD - sr.RECORD_ID:
+        if cap == 0 or head - int(c[LOG_READ]) >= cap or len(rid_b) > RECORD - RECORD_ID:
             return 0
         self._gen += 1
-        at = ring.spec.log_offset() + (head % cap) * sr.RECORD
+        at = ring.spec.log_offset() + (head % cap) * RECORD
         np.frombuffer(ring.mm, dtype=np.int64, count=5, offset=at)[:] = (
             self._gen, offset, n, point_stride, len(rid_b))
-        ring.mm[at + sr.RECORD_ID:at + sr.RECORD_ID + len(rid_b)] = rid_b
-        c[sr.LOG_HEAD] = head + 1  # last: the rank reads a record only once the head passed it
+        ring.mm[at + RECORD_ID:at + RECORD_ID + len(rid_b)] = rid_b
+        c[LOG_HEAD] = head + 1  # last: the rank reads a record only once the head passed it
         return self._gen
 
 
@@ -195,6 +200,8 @@ class Placer:
     """The publishing rank's side: the arena mapped, the registrations read so far."""
 
     def __init__(self, ring, width: int, dtype: torch.dtype):
+        """`ring`: the rank's stepring.RingWriter (it builds its Placer when its spec names an
+        arena)."""
         spec = ring.spec
         fd = os.open(spec.arena_path, os.O_RDWR)
         try:
@@ -208,18 +215,16 @@ class Placer:
 
     def read_log(self, finished=()) -> None:
         """Take the records written since the last step; forget requests vLLM finished."""
-        from . import stepring as sr
-
         ring, cap = self.ring, self.ring.spec.log_records
         c = ring.control
-        read, head = int(c[sr.LOG_READ]), int(c[sr.LOG_HEAD])
+        read, head = int(c[LOG_READ]), int(c[LOG_HEAD])
         for i in range(read, head):
-            at = ring.spec.log_offset() + (i % cap) * sr.RECORD
+            at = ring.spec.log_offset() + (i % cap) * RECORD
             gen, off, n, stride, nb = (int(x) for x in
                                        np.frombuffer(ring.mm, dtype=np.int64, count=5, offset=at))
-            rid = bytes(ring.mm[at + sr.RECORD_ID:at + sr.RECORD_ID + nb]).decode()
+            rid = bytes(ring.mm[at + RECORD_ID:at + RECORD_ID + nb]).decode()
             self.dests[rid] = (gen, off, n, stride)
-        c[sr.LOG_READ] = head
+        c[LOG_READ] = head
         for rid in finished:
             self.dests.pop(rid, None)
 

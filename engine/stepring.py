@@ -40,14 +40,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .shmdest import LOG_HEAD, LOG_READ, RECORD, Placer, reserve
+
 SLOTS = 2
 ALIGN = 64
 CONTROL = 64  # int64 [latest seq, error length, publish ns, rows-copy ns, steps published,
 #                     registrations written (engine), registrations read (rank), rows placed]
 ERROR_BYTES = 4096
-RECORD = 128  # one registration: int64 [generation, offset, n, point stride, id length] + id
-RECORD_ID = 40  # the id's byte offset within a record
-LOG_HEAD, LOG_READ, PLACED = 5, 6, 7  # control words
+# Words 5 and 6 (LOG_HEAD, LOG_READ) and the record layout (RECORD) belong to the registration
+# log, defined where its two sides are (engine/shmdest.py); this file only sizes and places the
+# log in the file. The import goes this way only (shmdest never imports stepring: it is handed
+# the mapped ring), so the two modules are no import cycle.
+PLACED = 7  # control word
+assert PLACED not in (LOG_HEAD, LOG_READ) and max(LOG_HEAD, LOG_READ, PLACED) < CONTROL // 8
 SHM_DIR = "/dev/shm"
 # The spec reaches the workers in their environment, not in additional_config: vLLM hashes
 # additional_config into its compile-cache key (VllmConfig.compute_hash, checked 0.32.0), and a
@@ -137,8 +142,6 @@ class _Mapped:
         fd = os.open(spec.path, flags, 0o600)
         try:
             if create:
-                from .shmdest import reserve
-
                 try:
                     reserve(fd, spec.size(), spec.path, "max_num_batched_tokens")
                 except BaseException:
@@ -173,8 +176,6 @@ class RingWriter(_Mapped):
         self.seq = int(self.control[0])
         self.placer = None
         if spec.arena_path:
-            from .shmdest import Placer
-
             self.placer = Placer(self, spec.width, spec.torch_dtype)
 
     def publish(self, req_ids, counts, starts, fed_pos: torch.Tensor, fed_ids: torch.Tensor,

@@ -4,8 +4,11 @@ Everything is validated before any data is read, any actor starts or any byte is
 a typo found after an hour of capture (or, worse, silently ignored) costs the hour. Every error
 names the field as it is written in YAML (`packing.context_size`) and says how to fix it.
 
-The sections live in pipeline/sections.py (model, capture, store, ray) and
-pipeline/corpus_sections.py (data, packing), the YAML and override helpers in pipeline/yamlconf.py,
+The sections live in pipeline/sections.py (model, capture, store, ray),
+pipeline/corpus_sections.py (data, packing) and pipeline/generate_section.py (capture.generate);
+they are leaves that import only config helpers, never the runtime modules using them (data,
+generation, ...: those import the sections, one way, so loading a config is no import cycle).
+The YAML and override helpers in pipeline/yamlconf.py,
 the cache paths in pipeline/paths.py; the names callers import from here are re-exported.
 """
 

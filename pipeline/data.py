@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .config import DataConfig, expand_path
+# the section and path helper from the modules that own them (config.py re-exports both): the
+# config never imports this runtime module, so the import runs one way (no cycle)
+from .corpus import pydoc_corpus_path
+from .corpus_sections import DataConfig
+from .paths import expand_path
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +75,6 @@ class ResolvedSource:
 def resolve_source(cfg: DataConfig) -> ResolvedSource:
     source = cfg.source
     if source == "pydoc" and cfg.format is None:
-        from .corpus import pydoc_corpus_path
-
         path = str(pydoc_corpus_path())
         return ResolvedSource("files", "json", [path], f"pydoc topics ({Path(path).name})")
     fmt = None if cfg.format == "chat" else cfg.format  # chat: the file format as for null

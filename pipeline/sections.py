@@ -2,7 +2,7 @@
 
 This module holds the sections about the engine and where it runs and writes: `model`,
 `capture`, `store` and `ray`; the corpus side (`data`, `packing`) is in
-pipeline/corpus_sections.py. Every error names the field as it is written in YAML
+pipeline/corpus_sections.py, `capture.generate` in pipeline/generate_section.py. Every error names the field as it is written in YAML
 (`packing.context_size`) and says how to fix it; pipeline/config.py assembles the sections into a
 HarvestConfig and loads them from YAML.
 """
@@ -19,6 +19,7 @@ from harvest.engine import BACKENDS
 from harvest.engine.addresses import KNOWN_POINTS
 
 from .config_fields import ConfigError, check_bool, check_choice, check_float, check_int, check_str
+from .generate_section import from_section
 from .paths import expand_path
 
 # Upper bounds of the float fields (config_fields.check_float refuses NaN and inf for all of them):
@@ -133,7 +134,7 @@ class CaptureConfig:
     # max_new_tokens tokens; chat: the conversation with the template's generation prompt) n
     # times and capture the generated tokens too (None: prompt capture only); fields
     # {max_new_tokens, n, temperature, top_p, seed, stop, stop_at_eos, keep_prompt}. A mapping in
-    # YAML, a pipeline.generation.GenerateConfig once validated; FORMAT.md "Generation".
+    # YAML, a pipeline.generate_section.GenerateConfig once validated; FORMAT.md "Generation".
     generate: Any = None
 
     def validate(self) -> None:
@@ -154,8 +155,6 @@ class CaptureConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.generate is not None:
-            from .generation import from_section
-
             self.generate = from_section(self.generate)
             self.generate.validate()
 
