@@ -68,3 +68,22 @@ def read_meta_checked(st, name: str, start: int, stop: int) -> np.ndarray:
         a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
         parts.append(read_meta(st, m, sh, name)[a - sh["row_start"]:b - sh["row_start"]])
     return np.concatenate(parts) if parts else np.empty(0, layout.ROW_META[name])
+
+
+def read_generation_column(st, name: str, start: int, stop: int, checked: bool) -> np.ndarray:
+    """`gen` or `sample` of rows [start, stop) for Store.read_gen / read_sample: plain zarr, or
+    committed rows checked against their markers. Both exist only in generation stores, so any
+    other store is refused (a reader asking which rows were generated must not get zeros from a
+    store that never generated); `sample` alone may be absent there (n = 1, or made before n > 1
+    existed) and then every row is sample 0."""
+    if "gen" not in st.meta_columns:
+        raise ValueError(f"read_{name}: this store has no `gen` column, no generated rows (it was "
+                         "not created for generation: capture.generate / "
+                         "create_store(generated=True))")
+    if not 0 <= start <= stop <= st.n_rows:
+        raise ValueError(f"read_{name}: [{start}, {stop}) is outside 0..{st.n_rows}")
+    if name not in st.meta_columns:
+        return np.zeros(stop - start, layout.ROW_META[name])
+    if checked:
+        return read_meta_checked(st, name, start, stop)
+    return st._meta_array(name)[start:stop]

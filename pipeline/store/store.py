@@ -247,32 +247,14 @@ class Store:
         """The `gen` column of rows [start, stop) (FORMAT.md "Generation"), plain zarr like
         read_row_meta, or committed rows checked against their markers (`checked`). Only a store
         made for generation has it: on any other store this is an error saying so."""
-        if "gen" not in self.meta_columns:
-            raise ValueError("read_gen: this store has no `gen` column (it was not created for "
-                             "generation: capture.generate / create_store(generated=True))")
-        if not 0 <= start <= stop <= self.n_rows:
-            raise ValueError(f"read_gen: [{start}, {stop}) is outside 0..{self.n_rows}")
-        if checked:
-            return _reads.read_meta_checked(self, "gen", start, stop)
-        return self._meta_array("gen")[start:stop]
+        return _reads.read_generation_column(self, "gen", start, stop, checked)
 
     def read_sample(self, start: int, stop: int, checked: bool = False) -> np.ndarray:
         """Which of its prompt's n samples each row of [start, stop) belongs to (int16;
         FORMAT.md "Generation"), like read_gen. A generation store made for one sample per
         prompt (no `sample` column, e.g. every store made before n > 1) reads as zeros; a store
         not made for generation is an error, as in read_gen."""
-        if "gen" not in self.meta_columns:
-            raise ValueError("read_sample: this store has no generated rows (it was not created "
-                             "for generation: capture.generate / create_store(generated=True))")
-        if not 0 <= start <= stop <= self.n_rows:
-            raise ValueError(f"read_sample: [{start}, {stop}) is outside 0..{self.n_rows}")
-        if "sample" not in self.meta_columns:
-            return np.zeros(stop - start, np.int16)
-        if checked:
-            from .reads import read_meta_checked
-
-            return read_meta_checked(self, "sample", start, stop)
-        return self._meta_array("sample")[start:stop]
+        return _reads.read_generation_column(self, "sample", start, stop, checked)
 
     # ---- plan --------------------------------------------------------------------------------
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:

@@ -16,6 +16,16 @@ from . import layout
 from .moments import crc32c
 
 
+# why a store lacks an optional column, and how to get a store that has it (FORMAT.md)
+_NO_COLUMN = {
+    "role": "made before chat input existed); write chat rows to a new store",
+    "gen": "not created for generation: create_store(generated=True), which the pipeline does "
+           "when capture.generate is set",
+    "sample": "made for one sample per prompt: create_store(samples=True), which the pipeline "
+              "does when capture.generate.n > 1",
+}
+
+
 class UnitMeta:
     def __init__(self, unit_id: int, row_start: int, row_end: int,
                  stats_filter: "tuple[np.ndarray, int, int] | None",
@@ -31,26 +41,15 @@ class UnitMeta:
     def write(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
               sample=None) -> None:
         cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
-        if "role" in self.cols:
-            # a text unit gives no roles: every row is plain text (roles.TEXT = 0)
-            cols["role"] = np.zeros(len(token_id), np.int8) if role is None else role
-        elif role is not None:
-            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no role column (made "
-                             "before chat input existed); write chat rows to a new store")
-        if "gen" in self.cols:
-            # rows written without gen are prompt rows (layout.GEN_PROMPT = 0)
-            cols["gen"] = np.zeros(len(token_id), np.int8) if gen is None else gen
-        elif gen is not None:
-            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no gen column (not "
-                             "created for generation: create_store(generated=True), which the "
-                             "pipeline does when capture.generate is set)")
-        if "sample" in self.cols:
-            # rows written without sample belong to sample 0 (FORMAT.md, "Generation")
-            cols["sample"] = np.zeros(len(token_id), np.int16) if sample is None else sample
-        elif sample is not None:
-            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no sample column "
-                             "(made for one sample per prompt: create_store(samples=True), "
-                             "which the pipeline does when capture.generate.n > 1)")
+        for name, given in (("role", role), ("gen", gen), ("sample", sample)):
+            if name in self.cols:
+                # a row written without an optional column has its default: plain text
+                # (roles.TEXT), a prompt row (layout.GEN_PROMPT), sample 0 -- all code 0
+                cols[name] = (np.zeros(len(token_id), layout.ROW_META[name]) if given is None
+                              else given)
+            elif given is not None:
+                raise ValueError(f"write_meta: unit {self.unit_id}'s store has no {name} column "
+                                 f"({_NO_COLUMN[name]})")
         n = None
         arrs = {}
         for name, v in cols.items():
