@@ -221,15 +221,25 @@ class HarvestState:
         """Plan one step's rows (request order, counts, first positions as the runner ran
         them), refuse stray rows and submit the copies from `buf` into the destinations. The
         in-process runner calls it after each forward; across processes (tensor parallel) the
-        capture loop calls it with a step read from the step ring (engine/remote.py)."""
+        capture loop plans a step read from the step ring the same way (engine/remote.py)."""
+        plan = self.plan_rows(req_ids, counts, starts)
+        if plan is None:
+            return
+        dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
+        self.enqueue(plan, self.transport.submit(plan, buf, self.slots, fed_pos, fed_ids, dests))
+
+    def plan_rows(self, req_ids, counts, starts):
+        """A step's row plan, stray rows refused and dropped rows counted; None when the step
+        has no row to deliver (only dropped rows: nothing to copy, no ticket to wait for)."""
         lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
         plan = plan_step(req_ids, counts, starts, lengths, self.retired)
         require_no_stray(plan)
         self.dropped_rows += plan.dropped
-        if not plan.segments:  # only dropped rows: nothing to copy, no ticket to wait for
-            return
-        dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
-        ticket = self.transport.submit(plan, buf, self.slots, fed_pos, fed_ids, dests)
+        return plan if plan.segments else None
+
+    def enqueue(self, plan, ticket) -> None:
+        """Hold a planned step's ticket until its copies land: each request it writes to has
+        one more copy pending (take/wait_all_and_drop wait for them)."""
         for s in plan.segments:
             self.dests[s.rid].pending += 1
         self.tickets.append(ticket)

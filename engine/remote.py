@@ -28,7 +28,7 @@ import torch
 from . import compat
 from . import taps as tapmod
 from .addresses import Address
-from .coverage import CoverageError, plan_step, require_no_stray
+from .coverage import CoverageError
 from .harvest import HarvestState
 from .shmdest import Registrations, SharedArena
 from .stepring import RingReader, RingStep, new_spec
@@ -140,11 +140,8 @@ class RemoteHarvest(HarvestState):
         refusal; rows the rank placed are checked against the request's registration, the
         others are copied from the slot. Fed tokens and coverage are checked in `poll` as
         in-process (the ticket is complete at once: the rank finished before it published)."""
-        lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
-        plan = plan_step(step.req_ids, step.counts, step.starts, lengths, self.retired)
-        require_no_stray(plan)
-        self.dropped_rows += plan.dropped
-        if not plan.segments:
+        plan = self.plan_rows(step.req_ids, step.counts, step.starts)
+        if plan is None:
             return
         placed = dict(zip(step.req_ids, step.placed.tolist()))
         for seg in plan.segments:
@@ -161,10 +158,8 @@ class RemoteHarvest(HarvestState):
                     "request's (a stale or overwritten registration)")
             else:
                 self.rows_placed += seg.count
-        for seg in plan.segments:
-            self.dests[seg.rid].pending += 1
-        self.tickets.append(Ticket(plan, step.fed_pos, step.fed_ids,
-                                   rids=tuple(s.rid for s in plan.segments)))
+        self.enqueue(plan, Ticket(plan, step.fed_pos, step.fed_ids,
+                                  rids=tuple(s.rid for s in plan.segments)))
 
     def step_stats(self) -> dict:
         return {**super().step_stats(), "rows_placed": self.rows_placed}
