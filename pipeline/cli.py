@@ -1,4 +1,4 @@
-"""`harvest run|plan|status|verify|inspect|report|check-model|schedule`: the pipeline for people.
+"""`harvest run|plan|status|verify|finalize|uncommit|inspect|report|...`: the pipeline for people.
 
 `status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
 work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from .cli_args import config_args, load_args_config, print_json, store_args, store_target
+from .cli_repair import add_parsers as add_repair
 from .config import ConfigError, HarvestConfig
 from .schedule_cli import add_parser as add_schedule
 from .store.credentials import redact_url
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--json", action="store_true")
     cm.set_defaults(fn=cmd_check_model)
     add_schedule(sub)
+    add_repair(sub)   # finalize, uncommit (cli_repair.py)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
         sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     return p

@@ -145,6 +145,12 @@ def status_text(s: dict) -> str:
     if s.get("damaged"):
         lines.append(f"  damaged: finalized, but {s.get('n_missing_units')} planned units have lost "
                      "their commit marker: run harvest verify")
+    if s.get("n_unpublished_units"):
+        n = s["n_unpublished_units"]
+        lines.append(f"  {n} committed units unpublished (zarr-only readers see fill there): "
+                     + ("their writers are publishing them" if s.get("active") else
+                        f"run `harvest finalize {s['url']}`")
+                     + f" {s['unpublished_units'][:10]}")
     if s["missing_units"] and (not s["finalized"] or s.get("damaged")):
         more = "" if len(s["missing_units"]) < 50 else " ..."
         lines.append(f"  uncommitted units: {s['missing_units'][:20]}{more}")
@@ -162,9 +168,14 @@ def verify_text(v: dict, complete: bool) -> str:
                      f"sidecars read back ({size(c.get('bytes_read', 0))}) for "
                      f"{c.get('markers', 0):,} committed units, checked against their markers' "
                      "digests")
-    else:
+    elif c.get("objects"):
         lines.append(f"  sizes of {c.get('objects', 0):,} objects of {c.get('markers', 0):,} "
                      f"committed units checked ({size(v.get('stored_bytes'))}); --deep reads "
+                     "every byte")
+    else:
+        lines.append(f"  markers and publish records of {c.get('markers', 0):,} committed units "
+                     "checked (each unit's objects were found at their recorded sizes when it "
+                     "was published); objects not listed now: --objects lists them, --deep reads "
                      "every byte")
     if v["missing_units"]:
         lines.append(f"  uncommitted units: {v['missing_units'][:20]}")

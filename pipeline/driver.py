@@ -85,6 +85,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     max_contexts = None if cfg.packing.max_tokens is None else cfg.packing.max_tokens // C
     if existing is not None:
         check_resume(existing, cfg, prep)
+        sink.on_resume(existing, prep.layout.capacity_rows)
         state = resume_state(existing, prep, max_contexts)
         if state.complete and existing.summary is not None:
             s = dict(existing.summary or {})

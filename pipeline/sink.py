@@ -9,10 +9,14 @@ the store and the lease, so no step can be skipped on some path out of the drive
   come from the loaded engine), or the existing one on resume.
 - the writes: each unit is written and committed by an actor (actor.py, store/writer.py); the
   driver's scheduler (dispatch.py) only hands them out. Nothing here.
-- `on_write_complete`: verify (markers, plan coverage, recorded sizes: no object listing), then
-  finalize with the run's summary, under the lease.
-- `on_write_failed`: a run that failed before its store existed removes its lease again (bad
-  input leaves nothing behind); otherwise the lease is released so a rerun resumes at once.
+- `on_resume`: a resumed store's committed units without a publish record are published, or
+  uncommitted when their data is gone (re-captured by this run); a store shrunk by an early
+  finalize gets its capacity back.
+- `on_write_complete`: publish what writers left unpublished, verify (markers, plan coverage,
+  publish records: no object listing), then finalize with the run's summary, under the lease.
+- `on_write_failed`: publish what is committed (SIGTERM included); a run that failed before its
+  store existed removes its lease again (bad input leaves nothing behind); otherwise the lease
+  is released so a rerun resumes at once.
 """
 
 from __future__ import annotations
@@ -113,10 +117,43 @@ class StoreSink:
                                        "chunk_contexts": chunk_contexts})
         return store
 
+    def on_resume(self, store, capacity_rows: int) -> None:
+        """Before a resume decides what is left: a store an old `Store.finalize` shrank while
+        its plan was not fully committed gets its capacity back, and committed units without a
+        publish record are published, or uncommitted (loudly) when their data is gone, so the
+        resume re-captures them (store/published.py)."""
+        from .store.finalize import plan_gap, unfinalize
+
+        self.lease.assert_held("checking the committed units")
+        gap = plan_gap(store)
+        if gap is not None and unfinalize(store, capacity_rows):
+            log.warning("store %s was finalized while %s: its arrays are back to %d rows and the "
+                        "resume goes on", self.shown_url, gap, store.n_rows)
+        self.settle(store, repair=True)
+
+    def settle(self, store, repair: bool) -> dict:
+        from .store.published import settle_text
+
+        report = store.settle(repair=repair)
+        if report["published"]:
+            log.info("published %d committed units their writers had not: %s",
+                     len(report["published"]), report["published"][:20])
+        text = settle_text(report, self.shown_url)
+        if text is not None:
+            log.warning("%s", text)
+        return report
+
     # -- complete / failed -------------------------------------------------------------------
     def on_write_complete(self, store, summarize: Callable[[dict], dict]) -> dict:
-        """Verify, then finalize with `summarize(verify)`; returns the summary."""
+        """Publish what a writer left unpublished (a unit whose data is gone is uncommitted and
+        the run fails, naming it: a re-run re-captures it), verify (markers, plan coverage,
+        publish records), then finalize with `summarize(verify)`; returns the summary."""
+        from .store.published import settle_text
+
         self.lease.assert_held("finalizing")
+        report = self.settle(store, repair=True)
+        if report["uncommitted"]:
+            raise HarvestError(f"store {self.shown_url}: {settle_text(report, self.shown_url)}")
         # markers, plan coverage and recorded sizes only: listing every object is `harvest
         # verify --objects` (tens of thousands of LIST pages at corpus scale), never run here
         verify = store.verify(objects=False)
@@ -130,6 +167,16 @@ class StoreSink:
         return summary
 
     def on_write_failed(self) -> None:
+        """Publish what is committed (a SIGTERM or a failure must not leave committed units
+        readable by harvest alone until a re-run), then release the lease."""
+        if self.store is not None and self.lease is not None:
+            try:
+                self.lease.assert_held("publishing committed units")
+                self.settle(self.store, repair=False)
+            except Exception as e:  # noqa: BLE001 -- best effort: finalize/resume settle again
+                log.warning("publishing committed units on the way out failed (%s: %s); "
+                            "`harvest finalize %s` or the next run does it", type(e).__name__, e,
+                            self.shown_url)
         self._let_go()
 
     def on_write_done(self) -> None:

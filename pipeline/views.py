@@ -38,13 +38,18 @@ def driver_state(loc, ttl: "float | None" = None) -> "dict | None":
 
 def store_missing(url: str, storage_options: dict | None = None) -> bool:
     """True when nothing is at `url` yet (a job still starting), as opposed to a store we
-    cannot read (open_store's errors say why)."""
+    cannot read (open_store's errors say why). A bucket that does not exist is not "no store
+    yet": that is a StoreAccessError naming the bucket (a typo in the URL; `run` says the same)."""
     from harvest.pipeline.store.backend import locate
 
     try:
-        return locate(url, storage_options).read_bytes("zarr.json", attempts=2) is None
+        loc = locate(url, storage_options)
+        missing = loc.read_bytes("zarr.json", attempts=2) is None
     except Exception:  # noqa: BLE001 -- open_store reports access errors properly
         return False
+    if missing:
+        loc.ensure_container(False)
+    return missing
 
 
 def status(url: str, storage_options: dict | None = None,
@@ -100,6 +105,10 @@ def status(url: str, storage_options: dict | None = None,
             eta = (planned_rows - done_rows) / rate if rate > 0 else None
     committed_ids = {n.unit_id for n in done}
     missing = sorted(set(rows_of) - committed_ids)
+    from harvest.pipeline.store.published import unpublished
+
+    # committed units whose objects are not known to be at their zarr keys (store/published.py)
+    unpub = unpublished(store, done)
     finalized = store.summary is not None
     return {
         "url": store.url,
@@ -111,6 +120,8 @@ def status(url: str, storage_options: dict | None = None,
         "n_missing_units": len(missing),
         # finalized, yet planned units have no marker: markers were lost after finalize
         "damaged": finalized and bool(missing),
+        "unpublished_units": unpub[:50],
+        "n_unpublished_units": len(unpub),
         "planned_rows": planned_rows,
         "committed_rows": done_rows,
         "fraction": done_rows / planned_rows if planned_rows else 0.0,

@@ -18,17 +18,50 @@ import zarr
 from . import commits as _commits
 from . import layout
 from .credentials import redact_attrs
-from .errors import StoreError
+from . import published as _published
+from .errors import DataIntegrityError, StoreError
 from .jsonattrs import jsonable as _jsonable, now as _now
-from .objects import abort_losing_uploads, attempt_objects, settle_uploads
+from .objects import abort_losing_uploads, attempt_objects
 
 if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.finalize
     from .store import Store
 
 
+def plan_gap(store: Store) -> "str | None":
+    """Why the store's plan is not fully committed (None when it is, or when it has no plan):
+    finalize shrinks every array to the committed rows, which a resume could not write past."""
+    plan = store.plans.read()
+    units = plan["units"]
+    if not units and not plan["final"]:
+        return None   # no plan recorded (tools, tests): every marker counts, as verify says
+    rows = {u.unit_id: (u.row_start, u.row_end) for u in units}
+    done = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
+    missing = sorted(set(rows) - done)
+    if not missing and plan["final"]:
+        return None
+    why = [f"{len(missing)} of its {len(rows)} planned units are not committed (e.g. "
+           f"{missing[:10]})"] if missing else []
+    if not plan["final"]:
+        why.append("its plan is not final (the corpus was not read to its end)")
+    return " and ".join(why)
+
+
 def finalize(store: Store, summary: dict | None = None) -> dict:
+    """Publish and check what is committed (published.settle), then finalize: refused while
+    the plan is not fully committed, or while a committed unit's data is gone or damaged."""
     if store.read_only:
         raise StoreError("finalize: store was opened read-only")
+    gap = plan_gap(store)
+    if gap is not None:
+        raise StoreError(
+            f"finalize: {store.url} is not finished: {gap}. Finalizing would shrink every array "
+            "to the committed rows and the resume could not write the rest: re-run the harvest "
+            "to finish it (it finalizes at the end); `harvest finalize URL` publishes what is "
+            "committed without finalizing")
+    settled = _published.settle(store)
+    text = _published.settle_text(settled, store.url)
+    if text is not None:
+        raise DataIntegrityError(f"finalize: {text}")
     loc = store.location
     P = len(store.points)
     refs: list[tuple[int, dict]] = []
@@ -41,10 +74,10 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     # row metadata chunk (a shard's, or a unit's: meta_chunk_rows) -> attempt
     codec = store.meta_codec("token_id")  # None: a codec chain harvest does not write (per shard)
     meta_owner = _Owners(codec.chunk if codec is not None else store.shard_rows)
-    pending = loc.pending_uploads("")  # uploads never completed ({} where objects are moved)
+    # uploads never completed ({} where objects are moved): after settle published every
+    # committed unit, those left are a losing attempt's (aborted below) or an unfinished writer's
+    pending = loc.pending_uploads("")
     for m in store.iter_committed():
-        if pending:
-            settle_uploads(store, pending, m)  # a writer died between its marker and publishing
         owner.add(m)
         meta_owner.add(m)
         refs.append((m["unit_id"], m["stats"]))
@@ -168,7 +201,8 @@ def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
 
 
 def _shrink(store: Store, n_rows: int) -> None:
-    """Arrays sized for a capacity become exactly the rows committed. Only zarr.json changes:
+    """Arrays sized for a capacity become exactly the rows committed (or, from `unfinalize`,
+    back to the capacity). Only zarr.json changes:
     every committed object lies inside the new shape and nothing outside it was ever written
     (zarr's own resize would walk every chunk key of the old shape to delete it: 2^40 rows)."""
     loc = store.location
@@ -180,6 +214,34 @@ def _shrink(store: Store, n_rows: int) -> None:
     store.n_rows = int(n_rows)
     store._h["n_rows"] = int(n_rows)
     store._arrays.clear()  # cached arrays and codecs know the old shape
+
+
+FINALIZE_ATTRS = ("summary", "stats", "stats_kept", "compression_ratio", "finalized_at",
+                  "committed_rows")
+
+
+def unfinalize(store: Store, capacity_rows: int) -> bool:
+    """Undo a finalize that shrank a store whose plan was not fully committed (the old
+    `Store.finalize` allowed it): every array back to `capacity_rows` (zarr.json only) and the
+    finalize attributes dropped, so the resume can write its remaining units. Returns whether
+    anything changed. Driver only (it alone writes zarr.json)."""
+    if store.read_only:
+        raise StoreError("unfinalize: store was opened read-only")
+    attrs = store._meta["attributes"]
+    if store.n_rows >= capacity_rows and not any(k in attrs for k in FINALIZE_ATTRS):
+        return False
+    if store.n_rows < capacity_rows:
+        _shrink(store, capacity_rows)   # only zarr.json: no object lies past the old shape
+    g = zarr.open_group(store=store._zstore, mode="r+", zarr_format=3)
+    h = dict(g.attrs["harvest"])
+    h["n_rows"] = store.n_rows
+    keep = {k: v for k, v in dict(g.attrs).items() if k not in FINALIZE_ATTRS}
+    keep["harvest"] = h
+    g.attrs.put(keep)   # the whole attribute set at once (update merges: keys would stay)
+    for k in FINALIZE_ATTRS:
+        attrs.pop(k, None)
+    attrs["harvest"] = h
+    return True
 
 
 def _listed_bytes(store: Store, point: str) -> int:

@@ -49,6 +49,8 @@ SIDECAR_DIR = f"{CONTROL_DIR}/stats"     # per-unit stats partials, written befo
 TABLES_DIR = f"{CONTROL_DIR}/tables"     # per-unit object tables (v3), written before their marker
 # compacted copies of markers (a cache, see commits.py) and void records of stale copies
 INDEX_DIR = f"{CONTROL_DIR}/index"
+# one record per unit whose objects are all at their zarr keys at their recorded sizes (published.py)
+PUBLISHED_DIR = f"{CONTROL_DIR}/published"
 PROBE_DIR = f"{CONTROL_DIR}/probe"
 # A writer puts each shard and metadata chunk under a name of its own attempt, and only the
 # writer whose marker was created moves them to the zarr keys: a late writer of the same unit can
@@ -75,6 +77,7 @@ MAX_BLOCK_SET_BYTES = 128 << 20
 _POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[0-9]+)?$")
 _MARKER = re.compile(r"^unit-(\d{8,})\.(\d+)-(\d+)\.json$")
 _VOID = re.compile(r"^void-(\d{8,})\.([0-9A-Za-z]+)\.json$")
+_PUBLISHED = re.compile(r"^unit-(\d{8,})\.([0-9A-Za-z]+)\.json$")
 
 
 def point_path(point: str) -> str:
@@ -143,6 +146,18 @@ def void_key(unit_id: int, attempt: str) -> str:
 
 def parse_void_name(name: str) -> "tuple[int, str] | None":
     m = _VOID.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def published_key(unit_id: int, attempt: str) -> str:
+    """A unit's publish record: every object of attempt `attempt` (its marker's) is at its zarr
+    key at its recorded size (published.py). Named by attempt: a rewrite after uncommit needs
+    its own."""
+    return f"{PUBLISHED_DIR}/unit-{int(unit_id):08d}.{attempt}.json"
+
+
+def parse_published_name(name: str) -> "tuple[int, str] | None":
+    m = _PUBLISHED.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
 
 

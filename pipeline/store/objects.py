@@ -51,38 +51,65 @@ def _repair(m: dict) -> str:
             "harvest again (it rewrites that unit)")
 
 
-# A reader meeting a committed object recorded as an upload (S3 multipart) that is not at its
-# zarr key yet retries this long: its writer completes it right after the marker, in a second.
+def repair_hint(url: str, unit_id) -> str:
+    """The one repair of a committed unit whose data is gone or damaged."""
+    return (f"run `harvest uncommit {url} --unit {unit_id}`, then the same harvest again (it "
+            "re-captures the unit)")
+
+
+# A reader meeting a committed object whose upload (S3 multipart) is still outstanding retries
+# this long: its writer completes it right after the marker, in a second. Only then: an object
+# that is gone (no upload outstanding) or damaged (another size or CRC32C) is reported at once.
 UNPUBLISHED_WAIT_S = (0.25, 0.5, 1.0, 2.0)
+
+
+def _outstanding(loc, key: str, upload: dict) -> bool:
+    """Whether `upload` is still pending at `key` (one listing of the uploads under the key)."""
+    try:
+        return upload.get("upload_id") in loc.pending_uploads(key)
+    except Exception:  # noqa: BLE001 -- cannot tell: say gone/damaged from what was read
+        return False
 
 
 def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | None, what: str,
                  marker: dict, upload: "dict | None" = None) -> bytes:
-    """The first copy at `keys` whose size and CRC32C match the marker's record. An object
-    recorded as an upload exists only once completed: it is waited for briefly, then reported
-    as committed but unpublished (never read as fill zeros)."""
+    """The first copy at `keys` whose size and CRC32C match the marker's record. What fails is
+    told apart, each with its one repair: **pending** (the object's upload is outstanding: waited
+    for briefly, then `harvest finalize`), **gone** (no copy and no upload outstanding) and
+    **damaged** (a copy of another size or CRC32C), the last two at once and never as zeros."""
     import time
 
-    for delay in (UNPUBLISHED_WAIT_S if upload else ()):
-        try:
-            return _read_first(loc, keys, want_crc, want_size, what, marker)
-        except DataIntegrityError:
+    from .credentials import redact_url
+
+    blob, tried, damaged = _read_first(loc, keys, want_crc, want_size)
+    if blob is not None:
+        return blob
+    uid = marker.get("unit_id")
+    if upload and _outstanding(loc, keys[0], upload):
+        for delay in UNPUBLISHED_WAIT_S:
             time.sleep(delay)
             loc.invalidate(keys[0])
-    try:
-        return _read_first(loc, keys, want_crc, want_size, what, marker)
-    except DataIntegrityError as e:
-        if not upload:
-            raise
-        raise DataIntegrityError(
-            f"{what} of unit {marker.get('unit_id')} is committed, not yet published (upload "
-            f"{upload.get('upload_id')} of attempt {marker.get('attempt')} not completed): a writer "
-            f"is publishing it or died; run `harvest finalize` ({e})") from None
+            blob, tried, damaged = _read_first(loc, keys, want_crc, want_size)
+            if blob is not None:
+                return blob
+            if not _outstanding(loc, keys[0], upload):
+                break
+        else:
+            raise DataIntegrityError(
+                f"{what} of unit {uid} is committed, not yet published: pending (upload "
+                f"{upload.get('upload_id')} of attempt {marker.get('attempt')} is outstanding: a "
+                f"writer is publishing it or died); run `harvest finalize {redact_url(loc.url)}` "
+                f"({'; '.join(tried)})")
+    state = "damaged" if damaged else "gone"
+    cause = ("a copy differs from what its writer recorded" if damaged else
+             "no copy exists" + (" and no upload is outstanding" if upload else ""))
+    raise DataIntegrityError(f"{what} of unit {uid} is {state}: {cause} ({'; '.join(tried)}); "
+                             f"{repair_hint(redact_url(loc.url), uid)}")
 
 
-def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | None, what: str,
-                marker: dict) -> bytes:
-    tried = []
+def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | None):
+    """(the first intact copy or None, what each key held, whether some copy was damaged)."""
+    tried, damaged = [], False
     for k in keys:
         try:
             blob = loc.read_bytes(k)
@@ -93,12 +120,13 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
             tried.append(f"{k}: missing")
         elif want_size is not None and len(blob) != want_size:
             tried.append(f"{k}: {len(blob)} bytes, its writer stored {want_size}")
+            damaged = True
         elif want_crc is not None and google_crc32c.value(blob) != want_crc:
             tried.append(f"{k}: CRC32C differs from the marker's")
+            damaged = True
         else:
-            return blob
-    raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} has no intact copy ("
-                             + "; ".join(tried) + f"): the store is damaged; {_repair(marker)}")
+            return blob, tried, damaged
+    return None, tried, damaged
 
 
 def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = None,
@@ -315,6 +343,6 @@ def attempt_objects(loc) -> dict[str, list[tuple[str, int, str, int]]]:
     return out
 
 
-__all__ = ["writes_per_object", "complete_uploads", "settle_uploads", "abort_losing_uploads",
+__all__ = ["repair_hint", "writes_per_object", "complete_uploads", "settle_uploads", "abort_losing_uploads",
            "read_point", "read_meta", "read_checked", "publish",
            "attempt_objects", "point_keys", "meta_keys"]

@@ -108,6 +108,25 @@ class Storage(abc.ABC):
         return bool(with_retries(lambda: self.fs.exists(self.key(rel)), f"stat {rel}",
                                  budget_s=self.budget_s))
 
+    def object_sizes(self, rels: list[str], threads: int = 16) -> "dict[str, int | None]":
+        """{rel: size in bytes, None when absent} of each object, one stat (a HEAD on object
+        storage) each, `threads` at a time, as the storage holds them now."""
+        def one(rel: str):
+            path = self.key(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                info = with_retries(lambda: self.fs.info(path), f"stat {rel}", budget_s=self.budget_s)
+            except FileNotFoundError:
+                return None
+            return None if info.get("type") == "directory" else int(info.get("size") or 0)
+
+        if len(rels) <= 1:
+            return {r: one(r) for r in rels}
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(rels)), thread_name_prefix="harvest-stat") as ex:
+            return dict(zip(rels, ex.map(one, rels)))
+
     def list_dir(self, rel: str) -> list[str]:
         """Names (not paths) directly under `rel`, as the storage holds them now; [] if none."""
         path = self.key(rel)

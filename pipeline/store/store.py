@@ -29,6 +29,7 @@ from . import info as _info
 from . import layout
 from . import moments as _moments
 from . import objects as _objects
+from . import published as _published
 from . import reads as _reads
 from . import shardcodec as _codec
 from . import statsfiles as _statsfiles
@@ -353,6 +354,7 @@ class Store:
         takes, even where its bytes differ (commits.uncommit)."""
         if self.read_only:
             raise StoreError("uncommit: store was opened read-only")
+        _published.forget(self._loc, unit_id)   # first: a unit without a record is checked
         for n in _commits.uncommit(self._loc, unit_id):
             self._markers.pop(n, None)
         self._shard_map = None
@@ -360,6 +362,16 @@ class Store:
     def write_index(self, markers) -> int:
         """Append markers to the compacted commit index (the driver, as units commit)."""
         return _commits.write_index_segment(self._loc, markers)
+
+    def settle(self, repair: bool = False) -> dict:
+        """Publish committed units that have no publish record yet (complete their pending
+        uploads, check every object's size) and record them; report the rest as gone or
+        damaged, uncommitting them when `repair` (published.settle)."""
+        return _published.settle(self, repair=repair)
+
+    def unpublished_units(self) -> list[int]:
+        """Committed units without a publish record (two listings; published.unpublished)."""
+        return _published.unpublished(self)
 
     # ---- statistics --------------------------------------------------------------------------
     def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:

@@ -28,6 +28,7 @@ import numpy as np
 from . import commits as _commits
 from . import layout
 from . import moments as _moments
+from . import published as _published
 from .objects import attempt_objects, read_meta, read_point
 from .tables import shard_ids, unit_shards
 from .planlog import check_units
@@ -36,6 +37,7 @@ if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.v
     from .store import Store
 
 _MAX_ERRORS = 200
+_DIAGNOSED = 5   # unpublished units whose objects verify's default mode stats (the first few)
 
 
 def _guard(errors: list[str], what: str, fn, default=None):
@@ -89,6 +91,10 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
                       f"rows, its markers now cover {committed_rows}: markers were lost or added since")
     _guard(errors, "array metadata", lambda: _check_arrays(store, errors))
     want = _Wanted(store.points, store.meta_columns) if objects else None
+    records = _guard(errors, "the publish records cannot be listed",
+                     lambda: _published.published_units(store.location), {})
+    unpublished: list[dict] = []   # the first few markers, for a diagnosis
+    n_unpublished = 0
     stored = 0
     markers = _guard(errors, "the commit markers cannot be read",
                      lambda: store.iter_committed(matching, planned=True), iter(()))
@@ -115,6 +121,10 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
             if want is not None:
                 for sh in recs:
                     want.add(m, sh)
+        if records is not None and not _published.is_published(records, m):
+            n_unpublished += 1
+            if len(unpublished) < _DIAGNOSED:
+                unpublished.append(m)
         stored += _stored(m)
         if deep:
             errors += _deep_unit(store, m, checked)
@@ -123,6 +133,8 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
     lost = sorted(committed_ids - got_ids)
     if lost and len(errors) <= _MAX_ERRORS:
         errors.append(f"markers of units {lost[:10]} are listed but cannot be read (deleted or not JSON)")
+    if n_unpublished:
+        errors += _unpublished_errors(store, unpublished, n_unpublished)
     if objects and len(errors) <= _MAX_ERRORS:
         _guard(errors, "object listing", lambda: errors.extend(_check_objects(store, want, checked)))
     return {"ok": not errors, "errors": errors[:_MAX_ERRORS + 10], "n_rows": store.n_rows,
@@ -130,7 +142,35 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
             "missing_units": missing_units, "planned_rows": planned_rows,
             "committed_rows": committed_rows,
             "committed_fraction": committed_rows / planned_rows if planned_rows else 0.0,
+            "unpublished_units": n_unpublished,
             "deep_checked": deep, "checked": checked, "stored_bytes": stored}
+
+
+def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
+    """Committed units without a publish record (published.py), the first few diagnosed: one
+    listing of pending uploads and a stat per object of those units."""
+    from .credentials import redact_url
+
+    url = redact_url(store.url)
+    out = [f"{n} committed units are not published (no publish record): readers that know only "
+           f"zarr see fill values there; run `harvest finalize {url}` (it completes pending "
+           "uploads, checks every object and records the unit, and names units whose data is gone)"]
+    pending = _guard(out, "pending uploads cannot be listed",
+                     lambda: store.location.pending_uploads(""), {}) or {}
+    for m in ms:
+        uid = m["unit_id"]
+        state, why = _guard(out, f"unit {uid}", lambda: _published.diagnose_unit(store, m, pending),
+                            ("unknown", ""))
+        if state == "pending":
+            out.append(f"unit {uid}: pending: {why}: run `harvest finalize {url}`")
+        elif state in ("gone", "damaged"):
+            out.append(f"unit {uid}: {state}: {why}: {_published.repair_hint(url, uid)}")
+        elif state == "unrecorded":
+            out.append(f"unit {uid}: every object present, its publish record missing: run "
+                       f"`harvest finalize {url}`")
+    if n > len(ms):
+        out.append(f"({n - len(ms)} more unpublished units not diagnosed)")
+    return out
 
 
 def _stored(m: dict) -> int:

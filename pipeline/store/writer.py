@@ -31,6 +31,7 @@ from .credentials import redact_attrs, scrub
 from .dtypes import dtype_name
 from .errors import RegionConflict, RegionWriteFailed
 from .jsonattrs import jsonable as _jsonable
+from . import published as _published
 from .objects import publish
 from .writeblocks import Shard, runs, to_numpy
 from .uploads import ShardUploads
@@ -303,7 +304,15 @@ class RegionWriter(ShardUploads):
         under the attempt's name, and finalize finishes a publish a crash cut."""
 
         try:
-            publish(self._store, manifest, etags=self._etags())
+            n = publish(self._store, manifest, etags=self._etags())
+            # every object reached its zarr key in this call: record it (published.py); a
+            # shortfall (an upload gone, a move whose source vanished) is left to settle's check
+            want = len(_published.unit_objects(self._store, manifest))
+            if n == want:
+                _published.write_record(self._store.location, manifest, n)
+            else:
+                log.warning("unit %d: %d of its %d objects were published by its writer; finalize "
+                            "checks the rest", self.unit_id, n, want)
         except Exception as e:  # noqa: BLE001 -- committed already; readers fall back, finalize repairs
             log.warning("unit %d: moving its objects to their zarr keys failed (%s); they stay under "
                         "attempt %s until finalize", self.unit_id,
