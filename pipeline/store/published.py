@@ -164,7 +164,7 @@ def diagnose_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
     waiting = [o for o in objs if o.upload is not None and o.upload["upload_id"] in pending]
     sizes = store.location.object_sizes([o.final for o in objs if o not in waiting])
     copies = store.location.object_sizes([o.attempt_key for o in objs if o.attempt_key])
-    wrong, missing = [], []
+    wrong, missing, unmoved = [], [], []
     for o in objs:
         if o in waiting:
             continue
@@ -173,6 +173,8 @@ def diagnose_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
             missing.append(o)
         elif o.size is not None and o.size not in have:
             wrong.append(f"{o.what}: {have[0]} bytes at {o.final}, its writer stored {o.size}")
+        elif sizes.get(o.final) != o.size and copies.get(o.attempt_key) is not None:
+            unmoved.append(o)   # intact under its attempt's name only: publishing moves it
     if wrong:
         return "damaged", "; ".join(wrong[:3])
     if missing:
@@ -180,6 +182,9 @@ def diagnose_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
                         f"(e.g. {missing[0].what} at {missing[0].final})")
     if waiting:
         return "pending", f"{len(waiting)} of its {len(objs)} objects await their upload's completion"
+    if unmoved:
+        return "pending", (f"{len(unmoved)} of its {len(objs)} objects are still under their "
+                           "attempt's name, not at their zarr keys")
     return "unrecorded", ""
 
 
