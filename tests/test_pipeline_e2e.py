@@ -40,11 +40,43 @@ def test_local_store_two_actors_matches_single_process(ray_cluster, tiny_llama, 
     assert open_store(cfg.store.resolved_url).committed_units() == markers
 
 
-def test_s3_store_two_actors_matches_single_process(ray_cluster, tiny_llama, corpus, reference,
-                                                    seaweedfs, s3_url):
-    cfg = make_cfg(tiny_llama, s3_url, corpus, storage_options=seaweedfs.storage_options)
+def test_s3_store_two_actors_matches_single_process_then_survives_a_lifecycle_abort(
+        ray_cluster, tiny_llama, corpus, reference, seaweedfs, s3_url, capsys, monkeypatch):
+    """A clean S3 run matches the reference; then (issue 37 item 1) the store a driver leaves
+    when it dies between four units' markers and the completion of their uploads, after a
+    bucket lifecycle rule aborted those uploads: markers and tables there, no object at the
+    units' keys, no upload outstanding, no publish record, not finalized (tests/
+    test_store_publish.py makes the same state with a writer stopped before its completion and
+    the S3 API's AbortMultipartUpload). `verify` refuses, naming the units gone; the re-run of
+    the same config re-captures exactly those units and the store equals the reference."""
+    from harvest.pipeline.cli import main
+    from harvest.pipeline.store import layout
+    from harvest.pipeline.store.finalize import unfinalize
+    from harvest.pipeline.store.published import unit_objects
+
+    so = seaweedfs.storage_options
+    cfg = make_cfg(tiny_llama, s3_url, corpus, storage_options=so)
     summary = run(cfg)
-    store = open_store(s3_url, storage_options=seaweedfs.storage_options)
+    store = open_store(s3_url, storage_options=so)
     check_store(store, reference)
     assert summary["units_run"] == reference[0].n_units
     assert seaweedfs.secret_key not in str(store.attrs) + str(store.summary)
+
+    lost = [1, 6, 11, 20]
+    unfinalize(store, cfg.packing.max_tokens)            # the dead driver never finalized
+    for m in store.iter_committed():
+        if m["unit_id"] in lost:
+            for o in unit_objects(store, m):
+                store.location.delete(o.final)
+            store.location.delete(layout.published_key(m["unit_id"], m["attempt"]))
+    for k, v in seaweedfs.env.items():                  # the CLI reads credentials from AWS_*
+        monkeypatch.setenv(k, v)
+    assert main(["verify", s3_url]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "4 committed units are not published" in out
+    for u in lost[:4]:
+        assert f"unit {u}: gone" in out and f"--unit {u}`" in out
+    again = run(cfg)
+    assert again["units_run"] == len(lost) and again["units_skipped"] == reference[0].n_units - 4
+    check_store(open_store(s3_url, storage_options=so), reference)
+    assert main(["verify", s3_url]) == 0

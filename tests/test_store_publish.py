@@ -180,6 +180,15 @@ def test_finalize_refuses_a_partial_plan_and_harvest_finalize_publishes(tmp_path
     x = synthetic.activations((P, N, W), seed=7)
     _fill(s, x, [0])
     _fill(s, x, [1], monkeypatch, publish=False)   # objects still under its attempt's name
+    import datetime as dt
+
+    from harvest.pipeline.cli_text import status_text
+    from harvest.pipeline.views import status
+
+    # issue 37 item 5: status says it (an hour after the last commit: an interrupted run)
+    out = status_text(status(url, now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)))
+    assert f"1 committed units unpublished (zarr-only readers see fill there): run `harvest " \
+           f"finalize {url}` [1]" in out
     with pytest.raises(StoreError, match=r"not finished: 2 of its 4 planned units are not "
                                          r"committed.*re-run the harvest"):
         s.finalize()
