@@ -29,7 +29,7 @@ from .config import HarvestConfig
 from .dispatch import Scheduler
 from .dispatch_report import DispatchReport
 from .errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
-from .exits import orderly_signals
+from .exits import orderly_signals, shutdown_ray
 from .logs import StartWatch, progress_bar
 from .packing import PackingError
 from .context_rows import sum_stats
@@ -138,9 +138,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
         if actors:
             kill_all(actors)
         if started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_ray()   # exits.py: and the watcher of a local cluster (reaper.py)
     if sched.frontier.paused:
         return _paused(cfg, prep, store, sched, t_start, emit, len(state.committed),
                        dispatch_seconds)

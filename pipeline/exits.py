@@ -10,6 +10,9 @@ with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell rep
 A second signal while that cleanup runs is logged and ignored: it would abort the cleanup
 halfway (whoever sent it follows with SIGKILL if it will not wait; Kubernetes does).
 
+A driver killed by SIGKILL runs none of this: a watcher process started with a local cluster
+(reaper.py) stops that cluster's processes, by pid, once the driver is gone.
+
 A local Ray that fails to start (Ray's "The current node timed out during startup" on a loaded
 machine, or a signal in the middle of `ray.init`) leaves the processes it had started (gcs_server,
 raylet, dashboard): `init_local_ray` stops them by the pids this process started, never by name.
@@ -24,6 +27,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from . import reaper
 from .errors import HarvestError
 
 log = logging.getLogger("harvest.pipeline")
@@ -112,6 +116,15 @@ def stop_pids(pids, grace: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def shutdown_ray() -> None:
+    """`ray.shutdown()`; a local cluster this process started is stopped with it, and its
+    watcher (reaper.py) goes first, its work done."""
+    import ray
+
+    reaper.stop(_state.pop("reaper", None))
+    ray.shutdown()
+
+
 def init_local_ray(kw: dict[str, Any]) -> None:
     """`ray.init(**kw)` starting a local cluster; if it fails, the processes it started are stopped
     (by pid) and the failure is one clear error, not Ray's traceback."""
@@ -121,6 +134,8 @@ def init_local_ray(kw: dict[str, Any]) -> None:
     t0 = time.monotonic()
     try:
         ray.init(**kw)
+        # a watcher that stops these processes if this driver dies without doing it (SIGKILL)
+        _state["reaper"] = reaper.start(_children() - before)
     except BaseException as e:
         leftovers = _children() - before
         try:
