@@ -23,13 +23,14 @@ waits; nothing depends on choosing its period. A unit without a record is never 
   completed); with `repair=True` those are uncommitted (loudly) so the resume re-captures them.
 - verify's default mode and `status` count committed units without a record (one listing).
 
-Cost at Llama-3.1-8B's shape (32 points x 4096, 262,144-row units, 3,815 units per 10^9 tokens):
-one PUT of ~100 B per unit (3,815 PUTs, against ~2.1 M object uploads), one LIST page per 1,000
-units to learn which are published (4 pages), and stats only for units without a record: 16,416
-HEADs per such unit (512 shards x 32 points, plus its 3 metadata chunks), none in a run where
-every writer published. Stores written before records existed have none: the first settle stats
-every object once (2.1 M HEADs per 10^9 tokens; 16 threads at ~10 ms a HEAD is ~1,600/s, ~22
-min) and records them.
+Cost at Llama-3.1-8B's shape (32 points x 4096, 262,144-row units of 16 shards, 3,815 units per
+10^9 tokens; benchmarks/bench_publish.py on SeaweedFS): one PUT of ~100 B per unit (7.8 ms each
+here, 30 s of requests per 10^9 tokens spread over the actors, against ~37 M requests of data),
+one LIST page per 1,000 units to learn which are published (0.9 s for 3,815 records), and stats
+only for units without a record: 515 HEADs per such unit (16 shards x 32 points and 3 metadata
+chunks; 1.9 s at 278 HEADs/s here), none in a run where every writer published. Stores written
+before records existed have none: the first settle stats every object once (~2 M HEADs per 10^9
+tokens, ~2 h at this box's rate) and records them.
 """
 
 from __future__ import annotations
