@@ -242,3 +242,15 @@ def test_a_store_shrunk_by_the_old_finalize_grows_back(tmp_path):
     assert r.verify(deep=True)["ok"] and r.n_rows == N
     for i, p in enumerate(r.points):
         assert np.array_equal(r.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
+
+
+def test_verify_and_status_name_a_bucket_that_does_not_exist(seaweedfs, monkeypatch, capsys):
+    """Issue 37 item 5: a typo'd bucket is not "no store yet": both commands name it."""
+    from harvest.pipeline.cli import main
+
+    for k, v in seaweedfs.env.items():
+        monkeypatch.setenv(k, v)
+    for cmd in ("verify", "status"):
+        assert main([cmd, "s3://harvest-tset/run"]) == 2
+        err = capsys.readouterr().err
+        assert "bucket 'harvest-tset'" in err and "does not exist" in err and "yet" not in err, err
