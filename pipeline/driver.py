@@ -35,7 +35,7 @@ from .packing import PackingError
 from .context_rows import sum_stats
 from .prepare import Prepared, prepare
 from .resume import check_resume, fresh_state, resume_state
-from .sink import StoreSink
+from .sink import StoreSink, settle_or_fail
 from .store.credentials import redact_url
 from .tokenpool import TokenPool, env_for_workers
 
@@ -151,6 +151,7 @@ def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, 
     """A tick's end (stop_tokens reached): every planned unit is committed, nothing finalized.
     The same verify as at the end (markers, plan coverage) so a tick never reports rows it lost;
     the summary is the caller's to keep (schedule.py records it beside the store)."""
+    settle_or_fail(store, redact_url(store.url))   # sink.py: every committed unit published
     verify = store.verify(objects=False)
     if not verify["ok"] or verify["missing_units"]:
         raise HarvestError(f"store {redact_url(store.url)} failed verification after a paused "

@@ -132,28 +132,15 @@ class StoreSink:
         self.settle(store, repair=True)
 
     def settle(self, store, repair: bool) -> dict:
-        from .store.published import settle_text
-
-        report = store.settle(repair=repair)
-        if report["published"]:
-            log.info("published %d committed units their writers had not: %s",
-                     len(report["published"]), report["published"][:20])
-        text = settle_text(report, self.shown_url)
-        if text is not None:
-            log.warning("%s", text)
-        return report
+        return settle(store, self.shown_url, repair)
 
     # -- complete / failed -------------------------------------------------------------------
     def on_write_complete(self, store, summarize: Callable[[dict], dict]) -> dict:
         """Publish what a writer left unpublished (a unit whose data is gone is uncommitted and
         the run fails, naming it: a re-run re-captures it), verify (markers, plan coverage,
         publish records), then finalize with `summarize(verify)`; returns the summary."""
-        from .store.published import settle_text
-
         self.lease.assert_held("finalizing")
-        report = self.settle(store, repair=True)
-        if report["uncommitted"]:
-            raise HarvestError(f"store {self.shown_url}: {settle_text(report, self.shown_url)}")
+        settle_or_fail(store, self.shown_url)
         # markers, plan coverage and recorded sizes only: listing every object is `harvest
         # verify --objects` (tens of thousands of LIST pages at corpus scale), never run here
         verify = store.verify(objects=False)
@@ -190,3 +177,28 @@ class StoreSink:
             self.lease.release()
         else:  # nothing was created: leave nothing behind
             self.lease.remove_if_alone()
+
+
+def settle(store, shown_url: str, repair: bool) -> dict:
+    """store.settle, its findings logged (store/published.py)."""
+    from .store.published import settle_text
+
+    report = store.settle(repair=repair)
+    if report["published"]:
+        log.info("published %d committed units their writers had not: %s",
+                 len(report["published"]), report["published"][:20])
+    text = settle_text(report, shown_url)
+    if text is not None:
+        log.warning("%s", text)
+    return report
+
+
+def settle_or_fail(store, shown_url: str) -> None:
+    """Before a run certifies its store (finalize, or a paused tick's verify): every committed
+    unit published, or those whose data is gone uncommitted and the run failed, naming them (a
+    re-run re-captures them)."""
+    from .store.published import settle_text
+
+    report = settle(store, shown_url, repair=True)
+    if report["uncommitted"]:
+        raise HarvestError(f"store {shown_url}: {settle_text(report, shown_url)}")
