@@ -1,9 +1,12 @@
 """verify: is every planned row committed exactly once, and is what the markers vouch for there?
 
 Default mode: the plan against the markers (one listing; a marker whose row range disagrees with
-the plan never counts), each marker against its own region, and every committed object (shards
-and metadata chunks, published or still under their attempt's name) present at the size its
-writer recorded, from one listing per array (temp files of failed writes are not objects).
+the plan never counts), each marker against its own region, and each committed unit's publish
+record (one listing, published.py: every object of the unit was found at its key at its recorded
+size when it was published); units without one fail, the first few diagnosed pending, gone or
+damaged. Objects mode adds every committed object (shards and metadata chunks, published or
+still under their attempt's name) present at the size its writer recorded, from one listing per
+array (temp files of failed writes are not objects).
 Deep mode reads every committed byte back: each object against the CRC32C its marker records,
 the decoded rows against the rows' CRC32C, each unit's metadata against its digests, each stats
 sidecar against its sha256; it reports how many objects and bytes it checked.
