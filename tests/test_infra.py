@@ -10,6 +10,8 @@ each other and against the package: the same image, Ray version, Secret, ConfigM
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
 import shlex
 import shutil
@@ -420,6 +422,61 @@ def test_dockerfiles_install_this_package():
         runs = " ".join(rest for instr, rest in instrs if instr == "RUN")
         assert f'"/src[{extra}]"' in runs, f"{name} must `pip install .[{extra}]`"
         assert "import vllm, ray, zarr, torch" in runs, f"{name} lost its import smoke check"
+
+
+def smoke_checks(instrs) -> list[str]:
+    """The image's own checks: the `python ...`/`harvest ...` commands of its RUN instructions
+    (a RUN is `a && b && ...`), read from the Dockerfile so a test of them never goes stale."""
+    out = []
+    for instr, rest in instrs:
+        if instr != "RUN":
+            continue
+        for cmd in re.split(r"\s&&\s", rest):
+            cmd = cmd.strip()
+            if re.match(r"(python|harvest)\s", cmd) and not cmd.startswith("python -m venv"):
+                out.append(cmd)
+    return out
+
+
+def _public_modules() -> set[str]:
+    """What an image must be able to import, derived from the package and the manifests: the
+    `harvest` script's module, the RayJob entrypoint's module, the engine, and the store (the
+    package that ships FORMAT.md, wherever a layout change puts it)."""
+    meta = pyproject()
+    script = meta["project"]["scripts"]["harvest"].split(":")[0]
+    stores = [p for p, files in meta["tool"]["setuptools"]["package-data"].items()
+              if "FORMAT.md" in files]
+    assert len(stores) == 1, stores
+    return {script, _entrypoint()[2], "harvest.engine", stores[0]}
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_dockerfile_smoke_checks_pass_in_the_project_environment(name, tmp_path):
+    """Each image ends its build by importing the public entry points and running the CLIs; the
+    same commands, with the Dockerfile's ARG defaults in the environment as `docker build` sets
+    them, run here against this checkout (from an empty directory: nothing found by accident in
+    the current folder). A check naming a module that does not exist fails here, not in a build."""
+    instrs = dockerfile(DOCKER / name)
+    checks = smoke_checks(instrs)
+    assert any(c.startswith("python -c") for c in checks), f"{name} lost its import smoke check"
+    imported = set()
+    for c in checks:
+        for stmt in re.findall(r"(?:^|;|\")\s*import ([\w., ]+)", c):
+            imported |= {m.strip() for m in stmt.split(",")}
+    missing = _public_modules() - imported
+    assert not missing, f"{name}: the import check does not name {sorted(missing)}"
+    assert any(c.split()[0] == "harvest" for c in checks), f"{name}: no `harvest` CLI check"
+    bindir = str(Path(sys.executable).parent)
+    assert shutil.which("harvest", path=bindir), "the `harvest` script is not installed"
+    env = {**os.environ, **docker_args(instrs), "PYTHONPATH": str(REPO),
+           "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    for cmd in checks:
+        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{name}: `{cmd[:80]}...` failed:\n{r.stderr[-3000:]}"
+    cmd = json.loads(next(rest for instr, rest in instrs if instr == "CMD"))
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name}: CMD {cmd} failed:\n{r.stderr[-3000:]}"
 
 
 def test_cpu_image_pins_cpu_torch_and_drops_the_broken_extras():
