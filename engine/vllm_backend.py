@@ -27,7 +27,7 @@ from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_point
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
-from .parallel import EngineLost, check_parallel
+from .parallel import EngineLost, check_parallel, check_tp_fits
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -85,6 +85,11 @@ class VLLMModel:
             self.mode = "freeze"
         self.tp = check_parallel(tensor_parallel_size, engine_args.get("pipeline_parallel_size", 1),
                                  self.mode)
+        if self.tp > 1:  # before vLLM starts: its refusal comes late and wrapped (parallel.py)
+            from transformers import AutoConfig
+
+            check_tp_fits(self.tp, AutoConfig.from_pretrained(name_or_path, revision=revision)
+                          .to_dict(), model=name_or_path)
         self.profile = plat.detect()
         eng = plat.engine_defaults(self.profile, {
             **engine_args, "max_num_batched_tokens": max_num_batched_tokens,

@@ -201,7 +201,10 @@ def root_cause(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     if cause is not None and cause is not exc:
         return f"{type(cause).__name__}: {cause}"
-    text = str(exc).strip().splitlines()
+    # the last line that says something: pydantic (vLLM's config errors) ends its message with
+    # a "For further information visit <url>" footer, which alone told an operator nothing
+    text = [ln.strip() for ln in str(exc).strip().splitlines()
+            if ln.strip() and not ln.strip().startswith("For further information visit")]
     return text[-1] if text else type(exc).__name__
 
 
