@@ -163,6 +163,7 @@ class VLLMModel:
                 self.arena.unlink()
         if self.tp > 1:
             self.state = self._remote_state(ring)
+            self._dist_ident = _dist_ident(self.llm)
         else:
             self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
@@ -409,3 +410,32 @@ class VLLMModel:
         gc.collect()
         if arena is not None:
             arena.close()
+        remove_dist_files(getattr(self, "_dist_ident", None))
+
+
+def _dist_ident(llm) -> "str | None":
+    try:
+        return next((i for i in compat.worker_calls(llm, "harvest_dist_ident") if i), None)
+    except Exception:  # noqa: BLE001 -- only used to clean up at close
+        return None
+
+
+def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the files of this engine's rank group (vLLM CPU's shared-memory all-reduce
+    segments, one per rank, and the group's file store): a rank that died (SIGKILL, OOM) leaves
+    its own, and the executor's shutdown removes none of them. `ident` is unique per engine
+    (vLLM's `vllm_dist_<uuid>`), so no other engine's files match. Returns what was removed."""
+    import glob
+    import tempfile
+
+    if not ident or "/" in ident or not ident.startswith("vllm_dist_"):
+        return []
+    removed = []
+    for path in glob.glob(os.path.join(shm_dir, glob.escape(ident) + "-*")) + [
+            os.path.join(tempfile.gettempdir(), ident)]:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
