@@ -15,9 +15,12 @@ actor or GPU starts, so a tick with nothing to do costs a few small reads:
   tick checks against the first finished store's token ids.
 
 A tick whose store is being written by a live driver alerts: `busy` (exit 3) while that run is
-younger than `stuck_after_s`, `stuck` (exit 4) after. A failed run exits 1. Every outcome is a
-`Tick` with a one-line status, optionally POSTed to a webhook. Each run's summary is kept beside
-the store (`_harvest/schedule/tick-<n>.json`): the report and `harvest plan` read rates from them.
+younger than `stuck_after_s`, `stuck` (exit 4) after. A failed run exits 1 and reports the
+tokens it left committed. Every outcome is a `Tick` with a one-line status, optionally POSTed to a
+webhook. Each run's summary is kept beside the store (`_harvest/schedule/tick-<n>.json`): the
+report and `harvest plan` read rates from them. Each tick first records its target
+(`start-<n>.json`, schedule_log.py): a tick killed or failed before its end is finished by the
+next one, up to that target, and recorded under its own number.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .schedule_log import TICK_DIR, read_ticks  # noqa: F401 -- re-exported
 
 log = logging.getLogger("harvest.pipeline")
 
-EXIT_OK, EXIT_FAILED, EXIT_BUSY, EXIT_STUCK = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_BUSY, EXIT_STUCK = 0, 1, 2, 3, 4
 MODES = ("extend", "checkpoints")
 
 
@@ -93,7 +96,7 @@ def _is_hub(cfg: HarvestConfig) -> bool:
 class Tick:
     """One tick's outcome for one store: what it found or did, and the exit code it means."""
 
-    status: str        # complete | ran | paused | would_run | busy | stuck | failed
+    status: str        # complete | ran | paused | would_run | busy | stuck | failed | invalid
     store: str
     message: str
     tokens: int = 0     # committed tokens after the tick
@@ -102,8 +105,8 @@ class Tick:
 
     @property
     def exit_code(self) -> int:
-        return {"busy": EXIT_BUSY, "stuck": EXIT_STUCK, "failed": EXIT_FAILED}.get(self.status,
-                                                                                   EXIT_OK)
+        return {"busy": EXIT_BUSY, "stuck": EXIT_STUCK, "failed": EXIT_FAILED,
+                "invalid": EXIT_INVALID}.get(self.status, EXIT_OK)
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "exit_code": self.exit_code}

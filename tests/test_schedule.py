@@ -119,6 +119,7 @@ def test_busy_ok_exits_0_and_still_posts_and_exit_2_is_posted(tmp_path, capsys):
                      "--set", "packing.max_tokens=null", "--webhook", url])
         assert code == 2
         assert len(got) == 1 and got[0]["ticks"][0]["status"] == "invalid"
+        assert got[0]["ticks"][0]["exit_code"] == 2
         assert "packing.max_tokens" in got[0]["text"]
 
 
