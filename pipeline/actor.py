@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .actor_engine import check_engine, gpu_ids, load_engine
+from .actor_engine import check_engine, close_engine, gpu_ids, load_engine
 from .logs import mark_phase, redirect_actor
 from .messages import ActorSpec, UnitResult, UnitTask
 
@@ -381,20 +381,9 @@ class HarvestActor:
         self._close_engine(CLOSE_TIMEOUT_S)
 
     def _close_engine(self, timeout: float, here: bool = False) -> None:
-        """Close the engine once, on its own thread (or on this one: `here`, called from the
-        engine thread itself), waiting at most `timeout` seconds."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if here:
-                t = threading.Thread(target=self.engine.close, daemon=True)
-                t.start()
-                t.join(timeout)
-            else:
-                self._engine_thread.submit(self.engine.close).result(timeout)
-        except Exception as e:  # noqa: BLE001 -- closing is best effort at the end of a process
-            log.warning("actor %d: closing the engine: %s: %s", self.index, type(e).__name__, e)
+        if not self._closed:
+            self._closed = True
+            close_engine(self.engine, None if here else self._engine_thread, timeout, self.index)
 
 
 def _torch_dtype(np_dtype):
