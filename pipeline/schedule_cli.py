@@ -16,7 +16,7 @@ folder per tick (`<cache>/logs/<name>-<time>/`, named on the console and in `--j
 
 from __future__ import annotations
 
-from .cli_args import config_args, load_args_config, print_json
+from .cli_args import config_args, is_user_error, load_args_config, print_json
 
 
 def add_parser(sub) -> None:
@@ -48,9 +48,7 @@ def cmd_schedule(args) -> int:
     try:
         ticks, log_dir = _ticks(args)
     except Exception as e:
-        from .cli import _is_user_error
-
-        if args.webhook and _is_user_error(e):  # exit 2: posted like every non-zero outcome
+        if args.webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
             hook = notify(args.webhook, [Tick("invalid", "", f"{type(e).__name__}: {e}")])
             if hook:
                 print(f"warning: {hook}")
