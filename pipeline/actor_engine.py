@@ -103,3 +103,22 @@ def check_engine(engine) -> dict:
         return check_loaded(engine)
     except Exception as e:  # noqa: BLE001 -- reported to the driver, which stops the run
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def close_engine(engine, thread, timeout: float, index: int) -> None:
+    """Close an actor's engine (vLLM's executor and ranks, the arena, ring and rank-group files
+    in /dev/shm) on its engine `thread` (None: the caller is that thread), waiting at most
+    `timeout` seconds; best effort, at the end of the actor's process."""
+    import logging
+    import threading
+
+    try:
+        if thread is None:
+            t = threading.Thread(target=engine.close, daemon=True)
+            t.start()
+            t.join(timeout)
+        else:
+            thread.submit(engine.close).result(timeout)
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("harvest.actor").warning("actor %d: closing the engine: %s: %s", index,
+                                                   type(e).__name__, e)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_args import config_args, load_args_config, print_json, store_args, store_target
+from .cli_args import (config_args, is_user_error, load_args_config, print_json, store_args,
+                       store_target)
 from .cli_repair import add_parsers as add_repair
-from .config import ConfigError, HarvestConfig
+from .config import HarvestConfig
 from .schedule_cli import add_parser as add_schedule
 from .store.credentials import redact_url
 
@@ -322,22 +323,10 @@ def main(argv: "list[str] | None" = None) -> int:
               file=sys.stderr)
         return getattr(e, "exit_code", 130)
     except Exception as e:
-        if _is_user_error(e):
+        if is_user_error(e):
             print(f"harvest {args.cmd}: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
-
-
-def _is_user_error(e: BaseException) -> bool:
-    from .data import DataError
-    from .errors import HarvestError
-    from .packing import PackingError
-
-    try:
-        from harvest.pipeline.store import StoreError
-    except Exception:  # pragma: no cover
-        StoreError = ()  # type: ignore
-    return isinstance(e, (ConfigError, DataError, PackingError, HarvestError, StoreError))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from .config import HarvestConfig, default_config_path, load_config
+from .config import ConfigError, HarvestConfig, default_config_path, load_config
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
@@ -43,3 +43,17 @@ def print_json(args, obj) -> None:
     """The command's one JSON document, on the stream `main` keeps for it (logs.json_stdout:
     nothing else reaches stdout under --json)."""
     print(json.dumps(obj, indent=2, default=str), file=getattr(args, "json_out", None) or sys.stdout)
+
+
+def is_user_error(e: BaseException) -> bool:
+    """An error in what the user gave (config, data, store): exit 2 with its message, no
+    traceback (`harvest` main; `harvest schedule` also posts it to its webhook)."""
+    from .data import DataError
+    from .errors import HarvestError
+    from .packing import PackingError
+
+    try:
+        from harvest.pipeline.store import StoreError
+    except Exception:  # pragma: no cover
+        StoreError = ()  # type: ignore
+    return isinstance(e, (ConfigError, DataError, PackingError, HarvestError, StoreError))

@@ -109,6 +109,8 @@ def status_state(s: dict) -> str:
         return "finished, but damaged (run harvest verify)" if s.get("damaged") else "finished"
     if s["plan_complete"] and s["committed_units"] == s["planned_units"] and s["planned_units"]:
         return "all units committed, not finalized (re-run to finalize)"
+    if s.get("paused"):
+        return "paused by a scheduled tick (healthy; the next `harvest schedule extend` continues)"
     return "running" if s.get("active") else "interrupted (re-run the same config to resume)"
 
 
@@ -125,6 +127,9 @@ def status_text(s: dict) -> str:
              f"  {s['committed_units']}/{s['planned_units']} units, "
              f"{s['committed_rows']:,}/{s['planned_rows']:,} tokens ({100 * s['fraction']:.1f}%)"
              + ("" if s["plan_complete"] else "; the plan is still growing")]
+    if s.get("paused") and s.get("budget_rows"):
+        lines.append(f"  {s['committed_rows']:,} of the {s['budget_rows']:,}-token budget "
+                     f"(packing.max_tokens): {100 * s['committed_rows'] / s['budget_rows']:.1f}%")
     if s.get("finalized") and s.get("summary"):
         sm = s["summary"]
         lines.append(f"  {size(sm.get('bytes_stored'))} stored, compression "

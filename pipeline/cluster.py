@@ -201,7 +201,10 @@ def root_cause(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     if cause is not None and cause is not exc:
         return f"{type(cause).__name__}: {cause}"
-    text = str(exc).strip().splitlines()
+    # the last line that says something: pydantic (vLLM's config errors) ends its message with
+    # a "For further information visit <url>" footer, which alone told an operator nothing
+    text = [ln.strip() for ln in str(exc).strip().splitlines()
+            if ln.strip() and not ln.strip().startswith("For further information visit")]
     return text[-1] if text else type(exc).__name__
 
 
@@ -226,10 +229,29 @@ def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[dict]:
     return infos
 
 
-def kill_all(handles: list) -> None:
-    """Kill the actors, then remove their placement groups (see Actors)."""
+CLOSE_WAIT_S = 45.0  # the actors' engines close in parallel; a hung one is killed after this
+
+
+def kill_all(handles: list, close_first: bool = True) -> None:
+    """Close the actors' engines (`close_first`: vLLM's executor and its ranks unlink their
+    /dev/shm queues, ours the arena and step ring; a killed process leaves them), then kill the
+    actors and remove their placement groups (see Actors)."""
     import ray
 
+    if close_first and handles:
+        refs = []
+        for a in handles:
+            try:
+                refs.append(a.close.remote())
+            except Exception:  # noqa: BLE001 -- an actor already gone
+                pass
+        try:
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=CLOSE_WAIT_S)
+            if waiting:
+                log.warning("%d actor(s) did not close their engine in %.0f s: killed",
+                            len(waiting), CLOSE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 -- killing below is what matters
+            log.debug("closing actors: %s", e)
     for a in handles:
         try:
             ray.kill(a, no_restart=True)

@@ -63,7 +63,24 @@ def model_facts(cfg: HarvestConfig) -> tuple[str, Any]:
             f"{str(e).splitlines()[0] if str(e) else ''}); give a checkpoint dir, a hub name, "
             "smollm2 or tiny:<arch>"
         ) from None
+    if cfg.model.tensor_parallel_size > 1:
+        check_model_tp(cfg, path)
     return path, info
+
+
+def check_model_tp(cfg: HarvestConfig, path: str) -> None:
+    """model.tensor_parallel_size against the model's config (heads, KV heads, MLP width,
+    vocabulary as vLLM splits them), before Ray or an engine starts."""
+    from transformers import AutoConfig
+
+    from harvest.engine.parallel import check_tp_fits
+
+    try:
+        check_tp_fits(cfg.model.tensor_parallel_size,
+                      AutoConfig.from_pretrained(path).to_dict(),
+                      "model.tensor_parallel_size", repr(cfg.model.path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def context_limit(cfg: HarvestConfig, info) -> int:

@@ -15,9 +15,12 @@ actor or GPU starts, so a tick with nothing to do costs a few small reads:
   tick checks against the first finished store's token ids.
 
 A tick whose store is being written by a live driver alerts: `busy` (exit 3) while that run is
-younger than `stuck_after_s`, `stuck` (exit 4) after. A failed run exits 1. Every outcome is a
-`Tick` with a one-line status, optionally POSTed to a webhook. Each run's summary is kept beside
-the store (`_harvest/schedule/tick-<n>.json`): the report and `harvest plan` read rates from them.
+younger than `stuck_after_s`, `stuck` (exit 4) after. A failed run exits 1 and reports the
+tokens it left committed. Every outcome is a `Tick` with a one-line status, optionally POSTed to a
+webhook. Each run's summary is kept beside the store (`_harvest/schedule/tick-<n>.json`): the
+report and `harvest plan` read rates from them. Each tick first records its target
+(`start-<n>.json`, schedule_log.py): a tick killed or failed before its end is finished by the
+next one, up to that target, and recorded under its own number.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .schedule_log import TICK_DIR, read_ticks  # noqa: F401 -- re-exported
 
 log = logging.getLogger("harvest.pipeline")
 
-EXIT_OK, EXIT_FAILED, EXIT_BUSY, EXIT_STUCK = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_BUSY, EXIT_STUCK = 0, 1, 2, 3, 4
 MODES = ("extend", "checkpoints")
 
 
@@ -93,7 +96,7 @@ def _is_hub(cfg: HarvestConfig) -> bool:
 class Tick:
     """One tick's outcome for one store: what it found or did, and the exit code it means."""
 
-    status: str        # complete | ran | paused | would_run | busy | stuck | failed
+    status: str        # complete | ran | paused | would_run | busy | stuck | failed | invalid
     store: str
     message: str
     tokens: int = 0     # committed tokens after the tick
@@ -102,8 +105,8 @@ class Tick:
 
     @property
     def exit_code(self) -> int:
-        return {"busy": EXIT_BUSY, "stuck": EXIT_STUCK, "failed": EXIT_FAILED}.get(self.status,
-                                                                                   EXIT_OK)
+        return {"busy": EXIT_BUSY, "stuck": EXIT_STUCK, "failed": EXIT_FAILED,
+                "invalid": EXIT_INVALID}.get(self.status, EXIT_OK)
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "exit_code": self.exit_code}
@@ -186,16 +189,41 @@ def extend_tick(cfg: HarvestConfig, sc: ScheduleConfig, run_fn: RunFn = _default
     if alert is not None:
         alert.budget = budget
         return alert
+    loc = _location(cfg)
+    seq, start = schedule_log.open_start(loc)
+    if start is not None and st.committed_tokens >= int(start.get("target_tokens", 0)) \
+            and st.committed_tokens == st.planned_tokens:
+        if not sc.check_only:
+            schedule_log.drop_start(loc, seq)  # it died after its last commit: nothing owed
+        start = None
     if sc.check_only:
+        what = (f"finish tick {seq} (killed or failed; target {start['target_tokens']:,} "
+                "tokens)" if start else f"capture the next {sc.tokens_per_tick:,}")
         return Tick("would_run", st.shown_url,
                     f"{st.shown_url}: {st.committed_tokens:,} of {budget:,} tokens committed; a "
-                    f"tick would capture the next {sc.tokens_per_tick:,}", st.committed_tokens,
-                    budget)
-    return _run_one(cfg, run_fn, sc.tokens_per_tick, budget)
+                    f"tick would {what}", st.committed_tokens, budget)
+    resumed = start is not None
+    if start is None:  # kept before anything starts: a killed tick's re-run knows its tokens
+        start = schedule_log.record_start(loc, seq, {
+            "started": time.time(), "tokens_per_tick": sc.tokens_per_tick,
+            "planned_tokens": st.planned_tokens, "committed_tokens": st.committed_tokens,
+            "target_tokens": st.planned_tokens + sc.tokens_per_tick})
+    stop = max(0, int(start["target_tokens"]) - st.planned_tokens)
+    tick = _run_one(cfg, run_fn, stop, budget, seq=seq, start=start)
+    if resumed:
+        tick.message = (f"tick {seq} was killed or failed before its end; this run finished its "
+                        f"tokens (target {int(start['target_tokens']):,}): " + tick.message)
+    return tick
+
+
+def _location(cfg: HarvestConfig):
+    from .store.backend import locate
+
+    return locate(cfg.store.resolved_url, cfg.store.fs_options())
 
 
 def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
-             budget: "int | None") -> Tick:
+             budget: "int | None", seq: "int | None" = None, start: "dict | None" = None) -> Tick:
     from .store.credentials import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
@@ -203,12 +231,14 @@ def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
     try:
         summary = run_fn(cfg, stop_tokens=stop_tokens)
     except Exception as e:  # noqa: BLE001 -- the tick reports it (exit 1) instead of a traceback
-        return Tick("failed", shown, f"the run on {shown} failed: {type(e).__name__}: {e}; the "
-                    "store is resumable: the next tick continues it")
+        tokens = _committed_after_failure(cfg)
+        return Tick("failed", shown, f"the run on {shown} failed: {type(e).__name__}: {e}; "
+                    f"{'?' if tokens is None else f'{tokens:,}'} tokens are committed and the "
+                    "store is resumable: the next tick continues it", tokens or 0, budget)
     if summary.get("noop"):
         return Tick("complete", shown, f"{shown} is complete: nothing to do",
                     summary.get("tokens") or 0, budget, summary)
-    record_tick(cfg, summary, t0)
+    schedule_log.record_tick(_location(cfg), summary, t0, seq, start)
     status = "paused" if summary.get("paused") else "ran"
     left = "" if budget is None else f" of {budget:,}"
     return Tick(status, shown,
@@ -218,11 +248,18 @@ def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
                 summary.get("tokens") or 0, budget, summary)
 
 
-def record_tick(cfg: HarvestConfig, summary: dict, started: float) -> None:
-    from .store.backend import locate
+def _committed_after_failure(cfg: HarvestConfig) -> "int | None":
+    """What a failed run left committed (its units stay: the next tick skips them), read from
+    the store's plan and markers; None when the store cannot be read either."""
+    try:
+        return store_state(cfg).committed_tokens
+    except Exception as e:  # noqa: BLE001 -- the failure itself is what the tick reports
+        log.warning("after the failed run, the store could not be read: %s", e)
+        return None
 
-    schedule_log.record_tick(locate(cfg.store.resolved_url, cfg.store.fs_options()), summary,
-                             started)
+
+def record_tick(cfg: HarvestConfig, summary: dict, started: float) -> None:
+    schedule_log.record_tick(_location(cfg), summary, started)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

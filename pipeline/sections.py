@@ -83,6 +83,8 @@ class ModelConfig:
                 raise ConfigError("model.gpu_memory_utilization must be > 0 (vLLM CPU: try 0.2)")
         check_int("model.tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("model.pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.tensor_parallel_size > 1:
+            self._check_tp_local()
         if self.pipeline_parallel_size != 1:
             from harvest.engine.parallel import PP_REFUSED
 
@@ -96,6 +98,28 @@ class ModelConfig:
             raise ConfigError(
                 f"model.engine_args repeats {sorted(clash)}: set them as model.<name> instead"
             )
+
+    def _check_tp_local(self) -> None:
+        """tensor_parallel_size against a local checkpoint's config.json (a file read, at config
+        load); hub names and aliases are checked by `prepare` (harvest plan, run) before Ray."""
+        import json
+        import os
+
+        from harvest.engine.parallel import check_tp_fits
+
+        cfg_file = os.path.join(os.path.expanduser(self.path), "config.json")
+        if not os.path.isfile(cfg_file):
+            return
+        try:
+            with open(cfg_file) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return  # unreadable here: prepare reports it with the model's own loader
+        try:
+            check_tp_fits(self.tensor_parallel_size, hf, "model.tensor_parallel_size",
+                          repr(self.path))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def engine_kwargs(self, points: list[str]) -> dict:
         """Keyword arguments for `harvest.engine.load_model` (everything but the path)."""

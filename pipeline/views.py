@@ -110,6 +110,7 @@ def status(url: str, storage_options: dict | None = None,
     # committed units whose objects are not known to be at their zarr keys (store/published.py)
     unpub = unpublished(store, done)
     finalized = store.summary is not None
+    paused = _paused_tick(store, finalized, active, missing, planned_rows)
     return {
         "url": store.url,
         "name": ((store.attrs or {}).get("config") or {}).get("name"),
@@ -135,4 +136,22 @@ def status(url: str, storage_options: dict | None = None,
         "per_actor": {k: {**v, "pids": sorted(p for p in v["pids"] if p is not None)}
                       for k, v in sorted(per_actor.items())},
         "summary": store.summary,
+        # a scheduled tick's healthy end: its units all committed, the next tick continues
+        "paused": paused is not None,
+        "budget_rows": (paused or {}).get("budget_rows"),
     }
+
+
+def _paused_tick(store, finalized: bool, active: bool, missing: list, planned_rows: int):
+    """{budget_rows} when the store is paused by a scheduled tick (the newest tick record says
+    paused at exactly the planned rows, every planned unit is committed, no driver holds it);
+    else None. Such a store is healthy, not interrupted."""
+    from .schedule_log import last_paused
+
+    if finalized or active or missing:
+        return None
+    last = last_paused(store.location)
+    if last is None or int(last.get("planned_tokens") or -1) != planned_rows:
+        return None
+    budget = (((store.attrs or {}).get("config") or {}).get("packing") or {}).get("max_tokens")
+    return {"budget_rows": budget}

@@ -10,6 +10,8 @@ each other and against the package: the same image, Ray version, Secret, ConfigM
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
 import shlex
 import shutil
@@ -138,9 +140,12 @@ def test_generated_manifests_share_the_rayjob_pod_layout():
     cron = one(K8S / "raycron" / "raycronjob.yaml", "RayCronJob")
     template = one(SCHEDULE / "rayjob-template.yaml", "RayJob")
     assert cluster["spec"] == job["spec"]["rayClusterSpec"]
-    # the scheduled ones differ in the entrypoint alone: a tick of `harvest schedule extend`
+    # the scheduled ones differ in the entrypoint (a tick of `harvest schedule extend`) and, for
+    # KubeRay's RayCronJob, in the no-overlap settings (test_raycron_ticks_cannot_overlap)
+    own = {"entrypoint": None, "backoffLimit": None, "activeDeadlineSeconds": None}
+    assert {**template["spec"], "entrypoint": None} == {**job["spec"], "entrypoint": None}
+    assert {**cron["spec"]["jobTemplate"], **own} == {**job["spec"], **own}
     for spec in (cron["spec"]["jobTemplate"], template["spec"]):
-        assert {**spec, "entrypoint": None} == {**job["spec"], "entrypoint": None}
         assert spec["entrypoint"].startswith("harvest schedule extend --config /config/run.yaml")
 
 
@@ -259,6 +264,73 @@ def test_gpu_worker_groups_and_a_gpu_free_head():
     assert gpu_groups, "no worker group requests nvidia.com/gpu"
 
 
+def _ray_docs() -> list[tuple[str, dict]]:
+    """(file, doc) of every KubeRay object we ship, examples included."""
+    paths = v.object_manifests() + sorted((K8S / "examples").glob("*.yaml"))
+    return [(p.name, d) for p in paths for d in v.load_docs(p)
+            if d.get("kind") in ("RayCluster", "RayJob", "RayCronJob")]
+
+
+def test_every_ray_process_and_submitter_uses_the_token_secret():
+    """Ray 2.60 heads start with token authentication: every Ray container (head, workers) and
+    every RayJob's submitter reads RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from the one Secret the
+    operator fills (secret-ray-auth.example.yaml), not optional, never a literal."""
+    secret = one(K8S / "secret-ray-auth.example.yaml", "Secret")
+    name, keys = secret["metadata"]["name"], set(secret["stringData"])
+    docs = _ray_docs()
+    assert {d["kind"] for _, d in docs} == {"RayCluster", "RayJob", "RayCronJob"}
+    for fname, doc in docs:
+        spec = doc["spec"].get("jobTemplate", doc["spec"])
+        cluster = spec.get("rayClusterSpec", spec)
+        templates = pod_templates(cluster)
+        if doc["kind"] != "RayCluster":
+            sub = spec.get("submitterPodTemplate")
+            assert sub, f"{fname}: {doc['kind']} has no submitterPodTemplate: its `ray job " \
+                        "submit` would have no token"
+            assert sub["spec"]["restartPolicy"] == "Never"
+            assert not sub["spec"]["containers"][0].get("command"), "KubeRay fills the command"
+            templates.append(("submitter", sub))
+        for group, tmpl in templates:
+            for c in tmpl["spec"]["containers"]:
+                env = {e["name"]: e for e in c.get("env", [])}
+                where = f"{fname}:{doc['kind']}/{group}/{c['name']}"
+                assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", where
+                ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
+                assert ref and ref["name"] == name and ref["key"] in keys, where
+                assert not ref.get("optional"), f"{where}: a missing token Secret must stop the pod"
+    readme = (REPO / "infra" / "README.md").read_text()
+    assert "secret-ray-auth.example.yaml" in readme and "harvest-ray-auth" in readme
+
+
+def _cron_period_s(schedule: str) -> int:
+    """The period of a daily (`M H * * *`) or hourly (`M * * * *`) cron schedule."""
+    fields = schedule.split()
+    assert len(fields) == 5 and fields[2:] == ["*", "*", "*"] and fields[0].isdigit(), schedule
+    return 3600 if fields[1] == "*" else 86400
+
+
+def test_raycron_ticks_cannot_overlap_and_a_busy_tick_is_not_retried():
+    """KubeRay's RayCronJob has no concurrencyPolicy (it creates a RayJob every tick): each
+    tick's RayJob is stopped before the next tick starts and never retried, and a tick that still
+    finds another driver on the store exits 0 (`--busy-ok`) instead of failing into retries. The
+    CronJob path forbids overlap itself, and its RayJobs get --busy-ok too."""
+    from harvest.pipeline.cli import build_parser
+
+    cron = one(K8S / "raycron" / "raycronjob.yaml", "RayCronJob")
+    spec = cron["spec"]["jobTemplate"]
+    assert spec["activeDeadlineSeconds"] < _cron_period_s(cron["spec"]["schedule"])
+    assert spec["backoffLimit"] == 0
+    template = one(SCHEDULE / "rayjob-template.yaml", "RayJob")
+    _, cronjob, _ = _cron_pod()
+    assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    assert cronjob["spec"]["jobTemplate"]["spec"]["backoffLimit"] == 0
+    sub = build_parser()._subparsers._group_actions[0].choices["schedule"].format_help()
+    for entry in (spec["entrypoint"], template["spec"]["entrypoint"]):
+        assert "--busy-ok" in shlex.split(entry), entry
+        for flag in (a for a in shlex.split(entry) if a.startswith("--")):
+            assert flag in sub, f"harvest schedule has no {flag}"
+
+
 def _cron_pod() -> tuple[list, dict, dict]:
     docs = v.load_docs(SCHEDULE / "cronjob-submit.yaml")
     cron = next(d for d in docs if d["kind"] == "CronJob")
@@ -287,6 +359,7 @@ def test_cron_submitter_creates_a_valid_rayjob_with_the_rewritten_image(tmp_path
     v.validate_doc(created)
     spec = created["spec"]["rayClusterSpec"]
     images = {c["image"] for _, t in pod_templates(spec) for c in t["spec"]["containers"]}
+    images |= {c["image"] for c in created["spec"]["submitterPodTemplate"]["spec"]["containers"]}
     assert images == {env["image"]}
     assert created["spec"]["entrypoint"].endswith("--tokens 12345")
     decide = next(c for c in pod["initContainers"] if c["name"] == "decide")
@@ -420,6 +493,61 @@ def test_dockerfiles_install_this_package():
         runs = " ".join(rest for instr, rest in instrs if instr == "RUN")
         assert f'"/src[{extra}]"' in runs, f"{name} must `pip install .[{extra}]`"
         assert "import vllm, ray, zarr, torch" in runs, f"{name} lost its import smoke check"
+
+
+def smoke_checks(instrs) -> list[str]:
+    """The image's own checks: the `python ...`/`harvest ...` commands of its RUN instructions
+    (a RUN is `a && b && ...`), read from the Dockerfile so a test of them never goes stale."""
+    out = []
+    for instr, rest in instrs:
+        if instr != "RUN":
+            continue
+        for cmd in re.split(r"\s&&\s", rest):
+            cmd = cmd.strip()
+            if re.match(r"(python|harvest)\s", cmd) and not cmd.startswith("python -m venv"):
+                out.append(cmd)
+    return out
+
+
+def _public_modules() -> set[str]:
+    """What an image must be able to import, derived from the package and the manifests: the
+    `harvest` script's module, the RayJob entrypoint's module, the engine, and the store (the
+    package that ships FORMAT.md, wherever a layout change puts it)."""
+    meta = pyproject()
+    script = meta["project"]["scripts"]["harvest"].split(":")[0]
+    stores = [p for p, files in meta["tool"]["setuptools"]["package-data"].items()
+              if "FORMAT.md" in files]
+    assert len(stores) == 1, stores
+    return {script, _entrypoint()[2], "harvest.engine", stores[0]}
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_dockerfile_smoke_checks_pass_in_the_project_environment(name, tmp_path):
+    """Each image ends its build by importing the public entry points and running the CLIs; the
+    same commands, with the Dockerfile's ARG defaults in the environment as `docker build` sets
+    them, run here against this checkout (from an empty directory: nothing found by accident in
+    the current folder). A check naming a module that does not exist fails here, not in a build."""
+    instrs = dockerfile(DOCKER / name)
+    checks = smoke_checks(instrs)
+    assert any(c.startswith("python -c") for c in checks), f"{name} lost its import smoke check"
+    imported = set()
+    for c in checks:
+        for stmt in re.findall(r"(?:^|;|\")\s*import ([\w., ]+)", c):
+            imported |= {m.strip() for m in stmt.split(",")}
+    missing = _public_modules() - imported
+    assert not missing, f"{name}: the import check does not name {sorted(missing)}"
+    assert any(c.split()[0] == "harvest" for c in checks), f"{name}: no `harvest` CLI check"
+    bindir = str(Path(sys.executable).parent)
+    assert shutil.which("harvest", path=bindir), "the `harvest` script is not installed"
+    env = {**os.environ, **docker_args(instrs), "PYTHONPATH": str(REPO),
+           "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    for cmd in checks:
+        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{name}: `{cmd[:80]}...` failed:\n{r.stderr[-3000:]}"
+    cmd = json.loads(next(rest for instr, rest in instrs if instr == "CMD"))
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name}: CMD {cmd} failed:\n{r.stderr[-3000:]}"
 
 
 def test_cpu_image_pins_cpu_torch_and_drops_the_broken_extras():

@@ -146,3 +146,21 @@ def test_plan_prices_a_tp_actor_as_its_gpus():
     with pytest.raises(ConfigError, match="num_gpus_per_actor"):
         load_config(data={**base, "model": {"path": "x", "tensor_parallel_size": 8},
                           "ray": {"num_actors": 2, "num_gpus_per_actor": 4}})
+
+
+def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):
+    """vLLM CPU's ranks name their shared-memory segments `<ident>-...-cpushm_<rank>`; a killed
+    rank leaves its own. The engine removes its group's by the ident it asked the ranks for, and
+    no other engine's (another ident) or other file."""
+    from harvest.engine.parallel import remove_dist_files
+
+    mine, other = "vllm_dist_" + "a" * 32, "vllm_dist_" + "b" * 32
+    for name in (f"{mine}-tp:0-[0-1]-cpushm_0", f"{mine}-tp:0-[0-1]-cpushm_1",
+                 f"{other}-tp:0-[0-1]-cpushm_0", "psm_1234", mine + "x"):
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_dist_files(mine, shm_dir=str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[-1] for p in removed if p.startswith(str(tmp_path))) == [
+        f"{mine}-tp:0-[0-1]-cpushm_0", f"{mine}-tp:0-[0-1]-cpushm_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{other}-tp:0-[0-1]-cpushm_0", "psm_1234", mine + "x"])
+    assert remove_dist_files(None, str(tmp_path)) == [] == remove_dist_files("../x", str(tmp_path))

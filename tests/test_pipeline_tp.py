@@ -8,6 +8,7 @@ One TP=2 run, in which one TP worker process is SIGKILLed after the first unit c
 - the kill: vLLM shuts the executor down, the actor fails the stream's units and exits (engine
   lost), Ray restarts it with a fresh engine, the units are retried, the summary counts the
   retry and the restart, and the actors' placement groups are gone afterwards;
+- no /dev/shm file the run created survives it (engines closed on every exit path);
 - the store is complete, verified and recounted (check_store: tokens, docs, positions from
   packing alone), its rows equal the single-process eager reference and the TP=1 vLLM store of
   the same config within bf16 tolerance.
@@ -61,13 +62,22 @@ class WorkerKiller:
             os.kill(self.killed, signal.SIGKILL)
 
 
+def _shm() -> set[str]:
+    """/dev/shm's files but POSIX semaphores (Python's multiprocessing locks of other tests)."""
+    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.")}
+
+
 def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
         ray_cluster, tiny_llama, corpus, reference, tmp_path):
     cfg = _cfg(tiny_llama, corpus, tmp_path / "tp2", "model.tensor_parallel_size=2",
                "ray.max_in_flight=4")
     k = WorkerKiller()
+    shm_before = _shm()
     summary = run(cfg, on_event=k)
     assert k.killed is not None
+    # every engine was closed (the killed rank's, on its way out; the restarted one, by the
+    # driver before it killed the actor): no vLLM queue, arena or step ring left in /dev/shm
+    assert _shm() - shm_before == set(), sorted(_shm() - shm_before)
     [ready] = next(e for e in k.events if e["event"] == "actors_ready")["actors"]
     assert ready["describe"]["mode"] == "freeze" and ready["describe"]["tensor_parallel_size"] == 2
     assert ready["describe"]["rows_path"].startswith("shared destinations")

@@ -409,3 +409,48 @@ def test_plan_warns_when_a_parquet_corpus_cannot_fill_the_budget(tmp_path, capsy
     assert f"at most ~{int(size * 4 / 3):,} tokens" in warn[0]
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=128")
     assert not [w for w in p["warnings"] if "corpus" in w]
+
+
+def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, capsys):
+    """SmolLM2's shape (9 attention heads, 3 KV heads, MLP 1536, vocab 49152): TP=2 is refused
+    when the config loads (a local config.json is read), by `harvest plan`, naming the field,
+    what does not divide and the sizes that do; TP=3 plans. `prepare` (every run and plan, hub
+    names and aliases too) checks the same before Ray, and an actor's pydantic-wrapped error
+    is reported by its message, not its "For further information" footer."""
+    from harvest.engine.parallel import tp_problems
+    from harvest.pipeline.cli import main
+    from harvest.pipeline.cluster import root_cause
+    from harvest.pipeline.prepare import model_facts
+
+    model = _model_dir(tmp_path, 30, 576, vocab=49152)
+    path = tmp_path / "llama-30x576" / "config.json"
+    hf = json.loads(path.read_text())
+    hf.update(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    path.write_text(json.dumps(hf))
+    p = _plan_json(tmp_path, capsys, model, "model.tensor_parallel_size=3",
+                   "ray.num_gpus_per_actor=3")
+    assert p["width"] == 576
+    argv = ["plan", "--config", str(tmp_path / "run.yaml"), "--set",
+            "model.tensor_parallel_size=2", "--set", "ray.num_gpus_per_actor=2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model.tensor_parallel_size=2 does not fit" in err
+    assert "num_attention_heads=9 is not divisible by 2" in err
+    assert "num_key_value_heads=3 is not divisible by 2" in err
+    assert "[1, 3]" in err and "For further information" not in err
+    cfg = load_config(tmp_path / "run.yaml")
+    cfg.model.tensor_parallel_size = 2  # as if the path were a hub name: prepare reads it
+    with pytest.raises(ConfigError, match="num_attention_heads=9"):
+        model_facts(cfg)
+    # vLLM's rules: KV heads fewer than ranks are replicated when the ranks are a multiple
+    gqa = {"num_attention_heads": 32, "num_key_value_heads": 2, "intermediate_size": 14336,
+           "vocab_size": 128256}
+    assert tp_problems(4, gqa) == [] and tp_problems(8, gqa) == []
+    assert tp_problems(3, {**gqa, "num_attention_heads": 6, "num_key_value_heads": 2}) != []
+    assert tp_problems(2, {"vocab_size": 50257, "n_head": 12, "n_inner": None}) == []
+    assert "intermediate_size=1537" in tp_problems(2, {**gqa, "intermediate_size": 1537})[0]
+    wrapped = RuntimeError(
+        "1 validation error for VllmConfig\n  Value error, Total number of attention heads (9) "
+        "must be divisible by tensor parallel size (2). [type=value_error]\n"
+        "    For further information visit https://errors.pydantic.dev/2.12/v/value_error\n")
+    assert "Total number of attention heads (9)" in root_cause(wrapped)

@@ -69,15 +69,97 @@ def test_a_live_driver_makes_the_tick_alert_busy_then_stuck(tmp_path):
     assert t.status == "would_run" and t.exit_code == 0
 
 
+@contextlib.contextmanager
+def _webhook():
+    """A local webhook: yields (url, list of the JSON bodies POSTed to it)."""
+    import http.server
+    import threading
+
+    got = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 -- http.server's name
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/hook", got
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_busy_ok_exits_0_and_still_posts_and_exit_2_is_posted(tmp_path, capsys):
+    """--busy-ok (KubeRay's RayCronJob retries failed jobs and cannot forbid overlap): a busy tick
+    says BUSY and exits 0, the webhook still gets it. A bad config (exit 2, like a config that
+    differs from the store's) is posted too: every non-zero outcome reaches the webhook."""
+    cfg = make_cfg("tiny:llama", str(tmp_path / "s"), tmp_path / "c.jsonl")
+    loc = locate(cfg.store.resolved_url)
+    argv = ["schedule", "extend", "--tokens", "512", "--set", f"store.url={cfg.store.url}",
+            "--set", "packing.max_tokens=6144"]
+    lease = Lease(loc, cfg.store.lease_seconds, "s", cfg.content_key(), "other").acquire()
+    try:
+        with _webhook() as (url, got):
+            assert main(argv + ["--busy-ok", "--webhook", url]) == 0
+            assert [b["ticks"][0]["status"] for b in got] == ["busy"]
+            assert got[0]["ticks"][0]["exit_code"] == EXIT_BUSY
+        assert "BUSY: the previous run is still writing" in capsys.readouterr().out
+    finally:
+        lease.release()
+    assert not read_ticks(loc) and not loc.list_dir("_harvest/schedule")  # nothing started
+    with _webhook() as (url, got):
+        code = main(["schedule", "extend", "--tokens", "512", "--set", f"store.url={cfg.store.url}",
+                     "--set", "packing.max_tokens=null", "--webhook", url])
+        assert code == 2
+        assert len(got) == 1 and got[0]["ticks"][0]["status"] == "invalid"
+        assert got[0]["ticks"][0]["exit_code"] == 2
+        assert "packing.max_tokens" in got[0]["text"]
+
+
 def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    """Tick 1 dies half way (its driver raised after committing half its tokens; a SIGKILLed
+    tick leaves the same: a start record and no tick record): the failed tick reports what is
+    committed, and the next tick finishes tick 1's tokens, not the next slice. The paused store's
+    status is healthy. The last tick runs through the CLI: quiet console, a log folder."""
+    from harvest.pipeline.cli_text import status_text
+    from harvest.pipeline.driver import run
+    from harvest.pipeline.views import status
+
     ref, _ = reference
     assert ref.packed.n_rows == MAX_TOKENS  # the corpus fills the budget
     cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus)
-    sc = ScheduleConfig("extend", tokens_per_tick=MAX_TOKENS // 3)
+    N = MAX_TOKENS // 3
+    sc = ScheduleConfig("extend", tokens_per_tick=N)
+
+    def dies_half_way(c, stop_tokens=None):
+        run(c, stop_tokens=stop_tokens // 2)
+        raise RuntimeError("driver lost half way")
+
+    t = extend_tick(cfg, sc, run_fn=dies_half_way)
+    assert (t.status, t.exit_code, t.tokens, t.budget) == ("failed", 1, N // 2, MAX_TOKENS), t
+    assert f"{N // 2:,} tokens are committed" in t.message
+    assert read_ticks(locate(cfg.store.resolved_url)) == []
     statuses = []
     for k in range(1, 4):
-        t = extend_tick(cfg, sc)
+        if k < 3:
+            t = extend_tick(cfg, sc)
+        else:
+            t = _cli_tick(cfg, N, tmp_path)
         statuses.append(t.status)
+        if k == 1:
+            assert "tick 0 was killed or failed" in t.message, t.message
+            assert t.summary["tokens_this_run"] == N - N // 2
+            s = status(cfg.store.resolved_url)
+            text = status_text(s)
+            assert s["paused"] and "paused by a scheduled tick" in text, text
+            assert "interrupted" not in text and f"{N:,} of the {MAX_TOKENS:,}-token budget" in text
         assert t.tokens == k * MAX_TOKENS // 3, t
         st = store_state(cfg)
         assert st.committed_tokens == st.planned_tokens == k * MAX_TOKENS // 3
@@ -87,23 +169,48 @@ def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, r
         tok, doc, pos = store.read_row_meta(0, n)  # the committed prefix is the long run's
         assert np.array_equal(tok, ref.packed.token_ids[:n])
         assert np.array_equal(pos, ref.packed.positions[:n])
-        assert t.summary["tokens_this_run"] == MAX_TOKENS // 3
+        assert t.summary["tokens_this_run"] == (N - N // 2 if k == 1 else N)
     assert statuses == ["paused", "paused", "ran"]
     # the finished store: verified (deep) and recounted against one long run, bit for bit
     check_store(open_store(cfg.store.resolved_url), reference)
     ticks = read_ticks(locate(cfg.store.resolved_url))
-    assert [x["summary"]["tokens_this_run"] for x in ticks] == [MAX_TOKENS // 3] * 3
+    assert [x["summary"]["tokens_this_run"] for x in ticks] == [N - N // 2, N, N]
+    assert ticks[0]["start"]["target_tokens"] == N  # recorded under the killed tick's number
     # the report covers the whole store across its ticks
     from harvest.pipeline.report import write_report
 
     rep = write_report(cfg.store.resolved_url, out_dir=tmp_path / "rep")["data"]
     assert rep["committed_rows"] == MAX_TOKENS and len(rep["run"]["runs"]) == 3
-    assert [r["tokens"] for r in rep["run"]["runs"]] == [MAX_TOKENS // 3] * 3
+    assert [r["tokens"] for r in rep["run"]["runs"]] == [N - N // 2, N, N]
     assert all(r["per_actor"] and r["tokens_per_second"] for r in rep["run"]["runs"])
     assert rep["run"]["skipped_reasons"]  # the corpus's empty/null rows, counted once
     # the budget is reached: the next tick decides from the store alone and starts nothing
     t = extend_tick(cfg, sc, run_fn=_no_run)
     assert t.status == "complete" and t.exit_code == 0 and t.tokens == MAX_TOKENS
+
+
+def _cli_tick(cfg, tokens: int, tmp_path):
+    """`harvest schedule extend --json` on cfg (written as a config file): the tick is quiet like
+    `harvest run` (third-party output in a log folder, named in the JSON); returns its Tick."""
+    import yaml
+
+    from harvest.pipeline.schedule import Tick
+
+    path = tmp_path / "tick.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict(redact=False)))
+    out = tmp_path / "tick.json"
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        code = main(["schedule", "extend", "--config", str(path), "--tokens", str(tokens),
+                     "--json"])
+    doc = json.loads(out.read_text())  # stdout holds the one JSON document, nothing else
+    assert code == 0, doc
+    from pathlib import Path
+
+    log = Path(doc["log_dir"]) / "driver.log"
+    assert log.is_file() and log.stat().st_size > 0, doc["log_dir"]
+    d = doc["ticks"][0]
+    d.pop("exit_code")
+    return Tick(**d)
 
 
 def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, corpus, tmp_path):
