@@ -124,31 +124,39 @@ def test_norm_outlier_filter_drops_the_sinks_and_only_them(sinky):
 
 def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky, tmp_path, caplog):
     """A real layout-v2 store: its writers recorded kept-row statistics for the special ids the
-    driver put in the format attributes; the reader uses them only when its filters select exactly
-    those rows, and they equal a recount over those rows."""
+    driver put in the format attributes and the sink position; the reader uses them only when its
+    filters select exactly those rows, and they equal a recount over those rows."""
     from harvest.pipeline.store import create_store
     from harvest.testing import synthetic
 
     _, data, tok, doc, _ = sinky
     pos = np.where(doc < 0, -2, np.arange(N) % C).astype(np.int32)
-    real = create_store(str(tmp_path / "k.zarr"), points=["resid_post.3", "resid_post.7"], width=W,
-                        n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
-                        special_token_ids=[BOS, 2], bos_token_id=BOS, stats_skip_positions=0)
-    real.write_plan(real.default_plan(1))
-    synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
-    store = open_store(real.url)
+    stores = {}
+    for skip in (0, 1):
+        real = create_store(str(tmp_path / f"k{skip}.zarr"), points=["resid_post.3", "resid_post.7"],
+                            width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
+                            special_token_ids=[BOS, 2], bos_token_id=BOS, stats_skip_positions=skip)
+        real.write_plan(real.default_plan(1))
+        synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
+        stores[skip] = open_store(real.url)
+    store = stores[1]
     with caplog.at_level(logging.INFO, logger="harvest.pipeline.store.reader"):
-        ds = ActivationDataset(store, batch_size=500, exclude_special=True, normalize="standardize",
-                               norm_sample_rows=64)
+        ds = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(1, None),
+                               normalize="standardize", norm_sample_rows=64)
     assert ds.norm_constants.source == "store:kept" and "constants from store:kept" in caplog.text
-    keep = ~np.isin(tok, [BOS, 2])
+    keep = ~np.isin(tok, [BOS, 2]) & (np.arange(N) % C >= 1)
     mean, var, _ = _recount(data, np.flatnonzero(keep))
     np.testing.assert_allclose(ds.norm_constants.shift.numpy(), mean, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(ds.norm_constants.scale.numpy(), 1 / np.sqrt(var + 1e-6), rtol=1e-5)
     # other filters than the recorded ones: the stored stats do not describe the rows -> sample
-    other = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(1, None),
+    other = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(2, None),
                               normalize="standardize")
     assert other.norm_constants.source == "sample"
+    # a store whose kept class holds the position-0 sinks (0 skipped positions recorded, as
+    # `bos: none` runs did before the sink rule): its kept statistics are not used, the sample is
+    old = ActivationDataset(stores[0], batch_size=500, exclude_special=True, normalize="standardize",
+                            norm_sample_rows=N)
+    assert old.norm_constants.source == "sample"
     # a held-out split reuses its train split's constants
     test = ActivationDataset(store, batch_size=500, exclude_special=True, split="test", normalize="standardize",
                              norm_constants=ds.norm_constants)
