@@ -129,7 +129,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         check_template(tokenizer, repr(cfg.model.path))
         special = sorted(set(special) | {pad_token_id(tokenizer)})
     skip = cfg.store.stats_skip_positions
-    if skip is None:  # context position 0 is an attention sink whatever its token (FORMAT.md)
+    if skip is None:  # the first context positions are attention sinks whatever the token
         skip = SINK_POSITIONS
     itemsize = 4 if cfg.model.dtype == "float32" else 2
     stored_sources = None

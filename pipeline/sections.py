@@ -193,9 +193,9 @@ class StoreConfig:
     compression: Any = None
     storage_options: dict | None = None
     # Rows of the `kept` statistics skip this many leading context positions besides special
-    # tokens (None: 1, the attention sink at context position 0 whatever its token: a BOS, a
-    # document's first token with `bos: none`, a conversation's continuation after a split); see
-    # pipeline/store/FORMAT.md, "Statistics".
+    # tokens (None: 2, the attention sinks at context positions 0 and 1 whatever their token: a
+    # BOS, a document's first token with `bos: none`, a conversation's continuation after a
+    # split, and the token after them); see pipeline/store/FORMAT.md, "Statistics".
     stats_skip_positions: int | None = None
     # Deadlines on object storage. timeout_s: one request's connect/read timeout (botocore and
     # s3fs retry inside it otherwise: an endpoint that accepts and never answers took 14 min to

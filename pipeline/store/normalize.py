@@ -133,9 +133,9 @@ def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
 # ---- store kept stats ---------------------------------------------------------------------------
 def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
     """The store's kept-row statistics when `filt` selects exactly that row class, else None.
-    Also None when that class holds the attention sinks (a store written before the sink rule
-    with `bos: none` recorded 0 skipped positions): a sample without them is right, those
-    statistics are not."""
+    Also None when that class holds attention sinks (a store written before the sink rule
+    recorded fewer skipped positions: 0 with `bos: none`, 1 with a BOS): a sample without them
+    is right, those statistics are not."""
     facts = store_facts(store)
     recorded = recorded_stats_filter(facts)
     if recorded is None or recorded[1] < sink_positions(facts):
