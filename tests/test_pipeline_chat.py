@@ -114,6 +114,14 @@ def test_role_masked_chat_run_stores_exactly_the_assistant_tokens(ray_cluster, s
     np.testing.assert_array_equal(got[keep].view(np.uint16), ref[keep].view(np.uint16))
     assert not got[~keep].view(np.uint16).any()
     assert keep.sum() > 100
+    # the console says how many rows hold activations, and which source row was skipped why
+    from harvest.pipeline.cli import format_summary
+
+    assert summary["tokens_this_run"] == st.n_rows
+    assert summary["rows_with_activations_this_run"] == keep.sum()
+    text = format_summary(summary)
+    assert f"; {keep.sum()} of those rows hold activations" in text, text
+    assert f"skipped 1 of {len(convs)} source rows (not_messages 1)" in text, text
 
     # the reader yields exactly those rows, by default and with roles=["assistant"]
     for kw in ({}, {"roles": ["assistant"]}):
