@@ -15,6 +15,15 @@ engine's other vLLM internals live in engine/harvest.py and engine/vllm_backend.
   forward for the exact attention of one-token sequences (softmax over one key is 1, so each
   query head's output is its own token's value head), and feeds one-token sequences at position 0.
   Vllm's Transformers backend routes HF attention through the same `Attention` instances.
+- `vllm.model_executor.layers.mamba.mamba_mixer2.MambaMixer2` (hybrid trunks: FalconH1,
+  Granite-4, ...; `conv_ssm_forward(projected_states, output)`, called through the
+  `vllm.mamba_mixer2` custom op, with `conv_weights` [dim, kernel], `conv1d.bias`, `activation`,
+  `A`, `D`, `dt_bias`, `num_heads`, `head_dim`, `n_groups`, `tp_size`,
+  `tped_intermediate_size`/`tped_conv_size`/`tped_dt_size`, `split_hidden_states_B_C_fn`):
+  without attention metadata it takes vLLM's profile-run path, which returns without writing
+  `output`, a `torch.empty` buffer: the block then carries whatever that memory held (a NaN
+  at layer 3 of a tiny FalconH1, refused as I2). The probe swaps it for the exact mixer of a
+  one-token sequence from a zero state, as it does for attention.
 - the runner's `vllm_config` (`additional_config` for the opt-in) and
   `model_config.get_vocab_size()`, and the model's `forward(input_ids, positions)` /
   `embed_input_ids(ids)`; width and device come from engine/compat.py (`runner_geometry`).
@@ -46,18 +55,63 @@ def _one_token_attention(self, query, key, value, output_shape=None, output_dtyp
     return v.reshape(shape).to(dtype)
 
 
+def _one_token_mamba2(self, projected_states, output):
+    """MambaMixer2.conv_ssm_forward for one-token sequences from a zero state (the probe's
+    inputs): the causal conv sees its own token only (the kernel's last tap, the bias, then the
+    activation); the SSM state after one step is dt * x (outer) B, so the output is
+    (C . B) * dt * x + D * x per head. Written into `output` as the kernel writes it."""
+    import torch.nn.functional as F
+
+    n = projected_states.shape[0]
+    xbc, dt = torch.split(projected_states[..., self.tped_intermediate_size:],
+                          [self.tped_conv_size, self.tped_dt_size], dim=-1)
+    xbc = xbc.float() * self.conv_weights[:, -1].float()
+    if self.conv1d.bias is not None:
+        xbc = xbc + self.conv1d.bias.float()
+    if self.activation in ("silu", "swish"):
+        xbc = F.silu(xbc)
+    elif self.activation is not None:
+        raise probe.TrunkRefused(f"{type(self).__name__}: the probe knows no conv activation "
+                                 f"{self.activation!r}")
+    x, B, C = self.split_hidden_states_B_C_fn(xbc)
+    heads, groups = self.num_heads // self.tp_size, self.n_groups // self.tp_size
+    x = x.reshape(n, heads, self.head_dim)
+    cb = (B.reshape(n, groups, -1) * C.reshape(n, groups, -1)).sum(-1)
+    cb = cb.repeat_interleave(heads // groups, dim=1)                      # [n, heads]
+    dt = F.softplus(dt.float() + self.dt_bias.float())
+    y = x * (dt * cb + self.D.float())[..., None]
+    output[:n].copy_(y.reshape(n, -1).to(output.dtype))
+
+
+def _mixers():
+    """(class, one-token forward) of the sequence mixers the probe replaces besides attention."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    except ImportError:  # a vLLM build without Mamba layers
+        return []
+    return [(MambaMixer2, "conv_ssm_forward", _one_token_mamba2)]
+
+
 @contextlib.contextmanager
 def _probe_attention(model: torch.nn.Module):
+    """Attention and the Mamba-2 mixers of `model` compute their one-token sequences exactly
+    while the probe runs (no KV cache, no metadata: see the module docstring)."""
     from vllm.model_executor.layers.attention import Attention
 
-    attns = [m for m in model.modules() if isinstance(m, Attention)]
-    for m in attns:
-        m.forward = _one_token_attention.__get__(m)
+    swapped = []
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.forward = _one_token_attention.__get__(m)
+            swapped.append((m, "forward"))
+        for cls, name, fn in _mixers():
+            if isinstance(m, cls):
+                setattr(m, name, fn.__get__(m))
+                swapped.append((m, name))
     try:
         yield
     finally:
-        for m in attns:
-            del m.forward
+        for m, name in swapped:
+            delattr(m, name)
 
 
 def _probe_inputs(runner):

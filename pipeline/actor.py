@@ -194,6 +194,7 @@ class HarvestActor:
             if job.error is not None:
                 raise job.error
             t_cap = time.perf_counter() - t0
+            held = writer.rows_with_activations()
             # the commit runs here, while the engine thread goes on with the next units
             marker = writer.commit(extra={"actor": self.index, "pid": os.getpid(),
                                           "attempt": attempt, "host": socket.gethostname()})
@@ -210,7 +211,7 @@ class HarvestActor:
         self.units_done += 1
         self.tokens_done += n
         return result("committed", n, round(time.perf_counter() - t0, 4),
-                      capture_seconds=round(t_cap, 4), marker=marker)
+                      capture_seconds=round(t_cap, 4), marker=marker, rows_with_activations=held)
 
     # -- the engine stream ------------------------------------------------------------------
     def _engine_loop(self) -> None:

@@ -35,17 +35,43 @@ def format_summary(s: dict) -> str:
         f"harvest {s['name']}: {s['tokens']} tokens in {s['units']} units "
         f"({s['units_run']} run, {s['units_skipped']} already committed) -> {s['store']}",
         f"  captured {s['tokens_this_run']} tokens in {s['dispatch_seconds']:.1f} s: "
-        f"{s['tokens_per_second'] or 0:.0f} tok/s ({s['points']} points x width {s['width']})",
+        f"{s['tokens_per_second'] or 0:.0f} tok/s ({s['points']} points x width {s['width']})"
+        + _held(s),
         f"  bytes: {s['bytes_logical'] / 1e6:.1f} MB logical, {s['bytes_stored'] / 1e6:.1f} MB stored, "
         f"compression {s['compression_ratio']}x",
         f"  verified: {s['verified']['committed_units']}/{s['verified']['planned_units']} units, "
         f"{s['verified']['committed_rows']} rows; retries {s['unit_retries']}, "
         f"actor deaths {s['actor_deaths_seen']}; wall {s['wall_seconds']:.1f} s",
     ]
+    skipped = _skipped(s)
+    if skipped:
+        lines.append(skipped)
     for a in s["per_actor"]:
         lines.append(f"  actor {a['index']}: {a['units']} units, {a['tokens']} tokens, "
                      f"{a['tokens_per_second'] or 0:.0f} tok/s while capturing, pids {a['pids']}")
     return "\n".join(lines)
+
+
+def _held(s: dict) -> str:
+    """How many of the run's rows hold activations, where not all do (chat padding and roles
+    outside capture.roles are zeros; generation slots have rows without): a reader yields those."""
+    held, rows = s.get("rows_with_activations_this_run"), s.get("tokens_this_run")
+    if held is None or held == rows:
+        return ""
+    return (f"; {held} of those rows hold activations (the others are padding, roles outside "
+            "capture.roles or generated rows without, stored as zeros)")
+
+
+def _skipped(s: dict) -> "str | None":
+    """The source rows the run skipped, by reason (docs/operations.md, "Skipped rows"): a
+    conversation the template cannot label is never silent."""
+    data = s.get("data") or {}
+    n = data.get("rows_skipped") or 0
+    if not n:
+        return None
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted((data.get("skipped_reasons") or {}).items()))
+    return (f"  skipped {n} of {data.get('rows_read', 0)} source rows ({reasons}): see "
+            "docs/operations.md, \"Skipped rows\"")
 
 
 def budget_shortfall(cfg: HarvestConfig, summary: dict) -> "str | None":

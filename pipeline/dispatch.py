@@ -87,6 +87,7 @@ class Scheduler:
         return DispatchReport(
             per_actor=[f.as_dict() for f in h.figures.values()],
             tokens_run=sum(f.tokens for f in h.figures.values()),
+            rows_with_activations_run=sum(f.rows_with_activations for f in h.figures.values()),
             actor_restarts=sum(f.restarts for f in h.figures.values()),
             units_run=self.counts.units_run, found_committed=self.counts.found_committed,
             retries=self.counts.retries, ray_retries=self.counts.ray_retries,
@@ -200,6 +201,8 @@ class Scheduler:
             self.health.unit_took(res.seconds)
             f.units += 1
             f.tokens += res.tokens
+            f.rows_with_activations += res.tokens if res.rows_with_activations is None \
+                else res.rows_with_activations
             f.unit_seconds += res.seconds
             f.engine_seconds += res.capture_seconds or res.seconds
             self.counts.units_run += 1

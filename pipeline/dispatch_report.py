@@ -24,6 +24,7 @@ class DispatchReport:
 
     per_actor: list = field(default_factory=list)   # health.ActorFigures.as_dict() per actor
     tokens_run: int = 0
+    rows_with_activations_run: int = 0   # of tokens_run: rows holding activations
     units_run: int = 0
     found_committed: int = 0
     retries: int = 0

@@ -267,6 +267,9 @@ def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict
         "context_size": cfg.packing.context_size,
         "tokens": verify["committed_rows"],
         "tokens_this_run": tokens_run,
+        # of those rows, the ones holding activations (not zeroed by capture.roles, not a
+        # generation slot's padding or last token): what a reader yields by default
+        "rows_with_activations_this_run": report.rows_with_activations_run,
         "units": verify["planned_units"],
         "units_run": report.units_run,
         "units_skipped": skipped,

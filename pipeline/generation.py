@@ -253,20 +253,43 @@ class Slots:
 
 
 def resolved_stop(cfg, model_path: str) -> list:
-    """capture.generate.stop as the engine gets it: with chat input and stop_at_eos, plus the
-    chat template's end-of-turn token (SmolLM2's <|im_end|>, Llama-3's <|eot_id|>) and the
-    tokenizer's EOS. The engine adds the checkpoint's EOS ids itself (engine/generate.eos_ids),
-    but an instruct model's end of turn is often not among them, and a completion that ran past
-    it would write the next turn's scaffolding and a made-up user message as 'assistant'."""
+    """The ids generation stops at (the store's `stop_ids`): capture.generate.stop and, with
+    stop_at_eos, the checkpoint's EOS ids (the engine adds those itself, engine/generate.eos_ids:
+    listed here so the store names every id that ended a sample, text stores included); with
+    chat input also the chat template's end-of-turn token (SmolLM2's <|im_end|>, Llama-3's
+    <|eot_id|>) and the tokenizer's EOS: an instruct model's end of turn is often not among the
+    checkpoint's EOS ids, and a completion that ran past it would write the next turn's
+    scaffolding and a made-up user message as 'assistant'."""
     g = cfg.capture.generate
-    stop = list(g.stop)
+    stop = set(g.stop)
+    if g.stop_at_eos:
+        stop |= set(checkpoint_eos_ids(model_path, getattr(cfg.model, "revision", None)))
     if cfg.data.format == "chat" and g.stop_at_eos:
         from transformers import AutoTokenizer
 
         from .chat import end_of_turn_ids
 
-        stop = sorted(set(stop) | set(end_of_turn_ids(AutoTokenizer.from_pretrained(model_path))))
-    return stop
+        stop |= set(end_of_turn_ids(AutoTokenizer.from_pretrained(model_path)))
+    return sorted(stop)
+
+
+def checkpoint_eos_ids(model_path: str, revision: "str | None" = None) -> list:
+    """The EOS ids of the checkpoint's config and generation config, inside its vocabulary: the
+    ids engine/generate.eos_ids gives the engine (read the same way, without an engine)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    conf = AutoConfig.from_pretrained(model_path, revision=revision)
+    sources = [conf]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_path, revision=revision))
+    except OSError:  # no generation_config.json
+        pass
+    ids: set = set()
+    for c in sources:
+        e = getattr(c, "eos_token_id", None)
+        ids |= {e} if isinstance(e, int) else set(e or ())
+    vocab = getattr(conf, "vocab_size", None) or getattr(conf.get_text_config(), "vocab_size", None)
+    return sorted(int(i) for i in ids if 0 <= i < (vocab or 1 << 62))
 
 
 def actor_section(cfg, model_path: str) -> "dict | None":

@@ -29,6 +29,7 @@ class ActorFigures:
     pids: list = field(default_factory=list)
     units: int = 0
     tokens: int = 0
+    rows_with_activations: int = 0   # of `tokens`, rows holding activations (UnitResult)
     engine_seconds: float = 0.0
     unit_seconds: float = 0.0
     failures: int = 0
@@ -39,6 +40,7 @@ class ActorFigures:
     def as_dict(self) -> dict:
         return {
             "index": self.index, "pids": self.pids, "units": self.units, "tokens": self.tokens,
+            "rows_with_activations": self.rows_with_activations,
             "engine_seconds": round(self.engine_seconds, 3),
             "unit_seconds": round(self.unit_seconds, 3),
             "tokens_per_second": (round(self.tokens / self.engine_seconds, 1)

@@ -124,6 +124,10 @@ class UnitResult:
     marker: dict | None = None
     """The commit marker written (the driver copies it into the commit index); None when
     already committed."""
+    rows_with_activations: int | None = None
+    """Of `tokens`, the rows that hold activations: not chat padding zeroed by capture.roles,
+    a role outside capture.roles, or a generation slot's row without (FORMAT.md). None from an
+    actor that did not count them."""
 
     def __post_init__(self):
         if self.status not in UNIT_STATUSES:

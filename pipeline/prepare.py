@@ -19,6 +19,7 @@ from .unit_sizes import Layout, choose_layout
 from .sections import check_point
 from .datacheck import check_fills_context, probe_text_column
 from .sources import plan_blocks
+from .store.filters import SINK_POSITIONS
 
 
 def resolve_model_path(path: str) -> str:
@@ -145,8 +146,8 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         check_template(tokenizer, repr(cfg.model.path))
         special = sorted(set(special) | {pad_token_id(tokenizer)})
     skip = cfg.store.stats_skip_positions
-    if skip is None:
-        skip = 1 if cfg.packing.bos == "context" else 0
+    if skip is None:  # the first context positions are attention sinks whatever the token
+        skip = SINK_POSITIONS
     itemsize = 4 if cfg.model.dtype == "float32" else 2
     stored_sources = None
     stored_layout = None

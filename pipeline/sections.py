@@ -216,8 +216,10 @@ class StoreConfig:
     unit_tokens: int = 1 << 18
     compression: Any = None
     storage_options: dict | None = None
-    # Rows of the `kept` statistics skip this many leading context positions (None: 1 when a BOS
-    # starts every context, else 0) besides special tokens; see pipeline/store/FORMAT.md.
+    # Rows of the `kept` statistics skip this many leading context positions besides special
+    # tokens (None: 2, the attention sinks at context positions 0 and 1 whatever their token: a
+    # BOS, a document's first token with `bos: none`, a conversation's continuation after a
+    # split, and the token after them); see pipeline/store/FORMAT.md, "Statistics".
     stats_skip_positions: int | None = None
     # Deadlines on object storage. timeout_s: one request's connect/read timeout (botocore and
     # s3fs retry inside it otherwise: an endpoint that accepts and never answers took 14 min to

@@ -213,3 +213,22 @@ def test_chat_prompts_longer_than_the_prompt_room_are_skipped(tok, tmp_path):
     tok_ids = np.concatenate([c.token_id for c in chunks]).reshape(-1, C)
     want, _ = label_conversation(tok, CONVERSATION[:2], generation_prompt=True)
     assert tok_ids.shape[0] == 1 and tok_ids[0, :len(want)].tolist() == want
+
+
+def test_every_skip_reason_is_documented():
+    """Each reason a source row can be skipped for (the summary's `skipped_reasons`, printed by
+    `harvest run`) has its row in docs/operations.md's "Skipped rows" table."""
+    from pathlib import Path
+
+    from harvest.pipeline.chat import conversation_problem
+    from harvest.pipeline.sources import _classify
+
+    reasons = {conversation_problem(v) for v in (
+        None, "text", [], [{"role": "user"}], [{"role": "robot", "content": "beep"}],
+        [{"role": "user", "content": "  "}])}
+    reasons |= {_classify(v) for v in (None, 3, " \n")}
+    reasons |= {"role_unlabelled", "role_straddle", "prompt_too_long"}  # raised where labelled
+    assert reasons == {"null", "not_messages", "unknown_role", "empty", "not_text",
+                       "role_unlabelled", "role_straddle", "prompt_too_long"}
+    table = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
+    assert [r for r in sorted(reasons) if f"| `{r}` |" not in table] == []

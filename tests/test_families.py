@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow  # vLLM engines of every model family: not in `pyt
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt2", "gpt_neox",
             "phi3", "olmo2", "starcoder2", "granite", "stablelm", "gptj", "falcon", "cohere",
-            "exaone4", "mixtral", "qwen3_moe")
+            "exaone4", "mixtral", "qwen3_moe", "falcon_h1")
 FULL = ("llama", "gemma2", "granite", "cohere", "mixtral")
 LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
 MAX_BATCHED = 64

@@ -277,3 +277,28 @@ def test_sample_column_only_in_n_sample_stores_and_old_generation_stores_read_sa
     with pytest.raises(ValueError, match="needs generated=True"):
         create_store(str(tmp_path / "x.zarr"), points=["resid_post.0"], width=4, n_rows=n,
                      shard_rows=128, samples=True)
+
+
+def test_a_text_generation_store_names_the_eos_ids_that_stop_its_samples(tmp_path):
+    """`generation.stop_ids` lists every id the engine stops at: with stop_at_eos the checkpoint's
+    EOS ids (config and generation config) are among them in a text store too, not only in chat."""
+    import json
+
+    import transformers as tf
+
+    from harvest.pipeline.config import from_dict
+    from harvest.pipeline.generation import store_attrs
+
+    tf.LlamaConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                   num_attention_heads=1, eos_token_id=[7, 9]).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+
+    def stop_ids(**generate):
+        cfg = from_dict({"model": {"path": str(tmp_path), "backend": "vllm"},
+                         "data": {"source": str(tmp_path / "corpus.jsonl")},
+                         "packing": {"context_size": 32},
+                         "capture": {"generate": {"max_new_tokens": 4, "stop": [3], **generate}}})
+        return store_attrs(cfg, str(tmp_path))["stop_ids"]
+
+    assert stop_ids() == [3, 7, 9, 11]
+    assert stop_ids(stop_at_eos=False) == [3]

@@ -26,7 +26,7 @@ TASK = dict(unit_id=7, row_start=256, row_end=512, pieces=((0, 1, 0, 2, 10),), r
             digests=((1, 2, 3),))
 RESULT = dict(unit_id=7, row_start=256, row_end=512, actor=1, pid=4242, attempt=2,
               status="committed", tokens=256, seconds=1.5, capture_seconds=1.25,
-              marker={"unit_id": 7, "shards": []})
+              marker={"unit_id": 7, "shards": []}, rows_with_activations=200)
 CASES = [(ActorSpec, SPEC), (UnitTask, TASK), (UnitResult, RESULT)]
 IDS = [c.__name__ for c, _ in CASES]
 

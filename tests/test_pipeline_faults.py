@@ -140,20 +140,21 @@ def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "driver.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "harvest.jobs.harvest", "--config", str(path)],
+    ready = tmp_path / "gate.json"
+    # the driver holds at a gate once 3 units are done, unit 0 among them (units share one
+    # engine stream per actor, so they may commit out of order, and "resumes past the committed
+    # prefix" needs a prefix): it dispatches nothing after, so it cannot finish before the kill
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.gated_driver", str(path),
+                             str(ready), "3"],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_cluster.env})
     total = reference[0].n_units
     try:
-        # units share one engine stream per actor, so they may commit out of order: wait for
-        # unit 0 as well, or "resumes past the committed prefix" would have no prefix to show
-        commits = store_dir / "_harvest" / "commits"
-
-        def three_with_unit_0() -> bool:
+        def at_gate() -> bool:
             assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-            return _commits(store_dir) >= 3 and bool(list(commits.glob("unit-00000000.*.json")))
+            return ready.exists()
 
-        wait_until(three_with_unit_0, 180, "the driver to commit 3 units, unit 0 among them")
+        wait_until(at_gate, 180, "the driver to reach its gate (3 units done, unit 0 among them)")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -161,7 +162,7 @@ def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
             proc.kill()
         log.close()
     at_kill = _commits(store_dir)
-    assert 3 <= at_kill < total, "the driver finished before it could be killed"
+    assert 3 <= at_kill < total, (at_kill, total)
     # the dead driver's actor is killed by Ray (it owned it); until its process is gone it may
     # still commit a unit, and anything it committed counts
     wait_actors_gone(60, "the killed driver's actor")

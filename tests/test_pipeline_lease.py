@@ -66,7 +66,9 @@ def test_lease_is_exclusive_and_a_paused_holder_stops(tmp_path):
 
 @pytest.fixture
 def driver_a(ray_cluster, tiny_llama, corpus, tmp_path):
-    """Driver A in its own process (so it can be paused), on the shared test cluster."""
+    """Driver A in its own process (so it can be paused), on the shared test cluster, held at a
+    gate after its first unit (tests/support/gated_driver.py) until the test opens it: it cannot
+    finish (and release its lease) before the test is done with it, however fast the machine."""
     store = tmp_path / "store"
     cfg = make_cfg(tiny_llama, str(store), corpus, "ray.num_actors=1", "ray.max_in_flight=1")
     conf = cfg.to_dict(redact=False)
@@ -74,11 +76,13 @@ def driver_a(ray_cluster, tiny_llama, corpus, tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "a.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "harvest.pipeline.cli", "run", "--config", str(path)],
+    ready, gate = tmp_path / "a.ready", tmp_path / "a.open"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.gated_driver", str(path),
+                             str(ready), "1", str(gate)],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_cluster.env})
     try:
-        yield proc, store, conf
+        yield proc, store, conf, ready, gate
     finally:
         if proc.poll() is None:  # by pid: the one process this fixture started
             os.kill(proc.pid, signal.SIGCONT)
@@ -88,9 +92,9 @@ def driver_a(ray_cluster, tiny_llama, corpus, tmp_path):
 
 
 def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, capsys):
-    proc, store, conf = driver_a
-    wait_until(lambda: _alive(proc, tmp_path / "a.log") and (store / "zarr.json").exists(), 180,
-               "driver A to create its store")
+    proc, store, conf, ready, gate = driver_a
+    wait_until(lambda: _alive(proc, tmp_path / "a.log") and ready.exists(), 180,
+               "driver A to commit its first unit and hold at its gate")
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         # A's driver is stopped, its actor is not: it finishes (commits) the unit it had
@@ -108,6 +112,7 @@ def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, cap
         assert _tree(store) == before  # B wrote nothing
     finally:
         os.kill(proc.pid, signal.SIGCONT)
+        gate.touch()
     assert proc.wait(300) == 0, (tmp_path / "a.log").read_text()[-3000:]
     st = open_store(str(store))
     v = st.verify()
@@ -134,12 +139,16 @@ def test_sigterm_releases_the_lease_and_stops_the_ray_it_started(ray_auth_env, t
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(ray_auth_env, RAY_TMPDIR=ray_tmp, HARVEST_CACHE=str(tmp_path / "cache"))
     log = open(tmp_path / "driver.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "harvest.jobs.harvest", "--config", str(path)],
+    ready = tmp_path / "gate.json"
+    # held at a gate after its first unit (tests/support/gated_driver.py): the SIGTERM always
+    # comes mid-run, however fast the machine
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.gated_driver", str(path),
+                             str(ready), "1"],
                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     kids: list = []
     try:
-        wait_until(lambda: _alive(proc, tmp_path / "driver.log")  # actors up, store created
-                   and (store / "zarr.json").exists(), 240, "the driver to create its store")
+        wait_until(lambda: _alive(proc, tmp_path / "driver.log")  # actors up, a unit committed
+                   and ready.exists(), 240, "the driver to commit a unit and hold at its gate")
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(k.cmdline()) for k in kids), "no Ray of its own?"
         t0 = time.monotonic()

@@ -76,13 +76,16 @@ def test_held_out_split_is_by_document(sinky):
 
 @pytest.mark.parametrize("mode", ["norm_scale", "standardize", "center_norm_scale"])
 def test_normalisation_uses_the_yielded_rows(sinky, mode, caplog):
-    """BOS excluded: constants from the kept rows (the sample covers this small store) give
-    exactly the target moments; constants over all rows (the old behaviour) do not."""
+    """BOS excluded: constants from the kept rows (the sample covers this small store) but the
+    sink positions 0 and 1 (FORMAT.md, "Statistics") give exactly the target moments on those
+    rows; constants over all rows (the old behaviour) do not."""
     s, data, tok, _, _ = sinky
     with caplog.at_level(logging.INFO, logger="harvest.pipeline.store.reader"):
         ds = ActivationDataset(s, batch_size=500, exclude_token_ids=[BOS], normalize=mode, return_meta=True)
     assert ds.norm_constants.source == "sample" and "constants from sample" in caplog.text
     y, rows = _all(ds)
+    assert (rows % C == 1).any()            # yielded, though not in the sample
+    y, rows = y[rows % C >= 2], rows[rows % C >= 2]
     mean, var, msq = _recount(data, rows)
     for p in range(2):
         yp = y[:, p]
@@ -118,37 +121,46 @@ def test_norm_outlier_filter_drops_the_sinks_and_only_them(sinky):
     y, rows = _all(ds)
     want = np.setdiff1d(np.flatnonzero(tok != BOS), sinks)
     assert np.array_equal(np.sort(rows), want) and ds.tally.dropped == len(np.setdiff1d(sinks, np.flatnonzero(tok == BOS)))
+    y = y[rows % C >= 2]   # the rows the constants come from: not the sink positions
     for p in range(2):
         np.testing.assert_allclose((y[:, p] ** 2).sum(1).mean(), W, rtol=1e-4)
 
 
 def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky, tmp_path, caplog):
     """A real layout-v2 store: its writers recorded kept-row statistics for the special ids the
-    driver put in the format attributes; the reader uses them only when its filters select exactly
-    those rows, and they equal a recount over those rows."""
+    driver put in the format attributes and the sink position; the reader uses them only when its
+    filters select exactly those rows, and they equal a recount over those rows."""
     from harvest.pipeline.store import create_store
     from harvest.testing import synthetic
 
     _, data, tok, doc, _ = sinky
     pos = np.where(doc < 0, -2, np.arange(N) % C).astype(np.int32)
-    real = create_store(str(tmp_path / "k.zarr"), points=["resid_post.3", "resid_post.7"], width=W,
-                        n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
-                        special_token_ids=[BOS, 2], bos_token_id=BOS, stats_skip_positions=0)
-    real.write_plan(real.default_plan(1))
-    synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
-    store = open_store(real.url)
+    stores = {}
+    for skip in (0, 2):
+        real = create_store(str(tmp_path / f"k{skip}.zarr"), points=["resid_post.3", "resid_post.7"],
+                            width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
+                            special_token_ids=[BOS, 2], bos_token_id=BOS, stats_skip_positions=skip)
+        real.write_plan(real.default_plan(1))
+        synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
+        stores[skip] = open_store(real.url)
+    store = stores[2]
     with caplog.at_level(logging.INFO, logger="harvest.pipeline.store.reader"):
-        ds = ActivationDataset(store, batch_size=500, exclude_special=True, normalize="standardize",
-                               norm_sample_rows=64)
+        ds = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(2, None),
+                               normalize="standardize", norm_sample_rows=64)
     assert ds.norm_constants.source == "store:kept" and "constants from store:kept" in caplog.text
-    keep = ~np.isin(tok, [BOS, 2])
+    keep = ~np.isin(tok, [BOS, 2]) & (np.arange(N) % C >= 2)
     mean, var, _ = _recount(data, np.flatnonzero(keep))
     np.testing.assert_allclose(ds.norm_constants.shift.numpy(), mean, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(ds.norm_constants.scale.numpy(), 1 / np.sqrt(var + 1e-6), rtol=1e-5)
     # other filters than the recorded ones: the stored stats do not describe the rows -> sample
-    other = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(1, None),
+    other = ActivationDataset(store, batch_size=500, exclude_special=True, seqpos=slice(3, None),
                               normalize="standardize")
     assert other.norm_constants.source == "sample"
+    # a store whose kept class holds the sinks (0 skipped positions recorded, as `bos: none`
+    # runs did before the sink rule): its kept statistics are not used, the sample is
+    old = ActivationDataset(stores[0], batch_size=500, exclude_special=True, normalize="standardize",
+                            norm_sample_rows=N)
+    assert old.norm_constants.source == "sample"
     # a held-out split reuses its train split's constants
     test = ActivationDataset(store, batch_size=500, exclude_special=True, split="test", normalize="standardize",
                              norm_constants=ds.norm_constants)
@@ -171,18 +183,21 @@ def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path
     assert not zarr_view.view(np.uint16).any()      # what plain zarr sees: fill zeros
     ds = ActivationDataset(store, point, batch_size=256, seqpos=slice(1, None),
                            normalize="norm_scale", norm_sample_rows=n)  # sample: every kept row
-    keep = np.arange(n) % C >= 1
+    keep = np.arange(n) % C >= 2   # ...but the sink positions (FORMAT.md, "Statistics")
     msq = (data[0, keep].astype(np.float64) ** 2).sum(1).mean()
     c = ds.norm_constants
     assert c.source == "sample" and c.rows == keep.sum()
     np.testing.assert_allclose(c.mean_sq_norm[0], msq, rtol=1e-9)
     np.testing.assert_allclose(c.scale.numpy(), np.sqrt(W / msq), rtol=1e-6)
-    y = torch.cat(list(ds)).double().numpy()
+    out = list(ActivationDataset(store, point, batch_size=256, seqpos=slice(2, None),
+                                 normalize="norm_scale", norm_constants=c))
+    y = torch.cat(out).double().numpy()   # the rows the constants describe: E||y||^2 = width
     np.testing.assert_allclose((y * y).sum(1).mean(), W, rtol=1e-4)
     # a held-out split: blocks whose every row is filtered out; the reference is the rows it yields
     test = ActivationDataset(store, point, batch_size=256, split="test", test_fraction=0.2,
                              normalize="norm_scale", norm_sample_rows=n, return_meta=True)
     rows = np.concatenate([b["row"].numpy() for b in test])
+    rows = rows[rows % C >= 2]   # the sample's rows: the yielded ones but the sink positions
     assert 0 < len(rows) < n // 2 and test.norm_constants.rows == len(rows)
     msq = (data[0, rows].astype(np.float64) ** 2).sum(1).mean()
     np.testing.assert_allclose(test.norm_constants.mean_sq_norm[0], msq, rtol=1e-9)

@@ -153,7 +153,7 @@ def default_like_store(tmp_path_factory):
     points = [f"resid_post.{i}" for i in (0, 10)]
     s = create_store(str(cwd / ".harvest" / "stores" / "default"), points=points, width=width,
                      n_rows=n, shard_rows=2048, chunk_rows=512, context_size=context,
-                     special_token_ids=[0, BOS, 2], bos_token_id=BOS, stats_skip_positions=1,
+                     special_token_ids=[0, BOS, 2], bos_token_id=BOS, stats_skip_positions=2,
                      attrs={"config": {"packing": {"context_size": context}}})
     data = synthetic.activations((len(points), n, width), seed=3)
     tok, doc, pos = packed_meta(n, context, seed=3)

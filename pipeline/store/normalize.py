@@ -6,9 +6,13 @@ over all rows scaled the kept rows to E||x||^2 = 6.5 instead of 576. Two sources
 
 - "store:kept": the statistics the writer records for the kept row class (special tokens and
   the first `stats_skip_positions` context positions left out), used only when the reader's
-  filters select exactly that class; exact, and free.
+  filters select exactly that class and that class leaves the sinks out; exact, and free.
 - "sample": a seeded sample of the filtered stream, read at start as SAELens does; chunk-sized
-  blocks from random places so the sample spans many documents for the bytes it reads.
+  blocks from random places so the sample spans many documents for the bytes it reads. The
+  sample never holds the attention sinks at the first context positions (filters.sink_positions):
+  a reader that yields them still gets constants that describe its other rows (7 sink rows in
+  3,200 of a chat store set E||x||^2 51x too high, and norm_scale then left the median row at
+  ||x||^2 ~ 11 instead of the width).
 
 The norm-outlier filter's threshold (k x the median row norm per point) comes from the same
 sample, so the constants describe the rows that survive it.
@@ -24,7 +28,7 @@ import numpy as np
 import torch
 
 from .dtypes import BF16
-from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
+from .filters import RowFilter, matches_recorded, recorded_stats_filter, sink_positions, store_facts
 from .objects import read_point
 from .roles import captured_codes
 from .moments import Moments
@@ -128,8 +132,15 @@ def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 # ---- store kept stats ---------------------------------------------------------------------------
 def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
-    """The store's kept-row statistics when `filt` selects exactly that row class, else None."""
-    if not matches_recorded(filt, recorded_stats_filter(store_facts(store)), captured_codes(store)):
+    """The store's kept-row statistics when `filt` selects exactly that row class, else None.
+    Also None when that class holds attention sinks (a store written before the sink rule
+    recorded fewer skipped positions: 0 with `bos: none`, 1 with a BOS): a sample without them
+    is right, those statistics are not."""
+    facts = store_facts(store)
+    recorded = recorded_stats_filter(facts)
+    if recorded is None or recorded[1] < sink_positions(facts):
+        return None
+    if not matches_recorded(filt, recorded, captured_codes(store)):
         return None
     try:
         st = store.stats(list(points), subset="kept")

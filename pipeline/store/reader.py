@@ -38,7 +38,7 @@ from . import mixing
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from .dtypes import BF16, raw_dtype
-from .filters import RowFilter, store_context_size, store_facts, store_special_ids
+from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from .roles import resolve_roles
 from .loader import ActivationLoader
 from .objects import CommittedMeta, read_point
@@ -182,7 +182,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                  "take statistics from; wait until units commit, or pass "
                                  "norm_constants=")
             sample = _norm.read_sample(st, self._meta(), self.points, self.pieces, self._sources,
-                                       self.filter, int(sample_rows), self.seed,
+                                       self.filter.without_sinks(sink_positions(store_facts(st))),
+                                       int(sample_rows), self.seed,
                                        self.max_norm_ratio, self.io_threads)
             self.norm_limit = sample.norm_limit
             if sample.outlier_rows:

@@ -103,6 +103,15 @@ class UnitMeta:
             return np.isin(g, layout.GEN_HAS_ACTS)
         return None
 
+    def rows_with_activations(self) -> int:
+        """Rows of the whole region that hold activations (present, and of a stored role)."""
+        a, b = self.row_start, self.row_end
+        held = np.ones(b - a, bool)
+        for m in (self.present_mask(a, b), self.stored_mask(a, b)):
+            if m is not None:
+                held &= m
+        return int(held.sum())
+
     def keep_mask(self, start: int, end: int) -> np.ndarray | None:
         """Rows [start, end) counted in the `kept` statistics (None: every row)."""
         if self.filter is None and self.stored_roles is None:

@@ -76,6 +76,12 @@ class RegionWriter(ShardUploads):
         self._check_usable()
         self._meta.write(row_start, token_id, doc_id, position, role, gen, sample)
 
+    def rows_with_activations(self) -> int:
+        """Rows of the region that hold activations: all but the rows of roles outside
+        capture.roles (zeroed) and a generation slot's rows without (FORMAT.md). Once every
+        row's metadata is written (before commit)."""
+        return self._meta.rows_with_activations()
+
     def write(self, row_start: int, acts) -> None:
         """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width]."""
         if self.already_committed:
