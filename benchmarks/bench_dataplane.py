@@ -37,7 +37,7 @@ POINTS, WIDTH, PIECE = 32, 4096, 512
 
 class PeakRSS:
     """RSS growth of this process while the block runs, sampled every 20 ms (`base`, `peak`;
-    tests/test_store_scale.py uses it too)."""
+    tests/store/test_store_scale.py uses it too)."""
 
     def __enter__(self):
         import psutil
@@ -89,7 +89,8 @@ def meta_at_default_unit(tmp: str) -> dict:
     """Stored bytes of each metadata column's chunk at the pipeline's default unit (262,144
     rows: 16 shards of this shape, 64 GiB of rows, too much to write here), encoded by the
     store's own codec from realistic columns."""
-    from harvest.pipeline.store import create_store, layout
+    from harvest.store import create_store
+    from harvest.store.format import layout
 
     unit = 1 << 18
     s = create_store(os.path.join(tmp, "meta-probe"), points=["resid_post.0"], width=WIDTH, n_rows=unit,
@@ -100,9 +101,10 @@ def meta_at_default_unit(tmp: str) -> dict:
 
 
 def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.ndarray) -> dict:
-    from harvest.pipeline.store import create_store, objects
+    from harvest.store import create_store
+    from harvest.store.commit import objects
 
-    from harvest.pipeline.store import layout
+    from harvest.store.format import layout
 
     sr = layout.choose_sizes(WIDTH, 2, POINTS, multiple=128)[0]
     unit_rows = sr * shards_per_unit
@@ -149,7 +151,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
                     {k: v - before.get(k, 0) for k, v in counts.items() if v - before.get(k, 0)})
     finally:
         objects.publish = real_publish
-    from harvest.pipeline.store.tables import unit_shards  # layout 3: records in the unit's table
+    from harvest.store.commit.tables import unit_shards  # layout 3: records in the unit's table
 
     recs = [sh for m in markers for sh in unit_shards(s, m)]
     data = [b for sh in recs for b in sh["nbytes"]]

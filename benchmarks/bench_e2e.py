@@ -5,7 +5,7 @@
         --max-tokens 16384 --context-size 128
 
 One row per (storage, actors): local dir and SeaweedFS S3 on 127.0.0.1, 1 and 2 Ray actors, each
-a full `harvest.pipeline.driver.run` (pack the pydoc corpus, plan, create the store, dispatch, commit,
+a full `harvest.pipeline.driver.run.run` (pack the pydoc corpus, plan, create the store, dispatch, commit,
 verify, finalize). `tok_s` is committed tokens over the dispatch phase (actors loaded: the
 steady state a long run sees); `wall_tok_s` includes actor start-up and store creation. In the
 same run, before any actor starts, the freeze engine alone captures the *same* token ids in the
@@ -110,11 +110,11 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
     """Result rows for the benchmark suite (see the module docstring for what is timed)."""
     import ray
 
-    from harvest.pipeline.config import load_config
-    from harvest.pipeline.data import iter_texts
-    from harvest.pipeline.driver import run as run_pipeline
-    from harvest.pipeline.packing import pack_texts
-    from harvest.pipeline.prepare import prepare
+    from harvest.pipeline.config.run import load_config
+    from harvest.pipeline.data.documents import iter_texts
+    from harvest.pipeline.driver.run import run as run_pipeline
+    from harvest.pipeline.data.packing import pack_texts
+    from harvest.pipeline.driver.prepare import prepare
 
     model = model or "tiny:llama"
     own_dir = workdir is None

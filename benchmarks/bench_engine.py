@@ -12,7 +12,7 @@ the median of the paired ratios: the figure for the freeze target (>= 0.95x plai
 
 Freeze delivers into one destination block reused by every pass, as the pipeline's writers
 reuse their block buffers (at TP > 1 the block is in the engine's shared arena, so the rank
-writes the rows in place: engine/shmdest.py); fresh memory per pass would time page faults.
+writes the rows in place: engine/capture/shmdest.py); fresh memory per pass would time page faults.
 
 `--tp 1 2` runs plain and freeze at each tensor-parallel size (TP > 1: vLLM's multiprocessing
 executor) and reports host memory (PSS of this process and the rank processes it started)
@@ -21,7 +21,7 @@ path spent its time (`ring`, `rows_placed`, `rows_copied`). `--modes plain_nofus
 plain vLLM with capture's compile settings (fusion off) at TP > 1: on GPUs where vLLM fuses the
 all-reduce, it separates that cost from the taps'.
 
-`--generate N` measures generation instead (engine/generate.py): every prompt completed with N
+`--generate N` measures generation instead (engine/vllm/generate.py): every prompt completed with N
 new tokens (greedy, no stop: the same work in every mode), tok/s = generated tokens per second;
 plain is plain vLLM generating, freeze generates with every layer's rows (prompt and decode)
 delivered. Target: freeze >= 0.9x plain.
@@ -123,7 +123,7 @@ def _same_engine_generate(path, prompts, rounds: int, max_batched: int, generate
 def writer_destinations(model, prompts):
     """Where a freeze capture's rows go, as in the pipeline: one block [points, all tokens,
     width] reused by every pass, like the writers' pooled block buffers; at TP > 1 it comes from
-    the engine's shared arena, so the rank writes rows in place (engine/shmdest.py). Fresh
+    the engine's shared arena, so the rank writes rows in place (engine/capture/shmdest.py). Fresh
     tensors per request would time first-touch page faults, which the pipeline does not pay."""
     import numpy as np
 
@@ -137,7 +137,8 @@ def writer_destinations(model, prompts):
 
 
 def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate: int = 0):
-    from harvest.engine import compat, load_model
+    from harvest.engine import load_model
+    from harvest.engine.vllm import compat
 
     kw = dict(max_num_batched_tokens=max_batched)
     if tp > 1:
@@ -164,7 +165,7 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
         mem = host_memory_mb()
         extra = {"fuse_allreduce_rms": compat.engine_settings(m.llm).get("fuse_allreduce_rms")}
         if tp > 1 and mode == "freeze":
-            s = m.state.summary()  # where the rows' path spent its time (engine/remote.py)
+            s = m.state.summary()  # where the rows' path spent its time (engine/vllm/remote.py)
             extra.update(rows_placed=s["rows_placed"], rows_copied=s["rows_copied"],
                          ring=s["ring"])
     finally:
@@ -250,7 +251,7 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
                                         "hf_eager"),
         prompts: list[list[int]] | None = None, rounds: int = 1, tps=(1,),
         generate: int = 0) -> list[dict]:
-    from harvest.engine.common import read_model_info
+    from harvest.engine.checkpoint import read_model_info
     from harvest.engine.models import smollm2_path
 
     path = model or smollm2_path()

@@ -1,4 +1,4 @@
-"""What publish records cost (pipeline/store/published.py), on a real S3 server (SeaweedFS).
+"""What publish records cost (store/commit/published.py), on a real S3 server (SeaweedFS).
 
 At Llama-3.1-8B's shape and 10^9 tokens (3,815 units of 262,144 rows; 512 data objects of
 16,384-row shards x 32 points and 3 metadata chunks per unit): the records one run writes (one
@@ -18,9 +18,9 @@ OBJECTS_PER_UNIT = 512 + 3
 
 
 def main(argv=None) -> dict:
-    from harvest.pipeline.store import layout
-    from harvest.pipeline.store.backend import locate
-    from harvest.pipeline.store.published import published_units, write_record
+    from harvest.store.format import layout
+    from harvest.store.storage.locate import locate
+    from harvest.store.commit.published import published_units, write_record
     from harvest.testing import seaweed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,7 +4,7 @@
     .venv/bin/python -m harvest.benchmarks.bench_scale --only driver --tokens 1e6 1e7 1e8
 
 Sections (each row says what it measured):
-- driver: a full `harvest.pipeline.driver.run` over a local corpus built from text already on the machine
+- driver: a full `harvest.pipeline.driver.run.run` over a local corpus built from text already on the machine
   (the Python standard library's and site-packages' .py/.txt/.rst/.md files, /usr/share/doc),
   tokenised with SmolLM2's tokenizer by 2 workers, captured by one actor whose engine is a stub
   (zeros of a 16-wide, 1-layer model: the measured quantity is the driver and the bookkeeping,
@@ -57,7 +57,7 @@ def _peak_rss_mb() -> float:
 
 
 def _cache() -> Path:
-    from harvest.pipeline.config import cache_dir
+    from harvest.pipeline.config.run import cache_dir
 
     return cache_dir()
 
@@ -139,7 +139,7 @@ def scale_model(out: Path | None = None) -> str:
 class StubEngine:
     """Stands in for the engine: zeros for every requested row, no model. Loaded by the actor
     through `engine_factory`; the driver, tokenisers, writer and commits are all the real ones.
-    A harvest.engine.protocol.CaptureEngine (tests/test_engine_protocol.py checks it); its steps
+    A harvest.engine.protocol.CaptureEngine (tests/engine/test_engine_protocol.py checks it); its steps
     are full ones of `max_num_batched_tokens`."""
 
     backend = "stub"
@@ -148,7 +148,7 @@ class StubEngine:
     revision = None
 
     def __init__(self, spec):
-        from harvest.engine.common import read_model_info
+        from harvest.engine.checkpoint import read_model_info
 
         self.name = spec.model_path
         self.info = read_model_info(spec.model_path)
@@ -177,7 +177,7 @@ class StubEngine:
         import torch
 
         from harvest.engine.addresses import parse_addresses
-        from harvest.engine.captured import CapturedRequest
+        from harvest.engine.capture.captured import CapturedRequest
 
         pts = tuple(parse_addresses(list(points), self.n_layers))
         zeros = None
@@ -241,8 +241,8 @@ def _child_json(flag: str, spec: dict) -> dict:
 # ---- driver ------------------------------------------------------------------------------------
 
 def driver_child(spec: dict) -> dict:
-    from harvest.pipeline.config import load_config
-    from harvest.pipeline.driver import run
+    from harvest.pipeline.config.run import load_config
+    from harvest.pipeline.driver.run import run
 
     cfg = load_config(data=spec["config"])
     t0 = time.perf_counter()
@@ -289,9 +289,9 @@ def tokenize_child(spec: dict) -> dict:
     """Every chunk of the first `blocks` blocks through `workers` tokenising workers."""
     import ray
 
-    from harvest.pipeline.config import load_config
-    from harvest.pipeline.prepare import prepare
-    from harvest.pipeline.tokenpool import Job, TokenPool, env_for_workers
+    from harvest.pipeline.config.run import load_config
+    from harvest.pipeline.driver.prepare import prepare
+    from harvest.pipeline.data.tokenpool import Job, TokenPool, env_for_workers
 
     ray.init(address=spec["address"])
     cfg = load_config(data=spec["config"])
@@ -346,12 +346,12 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> dict:
 def bookkeeping_child(spec: dict) -> dict:
     from types import SimpleNamespace
 
-    from harvest.pipeline.store import open_store
+    from harvest.store import open_store
 
     url, so, op = spec["url"], spec.get("storage_options"), spec["op"]
     t0 = time.perf_counter()
     if op == "resume":
-        from harvest.pipeline.resume import resume_state
+        from harvest.pipeline.driver.resume import resume_state
 
         s = open_store(url, storage_options=so)
         n = spec["units"]
@@ -361,7 +361,7 @@ def bookkeeping_child(spec: dict) -> dict:
         st = resume_state(s, prep, None)
         out = {"todo": len(st.todo), "committed": len(st.committed)}
     elif op == "status":
-        from harvest.pipeline.views import status
+        from harvest.pipeline.cli.views import status
 
         st = status(url, so)
         out = {"committed": st["committed_units"]}
@@ -370,7 +370,7 @@ def bookkeeping_child(spec: dict) -> dict:
         out = {"committed": v["committed_units"], "ok": v["ok"]}
     elif op == "raw_get":
         # what finalize cannot avoid: one GET per unit's stats sidecar (batched the same way)
-        from harvest.pipeline.store import layout
+        from harvest.store.format import layout
 
         s = open_store(url, storage_options=so)
         keys = [s.location.key(layout.stats_key(u, "synthetic")) for u in range(spec["units"])]
@@ -452,12 +452,12 @@ def dispatch_child(spec: dict) -> dict:
 
     import ray
 
-    from harvest.pipeline.config import load_config
-    from harvest.pipeline.dispatch import Scheduler
+    from harvest.pipeline.config.run import load_config
+    from harvest.pipeline.driver.dispatch import Scheduler
     from harvest.pipeline.messages import UnitTask
-    from harvest.pipeline.context_rows import Frontier
-    from harvest.pipeline.resume import ResumeState
-    from harvest.pipeline.store.planlog import Unit
+    from harvest.pipeline.data.context_rows import Frontier
+    from harvest.pipeline.driver.resume import ResumeState
+    from harvest.store.commit.plan import Unit
 
     if not ray.is_initialized():  # the suite's toy run calls this in its own connected process
         ray.init(address=spec["address"])

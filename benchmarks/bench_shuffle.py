@@ -22,7 +22,7 @@ measures the reader's own CPU). Each reader is one dataset whose first epoch is 
 (`first_epoch`): it pays the first touch of its buffers, about 2 s per GiB on these VMs, which a
 training process pays once; the timed epochs are the steady state, as in bench_store.
 
-`--baseline REV` loads pipeline/store/reader.py of that git revision (e.g. the commit before the
+`--baseline REV` loads store/read/dataset.py of that git revision (e.g. the commit before the
 new sampler) as a second reader and measures it the same way in the same run, so before/after
 ratios share the machine's load.
 
@@ -70,7 +70,7 @@ SHARD_ROWS = 16384
 
 
 def build_store(path: str, n_rows: int):
-    from harvest.pipeline.store import create_store
+    from harvest.store import create_store
 
     # 16,384-row shards (18 MiB at width 576), fixed: the figures in RESULTS.md (32 shards at 2^19
     # rows) and the window/worker split they describe stay comparable across layout policies
@@ -93,12 +93,12 @@ def build_store(path: str, n_rows: int):
 
 
 def load_reader(rev: str):
-    """ActivationDataset of pipeline/store/reader.py at git revision `rev`, as a second module."""
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:pipeline/store/reader.py"], check=True,
+    """ActivationDataset of store/read/dataset.py at git revision `rev`, as a second module."""
+    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:store/read/dataset.py"], check=True,
                          capture_output=True, text=True).stdout
     f = Path(tempfile.mkdtemp()) / "reader_baseline.py"
     f.write_text(src)
-    spec = importlib.util.spec_from_file_location("harvest.pipeline.store._reader_baseline", f)
+    spec = importlib.util.spec_from_file_location("harvest.store._reader_baseline", f)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -201,7 +201,7 @@ def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
             "def hwm():\n"
             "    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
             "from harvest.benchmarks.bench_shuffle import load_reader\n"
-            "from harvest.pipeline.store.reader import ActivationDataset as D\n"
+            "from harvest.store.read.dataset import ActivationDataset as D\n"
             + (f"D = load_reader({rev!r})\n" if rev else "")
             + "base = hwm()\n"
             + f"ds = D({url!r}, batch_size={BATCH}, seed=0, **{kw!r})\n"
@@ -263,7 +263,7 @@ def _quality(out: dict, readers: dict, url: str, rows: int) -> None:
 
 
 def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
-    from harvest.pipeline.store.reader import ActivationDataset
+    from harvest.store.read.dataset import ActivationDataset
 
     # two persistent DataLoader workers first, while this process holds no arenas that forked
     # workers would map (their RSS would count them); target 1.7x the no-worker rate on >= 4
@@ -315,7 +315,7 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
 
 def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root: str | None = None,
         epochs: int = 10, speed_only: bool = False) -> dict:
-    from harvest.pipeline.store.reader import ActivationDataset
+    from harvest.store.read.dataset import ActivationDataset
 
     root = root or tempfile.mkdtemp(prefix="bench-shuffle-")
     url = os.path.join(root, "store.zarr")

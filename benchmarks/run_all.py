@@ -143,7 +143,7 @@ def make_tokens(model_path: str, n_prompts: int, prompt_len: int, out: Path) -> 
     """The prompts every section gets, written where the peer can read them."""
     import numpy as np
 
-    from harvest.engine.common import read_model_info
+    from harvest.engine.checkpoint import read_model_info
 
     info = read_model_info(model_path)
     try:

@@ -19,10 +19,10 @@ from .load import BACKENDS, load_model
 
 # Names whose modules import torch are loaded on first use (PEP 562), so `harvest.engine.addresses`,
 # which pipeline config validation reads (the point kinds), costs no torch import (3 s here).
-_LAZY = {"ActivationCache": "captured", "CapturedRequest": "captured", "to_numpy": "captured",
-         "run_with_cache": "captured", "GenerateParams": "generate", "GeneratedRequest": "generate",
+_LAZY = {"ActivationCache": "capture.captured", "CapturedRequest": "capture.captured", "to_numpy": "capture.captured",
+         "run_with_cache": "capture.captured", "GenerateParams": "vllm.generate", "GeneratedRequest": "vllm.generate",
          "CheckConfig": "model_check", "check_loaded": "model_check", "check_model": "model_check",
-         "TrunkRefused": "probe"}
+         "TrunkRefused": "capture.probe"}
 
 
 def __getattr__(name: str):

@@ -1,7 +1,7 @@
 """Capture addresses (`resid_post.10`) and the freeze-point resolution rules.
 
 A frozen engine is built once, before vLLM compiles the model, so the set of points it can serve is
-decided here and never changes afterwards. Every rule below is pinned by tests/test_addresses.py.
+decided here and never changes afterwards. Every rule below is pinned by tests/capture/test_addresses.py.
 """
 
 from __future__ import annotations

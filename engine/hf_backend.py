@@ -12,12 +12,12 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import blocks
+from .capture import blocks
 from .addresses import Address, POINTS, parse_addresses
-from .captured import CapturedRequest
-from .common import read_model_info, validate_tokens
+from harvest.engine.capture.captured import CapturedRequest
+from .checkpoint import read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
-from .taps import check_supported, find_layers
+from harvest.engine.capture.taps import check_supported, find_layers
 
 
 class HFModel:
@@ -65,7 +65,7 @@ class HFModel:
                 "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
 
     def _hooks(self, pts: tuple[Address, ...], store: dict):
-        """Same stream and sub-module rules as the vLLM taps (engine/blocks.py), so a point one
+        """Same stream and sub-module rules as the vLLM taps (engine/capture/blocks.py), so a point one
         backend refuses the other refuses too."""
         check_supported(self.trunk, pts)
         handles = []

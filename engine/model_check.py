@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from .addresses import Address
-from .captured import run_with_cache
-from .common import read_model_info
+from harvest.engine.capture.captured import run_with_cache
+from .checkpoint import read_model_info
 from .load import load_model
 from .models import resolve_model
-from .probe import TrunkRefused
+from harvest.engine.capture.probe import TrunkRefused
 from .protocol import CaptureEngine
 
 # Mixed lengths: one-token prompts, prompts shorter than a step, and prompts spanning several
@@ -296,7 +296,7 @@ def format_check(result: dict) -> str:
 
 
 def run_command(path: str, args) -> int:
-    """`harvest check-model` (pipeline/cli.py parses the arguments): print the per-point table,
+    """`harvest check-model` (pipeline/cli/main.py parses the arguments): print the per-point table,
     return 0 on pass, 1 above tolerance or when the trunk is refused at load."""
     cfg = CheckConfig(tol_p50=args.tol_p50, tol_p99=args.tol_p99,
                       lengths=tuple(int(n) for n in args.lengths.split(",")),

@@ -188,7 +188,7 @@ _TINY: dict[str, tuple[str, dict]] = {
                                          moe_intermediate_size=128, norm_topk_prob=False)),
     # hybrid: every layer runs attention and a Mamba-2 mixer side by side (4 heads of 64, one
     # group, a 16-wide state); the probe computes the mixer of its one-token rows itself
-    # (engine/vllm_probe.py)
+    # (engine/vllm/probe.py)
     "falcon_h1": ("FalconH1Config", dict(_GQA, head_dim=64, mamba_d_ssm=256, mamba_n_heads=4,
                                          mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16,
                                          mamba_d_conv=4, mamba_chunk_size=64)),

@@ -1,7 +1,7 @@
 """Parallel layouts a capture engine accepts (no vLLM or torch import: configs check it at load).
 
 Tensor parallel runs: every rank carries the same taps, one rank publishes the rows (engine/
-stepring.py, engine/remote.py). Pipeline parallel is refused, for the measured reason below. A
+stepring.py, engine/vllm/remote.py). Pipeline parallel is refused, for the measured reason below. A
 TP size must divide what vLLM splits (`tp_problems`, read from the model's config before vLLM
 starts), and an engine's close removes its rank group's /dev/shm files (`remove_dist_files`).
 """

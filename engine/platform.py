@@ -28,7 +28,7 @@ class Profile:
     kv_cache_memory_bytes: int | None
     max_num_batched_tokens: int  # rows per step, and the tap buffer's length
     max_num_seqs: int
-    staging: bool  # double device staging for the side-stream row copy (engine/transport.py)
+    staging: bool  # double device staging for the side-stream row copy (engine/capture/transport.py)
     # Encode throughput of the store's default codec per core (blosc zstd-1 shuffle, 1 MiB
     # blocks), measured on this project's CPU host (benchmarks/README.md, ~450 MB/s/core);
     # gpu_check re-measures host core-seconds per captured GB on the GPU host.

@@ -5,7 +5,7 @@ vLLM runner's internals, read `max_num_batched_tokens` or else `max_batch_tokens
 and inspect `capture`'s signature to learn whether it takes destinations. A new engine (or a
 renamed attribute) then degraded silently: no step figures, a wrong queue size, copies instead
 of in-place rows. Every implementation (both backends, the benchmarks' and tests' stub engines)
-is checked against this Protocol by tests/test_engine_protocol.py, on the classes (no model
+is checked against this Protocol by tests/engine/test_engine_protocol.py, on the classes (no model
 loads), and the actor checks the engine it loaded with `problems` before its first unit.
 """
 
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     import torch
 
     from .addresses import FreezeSet
-    from .captured import CapturedRequest
-    from .common import ModelInfo
+    from harvest.engine.capture.captured import CapturedRequest
+    from .checkpoint import ModelInfo
 
 # (index, n_tokens) -> host tensor [points, n_tokens, width] in the engine dtype, or None for a
 # fresh tensor. See VLLMModel.capture for the ownership contract.

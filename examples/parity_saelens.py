@@ -38,9 +38,9 @@ import numpy as np
 import torch  # noqa: E402
 from common import REPO, parser, recipe_kwargs, report
 
-from harvest.pipeline.store import open_store
-from harvest.pipeline.store.adapters import heldout_fvu
-from harvest.pipeline.store.reader import ActivationDataset
+from harvest.store import open_store
+from harvest.store.read.adapters import heldout_fvu
+from harvest.store.read.dataset import ActivationDataset
 
 
 def store_tokens(store) -> np.ndarray:

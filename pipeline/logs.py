@@ -273,7 +273,7 @@ def waiting_line(pending: int, total: int, t0: float) -> str:
     that shows it, not in cluster.py: cluster.py imports this module (quiet runs) and the
     actor module (which imports this one), so this line's import of cluster.py, hidden inside
     StartWatch.line, closed the cycles logs -> cluster -> logs and logs -> cluster -> actor ->
-    logs (tests/test_import_graph.py fails on such cycles, function-level imports included)."""
+    logs (tests/house/test_import_graph.py fails on such cycles, function-level imports included)."""
     import ray
 
     return (f"waiting for {pending} of {total} actors to start ({time.time() - t0:.0f} s; the "

@@ -51,7 +51,7 @@ class ActorSpec:
     never sees them."""
     generate: dict | None = None
     """capture.generate (GenerateConfig.describe()): complete each context's prompt and write
-    its slot (pipeline/generation.py); None captures the contexts as they are."""
+    its slot (pipeline/actor/generation.py); None captures the contexts as they are."""
 
     def __post_init__(self):
         if not isinstance(self.points, tuple) or not self.points:
@@ -69,7 +69,7 @@ class UnitTask:
     """One unit of work, driver -> actor: rows [row_start, row_end) and where their tokens are.
 
     The tokens themselves never travel in the message: `refs` are Ray references to the
-    tokenising workers' chunks (owned by the driver), fetched by the actor (pipeline/rows.py)."""
+    tokenising workers' chunks (owned by the driver), fetched by the actor (pipeline/data/rows.py)."""
 
     unit_id: int
     row_start: int

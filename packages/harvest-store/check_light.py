@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from harvest.pipeline.store import open_store
-from harvest.pipeline.store.verify import verify
+from harvest.store import open_store
+from harvest.store.commit.verify import verify
 
 
 def main(url: str, rows: int = 4096) -> int:

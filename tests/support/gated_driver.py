@@ -44,8 +44,8 @@ def hold_after(ready: Path, hold: int, gate: "Path | None"):
 
 def main(argv: list[str]) -> int:
     config, ready, hold, *opened = argv
-    from harvest.pipeline import driver
-    from harvest.pipeline.cli import main as cli_main
+    from harvest.pipeline.driver import run as driver
+    from harvest.pipeline.cli.main import main as cli_main
 
     hook = hold_after(Path(ready), int(hold), Path(opened[0]) if opened else None)
     real_run = driver.run

@@ -1,5 +1,5 @@
 """Helpers shared by the pipeline tests: the corpus, configs, the single-process reference and
-the row-for-row comparison against it (tests/test_store_matches.py checks that it does catch a
+the row-for-row comparison against it (tests/store/test_store_matches.py checks that it does catch a
 difference). Not a test module: test modules import from here, never from each other."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harvest.pipeline.config import HarvestConfig, load_config
+from harvest.pipeline.config.run import HarvestConfig, load_config
 
 CONTEXT = 32
 SHARD_ROWS = 256  # 8 contexts per shard/unit
@@ -129,9 +129,9 @@ def reference_rows(cfg) -> object:
     """The packed rows of a config whose corpus is one block (data.block_bytes >= its size)."""
     from transformers import AutoTokenizer
 
-    from harvest.pipeline.data import iter_texts
-    from harvest.pipeline.packing import pack_texts
-    from harvest.pipeline.prepare import resolve_model_path
+    from harvest.pipeline.data.documents import iter_texts
+    from harvest.pipeline.data.packing import pack_texts
+    from harvest.pipeline.driver.prepare import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
     return pack_texts(iter_texts(cfg.data), tok, cfg.packing)
@@ -145,9 +145,9 @@ def reference_block_rows(cfg, path: Path) -> object:
 
     from transformers import AutoTokenizer
 
-    from harvest.pipeline.data import iter_texts
-    from harvest.pipeline.packing import Packed, pack_texts
-    from harvest.pipeline.prepare import resolve_model_path
+    from harvest.pipeline.data.documents import iter_texts
+    from harvest.pipeline.data.packing import Packed, pack_texts
+    from harvest.pipeline.driver.prepare import resolve_model_path
 
     starts, off = [], 0
     for line in path.read_bytes().splitlines(keepends=True):
@@ -171,7 +171,7 @@ _REFERENCES: dict = {}
 
 def shared_reference(model_path: str, corpus: Path, scratch: Path):
     """(Reference, acts) for make_cfg's settings, computed once per session."""
-    from harvest.pipeline.prepare import model_facts, resolve_points
+    from harvest.pipeline.driver.prepare import model_facts, resolve_points
 
     key = (model_path, str(corpus))
     if key not in _REFERENCES:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.pipeline.store import create_store
-from harvest.pipeline.store.tables import unit_shards
+from harvest.store import create_store
+from harvest.store.commit.tables import unit_shards
 from harvest.testing import synthetic
 
 BOS = 1
@@ -59,7 +59,7 @@ def unpublish(store, unit_ids) -> int:
     """Put committed units' objects back under their attempt names: the state a writer killed
     between its commit marker and publish leaves until finalize (objects.publish, reversed).
     Returns how many objects moved."""
-    from harvest.pipeline.store.objects import meta_keys, point_keys
+    from harvest.store.commit.objects import meta_keys, point_keys
 
     moved = 0
     for uid in unit_ids:

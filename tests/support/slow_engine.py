@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
-from harvest.engine.common import ModelInfo
+from harvest.engine.checkpoint import ModelInfo
 from harvest.pipeline.messages import ActorSpec
-from harvest.pipeline.store.writer import RegionWriter
+from harvest.store.write.writer import RegionWriter
 
 SLOW_ENGINE = f"{__name__}:SlowEngine"  # ActorSpec.engine_factory
 
@@ -80,7 +80,7 @@ class SlowEngine:
         import torch
 
         from harvest.engine.addresses import parse_addresses
-        from harvest.engine.captured import CapturedRequest
+        from harvest.engine.capture.captured import CapturedRequest
 
         pts = tuple(parse_addresses(list(points), self.n_layers))
         window: collections.deque = collections.deque()

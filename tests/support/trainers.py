@@ -25,7 +25,7 @@ def trainers_python():
 def run_example(python: str, script: str, store: str, *extra, light: bool = False, timeout: int = 600) -> dict:
     env = dict(os.environ, WANDB_MODE="disabled", TQDM_DISABLE="1", OMP_NUM_THREADS="2")
     if light:
-        env["HARVEST_LIGHT"] = "1"   # import harvest.pipeline.store from the installed package only
+        env["HARVEST_LIGHT"] = "1"   # import harvest.store from the installed package only
         env.pop("PYTHONPATH", None)
     else:
         env["PYTHONPATH"] = str(REPO)

@@ -1,0 +1,1 @@
+"""Checks run on a lent GPU host (torch only there: no vLLM, Ray or zarr install)."""

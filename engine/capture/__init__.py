@@ -1,0 +1,1 @@
+"""Torch-only capture parts: taps, block semantics and the probe, row transport and accounting, shared-memory rings."""

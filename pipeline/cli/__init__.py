@@ -1,0 +1,1 @@
+"""The `harvest` command: run, plan, status, verify, inspect, report, schedule."""

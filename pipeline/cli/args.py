@@ -1,0 +1,59 @@
+"""What every `harvest` command shares: the config arguments, the config they load, the store a
+command reads, and the one JSON document `--json` prints.
+
+Its own module so the command modules (cli.py, schedule_cli.py) both import it at the top: when
+these lived in cli.py, schedule_cli.py could only reach them through a function-level import, an
+import cycle cli <-> schedule_cli hidden from the reader (issue 23 item 7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from harvest.pipeline.config.run import ConfigError, HarvestConfig, default_config_path, load_config
+
+
+def config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help=f"run config YAML (default {default_config_path()})")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set packing.context_size=256 (repeatable)")
+
+
+def store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", help="store URL or path (default: store.url of the config)")
+    config_args(p)
+
+
+def load_args_config(args) -> HarvestConfig:
+    """The run config `--config` names (or the default), with the `--set` overrides applied."""
+    return load_config(args.config or default_config_path(), args.set)
+
+
+def store_target(args) -> tuple[str, dict | None]:
+    """(URL, fsspec options) of the store a command reads: the URL given, else the config's."""
+    if args.url:
+        return args.url, None
+    cfg = load_args_config(args)
+    return cfg.store.resolved_url, cfg.store.fs_options()
+
+
+def print_json(args, obj) -> None:
+    """The command's one JSON document, on the stream `main` keeps for it (logs.json_stdout:
+    nothing else reaches stdout under --json)."""
+    print(json.dumps(obj, indent=2, default=str), file=getattr(args, "json_out", None) or sys.stdout)
+
+
+def is_user_error(e: BaseException) -> bool:
+    """An error in what the user gave (config, data, store): exit 2 with its message, no
+    traceback (`harvest` main; `harvest schedule` also posts it to its webhook)."""
+    from harvest.pipeline.data.documents import DataError
+    from harvest.pipeline.errors import HarvestError
+    from harvest.pipeline.data.packing import PackingError
+
+    try:
+        from harvest.store import StoreError
+    except Exception:  # pragma: no cover
+        StoreError = ()  # type: ignore
+    return isinstance(e, (ConfigError, DataError, PackingError, HarvestError, StoreError))

@@ -1,0 +1,359 @@
+"""`harvest run|plan|status|verify|finalize|uncommit|inspect|report|...`: the pipeline for people.
+
+`status`, `verify` and `inspect` read the store alone (a URL or the store of a config), so they
+work while a job runs elsewhere, after it was interrupted, or on a machine without the engine.
+Errors we can explain end the command with exit code 2 and one line, not a traceback. Ctrl-C
+exits 130, SIGTERM 143 and SIGHUP 129 (128 + the signal), after the same cleanup (pipeline/driver/exits.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .args import (config_args, is_user_error, load_args_config, print_json, store_args,
+                       store_target)
+from .repair import add_parsers as add_repair
+from harvest.pipeline.config.run import HarvestConfig
+from .schedule_cmd import add_parser as add_schedule
+from harvest.store.storage.credentials import redact_url
+
+EXIT_BAD_INPUT = 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    from harvest.pipeline.logs import setup_console
+
+    setup_console(verbose)
+
+
+def format_summary(s: dict) -> str:
+    if s.get("noop"):
+        return (f"store {s.get('store')} is already complete: {s.get('tokens')} tokens in "
+                f"{s.get('units')} units, finished {s.get('finished_at')}; nothing to do")
+    lines = [
+        f"harvest {s['name']}: {s['tokens']} tokens in {s['units']} units "
+        f"({s['units_run']} run, {s['units_skipped']} already committed) -> {s['store']}",
+        f"  captured {s['tokens_this_run']} tokens in {s['dispatch_seconds']:.1f} s: "
+        f"{s['tokens_per_second'] or 0:.0f} tok/s ({s['points']} points x width {s['width']})"
+        + _held(s),
+        f"  bytes: {s['bytes_logical'] / 1e6:.1f} MB logical, {s['bytes_stored'] / 1e6:.1f} MB stored, "
+        f"compression {s['compression_ratio']}x",
+        f"  verified: {s['verified']['committed_units']}/{s['verified']['planned_units']} units, "
+        f"{s['verified']['committed_rows']} rows; retries {s['unit_retries']}, "
+        f"actor deaths {s['actor_deaths_seen']}; wall {s['wall_seconds']:.1f} s",
+    ]
+    skipped = _skipped(s)
+    if skipped:
+        lines.append(skipped)
+    for a in s["per_actor"]:
+        lines.append(f"  actor {a['index']}: {a['units']} units, {a['tokens']} tokens, "
+                     f"{a['tokens_per_second'] or 0:.0f} tok/s while capturing, pids {a['pids']}")
+    return "\n".join(lines)
+
+
+def _held(s: dict) -> str:
+    """How many of the run's rows hold activations, where not all do (chat padding and roles
+    outside capture.roles are zeros; generation slots have rows without): a reader yields those."""
+    held, rows = s.get("rows_with_activations_this_run"), s.get("tokens_this_run")
+    if held is None or held == rows:
+        return ""
+    return (f"; {held} of those rows hold activations (the others are padding, roles outside "
+            "capture.roles or generated rows without, stored as zeros)")
+
+
+def _skipped(s: dict) -> "str | None":
+    """The source rows the run skipped, by reason (docs/operations.md, "Skipped rows"): a
+    conversation the template cannot label is never silent."""
+    data = s.get("data") or {}
+    n = data.get("rows_skipped") or 0
+    if not n:
+        return None
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted((data.get("skipped_reasons") or {}).items()))
+    return (f"  skipped {n} of {data.get('rows_read', 0)} source rows ({reasons}): see "
+            "docs/operations.md, \"Skipped rows\"")
+
+
+def budget_shortfall(cfg: HarvestConfig, summary: dict) -> "str | None":
+    """The corpus ended before packing.max_tokens: say so with the numbers (the summary's
+    budget_reached flag alone went unnoticed)."""
+    budget = cfg.packing.max_tokens
+    packing = summary.get("packing") or {}
+    if not budget or summary.get("noop") or packing.get("budget_reached", True):
+        return None
+    tokens = summary.get("tokens") or 0
+    if tokens >= budget - cfg.packing.context_size:
+        return None
+    return (f"packing.max_tokens={budget:,} was not reached: the corpus gave {tokens:,} tokens "
+            f"({100 * tokens / budget:.1f}% of the budget); add data or lower packing.max_tokens")
+
+
+def cmd_run(args) -> int:
+    """Quiet by default (pipeline/logs.py): third-party output to a log folder, named once."""
+    from harvest.pipeline.config.run import cache_dir
+    from harvest.pipeline.driver.run import run
+    from harvest.pipeline.logs import new_log_dir, quiet_run
+
+    cfg = load_args_config(args)
+    if args.verbose:
+        summary = run(cfg)
+        log_dir = None
+    else:
+        log_dir = new_log_dir(cache_dir(), cfg.name)
+        if not args.json:
+            print(f"logs: {log_dir} (vLLM, Ray, torch; --verbose prints them here)", flush=True)
+        with quiet_run(log_dir):
+            summary = run(cfg)
+    report = None if args.no_report or summary.get("noop") else _run_report(cfg, summary)
+    if args.json:
+        print_json(args, {**summary, "log_dir": str(log_dir) if log_dir else None,
+                         "report": report,
+                         "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]})
+        return 0
+    print(format_summary(summary))
+    short = budget_shortfall(cfg, summary)
+    if short:
+        print(f"warning: {short}")
+    if isinstance(report, dict):
+        print(f"report: {report['png']} (and {report['html']})")
+    elif report:
+        print(f"warning: no report ({report}); try: harvest report {summary['store']}")
+    return 0
+
+
+def _run_report(cfg, summary: dict):
+    """The finished store's report (pipeline/cli/report.py): it reads a fixed sample of shards, so it
+    costs seconds whatever the corpus size. A report that fails is a warning, never a failed run:
+    the data is committed and verified by then. Returns the paths, or the reason as a string."""
+    from harvest.pipeline.driver.prepare import resolve_model_path
+    from .report import write_report
+
+    try:
+        r = write_report(summary["store"], cfg.store.fs_options(),
+                         tokenizer_path=resolve_model_path(cfg.model.path))
+        return {k: r[k] for k in ("png", "html", "json")}
+    except Exception as e:  # noqa: BLE001 -- see the docstring
+        return f"{type(e).__name__}: {e}"
+
+
+def cmd_plan(args) -> int:
+    """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
+    from harvest.store.storage.locate import locate
+    from harvest.store.format.compression import expected_ratio
+
+    from .estimate import corpus_bytes, plan_estimate
+    from .objectcost import layout_cost
+    from harvest.pipeline.driver.prepare import prepare
+    from .text import plan_text
+    from harvest.pipeline.driver.resume import probe_store
+
+    cfg = load_args_config(args)
+    existing = probe_store(cfg)
+    prep = prepare(cfg, existing)
+    L = prep.layout
+    out = {
+        "store": redact_url(cfg.store.resolved_url),
+        "store_exists": existing is not None,
+        "model_path": prep.model_path,
+        "points": len(prep.points),
+        "width": prep.width,
+        "context_size": cfg.packing.context_size,
+        "data": prep.sources["description"],
+        "blocks": len(prep.sources["blocks"]),
+        "block_bytes": cfg.data.block_bytes,
+        "max_tokens": cfg.packing.max_tokens,
+        "max_units": (-(-L.capacity_rows // L.unit_rows) if cfg.packing.max_tokens else None),
+        "unit_rows": L.unit_rows,
+        "shard_rows": L.shard_rows,
+        "chunk_rows": L.chunk_rows,
+        "bytes_per_token": len(prep.points) * prep.width * prep.itemsize,
+        "corpus_bytes": corpus_bytes(prep.sources),
+    }
+    if existing is not None:
+        plan = existing.plans.read()
+        out["planned_units"] = len(plan["units"])
+        out["planned_tokens"] = sum(u.n_rows for u in plan["units"])
+        out["plan_complete"] = plan["final"]
+    # a resumed store keeps the codec it was created with
+    ratio = expected_ratio(existing.compression if existing is not None else cfg.store.compression)
+    out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
+    est = out["estimate"]
+    out["layout"] = layout_cost(
+        points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
+        unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
+        rate=args.rate or est.get("tokens_per_second"),
+        object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
+        roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
+        samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1)
+    if args.json:
+        print_json(args, out)
+    else:
+        print(plan_text(out))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .text import status_text
+    from .views import status
+
+    url, so = store_target(args)
+    s = status(url, so)
+    if args.json:
+        print_json(args, s)
+    else:
+        print(status_text(s))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
+    from harvest.store import open_store
+
+    from .text import verify_text
+    from .views import store_missing
+
+    url, so = store_target(args)
+    if store_missing(url, so):
+        print(f"no store at {redact_url(url)} yet: nothing to verify (the job may still be "
+              "starting)", file=sys.stderr)
+        return 1
+    v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep,
+                                                                   objects=args.objects)
+    complete = v["ok"] and not v["missing_units"]
+    if args.json:
+        print_json(args, {**v, "complete": complete})
+    else:
+        print(verify_text(v, complete))
+    return 0 if complete else 1
+
+
+def cmd_inspect(args) -> int:
+    from .text import inspect_text
+    from .views import inspect
+
+    url, so = store_target(args)
+    rows = None
+    if args.rows:
+        a, _, b = args.rows.partition(":")
+        rows = (int(a), int(b) if b else int(a) + 8)
+    info = inspect(url, so, rows)
+    if args.json:
+        print_json(args, info)
+    else:
+        print(inspect_text(info))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    url, so = store_target(args)
+    r = write_report(url, so, out_dir=args.out, tokenizer_path=args.tokenizer)
+    if args.json:
+        print_json(args, {k: v for k, v in r.items() if k != "data"})
+    else:
+        print(f"report: {r['png']} (and {r['html']})")
+    return 0
+
+
+def cmd_check_model(args) -> int:
+    """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
+    refuses the trunk at load (docs/engine.md, "Supported model families")."""
+    from harvest.engine.model_check import run_command
+
+    from harvest.pipeline.driver.prepare import resolve_model_path
+
+    return run_command(resolve_model_path(args.model), args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="harvest", description=__doc__.splitlines()[0])
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show vLLM's, Ray's and torch's output too (run: instead of a log file)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run or resume a harvest (connects to Ray or starts it)")
+    config_args(r)
+    r.add_argument("--json", action="store_true", help="print only the summary, as JSON")
+    r.add_argument("--no-report", action="store_true",
+                   help="skip the report (PNG/HTML of norms, variances, top tokens) at the end")
+    r.set_defaults(fn=cmd_run)
+    pl = sub.add_parser("plan", help="layout, blocks, estimated size and time; nothing runs")
+    config_args(pl)
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--rate", type=float, metavar="TOK_PER_S",
+                    help="aggregate tok/s to price time and requests/s at (default: a guess "
+                         "from the model's size and the actors)")
+    pl.set_defaults(fn=cmd_plan)
+    st = sub.add_parser("status", help="progress of a store, from the store alone")
+    store_args(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+    v = sub.add_parser("verify", help="every planned row committed exactly once?")
+    store_args(v)
+    v.add_argument("--deep", action="store_true", help="also check every shard's CRC")
+    v.add_argument("--objects", action="store_true",
+                   help="also list every object and check its size (one LIST page per 1,000 "
+                        "objects: slow on object storage at corpus scale)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+    i = sub.add_parser("inspect", help="layout, statistics, run attributes, rows with --rows A:B")
+    store_args(i)
+    i.add_argument("--rows", help="rows to show, e.g. 0:16")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+    rp = sub.add_parser("report", help="PNG + HTML: norms, variances, top tokens, compression, rate")
+    store_args(rp)
+    rp.add_argument("--out", help="output folder (default: <store>/_report, or ./harvest-report)")
+    rp.add_argument("--tokenizer", help="tokenizer path to decode tokens (default: the run's model)")
+    rp.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    rp.set_defaults(fn=cmd_report)
+    cm = sub.add_parser("check-model", help="capture a model in freeze mode and compare every "
+                        "layer with Hugging Face fp32; exit 1 above tolerance")
+    cm.add_argument("model", help="checkpoint dir, hub name, smollm2 or tiny:<arch>")
+    cm.add_argument("--points", nargs="*", help="default: resid_post at every layer")
+    cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
+    cm.add_argument("--tol-p50", type=float, default=0.03,
+                    help="cap on the p50 bound; below it, each point's bound is a multiple "
+                         "of HF's own engine-dtype-vs-fp32 gap there (engine.model_check.GAP_RATIO)")
+    cm.add_argument("--tol-p99", type=float, default=0.15, help="cap on the p99 bound")
+    cm.add_argument("--reference-device", default="cpu")
+    cm.add_argument("--no-compile", action="store_true", help="skip torch.compile: starts in seconds")
+    cm.add_argument("--unverified-trunk", action="store_true",
+                    help="capture even if the block-semantics probe refuses the trunk")
+    cm.add_argument("--json", action="store_true")
+    cm.set_defaults(fn=cmd_check_model)
+    add_schedule(sub)
+    add_repair(sub)   # finalize, uncommit (cli_repair.py)
+    for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
+        sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    from harvest.pipeline.driver.exits import orderly_signals
+    from harvest.pipeline.logs import json_stdout
+
+    try:
+        with orderly_signals():
+            if not getattr(args, "json", False):
+                return args.fn(args)
+            with json_stdout() as args.json_out:
+                return args.fn(args)
+    except BrokenPipeError:  # `harvest inspect | head`
+        return 0
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (exits.Terminated)
+        how = f"stopped by {e}" if getattr(e, "exit_code", None) else "interrupted"
+        print(f"harvest {args.cmd}: {how}: the store is resumable, re-run the same command",
+              file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except Exception as e:
+        if is_user_error(e):
+            print(f"harvest {args.cmd}: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

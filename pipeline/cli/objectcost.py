@@ -1,0 +1,216 @@
+"""What a run's store layout costs on object storage: objects, their sizes, requests, for `plan`.
+
+Issue 24: at an 8B model's shape (32 layers x 4096 wide) the old layout made ~68 M objects per
+10^9 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
+megabyte, and nothing said so before the run. Layout 3 streams ~128 MiB shards, chunks row
+metadata per unit and moves the per-shard records into a per-unit object table, so markers are
+~1 KB whatever the shape (`table_bytes` says the table's). Every figure here is counted from the
+code that writes the store, not from copies of its rules: `layout.ROW_META` (the base columns,
+`role` too for chat input,
+`gen` for generation) for the objects of a shard, `layout.block_rows` and
+`objects.writes_per_object` for the requests per streamed object (start, parts, completion),
+`markersize.marker_size` (the real marker builder) for the marker and its object table, and
+`commits.index_batch` for the index, so the plan follows the layout when the layout changes.
+
+Counted (FORMAT.md): per shard, one object per point; per unit, one chunk per row-metadata
+column (stores the pipeline creates), a stats sidecar, an object table and a marker; the index compacted into one segment by finalize. The few
+dozen fixed objects of a store (zarr.json nodes, the plan, finalize's statistics) are not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harvest.store.commit.markers import index_batch
+from harvest.store.format.layout import BASE_META, ROW_META, block_rows, choose_sizes
+from harvest.store.format.markersize import marker_size, table_size
+from harvest.store.commit.objects import writes_per_object
+from harvest.store.storage.objectstore import S3Storage
+
+# S3's request baseline per prefix (and per second): PUT/COPY/POST/DELETE, and GET/HEAD. A store
+# is one prefix until S3 splits it under sustained load, answering 503 SlowDown meanwhile.
+S3_WRITES_PER_PREFIX = 3500
+S3_READS_PER_PREFIX = 5500
+LIST_PAGE_KEYS = 1000  # keys per LIST page
+# Below ~8 MB an object's PUT/GET is dominated by per-request latency, not bytes (S3's own advice
+# is 8-16 MB parts). Only said when a run writes this many of them: a small run's few small
+# objects cost seconds in all.
+MIN_DATA_OBJECT_BYTES = 8_000_000
+SMALL_OBJECTS_MIN_COUNT = 10_000
+# A marker is read by status, verify, finalize and every reader (copied into the index too).
+MAX_MARKER_BYTES = 64_000
+# Past ~10 M objects, listing, lifecycle rules, copying and deleting a store are slow and costly.
+MAX_OBJECTS = 10_000_000
+# Per unit besides its objects: the stats sidecar PUT, and the marker's conditional PUT (a server
+# without If-None-Match takes HEAD + PUT + GET, see FORMAT.md). Reads: the writer looks for
+# another writer's marker (one GET) before each shard's upload and once before its own marker.
+SIDECAR_WRITES = 1
+TABLE_WRITES = 1   # the unit's object table (layout 3), one PUT before its marker
+MARKER_WRITES = 1
+KNOWN_LIMIT = "a known limit of the layout (issue 24)"
+
+
+def index_requests(units: int) -> int:
+    """Index requests over a run of `units`: each segment is a LIST (for its sequence number) and
+    a PUT (commits.write_index_segment), one per `index_batch` new markers; finalize writes one
+    compacted segment and deletes the others."""
+    n = segments = 0
+    while n < units:
+        n += index_batch(n)
+        segments += 1
+    return 2 * segments + (1 + segments if units else 0)
+
+
+def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
+                tokens: "int | None", ratio: float, rate: "float | None",
+                object_store: bool, roles: bool = False, generated: bool = False,
+                samples: bool = False) -> dict:
+    """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
+    whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at."""
+    # `roles`: a chat store's `role` column; `generated`: a generation store's `gen` column;
+    # `samples`: the `sample` column of n > 1 samples per prompt
+    extra = (("role",) if roles else ()) + (("gen",) if generated else ()) + \
+        (("sample",) if samples else ())
+    columns = {c: ROW_META[c] for c in BASE_META + extra}
+    P, M = len(points), len(columns)
+    row_bytes = width * itemsize
+    shards_per_unit = unit_rows // shard_rows
+    data_logical = shard_rows * row_bytes
+    data_stored = int(data_logical / ratio)
+    # row metadata: one chunk per unit and column (the pipeline creates stores with
+    # meta_chunk_rows = unit_rows), at its logical size: an upper bound (doc_id and position
+    # compress well, token ids little)
+    meta_by_column = {c: unit_rows * np.dtype(dt).itemsize for c, dt in columns.items()}
+    meta_stored = round(sum(meta_by_column.values()) / M)
+    # requests per streamed object: start + parts + completion on object storage (parts are
+    # compressed blocks gathered to S3's 5 MiB minimum); a local store renames (0 requests, but
+    # the figure stays the object store's, what the layout would cost there)
+    part_min = S3Storage.part_min_bytes
+    chunk = choose_sizes(width, itemsize, P, shard_rows=shard_rows)[1]
+    block_stored = int(block_rows(shard_rows, chunk, P, row_bytes) * row_bytes / ratio)
+    per_data = writes_per_object(data_stored, part_min, block_stored)
+    per_meta = writes_per_object(meta_stored, part_min, meta_stored)
+    units = -(-tokens // unit_rows) if tokens else None
+    shards = -(-tokens // shard_rows) if tokens else None
+    last = max(0, (units or 1) - 1)  # the last unit has the longest numbers in its marker
+    marker = dict(points=points, unit_id=last, row_start=last * unit_rows, shard_rows=shard_rows,
+                  row_bytes=row_bytes, object_bytes=data_stored, meta_bytes=meta_by_column)
+    marker_bytes = marker_size(n_shards=shards_per_unit, **marker)
+    marker_one = marker_size(n_shards=1, **marker)
+    writes = {"objects": shards_per_unit * P * per_data + M * per_meta, "sidecar": SIDECAR_WRITES,
+              "table": TABLE_WRITES,
+              "marker": MARKER_WRITES,
+              "index": round(index_requests(units) / units, 3) if units else 0.0}
+    reads = shards_per_unit + 1
+    writes_unit = sum(writes.values())
+    out = {
+        "tokens": tokens, "units": units, "shards": shards, "shards_per_unit": shards_per_unit,
+        "points": P, "meta_columns": M, "object_store": object_store,
+        "objects": None, "objects_by_kind": None,
+        "data_object_bytes": data_stored, "data_object_bytes_logical": data_logical,
+        "compression": ratio, "meta_object_bytes": meta_stored,
+        "writes_per_data_object": per_data, "part_min_bytes": part_min,
+        "marker_bytes": marker_bytes,
+        "table_bytes": table_size(n_shards=shards_per_unit, **marker),
+        "marker_bytes_per_shard_point": round((marker_bytes - marker_one)
+                                              / max(1, shards_per_unit - 1) / P, 1),
+        "requests_per_unit": round(writes_unit + reads, 3),
+        "writes_per_unit": {**writes, "total": round(writes_unit, 3)}, "reads_per_unit": reads,
+        "rate_tokens_per_second": rate, "writes_per_second": None, "reads_per_second": None,
+        "readback_reads_per_second": None,
+        "limits": {"writes_per_second_per_prefix": S3_WRITES_PER_PREFIX,
+                   "reads_per_second_per_prefix": S3_READS_PER_PREFIX,
+                   "min_data_object_bytes": MIN_DATA_OBJECT_BYTES,
+                   "max_marker_bytes": MAX_MARKER_BYTES, "max_objects": MAX_OBJECTS},
+    }
+    if tokens:
+        kinds = {"data": shards * P, "meta": units * M, "sidecars": units, "tables": units,
+                 "markers": units,
+                 "index": 1}
+        out["objects"], out["objects_by_kind"] = sum(kinds.values()), kinds
+        out["list_pages"] = -(-out["objects"] // LIST_PAGE_KEYS)
+    if rate:
+        per_s = rate / unit_rows  # units per second
+        out["writes_per_second"] = round(writes_unit * per_s)
+        out["reads_per_second"] = round(reads * per_s)
+        # a reader taking every point back at the capture rate: one GET per object
+        out["readback_reads_per_second"] = round(shards_per_unit * P * per_s)
+    out["warnings"] = layout_warnings(out, width=width, itemsize=itemsize, shard_rows=shard_rows,
+                                      unit_rows=unit_rows, marker_one=marker_one)
+    return out
+
+
+def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit_rows: int,
+                    marker_one: int) -> list[str]:
+    """One line per object-store limit the layout exceeds, naming the limit and what to change
+    (a config knob where one exists, else that it is a known limit). Request rates are only
+    checked for a store on object storage: a local disk has no per-prefix limit."""
+    out = []
+    P, size = c["points"], _size
+    w = c["writes_per_second"]
+    if c["object_store"] and w and w > S3_WRITES_PER_PREFIX:
+        out.append(
+            f"~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
+            f"({c['writes_per_unit']['total']:,.0f} per unit of {unit_rows:,} tokens: each of its "
+            f"{c['shards_per_unit'] * P + c['meta_columns']:,} objects is a multipart upload: "
+            "start, parts, completion) is over S3's "
+            f"~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
+            "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): raise "
+            "store.shard_rows (fewer, larger objects), capture fewer points, or run fewer actors")
+    r = c["readback_reads_per_second"]
+    if c["object_store"] and r and r > S3_READS_PER_PREFIX:
+        out.append(
+            f"reading every point back at the capture rate takes ~{r:,} GETs/s, over S3's "
+            f"~{S3_READS_PER_PREFIX:,} reads/s per prefix: raise store.shard_rows or read fewer "
+            "points at a time")
+    data, n_data = c["data_object_bytes"], (c["objects_by_kind"] or {}).get("data")
+    if data < MIN_DATA_OBJECT_BYTES and (n_data or 0) >= SMALL_OBJECTS_MIN_COUNT:
+        rows = _rows_for(MIN_DATA_OBJECT_BYTES * c["compression"], width * itemsize, shard_rows)
+        out.append(
+            f"data objects of ~{size(data)} stored ({size(c['data_object_bytes_logical'])} "
+            f"logical: {shard_rows:,} rows x {width} x {itemsize} B, {n_data:,} of them) are too "
+            "small for object storage: per-request overhead dominates (aim for >= "
+            f"{size(MIN_DATA_OBJECT_BYTES)}): set store.shard_rows={rows:,} (the writer streams "
+            "shards block by block, so larger shards cost no memory) or raise store.unit_tokens "
+            "(a shard never holds more rows than a unit)")
+    m = c["marker_bytes"]
+    if m > MAX_MARKER_BYTES:
+        per = c["marker_bytes_per_shard_point"] * P
+        fit = int((MAX_MARKER_BYTES - marker_one) // per) + 1 if per else 0
+        knob = (f"lower store.unit_tokens to ~{fit * shard_rows:,} ({fit} shards per unit, so "
+                "more, smaller markers)" if fit >= 1 else "capture fewer points")
+        out.append(
+            f"commit markers of ~{size(m)} (~{c['marker_bytes_per_shard_point']:g} B per shard x "
+            f"point, {c['shards_per_unit']:,} shards x {P} points) are over "
+            f"{size(MAX_MARKER_BYTES)}: status, verify, finalize and every reader load them all; "
+            f"{knob}; a record per shard x point in the marker is {KNOWN_LIMIT}")
+    n = c["objects"]
+    if n and n > MAX_OBJECTS:
+        k = c["objects_by_kind"]
+        out.append(
+            f"{n:,} objects for {c['tokens']:,} tokens ({k['data']:,} data, {k['meta']:,} row "
+            f"metadata of ~{size(c['meta_object_bytes'])}, {k['markers']:,} markers, "
+            f"{k['sidecars']:,} stats sidecars) are over {MAX_OBJECTS / 1e6:g} M: listing "
+            f"({c['list_pages']:,} LIST pages of {LIST_PAGE_KEYS:,} keys), copying, deleting and "
+            "lifecycle rules get slow and costly; larger shards (store.shard_rows), fewer "
+            "points or fewer tokens cut it")
+    return out
+
+
+def _rows_for(logical_bytes: float, row_bytes: int, shard_rows: int) -> int:
+    """The smallest shard of `shard_rows` x 2^k rows (so still whole contexts) holding
+    `logical_bytes`."""
+    rows = max(1, shard_rows)
+    while rows * row_bytes < logical_bytes:
+        rows *= 2
+    return rows
+
+
+def _size(n: float) -> str:
+    from .text import size
+
+    return size(n)
+
+
+__all__ = ["layout_cost", "layout_warnings", "index_requests", "S3_WRITES_PER_PREFIX",
+           "S3_READS_PER_PREFIX", "MIN_DATA_OBJECT_BYTES", "MAX_MARKER_BYTES", "MAX_OBJECTS"]

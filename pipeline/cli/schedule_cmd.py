@@ -1,0 +1,91 @@
+"""`harvest schedule extend|checkpoints`: one cron tick (pipeline/cli/schedule.py does the work).
+
+Exit codes are the alert: 0 (ran, paused, complete, would run), 1 (a run failed, or checkpoint
+stores are not row-aligned), 3 (the previous run is still alive), 4 (it is stuck), 2 (bad input,
+like every command: a config that is invalid or differs from the store's). A cron job that exits
+0 every night while nothing happens is the failure this command exists to prevent, so "still
+running" is not success, except under `--busy-ok`, for schedulers that retry a failed job and
+cannot forbid overlap (KubeRay's RayCronJob): there a busy tick prints BUSY and exits 0, and the
+webhook still gets it. `--webhook` receives every outcome whose own code is not 0, exit 2
+included.
+
+A tick that runs is quiet like `harvest run`: vLLM's, Ray's and torch's output goes to a log
+folder per tick (`<cache>/logs/<name>-<time>/`, named on the console and in `--json`);
+`--verbose` prints it instead.
+"""
+
+from __future__ import annotations
+
+from .args import config_args, is_user_error, load_args_config, print_json
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("schedule", help="one scheduled tick: extend a store, or a store per "
+                       "checkpoint; exit 3/4 when the previous run is alive/stuck")
+    s.add_argument("mode", choices=("extend", "checkpoints"))
+    config_args(s)
+    s.add_argument("--tokens", type=int, dest="tokens_per_tick",
+                   help="extend: tokens each tick adds (rounded up to whole work units); the "
+                        "budget is packing.max_tokens")
+    s.add_argument("--checkpoints", help="checkpoints: directory of checkpoint directories; "
+                   "stores go to <store.url>/<checkpoint name>")
+    s.add_argument("--stuck-after", type=float, default=6.0, metavar="HOURS",
+                   help="a previous run alive longer than this is reported stuck (exit 4)")
+    s.add_argument("--webhook", help="POST the tick's outcome as JSON here (Slack-compatible "
+                   "'text') when it is not 0 (exit 2, a bad or changed config, included)")
+    s.add_argument("--busy-ok", action="store_true",
+                   help="a busy tick (the previous one still running) exits 0 after saying "
+                        "BUSY, for schedulers that retry failed jobs (KubeRay RayCronJob)")
+    s.add_argument("--check", action="store_true",
+                   help="decide only (from the store's plan, markers and lease): start nothing")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_schedule)
+
+
+def cmd_schedule(args) -> int:
+    from .schedule import Tick, notify
+
+    try:
+        ticks, log_dir = _ticks(args)
+    except Exception as e:
+        if args.webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
+            hook = notify(args.webhook, [Tick("invalid", "", f"{type(e).__name__}: {e}")])
+            if hook:
+                print(f"warning: {hook}")
+        raise
+    code = max(t.exit_code for t in ticks)
+    hook = notify(args.webhook, ticks) if args.webhook and code else None
+    if args.busy_ok and code and all(t.status == "busy" for t in ticks if t.exit_code):
+        code = 0
+    if args.json:
+        print_json(args, {"exit_code": code, "ticks": [t.as_dict() for t in ticks],
+                         "webhook_error": hook, "log_dir": str(log_dir) if log_dir else None})
+        return code
+    for t in ticks:
+        print(f"{t.status.upper() if t.status == 'busy' else t.status}: {t.message}"
+              + (" (exit 0: --busy-ok)" if t.status == "busy" and code == 0 else ""))
+    if hook:
+        print(f"warning: {hook}")
+    return code
+
+
+def _ticks(args):
+    """The tick's outcomes, and the log folder when it ran quiet."""
+    from harvest.pipeline.config.run import cache_dir
+    from harvest.pipeline.logs import new_log_dir, quiet_run
+    from .schedule import ScheduleConfig, checkpoint_tick, extend_tick
+
+    cfg = load_args_config(args)
+    sc = ScheduleConfig(args.mode, args.tokens_per_tick, args.checkpoints,
+                        args.stuck_after * 3600.0, args.webhook, args.check).validate(cfg)
+
+    def tick():
+        return [extend_tick(cfg, sc)] if sc.mode == "extend" else checkpoint_tick(cfg, sc)
+
+    if args.verbose or sc.check_only:
+        return tick(), None
+    log_dir = new_log_dir(cache_dir(), cfg.name)
+    if not args.json:
+        print(f"logs: {log_dir} (vLLM, Ray, torch; --verbose prints them here)", flush=True)
+    with quiet_run(log_dir):
+        return tick(), log_dir

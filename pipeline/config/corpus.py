@@ -1,0 +1,134 @@
+"""The run configuration's corpus sections: `data` (where documents come from) and `packing`
+(how they become fixed contexts, the rows of the store).
+
+Split from pipeline/config/sections.py, which holds the other sections (model, capture, store, ray):
+these two decide which tokens a run reads and how they are cut, the others how and where they are
+captured and written. The same rules hold: one dataclass per section, each validating its own
+fields, every error naming the field as written in YAML and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fields import ConfigError, check_bool, check_choice, check_int, check_str
+
+# `chat`: the rows are conversations (see DataConfig); the file format is then found as for null.
+DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub", "chat")
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from. `source: pydoc` is the offline default corpus.
+
+    `source` may be a hub dataset name, a local file, directory or glob (a date-partitioned path
+    such as `/data/crawl/date=2025-06-01/*.parquet` is just a glob), or a `save_to_disk` dir.
+    `format` is inferred from the file suffix unless given. `format: chat` reads conversations
+    from `messages_column` (lists of {role, content}) instead of text, renders them with the
+    model's chat template and labels every row with its role (pipeline/data/chat.py; the file format
+    is then inferred as for null).
+
+    `block_bytes`: the corpus is cut into blocks of about this much text, each tokenised and
+    packed on its own by a worker (contexts never straddle blocks). It decides the rows, so it is
+    part of the run's identity. `streaming: true` reads through `datasets`' streaming loader,
+    one block per data file (shard); local json-lines, text and parquet files are otherwise split
+    by byte range or row group.
+    """
+
+    source: str = "pydoc"
+    format: str | None = None
+    name: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    data_files: Any = None
+    text_column: str = "text"
+    messages_column: str = "messages"
+    streaming: bool = False
+    max_docs: int | None = None
+    block_bytes: int = 8 << 20
+
+    @property
+    def value_column(self) -> str:
+        """The column the readers take each row's value from (text, or chat messages)."""
+        return self.messages_column if self.format == "chat" else self.text_column
+
+    def validate(self) -> None:
+        check_str("data.source", self.source)
+        check_int("data.block_bytes", self.block_bytes, 1024)
+        if self.format is not None:
+            check_choice("data.format", self.format, DATA_FORMATS)
+        if self.name is not None:
+            check_str("data.name", self.name)
+        check_str("data.split", self.split)
+        if self.revision is not None:
+            if not isinstance(self.revision, str) or not self.revision:
+                raise ConfigError(
+                    "data.revision must be a git revision string (branch, tag or commit sha); "
+                    "quote dates in YAML, e.g. revision: '2025-06-01'"
+                )
+        if self.data_files is not None and not isinstance(self.data_files, (str, list, dict)):
+            raise ConfigError("data.data_files must be a path, a list of paths or {split: paths}")
+        check_str("data.text_column", self.text_column)
+        check_str("data.messages_column", self.messages_column)
+        check_bool("data.streaming", self.streaming)
+        check_int("data.max_docs", self.max_docs, 1, optional=True)
+
+
+BOS_MODES = ("context", "document", "none")
+# Default cap on one document's tokens when nothing bounds it (about 1 MB of text): a longer
+# document is cut there, counted in the run's packing figures.
+DOC_TOKENS_DEFAULT = 1 << 18
+OVERFLOW_MODES = ("split", "truncate")
+
+
+@dataclass
+class PackingConfig:
+    """How documents become fixed contexts (rows of the store are their tokens, in order).
+
+    `bos: context` starts every context with BOS (SAELens' default, which keeps every context a
+    well-formed prompt); `document` puts BOS before every document instead. `overflow: split`
+    carries the rest of a long document into the next context; `truncate` drops it.
+    """
+
+    context_size: int = 128
+    bos: str = "context"
+    bos_token_id: int | None = None
+    overflow: str = "split"
+    max_tokens: int | None = None
+    tokenize_batch: int = 256
+    # Tokens per chunk of tokenised output: the granularity at which workers hand tokens over and
+    # a resumed run re-creates them. It does not change the rows; a store keeps the value it was
+    # planned with.
+    chunk_tokens: int = 1 << 16
+    # Tokens kept of one document, at most: only a bounded prefix of its text is tokenised, so a
+    # single 30 MB document cannot take the tokenising worker's memory (whole, it took 6.3 GB).
+    # None: derived (doc_token_cap): context_size with overflow=truncate, max_tokens when set,
+    # else DOC_TOKENS_DEFAULT. Documents cut here are counted (docs_capped).
+    max_doc_tokens: int | None = None
+
+    def validate(self) -> None:
+        check_int("packing.context_size", self.context_size, 2)
+        check_int("packing.max_doc_tokens", self.max_doc_tokens, 1, optional=True)
+        check_choice("packing.bos", self.bos, BOS_MODES)
+        check_int("packing.bos_token_id", self.bos_token_id, 0, optional=True)
+        check_choice("packing.overflow", self.overflow, OVERFLOW_MODES)
+        check_int("packing.max_tokens", self.max_tokens, 1, optional=True)
+        if self.max_tokens is not None and self.max_tokens < self.context_size:
+            raise ConfigError(
+                f"packing.max_tokens={self.max_tokens} is smaller than one context "
+                f"(packing.context_size={self.context_size}): raise max_tokens or lower "
+                "context_size"
+            )
+        check_int("packing.tokenize_batch", self.tokenize_batch, 1)
+        check_int("packing.chunk_tokens", self.chunk_tokens, 1)
+
+    def doc_token_cap(self) -> int:
+        """Tokens kept of one document (see max_doc_tokens): more could never reach a row."""
+        if self.max_doc_tokens is not None:
+            return self.max_doc_tokens
+        if self.overflow == "truncate":
+            return self.context_size
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return DOC_TOKENS_DEFAULT

@@ -1,0 +1,1 @@
+"""Documents to token contexts: sources and blocks, chats, packing, tokenising workers, a unit's rows."""

@@ -1,0 +1,195 @@
+"""Checks of the corpus before Ray starts: from a few rows, or a small source read whole.
+
+Each one turns a failure that used to come after Ray, the tokenising workers and the engines had
+started (minutes, and a message about symptoms) into one line about the input: the text column
+is missing, the file is not UTF-8, the column holds chat messages (or, for chat input, holds
+none), or the corpus cannot fill a
+single context. They read what is cheap to read: the first rows of the first block for the
+column checks; for the context check, the whole source when it is small and local, else its
+first block (a corpus whose first block gives no context is broken or sorted oddly; either way the
+run would have stopped there).
+"""
+
+from __future__ import annotations
+
+import json
+
+from harvest.pipeline.config.run import HarvestConfig
+from .documents import DataError, resolve_source
+from .packing import PackingError
+from .blocks import _load_disk, open_dataset, read_block
+
+# A local source up to this size is read whole by the context check; larger ones by first block.
+SMALL_SOURCE_BYTES = 64 << 20
+
+
+def _field(cfg) -> str:
+    """The config field naming the column read: data.messages_column for chat input."""
+    return "data.messages_column" if cfg.format == "chat" else "data.text_column"
+
+
+def _no_column(col: str, where: str, names, field: str = "data.text_column") -> DataError:
+    what = "the conversations" if field == "data.messages_column" else "the text"
+    return DataError(
+        f"{field}={col!r} is not a column of {where}: columns are {list(names)}; set "
+        f"{field} to the one holding {what}")
+
+
+def _jsonl_probe(path: str, cfg, rows: int) -> None:
+    """The first `rows` lines of a json-lines file: is `col` a key of any of them? A file that is
+    not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead."""
+    col = cfg.value_column
+    keys: set = set()
+    seen = undecodable = not_json = 0
+    first_bad = None  # (line number, file offset, byte)
+    off = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            here, off = off, off + len(line)
+            if seen >= rows:
+                break
+            if not line.strip():
+                continue
+            seen += 1
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                undecodable += 1
+                first_bad = first_bad or (lineno, here + e.start, line[e.start])
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                not_json += 1
+                continue
+            if isinstance(obj, dict):
+                if col in obj:
+                    return
+                keys |= set(obj)
+    if not seen:
+        return
+    if not keys and undecodable:
+        lineno, at, byte = first_bad
+        raise DataError(
+            f"data.source={cfg.source!r}: {path} is not UTF-8 (byte 0x{byte:02x} at line "
+            f"{lineno}, offset {at}; {undecodable} of the first {seen} lines cannot be decoded): "
+            "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+    if not keys:
+        raise DataError(
+            f"data.source={cfg.source!r}: none of the first {seen} lines of {path} is a JSON "
+            f"object ({not_json} are not JSON): give JSON lines, one object per line with a "
+            f"{col!r} field, or set data.format: text for plain text")
+    raise _no_column(col, path, sorted(keys), _field(cfg))
+
+
+def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
+    """Fail before anything is written if no early row of the first block has the text column,
+    or if the column holds no text (chat messages, numbers) in its first rows."""
+    if not blocks:
+        return
+    seg = blocks[0][0]
+    col = cfg.value_column
+    if seg["kind"] == "lines" and seg["fmt"] == "json":
+        _jsonl_probe(seg["path"], cfg, rows)
+    else:
+        if seg["kind"] == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.ParquetFile(seg["path"]).schema_arrow.names
+        elif seg["kind"] == "lines":
+            names = ["text"]  # the datasets text loader's one column
+        else:
+            ds = _load_disk(cfg, seg["path"]) if seg["kind"] == "disk" else open_dataset(cfg)[0]
+            names = getattr(ds, "column_names", None)
+            if names is None:
+                first = next(iter(ds), None)
+                names = sorted(first) if isinstance(first, dict) else None
+        if names is not None and col not in names:
+            raise _no_column(col, resolve_source(cfg).description, names, _field(cfg))
+    _probe_values(cfg, blocks[0], rows)
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def _probe_values(cfg, block: list[dict], rows: int) -> None:
+    """Refuse a text column whose first rows hold no string at all: every row would be skipped
+    as `not_text`, and the run used to stop only once the engines were up."""
+    values = []
+    for _, _, value, _ in read_block(block, cfg):
+        values.append(value)
+        if len(values) >= rows:
+            break
+    where = resolve_source(cfg).description
+    if cfg.format == "chat":
+        if any(_is_chat(v) for v in values) or not values:
+            return
+        col = cfg.messages_column
+        raise DataError(
+            f"data.messages_column={col!r} of {where} holds no conversations in its first "
+            f"{len(values)} rows (each row must be a list of {{role, content}} messages): set "
+            "data.messages_column to the column holding them, or drop data.format: chat for "
+            "plain text")
+    if any(isinstance(v, str) for v in values):
+        return
+    col = cfg.text_column
+    if any(_is_chat(v) for v in values):
+        raise DataError(
+            f"data.text_column={col!r} of {where} holds chat messages (lists of {{role, "
+            "content}): set data.format: chat and data.messages_column: "
+            f"{col} to render them with the model's chat template (packing.bos: none)")
+    other = [v for v in values if v is not None]
+    if other:
+        raise DataError(
+            f"data.text_column={col!r} of {where} holds {type(other[0]).__name__} values, not "
+            f"text (none of its first {len(values)} rows is a string): set data.text_column to "
+            "the column holding plain text")
+
+
+def _known_bytes(blocks: list[list[dict]]) -> "int | None":
+    """Bytes of a local line or parquet source, from the plan; None when sizes are unknown."""
+    total, files = 0, {}
+    for block in blocks:
+        for seg in block:
+            if seg["kind"] == "lines":
+                total += int(seg["stop"]) - int(seg["start"])
+            elif seg["kind"] == "parquet":
+                files[seg["path"]] = int(seg["size"])
+            else:
+                return None
+    return total + sum(files.values())
+
+
+def check_fills_context(cfg: HarvestConfig, blocks: list[list[dict]], tokenizer,
+                        bos: "int | None") -> None:
+    """Refuse a corpus that cannot fill one context (all rows empty, or fewer tokens than a
+    context), before Ray starts: 100 empty documents once started Ray, tokenisers and actors
+    (over 300 s) to say so. Packs with the workers' own code and stops at the first context, so
+    a usable corpus costs one tokenizer call here."""
+    from .tokenize import chat_prompt_tokens, pack_block
+
+    size = _known_bytes(blocks)
+    scan = blocks if size is not None and size <= SMALL_SOURCE_BYTES else blocks[:1]
+    rows = skipped = tokens = 0
+    reasons: dict = {}
+    for b, block in enumerate(scan):
+        for chunk in pack_block(b, block, cfg.data, cfg.packing, tokenizer, bos,
+                                chunk_contexts=1, max_contexts=1,
+                                prompt_tokens=chat_prompt_tokens(cfg)):
+            if chunk.n_contexts:
+                return
+            s = chunk.stats
+            rows += s.get("rows_read", 0)
+            skipped += s.get("rows_skipped", 0)
+            tokens += s.get("tokens_seen", 0)
+            for k, v in (s.get("skipped_reasons") or {}).items():
+                reasons[k] = reasons.get(k, 0) + v
+    read = "all of them read" if len(scan) == len(blocks) else \
+        f"the first of {len(blocks)} blocks read"
+    raise PackingError(
+        f"no complete context: data.source={cfg.data.source!r} had {rows} rows ({read}), "
+        f"{skipped} without usable text ({reasons or 'none'}), {tokens} tokens; one context needs "
+        f"packing.context_size={cfg.packing.context_size} tokens (from one block): add text, "
+        "check data.source/data.text_column, or lower packing.context_size")

@@ -1,0 +1,1 @@
+"""The driver: preparation, Ray cluster and actors, dispatch, planning, health, resume, the store sink, exits."""

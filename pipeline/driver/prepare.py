@@ -1,0 +1,173 @@
+"""Preparation in the driver, without Ray, an engine or reading the corpus: model facts, capture
+points, tokenizer facts, the layout and the corpus's blocks (from metadata only).
+
+Everything here is cheap and checks input, so a bad config fails in seconds and before anything
+is written: the model's config and tokenizer, context size against the model's limit, capture
+addresses against its layers, the data source's existence and text column, and that the corpus
+can fill one context (datacheck.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from harvest.pipeline.config.run import ConfigError, HarvestConfig
+from harvest.pipeline.data.packing import resolve_bos
+from .unit_sizes import Layout, choose_layout
+from harvest.pipeline.config.sections import check_point
+from harvest.pipeline.data.check import check_fills_context, probe_text_column
+from harvest.pipeline.data.blocks import plan_blocks
+from harvest.store.read.filters import SINK_POSITIONS
+
+
+def resolve_model_path(path: str) -> str:
+    """`smollm2` and `tiny:<arch>` aliases -> checkpoint dirs (built once); others unchanged.
+    One resolver for configs, the CLI and `harvest.engine.load_model` (engine.models.resolve_model)."""
+    from harvest.engine.models import resolve_model
+
+    try:
+        return resolve_model(path)
+    except ValueError as e:
+        raise ConfigError(f"model.path={path!r}: {e}") from None
+
+
+def resolve_points(points: list[str], n_layers: int) -> list[str]:
+    """Expand `name.*` and range-check every address against the model; errors name the field.
+    The grammar and point kinds were checked with the config (sections.check_point)."""
+    from harvest.engine.addresses import parse_addresses
+
+    expanded: list[str] = []
+    for p in points:
+        check_point(p)  # again: a config changed after validation must not pass here
+        name, _, layer = p.rpartition(".")
+        if layer == "*":
+            expanded += [f"{name}.{i}" for i in range(n_layers)]
+        else:
+            expanded.append(p)
+    try:
+        return [str(a) for a in parse_addresses(expanded, n_layers)]
+    except ValueError as e:
+        raise ConfigError(f"capture.points: {e}") from None
+
+
+def model_facts(cfg: HarvestConfig) -> tuple[str, Any]:
+    from harvest.engine.checkpoint import read_model_info
+
+    path = resolve_model_path(cfg.model.path)
+    try:
+        info = read_model_info(path)
+    except Exception as e:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: cannot read its config ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); give a checkpoint dir, a hub name, "
+            "smollm2 or tiny:<arch>"
+        ) from None
+    if cfg.model.tensor_parallel_size > 1:
+        check_model_tp(cfg, path)
+    return path, info
+
+
+def check_model_tp(cfg: HarvestConfig, path: str) -> None:
+    """model.tensor_parallel_size against the model's config (heads, KV heads, MLP width,
+    vocabulary as vLLM splits them), before Ray or an engine starts."""
+    from transformers import AutoConfig
+
+    from harvest.engine.parallel import check_tp_fits
+
+    try:
+        check_tp_fits(cfg.model.tensor_parallel_size,
+                      AutoConfig.from_pretrained(path).to_dict(),
+                      "model.tensor_parallel_size", repr(cfg.model.path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def context_limit(cfg: HarvestConfig, info) -> int:
+    limit = min(cfg.model.max_model_len or info.max_position, info.max_position)
+    # vLLM generates one token per request, so a prompt may use at most max_model_len - 1
+    return limit - 1 if cfg.model.backend == "vllm" else limit
+
+
+@dataclass
+class Prepared:
+    cfg: HarvestConfig
+    model_path: str
+    n_layers: int
+    width: int
+    vocab_size: int
+    max_len: int
+    points: list[str]
+    bos_token_id: int | None
+    special_token_ids: list[int]
+    sources: dict          # {"kind", "description", "blocks": [[segment...]...]}
+    layout: Layout
+    stats_skip_positions: int
+    seconds: float
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.cfg.model.dtype == "float32" else 2
+
+    def run_key(self) -> dict:
+        """What the store remembers about the run, to refuse a mismatched resume."""
+        return {"content": self.cfg.content_key(), "points": self.points,
+                "context_size": self.cfg.packing.context_size}
+
+
+def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
+    """Everything the run needs before Ray starts; `existing` is a store being resumed (its
+    layout and recorded blocks win over what the config would choose now)."""
+    t0 = time.perf_counter()
+    model_path, info = model_facts(cfg)
+    points = resolve_points(cfg.capture.points, info.n_layers)
+    limit = context_limit(cfg, info)
+    C = cfg.packing.context_size
+    if C > limit:
+        raise ConfigError(
+            f"packing.context_size={C} is larger than the model's limit of {limit} tokens per "
+            f"context ({cfg.model.path}: max_position {info.max_position}"
+            + (", minus 1 for vLLM's generated token" if cfg.model.backend == "vllm" else "")
+            + f"): set packing.context_size <= {limit}"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    bos = resolve_bos(cfg.packing, tokenizer)
+    if bos is not None and not 0 <= bos < info.vocab_size:
+        raise ConfigError(f"packing.bos_token_id={bos} is outside the model's vocabulary "
+                          f"(0..{info.vocab_size - 1}): use a token id the model knows")
+    special = sorted({int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
+                     | ({bos} if bos is not None else set()))
+    if cfg.data.format == "chat":  # before Ray: a template that cannot be used stops here
+        from harvest.pipeline.data.chat import check_template, pad_token_id
+
+        check_template(tokenizer, repr(cfg.model.path))
+        special = sorted(set(special) | {pad_token_id(tokenizer)})
+    skip = cfg.store.stats_skip_positions
+    if skip is None:  # the first context positions are attention sinks whatever the token
+        skip = SINK_POSITIONS
+    itemsize = 4 if cfg.model.dtype == "float32" else 2
+    stored_sources = None
+    stored_layout = None
+    if existing is not None:
+        stored_sources = existing.plans.read_sources()
+        if stored_sources is not None:
+            stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
+    layout = choose_layout(cfg, info.width, itemsize, len(points), stored_layout)
+    if existing is not None and stored_layout is None:
+        # a store created by a driver that died before recording its sources: its arrays fix
+        # the shards; this run's units are whole shards of them (the plan is still empty)
+        per = max(1, layout.unit_rows // existing.shard_rows)
+        layout = Layout(existing.shard_rows, existing.chunk_rows, per * existing.shard_rows,
+                        layout.capacity_rows, C)
+    if stored_sources is not None:
+        sources = {k: stored_sources[k] for k in ("kind", "description", "blocks")}
+    else:
+        sources = plan_blocks(cfg.data)
+        probe_text_column(cfg.data, sources["blocks"])
+        # a resumed store filled contexts already; a new one must be able to fill one
+        check_fills_context(cfg, sources["blocks"], tokenizer, bos)
+    return Prepared(cfg, model_path, info.n_layers, info.width, info.vocab_size, limit, points,
+                    bos, special, sources, layout, skip, time.perf_counter() - t0)

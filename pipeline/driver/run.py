@@ -1,0 +1,306 @@
+"""The driver: config -> blocks -> (tokenising workers -> plan -> capture actors) -> verified,
+summarized store.
+
+The write follows Ray Data's Datasink shape (sink.py): `on_write_start` (probe the store URL,
+refuse a store another driver holds, take this driver's lease), the writes (units run by the
+actors), `on_write_complete` (verify, finalize) or `on_write_failed` (release the lease, or
+remove it when nothing was created). Order matters and is chosen so that bad input costs nothing:
+the lease is the first write (a read-only location fails there), then the model's config,
+tokenizer and the data source are checked from metadata (prepare.py); only then does Ray start.
+Tokenising workers and capture actors start together; the store is created when the actors are
+ready and the first unit is placed, so a corpus that yields no complete context leaves nothing
+behind either.
+
+The driver holds descriptors only (see dispatch.py): its memory and its time to the first
+committed unit do not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import time
+from typing import Callable
+
+from .cluster import (actor_request, collect_infos, ensure_ray, kill_all, start_actors,
+                      start_report)
+from harvest.pipeline.config.run import HarvestConfig
+from .dispatch import Scheduler
+from .tally import DispatchReport
+from harvest.pipeline.errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
+from .exits import orderly_signals, shutdown_ray
+from harvest.pipeline.logs import StartWatch, progress_bar
+from harvest.pipeline.data.packing import PackingError
+from harvest.pipeline.data.context_rows import sum_stats
+from .prepare import Prepared, prepare
+from .resume import check_resume, fresh_state, resume_state
+from .sink import StoreSink, settle_or_fail
+from harvest.store.storage.credentials import redact_url
+from harvest.pipeline.data.tokenpool import TokenPool, env_for_workers
+
+log = logging.getLogger("harvest.pipeline")
+
+DATA_KEYS = ("rows_read", "rows_skipped", "skipped_reasons")
+
+
+def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
+        engine_factory: str | None = None, stop_tokens: int | None = None) -> dict:
+    """Run (or resume) the harvest described by `cfg`; returns the summary written to the store.
+
+    `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
+    bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/cli/schedule.py)
+    pauses the run once that many more tokens are placed, rounded up to whole units: the store
+    stays unfinalized and the next run resumes where this one paused (summary `"paused": True`).
+    """
+    # SIGTERM/SIGHUP unwind like Ctrl-C from here on (exits.py): the finally blocks below release
+    # the lease and stop the Ray this driver started on every way out
+    with orderly_signals():
+        return _run_leased(cfg, on_event, engine_factory, stop_tokens)
+
+
+def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) -> dict:
+    t_start = time.perf_counter()
+    sink = StoreSink(cfg)
+    sink.on_write_start()
+    try:
+        summary = _run(cfg, on_event, engine_factory, sink, t_start, stop_tokens)
+    except BaseException:
+        sink.on_write_failed()
+        raise
+    sink.on_write_done()
+    return summary
+
+
+def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start: float,
+         stop_tokens: "int | None" = None) -> dict:
+    """Prepare, then write: tokenising workers and capture actors run the units into the sink's
+    store; then the sink completes (verify, finalize)."""
+    emit = on_event or (lambda e: None)
+    shown_url, existing, lease = sink.shown_url, sink.existing, sink.lease
+    prep = prepare(cfg, existing)
+    log.info("prepared in %.1f s: %d blocks of %s, %d points x width %d", prep.seconds,
+             len(prep.sources["blocks"]), prep.sources["description"], len(prep.points), prep.width)
+    C = cfg.packing.context_size
+    max_contexts = None if cfg.packing.max_tokens is None else cfg.packing.max_tokens // C
+    if existing is not None:
+        check_resume(existing, cfg, prep)
+        sink.on_resume(existing, prep.layout.capacity_rows)
+        state = resume_state(existing, prep, max_contexts)
+        if state.complete and existing.summary is not None:
+            s = dict(existing.summary or {})
+            log.info("store %s is already complete (%s units, %s tokens, finished %s): nothing to do",
+                     shown_url, s.get("units"), s.get("tokens"), s.get("finished_at"))
+            return {**s, "noop": True}
+    else:
+        state = fresh_state(prep, max_contexts)
+    if not prep.sources["blocks"]:
+        raise PackingError(f"data.source={cfg.data.source!r} has no data files: nothing to harvest")
+    if existing is not None and state.complete:
+        # every unit committed but never finalized (the driver died at the very end): no actors
+        log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
+        return _finish(cfg, prep, sink, existing, None, t_start, emit, len(state.units))
+    if stop_tokens is not None:
+        U = prep.layout.unit_contexts
+        state.frontier.stop_contexts = state.frontier.placed + -(-stop_tokens // (C * U)) * U
+    if existing is not None and state.committed:
+        log.info("resuming %s: %d of %d planned units committed, %d to run; %d tokenising jobs",
+                 shown_url, len(state.committed), len(state.units), len(state.todo), len(state.jobs))
+
+    remote = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    started_ray = ensure_ray(cfg)
+    pool = actors = sched = None
+    try:
+        chunk_contexts = max(1, cfg.packing.chunk_tokens // C)
+        if existing is not None:
+            chunk_contexts = int((existing.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
+        pool = TokenPool.start(cfg, prep, list(state.jobs), state.fresh_from, chunk_contexts,
+                               max_contexts, env_for_workers())
+        actors = start_actors(cfg, prep, engine_factory, local=started_ray and not remote)
+        sched = Scheduler(cfg, prep, state, pool, emit, lease)
+        bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
+        try:
+            store = _start(cfg, prep, sched, actors, sink, chunk_contexts, bar, emit,
+                           skipped=len(state.committed))
+            t_dispatch = time.perf_counter()
+            while not sched.finished():
+                sched.step(bar)
+            dispatch_seconds = time.perf_counter() - t_dispatch
+            sched.flush_plan(force=True)
+            sched.collect_figures()
+        finally:
+            bar.close()
+    finally:
+        if sched is not None:
+            sched.close()
+        if pool is not None:
+            pool.close()
+        if actors:
+            kill_all(actors)
+        if started_ray:
+            shutdown_ray()   # exits.py: and the watcher of a local cluster (reaper.py)
+    if sched.frontier.paused:
+        return _paused(cfg, prep, store, sched, t_start, emit, len(state.committed),
+                       dispatch_seconds)
+    return _finish(cfg, prep, sink, store, sched, t_start, emit, len(state.committed),
+                   dispatch_seconds=dispatch_seconds)
+
+
+def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
+            dispatch_seconds: float) -> dict:
+    """A tick's end (stop_tokens reached): every planned unit is committed, nothing finalized.
+    The same verify as at the end (markers, plan coverage) so a tick never reports rows it lost;
+    the summary is the caller's to keep (schedule.py records it beside the store)."""
+    settle_or_fail(store, redact_url(store.url))   # sink.py: every committed unit published
+    verify = store.verify(objects=False)
+    if not verify["ok"] or verify["missing_units"]:
+        raise HarvestError(f"store {redact_url(store.url)} failed verification after a paused "
+                           f"run: {verify['errors'][:5]} missing {verify['missing_units'][:10]}")
+    summary = _summary(cfg, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
+    summary.update(status="paused", paused=True,
+                   planned_tokens=sched.frontier.placed * cfg.packing.context_size)
+    emit({"event": "done", "summary": summary})
+    return summary
+
+
+def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
+           chunk_contexts: int, bar, emit, skipped: int):
+    """Tokenise while the actors load; create the store once both are ready. Returns the store."""
+    import ray
+
+    existing = sink.existing
+
+    refs = [a.info.remote() for a in actors]
+    pending = list(refs)
+    watch = StartWatch(len(refs), time.time())
+    infos = None
+    while True:
+        got = sched.step(bar, extra=pending, timeout=2.0)
+        pending = [r for r in pending if not any(r is g for g in got)]
+        if not pending and infos is None:
+            infos = collect_infos(refs, cfg, prep)
+            _model_check(infos[0], cfg)
+            emit({"event": "actors_ready", "actors": infos})
+            log.info("%d actors ready: %s", len(infos), ", ".join(
+                f"#{i['index']} pid {i['pid']} ({i['describe'].get('backend')}/"
+                f"{i['describe'].get('mode')}, load {i['load_seconds']:.1f} s)" for i in infos))
+        if existing is None and sched.frontier.done and sched.frontier.placed == 0:
+            d = sched.data_stats()
+            raise PackingError(
+                f"the dataset gave no complete context: data.source={cfg.data.source!r} "
+                f"(split {cfg.data.split!r}) had {d.get('rows_read', 0)} rows, "
+                f"{d.get('rows_skipped', 0)} without usable text ({d.get('skipped_reasons') or 'none'}), "
+                f"{d.get('tokens_seen', 0)} tokens; one context needs packing.context_size="
+                f"{cfg.packing.context_size}: check data.source/data.text_column or lower "
+                "packing.context_size")
+        have_work = sched.has_work() or existing is not None
+        if infos is not None and have_work:
+            break
+        if pending:
+            watch.tick(len(pending))
+            if time.time() - watch.t0 > cfg.ray.start_timeout_s:
+                raise HarvestError(start_report(cfg, actors, actor_request(cfg),
+                                                time.time() - watch.t0))
+    if existing is None:
+        store = sink.create(prep, infos[0], chunk_contexts)
+    else:
+        store = sink.reopen(prep, chunk_contexts)
+    limit = cfg.ray.unit_timeout_s or cfg.ray.unit_timeout_min_s
+    for i, ref in enumerate([a.open_store.remote() for a in actors]):
+        try:  # bounded: a hung actor is the dispatch loop's to handle (its unit deadline)
+            ray.get(ref, timeout=limit)
+        except Exception as e:  # the dispatch loop handles a dead actor
+            log.warning("actor %d could not open the store: %s", i, e)
+    plan = sched.attach(store, actors, infos)
+    emit({"event": "plan", "planned": plan["planned"], "todo": plan["todo"], "skipped": skipped,
+          "slots_per_actor": plan["slots_per_actor"]})
+    return store
+
+
+def _model_check(info0: dict, cfg: HarvestConfig) -> None:
+    """Stop before anything is written when actor 0's engine disagrees with Hugging Face fp32
+    (capture.check_model): the store would otherwise fill with rows that look fine and are not."""
+    check = info0.get("check")
+    if check is None:
+        return
+    if check.get("ok"):
+        worst = (check.get("points") or {}).get(check.get("worst_point"), {})
+        log.info("model check passed on actor 0 in %s s (worst point %s: p99 error %.4f vs HF fp32)",
+                 check.get("seconds"), check.get("worst_point"), worst.get("p99", float("nan")))
+        return
+    if check.get("error"):
+        why = check["error"]
+    else:
+        from harvest.engine.model_check import format_check
+
+        why = "\n" + format_check(check)
+    raise HarvestError(
+        f"model check failed on actor 0: the engine's rows for model.path={cfg.model.path!r} do "
+        f"not match Hugging Face fp32: {why}\nNothing was written. Run `harvest check-model "
+        f"{cfg.model.path}` for details; set capture.check_model: false only if you know why.")
+
+
+def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
+            t_start: float, emit, skipped: int, dispatch_seconds: float = 0.0) -> dict:
+    summary = sink.on_write_complete(
+        store, lambda verify: _summary(cfg, prep, store, sched, verify, t_start, skipped,
+                                       dispatch_seconds))
+    emit({"event": "done", "summary": summary})
+    return summary
+
+
+def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict,
+             t_start: float, skipped: int, dispatch_seconds: float) -> dict:
+    """The run's summary, recorded in the store at finalize and returned to the caller."""
+    report = sched.report() if sched is not None else DispatchReport()
+    tokens_run = report.tokens_run
+    stats = report.data if report.data is not None else _plan_stats(store)
+    stored = verify.get("stored_bytes") or 0
+    logical = verify["committed_rows"] * len(store.points) * store.row_bytes
+    summary = {
+        "name": cfg.name,
+        "store": redact_url(store.url),
+        "status": "complete",
+        "model": (store.attrs or {}).get("model", {}),
+        "points": len(store.points),
+        "width": store.width,
+        "context_size": cfg.packing.context_size,
+        "tokens": verify["committed_rows"],
+        "tokens_this_run": tokens_run,
+        # of those rows, the ones holding activations (not zeroed by capture.roles, not a
+        # generation slot's padding or last token): what a reader yields by default
+        "rows_with_activations_this_run": report.rows_with_activations_run,
+        "units": verify["planned_units"],
+        "units_run": report.units_run,
+        "units_skipped": skipped,
+        "bytes_logical": logical,
+        "bytes_stored": stored,
+        "compression_ratio": round(logical / stored, 4) if stored else None,
+        "dispatch_seconds": round(dispatch_seconds, 3),
+        "wall_seconds": round(time.perf_counter() - t_start, 3),
+        "tokens_per_second": round(tokens_run / dispatch_seconds, 1) if dispatch_seconds else None,
+        "per_actor": report.per_actor,
+        **report.fault_figures(),
+        "blocks": len(prep.sources["blocks"]),
+        "tokenised_jobs": report.tokenised_jobs,
+        "data": {"source": prep.sources["description"], **{k: stats.get(k, 0) for k in DATA_KEYS}},
+        "packing": {k: v for k, v in stats.items() if k not in DATA_KEYS},
+        "verified": {k: verify[k] for k in ("ok", "planned_units", "committed_units", "committed_rows")},
+        "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return summary
+
+
+def _plan_stats(store) -> dict:
+    chunks: dict = {}
+    for p in store.plans.read(payloads=True)["payloads"]:
+        chunks.update(p.get("chunks") or {})
+    return sum_stats(chunks.values())
+
+
+def _progress(cfg: HarvestConfig, total: int | None):
+    return progress_bar(cfg.progress, total, cfg.name)
+
+
+# Kept importable from here (the CLI and older callers): the read-only views and preparation.
+from harvest.pipeline.cli.views import inspect, status  # noqa: E402,F401

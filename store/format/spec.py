@@ -1,0 +1,148 @@
+"""What a store is, as one validated dataclass: its points, shape, layout, dtype, compression,
+token facts and optional row-metadata columns (issue 23: create_store took 17 arguments).
+
+`create_store(url, spec=StoreSpec(...))` is the explicit form; the keyword form
+`create_store(url, points=..., width=..., n_rows=..., shard_rows=...)` that the driver, tests,
+benchmarks and docs use builds the same spec (`build`). Where the store goes and how it is made
+(url, storage_options, attrs, overwrite, create_bucket) are create_store's own arguments, not part
+of what the store is.
+
+Made, a spec is resolved: shard and chunk sizes chosen by layout.choose_sizes where not given,
+`meta_chunk_rows` defaulted to the shard, the dtype and compression in their canonical forms, so
+the spec says exactly what create_store records. Every error names the field and the fix.
+
+Optional row-metadata columns are boolean fields made with `column(name)`: adding one is one line
+here (plus its dtype in layout.ROW_META); `columns` and create_store pick it up from the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import compression as _compression
+from . import layout
+from .dtypes import dtype_name, resolve_dtype
+from harvest.store.keywordconfig import config_from
+
+
+def column(name: str) -> Any:
+    """A StoreSpec flag for the optional row-metadata column `name` (a key of layout.ROW_META)."""
+    if name not in layout.ROW_META or name in layout.BASE_META:
+        raise ValueError(f"column({name!r}): an optional column needs its dtype in layout.ROW_META "
+                         "and must not be one of layout.BASE_META")
+    return field(default=False, metadata={"column": name})
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A store's format facts (FORMAT.md, "Group attributes").
+
+    points: capture points, e.g. ["resid_post.10"], one array each (`[n_rows, width]`).
+    width: the model's hidden width; n_rows: rows the arrays are sized to (finalize shrinks them).
+    shard_rows, chunk_rows: rows per shard object and per inner chunk (None: layout.choose_sizes).
+    dtype: "bfloat16" (bit-exact), "float16" or "float32"; compression: see compression.py.
+    meta_chunk_rows: rows per chunk of the row-metadata arrays (None: shard_rows). The pipeline
+        passes its unit size: one chunk per unit and column instead of one per shard (issue 24:
+        2-4 KiB objects by the million). A multiple of shard_rows; every writer's region must then
+        start on a chunk (units do).
+    context_size, special_token_ids, bos_token_id, tokenizer, stats_skip_positions: facts readers
+        rely on (context geometry, the `kept` row statistics).
+    roles: a `role` column (chat input); generated: a `gen` column (capture.generate); samples:
+        a `sample` column (capture.generate.n > 1; needs generated).
+    """
+
+    points: tuple[str, ...]
+    width: int
+    n_rows: int
+    shard_rows: int | None = None
+    chunk_rows: int | None = None
+    dtype: str = "bfloat16"
+    compression: "str | dict | None" = None
+    meta_chunk_rows: int | None = None
+    context_size: int | None = None
+    special_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    tokenizer: str | None = None
+    stats_skip_positions: int = 0
+    # optional row-metadata columns: only where asked, so a text store keeps the three columns (and
+    # objects per shard) it always had
+    roles: bool = column("role")
+    generated: bool = column("gen")
+    samples: bool = column("sample")
+
+    def __post_init__(self):
+        set_ = object.__setattr__   # frozen: the resolved values are set once, here
+        if isinstance(self.points, str):
+            raise ValueError(f"points={self.points!r}: give a list of point names, e.g. [{self.points!r}]")
+        points = tuple(str(p) for p in self.points or ())
+        if not points:
+            raise ValueError("points must name at least one capture point, e.g. ['resid_post.0']")
+        if len(set(points)) != len(points):
+            raise ValueError(f"points contain duplicates: {list(points)}; name each point once")
+        for p in points:
+            layout.point_path(p)   # refuses a bad or reserved name, saying which
+        set_(self, "points", points)
+        for name in ("width", "n_rows"):
+            set_(self, name, _positive(name, getattr(self, name), optional=False))
+        for name in ("shard_rows", "chunk_rows", "context_size", "meta_chunk_rows"):
+            set_(self, name, _positive(name, getattr(self, name)))
+        np_dtype = resolve_dtype(self.dtype)
+        set_(self, "dtype", dtype_name(np_dtype))
+        set_(self, "compression", _compression.normalize(self.compression))
+        if isinstance(self.stats_skip_positions, bool) or not isinstance(self.stats_skip_positions, numbers.Integral) \
+                or self.stats_skip_positions < 0:
+            raise ValueError(f"stats_skip_positions must be an int >= 0 (leading context positions "
+                             f"left out of the kept statistics), got {self.stats_skip_positions!r}")
+        set_(self, "stats_skip_positions", int(self.stats_skip_positions))
+        set_(self, "special_token_ids", tuple(sorted({int(t) for t in self.special_token_ids})))
+        if self.bos_token_id is not None:
+            set_(self, "bos_token_id", int(self.bos_token_id))
+        shard, chunk = layout.choose_sizes(self.width, np_dtype.itemsize, len(points),
+                                           multiple=self.context_size or 1, n_rows=self.n_rows,
+                                           shard_rows=self.shard_rows, chunk_rows=self.chunk_rows)
+        set_(self, "shard_rows", shard)
+        set_(self, "chunk_rows", chunk)
+        meta = self.meta_chunk_rows or shard
+        if meta % shard:
+            raise ValueError(f"meta_chunk_rows={meta} must be a multiple of shard_rows={shard} (a "
+                             "unit's metadata chunk holds whole shards); pass a multiple or None")
+        set_(self, "meta_chunk_rows", meta)
+        for f in _column_fields():
+            if not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be True or False (whether "
+                                 f"the store has a `{f.metadata['column']}` column)")
+        if self.samples and not self.generated:
+            raise ValueError("samples=True (a sample index per generated row) needs "
+                             "generated=True: only a generation store has samples")
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The row-metadata columns this store has: layout.BASE_META plus the optional ones asked."""
+        return layout.BASE_META + tuple(f.metadata["column"] for f in _column_fields() if getattr(self, f.name))
+
+    @classmethod
+    def build(cls, spec: "StoreSpec | None" = None, **fields) -> "StoreSpec":
+        """`spec` as given, or one made of keyword `fields` (keywordconfig.config_from)."""
+        given = {k: v for k, v in fields.items() if v is not None}   # None: not given
+        missing = [k for k in ("points", "width", "n_rows") if given.get(k) is None]
+        if spec is None and missing:
+            raise TypeError(f"create_store needs {', '.join(missing)} (or spec=StoreSpec(...))")
+        return config_from(cls, spec, given, "spec")
+
+
+def _column_fields() -> list:
+    return [f for f in dataclasses.fields(StoreSpec) if "column" in f.metadata]
+
+
+def _positive(name: str, v, optional: bool = True) -> int | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {v!r}")
+    return int(v)
+
+
+__all__ = ["StoreSpec", "column"]

@@ -1,0 +1,156 @@
+"""What an ActivationDataset reads and how: one validated dataclass (issue 23: the dataset took 30
+keyword arguments, checked here and there in its constructor).
+
+`ActivationDataset(store, config=ReaderConfig(...))` is the explicit form; the keyword form
+`ActivationDataset(store, points, batch_size=..., seed=...)` that trainers, examples and docs use
+builds the same config (`build`), so there is one list of options and one place that checks them.
+Everything that can be checked without the store is checked when the config is made, with an error
+that names the field and the fix; what needs the store (are the points in it, does it record the
+special tokens or the context size) is checked by the dataset that opens it.
+
+No torch here (annotations only), so a config can be built, validated and pickled where torch is
+not imported.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .filters import check_split
+from harvest.store.keywordconfig import config_from
+
+if TYPE_CHECKING:
+    import torch
+
+    from .normalize import NormConstants
+
+NORMALIZE_MODES = (None, "standardize", "norm_scale", "center_norm_scale")
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    """The options of ActivationDataset, grouped by what they decide.
+
+    What is read:
+        points: a point name -> 2-D batches; a list -> 3-D batches in that order; None -> all
+            points (2-D if the store has one).
+        batch_size: rows per batch; each worker's last batch of an epoch may be short unless
+            drop_last (never in endless mode: batches run on into the next epoch).
+        return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a
+            generation store, sample in one of n > 1 samples per prompt) instead of tensors.
+        out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
+    Order:
+        shuffle, seed: piece order and in-window permutations are reproducible from (seed, epoch).
+        shuffle_buffer_rows: rows in one shuffle window, rounded up to whole shards (default 1 GiB
+            worth per process); every batch is a uniform draw from its window, mixed across its
+            shards. Memory: up to two windows per process (the next one decodes meanwhile).
+        epoch: the epoch the first iteration reads (then `set_epoch`).
+    Sharding:
+        rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
+    Rows kept:
+        exclude_token_ids: rows whose token_id is in this set are dropped.
+        exclude_special: also drop the special token ids (BOS included) the store records.
+        seqpos: slice of context positions kept (context position = row % context_size), e.g.
+            slice(1, None) drops each context's first token; `context_size` from the store's
+            attributes, or this option for stores that lack it.
+        max_norm_ratio: drop rows whose norm exceeds this multiple of the median row norm (per
+            point, median from the start-up sample; a row goes if any point exceeds): attention
+            sinks that are not special tokens (SmolLM2: ~100 rows at positions 1-5).
+        split, test_fraction, split_seed: None (all rows), "train" or "test": a held-out split by
+            a hash of doc_id, `test_fraction` of the documents in "test".
+        roles: chat stores only: role names kept, e.g. ["assistant"] (store/roles.py). A
+            role-masked store (capture.roles) yields its stored roles by default and refuses
+            others; a store without roles refuses roles= (FORMAT.md, "Chat").
+    Normalisation:
+        normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (E||x||^2 = width)
+            | "center_norm_scale" (subtract mean, then E||x-mean||^2 = width), with statistics
+            of the rows this dataset yields: the store's kept-row statistics when the filters
+            select exactly that class, else a seeded start-up sample of `norm_sample_rows`
+            filtered rows. `norm_constants` shows which; pass a train split's constants as
+            `norm_constants=` to normalise its held-out split identically.
+        eps: added to the variance before dividing by its root (standardize).
+    Length:
+        endless, steps: endless=True runs epoch after epoch; steps=N stops after N batches per
+            rank (spread over its DataLoader workers), crossing epochs as needed.
+    I/O:
+        prefetch_shards, io_threads: concurrent fetch+decode tasks (default 2 x prefetch_shards).
+
+    Frozen: derive a variant with `dataclasses.replace(cfg, seed=1)`.
+    """
+
+    points: "str | tuple[str, ...] | None" = None
+    batch_size: int = 4096
+    shuffle: bool = True
+    seed: int = 0
+    shuffle_buffer_rows: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    exclude_token_ids: tuple[int, ...] = ()
+    exclude_special: bool = False
+    seqpos: slice | None = None
+    context_size: int | None = None
+    max_norm_ratio: float | None = None
+    split: str | None = None
+    test_fraction: float = 0.01
+    split_seed: int = 0
+    roles: "tuple[str, ...] | None" = None
+    normalize: str | None = None
+    norm_constants: "NormConstants | None" = None
+    norm_sample_rows: int = 1 << 16
+    eps: float = 1e-6
+    endless: bool = False
+    steps: int | None = None
+    prefetch_shards: int = 4
+    io_threads: int | None = None
+    drop_last: bool = False
+    return_meta: bool = False
+    out_dtype: "torch.dtype | None" = None
+    epoch: int = 0
+
+    def __post_init__(self):
+        set_ = object.__setattr__   # frozen: normalise the containers once, here
+        if self.points is not None and not isinstance(self.points, str):
+            set_(self, "points", tuple(str(p) for p in self.points))
+        set_(self, "exclude_token_ids", tuple(int(t) for t in self.exclude_token_ids))
+        if isinstance(self.roles, str):
+            raise ValueError(f"roles={self.roles!r}: give a list of role names, e.g. [{self.roles!r}]")
+        if self.roles is not None:
+            set_(self, "roles", tuple(self.roles))
+        for name, unit, optional in (("batch_size", "rows", False), ("norm_sample_rows", "rows", False),
+                                     ("prefetch_shards", "shards", False), ("steps", "batches", True),
+                                     ("io_threads", "threads", True), ("context_size", "tokens", True),
+                                     ("shuffle_buffer_rows", "rows", True)):
+            set_(self, name, _count(name, getattr(self, name), unit, optional))
+        if self.shuffle_buffer_rows is not None and self.shuffle_buffer_rows < self.batch_size:
+            raise ValueError(f"shuffle_buffer_rows={self.shuffle_buffer_rows} must be >= batch_size="
+                             f"{self.batch_size}: a batch is drawn from one window")
+        if self.normalize not in NORMALIZE_MODES:
+            raise ValueError(f"normalize={self.normalize!r}: use one of {NORMALIZE_MODES}")
+        if self.norm_constants is not None and not self.normalize:
+            raise ValueError("norm_constants= given without normalize=; pass normalize=given.mode")
+        if self.max_norm_ratio is not None and not self.max_norm_ratio > 1:
+            raise ValueError(f"max_norm_ratio={self.max_norm_ratio!r} must be > 1 (a multiple of the "
+                             "median norm), or None")
+        if not self.eps >= 0:
+            raise ValueError(f"eps={self.eps!r} must be >= 0 (added to the variance before dividing)")
+        check_split(self.split, self.test_fraction)
+
+    @classmethod
+    def build(cls, config: "ReaderConfig | None" = None, **options) -> "ReaderConfig":
+        """`config` as given, or one made of keyword `options` (keywordconfig.config_from)."""
+        return config_from(cls, config, options, "config")
+
+
+def _count(name: str, v, unit: str, optional: bool) -> int | None:
+    """A positive int (numpy ints too: sizes often come from arithmetic on arrays), as int."""
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive number of {unit}"
+                         + (", or None" if optional else ""))
+    return int(v)
+
+
+__all__ = ["NORMALIZE_MODES", "ReaderConfig"]

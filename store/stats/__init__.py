@@ -1,0 +1,1 @@
+"""Statistics: running per-point moments, per unit and merged in the store."""

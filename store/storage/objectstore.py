@@ -1,0 +1,335 @@
+"""A store on an object store through fsspec: `ObjectStorage` for any fsspec filesystem
+(memory://, gcs://, ...), `S3Storage` for S3 and S3-compatible servers (s3fs).
+
+An object store has no rename and no O_EXCL: publishing is a server-side copy then a delete,
+and create-once is a conditional PUT (S3's If-None-Match: *) where the server honours it. A PUT
+is durable once acknowledged, so no fsync is needed to keep the promise a commit marker makes.
+Every request is a round trip (milliseconds), so batches run concurrently, and s3fs caches
+listings, so whatever another process may have written is listed afresh.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from harvest.store.errors import StoreAccessError
+from .retries import with_retries
+from .interface import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ObjectStorage(Storage):
+    """Any fsspec filesystem that is not a local directory."""
+
+    request_limited: ClassVar[bool] = True
+
+    @property
+    def kind(self) -> str:
+        return self.protocol
+
+    def write_bytes(self, rel: str, data: bytes, attempts: int = 5) -> None:
+        """One PUT, retried (a dropped connection is worth another try)."""
+        with_retries(lambda: self.fs.pipe_file(self.key(rel), data), f"write {rel}",
+                     attempts=attempts, budget_s=self.budget_s)
+
+    def write_many(self, blobs: dict[str, bytes], *, durable: bool = True,
+                   batch: int = 2000) -> None:
+        """Concurrent PUTs, `batch` at a time (one after the other, 10^5 objects take minutes)."""
+        items = list(blobs.items())
+        for i in range(0, len(items), batch):
+            self.fs.pipe(dict(items[i:i + batch]))
+
+    def create_once(self, rel: str, data: bytes) -> bool:
+        """Check, then write, then read back. The race window between the HEAD and the PUT (a
+        few ms) is documented in FORMAT.md; the read-back closes it only for the loser that
+        reads after the winner's PUT. `S3Storage` uses a conditional PUT instead."""
+        path = self.key(rel)
+        if self._exists_fresh(path):
+            return False
+        with_retries(lambda: self.fs.pipe_file(path, data), f"commit {rel}",
+                     budget_s=self.budget_s)
+        return self.fs.cat_file(path) == data
+
+    def _exists_fresh(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return bool(with_retries(lambda: self.fs.exists(path), "stat", budget_s=self.budget_s))
+
+    def move(self, src: str, dst: str) -> bool:
+        """A server-side copy, then the source is deleted (no bytes pass through this process)."""
+        s, d = self.key(src), self.key(dst)
+        try:
+            with_retries(lambda: self.fs.copy(s, d), f"publish {dst}")
+        except FileNotFoundError:
+            return False
+        self.delete(src)
+        return True
+
+    def publish(self, pairs: list[tuple[str, str]], threads: int = 16) -> int:
+        """Concurrent moves: each is a copy and a delete, two round trips, and a unit holds
+        shards x points objects (50 x 30 for 10^5 tokens of a 30-layer model), so moving them
+        one by one would put seconds of latency on every commit of the actor's path."""
+        if len(pairs) <= 1:
+            return sum(self.move(src, dst) for src, dst in pairs)
+        with ThreadPoolExecutor(min(threads, len(pairs)),
+                                thread_name_prefix="harvest-publish") as ex:
+            return sum(ex.map(lambda kv: self.move(*kv), pairs))
+
+    def read_many(self, paths: list[str], what: str) -> dict:
+        """One concurrent batch request (a GET each, one after the other, is what made 10^5
+        markers slow)."""
+        got = with_retries(lambda: self.fs.cat(sorted(set(paths)), on_error="return"), what,
+                           budget_s=self.budget_s)
+        return {k: v for k, v in got.items() if isinstance(v, (bytes, bytearray))}
+
+    def invalidate(self, rel: str | None = None) -> None:
+        """Drop fsspec's cached listings (s3fs keeps them for the life of the filesystem)."""
+        if rel is None:
+            self.fs.invalidate_cache()
+        else:
+            self.fs.invalidate_cache(self.key(rel))
+
+    def zarr_store(self, read_only: bool = False):
+        from zarr.storage import FsspecStore
+
+        return FsspecStore.from_url(self.reopen_url(), storage_options=self.storage_options,
+                                    read_only=read_only)
+
+    def reopen_url(self) -> str:
+        """`protocol://root`: `url` is for display and may have lost parts to scrubbing."""
+        return f"{self.protocol}://{self.root}"
+
+    def ensure_container(self, create: bool) -> None:
+        """Nothing to check on a generic filesystem; `S3Storage` checks the bucket."""
+
+    def report_dir(self) -> Path:
+        """`./harvest-report`: a PNG in a bucket is no use to a person at a terminal."""
+        return Path("harvest-report")
+
+    def root_exists(self) -> bool:
+        """True: a prefix is not a thing apart from its objects, so a failed run leaves no
+        directory to remove."""
+        return True
+
+    def remove_empty_dirs(self, rels: list[str], root: bool = False) -> None:
+        """Nothing to do: a prefix disappears with its last object."""
+
+    def is_unwritable_place(self, exc: BaseException) -> bool:
+        """False: an OSError here is an access or endpoint failure, which `error` explains."""
+        return False
+
+    def lower_io_priority(self) -> None:
+        """Uploads run on fsspec's event-loop thread: put it below the engine, like the
+        writer's own threads (see shardcodec.lower_priority)."""
+        from fsspec.asyn import get_loop
+
+        from harvest.store.format.shardcodec import lower_priority
+
+        get_loop().call_soon_threadsafe(lower_priority)
+
+
+# Whether a server honours If-None-Match on PUT, per (endpoint, bucket); probed once per process.
+_CREATE_ONCE_PROBES: dict[tuple, bool] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+@dataclass
+class S3Storage(ObjectStorage):
+    """S3 or an S3-compatible server (SeaweedFS, MinIO, ...) through s3fs."""
+
+    def create_once(self, rel: str, data: bytes) -> bool:
+        """PUT with If-None-Match: * where the server honours it (probed once per endpoint and
+        bucket): the server decides, no race. Otherwise check-then-write (ObjectStorage)."""
+        if not self.honours_if_none_match():
+            return super().create_once(rel, data)
+        path = self.key(rel)
+
+        def put() -> bool:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except OSError as e:
+                # Some servers answer 412 without naming the condition; s3fs then raises EINVAL.
+                if e.errno in (errno.EINVAL, errno.EEXIST) and self._exists_fresh(path):
+                    return False
+                raise
+
+        return with_retries(put, f"commit {rel}", budget_s=self.budget_s)
+
+    # ---- streamed objects: multipart uploads to the zarr key, completed after the marker ------
+    # A point's shard object is one multipart upload to its final zarr key: parts go up as the
+    # writer's blocks complete, and CompleteMultipartUpload -- after this attempt's marker was
+    # created -- makes the whole object appear at once. Publishing is one request, no copy (a
+    # server-side copy of a unit took longer than capturing it, issue 24). An upload never
+    # completed is invisible: a losing attempt aborts its own, and finalize completes a
+    # committed one whose writer died (or aborts a loser's) from one listing of the uploads.
+    part_min_bytes: ClassVar[int] = 5 << 20
+
+    def _bucket_key(self, rel: str) -> tuple[str, str]:
+        bucket, _, key = self.key(rel).partition("/")
+        return bucket, key
+
+    def _s3(self, what: str, op: str, **kw):
+        return with_retries(lambda: self.fs.call_s3(op, **kw), what, budget_s=self.budget_s)
+
+    def begin_object(self, final_rel: str, attempt_rel: str) -> dict:
+        b, k = self._bucket_key(final_rel)
+        r = self._s3(f"start upload of {final_rel}", "create_multipart_upload", Bucket=b, Key=k)
+        return {"rel": final_rel, "bucket": b, "key": k, "id": r["UploadId"], "etags": []}
+
+    def write_part(self, handle: dict, data) -> None:
+        n = len(handle["etags"]) + 1
+        r = self._s3(f"upload part {n} of {handle['rel']}", "upload_part", Bucket=handle["bucket"],
+                     Key=handle["key"], UploadId=handle["id"], PartNumber=n, Body=bytes(data))
+        handle["etags"].append(r["ETag"])
+
+    def finish_object(self, handle: dict) -> dict:
+        """The upload id and part count (and, in memory only, the parts' ETags: the writer's
+        own publish completes without asking the server for them)."""
+        return {"upload_id": handle["id"], "parts": len(handle["etags"]),
+                "_etags": list(handle["etags"])}
+
+    def abort_object(self, handle: dict) -> None:
+        self.abort_upload(handle["rel"], handle["id"])
+
+    def abort_upload(self, final_rel: str, upload_id: str) -> None:
+        b, k = self._bucket_key(final_rel)
+        try:
+            self._s3(f"abort upload of {final_rel}", "abort_multipart_upload", Bucket=b, Key=k,
+                     UploadId=upload_id)
+        except FileNotFoundError:
+            pass
+
+    def complete_upload(self, final_rel: str, upload: dict) -> bool:
+        """CompleteMultipartUpload from the ETags the writer kept, else from ListParts (a
+        finalize after the writer died), checked against the part count its record holds."""
+        b, k = self._bucket_key(final_rel)
+        uid, want = upload["upload_id"], int(upload["parts"])
+        try:
+            etags = upload.get("_etags")
+            if etags is None:
+                got = self._s3(f"list parts of {final_rel}", "list_parts", Bucket=b, Key=k,
+                               UploadId=uid, MaxParts=10000).get("Parts", [])
+                etags = [p["ETag"] for p in sorted(got, key=lambda p: p["PartNumber"])]
+            if len(etags) != want:
+                raise StoreAccessError(f"upload {uid} of {final_rel} holds {len(etags)} parts, its "
+                                       f"writer recorded {want}: not completed")
+            parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+            self._s3(f"complete upload of {final_rel}", "complete_multipart_upload", Bucket=b,
+                     Key=k, UploadId=uid, MultipartUpload={"Parts": parts})
+        except FileNotFoundError:
+            return False  # no such upload: completed already (a retried request) or aborted
+        self.fs.invalidate_cache(self.key(final_rel))
+        return True
+
+    def pending_uploads(self, rel: str) -> "dict[str, str]":
+        b, k = self._bucket_key(rel)
+        root = self.key("")[len(b) + 1:]
+        out: dict[str, str] = {}
+        kw: dict = {"Bucket": b, "Prefix": k}
+        while True:
+            r = self._s3(f"list uploads under {rel}", "list_multipart_uploads", **kw)
+            for u in r.get("Uploads", []):
+                out[u["UploadId"]] = u["Key"][len(root):]
+            if not r.get("IsTruncated"):
+                return out
+            kw.update(KeyMarker=r.get("NextKeyMarker"), UploadIdMarker=r.get("NextUploadIdMarker"))
+
+    def honours_if_none_match(self) -> bool:
+        """Probe the server once: does a second create-once PUT of the same key fail?"""
+        ck = (self.storage_options.get("client_kwargs") or {}).get("endpoint_url")
+        probe_key = (ck, self.root.split("/", 1)[0])
+        with _PROBE_LOCK:
+            if probe_key in _CREATE_ONCE_PROBES:
+                return _CREATE_ONCE_PROBES[probe_key]
+            from harvest.store.format.layout import PROBE_DIR
+
+            path = self.key(f"{PROBE_DIR}/{uuid.uuid4().hex}")
+            honoured = False
+            try:
+                self.fs.pipe_file(path, b"1", mode="create")
+                try:
+                    self.fs.pipe_file(path, b"2", mode="create")
+                except (FileExistsError, OSError):
+                    honoured = True
+            except (NotImplementedError, TypeError, ValueError):
+                honoured = False
+            finally:
+                try:
+                    self.fs.rm_file(path)
+                except Exception:  # noqa: BLE001 -- best effort cleanup of a 1-byte probe
+                    pass
+            if not honoured:
+                log.warning("%s ignores If-None-Match: commit markers fall back to "
+                            "check-then-write", self.url)
+            _CREATE_ONCE_PROBES[probe_key] = honoured
+            return honoured
+
+    def ensure_container(self, create: bool) -> None:
+        """The bucket must exist before zarr writes into it: a typo in its name otherwise fails
+        on the first shard, hours in, with a bare NoSuchBucket. Checked by the driver before its
+        first write too: a PUT into a missing bucket answered only "FileNotFoundError: Not
+        Found"."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            if with_retries(lambda: self.fs.exists(bucket), "stat bucket"):
+                return
+        except Exception as e:  # noqa: BLE001
+            raise self.error(f"checking bucket {bucket!r}", e) from None
+        if not create:
+            raise StoreAccessError(
+                f"bucket {bucket!r} of {self.url} does not exist at endpoint {self.endpoint} (a "
+                "typo in store.url?): create it, or set store.create_bucket: true "
+                "(create_store(..., create_bucket=True)); if it does exist, store.storage_options"
+                ".client_kwargs.endpoint_url may name a server that is not S3")
+        try:
+            self.fs.mkdir(bucket)
+        except FileExistsError:
+            return
+        except Exception as e:  # noqa: BLE001
+            raise self.error(f"bucket {bucket!r} does not exist and could not be created",
+                             e) from None
+
+
+def s3_options(storage_options: dict | None) -> dict:
+    """s3fs options from the AWS environment, overridden by explicit storage_options.
+
+    region_name is deliberately not put in client_kwargs for custom endpoints: s3fs then sends a
+    LocationConstraint on bucket creation that S3-compatible servers reject.
+    """
+    so: dict[str, Any] = {k: v for k, v in (storage_options or {}).items()}
+    ck = dict(so.get("client_kwargs") or {})
+    endpoint = ck.get("endpoint_url") or so.pop("endpoint_url", None) \
+        or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+    if endpoint:
+        ck["endpoint_url"] = endpoint
+        cfg = dict(so.get("config_kwargs") or {})
+        # Newer botocore checksum defaults break uploads to several S3-compatible servers.
+        cfg.setdefault("request_checksum_calculation", "when_required")
+        cfg.setdefault("response_checksum_validation", "when_required")
+        so["config_kwargs"] = cfg
+    elif os.environ.get("AWS_REGION") and "region_name" not in ck:
+        ck["region_name"] = os.environ["AWS_REGION"]
+    if ck:
+        so["client_kwargs"] = ck
+    if "key" not in so and os.environ.get("AWS_ACCESS_KEY_ID"):
+        so["key"] = os.environ["AWS_ACCESS_KEY_ID"]
+    if "secret" not in so and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        so["secret"] = os.environ["AWS_SECRET_ACCESS_KEY"]
+    if "token" not in so and os.environ.get("AWS_SESSION_TOKEN"):
+        so["token"] = os.environ["AWS_SESSION_TOKEN"]
+    return so
+
+
+__all__ = ["ObjectStorage", "S3Storage", "s3_options"]

@@ -1,0 +1,418 @@
+"""The store object: open, arrays, row metadata, plan and commit bookkeeping, stats.
+
+Division of labour that keeps many writers safe without locks: the driver creates every array
+pre-sized and is the only process that ever writes a `zarr.json`; writers only put whole shard
+objects inside their own shard-aligned region, its row metadata, and then one create-once commit
+marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
+data. Creation is in create.py, finalize and verify in their own modules; checked reads by
+row range in reads.py, info() in info.py, attribute JSON helpers in jsonattrs.py.
+
+Imports run one way: this module imports the operations its methods delegate to (finalize,
+verify, reads, writer, ...), and none of them imports it at run time (they name `Store` in
+annotations only), so no import is deferred to hide a cycle. create.py sits above: it imports
+this module to open what it made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from typing import Iterator, Sequence
+
+import numpy as np
+import zarr
+
+from .commit import markers as _commits
+from .commit import finalize as _finalize
+from . import info as _info
+from .format import layout
+from .stats import moments as _moments
+from .commit import objects as _objects
+from .commit import published as _published
+from .read import rows as _reads
+from .format import shardcodec as _codec
+from .stats import files as _statsfiles
+from .commit import tables as _tables
+from .commit import verify as _verify
+from .write import writer as _writer
+from harvest.store.storage.locate import Location, locate
+from harvest.store.format.dtypes import resolve_dtype
+from .errors import StoreError
+from harvest.store.commit.plan import PlanStore, Unit, check_region, check_units
+
+MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    """An opened harvest activation store. Build with create_store / open_store."""
+
+    def __init__(self, loc: Location, meta: dict, read_only: bool = False):
+        self._loc = loc
+        self._meta = meta
+        h = meta["attributes"]["harvest"]
+        self._h = h
+        self.points: list[str] = list(h["points"])
+        self.width: int = int(h["width"])
+        self.n_rows: int = int(h["n_rows"])
+        self.shard_rows: int = int(h["shard_rows"])
+        self.chunk_rows: int = int(h["chunk_rows"])
+        self.dtype: str = h["dtype"]
+        self.np_dtype: np.dtype = resolve_dtype(self.dtype)
+        self.compression: dict = h["compression"]
+        self.layout_version: int = int(h["layout_version"])
+        self.read_only = read_only
+        self._zstore_obj = None
+        self._arrays: dict = {}
+        # MarkerName -> marker: create-once objects, safe to cache, but bounded: an actor's store
+        # lives for the whole run and commits unit after unit, and a marker of a 512-shard unit
+        # at 8B's shape is ~0.5 MB of JSON (a few MB parsed); kept all, they grew without end
+        self._markers: OrderedDict = OrderedDict()
+        self._shard_map = None   # reads.UnitMap: shard -> its committed unit, for read_shard
+        self._tables = _tables.TableCache()   # per-unit object tables (layout 3), bounded
+        self.plans = PlanStore(loc)
+
+    @property
+    def _zstore(self):
+        """zarr's store object, made on first use: the writer and reader move whole shards
+        themselves, and an idle async S3 client only adds a loop-bound session to clean up."""
+        if self._zstore_obj is None:
+            self._zstore_obj = self._loc.zarr_store(read_only=self.read_only)
+        return self._zstore_obj
+
+    # ---- description -------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self._loc.url
+
+    @property
+    def location(self) -> Location:
+        return self._loc
+
+    @property
+    def attrs(self) -> dict:
+        """The run attributes given to create_store (model, dataset, config...)."""
+        return self._meta["attributes"].get("run", {})
+
+    @property
+    def summary(self) -> dict | None:
+        return self._meta["attributes"].get("summary")
+
+    @property
+    def context_size(self) -> int | None:
+        """Rows per context: context k of a unit is rows [row_start + kC, row_start + (k+1)C)."""
+        return self._h.get("context_size")
+
+    @property
+    def special_token_ids(self) -> list[int]:
+        return list(self._h.get("special_token_ids") or [])
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._h.get("bos_token_id")
+
+    @property
+    def tokenizer(self) -> str | None:
+        return self._h.get("tokenizer")
+
+    @property
+    def stats_skip_positions(self) -> int:
+        return int(self._h.get("stats_skip_positions") or 0)
+
+    def stats_filter(self) -> "tuple[np.ndarray, int, int] | None":
+        """(special token ids, leading context positions left out, context size) of the `kept`
+        row statistics, or None when every row is kept."""
+        special = np.array(sorted(set(self.special_token_ids)), np.int64)
+        skip = self.stats_skip_positions
+        if not special.size and not skip:
+            return None
+        return special, skip, int(self.context_size or 1)
+
+    @property
+    def meta_columns(self) -> dict:
+        """Row metadata columns this store has (name -> dtype), as its attributes record them:
+        stores made before a column was added to layout.ROW_META do not have it."""
+        return dict(self._h.get("row_meta") or {k: layout.ROW_META[k] for k in layout.BASE_META})
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.n_rows // self.shard_rows)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of one point, uncompressed."""
+        return self.width * self.np_dtype.itemsize
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        s = shard * self.shard_rows
+        return s, min(self.n_rows, s + self.shard_rows)
+
+    def __repr__(self) -> str:
+        return (f"Store({self.url!r}, points={len(self.points)}, width={self.width}, "
+                f"n_rows={self.n_rows}, dtype={self.dtype})")
+
+    def info(self) -> dict:
+        """What a user inspecting a store wants: shape, progress, stats, attrs."""
+        return _info.store_info(self)
+
+    # ---- arrays ------------------------------------------------------------------------------
+    def array(self, point: str) -> zarr.Array:
+        if point not in self.points:
+            raise KeyError(f"point {point!r} is not in this store: it holds {', '.join(self.points)}")
+        arr = self._arrays.get(point)
+        if arr is None:
+            arr = self._arrays[point] = self._open_array(layout.point_path(point))
+        return arr
+
+    def _open_array(self, path: str) -> zarr.Array:
+        try:
+            return zarr.open_array(store=self._zstore, path=path,
+                                   mode="r" if self.read_only else "r+", zarr_format=3)
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- translated without secrets
+            raise self._loc.error(f"opening array {path}", e) from None
+
+    def shard_codec(self, point: str):
+        """Our direct whole-shard codec for `point`, or None where zarr must do the work."""
+        key = ("codec", point)
+        if key not in self._arrays:
+            raw = self._loc.read_bytes(f"{layout.point_path(point)}/zarr.json")
+            try:
+                self._arrays[key] = _codec.ShardCodec(json.loads(raw), self.np_dtype) if raw else None
+            except _codec.Unsupported as e:
+                log.info("%s: zarr does the (de)coding (%s)", point, e)
+                self._arrays[key] = None
+        return self._arrays[key]
+
+    def meta_codec(self, name: str):
+        """Our codec for one chunk of row metadata array `name`, or None where zarr must do it."""
+        key = ("meta_codec", name)
+        if key not in self._arrays:
+            raw = self._loc.read_bytes(f"{name}/zarr.json")
+            try:
+                self._arrays[key] = _codec.MetaCodec(json.loads(raw)) if raw else None
+            except _codec.Unsupported as e:
+                log.info("%s: zarr does the (de)coding (%s)", name, e)
+                self._arrays[key] = None
+        return self._arrays[key]
+
+    def committed_shard(self, shard: int) -> "tuple[dict, dict]":
+        """(marker, its entry for `shard`) of the committed unit holding that shard."""
+        if self._shard_map is None:
+            self._shard_map = _reads.committed_shard_map(self)
+        m = self._shard_map.find(int(shard))
+        if m is None:
+            raise StoreError(f"shard {shard} of {self.url} is not committed (no marker covers it)")
+        return m, _tables.shard_record(self, m, int(shard))
+
+    def read_shard(self, point: str, shard: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The committed rows of one shard of one point: one GET, the object checked against its
+        marker's digest, a direct decode. A missing or damaged object is a DataIntegrityError.
+
+        `out`: optional destination rows (see ShardCodec.decode); the result is then `out`.
+        """
+        self.array(point)  # names the store's points when `point` is not one
+        m, sh = self.committed_shard(shard)
+        return _objects.read_point(self, m, sh, self.points.index(point), out=out)
+
+    def read(self, point: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of one point, committed rows only, each shard checked."""
+        return _reads.read_rows(self, point, start, stop)
+
+    def _meta_array(self, name: str) -> zarr.Array:
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._arrays[name] = self._open_array(name)
+        return arr
+
+    def read_row_meta(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """token_id, doc_id, position (layout.BASE_META, what every store has) of rows
+        [start, stop). doc_id and position are -2 (layout.META_INSERTED) for an inserted BOS, -3
+        (META_PAD) on a generation slot's padding, and -1 for a row never written. The optional
+        columns have their own accessors (read_gen; store/roles.py for `role`).
+
+        Plain zarr, unchecked: a committed unit not yet published (its objects still under its
+        attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
+        if not 0 <= start <= stop <= self.n_rows:
+            raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
+        return tuple(self._meta_array(n)[start:stop] for n in layout.BASE_META)
+
+    def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Like read_row_meta, committed rows only, each chunk checked against its marker."""
+        return _reads.read_row_meta_checked(self, start, stop)
+
+    def read_gen(self, start: int, stop: int, checked: bool = False) -> np.ndarray:
+        """The `gen` column of rows [start, stop) (FORMAT.md "Generation"), plain zarr like
+        read_row_meta, or committed rows checked against their markers (`checked`). Only a store
+        made for generation has it: on any other store this is an error saying so."""
+        return _reads.read_generation_column(self, "gen", start, stop, checked)
+
+    def read_sample(self, start: int, stop: int, checked: bool = False) -> np.ndarray:
+        """Which of its prompt's n samples each row of [start, stop) belongs to (int16;
+        FORMAT.md "Generation"), like read_gen. A generation store made for one sample per
+        prompt (no `sample` column, e.g. every store made before n > 1) reads as zeros; a store
+        not made for generation is an error, as in read_gen."""
+        return _reads.read_generation_column(self, "sample", start, stop, checked)
+
+    # ---- plan --------------------------------------------------------------------------------
+    def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
+        """Units of `shards_per_unit` consecutive shards covering every row."""
+        if shards_per_unit < 1:
+            raise ValueError("shards_per_unit must be >= 1")
+        step = shards_per_unit * self.shard_rows
+        return [{"unit_id": i, "row_start": s, "row_end": min(self.n_rows, s + step)}
+                for i, s in enumerate(range(0, self.n_rows, step))]
+
+    def write_plan(self, units) -> list[dict]:
+        """Record a whole plan at once (tools and tests; the driver appends segments as it
+        learns the corpus). Returns the normalized plan."""
+        if self.read_only:
+            raise StoreError("write_plan: store was opened read-only")
+        out = check_units([Unit.from_dict(u) for u in units], self.shard_rows, self.n_rows,
+                          "write_plan")
+        seq = self.plans.read()["next_seq"]
+        if not self.plans.write_segment(seq, sorted(out, key=lambda u: u.unit_id), final=True):
+            raise StoreError(f"write_plan: plan segment {seq} already exists (another driver?)")
+        return [u.as_dict() for u in sorted(out, key=lambda u: u.unit_id)]
+
+    def plan_units(self) -> list[Unit]:
+        return self.plans.read()["units"]
+
+    def plan(self) -> list[dict]:
+        return [u.as_dict() for u in self.plan_units()]
+
+    # ---- writers and commits ----------------------------------------------------------------
+    def region_writer(self, unit_id: int, row_start: int, row_end: int, **kwargs):
+        """A streaming writer for one shard-aligned region; see writer.RegionWriter for knobs.
+
+        The plan is not re-read here (that was a read of the whole plan per unit): a marker
+        whose row range disagrees with the plan never counts, which verify reports.
+        """
+        if self.read_only:
+            raise StoreError("region_writer: store was opened read-only")
+        check_region(row_start, row_end, self.shard_rows, self.n_rows, f"region_writer unit {unit_id}")
+        return _writer.RegionWriter(self, int(unit_id), int(row_start), int(row_end), **kwargs)
+
+    def marker_names(self) -> list[_commits.MarkerName]:
+        return _commits.list_markers(self._loc)
+
+    def _remember_marker(self, m: dict) -> None:
+        self._shard_map = None
+        self._cache_marker(_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"]), m)
+
+    def _cache_marker(self, name, m: dict) -> None:
+        self._markers[name] = m
+        self._markers.move_to_end(name)
+        while len(self._markers) > MARKER_CACHE:
+            self._markers.popitem(last=False)
+
+    def commit_manifest(self, unit_id: int, row_start: int | None = None, row_end: int | None = None,
+                        fresh: bool = False) -> dict | None:
+        """The marker of a unit (of that row range when given; else the one the listing shows)."""
+        if row_start is None or row_end is None:
+            names = [n for n in self.marker_names() if n.unit_id == int(unit_id)]
+            if not names:
+                return None
+            name = names[0]
+        else:
+            name = _commits.MarkerName(unit_id, row_start, row_end)
+        if name in self._markers and not fresh:
+            self._markers.move_to_end(name)
+            return self._markers[name]
+        m = _commits.read_marker(self._loc, name, fresh=fresh)
+        if m is not None:
+            self._cache_marker(name, m)
+        return m
+
+    def is_committed(self, unit_id: int, row_start: int | None = None, row_end: int | None = None) -> bool:
+        return self.commit_manifest(unit_id, row_start, row_end, fresh=True) is not None
+
+    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[dict]:
+        """Markers of committed units that agree with the plan (all markers if there is no plan),
+        streamed from the compacted index plus the markers written since. `planned`: the caller
+        already kept only the names that agree with the plan."""
+        names = self.marker_names() if names is None else names
+        if not planned:
+            plan = {u.unit_id: (u.row_start, u.row_end) for u in self.plan_units()}
+            if plan:
+                names = [n for n in names if plan.get(n.unit_id) == n.rows]
+        # not cached: holding 10^5 markers (per-shard CRCs and sizes of every point) is what made
+        # status and finalize take a GB
+        yield from _commits.iter_committed(self._loc, names)
+
+    def committed_units(self) -> dict[int, dict]:
+        """unit_id -> commit manifest, for every unit whose marker exists now and agrees with
+        the plan."""
+        return {m["unit_id"]: m for m in sorted(self.iter_committed(), key=lambda m: m["unit_id"])}
+
+    def uncommit(self, unit_id: int) -> None:
+        """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict).
+        Its index entries are voided first, so the rewrite's marker is the one every reader
+        takes, even where its bytes differ (commits.uncommit)."""
+        if self.read_only:
+            raise StoreError("uncommit: store was opened read-only")
+        _published.forget(self._loc, unit_id)   # first: a unit without a record is checked
+        for n in _commits.uncommit(self._loc, unit_id):
+            self._markers.pop(n, None)
+        self._shard_map = None
+
+    def write_index(self, markers) -> int:
+        """Append markers to the compacted commit index (the driver, as units commit)."""
+        return _commits.write_index_segment(self._loc, markers)
+
+    def settle(self, repair: bool = False) -> dict:
+        """Publish committed units that have no publish record yet (complete their pending
+        uploads, check every object's size) and record them; report the rest as gone or
+        damaged, uncommitting them when `repair` (published.settle)."""
+        return _published.settle(self, repair=repair)
+
+    def unpublished_units(self) -> list[int]:
+        """Committed units without a publish record (two listings; published.unpublished)."""
+        return _published.unpublished(self)
+
+    # ---- statistics --------------------------------------------------------------------------
+    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
+        """Every unit's partials merged in unit-id order (see statsfiles.merge_partials)."""
+        return _statsfiles.merge_partials(self, refs, batch)
+
+    def stats(self, points: Sequence[str] | None = None, subset: str = "all") -> dict[str, dict]:
+        """Per-point stats of `subset` rows: "all", or "kept" (rows whose token is not a special
+        token and whose context position is >= stats_skip_positions; see FORMAT.md).
+
+        From finalize if present, else merged now from the committed partials. Each value:
+        count, mean [width] float64, var [width] float64, mean_sq_norm, nonfinite_rows.
+        """
+        return _statsfiles.read_stats(self, points, subset)
+
+    # ---- finalize and verify (driver) ---------------------------------------------------------
+    def finalize(self, summary: dict | None = None) -> dict:
+        """Merge committed stats into the store, record compression and the run summary."""
+        return _finalize.finalize(self, summary)
+
+    def verify(self, deep: bool = False, objects: bool = False) -> dict:
+        """Every planned row committed exactly once, markers consistent with the plan and their
+        recorded sizes; deep=True reads every byte (by the markers' object names, no listing).
+
+        objects=True also lists every object and checks each against its recorded size. Off by
+        default: at 1 B tokens of an 8B model that is ~68 k LIST pages on S3 (an hour, sequential,
+        holding every entry of an array at once), so it is asked for explicitly
+        (`harvest verify --objects`), never run at the end of a job."""
+        return _verify.verify(self, deep=deep, objects=objects)
+
+
+def open_store(url, storage_options: dict | None = None, read_only: bool = False) -> Store:
+    """Open an existing store; refuses anything that is not a harvest store of a known layout."""
+    loc = locate(url, storage_options)
+    try:
+        # two attempts only: a wrong endpoint should fail in seconds, not after a minute of backoff
+        raw = loc.read_bytes("zarr.json", attempts=2)
+    except Exception as e:  # noqa: BLE001 -- translated without secrets
+        raise loc.error("open_store", e) from None
+    meta = layout.check_group(raw, loc.url, "open_store")
+    return Store(loc, meta, read_only=read_only)
+
+
+__all__ = ["Store", "Unit", "open_store"]

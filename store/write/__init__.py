@@ -1,0 +1,1 @@
+"""Writing: a store created, rows into block buffers, shard objects streamed and uploaded."""

@@ -1,0 +1,144 @@
+"""A unit's row metadata as its writer holds it: token_id, doc_id, position (and role, in
+chat stores, and gen, in generation stores: the stores that have those columns) of every row.
+
+The writer needs it whole before it commits (the marker carries a CRC32C per column, which
+verify(deep=True) checks against the stored arrays), and per shard before it encodes the shard:
+which rows count in the `kept` statistics depends on their token ids and context positions (and,
+in a role-masked store, their roles: rows of roles outside capture.roles are zeroed before the
+shard is encoded and never counted as kept; see FORMAT.md, "Chat").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harvest.store.format import layout
+from harvest.store.stats.moments import crc32c
+
+
+# why a store lacks an optional column, and how to get a store that has it (FORMAT.md)
+_NO_COLUMN = {
+    "role": "made before chat input existed); write chat rows to a new store",
+    "gen": "not created for generation: create_store(generated=True), which the pipeline does "
+           "when capture.generate is set",
+    "sample": "made for one sample per prompt: create_store(samples=True), which the pipeline "
+              "does when capture.generate.n > 1",
+}
+
+
+class UnitMeta:
+    def __init__(self, unit_id: int, row_start: int, row_end: int,
+                 stats_filter: "tuple[np.ndarray, int, int] | None",
+                 columns: "list[str] | None" = None, stored_roles: "tuple | None" = None):
+        self.unit_id, self.row_start, self.row_end = unit_id, row_start, row_end
+        n = row_end - row_start
+        names = layout.ROW_META if columns is None else columns
+        self.cols = {k: np.full(n, layout.META_UNWRITTEN, layout.ROW_META[k]) for k in names}
+        self.set = np.zeros(n, bool)
+        self.filter = stats_filter
+        self.stored_roles = None if stored_roles is None else np.asarray(stored_roles, np.int8)
+
+    def write(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
+              sample=None) -> None:
+        cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
+        for name, given in (("role", role), ("gen", gen), ("sample", sample)):
+            if name in self.cols:
+                # a row written without an optional column has its default: plain text
+                # (roles.TEXT), a prompt row (layout.GEN_PROMPT), sample 0 -- all code 0
+                cols[name] = (np.zeros(len(token_id), layout.ROW_META[name]) if given is None
+                              else given)
+            elif given is not None:
+                raise ValueError(f"write_meta: unit {self.unit_id}'s store has no {name} column "
+                                 f"({_NO_COLUMN[name]})")
+        n = None
+        arrs = {}
+        for name, v in cols.items():
+            a = np.asarray(v)
+            if a.ndim != 1 or a.dtype.kind not in "iu":
+                raise ValueError(f"write_meta: {name} must be a 1-D integer array, got {a.dtype} "
+                                 f"{a.shape}")
+            if n is None:
+                n = a.shape[0]
+            elif a.shape[0] != n:
+                raise ValueError(f"write_meta: token_id, doc_id, position (and role, gen, sample) must have the same "
+                                 f"length, got {n} and {a.shape[0]} for {name}")
+            arrs[name] = a
+        lo = int(row_start) - self.row_start
+        hi = lo + n
+        if lo < 0 or hi > self.set.shape[0]:
+            raise ValueError(f"write_meta: rows [{row_start}, {row_start + n}) fall outside unit "
+                             f"{self.unit_id}'s region [{self.row_start}, {self.row_end})")
+        if self.set[lo:hi].any():
+            raise ValueError(f"write_meta: metadata of rows in [{row_start}, {row_start + n}) "
+                             f"was already written to unit {self.unit_id}")
+        for name, a in arrs.items():
+            self.cols[name][lo:hi] = a
+        self.set[lo:hi] = True
+
+    def complete(self, start: int, end: int) -> bool:
+        return bool(self.set[start - self.row_start:end - self.row_start].all())
+
+    def check_complete(self) -> None:
+        if not self.set.all():
+            a = int(np.flatnonzero(~self.set)[0])
+            raise ValueError(f"commit: unit {self.unit_id} has {int((~self.set).sum())} rows "
+                             f"without metadata (e.g. row {self.row_start + a}); call write_meta "
+                             "for them")
+
+    def columns(self, start: int, end: int) -> dict:
+        a, b = start - self.row_start, end - self.row_start
+        return {k: v[a:b] for k, v in self.cols.items()}
+
+    def crc32c(self) -> dict:
+        return {k: crc32c(v) for k, v in self.cols.items()}
+
+    def present_mask(self, start: int, end: int) -> np.ndarray | None:
+        """Rows [start, end) that hold activations (None: all of them): generation slots have
+        rows without (the last sampled token, dropped prompts, padding; FORMAT.md "Generation"),
+        which no statistic counts. Stores without the `gen` column have no such rows."""
+        if "gen" not in self.cols:
+            return None
+        g = self.columns(start, end)["gen"]
+        if not (g < layout.GEN_LAST).all() or (g < 0).any():
+            return np.isin(g, layout.GEN_HAS_ACTS)
+        return None
+
+    def rows_with_activations(self) -> int:
+        """Rows of the whole region that hold activations (present, and of a stored role)."""
+        a, b = self.row_start, self.row_end
+        held = np.ones(b - a, bool)
+        for m in (self.present_mask(a, b), self.stored_mask(a, b)):
+            if m is not None:
+                held &= m
+        return int(held.sum())
+
+    def keep_mask(self, start: int, end: int) -> np.ndarray | None:
+        """Rows [start, end) counted in the `kept` statistics (None: every row)."""
+        if self.filter is None and self.stored_roles is None:
+            return None
+        if not self.complete(start, end):
+            raise ValueError(f"unit {self.unit_id}: rows [{start}, {end}) were written before "
+                             "their metadata; call write_meta first (the kept-row statistics need "
+                             "each row's token id)")
+        special, skip, C = self.filter or (np.zeros(0, np.int64), 0, 1)
+        keep = np.ones(end - start, bool)
+        if skip:
+            keep &= (np.arange(start, end) % C) >= skip
+        if special.size:
+            keep &= ~np.isin(self.columns(start, end)["token_id"], special)
+        stored = self.stored_mask(start, end)
+        return keep if stored is None else keep & stored
+
+    def stored_mask(self, start: int, end: int) -> "np.ndarray | None":
+        """Rows [start, end) whose activations the store keeps (None: all): capture.roles."""
+        if self.stored_roles is None:
+            return None
+        return np.isin(self.columns(start, end)["role"], self.stored_roles)
+
+    def zero_unstored(self, data: np.ndarray, start: int, end: int) -> None:
+        """Zero the rows of roles outside capture.roles in a shard buffer [points, rows, width]
+        (raw bits: 0 is +0.0 in every float dtype). They ran as context; the store keeps their
+        metadata only, and zeros compress to almost nothing."""
+        stored = self.stored_mask(start, end)
+        if stored is not None and not stored.all():
+            data[:, :end - start][:, ~stored] = 0

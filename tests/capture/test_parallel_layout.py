@@ -1,0 +1,167 @@
+"""Parallel layouts without an engine: the PP refusal, config keys, the step ring's own checks.
+
+The engine-level TP=2 capture is tests/engine/test_engine_tp.py (slow); here are the parts that need no
+vLLM engine: what a config or load_model refuses and why, and the step ring (engine/capture/stepring.py)
+publishing and reading steps between two mappings of one file, as a worker and the capture loop
+do, including the overrun it exists to catch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.engine.vllm import compat
+from harvest.engine.capture import stepring
+from harvest.engine.parallel import PP_REFUSED, check_parallel
+from harvest.pipeline.config.fields import ConfigError
+from harvest.pipeline.config.sections import ModelConfig
+
+
+def test_pipeline_parallel_is_refused_at_config_load_with_the_reason():
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(pipeline_parallel_size=2).validate()
+    msg = str(e.value)
+    assert "model.pipeline_parallel_size=2" in msg and "intermediate_tensors" in msg
+    assert "tensor_parallel_size" in msg  # the way out
+    ModelConfig(pipeline_parallel_size=1, tensor_parallel_size=2).validate()
+    kw = ModelConfig(tensor_parallel_size=2).engine_kwargs(["resid_post.0"])
+    assert kw["tensor_parallel_size"] == 2 and "pipeline_parallel_size" not in kw
+
+
+def test_engine_refuses_pp_and_hooked_tp_before_starting_anything():
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is refused"):
+        check_parallel(1, 2, "freeze")
+    with pytest.raises(ValueError, match="needs freeze mode"):
+        check_parallel(2, 1, "hooked")
+    with pytest.raises(ValueError, match="whole number"):
+        check_parallel(0, 1, "freeze")
+    assert check_parallel(2, 1, "freeze") == 2
+    assert check_parallel(1, 2, "plain") == 1  # plain vLLM: nothing is captured, nothing refused
+    assert PP_REFUSED.startswith("pipeline_parallel_size > 1")
+
+
+def test_tp_compilation_turns_off_the_allreduce_fusion_and_refuses_it_explicit():
+    cc = compat.tp_compilation_config({"mode": 0})
+    assert cc == {"mode": 0, "pass_config": {"fuse_allreduce_rms": False}}
+    with pytest.raises(ValueError, match="fuse_allreduce_rms"):
+        compat.tp_compilation_config({"pass_config": {"fuse_allreduce_rms": True}})
+
+
+def test_cpu_thread_binding_gives_each_rank_its_own_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3, 4})
+    assert compat.cpu_thread_binding(2) == "0-1|2-3"
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1})
+    assert compat.cpu_thread_binding(2) == "0|1"
+    with pytest.raises(ValueError, match="need 4 cores"):
+        compat.cpu_thread_binding(4)
+
+
+def _step(n_points=3, width=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(n_points, 32, width, generator=g).to(torch.bfloat16)
+    return buf
+
+
+def test_step_ring_carries_a_step_between_two_mappings():
+    spec = stepring.new_spec(3, 32, 8, torch.bfloat16, max_reqs=4)
+    reader = stepring.RingReader(spec)
+    try:
+        writer = stepring.RingWriter(stepring.RingSpec(**spec.as_dict()))
+        buf = _step()
+        pos = torch.tensor([0, 1, 2, 7, 8], dtype=torch.int64)
+        ids = torch.tensor([5, 6, 7, 9, 10], dtype=torch.int64)
+        writer.publish(("h0-abc", "h1-def"), [3, 2], [0, 7], pos, ids, buf)
+        steps = list(reader.steps())
+        assert len(steps) == 1 and list(reader.steps()) == []  # each step read once
+        s = steps[0]
+        assert s.req_ids == ("h0-abc", "h1-def") and s.n == 5
+        assert s.counts.tolist() == [3, 2] and s.starts.tolist() == [0, 7]
+        assert torch.equal(s.fed_pos, pos) and torch.equal(s.fed_ids, ids)
+        assert torch.equal(s.rows[:, :5], buf[:, :5])
+        reader.skip()
+        assert list(reader.steps()) == []
+        writer.close()
+    finally:
+        reader.close()
+
+
+def test_step_ring_refuses_a_step_overwritten_before_it_was_read():
+    spec = stepring.new_spec(1, 32, 8, torch.bfloat16, max_reqs=4)
+    reader = stepring.RingReader(spec)
+    try:
+        writer = stepring.RingWriter(stepring.RingSpec(**spec.as_dict()))
+        for k in range(stepring.SLOTS + 1):  # one step more than the ring holds, none read
+            writer.publish(("h0-x",), [1], [k], torch.tensor([k]), torch.tensor([3]),
+                           _step(1, seed=k))
+        with pytest.raises(RuntimeError, match="step ring overran"):
+            list(reader.steps())
+    finally:
+        reader.close()
+
+
+def test_step_ring_reports_a_step_too_large_for_it():
+    spec = stepring.new_spec(1, 4, 8, torch.bfloat16, max_reqs=1)
+    reader = stepring.RingReader(spec)
+    try:
+        writer = stepring.RingWriter(stepring.RingSpec(**spec.as_dict()))
+        writer.publish(("a", "b"), [1, 1], [0, 0], torch.zeros(2, dtype=torch.int64),
+                       torch.zeros(2, dtype=torch.int64), _step(1))
+        assert "does not fit the step ring" in reader.error()
+        assert list(reader.steps()) == []  # nothing half-written was published
+    finally:
+        reader.close()
+
+
+def test_step_ring_file_is_gone_after_unlink_and_rows_stay_readable():
+    spec = stepring.new_spec(1, 8, 4, torch.float32, max_reqs=2)
+    reader = stepring.RingReader(spec)
+    writer = stepring.RingWriter(stepring.RingSpec(**spec.as_dict()))
+    reader.unlink()  # as the engine does once the workers have mapped it
+    import os
+
+    assert not os.path.exists(spec.path)
+    buf = torch.arange(32, dtype=torch.float32).view(1, 8, 4)
+    writer.publish(("r",), [2], [0], torch.tensor([0, 1]), torch.tensor([4, 5]), buf)
+    (s,) = list(reader.steps())
+    assert np.array_equal(s.rows[0, :2].numpy(), buf[0, :2].numpy())
+    reader.close()
+
+
+def test_plan_prices_a_tp_actor_as_its_gpus():
+    from types import SimpleNamespace
+
+    from harvest.pipeline.config.run import load_config
+    from harvest.pipeline.cli.estimate import guess_rate
+
+    prep = SimpleNamespace(n_layers=80, width=8192, vocab_size=128256)
+    base = {"name": "t", "model": {"path": "x"}, "data": {"source": "pydoc"},
+            "ray": {"num_actors": 2, "num_gpus_per_actor": 8}}
+    one = guess_rate(load_config(data={**base, "ray": {"num_actors": 2, "num_gpus_per_actor": 1}}),
+                     prep)
+    tp8 = guess_rate(load_config(data={**base, "model": {"path": "x", "tensor_parallel_size": 8}}),
+                     prep)
+    assert tp8["tokens_per_second"] == pytest.approx(8 * one["tokens_per_second"], rel=0.01)
+    assert "tensor_parallel_size=8 (16 GPUs)" in tp8["rate_note"]
+    with pytest.raises(ConfigError, match="num_gpus_per_actor"):
+        load_config(data={**base, "model": {"path": "x", "tensor_parallel_size": 8},
+                          "ray": {"num_actors": 2, "num_gpus_per_actor": 4}})
+
+
+def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):
+    """vLLM CPU's ranks name their shared-memory segments `<ident>-...-cpushm_<rank>`; a killed
+    rank leaves its own. The engine removes its group's by the ident it asked the ranks for, and
+    no other engine's (another ident) or other file."""
+    from harvest.engine.parallel import remove_dist_files
+
+    mine, other = "vllm_dist_" + "a" * 32, "vllm_dist_" + "b" * 32
+    for name in (f"{mine}-tp:0-[0-1]-cpushm_0", f"{mine}-tp:0-[0-1]-cpushm_1",
+                 f"{other}-tp:0-[0-1]-cpushm_0", "psm_1234", mine + "x"):
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_dist_files(mine, shm_dir=str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[-1] for p in removed if p.startswith(str(tmp_path))) == [
+        f"{mine}-tp:0-[0-1]-cpushm_0", f"{mine}-tp:0-[0-1]-cpushm_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{other}-tp:0-[0-1]-cpushm_0", "psm_1234", mine + "x"])
+    assert remove_dist_files(None, str(tmp_path)) == [] == remove_dist_files("../x", str(tmp_path))

@@ -1,0 +1,1 @@
+"""Capture engines against Hugging Face fp32: vLLM modes, families, TP, generation, check-model."""

@@ -1,0 +1,293 @@
+"""Row accounting without an engine: coverage bitmaps, step plans, fed-token checks, and the
+handover of rows whose copies complete later (a deferred transport standing in for CUDA events).
+
+The synthetic step sequences are what vLLM's scheduler produces: chunked prefill interleaving
+requests, and a preemption that recomputes a request from its first token.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.engine import platform as plat
+from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
+from harvest.engine.vllm.rowmap import HarvestState
+from harvest.engine.capture.taps import TapSet
+from harvest.engine.capture.transport import CPUTransport, check_destination
+from harvest.engine.addresses import Address
+
+
+def test_preemption_recompute_overwrites_and_completes():
+    cov = Coverage(150)
+    for start, count in [(0, 64), (64, 64), (0, 64), (64, 64), (128, 22)]:  # preempted after 128
+        cov.mark(start, count)
+    assert cov.complete and cov.gaps() == [] and cov.rewrites == 128
+    cov.require_complete("request 0")
+
+
+def test_a_gap_is_refused_with_its_positions():
+    cov = Coverage(150)
+    for start, count in [(0, 64), (0, 64), (128, 22)]:  # the chunk [64, 128) never arrived
+        cov.mark(start, count)
+    assert not cov.complete and cov.gaps() == [(64, 128)]
+    with pytest.raises(CoverageError, match=r"\[64, 128\) of 150"):
+        cov.require_complete("request 3")
+
+
+def test_rows_outside_the_request_are_refused():
+    with pytest.raises(CoverageError, match="outside"):
+        Coverage(10).mark(8, 4)
+
+
+def test_step_plan_maps_rows_in_runner_order():
+    lengths = {"a": 100, "b": 30}
+    plan = plan_step(["b", "a"], [30, 34], [0, 64], lengths)
+    assert [(s.rid, s.row, s.start, s.count) for s in plan.segments] == [("b", 0, 0, 30), ("a", 30, 64, 34)]
+    assert plan.n == 64 and not plan.stray
+    require_no_stray(plan)
+
+
+def test_stray_rows_are_counted_and_refused_for_prompt_capture():
+    # a decode row of "a" (position 100 of a 100-token prompt) and a request nobody registered
+    plan = plan_step(["a", "x"], [1, 5], [100, 0], {"a": 100})
+    assert plan.segments == () and sum(s.count for s in plan.stray) == 6
+    with pytest.raises(CoverageError, match="6 rows of a step belong to no captured request"):
+        require_no_stray(plan)
+    # rows of an aborted (retired) request are dropped, not stray
+    plan = plan_step(["x"], [5], [0], {}, retired={"x"})
+    assert plan.dropped == 5 and not plan.stray
+
+
+def test_fed_tokens_and_positions_are_checked_against_the_request():
+    toks = {"a": np.arange(100, 140, dtype=np.int32), "b": np.arange(500, 520, dtype=np.int32)}
+    plan = plan_step(["a", "b"], [8, 4], [16, 0], {"a": 40, "b": 20})
+    pos = np.concatenate([np.arange(16, 24), np.arange(0, 4)])
+    ids = np.concatenate([toks["a"][16:24], toks["b"][0:4]])
+    check_fed(plan, pos, ids, toks)
+    swapped = np.concatenate([toks["b"][0:4], toks["a"][16:24]])  # rows of the wrong request
+    with pytest.raises(CoverageError, match="fed token"):
+        check_fed(plan, pos, swapped, toks)
+    shifted = pos.copy()
+    shifted[:8] += 1  # right request, wrong offset
+    with pytest.raises(CoverageError, match="fed positions"):
+        check_fed(plan, shifted, ids, toks)
+
+
+# -- the runner side and the handover, on a fake runner ------------------------------------------
+
+class DeferredTransport(CPUTransport):
+    """Copies happen at `release`, as a side stream would complete them later."""
+
+    def __init__(self):
+        self.held = []
+
+    def submit(self, plan, buf, slots, fed_positions, fed_ids, dests):
+        t = super().submit(plan, torch.full_like(buf, float("nan")), slots, fed_positions,
+                           fed_ids, dests)  # nothing real lands before release
+        t.done = [False, plan, buf.clone(), slots, dests]
+        self.held.append(t)
+        return t
+
+    def release(self):
+        from harvest.engine.capture.transport import copy_segment
+
+        for t in self.held:
+            _, plan, buf, slots, dests = t.done
+            for seg in plan.segments:
+                copy_segment(dests[seg.rid], buf, slots, seg, non_blocking=False)
+            t.done[0] = True
+        self.held = []
+
+    def ready(self, t):
+        return t.done is None or t.done[0]
+
+    def wait(self, t):
+        if not self.ready(t):
+            self.release()
+
+
+class FakeRunner:
+    """The runner state compat.step_layout/fed_inputs read, for one step at a time."""
+
+    def __init__(self, max_tokens):
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64)
+        self.input_ids = SimpleNamespace(gpu=torch.zeros(max_tokens, dtype=torch.int32))
+        self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=None)
+
+    def step(self, st, buf, tokens, chunks):
+        """chunks: [(rid, start, count)] in runner order; writes buf rows like the taps would."""
+        row = 0
+        for rid, s, c in chunks:
+            self.positions[row : row + c] = torch.arange(s, s + c)
+            self.input_ids.gpu[row : row + c] = torch.from_numpy(tokens[rid][s : s + c])
+            buf[:, row : row + c] = _rows(tokens[rid][s : s + c], buf.shape[0], buf.shape[2])
+            row += c
+        self.input_batch.req_ids = [r for r, _, _ in chunks]
+        self.input_batch.num_reqs = len(chunks)
+        self.input_batch.num_computed_tokens_cpu = np.array([s for _, s, _ in chunks])
+        so = SimpleNamespace(num_scheduled_tokens={r: c for r, _, c in chunks},
+                             total_num_scheduled_tokens=row)
+        st.before_forward()
+        st.after_forward(self, so)
+
+
+def _rows(tok_ids, points, width):
+    """A row that encodes its token and point, so a misplaced row is visible."""
+    t = torch.as_tensor(np.asarray(tok_ids), dtype=torch.float32)[None, :, None]
+    p = torch.arange(points, dtype=torch.float32)[:, None, None]
+    return (t + 1000 * p).expand(points, -1, width)
+
+
+def _state(transport, points=3, max_tokens=16, width=4):
+    reads = tuple(Address("resid_post", i) for i in range(points))
+    buf = torch.zeros(points, max_tokens, width)
+    st = HarvestState(TapSet(reads, (), buf, {}, width), None, "freeze", max_tokens, width,
+                      torch.float32, torch.device("cpu"), transport, staging=False)
+    return st, buf
+
+
+def test_rows_are_handed_over_only_when_their_copies_complete_and_land_in_caller_memory():
+    tr = DeferredTransport()
+    st, buf = _state(tr)
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "b-2": np.arange(50, 56, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 2), Address("resid_post", 0)))  # a subset, reordered
+    shard = torch.zeros(2, 64, 4)  # the caller's memory, e.g. a writer's shard buffer
+    st.register("a-1", st.destination(shard[:, 8:28], 20), tokens["a-1"])
+    st.register("b-2", st.destination(None, 6), tokens["b-2"])
+    runner.step(st, buf, tokens, [("a-1", 0, 12), ("b-2", 0, 4)])
+    runner.step(st, buf, tokens, [("a-1", 0, 12)])  # preempted and recomputed from the start
+    runner.step(st, buf, tokens, [("b-2", 4, 2), ("a-1", 12, 8)])
+    st.raise_if_failed()
+    st.mark_finished("a-1")
+    st.mark_finished("b-2")
+    st.poll()
+    assert not st.is_final("a-1") and not st.is_final("b-2")  # vLLM finished, copies did not
+    assert torch.isnan(shard[:, 8:28]).all()  # the fake's stand-in for "not written yet"
+    tr.release()
+    st.poll()
+    assert st.is_final("a-1") and st.is_final("b-2")
+    a = st.take("a-1", "request 0")
+    assert a.data_ptr() == shard[:, 8].data_ptr()
+    assert torch.equal(shard[:, 8:28], _rows(tokens["a-1"], 3, 4)[[2, 0]])
+    assert torch.equal(st.take("b-2", "request 1"), _rows(tokens["b-2"], 3, 4)[[2, 0]])
+    assert st.rewrites == 12 and st.rows == 26 and not st.dests
+
+
+def test_a_request_missing_a_chunk_is_refused_at_handover():
+    st, buf = _state(CPUTransport())
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 0),))
+    st.register("a-1", st.destination(None, 20), tokens["a-1"])
+    runner.step(st, buf, tokens, [("a-1", 0, 12)])
+    st.mark_finished("a-1")
+    st.poll()
+    with pytest.raises(CoverageError, match=r"\[12, 20\)"):
+        st.take("a-1", "request 0")
+
+
+def test_a_row_map_error_inside_the_runner_surfaces_in_the_capture_loop():
+    st, buf = _state(CPUTransport())
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "zz": np.arange(5, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 0),))
+    st.register("a-1", st.destination(None, 20), tokens["a-1"])
+    runner.step(st, buf, tokens, [("a-1", 0, 12), ("zz", 0, 4)])  # rows of an unknown request
+    with pytest.raises(CoverageError, match="no captured request"):
+        st.raise_if_failed()
+    runner.step(st, buf, {"a-1": tokens["a-1"][::-1].copy()}, [("a-1", 12, 4)])  # wrong tokens fed
+    with pytest.raises(CoverageError, match="fed token"):
+        st.poll()
+
+
+def test_destinations_are_validated():
+    shape = (2, 5, 4)
+    ok = torch.zeros(2, 64, 4)[:, 3:8]
+    assert check_destination(ok, shape, torch.float32, need_pinned=False) is ok
+    with pytest.raises(ValueError, match="shape"):
+        check_destination(torch.zeros(2, 6, 4), shape, torch.float32, False)
+    with pytest.raises(ValueError, match="dtype"):
+        check_destination(torch.zeros(shape, dtype=torch.bfloat16), shape, torch.float32, False)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_destination(torch.zeros(2, 4, 5).transpose(1, 2), shape, torch.float32, False)
+    with pytest.raises(ValueError, match="pinned"):
+        check_destination(torch.zeros(shape), shape, torch.float32, need_pinned=True)
+
+
+def test_platform_profiles_keep_cpu_defaults_out_of_gpu_runs():
+    cpu = plat.engine_defaults(plat.CPU, {"max_num_batched_tokens": None, "max_num_seqs": None,
+                                          "gpu_memory_utilization": None})
+    gpu = plat.engine_defaults(plat.CUDA, {"max_num_batched_tokens": None, "max_num_seqs": None,
+                                           "gpu_memory_utilization": None})
+    assert cpu["kv_cache_memory_bytes"] == 512 << 20 and "gpu_memory_utilization" not in cpu
+    assert gpu["gpu_memory_utilization"] == 0.90 and "kv_cache_memory_bytes" not in gpu
+    assert gpu["max_num_batched_tokens"] == 8192 and cpu["max_num_batched_tokens"] == 2048
+    mine = plat.engine_defaults(plat.CUDA, {"gpu_memory_utilization": 0.5, "max_num_batched_tokens": 1024})
+    assert mine["gpu_memory_utilization"] == 0.5 and mine["max_num_batched_tokens"] == 1024
+    # a 16-core GPU actor: few engine threads, the rest to the codec; a CPU actor: all to the engine
+    assert plat.engine_threads(plat.CUDA, None, 16) == 4 and plat.codec_threads(plat.CUDA, 16) == 11
+    assert plat.engine_threads(plat.CPU, None, 2) == 2 and plat.codec_threads(plat.CPU, 2) == 2
+    assert plat.engine_threads(plat.CUDA, 3, 16) == 3
+    assert plat.codec_for(plat.CUDA, 7e9, 11) == "none" and plat.codec_for(plat.CPU, 112e6, 2) == "default"
+    assert plat.cpu_share(3) == 3 and plat.cpu_share() >= 1
+
+
+def test_decode_rows_wait_for_their_sampled_tokens_and_end_where_the_generation_ends():
+    """A generation registers room for prompt + max_new_tokens; each decode row is checked against
+    the token vLLM reports (a ticket waits for it), the handover stops at prompt + generated - 1,
+    and a row vLLM still runs for it after the handover (async scheduling) is dropped."""
+    st, buf = _state(CPUTransport())
+    runner = FakeRunner(16)
+    prompt, sampled = np.arange(10, 16, dtype=np.int32), np.array([70, 71, 72], dtype=np.int32)
+    full = {"g-1": np.concatenate([prompt, sampled])}
+    st.begin_capture((Address("resid_post", 1),))
+    room = np.zeros(6 + 5, dtype=np.int32)
+    room[:6] = prompt
+    st.register("g-1", st.destination(None, 11), room, known=6)
+    runner.step(st, buf, full, [("g-1", 0, 6)])  # prefill; samples 70
+    st.poll()
+    runner.step(st, buf, full, [("g-1", 6, 1)])  # decode feeds 70 before the loop saw it
+    st.poll()
+    assert len(st.tickets) == 1  # held: its fed token cannot be checked yet
+    st.extend("g-1", [70])
+    st.poll()
+    assert not st.tickets
+    runner.step(st, buf, full, [("g-1", 7, 1)])  # feeds 71, vLLM then samples 72 and stops
+    st.extend("g-1", [71, 72])
+    st.end_rows("g-1", 6 + 3 - 1)
+    st.mark_finished("g-1")
+    st.poll()
+    got = st.take("g-1", "prompt 0 sample 0")
+    assert torch.equal(got[:, :8], _rows(full["g-1"][:8], 3, 4)[[1]])
+    assert st.rows == 8
+    runner.step(st, buf, full, [("g-1", 8, 1)])  # the stop token fed by a step already planned
+    st.raise_if_failed()
+    assert st.dropped_rows == 1
+    for _ in range(6):  # the handed-over id is forgotten a few steps later: bounded memory
+        runner.step(st, buf, {"x": np.zeros(1, np.int32)}, [])
+    assert "g-1" not in st.retired
+
+
+def test_a_decode_row_past_the_registered_room_or_a_wrong_sample_is_refused():
+    st, buf = _state(CPUTransport())
+    runner = FakeRunner(16)
+    full = {"g-1": np.arange(10, 20, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 0),))
+    room = np.zeros(8, dtype=np.int32)
+    room[:6] = full["g-1"][:6]
+    st.register("g-1", st.destination(None, 8), room, known=6)
+    runner.step(st, buf, full, [("g-1", 0, 6)])
+    st.extend("g-1", [99])  # vLLM reported 99 but the runner fed 16 at position 6
+    runner.step(st, buf, full, [("g-1", 6, 1)])
+    with pytest.raises(CoverageError, match="fed token 16 at position 6"):
+        st.poll()
+    with pytest.raises(CoverageError, match="more than the 8 positions"):
+        st.extend("g-1", [1, 2])
+    runner.step(st, buf, full, [("g-1", 7, 2)])  # position 8 is past the room of 8
+    with pytest.raises(CoverageError, match="no captured request.*positions \\[8, 9\\)"):
+        st.raise_if_failed()

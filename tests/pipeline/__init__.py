@@ -1,0 +1,1 @@
+"""Whole runs: the driver and actors end to end, TP, generation, chats, token-id inputs, the console."""

@@ -1,0 +1,1 @@
+"""The SAE-training reader: batches, filters, mixing, splits, workers, trainer adapters, parity."""

@@ -1,0 +1,88 @@
+"""Each trainer example runs on a small store and trains: SAELens, dictionary_learning, sparsify
+(in .venv-trainers, which .ci/install builds beside the engine's venv, since their pins replace
+the engine's torch/transformers) and plain PyTorch (in this venv).
+
+The store holds sparse codes: every row is 4 of 256 unit atoms in 64 dimensions with positive
+weights, plus small noise, so a TopK SAE can reach a low held-out FVU in a few hundred steps and
+a broken data path (misaligned rows, wrong normalisation, a split that leaks) shows up as a high
+one. The light package is checked there too: installed without vLLM or Ray, it reads the store.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.support.reader_stores import make_store
+from tests.support.trainers import run_example, trainers_python
+
+pytestmark = pytest.mark.slow  # SAE trainers in their own venv: not in `pytest -m 'not slow'`
+
+D, ATOMS, K, N = 64, 256, 4, 1 << 15
+
+
+@pytest.fixture(scope="module")
+def sparse_store(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    atoms = rng.normal(size=(ATOMS, D))
+    atoms /= np.linalg.norm(atoms, axis=1, keepdims=True)
+    idx = np.stack([rng.choice(ATOMS, K, replace=False) for _ in range(N)])
+    x = (rng.uniform(0.5, 2.0, (N, K, 1)) * atoms[idx]).sum(1) + 0.02 * rng.normal(size=(N, D))
+    attrs = {"special_token_ids": [1], "bos_token_id": 1, "context_size": 64, "tokenizer": "toy",
+             "model": {"model": "toy-sparse-codes"}}
+    s = make_store(tmp_path_factory.mktemp("sparse") / "s.zarr", N, 4096, D, ["resid_post.3"], context=64,
+                   attrs=attrs, data=x[None].astype(ml_dtypes.bfloat16), mean_doc=40)[0]
+    return s.url
+
+
+ARGS = ("--steps", "200", "--batch-size", "256", "--k", "8", "--lr", "1e-2")   # ~0.17 FVU for all four
+
+
+def test_plain_torch_topk_example_trains(sparse_store):
+    r = run_example(sys.executable, "train_topk.py", sparse_store, *ARGS)
+    assert r["steps"] == 200 and r["norm_source"] == "sample"
+    assert r["last_loss"] < 0.5 * r["first_loss"]
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_saelens_example_trains(sparse_store):
+    r = run_example(trainers_python(), "train_saelens.py", sparse_store, *ARGS)
+    assert r["steps"] == 200 and r["last_loss"] < 0.5 * r["first_loss"]
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_dictionary_learning_example_trains(sparse_store):
+    r = run_example(trainers_python(), "train_dictionary_learning.py", sparse_store, *ARGS)
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_sparsify_example_trains(sparse_store):
+    r = run_example(trainers_python(), "train_sparsify.py", sparse_store, *ARGS)
+    assert r["last_loss"] < 0.5 * r["first_loss"]
+    assert r["heldout_fvu"] < 0.3, r
+
+
+def test_light_package_reads_the_store_without_vllm_or_ray(sparse_store):
+    """In .venv-trainers the store and reader come from the installed harvest-store package
+    (no checkout on the path), and neither vLLM nor Ray is installed there."""
+    py = trainers_python()
+    code = ("import importlib.util as u, sys, numpy as np, harvest.store as ps\n"
+            "from harvest.store.read.dataset import ActivationDataset\n"
+            "assert u.find_spec('vllm') is None and u.find_spec('ray') is None\n"
+            "assert 'site-packages' in ps.__file__, ps.__file__\n"
+            # the test server and data generator live in harvest.testing, which it does not ship
+            "assert not any(u.find_spec(m) for m in ('harvest.testing', 'harvest.store.seaweed', "
+            "'harvest.store.synthetic'))\n"
+            f"ds = ActivationDataset({sparse_store!r}, batch_size=1000, exclude_special=True, return_meta=True)\n"
+            "rows = np.concatenate([b['row'].numpy() for b in ds])\n"
+            "print(len(rows), len(np.unique(rows)), ds.count_rows())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    n, uniq, kept = map(int, p.stdout.split())
+    assert n == uniq == kept == N - N // 64

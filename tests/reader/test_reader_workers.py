@@ -1,0 +1,73 @@
+"""DataLoader workers: each decodes only its share, and a resume continues the exact batch order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.store.read.dataset import ActivationDataset
+from tests.support.reader_stores import committed_rows, make_store
+
+W, SHARD = 8, 256
+N = 8 * SHARD
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("w8") / "s.zarr", N, SHARD, W, context=64, seed=11)
+
+
+def _ds(s, **kw):
+    kw = {"batch_size": 100, "seed": 5, "return_meta": True, "shuffle_buffer_rows": 16 * SHARD, **kw}
+    return ActivationDataset(s, **kw)
+
+
+def test_two_workers_each_decode_half_and_together_every_row_once(eight):
+    """The rank's share fits one window: before, both workers decoded all of it (issue 22.2)."""
+    s, data = eight[0], eight[1]
+    ds = _ds(s)
+    got = list(ds.loader(2))
+    rows = np.concatenate([b["row"].numpy() for b in got])
+    assert np.array_equal(np.sort(rows), committed_rows(s))          # N is even: nothing dropped
+    acts = torch.cat([b["acts"] for b in got]).float().numpy()
+    assert np.array_equal(acts, data[0, rows].astype(np.float32))
+    per_worker = ds.decoded_rows[:2]
+    # contiguous halves: each decodes N/2 rows plus at most the shard it shares with the other
+    assert all(N // 2 <= d <= N // 2 + SHARD for d in per_worker), per_worker
+    assert sum(ds.decoded_rows) == sum(per_worker)
+
+
+@pytest.mark.parametrize("endless", [False, True], ids=["epoch", "endless"])
+@pytest.mark.parametrize("buffer", [16 * SHARD, 2 * SHARD], ids=["one-window", "streaming"])
+def test_resume_with_workers_after_an_odd_count_gives_the_uninterrupted_batches(eight, buffer, endless):
+    """Before: the DataLoader restarted its round-robin at worker 0 and swapped batch pairs."""
+    s = eight[0]
+    kw = {"shuffle_buffer_rows": buffer, **({"steps": 27} if endless else {})}
+    full = list(_ds(s, **kw).loader(2))
+    cut = 7
+    dl = _ds(s, **kw).loader(2)
+    first = []
+    for b in dl:
+        first.append(b)
+        if len(first) == cut:
+            break
+    state = dl.state_dict()
+    again = _ds(s, **kw).loader(2)
+    again.load_state_dict(state)
+    resumed = first + list(again)
+    assert len(resumed) == len(full)
+    for a, b in zip(resumed, full):
+        assert torch.equal(a["row"], b["row"]) and torch.equal(a["acts"], b["acts"])
+
+
+def test_what_a_process_holds_stays_bounded_over_endless_epochs(eight):
+    """RSS itself is measured in workermem.py; here: the arenas hold at most one window each,
+    and the metadata cache its fixed number of columns, after 5 epochs of endless reading."""
+    s = eight[0]
+    ds = _ds(s, shuffle_buffer_rows=3 * SHARD, exclude_token_ids=[1], steps=5 * N // 100)
+    assert sum(1 for _ in ds) == 5 * N // 100
+    held = [b.shape[0] for b in ds._arenas._bufs if b is not None]
+    assert len(held) == 2 and max(held) <= ds.window_shards * SHARD
+    assert len(ds._meta_cols._cache) <= ds._meta_cols._keep
+

@@ -1,0 +1,1 @@
+"""The store: create, write, commit, verify, storage backends, integrity."""
