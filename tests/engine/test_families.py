@@ -24,6 +24,7 @@ Transformers backend loads GPT-NeoX/OLMo-2/Starcoder2, their HF classes are patc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -79,10 +80,36 @@ def family(request, references):
     """One engine at a time: pytest finalizes one param's engine before the next one starts."""
     arch = request.param
     toks, refs = references
-    m = load_model(model_path(arch), backend="vllm", freeze_points=points_for(arch),
-                   max_num_batched_tokens=MAX_BATCHED, **({} if COMPILED else NO_COMPILE))
+    with poisoned_mamba_buffers(arch == "falcon_h1"):
+        m = load_model(model_path(arch), backend="vllm", freeze_points=points_for(arch),
+                       max_num_batched_tokens=MAX_BATCHED, **({} if COMPILED else NO_COMPILE))
     yield arch, m, toks, refs[arch]
     m.close()
+
+
+@contextlib.contextmanager
+def poisoned_mamba_buffers(on: bool):
+    """While the engine loads, every Mamba-2 mixer's output buffer starts as NaN: vLLM's mixer
+    without attention metadata (the probe's forward) returns without writing it, and the probe
+    once read that uninitialised memory (a NaN at layer 3 of FalconH1, refused as I2; other
+    loads passed by luck). The probe must compute the mixer itself (engine/vllm/probe.py), so
+    a load with poisoned buffers verifies; without that it is refused every time."""
+    if not on:
+        yield
+        return
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    real = MambaMixer2.conv_ssm_forward
+
+    def poisoned(self, projected_states, output):
+        output.fill_(float("nan"))
+        return real(self, projected_states, output)
+
+    MambaMixer2.conv_ssm_forward = poisoned
+    try:
+        yield
+    finally:
+        MambaMixer2.conv_ssm_forward = real
 
 
 def test_family_capture_equals_hf_fp32(family):
