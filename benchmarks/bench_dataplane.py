@@ -13,9 +13,19 @@ the producer's piece: what the writer holds is what is measured). Per storage:
 - the writer's own peak of buffered bytes and the process's RSS growth over the write (sampled
   every 20 ms), against one shard set;
 - write seconds (first row to the commit's return) and, inside it, publish seconds (completing
-  the uploads on S3, renames locally: the step that used to copy every byte).
+  the uploads on S3, renames locally: the step that used to copy every byte);
+- the whole write path's CPU cost, `write_core_s_per_gb`: this process's CPU seconds (every
+  thread: the writer's buffers, the codec, CRCs, statistics, the upload client) per GB of bf16
+  input (rows x width x 2 bytes, whatever the store's dtype), from the first row to the commit's
+  return, less the producer's own cost of making the rows (measured alone on the same pieces,
+  `producer_core_s_per_gb`). The storage server (SeaweedFS) is another process, not counted.
+
+Each `--codec` (store.compression names, default: the default and the old default side by side)
+gets its own store on each storage, in one invocation. `--dtype` is the store's dtype (the rows
+are cast from the bf16 rows; a dtype the store does not know is refused before anything runs).
 
     .venv/bin/python -m harvest.benchmarks.bench_dataplane [--units 2] [--storage local s3]
+        [--codec default blosc-zstd] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -55,6 +65,50 @@ class PeakRSS:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
+
+
+class StageCPU:
+    """CPU seconds per write-path stage (thread CPU time, all threads), by wrapping the stage
+    functions while the block runs: `encode` (the codec, per inner chunk), `stats` (per-chunk
+    moments), `crc` (raw rows' CRC32C), `stream` (object CRC, gathering parts, handing them to
+    the storage: a local store's write() is here, an S3 part's upload is the client's threads),
+    `buffer` (the producer's rows copied into the writer's blocks). What the wrapped functions
+    miss (the S3 client's threads: HTTP, and over plain http SigV4's SHA-256 of every payload;
+    the kernel's socket and page-cache work; the commit) is `other`."""
+
+    def __enter__(self):
+        import collections
+
+        from harvest.store.stats import unit as blockstats
+        from harvest.store.stats import moments
+        from harvest.store.format import shardcodec
+        from harvest.store.write import streams
+        from harvest.store.write import writer
+
+        self.cpu, self._lock, self._undo = collections.Counter(), threading.Lock(), []
+        self._wrap(shardcodec.ShardCodec, "_encode_chunk", "encode")
+        self._wrap(blockstats, "subsets_of", "stats")
+        self._wrap(moments, "crc32c", "crc")
+        self._wrap(streams.ObjectStream, "append", "stream")
+        self._wrap(writer.RegionWriter, "write", "buffer")
+        return self
+
+    def _wrap(self, owner, name, stage):
+        f = getattr(owner, name)
+
+        def timed(*a, **k):
+            t = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                with self._lock:
+                    self.cpu[stage] += time.thread_time() - t
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, f))
+
+    def __exit__(self, *exc):
+        for owner, name, f in reversed(self._undo):
+            setattr(owner, name, f)
 
 
 def _count_requests(store) -> dict:
@@ -100,17 +154,37 @@ def meta_at_default_unit(tmp: str) -> dict:
     return {f"meta_chunk_bytes_default_unit_{k}": len(s.meta_codec(k).encode(v)) for k, v in cols.items()}
 
 
-def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.ndarray) -> dict:
+def _pieces(base: np.ndarray, dtype: np.dtype, a0: int, b0: int):
+    """The producer: `base` made distinct per piece (low mantissa bits flipped), cast to the
+    store's dtype where it is not bf16."""
+    for r in range(a0, b0, PIECE):
+        piece = (base.view(np.uint16) ^ np.uint16((r // PIECE) & 0x7F)).view(base.dtype)
+        yield r, piece if piece.dtype == dtype else piece.astype(dtype)
+
+
+def producer_cost(base: np.ndarray, dtype: np.dtype, rows: int) -> float:
+    """CPU seconds of making `rows` rows of pieces alone (subtracted from the write path's)."""
+    t = time.process_time()
+    for _ in _pieces(base, dtype, 0, rows):
+        pass
+    return time.process_time() - t
+
+
+def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.ndarray,
+         codec: str = "default", dtype: str = "bfloat16") -> dict:
     from harvest.store import create_store
     from harvest.store.commit import objects
 
     from harvest.store.format import layout
+    from harvest.store.format.dtypes import resolve_dtype
 
-    sr = layout.choose_sizes(WIDTH, 2, POINTS, multiple=128)[0]
+    np_dtype = resolve_dtype(dtype)
+    sr = layout.choose_sizes(WIDTH, np_dtype.itemsize, POINTS, multiple=128)[0]
     unit_rows = sr * shards_per_unit
     # as the pipeline creates stores: row metadata in one chunk per unit
     s = create_store(url, points=[f"resid_post.{i}" for i in range(POINTS)], width=WIDTH,
-                     n_rows=1 << 30, storage_options=so, context_size=128, meta_chunk_rows=unit_rows)
+                     n_rows=1 << 30, storage_options=so, context_size=128, meta_chunk_rows=unit_rows,
+                     dtype=dtype, compression=codec)
     s.write_plan(s.default_plan(shards_per_unit)[:units])
     counts = _count_requests(s)
     publish_s = []
@@ -124,24 +198,26 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
-    out = {"storage": storage, "points": POINTS, "width": WIDTH, "shard_rows": sr,
-           "shard_mib_per_point": sr * WIDTH * 2 / 2**20, "units": units,
+    out = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": POINTS,
+           "width": WIDTH, "shard_rows": sr,
+           "shard_mib_per_point": sr * WIDTH * np_dtype.itemsize / 2**20, "units": units,
            "shards_per_unit": shards_per_unit}
-    markers, write_s, peaks, rss = [], [], [], []
+    markers, write_s, peaks, rss, cpu_s, stage_s = [], [], [], [], [], []
     try:
         for u in s.plan():
             a0, b0 = u["row_start"], u["row_end"]
             before = dict(counts)
-            with PeakRSS() as pk:
-                t = time.perf_counter()
+            with PeakRSS() as pk, StageCPU() as stages:
+                t, c0 = time.perf_counter(), time.process_time()
                 w = s.region_writer(u["unit_id"], a0, b0)
                 n = b0 - a0
                 w.write_meta(a0, *_meta_columns(a0, n, u["unit_id"]))
-                for r in range(a0, b0, PIECE):
-                    piece = base.view(np.uint16) ^ np.uint16((r // PIECE) & 0x7F)
-                    w.write(r, piece.view(base.dtype))
+                for r, piece in _pieces(base, np_dtype, a0, b0):
+                    w.write(r, piece)
                 m = w.commit()
                 write_s.append(time.perf_counter() - t)
+                cpu_s.append(time.process_time() - c0)
+            stage_s.append(dict(stages.cpu))
             peaks.append(w.peak_buffered_bytes)
             rss.append(pk.peak - pk.base)
             markers.append(m)
@@ -158,10 +234,17 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     meta = sorted({(r.get("chunk", sh["index"]), c, r["nbytes"]) for sh in recs
                    for c, r in sh["meta"].items()})
     meta = [b for _, _, b in meta]
-    logical = unit_rows * POINTS * WIDTH * 2
+    logical = unit_rows * POINTS * WIDTH * np_dtype.itemsize
+    bf16_gb = unit_rows * POINTS * WIDTH * 2 / 1e9
+    producer = producer_cost(base, np_dtype, unit_rows)
     out.update({
+        "write_core_s_per_gb": round((statistics.median(cpu_s) - producer) / bf16_gb, 3),
+        "producer_core_s_per_gb": round(producer / bf16_gb, 3),
+        "write_core_s_per_gb_by_stage": _by_stage(stage_s, cpu_s, producer, bf16_gb),
         "data_object_bytes_min": min(data), "data_object_bytes_median": int(statistics.median(data)),
-        "data_object_bytes_max": max(data), "compression_ratio": round(sr * WIDTH * 2 * len(data) / sum(data), 3),
+        "data_object_bytes_max": max(data),
+        "compression_ratio": round(sr * WIDTH * np_dtype.itemsize * len(data) / sum(data), 3),
+        "stored_vs_bf16": round(sum(data) / (sr * WIDTH * 2 * len(data)), 3),
         "meta_object_bytes_min": min(meta), "meta_object_bytes_max": max(meta),
         "objects_per_unit": shards_per_unit * POINTS + 3 + 3,  # + sidecar, table, marker
         "objects_per_1b_tokens": round(1e9 / sr * POINTS + 5 * 1e9 / unit_rows),
@@ -171,6 +254,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
         "write_s_per_unit": round(statistics.median(write_s), 2),
         "publish_s_per_unit": round(statistics.median(publish_s), 3) if publish_s else None,
         "write_mb_s": round(logical / statistics.median(write_s) / 1e6, 1),
+        "write_bf16_mb_s": round(bf16_gb * 1e3 / statistics.median(write_s), 1),
     })
     if counts:
         per = out.pop("requests_per_unit_by_op")
@@ -181,28 +265,60 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     return out
 
 
+def _by_stage(stage_s: list, cpu_s: list, producer: float, bf16_gb: float) -> dict:
+    """The median unit's stages in core-s per GB of bf16 input; `other` is the rest of the
+    write path's process CPU (see StageCPU), `buffer` without the producer's own cost."""
+    i = sorted(range(len(cpu_s)), key=cpu_s.__getitem__)[len(cpu_s) // 2]
+    st = dict(stage_s[i])
+    total = cpu_s[i] - producer
+    known = sum(st.values())
+    st["other"] = total - known
+    return {k: round(v / bf16_gb, 3) for k, v in sorted(st.items())}
+
+
+def check_dtype(dtype: str) -> str:
+    """The store dtype's canonical name, or SystemExit naming the ones the store knows."""
+    from harvest.store.format.dtypes import SUPPORTED_DTYPES, dtype_name, resolve_dtype
+
+    try:
+        return dtype_name(resolve_dtype(dtype))
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"bench_dataplane: --dtype {dtype!r}: {e} (the store's dtypes: "
+                         f"{', '.join(SUPPORTED_DTYPES)})") from None
+
+
 def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
-        workdir: str | None = None, **_ignored) -> list[dict]:
+        workdir: str | None = None, codecs=("default",), dtype: str = "bfloat16",
+        **_ignored) -> list[dict]:
+    from harvest.store.format import compression
     from harvest.testing import seaweed, synthetic
 
+    dtype = check_dtype(dtype)
+    for c in codecs:
+        try:
+            compression.normalize(c)
+        except ValueError as e:
+            raise SystemExit(f"bench_dataplane: --codec {c!r}: {e}") from None
     base = synthetic.activations((POINTS, PIECE, WIDTH), seed=3)
     tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-dataplane-")
     rows, srv = [], None
     try:
         for st in storage:
-            so, url = None, os.path.join(tmp, "store-local")
+            so, base_url = None, os.path.join(tmp, "store-local")
             if st == "s3":
                 srv = seaweed.start(os.path.join(tmp, "weed"))
                 import s3fs
 
                 s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")
-                so, url = srv.storage_options, "s3://bench/store"
-            rows.append(_one(st, url, so, units, shards_per_unit, base))
-            if st == "local":
-                rows[-1].update(meta_at_default_unit(tmp))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-            if st == "local":
-                shutil.rmtree(url, ignore_errors=True)
+                so, base_url = srv.storage_options, "s3://bench/store"
+            for i, codec in enumerate(codecs):
+                url = f"{base_url}-{i}"
+                rows.append(_one(st, url, so, units, shards_per_unit, base, codec, dtype))
+                if st == "local" and i == 0:
+                    rows[-1].update(meta_at_default_unit(tmp))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                if st == "local":
+                    shutil.rmtree(url, ignore_errors=True)
             if srv is not None:
                 srv.stop()
                 srv = None
@@ -220,8 +336,12 @@ def main() -> None:
     ap.add_argument("--shards-per-unit", type=int, default=1)
     ap.add_argument("--storage", nargs="+", default=["local", "s3"])
     ap.add_argument("--workdir", default=None, help="where stores go (default: a temp dir)")
+    ap.add_argument("--codec", nargs="+", default=["default", "blosc-zstd"],
+                    help="store.compression names, each its own store, side by side")
+    ap.add_argument("--dtype", default="bfloat16", help="the store's dtype (default bfloat16)")
     a = ap.parse_args()
-    for r in run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir):
+    for r in run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
+                 codecs=a.codec, dtype=a.dtype):
         print(json.dumps(r))
 
 

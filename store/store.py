@@ -181,7 +181,7 @@ class Store:
         if key not in self._arrays:
             raw = self._loc.read_bytes(f"{layout.point_path(point)}/zarr.json")
             try:
-                self._arrays[key] = _codec.ShardCodec(json.loads(raw), self.np_dtype) if raw else None
+                self._arrays[key] = _codec.ShardCodec(json.loads(raw), self.np_dtype, self.compression) if raw else None
             except _codec.Unsupported as e:
                 log.info("%s: zarr does the (de)coding (%s)", point, e)
                 self._arrays[key] = None

@@ -232,3 +232,46 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
         "seconds": START_SECONDS[r["rate_platform"]] + tokens / max(1, r["tokens_per_second"]),
         **r,
     }, warnings
+
+
+def dataplane(cfg, est: dict, bytes_per_token: int, codec) -> "tuple[dict | None, list[str]]":
+    """(figures, warnings): the host CPU the write path needs at the planned rate, per GPU (per
+    actor on CPU runs), against what the config reserves (`ray.num_cpus_per_actor`). The write
+    path's core-seconds per GB are compression.write_core_s_per_gb (measured, bench_dataplane);
+    bytes are the rows as captured, at 2 bytes a number (what the figure is per)."""
+    from harvest.store.format.compression import WRITE_CORE_S_SOURCE, write_core_s_per_gb
+
+    rate = est.get("tokens_per_second")
+    if not rate:
+        return None, []
+    plat = est.get("rate_platform", "cpu")
+    actors = cfg.ray.num_actors
+    tp = cfg.model.tensor_parallel_size
+    gpus_per_actor = max(float(cfg.ray.num_gpus_per_actor or 1.0), float(tp)) if plat == "gpu" else 0.0
+    per = "GPU" if plat == "gpu" else "actor"
+    units = actors * gpus_per_actor if plat == "gpu" else actors
+    gb_s = rate * bytes_per_token / 1e9 / units   # per GPU (or actor)
+    core_s = write_core_s_per_gb(codec)
+    need = gb_s * core_s
+    cpus, _ = cfg.ray.actor_resources({"GPU": 1} if plat == "gpu" else {})
+    have = cpus / gpus_per_actor if plat == "gpu" else cpus
+    out = {"per": per, "gb_per_second_per": round(gb_s, 3), "write_core_s_per_gb": core_s,
+           "cores_needed_per": round(need, 2), "cores_reserved_per": round(have, 2),
+           "tokens_per_second_per": round(rate / units), "source": WRITE_CORE_S_SOURCE}
+    warnings = []
+    if plat == "gpu" and need > have:
+        want = -(-need * gpus_per_actor // 1)
+        warnings.append(
+            f"the data plane needs ~{need:.1f} host cores per GPU at {rate / units:,.0f} tok/s per GPU "
+            f"({gb_s:.2f} GB/s of rows x {core_s:g} core-s/GB: buffers, codec, CRCs, statistics, "
+            f"upload), but ray.num_cpus_per_actor={cpus:g} reserves {have:g} per GPU: set "
+            f"ray.num_cpus_per_actor={want:g} (the node must have them: an 8xH100 node has ~12 "
+            f"physical cores per GPU), or capture fewer points, or store.compression=none "
+            f"({write_core_s_per_gb('none'):g} core-s/GB, {_codec_gap(codec)})")
+    return out, warnings
+
+
+def _codec_gap(codec) -> str:
+    from harvest.store.format.compression import expected_ratio
+
+    return f"{expected_ratio(codec):g}x more bytes to store and move"

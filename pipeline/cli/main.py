@@ -141,7 +141,7 @@ def cmd_plan(args) -> int:
     from harvest.store.storage.locate import locate
     from harvest.store.format.compression import expected_ratio
 
-    from .estimate import corpus_bytes, plan_estimate
+    from .estimate import corpus_bytes, dataplane, plan_estimate
     from .objectcost import layout_cost
     from harvest.pipeline.driver.prepare import prepare
     from .text import plan_text
@@ -175,9 +175,12 @@ def cmd_plan(args) -> int:
         out["planned_tokens"] = sum(u.n_rows for u in plan["units"])
         out["plan_complete"] = plan["final"]
     # a resumed store keeps the codec it was created with
-    ratio = expected_ratio(existing.compression if existing is not None else cfg.store.compression)
+    codec = existing.compression if existing is not None else cfg.store.compression
+    ratio = expected_ratio(codec)
     out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
+    out["dataplane"], warn = dataplane(cfg, est, len(prep.points) * prep.width * 2, codec)
+    out["warnings"] += warn
     out["layout"] = layout_cost(
         points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,

@@ -103,6 +103,15 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
               "index": round(index_requests(units) / units, 3) if units else 0.0}
     reads = shards_per_unit + 1
     writes_unit = sum(writes.values())
+    n_obj = shards_per_unit * P + M
+    # the v3 publish path (objects.py, FORMAT.md): each object a multipart upload started and fed
+    # its parts during the write; after the unit's object table and its marker (a conditional
+    # PUT: the commit), CompleteMultipartUpload publishes each object at its zarr key
+    by_request = {"create_multipart_upload": n_obj,
+                  "upload_part": shards_per_unit * P * (per_data - 2) + M * (per_meta - 2),
+                  "complete_multipart_upload": n_obj, "put_stats_sidecar": SIDECAR_WRITES,
+                  "put_object_table": TABLE_WRITES, "put_marker": MARKER_WRITES,
+                  "index": writes["index"]}
     out = {
         "tokens": tokens, "units": units, "shards": shards, "shards_per_unit": shards_per_unit,
         "points": P, "meta_columns": M, "object_store": object_store,
@@ -116,6 +125,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                                               / max(1, shards_per_unit - 1) / P, 1),
         "requests_per_unit": round(writes_unit + reads, 3),
         "writes_per_unit": {**writes, "total": round(writes_unit, 3)}, "reads_per_unit": reads,
+        "writes_per_unit_by_request": by_request,
         "rate_tokens_per_second": rate, "writes_per_second": None, "reads_per_second": None,
         "readback_reads_per_second": None,
         "limits": {"writes_per_second_per_prefix": S3_WRITES_PER_PREFIX,
@@ -144,23 +154,38 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
                     marker_one: int) -> list[str]:
     """One line per object-store limit the layout exceeds, naming the limit and what to change
     (a config knob where one exists, else that it is a known limit). Request rates are only
-    checked for a store on object storage: a local disk has no per-prefix limit."""
+    checked at the planned rate for every store: a local store is priced as it would be on object
+    storage (the warning says so), since the plan names those limits and stores move."""
     out = []
     P, size = c["points"], _size
     w = c["writes_per_second"]
-    if c["object_store"] and w and w > S3_WRITES_PER_PREFIX:
+    where = "" if c["object_store"] else "on object storage (this store is local), "
+    parts = (c.get("writes_per_unit_by_request") or {}).get("upload_part", 0)
+    w_unit = c["writes_per_unit"]["total"]
+    if w and w > S3_WRITES_PER_PREFIX:
         out.append(
-            f"~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
+            f"{where}~{w:,} write requests/s at {c['rate_tokens_per_second']:,.0f} tok/s "
             f"({c['writes_per_unit']['total']:,.0f} per unit of {unit_rows:,} tokens: each of its "
             f"{c['shards_per_unit'] * P + c['meta_columns']:,} objects is a multipart upload: "
-            "start, parts, completion) is over S3's "
-            f"~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
-            "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): raise "
-            "store.shard_rows (fewer, larger objects), capture fewer points, or run fewer actors")
-    r = c["readback_reads_per_second"]
-    if c["object_store"] and r and r > S3_READS_PER_PREFIX:
+            f"start, parts, completion; {parts:,} of them are parts of ~{_size(c['part_min_bytes'])}, "
+            "S3's minimum, which the writer uploads as soon as a point's compressed rows reach it) "
+            f"is over S3's ~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
+            "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): "
+            + ("run fewer actors per store or capture fewer points (the part size is fixed: "
+               f"{KNOWN_LIMIT.replace('issue 24', 'issue 38')})" if parts * 2 > w_unit else
+               "raise store.shard_rows (fewer, larger objects), capture fewer points, or run "
+               "fewer actors"))
+    r = c["reads_per_second"]
+    if r and r > S3_READS_PER_PREFIX:
         out.append(
-            f"reading every point back at the capture rate takes ~{r:,} GETs/s, over S3's "
+            f"{where}the writers' ~{r:,} GETs/s at {c['rate_tokens_per_second']:,.0f} tok/s (each "
+            f"looks for another writer's marker, {c['reads_per_unit']} per unit) are over S3's "
+            f"~{S3_READS_PER_PREFIX:,} reads/s per prefix: raise store.unit_tokens (fewer units) "
+            "or run fewer actors")
+    r = c["readback_reads_per_second"]
+    if r and r > S3_READS_PER_PREFIX:
+        out.append(
+            f"{where}reading every point back at the capture rate takes ~{r:,} GETs/s, over S3's "
             f"~{S3_READS_PER_PREFIX:,} reads/s per prefix: raise store.shard_rows or read fewer "
             "points at a time")
     data, n_data = c["data_object_bytes"], (c["objects_by_kind"] or {}).get("data")

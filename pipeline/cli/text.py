@@ -63,6 +63,12 @@ def plan_text(p: dict) -> str:
         lines.append(f"rate      {est['rate_source']}")
     if p.get("layout"):
         lines += layout_lines(p["layout"])
+    d = p.get("dataplane")
+    if d:
+        lines.append(f"dataplane ~{d['cores_needed_per']:g} host cores per {d['per']} for the write path at "
+                     f"{d['tokens_per_second_per']:,} tok/s per {d['per']} ({d['gb_per_second_per']:g} GB/s "
+                     f"of rows x {d['write_core_s_per_gb']:g} core-s/GB); the actors reserve "
+                     f"{d['cores_reserved_per']:g} per {d['per']} ({d['source']})")
     if p.get("planned_units") is not None:
         lines.append(f"stored    plan of {p['planned_units']} units, {p['planned_tokens']:,} tokens"
                      + ("" if p.get("plan_complete") else " so far (the plan grows as the corpus "
@@ -89,9 +95,13 @@ def layout_lines(c: dict) -> list[str]:
                 f"the {marker}, 1 stats sidecar, 1 object table")
     w = c["writes_per_unit"]
     n = c["shards_per_unit"]
+    b = c.get("writes_per_unit_by_request") or {}
+    how = (f"{b['create_multipart_upload']:,} multipart uploads started, {b['upload_part']:,} parts, "
+           f"1 object table, 1 stats sidecar, the marker (the commit), then "
+           f"{b['complete_multipart_upload']:,} CompleteMultipartUpload to publish"
+           if b else f"{w['objects']:,} for its objects")
     req = (f"requests  ~{c['requests_per_unit']:,.0f} per unit of {n:,} shard{'s' * (n != 1)} "
-           f"({w['objects']:,} to PUT, copy and delete its objects, {w['total'] - w['objects']:.0f}"
-           f" for sidecar, marker and index, {c['reads_per_unit']:,} GETs)")
+           f"({how}, {w['index']:g} for the index; {c['reads_per_unit']:,} GETs)")
     if c.get("writes_per_second") is not None:
         req += (f"; at {c['rate_tokens_per_second']:,.0f} tok/s ~{c['writes_per_second']:,} "
                 f"writes/s and ~{c['reads_per_second']:,} reads/s to one prefix (S3: "

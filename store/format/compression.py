@@ -1,8 +1,18 @@
 """Compression choices for point arrays, as a small JSON spec kept in the store attributes.
 
-Default: blosc zstd level 1 with byte shuffle (typesize = element size), in 1 MiB blosc blocks.
-Higher zstd levels buy ~5% more ratio for a third of the encode speed, which an uploader that must
-keep up with prefill cannot afford.
+Default: "split-huffman" (splithuff.py): blosc chunks whose most significant byte stream (sign +
+exponent of a bf16) is Huffman-coded by zstd with its match search off and whose other byte
+streams (mantissa) are stored raw. Measured side by side on SmolLM2's real rows, one core
+(benchmarks/results/RESULTS.md, `python -m harvest.benchmarks.bench_codec`): 1.46-1.49x at
+0.54-0.59 core-s/GB encode and 2.6-3.0 GB/s decode, against blosc zstd-1 byte shuffle's
+1.41-1.43x at 1.8-2.0 core-s/GB and ~1.7 GB/s. The zarr metadata says `blosc` (zstd, byte
+shuffle): every blosc reader decodes these chunks, and stores written with the old default
+("blosc-zstd", below) read as before; the spec recorded here is what tells a writer which
+encoder to use.
+
+"blosc-zstd" (the default before split-huffman) is c-blosc's own zstd level 1 with byte
+shuffle (typesize = element size), in 1 MiB blosc blocks. Higher zstd levels buy ~5% more ratio
+for a third of the encode speed, which an uploader that must keep up with prefill cannot afford.
 
 Why the 1 MiB block (one block per ~1 MiB inner chunk) instead of blosc's automatic size (32 KiB
 at clevel 1): measured on SmolLM2 bf16 activations, one core, the automatic blocks give 1.27x at
@@ -19,11 +29,13 @@ from typing import Any
 from zarr.codecs import BloscCodec, ZstdCodec
 
 BLOCK = 1 << 20
-DEFAULT = {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": BLOCK}
+DEFAULT = {"codec": "split-huffman"}
+BLOSC_ZSTD = {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": BLOCK}
 
 _SHORTCUTS: dict[str, dict[str, Any]] = {
     "default": DEFAULT,
-    "blosc-zstd": DEFAULT,
+    "split-huffman": DEFAULT,
+    "blosc-zstd": BLOSC_ZSTD,
     "blosc-zstd-bitshuffle": {"codec": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "bitshuffle",
                               "blocksize": BLOCK},
     "blosc-lz4": {"codec": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"},
@@ -70,11 +82,19 @@ def normalize(spec: "str | dict | None") -> dict[str, Any]:
         return {"codec": "zstd", "level": int(spec.get("level", 1))}
     if codec == "none":
         return {"codec": "none"}
-    raise ValueError(f"compression codec={codec!r}: use 'blosc', 'zstd' or 'none'")
+    if codec == "split-huffman":
+        extra = sorted(set(spec) - {"codec"})
+        if extra:
+            raise ValueError(f"compression split-huffman takes no options, got {', '.join(extra)}")
+        return dict(DEFAULT)
+    raise ValueError(f"compression codec={codec!r}: use 'split-huffman', 'blosc', 'zstd' or 'none'")
 
 
 def compressors(spec: dict[str, Any], itemsize: int):
-    """zarr compressor list for a normalized spec."""
+    """zarr compressor list for a normalized spec (split-huffman's chunks are blosc chunks: the
+    metadata is c-blosc's zstd-1 byte shuffle, which is also what zarr itself would write)."""
+    if spec["codec"] == "split-huffman":
+        return compressors(BLOSC_ZSTD, itemsize)
     if spec["codec"] == "blosc":
         return [BloscCodec(cname=spec["cname"], clevel=spec["clevel"], shuffle=spec["shuffle"],
                            typesize=itemsize, blocksize=spec.get("blocksize", 0))]
@@ -85,13 +105,16 @@ def compressors(spec: dict[str, Any], itemsize: int):
 
 # Expected logical / stored bytes of bf16 activations, for estimates before anything is written
 # (`harvest plan`); a finished store records the ratio it achieved (`compression_ratio`).
-# - The default (blosc zstd-1, byte shuffle, 1 MiB blocks): 1.42x, what the default job records on
+# - The default (split-huffman): 1.46x on SmolLM2's rows at an early, a middle and a late layer
+#   (1.459, 1.459, 1.487; bench_codec, RESULTS.md), 1.45 to stay on the safe side.
+# - blosc zstd-1, byte shuffle, 1 MiB blocks: 1.42x, what the default job recorded on
 #   SmolLM2 (FIELD-NOTES; 1.39x in benchmarks/results/RESULTS.md's storage rows, 1.465x on one
 #   sample above; published ~1.47x on real hidden states with byte-split + zstd-1). Bitshuffle
 #   gains a little on synthetic data, so it gets the same figure.
 # - blosc with its automatic (32 KiB) blocks, lz4 included: 1.27x, measured on SmolLM2 above.
 # - plain zstd (no shuffle): 1.27x (FIELD-NOTES, synthetic bf16).
-EXPECTED_RATIO_DEFAULT = 1.42
+EXPECTED_RATIO_DEFAULT = 1.45
+EXPECTED_RATIO_BLOSC_ZSTD = 1.42
 EXPECTED_RATIO_OTHER = 1.27
 
 
@@ -100,7 +123,29 @@ def expected_ratio(spec: "str | dict | None") -> float:
     spec = normalize(spec)
     if spec["codec"] == "none":
         return 1.0
+    if spec["codec"] == "split-huffman":
+        return EXPECTED_RATIO_DEFAULT
     if spec["codec"] == "blosc" and spec["cname"] == "zstd" and spec.get("blocksize") == BLOCK \
             and spec["shuffle"] != "noshuffle":
-        return EXPECTED_RATIO_DEFAULT
+        return EXPECTED_RATIO_BLOSC_ZSTD
     return EXPECTED_RATIO_OTHER
+
+
+# The whole write path's CPU, core-seconds per GB of bf16 input (the writer's buffers, the codec,
+# CRCs, per-chunk statistics and the S3 client's threads), measured by
+# `python -m harvest.benchmarks.bench_dataplane` at the 8B shape (32 points x 4096, 128 MiB
+# shards) uploading to SeaweedFS, one invocation for all three (benchmarks/results/RESULTS.md).
+# `harvest plan` turns it into host cores per GPU. Codecs not measured there are priced as
+# blosc-zstd (c-blosc's zstd-1 is the slowest of the candidates bench_codec measures).
+WRITE_CORE_S_PER_GB = {"split-huffman": 5.29, "blosc-zstd": 6.46, "none": 5.45}
+WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 heavily shared cores, "
+                       "SeaweedFS over plain http (its client SHA-256-signs every payload, which "
+                       "https to AWS does not): an upper bound")
+
+
+def write_core_s_per_gb(spec: "str | dict | None") -> float:
+    """The measured whole-write-path CPU of a codec (see WRITE_CORE_S_PER_GB)."""
+    spec = normalize(spec)
+    if spec["codec"] in ("split-huffman", "none"):
+        return WRITE_CORE_S_PER_GB[spec["codec"]]
+    return WRITE_CORE_S_PER_GB["blosc-zstd"]

@@ -142,13 +142,24 @@ class MetaCodec:
 
 
 class ShardCodec:
-    """Encode/decode one point array's shards (`[shard_rows, width]`, last shard may be short)."""
+    """Encode/decode one point array's shards (`[shard_rows, width]`, last shard may be short).
 
-    def __init__(self, meta: dict, np_dtype: np.dtype):
+    `compression`: the store's spec (compression.py). Decoding follows the zarr metadata alone;
+    where the spec is split-huffman and the metadata the blosc chain it writes, chunks are
+    encoded by splithuff.SplitHuffman instead of c-blosc (same format, ~3x less CPU)."""
+
+    def __init__(self, meta: dict, np_dtype: np.dtype, compression: "dict | None" = None):
         try:
             self._parse(meta, np_dtype)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise Unsupported(f"unexpected array metadata: {e}") from None
+        self._enc = self._comp
+        blosc = self._chain[-1].get("configuration", {}) if self._chain[-1]["name"] == "blosc" else {}
+        if (compression or {}).get("codec") == "split-huffman" and blosc.get("cname") == "zstd" \
+                and int(blosc.get("typesize", 0)) == self.dtype.itemsize:
+            from .splithuff import SplitHuffman
+
+            self._enc = SplitHuffman(self.dtype.itemsize)
 
     def _parse(self, meta: dict, np_dtype: np.dtype) -> None:
         if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
@@ -175,6 +186,7 @@ class ShardCodec:
         if int(c["chunk_shape"][1]) != self.width or self.shard_rows % self.chunk_rows:
             raise Unsupported("inner chunk shape")
         self._comp = _compressor(c["codecs"])
+        self._chain = c["codecs"]
         self.dtype = np.dtype(np_dtype)
         if self.dtype.byteorder == ">":
             raise Unsupported("big-endian dtype")
@@ -192,7 +204,7 @@ class ShardCodec:
             rows = full
         raw = np.ascontiguousarray(rows).reshape(-1)
         # uncompressed: a view of the caller's rows; the join in encode() is then the only copy
-        return raw.view(np.uint8).data if self._comp is None else self._comp.encode(raw)
+        return raw.view(np.uint8).data if self._enc is None else self._enc.encode(raw)
 
     def encode_block(self, rows: np.ndarray, first_chunk: int, visit=None) -> list:
         """Compressed inner chunks of rows that start at inner chunk `first_chunk` of their shard

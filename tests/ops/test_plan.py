@@ -188,6 +188,9 @@ def test_resume_state_gives_the_continuation_the_budget_left_at_its_chunk(tmp_pa
 
 # ---- `harvest plan`: objects, sizes and requests of the layout (issue 24) -------------------
 
+DEFAULT_RATIO = 1.45   # compression.EXPECTED_RATIO_DEFAULT: split-huffman on SmolLM2's rows
+
+
 def _model_dir(tmp_path, n_layers: int, width: int, vocab: int = 128256) -> str:
     """A Llama config.json of this shape beside the test tokenizer: `plan` reads both and no
     weights, so an 8B model's plan needs no download."""
@@ -281,7 +284,7 @@ def test_plan_layout_at_an_8b_shape(tmp_path, capsys):
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
                    "ray.num_gpus_per_actor=1")
     assert (p["points"], p["width"], p["shard_rows"], p["unit_rows"]) == (32, 4096, 16384, 1 << 18)
-    lay = _check_consistent(p, 1.42)  # the default codec is compressed, not 1.0x
+    lay = _check_consistent(p, DEFAULT_RATIO)  # the default codec is compressed, not 1.0x
     assert lay["data_object_bytes_logical"] == 128 << 20 and lay["shards_per_unit"] == 16
     assert lay["data_object_bytes"] >= 32_000_000
     assert lay["objects"] == 61036 * 32 + 3815 * 3 + 3 * 3815 + 1 == 1_976_043 <= 3_000_000
@@ -325,13 +328,58 @@ def test_plan_warns_of_the_request_rate_on_object_storage(tmp_path, capsys):
     assert "objects   1,976,043 for 1,000,000,000 tokens: 1,953,152 data of ~134.2 MB" in text
 
 
+def test_plan_at_64_gpus_checks_every_limit_it_names_and_the_data_plane(tmp_path, capsys):
+    """Issue 38 item 4: 64 GPU actors at the 8B shape (plan's own GPU guess): every limit the
+    requests line names is checked at that rate, on object storage and for a local store, the
+    requests are the v3 publish path's, and the host cores the write path needs per GPU are
+    printed and warned about against ray.num_cpus_per_actor."""
+    from harvest.pipeline.cli.main import main
+    from harvest.store.format import compression
+
+    model = _model_dir(tmp_path, 32, 4096)
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000", "ray.num_actors=64",
+                   "ray.num_gpus_per_actor=1", f"store.url=memory://g{tmp_path.name}/s")
+    lay = _check_consistent(p, DEFAULT_RATIO)
+    rate = p["estimate"]["tokens_per_second"]
+    assert rate > 1_000_000 and lay["writes_per_second"] > 3500
+    b, w = lay["writes_per_unit_by_request"], lay["writes_per_unit"]
+    objs = 16 * 32 + 3
+    assert b["create_multipart_upload"] == b["complete_multipart_upload"] == objs
+    assert b["create_multipart_upload"] + b["upload_part"] + b["complete_multipart_upload"] == w["objects"]
+    assert (b["put_marker"], b["put_object_table"], b["put_stats_sidecar"]) == (1, 1, 1)
+    warnings = "\n".join(lay["warnings"] + p["warnings"])
+    assert f"~{lay['writes_per_second']:,} write requests/s" in warnings
+    # the data plane: rows per GPU x the measured write-path CPU, against 1 CPU per GPU actor
+    d = p["dataplane"]
+    gb_s = rate / 64 * 32 * 4096 * 2 / 1e9
+    core_s = compression.write_core_s_per_gb("default")
+    assert d["per"] == "GPU" and d["gb_per_second_per"] == pytest.approx(gb_s, rel=1e-3)
+    assert d["cores_needed_per"] == pytest.approx(gb_s * core_s, abs=0.01) and d["cores_needed_per"] > 1
+    assert d["cores_reserved_per"] == 1.0
+    assert "the data plane needs ~" in warnings and "ray.num_cpus_per_actor=1 reserves 1 per GPU" in warnings
+    # enough CPUs reserved: no data-plane warning; the text names the publish path, not copies
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--set", "packing.max_tokens=1000000000",
+                 "--set", "ray.num_actors=64", "--set", "ray.num_gpus_per_actor=1", "--set",
+                 f"ray.num_cpus_per_actor={int(d['cores_needed_per']) + 1}", "--set",
+                 f"store.url=memory://h{tmp_path.name}/s"]) == 0
+    text = capsys.readouterr().out
+    assert "the data plane needs" not in text and "dataplane ~" in text
+    assert "CompleteMultipartUpload" in text and "copy and delete" not in text
+    assert "write requests/s" in text   # still over S3's per-prefix rate
+    # a local store at the same rate: the limits the line names are still checked, and said so
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000", "ray.num_actors=64",
+                   "ray.num_gpus_per_actor=1")
+    assert any(x.startswith("on object storage (this store is local), ~") and "write requests/s" in x
+               for x in p["layout"]["warnings"])
+
+
 def test_plan_layout_at_a_small_shape(tmp_path, capsys):
     """SmolLM2's shape (30 x 576) at the default budget: consistent figures, no warnings, CPU
     rates said to be CPU rates."""
     model = _model_dir(tmp_path, 30, 576, vocab=49152)
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=16384",
                    "ray.num_gpus_per_actor=0")
-    lay = _check_consistent(p, 1.42)
+    lay = _check_consistent(p, DEFAULT_RATIO)
     assert lay["objects"] == 8 * 30 + 8 * 3 + 3 * lay["units"] + 1
     assert lay["marker_bytes"] < 64_000 and lay["warnings"] == []
     est = p["estimate"]
@@ -342,7 +390,7 @@ def test_plan_layout_at_a_small_shape(tmp_path, capsys):
     assert f"{freeze:,.0f} tok/s on {bench['machine']['cpus']} CPU cores" in est["rate_source"]
     # all layers of SmolLM2 at 10^9 tokens: streamed shards of ~64 MiB, no small objects left
     p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000")
-    lay = _check_consistent(p, 1.42)
+    lay = _check_consistent(p, DEFAULT_RATIO)
     assert lay["data_object_bytes"] > 32_000_000
     assert not any("too small for object storage" in w for w in lay["warnings"])
     if p["estimate"]["rate_platform"] == "cpu":  # no GPU here and none asked for: said so
