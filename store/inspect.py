@@ -22,7 +22,7 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
         tok, doc, pos = store.read_row_meta_checked(a, b)  # as the rows: unpublished units too
         norms = {}
         for p in store.points[:4]:
-            x = np.asarray(store.read(p, a, b)).astype(np.float32)
+            x = store.read_values(p, a, b)
             norms[p] = np.round(np.linalg.norm(x, axis=1), 3).tolist()
         out["rows"] = {"start": a, "stop": b, "token_id": tok.tolist(), "doc_id": doc.tolist(),
                        "position": pos.tolist(), "norms": norms}

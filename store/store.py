@@ -25,6 +25,7 @@ import zarr
 
 from .commit import markers as _commits
 from .commit import finalize as _finalize
+from .format import fp8 as _fp8
 from . import info as _info
 from .format import layout
 from .stats import moments as _moments
@@ -37,7 +38,7 @@ from .commit import tables as _tables
 from .commit import verify as _verify
 from .write import writer as _writer
 from harvest.store.storage.locate import Location, locate
-from harvest.store.format.dtypes import resolve_dtype
+from harvest.store.format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
 from harvest.store.commit.plan import PlanStore, Unit, check_region, check_units
 
@@ -60,7 +61,10 @@ class Store:
         self.shard_rows: int = int(h["shard_rows"])
         self.chunk_rows: int = int(h["chunk_rows"])
         self.dtype: str = h["dtype"]
-        self.np_dtype: np.dtype = resolve_dtype(self.dtype)
+        self.np_dtype: np.dtype = resolve_dtype(self.dtype)   # of the stored elements
+        # columns of a point array: `width`, plus a float32 scale per row in fp8 stores (fp8.py)
+        self.row_width: int = row_width(self.dtype, self.width)
+        self.quantized: bool = is_quantized(self.dtype)
         self.compression: dict = h["compression"]
         self.layout_version: int = int(h["layout_version"])
         self.read_only = read_only
@@ -142,8 +146,8 @@ class Store:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row of one point, uncompressed."""
-        return self.width * self.np_dtype.itemsize
+        """Bytes of one row of one point, uncompressed (as stored: fp8 rows with their scale)."""
+        return self.row_width * self.np_dtype.itemsize
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         s = shard * self.shard_rows
@@ -219,8 +223,19 @@ class Store:
         return _objects.read_point(self, m, sh, self.points.index(point), out=out)
 
     def read(self, point: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of one point, committed rows only, each shard checked."""
+        """Rows [start, stop) of one point as stored, committed rows only, each shard checked
+        (an fp8 store's are packed: `values` or `read_values` dequantise them)."""
         return _reads.read_rows(self, point, start, stop)
+
+    def read_values(self, point: str, start: int, stop: int) -> np.ndarray:
+        """`read` as float32 values [n, width]: widened, or dequantised in an fp8 store."""
+        return self.values(self.read(point, start, stop))
+
+    def values(self, rows: np.ndarray) -> np.ndarray:
+        """Stored rows of this store (as `read`/`read_shard` give them) -> float32 values."""
+        if self.quantized:
+            return _fp8.dequantize(rows)
+        return np.asarray(rows).astype(np.float32)
 
     def _meta_array(self, name: str) -> zarr.Array:
         arr = self._arrays.get(name)

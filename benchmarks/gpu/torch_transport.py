@@ -19,6 +19,10 @@ achieved D2H GB/s of the transport in a copy-bound loop (the forward only fills 
 staging on and off; and the main-stream stall per step in a compute-bound loop (the forward also
 runs matmuls for about 1.5x the copy time) against the same loop without transport.
 
+fp8 capture (`fp8_*`): the same loops with `quantize=True` (store.dtype float8_e4m3fn): rows are
+quantised on the device before the copy and land as packed rows (`width + 4` bytes), each checked
+bit for bit against the quantiser run again on the regenerated content.
+
 Dry mode (CPU): the same loop, plan, hand-over and row checksums with `CPUTransport` and a tiny
 buffer; the CUDA figures are "skipped: needs CUDA".
 """
@@ -106,7 +110,7 @@ def _checksum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int16).to(torch.int64) * w).sum(-1)
 
 
-def run_loop(loop: Loop, transport, dests: dict, slots) -> dict:
+def run_loop(loop: Loop, transport, dests: dict, slots, quantize: bool = False) -> dict:
     """Steps through the transport, hand-over as HarvestState.poll; returns timing and counts."""
     from harvest.engine.capture.coverage import Coverage, check_fed, plan_step
 
@@ -136,8 +140,9 @@ def run_loop(loop: Loop, transport, dests: dict, slots) -> dict:
         plan = plan_step(ids, counts, starts, lengths)
         plans.append(plan)
         ts = time.perf_counter()
+        kw = {"quantize": True} if quantize else {}
         tickets.append(transport.submit(plan, loop.buf, slots, loop.fed_pos[:n], loop.fed_ids[:n],
-                                        {seg.rid: dests[seg.rid] for seg in plan.segments}))
+                                        {seg.rid: dests[seg.rid] for seg in plan.segments}, **kw))
         submit_s += time.perf_counter() - ts
         while tickets and transport.ready(tickets[0]):
             process(tickets.pop(0))
@@ -171,6 +176,26 @@ def verify(loop: Loop, dests: dict, plans) -> dict:
             for seg in plan.segments:
                 got = dests[seg.rid][p, seg.start:seg.start + seg.count].to(loop.device)
                 ok = _checksum(got, w) == want[seg.row:seg.row + seg.count]
+                bad += int((~ok).sum())
+                rows += seg.count
+    return {"rows_checked": rows, "bad_rows": bad}
+
+
+def verify_quantized(loop: Loop, dests: dict, plans) -> dict:
+    """Every delivered packed fp8 row against the quantiser run again on the regenerated step
+    content (engine/capture/quantize.py, itself pinned to the store's numpy quantiser), bit for bit."""
+    from harvest.engine.capture.quantize import quantize_rows
+
+    P = loop.geo["points"]
+    scratch = torch.empty_like(loop.buf)
+    bad = rows = 0
+    for s, plan in enumerate(plans):
+        loop.content(s, scratch[:, :plan.n])
+        for p in range(P):
+            want = quantize_rows(scratch[p, :plan.n])
+            for seg in plan.segments:
+                got = dests[seg.rid][p, seg.start:seg.start + seg.count].to(loop.device)
+                ok = (got == want[seg.row:seg.row + seg.count]).all(-1)
                 bad += int((~ok).sum())
                 rows += seg.count
     return {"rows_checked": rows, "bad_rows": bad}
@@ -239,6 +264,22 @@ def run(dry: bool) -> dict:
         out[name] = res
     if not cuda:
         out["CudaTransport"] = NEEDS_CUDA
+    # fp8 capture: quantised on the device before the copy, packed rows into packed destinations
+    qshape = (P, geo["request"], W + 4)
+    qdests = {rid: maker.new_destination(qshape, torch.uint8) for rid in copy_loop.reqs}
+    for name, staging in [(f"fp8_{n}", s) for n, s in configs[:1]]:   # staging on CUDA: one loop
+        for d in qdests.values():
+            d.fill_(0xFF)
+        tr = CudaTransport(copy_loop.buf, T, staging=staging) if cuda else CPUTransport()
+        r = run_loop(copy_loop, tr, qdests, slots, quantize=True)
+        v = verify_quantized(copy_loop, qdests, r["plans"])
+        res = dict(v, submit_host_ms=round(r["submit_host_ms"], 3))
+        if cuda:
+            res["achieved_bf16_equiv_gbs"] = round(total_gb / r["wall_s"], 2)
+        if v["bad_rows"] or v["rows_checked"] != P * sum(len(t) for t in copy_loop.reqs.values()):
+            failures.append(f"{name}: {v['bad_rows']} bad of {v['rows_checked']} rows checked")
+        out[name] = res
+    del qdests
     out.update(gb_per_loop=round(total_gb, 2), failures=failures, ok=not failures,
                seconds=round(time.perf_counter() - t0, 1))
     return out

@@ -22,7 +22,14 @@ they are closed:
   caller must not reuse it, until its ticket completes (harvest.HarvestState enforces the first;
   the capture contract states the second).
 
-Device memory: the tap buffer `P x max_tokens x W x itemsize`, plus twice that with staging.
+Quantised capture (`quantize=True`, fp8 stores): a step's rows are quantised (engine/capture/quantize.py)
+on the rows' device before any copy leaves it; the packed rows (`W + 4` bytes per row instead of
+`2W`) are what the device-to-host copy, the host buffers and everything after carry. On CUDA the
+quantiser writes into one of two packed stage buffers on the main stream (it is the staging copy:
+the next forward may overwrite the tap buffer at once), and the side stream copies from there.
+
+Device memory: the tap buffer `P x max_tokens x W x itemsize`, plus twice that with staging
+(quantised: two packed stages of `P x max_tokens x (W + 4)` bytes instead).
 Host memory per step in flight: `n x 12` bytes of fed positions and token ids (pinned).
 """
 
@@ -35,6 +42,7 @@ import numpy as np
 import torch
 
 from .coverage import StepPlan
+from .quantize import packed_width, quantize_points
 
 
 @dataclass
@@ -109,10 +117,13 @@ class CPUTransport:
         return torch.empty(shape, dtype=dtype)
 
     def submit(self, plan: StepPlan, buf: torch.Tensor, slots: Sequence[int], fed_positions,
-               fed_ids, dests: Mapping[str, torch.Tensor]) -> Ticket:
+               fed_ids, dests: Mapping[str, torch.Tensor], quantize: bool = False) -> Ticket:
         # the runner reuses its fed buffers next step: keep this step's values
         t = Ticket(plan, fed_positions.clone(), fed_ids.clone(),
                    rids=tuple(s.rid for s in plan.segments))
+        if quantize:   # the packed rows of exactly the captured points, in their order
+            out = torch.empty(len(slots), plan.n, packed_width(buf.shape[-1]), dtype=torch.uint8)
+            buf, slots = quantize_points(buf, slots, plan.n, out), range(len(slots))
         for seg in plan.segments:
             copy_segment(dests[seg.rid], buf, slots, seg, non_blocking=False)
         return t
@@ -141,6 +152,9 @@ class CudaTransport:
                     torch.empty(fed_len, dtype=torch.int64, device=self.device),
                     torch.empty(fed_len, dtype=torch.int32, device=self.device)))
         self._stage_free: list = [None, None]  # copy event that last read each stage
+        self._qstages: list[torch.Tensor] = []  # packed fp8 stages, made by the first quantised step
+        self._qfree: list = [None, None]
+        self._qk = 0
         self._k = 0
         self._last = None
 
@@ -153,17 +167,34 @@ class CudaTransport:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def submit(self, plan: StepPlan, buf: torch.Tensor, slots: Sequence[int], fed_positions,
-               fed_ids, dests: Mapping[str, torch.Tensor]) -> Ticket:
+               fed_ids, dests: Mapping[str, torch.Tensor], quantize: bool = False) -> Ticket:
         n = plan.n
         main = torch.cuda.current_stream(self.device)
         src, pos, ids = buf, fed_positions, fed_ids
+        qk = None
+        if quantize:
+            # quantised on the main stream into a packed stage, before anything leaves the
+            # device; the stage is reused two steps later, after the copy that read it
+            shape = (len(slots), buf.shape[1], packed_width(buf.shape[-1]))
+            if not self._qstages or tuple(self._qstages[0].shape) != shape:
+                self._qstages = [torch.empty(shape, dtype=torch.uint8, device=self.device)
+                                 for _ in range(2)]
+                self._qfree = [None, None]
+            qk = self._qk
+            self._qk ^= 1
+            if self._qfree[qk] is not None:
+                main.wait_event(self._qfree[qk])
+            src = quantize_points(buf, slots, n, self._qstages[qk])
+            slots = range(len(slots))
         if self.staging:
             k = self._k
             self._k ^= 1
             if self._stage_free[k] is not None:
                 main.wait_event(self._stage_free[k])
-            src, pos, ids = self._stages[k]
-            src[:, :n].copy_(buf[:, :n])
+            stage, pos, ids = self._stages[k]
+            if qk is None:
+                src = stage
+                src[:, :n].copy_(buf[:, :n])
             pos, ids = pos[:n], ids[:n]
             pos.copy_(fed_positions)
             ids.copy_(fed_ids.to(torch.int32))
@@ -181,6 +212,8 @@ class CudaTransport:
             done.record(self.stream)
         if self.staging:
             self._stage_free[k] = done
+        if qk is not None:
+            self._qfree[qk] = done
         self._last = done
         return Ticket(plan, host_pos, host_ids, done, tuple(s.rid for s in plan.segments))
 

@@ -272,9 +272,16 @@ class VLLMModel:
         graph replays, where no Python runs)."""
         self.state.poison = bool(on)
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether `capture(quantize=...)` is served: in-process taps (not tensor parallel,
+        whose rows cross the step ring unquantised)."""
+        return self.tp == 1
+
     def capture(self, batches: Iterable[Sequence[Sequence[int]]], points=None,
                 max_in_flight_tokens: int | None = None,
-                destinations: DestinationProvider | None = None) -> Iterator[CapturedRequest]:
+                destinations: DestinationProvider | None = None,
+                quantize: str | None = None) -> Iterator[CapturedRequest]:
         """Stream requests' rows as each request's rows become final, with bounded memory.
 
         `batches` is consumed lazily; at most `max_in_flight_tokens` prompt tokens (default four
@@ -295,6 +302,11 @@ class VLLMModel:
           remaining requests are aborted in vLLM and every copy in flight is waited for before
           the generator returns or raises; the memory is the caller's again, its contents
           undefined (partial rows): discard it (e.g. abort the region's writer).
+
+        `quantize="float8_e4m3fn"`: rows are quantised on the device before they leave it
+        (engine/capture/quantize.py: e4m3fn bytes and a float32 scale per row), so each request's rows
+        are uint8 `[points, n, width + 4]` (destinations too). The engine's other checks (the
+        model check) capture unquantised rows.
         """
         from vllm import SamplingParams
 
@@ -302,7 +314,7 @@ class VLLMModel:
         st = self.state
         capturing = bool(pts)
         if capturing:
-            st.begin_capture(pts)
+            st.begin_capture(pts, quantize)
         budget = max_in_flight_tokens or 4 * self.max_num_batched_tokens
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         engine = self.llm.llm_engine

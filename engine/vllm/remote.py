@@ -92,7 +92,12 @@ class RemoteHarvest(HarvestState):
         compat.worker_calls(self._llm, "harvest_set_steer", str(a), vec.float().tolist())
 
     # -- capture loop side ----------------------------------------------------------------------
-    def begin_capture(self, points) -> None:
+    def begin_capture(self, points, quantize: str | None = None) -> None:
+        if quantize is not None:
+            raise ValueError(f"quantize={quantize!r}: a tensor-parallel engine hands rows over "
+                             "through the step ring unquantised; quantise on the host (the "
+                             "store's writer does, bit for bit the same) or use "
+                             "tensor_parallel_size 1")
         super().begin_capture(points)
         self._ring.skip()  # steps published before this capture carry none of its rows
         # the rank writes its tap buffer's points in tap order (shmdest.Placer): a capture of

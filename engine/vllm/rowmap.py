@@ -30,6 +30,7 @@ from . import probe as vllm_probe
 from harvest.engine.addresses import Address, FreezeSet
 from harvest.engine.capture.stepring import RingSpec, RingWriter
 from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
+from harvest.engine.capture.quantize import check_quantize, packed_width
 from harvest.engine.capture.transport import check_destination, make_transport
 
 
@@ -74,22 +75,27 @@ class HarvestState:
     rewrites: int = 0
     dropped_rows: int = 0
     ring: "RingWriter | None" = None  # tensor parallel: this rank publishes steps (stepring.py)
+    quantize: bool = False  # this capture's rows leave the engine as packed fp8 (quantize.py)
 
     # -- capture loop side ------------------------------------------------------------------
-    def begin_capture(self, points: tuple[Address, ...]) -> None:
+    def begin_capture(self, points: tuple[Address, ...], quantize: str | None = None) -> None:
+        """Start a capture of `points`; `quantize="float8_e4m3fn"`: rows are quantised on the
+        device before they leave it (destinations are then uint8 [points, n, width + 4])."""
         if self.dests or self.tickets:
             raise RuntimeError("a capture is already running on this engine; finish or close it "
                                "first (one capture at a time per engine)")
+        self.quantize = check_quantize(quantize) is not None
         self.error = None
         if self.mode == "hooked":
             self._set_hooked_points(points)
         self.slots = tuple(self.taps.slot(a) for a in points)
 
     def destination(self, acts: torch.Tensor | None, n: int) -> torch.Tensor:
-        shape = (len(self.slots), n, self.width)
+        shape = (len(self.slots), n, packed_width(self.width) if self.quantize else self.width)
+        dtype = torch.uint8 if self.quantize else self.dtype
         if acts is None:
-            return self.transport.new_destination(shape, self.dtype)
-        return check_destination(acts, shape, self.dtype, self.transport.pinned)
+            return self.transport.new_destination(shape, dtype)
+        return check_destination(acts, shape, dtype, self.transport.pinned)
 
     def register(self, rid: str, acts: torch.Tensor, tokens: np.ndarray,
                  known: int | None = None) -> None:
@@ -226,7 +232,8 @@ class HarvestState:
         if plan is None:
             return
         dests = {s.rid: self.dests[s.rid].acts for s in plan.segments}
-        self.enqueue(plan, self.transport.submit(plan, buf, self.slots, fed_pos, fed_ids, dests))
+        kw = {"quantize": True} if self.quantize else {}   # transports without it never quantise
+        self.enqueue(plan, self.transport.submit(plan, buf, self.slots, fed_pos, fed_ids, dests, **kw))
 
     def plan_rows(self, req_ids, counts, starts):
         """A step's row plan, stray rows refused and dropped rows counted; None when the step

@@ -247,6 +247,8 @@ class HarvestActor:
                 reserved[index] = view
                 return self._as_tensor(view)
             kw["destinations"] = destination
+            if self._open_store().quantized:   # fp8 rows leave the engine packed (quantize.py)
+                kw["quantize"] = self._open_store().dtype
         stream = self.engine.capture(feed, self.points, **kw) if self.slots is None else \
             self.slots.stream(self.engine, feed, self.points, routes, **kw)
         try:
@@ -343,15 +345,21 @@ class HarvestActor:
         """Whether the engine can write rows straight into the writers' shard buffers: it takes
         a destination provider (`accepts_destinations`: vLLM; the eager reference does not),
         captures exactly the store's points in the store's order and dtype, and, on CUDA, the
-        buffers are page-locked (tensor parallel: in the engine's shared arena instead)."""
+        buffers are page-locked (tensor parallel: in the engine's shared arena instead). An fp8
+        store's rows are quantised by the engine (before its device-to-host copy) where it can
+        (`quantizes`: not tensor parallel) for prompt captures; otherwise the writer quantises
+        the engine's rows on the host, bit for bit the same."""
         ok = getattr(self, "_in_place_ok", None)
         if ok is None:
             import torch
 
             store = self._open_store()
             e = self.engine
-            ok = (bool(e.accepts_destinations) and list(store.points) == list(self.points)
-                  and e.dtype == _torch_dtype(store.np_dtype))
+            if store.quantized:
+                same = bool(getattr(e, "quantizes", False)) and self.slots is None
+            else:
+                same = e.dtype == _torch_dtype(store.np_dtype)
+            ok = bool(e.accepts_destinations) and list(store.points) == list(self.points) and same
             shared = getattr(e, "shared_allocator", lambda: None)() if ok else None
             if shared is not None:
                 # tensor parallel: block buffers in the engine's shared arena, so the rank
@@ -371,6 +379,8 @@ class HarvestActor:
         same memory: the engine's copies land in the shard buffer itself."""
         import torch
 
+        if view.dtype == np.uint8:   # packed fp8 rows (the engine quantises into them)
+            return torch.from_numpy(view)
         signed = {2: np.int16, 4: np.int32}[view.dtype.itemsize]
         return torch.from_numpy(view.view(signed)).view(_torch_dtype(self._open_store().np_dtype))
 

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from harvest.store.format.compression import expected_ratio
+from harvest.store.format.fp8 import expected_ratio
 
 # Text bytes per token. Measured: SmolLM2's tokenizer on the pydoc corpus (jsonl, 488 kB) gave
 # ~220k tokens, ~2.2 bytes per token (code and JSON escapes); English prose is ~4. 3 is between.
@@ -224,7 +224,8 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
                  "plus engine start", rate_source=f"given with --rate {rate:g}, instead of "
                  f"~{r['tokens_per_second']:,} tok/s, the {r['rate_source']}")
     if ratio is None:
-        ratio = expected_ratio(cfg.store.compression)  # None is the default codec, not "none"
+        # None is the dtype's default codec, not "none"
+        ratio = expected_ratio(cfg.store.compression, cfg.store_dtype())
     logical = tokens * out["bytes_per_token"]
     return {
         "tokens": int(tokens), "tokens_source": source, "bytes_logical": int(logical),

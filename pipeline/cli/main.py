@@ -139,7 +139,7 @@ def _run_report(cfg, summary: dict):
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
     from harvest.store.storage.locate import locate
-    from harvest.store.format.compression import expected_ratio
+    from harvest.store.format.fp8 import expected_ratio
 
     from .estimate import corpus_bytes, dataplane, plan_estimate
     from .objectcost import layout_cost
@@ -166,7 +166,8 @@ def cmd_plan(args) -> int:
         "unit_rows": L.unit_rows,
         "shard_rows": L.shard_rows,
         "chunk_rows": L.chunk_rows,
-        "bytes_per_token": len(prep.points) * prep.width * prep.itemsize,
+        "bytes_per_token": len(prep.points) * prep.row_width * prep.itemsize,
+        "store_dtype": existing.dtype if existing is not None else cfg.store_dtype(),
         "corpus_bytes": corpus_bytes(prep.sources),
     }
     if existing is not None:
@@ -176,13 +177,13 @@ def cmd_plan(args) -> int:
         out["plan_complete"] = plan["final"]
     # a resumed store keeps the codec it was created with
     codec = existing.compression if existing is not None else cfg.store.compression
-    ratio = expected_ratio(codec)
+    ratio = expected_ratio(codec, out["store_dtype"])
     out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
     out["dataplane"], warn = dataplane(cfg, est, len(prep.points) * prep.width * 2, codec)
     out["warnings"] += warn
     out["layout"] = layout_cost(
-        points=prep.points, width=prep.width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
+        points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,

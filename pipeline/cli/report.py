@@ -152,6 +152,9 @@ def collect(store, tokenizer_path: str | None = None, sample_shards: int = SAMPL
                 e["text"] = decode(e["token_id"])
     return {
         "url": store.url, "points": per_point, "width": store.width, "subset": subset,
+        # fp8 stores: statistics and norms are of the dequantised rows, compression of the
+        # stored bytes (fp8 values and their scales)
+        "dtype": store.dtype,
         "committed_rows": rows, "n_rows": store.n_rows, "committed_units": len(markers),
         **sampled, "sampled_shards": shards, "run": run_figures(store),
         "throughput": _throughput(markers),
@@ -219,7 +222,8 @@ def _plot(data: dict, path: Path) -> None:
         lines.append(f"{p['point']:>16}  {cells}" + (f"  | {_fmt(sink)}" if sink else ""))
     tab.text(0.0, 1.0, "\n".join(lines) or "(nothing committed)", family="monospace", fontsize=7,
              va="top", transform=tab.transAxes)
-    fig.suptitle(f"{data['url']}: {data['committed_rows']:,} tokens committed, width {data['width']}")
+    fig.suptitle(f"{data['url']}: {data['committed_rows']:,} tokens committed, width {data['width']}"
+                 f" {data.get('dtype', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -37,7 +37,6 @@ def _kept_mask(store, tok: np.ndarray, rows: np.ndarray) -> np.ndarray:
 def sample_rows(store, points: list[str], shards: list[int], k: int) -> dict:
     """Largest-norm kept rows per point, the largest excluded row, and kept-norm histograms,
     from the sampled shards (each shard's metadata read once, checked)."""
-    from harvest.store.format.dtypes import BF16
 
     meta = {}
     for s in shards:
@@ -53,7 +52,7 @@ def sample_rows(store, points: list[str], shards: list[int], k: int) -> dict:
         for s in shards:
             a, _ = store.shard_range(s)
             x = store.read_shard(p, s)
-            x = x.astype(np.float32) if x.dtype == BF16 else np.asarray(x, np.float32)
+            x = store.values(x)   # float32: bf16 widened, fp8 dequantised
             norms = np.linalg.norm(x, axis=1)
             tok, doc, pos, keep = meta[s]
             n = min(len(norms), len(tok))

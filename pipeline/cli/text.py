@@ -207,7 +207,9 @@ def inspect_text(i: dict) -> str:
              f"({model.get('backend', '?')}/{model.get('mode', '?')})",
              f"  rows       {i['committed_rows']:,} committed of {i['n_rows']:,} "
              f"({i['committed_units']}/{i['planned_units']} units), context {i['context_size']}",
-             f"  arrays     {len(i['points'])} points x width {i['width']} {i['dtype']}, shards of "
+             f"  arrays     {len(i['points'])} points x width {i['width']} {i['dtype']}"
+             + (" (+ a float32 scale per row)" if i.get("row_width", i["width"]) != i["width"] else "")
+             + ", shards of "
              f"{i['shard_rows']:,} rows, chunks of {i['chunk_rows']:,}",
              f"  codec      {codec(i.get('compression'))}" + _ratio(i.get("compression_ratio")),
              f"  tokens     BOS {i.get('bos_token_id')}, special {i.get('special_token_ids')}, "

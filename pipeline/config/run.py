@@ -49,6 +49,11 @@ class HarvestConfig:
         check_shard_rows(self.store.shard_rows, self.packing.context_size)
         check_chat(self)
         check_generate(self)
+        if self.store.dtype not in (None, "float8_e4m3fn", self.model.dtype):
+            raise ConfigError(
+                f"store.dtype={self.store.dtype!r} differs from model.dtype={self.model.dtype!r}: a "
+                "store holds the model's rows bit for bit, or quantised (float8_e4m3fn); set "
+                f"model.dtype: {self.store.dtype}, store.dtype: float8_e4m3fn, or leave store.dtype out")
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
@@ -57,6 +62,10 @@ class HarvestConfig:
                     "set them equal"
                 )
         return self
+
+    def store_dtype(self) -> str:
+        """The point arrays' dtype: store.dtype, else the model's."""
+        return self.store.dtype or self.model.dtype
 
     def to_dict(self, redact: bool = True) -> dict:
         d = dataclasses.asdict(self)

@@ -28,6 +28,9 @@ from .paths import expand_path
 MAX_SECONDS = 7 * 24 * 3600.0
 MAX_UNITS = 4096.0
 DTYPES = ("bfloat16", "float16", "float32")
+# what a store may hold: the model's own dtype, or fp8 rows with a scale per row (quantised in the
+# engine before rows leave it; store/format/fp8.py, docs/store.md "Choosing a dtype")
+STORE_DTYPES = DTYPES + ("float8_e4m3fn",)
 
 
 @dataclass
@@ -215,6 +218,10 @@ class StoreConfig:
     unit_shards: int | None = None
     unit_tokens: int = 1 << 18
     compression: Any = None
+    # Element type of the point arrays: None is the model's dtype (bfloat16 by default, bit-exact);
+    # float8_e4m3fn stores e4m3fn bytes and a float32 scale per row (about half the bytes, p99
+    # row error ~3 %). Another float dtype than the model's is refused: no silent cast.
+    dtype: str | None = None
     storage_options: dict | None = None
     # Rows of the `kept` statistics skip this many leading context positions besides special
     # tokens (None: 2, the attention sinks at context positions 0 and 1 whatever their token: a
@@ -245,6 +252,8 @@ class StoreConfig:
                 f"store.chunk_rows={self.chunk_rows} must divide store.shard_rows="
                 f"{self.shard_rows}: pick a divisor or leave chunk_rows out"
             )
+        if self.dtype is not None:
+            check_choice("store.dtype", self.dtype, STORE_DTYPES)
         check_int("store.unit_shards", self.unit_shards, 1, optional=True)
         check_int("store.unit_tokens", self.unit_tokens, 1)
         check_int("store.stats_skip_positions", self.stats_skip_positions, 0, optional=True)

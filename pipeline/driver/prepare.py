@@ -108,12 +108,25 @@ class Prepared:
 
     @property
     def itemsize(self) -> int:
-        return 4 if self.cfg.model.dtype == "float32" else 2
+        """Bytes of one stored element (fp8 stores: 1)."""
+        return stored_itemsize(self.cfg)
+
+    @property
+    def row_width(self) -> int:
+        """Stored columns per row of a point (fp8: the width and 4 scale bytes)."""
+        from harvest.store.format.dtypes import row_width
+
+        return row_width(self.cfg.store_dtype(), self.width)
 
     def run_key(self) -> dict:
         """What the store remembers about the run, to refuse a mismatched resume."""
         return {"content": self.cfg.content_key(), "points": self.points,
                 "context_size": self.cfg.packing.context_size}
+
+
+def stored_itemsize(cfg: HarvestConfig) -> int:
+    """Bytes per stored element of the config's store dtype."""
+    return {"float32": 4, "float8_e4m3fn": 1}.get(cfg.store_dtype(), 2)
 
 
 def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
@@ -148,14 +161,17 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     skip = cfg.store.stats_skip_positions
     if skip is None:  # the first context positions are attention sinks whatever the token
         skip = SINK_POSITIONS
-    itemsize = 4 if cfg.model.dtype == "float32" else 2
+    itemsize = stored_itemsize(cfg)
     stored_sources = None
     stored_layout = None
     if existing is not None:
         stored_sources = existing.plans.read_sources()
         if stored_sources is not None:
             stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
-    layout = choose_layout(cfg, info.width, itemsize, len(points), stored_layout)
+    from harvest.store.format.dtypes import row_width
+
+    layout = choose_layout(cfg, row_width(cfg.store_dtype(), info.width), itemsize, len(points),
+                           stored_layout)
     if existing is not None and stored_layout is None:
         # a store created by a driver that died before recording its sources: its arrays fix
         # the shards; this run's units are whole shards of them (the plan is still empty)

@@ -74,6 +74,12 @@ def check_resume(store, cfg: HarvestConfig, prep=None) -> None:
             f"store.url={store.url} is a harvest store not made by this pipeline's driver "
             "(no run attributes): choose a new store.url"
         )
+    want = cfg.store_dtype()
+    if store.dtype != want:
+        raise ResumeMismatch(
+            f"store {store.url} holds {store.dtype} rows and this config asks for {want} "
+            f"(store.dtype / model.dtype): one store holds one dtype, and resuming would mix "
+            f"two; set store.dtype: {store.dtype} to go on with it, or use a new store.url")
     diffs = _diff(stored.get("content", {}), cfg.content_key())
     if prep is not None:
         for k in ("points", "context_size"):

@@ -90,7 +90,7 @@ class StoreSink:
         L = prep.layout
         store = create_store(
             cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
-            shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.model.dtype,
+            shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.store_dtype(),
             compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
             create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
             special_token_ids=prep.special_token_ids,

@@ -57,24 +57,43 @@ class BFloat16(BaseFloat, HasEndianness, HasItemSize):
 
 data_type_registry.register(BFloat16._zarr_v3_name, BFloat16)
 
-# Names accepted by create_store(dtype=...) -> numpy dtype held in memory.
+# The one quantised dtype: e4m3fn bytes with a float32 scale per row, held as uint8 rows of
+# width + 4 bytes (fp8.py, FORMAT.md "fp8 stores").
+FP8_NAME = "float8_e4m3fn"
+
+# Names accepted by create_store(dtype=...) -> numpy dtype of the stored elements.
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
     "bfloat16": BF16,
     "float16": np.dtype("float16"),
     "float32": np.dtype("float32"),
+    FP8_NAME: np.dtype("uint8"),
 }
 
 
 def resolve_dtype(name: str) -> np.dtype:
     """Refuse names we cannot keep bit-exact instead of guessing a conversion."""
-    key = str(name).lower().replace("torch.", "")
-    if key in ("bf16",):
-        key = "bfloat16"
+    key = canonical_name(name)
     if key not in SUPPORTED_DTYPES:
         raise ValueError(
             f"dtype={name!r} is not supported: use one of {', '.join(SUPPORTED_DTYPES)}"
         )
     return SUPPORTED_DTYPES[key]
+
+
+def canonical_name(name: str) -> str:
+    """The name a store records for `name` (aliases: bf16, fp8, float8)."""
+    key = str(name).lower().replace("torch.", "")
+    return {"bf16": "bfloat16", "fp8": FP8_NAME, "float8": FP8_NAME, "fp8_e4m3": FP8_NAME}.get(key, key)
+
+
+def is_quantized(name: str) -> bool:
+    """Whether a store of dtype `name` holds quantised rows (fp8 bytes + a scale per row)."""
+    return canonical_name(name) == FP8_NAME
+
+
+def row_width(name: str, width: int) -> int:
+    """Columns of a point array: the model width, plus 4 scale bytes per row for fp8."""
+    return int(width) + 4 if is_quantized(name) else int(width)
 
 
 def zarr_dtype(np_dtype: np.dtype):

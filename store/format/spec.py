@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import compression as _compression
+from . import fp8 as _fp8
 from . import layout
-from .dtypes import dtype_name, resolve_dtype
+from .dtypes import canonical_name, resolve_dtype, row_width
 from harvest.store.keywordconfig import config_from
 
 
@@ -43,7 +44,9 @@ class StoreSpec:
     points: capture points, e.g. ["resid_post.10"], one array each (`[n_rows, width]`).
     width: the model's hidden width; n_rows: rows the arrays are sized to (finalize shrinks them).
     shard_rows, chunk_rows: rows per shard object and per inner chunk (None: layout.choose_sizes).
-    dtype: "bfloat16" (bit-exact), "float16" or "float32"; compression: see compression.py.
+    dtype: "bfloat16" (bit-exact), "float16", "float32", or "float8_e4m3fn" (quantised: e4m3fn
+        values and a float32 scale per row, `width + 4` uint8 columns; fp8.py); compression: see
+        compression.py.
     meta_chunk_rows: rows per chunk of the row-metadata arrays (None: shard_rows). The pipeline
         passes its unit size: one chunk per unit and column instead of one per shard (issue 24:
         2-4 KiB objects by the million). A multiple of shard_rows; every writer's region must then
@@ -90,8 +93,8 @@ class StoreSpec:
         for name in ("shard_rows", "chunk_rows", "context_size", "meta_chunk_rows"):
             set_(self, name, _positive(name, getattr(self, name)))
         np_dtype = resolve_dtype(self.dtype)
-        set_(self, "dtype", dtype_name(np_dtype))
-        set_(self, "compression", _compression.normalize(self.compression))
+        set_(self, "dtype", canonical_name(self.dtype))
+        set_(self, "compression", _compression.normalize(_fp8.compression_for(self.compression, self.dtype)))
         if isinstance(self.stats_skip_positions, bool) or not isinstance(self.stats_skip_positions, numbers.Integral) \
                 or self.stats_skip_positions < 0:
             raise ValueError(f"stats_skip_positions must be an int >= 0 (leading context positions "
@@ -100,7 +103,7 @@ class StoreSpec:
         set_(self, "special_token_ids", tuple(sorted({int(t) for t in self.special_token_ids})))
         if self.bos_token_id is not None:
             set_(self, "bos_token_id", int(self.bos_token_id))
-        shard, chunk = layout.choose_sizes(self.width, np_dtype.itemsize, len(points),
+        shard, chunk = layout.choose_sizes(row_width(self.dtype, self.width), np_dtype.itemsize, len(points),
                                            multiple=self.context_size or 1, n_rows=self.n_rows,
                                            shard_rows=self.shard_rows, chunk_rows=self.chunk_rows)
         set_(self, "shard_rows", shard)

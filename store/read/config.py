@@ -40,7 +40,14 @@ class ReaderConfig:
             drop_last (never in endless mode: batches run on into the next epoch).
         return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a
             generation store, sample in one of n > 1 samples per prompt) instead of tensors.
-        out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing).
+        out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing or
+            dequantising an fp8 store).
+        dequantize: an fp8 store's rows as values (default). False hands the stored form to a
+            GPU trainer, so the host never expands it: acts are `torch.float8_e4m3fn`
+            `[batch, (points,) width]` with `scale`, float32 `[batch, (points)]` beside them
+            (a tuple `(acts, scale)`, or the `scale` key with return_meta); values are
+            `acts.float() * scale[..., None]` (on the GPU: `fp8.to(device)` first). Refused
+            with normalize= (apply the constants after dequantising on the device).
     Order:
         shuffle, seed: piece order and in-window permutations are reproducible from (seed, epoch).
         shuffle_buffer_rows: rows in one shuffle window, rounded up to whole shards (default 1 GiB
@@ -108,6 +115,7 @@ class ReaderConfig:
     return_meta: bool = False
     out_dtype: "torch.dtype | None" = None
     epoch: int = 0
+    dequantize: bool = True
 
     def __post_init__(self):
         set_ = object.__setattr__   # frozen: normalise the containers once, here
@@ -136,6 +144,12 @@ class ReaderConfig:
         if not self.eps >= 0:
             raise ValueError(f"eps={self.eps!r} must be >= 0 (added to the variance before dividing)")
         check_split(self.split, self.test_fraction)
+        if not isinstance(self.dequantize, bool):
+            raise ValueError(f"dequantize={self.dequantize!r} must be True or False")
+        if not self.dequantize and (self.normalize or self.out_dtype is not None):
+            raise ValueError("dequantize=False yields the stored fp8 rows and their scales: "
+                             "normalize= and out_dtype= need values; leave them out and apply "
+                             "them after `acts.float() * scale[..., None]` on the device")
 
     @classmethod
     def build(cls, config: "ReaderConfig | None" = None, **options) -> "ReaderConfig":

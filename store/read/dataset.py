@@ -63,6 +63,15 @@ def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:
     return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np_dtype.name)
 
 
+def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed fp8 rows uint8 `[..., width + 4]` -> (float8_e4m3fn `[..., width]`, float32
+    scales `[...]`), copies of the two parts (fp8.py has the layout)."""
+    w = packed.shape[-1] - 4
+    q = packed[..., :w].contiguous().view(torch.float8_e4m3fn)
+    scale = packed[..., w:].contiguous().view(torch.float32)[..., 0]
+    return q, scale
+
+
 def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
     """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
     raw = np.ascontiguousarray(raw)
@@ -109,6 +118,12 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self.io_threads = cfg.io_threads or 2 * cfg.prefetch_shards
         self.width, self.store_dtype = st.width, st.np_dtype
         self._raw = raw_dtype(st.np_dtype)
+        # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean
+        self._rw, self._vdtype = st.row_width, _norm.value_dtype(st)
+        self.quantized, self.dequantize = st.quantized, cfg.dequantize
+        if not self.dequantize and not self.quantized:
+            raise ValueError(f"dequantize=False: {st.url} is a {st.dtype} store, not a quantised "
+                             "one (float8_e4m3fn); its rows are values already")
 
         # ---- what the store records about its tokens ----
         attrs = store_facts(st)
@@ -154,7 +169,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._served = self._resumed = 0
         self._store, self._store_pid = st, os.getpid()
         self._setup_norm(st, cfg.norm_constants, cfg.norm_sample_rows)
-        self.out_dtype = cfg.out_dtype or (torch.float32 if cfg.normalize else _torch_dtype(st.np_dtype))
+        self.out_dtype = cfg.out_dtype or (torch.float32 if cfg.normalize or st.quantized
+                                           else _torch_dtype(st.np_dtype))
         if self.world_size > 1:
             self.count_rows()  # once here, not once per worker
 
@@ -194,7 +210,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             self.norm_constants = given
         elif self.normalize:
             if moments is None:
-                moments, source = _norm.sample_moments(sample, self.store_dtype), "sample"
+                moments, source = _norm.sample_moments(sample, self._vdtype), "sample"
             self.norm_constants = _norm.constants(self.normalize, self.points, moments, self.width, source,
                                                   self.eps)
         if self.norm_constants is not None:
@@ -276,18 +292,18 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         if self._meta_names():
             self._meta()   # opened here, not raced for by the fetch threads
         if self._arenas is None:
-            self._arenas = Arenas(self._slot_rows, len(self.points), self.width, self._raw)
+            self._arenas = Arenas(self._slot_rows, len(self.points), self._rw, self._raw)
         if self._batch_bufs is None:   # per process, kept across epochs like the arenas
-            self._batch_bufs = BatchBuffers((self.batch_size, len(self.points), self.width), self._raw,
+            self._batch_bufs = BatchBuffers((self.batch_size, len(self.points), self._rw), self._raw,
                                             keep=_GATHER_AHEAD + 2)
-        finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self.store_dtype,
+        finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self._vdtype,
                                 self._slot_rows, self.shuffle, self.seed, g, self.return_meta,
                                 self._extra_meta)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
         self.tally = Tally()
-        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self.width),
+        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self._rw),
                              self._raw, self._emit, skip=skip_rows, limit=limit, drop_last=self.drop_last,
                              shuffle=self.shuffle, seed=self.seed, tally=self.tally, pool=codec_pool(),
                              ahead=_GATHER_AHEAD, buffers=self._batch_bufs):
@@ -308,8 +324,20 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         return [int(v) for v in self._decoded]
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
-        """x is [n, n_points, width] raw bits of the store dtype."""
+        """x is [n, n_points, row width] raw bits of the store dtype."""
         t = _to_torch(x, self.store_dtype)
+        scale = None
+        if self.quantized:
+            t, scale = fp8_split(t)
+            if self.dequantize:
+                t, scale = t.float() * scale[..., None], None
+        if scale is not None:   # the stored form, for a GPU trainer (ReaderConfig.dequantize)
+            if not self.stack:
+                t, scale = t[:, 0, :], scale[:, 0]
+            if not self.return_meta:
+                return t, scale
+            return {"acts": t, "scale": scale, "row": torch.from_numpy(np.ascontiguousarray(rows)),
+                    **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
         if self.norm_constants is not None:
             c = self.norm_constants
             t = (t.float() - c.shift) * c.scale

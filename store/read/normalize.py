@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harvest.store.format.dtypes import BF16
+from harvest.store.format import fp8 as _fp8
+from harvest.store.format.dtypes import BF16, FP8_NAME
 from .filters import RowFilter, matches_recorded, recorded_stats_filter, sink_positions, store_facts
 from harvest.store.commit.objects import read_point
 from harvest.store.format.roles import captured_codes
@@ -122,7 +123,9 @@ def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
     bf16 bits shifted left by 16 are the float32 of the same value, exactly: no ml_dtypes cast,
     which numpy runs element by element.
     """
-    if dtype == BF16:
+    if isinstance(dtype, str) and dtype == FP8_NAME:   # packed fp8 rows and their scales
+        f = _fp8.dequantize(rows)
+    elif dtype == BF16:
         f = (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
         f = rows.view(dtype).astype(np.float32)
@@ -197,8 +200,8 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
     rng = np.random.default_rng([seed, 0x5A3B1E])
     cum = np.concatenate([[0], np.cumsum(counts)])
     order = rng.permutation(total) if total <= (1 << 22) else None
-    dtype = store.np_dtype
-    raw = np.dtype(f"u{dtype.itemsize}")
+    raw = np.dtype(f"u{store.np_dtype.itemsize}")
+    dtype = value_dtype(store)
     meta_names = filt.meta_names()
     point_index = [store.points.index(p) for p in points]
 
@@ -218,7 +221,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
             masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
                                    cols.get("gen")))
         live = [m is None or bool(m.any()) for m in masks]
-        out = [np.empty((b - a if ok else 0, len(points), store.width), raw)
+        out = [np.empty((b - a if ok else 0, len(points), store.row_width), raw)
                for (a, b), ok in zip(spans, live)]
         if any(live):
             m, sh = sources[i]
@@ -257,7 +260,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
                 if x.shape[0]:
                     parts.append(x)
                     have += x.shape[0]
-    rows = np.concatenate(parts) if parts else np.empty((0, len(points), store.width), raw)
+    rows = np.concatenate(parts) if parts else np.empty((0, len(points), store.row_width), raw)
     if rows.shape[0] > n_rows:  # the last blocks overshoot: keep a random subset, not a prefix
         rows = rows[np.sort(rng.choice(rows.shape[0], n_rows, replace=False))]
     limit, dropped = None, 0
@@ -270,6 +273,15 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
     return Sample(rows, limit, dropped, used)
 
 
-def sample_moments(sample: Sample, dtype: np.dtype) -> list[Moments]:
-    return [Moments.of(np.ascontiguousarray(sample.rows[:, j]).view(dtype))
+def sample_moments(sample: Sample, dtype) -> list[Moments]:
+    """Moments of each point's sampled rows (`dtype`: value_dtype of the store)."""
+    def values(x):
+        return _fp8.dequantize(x) if isinstance(dtype, str) and dtype == FP8_NAME else x.view(dtype)
+    return [Moments.of(values(np.ascontiguousarray(sample.rows[:, j])))
             for j in range(sample.rows.shape[1])]
+
+
+def value_dtype(store):
+    """What the stored rows' raw bits mean for sq_norms / sample_moments: the numpy dtype, or
+    FP8_NAME for packed fp8 rows (values come from dequantising them)."""
+    return FP8_NAME if store.quantized else store.np_dtype

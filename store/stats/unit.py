@@ -58,14 +58,17 @@ class BlockStats:
                 acc[p] = acc[p].merge(part[subset][p])
 
 
-def chunk_partials(keep, present, chunk_rows: int, n_chunks: int):
+def chunk_partials(keep, present, chunk_rows: int, n_chunks: int, decode=None):
     """(visit, result) for ShardCodec.encode_block: `visit(i, rows)` takes inner chunk i's
     partials in the codec thread while the chunk is in cache, and `result(width)` merges them in
     chunk order into the block's (all, kept) Moments. `keep`: rows of the `kept` class (None: all);
-    `present`: rows holding activations (None: all), the others count in no statistic."""
+    `present`: rows holding activations (None: all), the others count in no statistic;
+    `decode(rows)`: the values the statistics are of (fp8 stores: the dequantised rows)."""
     parts: list = [None] * n_chunks
 
     def visit(i: int, rows) -> None:
+        if decode is not None:
+            rows = decode(rows)
         keep_i = None if keep is None else keep[i * chunk_rows:i * chunk_rows + rows.shape[0]]
         if present is not None:
             have = present[i * chunk_rows:i * chunk_rows + rows.shape[0]]

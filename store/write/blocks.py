@@ -42,7 +42,7 @@ def shard_buffers(store, block_rows: int, keep: int) -> BufferPool:
     pool = getattr(store, "_shard_buffers", None)
     if pool is None or pool.shape[1] != block_rows:
         alloc = pool.allocate if pool is not None else None
-        pool = store._shard_buffers = BufferPool((len(store.points), block_rows, store.width),
+        pool = store._shard_buffers = BufferPool((len(store.points), block_rows, store.row_width),
                                                  raw_dtype(store.np_dtype), keep, alloc)
     pool.keep = max(pool.keep, keep)
     return pool

@@ -18,7 +18,7 @@ from harvest.store.format import compression as _compression
 from harvest.store.format import layout
 from harvest.store.storage.locate import Location, locate
 from harvest.store.storage.credentials import redact_attrs
-from harvest.store.format.dtypes import resolve_dtype, zarr_dtype
+from harvest.store.format.dtypes import resolve_dtype, row_width, zarr_dtype
 from harvest.store.errors import StoreError
 from harvest.store.format.jsonattrs import jsonable as _jsonable, now as _now
 from harvest.store.store import Store, open_store
@@ -81,7 +81,7 @@ def create_store(url, points: Sequence[str] | None = None, width: int | None = N
     try:
         g = zarr.create_group(store=zstore, overwrite=overwrite, zarr_format=3,
                               attributes={"harvest": harvest, "run": run_attrs})
-        n, w = spec.n_rows, spec.width
+        n, w = spec.n_rows, row_width(spec.dtype, spec.width)   # fp8: + a float32 scale per row
         for path in paths:
             g.create_array(path, shape=(n, w), dtype=zarr_dtype(np_dtype),
                            chunks=(spec.chunk_rows, w), shards=(spec.shard_rows, w),

@@ -40,6 +40,7 @@ from harvest.store.format import layout
 from harvest.store.stats import moments as _moments
 from harvest.store.stats.unit import BlockStats, chunk_partials
 from harvest.store.storage.credentials import scrub
+from harvest.store.format import fp8 as _fp8
 from harvest.store.format.dtypes import raw_dtype
 from harvest.store.errors import RegionConflict, RegionWriteFailed, StoreError
 from harvest.store.format.shardcodec import lower_priority
@@ -68,6 +69,9 @@ class ShardUploads:
         self.retries = retries
         self.attempt = uuid.uuid4().hex[:16]
         self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
+        self._RW = store.row_width   # columns of a stored row (fp8: width + its scale)
+        # statistics are of the values a reader gets: an fp8 store's dequantised rows (fp8.py)
+        self._decode = _fp8.dequantize if store.quantized else None
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
         self._codecs = [store.shard_codec(p) for p in store.points]
         self._meta_codecs = {n: store.meta_codec(n) for n in store.meta_columns}
@@ -331,7 +335,8 @@ class ShardUploads:
         try:
             codec = self._codecs[p]
             cr = codec.chunk_rows
-            visit, partials = chunk_partials(sh.keep, sh.present, cr, -(-x.shape[0] // cr))
+            visit, partials = chunk_partials(sh.keep, sh.present, cr, -(-x.shape[0] // cr),
+                                             self._decode)
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=visit)
             mom_all, mom_kept = partials(self._W)
             stream = self._stream(si, p)

@@ -28,6 +28,7 @@ from harvest.store.commit import tables as _tables
 from harvest.store.format import layout
 from harvest.store.stats import moments as _moments
 from harvest.store.storage.credentials import redact_attrs, scrub
+from harvest.store.format import fp8 as _fp8
 from harvest.store.format.dtypes import dtype_name
 from harvest.store.errors import RegionConflict, RegionWriteFailed
 from harvest.store.format.jsonattrs import jsonable as _jsonable
@@ -83,15 +84,20 @@ class RegionWriter(ShardUploads):
         return self._meta.rows_with_activations()
 
     def write(self, row_start: int, acts) -> None:
-        """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width]."""
+        """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width].
+
+        An fp8 store takes float rows (quantised here, bit for bit as the engine would: fp8.py)
+        or rows already packed (uint8 [n_points, n, width + 4])."""
         if self.already_committed:
             return
         self._check_usable()
         a = to_numpy(acts, self._dtype)
         if a.ndim == 2 and self._P == 1:
             a = a[None]
-        if a.ndim != 3 or a.shape[0] != self._P or a.shape[2] != self._W:
-            raise ValueError(f"write: acts must be [n_points={self._P}, n, width={self._W}], got "
+        if self._store.quantized and a.dtype != np.uint8 and a.ndim == 3 and a.shape[2] == self._W:
+            a = _fp8.quantize(a)
+        if a.ndim != 3 or a.shape[0] != self._P or a.shape[2] != self._RW:
+            raise ValueError(f"write: acts must be [n_points={self._P}, n, width={self._RW}], got "
                              f"{tuple(a.shape)}")
         if a.dtype != self._dtype:
             raise ValueError(f"write: acts dtype {a.dtype} does not match the store dtype "

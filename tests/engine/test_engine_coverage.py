@@ -178,6 +178,36 @@ def test_rows_are_handed_over_only_when_their_copies_complete_and_land_in_caller
     assert st.rewrites == 12 and st.rows == 26 and not st.dests
 
 
+def test_a_quantised_capture_hands_over_packed_fp8_rows_in_caller_memory():
+    """quantize="float8_e4m3fn": the step's rows are quantised before the copy (the transport's
+    own path, points reordered, a request split over steps and recomputed) and land as packed
+    rows (uint8 [points, n, width + 4]) equal to the store's numpy quantiser bit for bit."""
+    from harvest.store.format import fp8
+
+    st, buf = _state(CPUTransport(), width=6)
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "b-2": np.arange(50, 56, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 2), Address("resid_post", 0)), "float8_e4m3fn")
+    shard = torch.zeros(2, 64, 10, dtype=torch.uint8)   # a writer's packed block buffer
+    st.register("a-1", st.destination(shard[:, 8:28], 20), tokens["a-1"])
+    st.register("b-2", st.destination(None, 6), tokens["b-2"])
+    with pytest.raises(ValueError, match="dtype"):
+        st.destination(torch.zeros(2, 5, 10), 5)     # a float destination is refused
+    runner.step(st, buf, tokens, [("a-1", 0, 12), ("b-2", 0, 4)])
+    runner.step(st, buf, tokens, [("a-1", 0, 12)])
+    runner.step(st, buf, tokens, [("b-2", 4, 2), ("a-1", 12, 8)])
+    st.raise_if_failed()
+    st.mark_finished("a-1")
+    st.mark_finished("b-2")
+    st.poll()
+    want = lambda rid: fp8.quantize(_rows(tokens[rid], 3, 6)[[2, 0]].numpy())  # noqa: E731
+    assert st.take("a-1", "request 0").data_ptr() == shard[:, 8].data_ptr()
+    assert np.array_equal(shard[:, 8:28].numpy(), want("a-1"))
+    assert np.array_equal(st.take("b-2", "request 1").numpy(), want("b-2"))
+    with pytest.raises(ValueError, match="quantize="):
+        st.begin_capture((Address("resid_post", 0),), "int8")
+
+
 def test_a_request_missing_a_chunk_is_refused_at_handover():
     st, buf = _state(CPUTransport())
     runner = FakeRunner(16)

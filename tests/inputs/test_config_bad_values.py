@@ -66,6 +66,8 @@ def test_the_config_is_refused_only_for_its_model(capsys, config):
     (["ray.num_cpus_per_actor=.nan"], "ray.num_cpus_per_actor"),
     (["store.shard_rows=100"], "store.shard_rows"),
     (["capture.points=[resid_poop.3]"], "capture.points"),
+    (["store.dtype=int8"], "store.dtype"),
+    (["store.dtype=float16"], "store.dtype"),     # not the model's dtype: no silent cast
 ])
 def test_issue_values_are_refused_by_harvest_plan(capsys, config, settings, field):
     assert _refused_line(capsys, config, *settings).startswith(field)
@@ -95,6 +97,10 @@ def test_bad_generation_settings_are_refused_naming_the_field(capsys, config, se
     msg = _refused_line(capsys, config, "model.backend=vllm", setting)
     assert msg.startswith("capture.generate") or msg.startswith("unknown field capture.generate")
     assert says in msg, msg
+
+
+def test_an_fp8_store_gets_as_far_as_the_model(capsys, config):
+    assert _refused_line(capsys, config, "store.dtype=float8_e4m3fn").startswith("model.path=")
 
 
 def test_a_good_generation_section_gets_as_far_as_the_model(capsys, config):

@@ -78,6 +78,28 @@ def test_transport_checksums_catch_torn_stale_and_unwritten_rows():
     assert gtt.verify(loop, dests, res["plans"])["bad_rows"] == 3
 
 
+def test_the_fp8_transport_loop_delivers_every_packed_row_and_its_check_can_fail():
+    """fp8 capture through the transport loop (CPU here; CudaTransport on the GPU host): every
+    packed row bit for bit the quantiser's, and a wrong byte or a row of another step is caught."""
+    res = gtt.run(dry=True)
+    q = res["fp8_cpu"]
+    assert res["ok"] and q["bad_rows"] == 0 and q["rows_checked"] == res["cpu"]["rows_checked"]
+    from harvest.engine.capture.transport import CPUTransport
+
+    geo = gtt.DRY_GEOMETRY
+    loop = gtt.Loop(geo, torch.device("cpu"))
+    tr = CPUTransport()
+    dests = {rid: tr.new_destination((geo["points"], geo["request"], geo["width"] + 4), torch.uint8)
+             for rid in loop.reqs}
+    r = gtt.run_loop(loop, tr, dests, list(range(geo["points"])), quantize=True)
+    assert gtt.verify_quantized(loop, dests, r["plans"])["bad_rows"] == 0
+    d = dests["r1"]
+    d[0, 3, 0] ^= 1                 # one value's bits
+    d[1, 5, -1] ^= 0x40             # the scale
+    d[2, 7] = d[2, 8]               # another row
+    assert gtt.verify_quantized(loop, dests, r["plans"])["bad_rows"] == 3
+
+
 @pytest.mark.slow  # a subprocess with zarr hidden
 def test_without_zarr_the_store_parts_are_explicit_skips():
     code = hiding("zarr") + ("import json\nfrom harvest.benchmarks.gpu import torch_store as g\n"

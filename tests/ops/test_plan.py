@@ -459,6 +459,22 @@ def test_plan_warns_when_a_parquet_corpus_cannot_fill_the_budget(tmp_path, capsy
     assert not [w for w in p["warnings"] if "corpus" in w]
 
 
+def test_plan_prices_an_fp8_store_at_the_8b_shape(tmp_path, capsys):
+    """store.dtype: float8_e4m3fn at Llama-3.1-8B's shape: a row is 4,096 fp8 bytes and a 4-byte
+    scale, compressed by fp8's own codec (zstd-1, ~1.17x): at most 0.65x the stored bytes of
+    the bf16 plan of the same tokens, with shards and objects sized for the fp8 rows."""
+    model = _model_dir(tmp_path, 32, 4096)
+    sets = ("packing.max_tokens=1000000000", "ray.num_gpus_per_actor=1")
+    bf = _plan_json(tmp_path, capsys, model, *sets)
+    q = _plan_json(tmp_path, capsys, model, *sets, "store.dtype=float8_e4m3fn")
+    assert q["store_dtype"] == "float8_e4m3fn" and bf["store_dtype"] == "bfloat16"
+    assert q["bytes_per_token"] == 32 * (4096 + 4) and bf["bytes_per_token"] == 32 * 4096 * 2
+    assert q["estimate"]["compression"] == q["layout"]["compression"] == 1.17
+    assert q["estimate"]["bytes_stored"] <= 0.65 * bf["estimate"]["bytes_stored"]
+    # data objects priced from the fp8 rows, still well above object storage's small-object range
+    assert q["layout"]["data_object_bytes"] == int(q["shard_rows"] * 4100 / 1.17) >= 32_000_000
+    assert q["layout"]["objects"] <= bf["layout"]["objects"]
+
 def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, capsys):
     """SmolLM2's shape (9 attention heads, 3 KV heads, MLP 1536, vocab 49152): TP=2 is refused
     when the config loads (a local config.json is read), by `harvest plan`, naming the field,

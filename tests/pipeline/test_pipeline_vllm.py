@@ -8,6 +8,7 @@ backends use different kernels); a row from another token or layer would be off 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from harvest.pipeline.driver.run import run
@@ -57,3 +58,39 @@ def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_l
     assert open_store(cfg.store.resolved_url).shard_rows == 32
     assert actor["steps"] >= 6144 // 256 and actor["step_fill"] >= 0.9, actor
     check_store(open_store(cfg.store.resolved_url), reference, rel_tol=REL_TOL)
+
+
+def test_fp8_store_quantised_in_the_engine(ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    """store.dtype: float8_e4m3fn on the production path: the engine quantises each step's rows
+    before they leave it, straight into the writers' packed buffers. Rows are the eager bf16
+    reference of the same corpus within bf16-across-backends plus fp8 error, statistics are those
+    of the dequantised rows, verify --deep passes, and a resume asking for bf16 is refused."""
+    from harvest.pipeline.errors import ResumeMismatch
+    from harvest.store.format import fp8
+    from tests.support.pipeline import make_cfg as cfg_of
+
+    url = str(tmp_path / "store")
+    cfg = cfg_of(tiny_llama, url, corpus, "model.backend=vllm", "model.max_num_batched_tokens=256",
+                 "model.gpu_memory_utilization=0.1", "ray.num_actors=1",
+                 "store.dtype=float8_e4m3fn", capture={"batch_contexts": 64})
+    summary = run(cfg)
+    store = open_store(url)
+    assert store.dtype == "float8_e4m3fn" and store.compression["codec"] == "zstd"
+    assert sum(a["rows_in_place"] for a in summary["per_actor"]) == summary["tokens"]
+    v = store.verify(deep=True)
+    assert v["ok"] and not v["missing_units"], v["errors"]
+    ref, acts = reference
+    tok, _, _ = store.read_row_meta(0, store.n_rows)
+    assert np.array_equal(tok, ref.packed.token_ids)
+    stats = store.stats()
+    for p in store.points:
+        packed = store.read(p, 0, store.n_rows)
+        assert packed.shape == (store.n_rows, store.width + 4)
+        got, want = fp8.dequantize(packed), acts[p].astype(np.float32)
+        err = np.linalg.norm(got - want, axis=1) / (np.linalg.norm(want, axis=1) + 1e-12)
+        assert err.max() < REL_TOL + 0.04, (p, float(err.max()))
+        np.testing.assert_allclose(stats[p]["mean"], got.astype(np.float64).mean(0), rtol=1e-9,
+                                   atol=1e-9)
+    again = cfg_of(tiny_llama, url, corpus, "model.backend=vllm", "ray.num_actors=1")
+    with pytest.raises(ResumeMismatch, match="store.dtype"):
+        run(again)

@@ -214,7 +214,7 @@ def test_format_md_bfloat16_snippet_reads_a_store_with_plain_zarr(tmp_path):
     from pathlib import Path
 
     fmt = (Path(__file__).resolve().parents[2] / "store" / "FORMAT.md").read_text()
-    [code] = re.findall(r"```python\n(.*?)```", fmt, re.S)
+    [code] = [c for c in re.findall(r"```python\n(.*?)```", fmt, re.S) if "BFloat16" in c]
     assert "import harvest" not in code and "from harvest" not in code
     n, w = 5000, 32
     x = synthetic.activations((1, n, w), seed=4)
