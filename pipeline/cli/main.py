@@ -16,6 +16,7 @@ from .args import (config_args, is_user_error, load_args_config, print_json, sto
 from .repair import add_parsers as add_repair
 from harvest.pipeline.config.run import HarvestConfig
 from .schedule_cmd import add_parser as add_schedule
+from .card import add_parser as add_card
 from harvest.store.storage.credentials import redact_url
 
 EXIT_BAD_INPUT = 2
@@ -327,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("--json", action="store_true")
     cm.set_defaults(fn=cmd_check_model)
     add_schedule(sub)
+    add_card(sub)
+
     add_repair(sub)   # finalize, uncommit (cli_repair.py)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
         sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)

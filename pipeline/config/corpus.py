@@ -15,6 +15,8 @@ from typing import Any
 from .fields import ConfigError, check_bool, check_choice, check_int, check_str
 
 # `chat`: the rows are conversations (see DataConfig); the file format is then found as for null.
+# formats whose rows cannot hold a list of token ids (data.tokens_column refuses them)
+TEXT_ONLY_FORMATS = ("text", "csv", "chat")
 DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub", "chat")
 
 
@@ -28,6 +30,11 @@ class DataConfig:
     from `messages_column` (lists of {role, content}) instead of text, renders them with the
     model's chat template and labels every row with its role (pipeline/data/chat.py; the file format
     is then inferred as for null).
+
+    `tokens_column`: the rows are token-id sequences already (a pre-tokenised corpus, e.g.
+    SAELens's `input_ids`/`tokens` datasets) read from that column instead of text
+    (pipeline/data/token_input.py): a row of exactly packing.context_size ids that starts a context
+    is taken as one context unchanged, other lengths are packed by the packing rules.
 
     `block_bytes`: the corpus is cut into blocks of about this much text, each tokenised and
     packed on its own by a worker (contexts never straddle blocks). It decides the rows, so it is
@@ -44,13 +51,16 @@ class DataConfig:
     data_files: Any = None
     text_column: str = "text"
     messages_column: str = "messages"
+    tokens_column: str | None = None
     streaming: bool = False
     max_docs: int | None = None
     block_bytes: int = 8 << 20
 
     @property
     def value_column(self) -> str:
-        """The column the readers take each row's value from (text, or chat messages)."""
+        """The column the readers take each row's value from (text, chat messages or ids)."""
+        if self.tokens_column is not None:
+            return self.tokens_column
         return self.messages_column if self.format == "chat" else self.text_column
 
     def validate(self) -> None:
@@ -71,6 +81,13 @@ class DataConfig:
             raise ConfigError("data.data_files must be a path, a list of paths or {split: paths}")
         check_str("data.text_column", self.text_column)
         check_str("data.messages_column", self.messages_column)
+        if self.tokens_column is not None:
+            check_str("data.tokens_column", self.tokens_column)
+            if self.format in TEXT_ONLY_FORMATS:
+                raise ConfigError(
+                    f"data.tokens_column={self.tokens_column!r} with data.format: {self.format}: "
+                    "a token-id column needs a source that holds lists (hub, disk, parquet, "
+                    "arrow, json/jsonl); drop data.format or data.tokens_column")
         check_bool("data.streaming", self.streaming)
         check_int("data.max_docs", self.max_docs, 1, optional=True)
 

@@ -95,8 +95,10 @@ class HarvestConfig:
             },
             # messages_column decides rows only with chat input; left out otherwise, so stores
             # made before it existed still resume (their stored key has no such field)
+            # tokens_column likewise only when set (a pre-tokenised corpus)
             "data": {k: v for k, v in dataclasses.asdict(self.data).items()
-                     if k != "messages_column" or self.data.format == "chat"},
+                     if (k != "messages_column" or self.data.format == "chat")
+                     and (k != "tokens_column" or v is not None)},
             "packing": {
                 k: v for k, v in dataclasses.asdict(self.packing).items()
                 if k not in ("tokenize_batch", "chunk_tokens")

@@ -206,11 +206,26 @@ def _classify(text) -> "str | None":
     return None
 
 
+def ids_problem(value) -> "str | None":
+    """The skip reason of a token-id value (data.tokens_column), or None; token_input.py packs
+    the rest."""
+    if value is None:
+        return "null"
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
+        return "not_tokens"
+    try:
+        return "empty" if len(value) == 0 else None
+    except TypeError:  # a 0-d array or tensor (a scalar column in numpy/torch format)
+        return "not_tokens"
+
+
 def read_block(block: list[dict], cfg: DataConfig, start: dict | None = None) -> Iterator[tuple]:
     """(row, pos, text, reason) for every source row of the block, from `start` (a cursor:
     {"row", "pos"}) on; `reason` is None for usable text, else why the row is skipped."""
     classify = _classify
-    if cfg.format == "chat":
+    if cfg.tokens_column is not None:  # pre-tokenised rows (pipeline/data/token_input.py)
+        classify = ids_problem
+    elif cfg.format == "chat":
         from .chat import conversation_problem as classify
     row = int(start["row"]) if start else 0
     pos = start.get("pos") if start else None

@@ -24,12 +24,16 @@ SMALL_SOURCE_BYTES = 64 << 20
 
 
 def _field(cfg) -> str:
-    """The config field naming the column read: data.messages_column for chat input."""
+    """The config field naming the column read: data.messages_column for chat input,
+    data.tokens_column for token ids."""
+    if cfg.tokens_column is not None:
+        return "data.tokens_column"
     return "data.messages_column" if cfg.format == "chat" else "data.text_column"
 
 
 def _no_column(col: str, where: str, names, field: str = "data.text_column") -> DataError:
-    what = "the conversations" if field == "data.messages_column" else "the text"
+    what = {"data.messages_column": "the conversations",
+            "data.tokens_column": "the token ids"}.get(field, "the text")
     return DataError(
         f"{field}={col!r} is not a column of {where}: columns are {list(names)}; set "
         f"{field} to the one holding {what}")
@@ -117,6 +121,8 @@ def _is_chat(value) -> bool:
 def _probe_values(cfg, block: list[dict], rows: int) -> None:
     """Refuse a text column whose first rows hold no string at all: every row would be skipped
     as `not_text`, and the run used to stop only once the engines were up."""
+    if cfg.tokens_column is not None:
+        return  # token ids: token_input.check_token_source reads and checks them
     values = []
     for _, _, value, _ in read_block(block, cfg):
         values.append(value)

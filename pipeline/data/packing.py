@@ -187,9 +187,11 @@ class BlockPacker:
         r[reason] = r.get(reason, 0) + 1
         return []
 
-    def add(self, row: int, pos, ids, roles=None) -> list[Chunk]:
+    def add(self, row: int, pos, ids, roles=None, whole: bool = False) -> list[Chunk]:
         """One document's token ids (no special tokens added); `roles`: chat input's role code
-        per token (required with pad_token_id, see the module docstring).
+        per token (required with pad_token_id, see the module docstring). `whole`: the ids are
+        one context as they are (a pre-tokenised row of exactly context_size ids arriving at a
+        context boundary, pipeline/data/token_input.py): no BOS is inserted.
 
         A document's figures (row read, tokens seen) go to the chunk its first token lands in,
         and a document resumed mid-way is not counted again: so the chunks a resumed packer
@@ -207,7 +209,7 @@ class BlockPacker:
             self._read(row)
             self.stats.docs_empty_tokens += 1
             return out
-        if self.per_doc_bos:
+        if self.per_doc_bos and not whole:
             ids = np.concatenate([np.array([self.bos], np.int32), ids])
         off = resumed
         if self.boundary and off < len(ids):
@@ -216,11 +218,11 @@ class BlockPacker:
             self._read(row)
             self.stats.docs_used += 1
             self.stats.tokens_seen += len(ids)
-            self.stats.bos_inserted += int(self.per_doc_bos)
+            self.stats.bos_inserted += int(self.per_doc_bos and not whole)
         while off < len(ids):
             if self.boundary:
                 out.append(self._emit({"row": row, "pos": pos, "offset": off}))
-            if self.fill == 0 and self.per_context_bos:
+            if self.fill == 0 and self.per_context_bos and not whole:
                 self.tok.extend(np.array([self.bos], np.int32))
                 self.doc.extend(np.array([META_INSERTED], np.int64))
                 self.pos.extend(np.array([META_INSERTED], np.int32))

@@ -43,9 +43,16 @@ def capped_ids(tokenizer, text: str, cap: int) -> "tuple[list[int], bool]":
 def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
                tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
                start: dict | None = None, first_index: int = 0, last_index: int | None = None,
-               prompt_tokens: int | None = None) -> Iterator:
+               prompt_tokens: int | None = None, vocab_size: int | None = None) -> Iterator:
     """Chunks of one block, from `start` (a chunk's cursor) on, until `last_index` if given.
-    `prompt_tokens`: chat input completed by capture.generate (chat_prompt_tokens)."""
+    `prompt_tokens`: chat input completed by capture.generate (chat_prompt_tokens).
+    `vocab_size`: pre-tokenised input refuses ids outside it (token_input.py)."""
+    if data.tokens_column is not None:  # pre-tokenised rows: nothing to tokenise
+        from .token_input import pack_token_block
+
+        yield from pack_token_block(block_id, block, data, packing, bos, chunk_contexts,
+                                    max_contexts, start, first_index, last_index, vocab_size)
+        return
     if data.format == "chat":
         yield from pack_chat_block(block_id, block, data, packing, tokenizer, bos,
                                    chunk_contexts, max_contexts, start, first_index, last_index,
@@ -168,6 +175,7 @@ class TokenizeWorker:
         self.chunk_contexts = int(spec["chunk_contexts"])
         self.max_contexts = spec.get("max_contexts")
         self.prompt_tokens = spec.get("prompt_tokens")  # chat_prompt_tokens(cfg)
+        self.vocab_size = spec.get("vocab_size")  # pre-tokenised input's id check
         self.blocks_started = 0
 
     def ping(self) -> int:
@@ -182,7 +190,7 @@ class TokenizeWorker:
         max_contexts = self.max_contexts if budget is None else budget
         for c in pack_block(block_id, block, self.data, self.packing, self.tokenizer, self.bos,
                             self.chunk_contexts, max_contexts, start, first_index, last_index,
-                            self.prompt_tokens):
+                            self.prompt_tokens, self.vocab_size):
             yield c.arrays()
             yield {**c.describe(), "pid": os.getpid()}
 

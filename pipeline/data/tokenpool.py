@@ -57,7 +57,7 @@ class TokenPool:
         spec = {"model_path": prep.model_path, "data": dataclasses.asdict(cfg.data),
                 "packing": dataclasses.asdict(cfg.packing), "bos": prep.bos_token_id,
                 "chunk_contexts": chunk_contexts, "max_contexts": max_contexts, "env": env,
-                "prompt_tokens": chat_prompt_tokens(cfg)}
+                "prompt_tokens": chat_prompt_tokens(cfg), "vocab_size": prep.vocab_size}
         cpus = cfg.ray.tokenizer_cpus(ray.cluster_resources())
         blocks = prep.sources["blocks"]
         total = len(jobs) + (len(blocks) - fresh_from if fresh_from is not None else 0)

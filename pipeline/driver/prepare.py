@@ -105,6 +105,7 @@ class Prepared:
     layout: Layout
     stats_skip_positions: int
     seconds: float
+    token_source: "dict | None" = None  # data.tokens_column: what check_token_source found
 
     @property
     def itemsize(self) -> int:
@@ -164,6 +165,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     itemsize = stored_itemsize(cfg)
     stored_sources = None
     stored_layout = None
+    token_source = None
     if existing is not None:
         stored_sources = existing.plans.read_sources()
         if stored_sources is not None:
@@ -183,7 +185,12 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     else:
         sources = plan_blocks(cfg.data)
         probe_text_column(cfg.data, sources["blocks"])
+        if cfg.data.tokens_column is not None:  # ids against the vocabulary and the tokenizer
+            from harvest.pipeline.data.token_input import check_token_source
+
+            token_source = check_token_source(cfg, sources["blocks"], tokenizer, info.vocab_size,
+                                              cfg.model.path)
         # a resumed store filled contexts already; a new one must be able to fill one
         check_fills_context(cfg, sources["blocks"], tokenizer, bos)
     return Prepared(cfg, model_path, info.n_layers, info.width, info.vocab_size, limit, points,
-                    bos, special, sources, layout, skip, time.perf_counter() - t0)
+                    bos, special, sources, layout, skip, time.perf_counter() - t0, token_source)

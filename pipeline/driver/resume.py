@@ -18,6 +18,7 @@ from harvest.pipeline.config.run import HarvestConfig
 from harvest.pipeline.errors import HarvestError, ResumeMismatch
 from harvest.pipeline.data.context_rows import Frontier, chunk_key
 from harvest.pipeline.data.blocks import check_sizes
+from harvest.pipeline.data.provenance import fingerprint_changed
 from harvest.store.storage.credentials import redact_url
 from harvest.store.commit.plan import Unit
 from harvest.pipeline.data.tokenpool import Job
@@ -98,7 +99,8 @@ def check_resume(store, cfg: HarvestConfig, prep=None) -> None:
             + (f" ({len(diffs) - 1} more difference(s))" if len(diffs) > 1 else "")
         )
     if prep is not None:
-        changed = check_sizes(prep.sources["blocks"])
+        changed = check_sizes(prep.sources["blocks"]) or fingerprint_changed(
+            (store.attrs or {}).get("provenance"), cfg.data)
         if changed:
             raise ResumeMismatch(
                 f"store {store.url}: the data changed since the store was planned ({changed}); "

@@ -70,6 +70,8 @@ class StoreSink:
         """The new store: layout from the plan, attributes from the run and actor 0's engine."""
         from harvest.store import create_store
 
+        from harvest.pipeline.data.provenance import run_provenance
+
         cfg = self.cfg
         self.lease.assert_held("creating the store")
         attrs = {
@@ -83,6 +85,7 @@ class StoreSink:
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
             **chat_attrs(cfg),
+            "provenance": run_provenance(cfg, prep),  # model, tokenizer, data, settings hashed
         }
         if cfg.capture.generate is not None:
             # the reader skips rows without activations in a store that has this (FORMAT.md)

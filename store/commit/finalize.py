@@ -17,6 +17,7 @@ import zarr
 
 from . import markers as _commits
 from harvest.store.format import layout
+from harvest.store import card as _card
 from harvest.store.storage.credentials import redact_attrs
 from . import published as _published
 from harvest.store.errors import DataIntegrityError, StoreError
@@ -131,6 +132,7 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     h["n_rows"] = store.n_rows
     g.attrs.update({**attrs_update, "harvest": h})
     store._meta["attributes"].update({**attrs_update, "harvest": h})
+    _card.write_card(store)  # README.md from the attributes just written (card.py)
     return {"committed_units": len(refs), "committed_rows": rows, "compression_ratio": ratio,
             "stats": attrs_update["stats"], "stats_kept": attrs_update["stats_kept"]}
 

@@ -1,0 +1,188 @@
+"""The dataset card: `README.md` at the store's root, written at finalize and by `harvest card`.
+
+A store is a folder (or prefix) a person may find without its maker: the card says what it is in
+a minute's reading, in the Hugging Face dataset-card conventions (YAML front matter, then
+Markdown), so a store copied as a folder carries it and `huggingface_hub`'s `upload_folder`
+publishes it as the dataset's page unchanged. Every figure in it is read from the store's own
+attributes (the `harvest:` block of the front matter repeats them as data, which tests compare
+with the store); the card is derived, never a source: `harvest card URL` rewrites it from the
+attributes at any time (after `harvest report`, to show the report's picture).
+
+The front matter is written as JSON values, which YAML reads as they are: this module needs no
+YAML library, so the light install (`harvest-store`) can write and refresh cards too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .store import Store
+
+CARD = "README.md"
+REPORT_PNG = "_report/report.png"  # where `harvest report` writes beside a local store
+SIZE_CATEGORIES = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
+                   (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"),
+                   (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"),
+                   (10_000_000_000, "1B<n<10B"), (100_000_000_000, "10B<n<100B"),
+                   (1_000_000_000_000, "100B<n<1T")]
+STAT_POINTS = 8  # statistics rows shown; the rest are in the store's attributes
+
+
+def size_category(rows: int) -> str:
+    """The Hugging Face `size_categories` bucket of a row count."""
+    for bound, name in SIZE_CATEGORIES:
+        if rows < bound:
+            return name
+    return "n>1T"
+
+
+def card_facts(store: Store) -> dict:
+    """The figures the card shows, from the store's attributes only (the `harvest:` block)."""
+    a = store._meta["attributes"]
+    run = store.attrs
+    rows = int(a.get("committed_rows") or 0)
+    C = store.context_size
+    model = run.get("model") if isinstance(run.get("model"), dict) else {}
+    prov = run.get("provenance") or {}
+    return {
+        "model": run.get("config", {}).get("model", {}).get("path") or store.tokenizer,
+        "model_revision": (prov.get("model") or {}).get("revision") or model.get("revision"),
+        "model_weights_sha256": (prov.get("model") or {}).get("weights_sha256"),
+        "n_layers": model.get("n_layers"),
+        "engine": model.get("backend"),
+        "points": list(store.points),
+        "width": store.width,
+        "dtype": store.dtype,
+        "rows": rows,
+        "tokens": rows,
+        "contexts": rows // C if C else None,
+        "context_size": C,
+        "stored_bytes": (a.get("compression_ratio") or {}).get("stored_bytes"),
+        "compression_ratio": (a.get("compression_ratio") or {}).get("overall"),
+        "bos_token_id": store.bos_token_id,
+        "special_token_ids": store.special_token_ids,
+        "stats_skip_positions": store.stats_skip_positions,
+        "layout_version": store.layout_version,
+        "finalized_at": a.get("finalized_at"),
+    }
+
+
+def _front_matter(facts: dict, run: dict) -> str:
+    prov = run.get("provenance") or {}
+    data = prov.get("data") or {}
+    info = data.get("dataset_info") or {}
+    meta: dict = {}
+    if info.get("license"):
+        meta["license"] = info["license"]
+    meta["pretty_name"] = f"{facts['model'] or 'harvest'} activations ({len(facts['points'])} points)"
+    meta["size_categories"] = [size_category(facts["rows"])]
+    meta["task_categories"] = ["feature-extraction"]
+    meta["tags"] = ["activations", "interpretability", "sparse-autoencoder", "harvest", "zarr"]
+    sources = [data.get("source")] if data.get("kind") == "hub" else []
+    original = (prov.get("token_source") or {}).get("original_dataset")
+    original = str(original or "")
+    if original.count("/") == 1 and not original.startswith(("/", ".", "~")):
+        # a hub dataset name the ids were made from (SAELens's record), not a local path
+        sources.append(original)
+    if sources:
+        meta["source_datasets"] = sources
+    meta["harvest"] = facts
+    return "---\n" + "".join(f"{k}: {json.dumps(v, ensure_ascii=False)}\n"
+                             for k, v in meta.items()) + "---\n"
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def _stats_table(store: Store) -> str:
+    a = store._meta["attributes"]
+    kept = a.get("stats_kept") or {}
+    every = a.get("stats") or {}
+    if not every:
+        return "No statistics (the store is not finalized).\n"
+    lines = ["| point | rows kept | mean ‖x‖ | E‖x‖² (kept) | mean variance | non-finite |",
+             "|---|---|---|---|---|---|"]
+    for p in store.points[:STAT_POINTS]:
+        s = kept.get(p) or every.get(p) or {}
+        lines.append(f"| `{p}` | {_fmt(s.get('count'))} | {_fmt(s.get('mean_norm'))} | "
+                     f"{_fmt(s.get('mean_sq_norm'))} | {_fmt(s.get('mean_var'))} | "
+                     f"{_fmt(s.get('nonfinite_rows'))} |")
+    more = len(store.points) - STAT_POINTS
+    tail = f"\n{more} more points: `store.stats(points, subset=\"kept\")`.\n" if more > 0 else "\n"
+    return "\n".join(lines) + tail
+
+
+def card_text(store: Store) -> str:
+    """The card: front matter, then the body (module docstring)."""
+    run = store.attrs
+    f = card_facts(store)
+    prov = run.get("provenance") or {}
+    data, mprov, hv = prov.get("data") or {}, prov.get("model") or {}, prov.get("harvest") or {}
+    cfg = run.get("config") or {}
+    pts = f["points"]
+    name = f["model"] or "an unnamed model"
+    shown = ", ".join(f"`{p}`" for p in pts[:6]) + (f" and {len(pts) - 6} more" if len(pts) > 6 else "")
+    corpus = data.get("resolved") or (run.get("data") or {}).get("source") or "unknown"
+    ident = mprov.get("revision") or (mprov.get("weights_sha256") or "")[:16] or "not recorded"
+    token_src = prov.get("token_source")
+    picture = (f"![harvest report]({REPORT_PNG})\n\n" if store.location.exists(REPORT_PNG)
+               else "No picture yet: `harvest report URL` then `harvest card URL` adds one.\n\n")
+    ratio = f"{f['compression_ratio']}×" if f["compression_ratio"] else "not recorded"
+    body = [
+        f"# Activations of {name}\n",
+        f"Residual-stream and other activations captured by harvest "
+        f"{hv.get('version') or (store._h.get('created_by') or {}).get('harvest', '')}: one row "
+        "per token, every point's row i the same token, with `token_id`, `doc_id` and `position` "
+        "columns saying which.\n",
+        "| | |", "|---|---|",
+        f"| model | `{name}` (revision or weights sha256: `{ident}`) |",
+        f"| points | {len(pts)}: {shown} |",
+        f"| width, dtype | {f['width']}, {f['dtype']} |",
+        f"| rows (tokens) | {_fmt(f['rows'])}" + (f" in {_fmt(f['contexts'])} contexts of "
+                                                  f"{f['context_size']}" if f["context_size"]
+                                                  else "") + " |",
+        f"| stored | {_fmt(f['stored_bytes'])} bytes, compression {ratio} |",
+        f"| corpus | {corpus}, split `{data.get('split', '')}`, column "
+        f"`{data.get('column', '')}`" + (f", fingerprint `{data['fingerprint']}`"
+                                         if data.get("fingerprint") else "") + " |",
+        f"| tokens from | " + (f"pre-tokenised ids (`{token_src.get('column')}`, tokenizer "
+                               f"{token_src.get('tokenizer_name') or 'not recorded'})"
+                               if token_src else "text tokenised by the model's tokenizer") + " |",
+        f"| filters | BOS id {f['bos_token_id']}, special ids {f['special_token_ids']}; "
+        f"statistics `kept` leave out those and the first {f['stats_skip_positions']} "
+        "position(s) of each context |",
+        "",
+        "## Statistics (kept rows)\n",
+        _stats_table(store),
+        picture,
+        "## Read it\n",
+        "Full install (`pip install harvest`) or the light one (`pip install "
+        "harvest-store[torch]`): the same three lines.\n",
+        "```python",
+        "from harvest.store import open_store",
+        "from harvest.store.read.dataset import ActivationDataset",
+        f"ds = ActivationDataset(open_store(\"<this folder or s3://...>\"), points=\"{pts[0] if pts else ''}\", "
+        "batch_size=4096, exclude_special=True)",
+        "```\n",
+        "## How it was made\n",
+        f"`harvest run` (config sha256 `{(hv.get('config_sha256') or '')[:16]}`, content key "
+        f"sha256 `{(hv.get('content_key_sha256') or '')[:16]}`), backend "
+        f"`{(cfg.get('model') or {}).get('backend', '')}`, packing "
+        f"`{json.dumps(cfg.get('packing') or {})}`. Finalized {f['finalized_at']}. The full "
+        "configuration is `attrs[\"run\"][\"config\"]` of the root `zarr.json`; model, tokenizer "
+        "and data hashes are `attrs[\"run\"][\"provenance\"]`; the layout is harvest's FORMAT.md "
+        f"(layout version {f['layout_version']}).\n",
+    ]
+    return _front_matter(f, run) + "\n" + "\n".join(body)
+
+
+def write_card(store: Store) -> str:
+    """Write (or refresh) README.md at the store's root; returns its text."""
+    text = card_text(store)
+    store.location.write_bytes(CARD, text.encode("utf-8"))
+    return text
