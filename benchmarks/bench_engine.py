@@ -21,6 +21,9 @@ path spent its time (`ring`, `rows_placed`, `rows_copied`). `--modes plain_nofus
 plain vLLM with capture's compile settings (fusion off) at TP > 1: on GPUs where vLLM fuses the
 all-reduce, it separates that cost from the taps'.
 
+`--modes freeze_transcoder` captures mlp_in and mlp_out at every layer (twice the rows of
+freeze's resid_post; a cross-layer transcoder's training pairs). Target: >= 0.9x plain.
+
 `--generate N` measures generation instead (engine/vllm/generate.py): every prompt completed with N
 new tokens (greedy, no stop: the same work in every mode), tok/s = generated tokens per second;
 plain is plain vLLM generating, freeze generates with every layer's rows (prompt and decode)
@@ -149,8 +152,14 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             kw["compilation_config"] = compat.tp_compilation_config(None)
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
-    elif mode == "freeze":
-        m = load_model(path, backend="vllm", freeze_points="auto", freeze_writes=[], **kw)
+    elif mode in ("freeze", "freeze_transcoder"):
+        freeze = "auto"
+        if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
+            from harvest.engine.checkpoint import read_model_info
+
+            n = read_model_info(path).n_layers
+            freeze = [f"{p}.{i}" for i in range(n) for p in ("mlp_in", "mlp_out")]
+        m = load_model(path, backend="vllm", freeze_points=freeze, freeze_writes=[], **kw)
         points = None
         if not generate:
             dests = writer_destinations(m, prompts)
@@ -270,7 +279,7 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
     for mode, tp in plan:
         try:
             mem, extra = None, {}
-            if mode in ("plain", "plain_nofuse", "freeze", "hooked"):
+            if mode in ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder"):
                 secs, rows, mem, extra = _vllm_mode(path, prompts, repeats, mode, max_batched,
                                                     tp, generate)
             elif mode == "hf_eager":

@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
-# Points every supported trunk exposes; `attn_out`/`mlp_out` are the block's sublayer outputs
-# (before they are added to the stream). `resid_streams` exists only on trunks with several
-# residual streams (hyper-connections); none of the architectures shipped today has them.
+from .points import BY_NAME, MODEL_LEVEL, NAMES, point
+
+# The block's own points (its stream in and out, its sublayer outputs); every other point of the
+# table (engine/points.py) is read at a module site inside the block (engine/capture/sites.py).
+# `resid_streams` exists only on trunks with several residual streams (hyper-connections); none
+# of the architectures shipped today has them.
 POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_out")
 MULTI_STREAM_POINT = "resid_streams"
-KNOWN_POINTS = POINTS + (MULTI_STREAM_POINT,)
+KNOWN_POINTS = NAMES + (MULTI_STREAM_POINT,)
 
 
 @dataclass(frozen=True, order=True)
@@ -26,11 +29,20 @@ class Address:
 
     def __post_init__(self):
         if self.name not in KNOWN_POINTS:
+            point(self.name)  # names the refused ones with their reason
             raise ValueError(
                 f"unknown point {self.name!r}: known points are {', '.join(KNOWN_POINTS)}"
             )
         if not isinstance(self.layer, int) or self.layer < 0:
             raise ValueError(f"layer of {self.name!r} must be an int >= 0, got {self.layer!r}")
+        if self.name in MODEL_LEVEL and self.layer != 0:
+            raise ValueError(f"{self.name!r} is a model-level point (one per model): address it "
+                             f"as '{self.name}.0', not '{self.name}.{self.layer}'")
+
+    @property
+    def spec(self):
+        """This point's row of the table (engine/points.py)."""
+        return BY_NAME[self.name]
 
     def __str__(self) -> str:
         return f"{self.name}.{self.layer}"

@@ -16,6 +16,19 @@ class ModelInfo:
     vocab_size: int
     n_streams: int
     architecture: str
+    kinds: tuple = ()  # ((width kind, width), ...) of engine/points.py, from the config
+
+    def point_width(self, name: str) -> int:
+        """The full (unsharded) width of point `name` in this model; ValueError if it has none."""
+        from .points import BY_NAME
+
+        kind = BY_NAME[name].width if name in BY_NAME else "d_model"
+        w = self.width if kind == "d_model" else dict(self.kinds).get(kind)
+        if not w:
+            raise ValueError(f"point {name!r} ({kind} wide) does not exist in this model: its "
+                             f"config gives no {kind} width"
+                             + (" (router_logits needs a MoE model)" if kind == "experts" else ""))
+        return int(w)
 
 
 def _first(cfg, *names, default=None):
@@ -30,6 +43,8 @@ def read_model_info(name_or_path: str, revision: str | None = None) -> ModelInfo
     """Read the config the same way for a hub name and a local path (from_pretrained)."""
     from transformers import AutoConfig
 
+    from .points import WIDTH_KINDS, config_width
+
     cfg = AutoConfig.from_pretrained(name_or_path, revision=revision)
     cfg = getattr(cfg, "text_config", None) or cfg
     return ModelInfo(
@@ -40,6 +55,7 @@ def read_model_info(name_or_path: str, revision: str | None = None) -> ModelInfo
         # Hyper-connection trunks keep several residual streams; the configs name it differently.
         n_streams=int(_first(cfg, "hc_mult", "num_residual_streams", default=1)),
         architecture=(cfg.architectures or [type(cfg).__name__])[0],
+        kinds=tuple((k, w) for k in WIDTH_KINDS if (w := config_width(cfg, k))),
     )
 
 

@@ -13,11 +13,33 @@ import numpy as np
 import torch
 
 from .capture import blocks
-from .addresses import Address, POINTS, parse_addresses
+from .addresses import Address, parse_addresses
 from harvest.engine.capture.captured import CapturedRequest
 from .checkpoint import read_model_info, validate_tokens
 from .protocol import DestinationProvider, StepStats
+from harvest.engine.capture.sites import SITE_POINTS, candidates, module_at
 from harvest.engine.capture.taps import check_supported, find_layers
+
+
+def _input_of(args, kwargs, width: int):
+    """A Hugging Face module's stream input ([batch, tokens, width]: batched, unlike vLLM's):
+    the stream-named keyword, else the first floating tensor of that width."""
+    for v in [kwargs.get(n) for n in blocks.STREAM_NAMES] + list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape[-1] == width:
+            return v
+    raise RuntimeError(f"no {width}-wide floating input in this module call")
+
+
+def hf_sites(sem: blocks.BlockSemantics, layer, parallel: bool) -> blocks.BlockSemantics:
+    """The reference's module sites: the candidates by Hugging Face's module names (the eager
+    backend has no probe); a parallel-residual config has no stream between attention and MLP."""
+    import dataclasses
+
+    sites, _ = candidates(layer)
+    if parallel:
+        for p in ("resid_mid", "attn_out_post", "mlp_out_post"):
+            sites.pop(p, None)
+    return dataclasses.replace(sem, sites=sites)
 
 
 class HFModel:
@@ -43,7 +65,12 @@ class HFModel:
         self.model = AutoModelForCausalLM.from_pretrained(
             name_or_path, revision=revision, dtype=self.dtype).to(self.device).eval()
         layers = find_layers(self.model, self.n_layers)
-        self.trunk = blocks.Trunk(layers, [blocks.hf_semantics(layer) for layer in layers])
+        parallel = bool(getattr(self.model.config, "use_parallel_residual", False)
+                        or getattr(self.model.config, "parallel_attn", False))
+        self.trunk = blocks.Trunk(layers, [hf_sites(blocks.hf_semantics(layer), layer, parallel)
+                                           for layer in layers])
+        # final_norm.0: HF's base model applies the final norm to its output (no probe here)
+        self.trunk.final_norm = self.model.base_model
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.steps = self.scheduled_tokens = 0
         self._tokenizer = None
@@ -71,10 +98,26 @@ class HFModel:
         handles = []
         for a in pts:
             layer, sem = self.trunk[a.layer], self.trunk.semantics[a.layer]
-            if a.name == "resid_pre":
+            if a.name == "final_norm":  # the base model's output: HF applies the final norm
+                def final(mod, args, out, a=a):
+                    store[a] = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+                handles.append(self.trunk.final_norm.register_forward_hook(final))
+            elif a.name in ("resid_pre", "embeddings"):
                 def pre(mod, args, kwargs, a=a, sem=sem):
                     store[a] = sem.stream.get(args, kwargs)
                 handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            elif a.name in SITE_POINTS:
+                site = sem.sites[a.name]
+                mod = module_at(layer, site.path)
+                width = self.info.point_width(a.name)
+                if site.reading == "out":
+                    def out_hook(mod, args, out, a=a):
+                        store[a] = blocks.sublayer_value(out)
+                    handles.append(mod.register_forward_hook(out_hook))
+                else:
+                    def in_hook(mod, args, kwargs, a=a, width=width):
+                        store[a] = _input_of(args, kwargs, width)
+                    handles.append(mod.register_forward_pre_hook(in_hook, with_kwargs=True))
             elif a.name == "resid_post":
                 def post(mod, args, out, a=a):
                     store[a] = blocks.first_or_tensor(out)
@@ -114,7 +157,7 @@ class HFModel:
             points = [Address("resid_post", i) for i in range(self.n_layers)]
         pts = parse_addresses([points] if isinstance(points, (str, Address)) else points, self.n_layers)
         for a in pts:
-            if a.name not in POINTS:
+            if a.name == "resid_streams":
                 raise ValueError(f"{a}: this trunk has a single residual stream")
         source = ((i, validate_tokens(t, self.max_model_len, self.info.vocab_size))
                   for i, t in enumerate(t for b in batches for t in b))
@@ -132,10 +175,14 @@ class HFModel:
                            use_cache=False)
                 self.steps += 1
                 self.scheduled_tokens += sum(len(t) for _, t in mb)
-                stacked = torch.stack([store[a] for a in pts]).to("cpu")  # [P, B, T, W]
+                widths = tuple(store[a].shape[-1] for a in pts)
+                wide = max(widths, default=self.width)
+                stacked = torch.stack([torch.nn.functional.pad(store[a], (0, wide - store[a].shape[-1]))
+                                       .reshape(len(mb), longest, wide) for a in pts]).to("cpu")
                 for j, (index, t) in enumerate(mb):
                     acts = stacked[:, j, : len(t)].contiguous()
-                    yield CapturedRequest(index, t, np.arange(len(t), dtype=np.int32), pts, acts)
+                    yield CapturedRequest(index, t, np.arange(len(t), dtype=np.int32), pts, acts,
+                                          None if all(w == wide for w in widths) else widths)
         finally:
             for h in handles:
                 h.remove()

@@ -40,6 +40,22 @@ class EngineLost(RuntimeError):
     again. The pipeline's actor exits on it so that Ray restarts it with a fresh engine."""
 
 
+def check_tp_points(tp: int, info, reads) -> None:
+    """Tensor parallel serves d_model-wide points only: z and mlp_act are column shards on each
+    rank (engine/points.py) and are not assembled yet; router_logits would need a wider buffer
+    than the step ring's."""
+    from .points import BY_NAME
+
+    wide = [str(a) for a in reads if info.point_width(a.name) != info.width
+            or a.name in BY_NAME and BY_NAME[a.name].tp == "sharded"]
+    if tp > 1 and wide:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {', '.join(wide[:4])} are not d_model-wide replicated "
+            "points; "
+            "tensor-parallel capture serves d_model-wide points only (z and mlp_act are "
+            "column-sharded across ranks and are not assembled yet): load with "
+            "tensor_parallel_size=1 for them")
+
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this, then splits it over ranks
 
 

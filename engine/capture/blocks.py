@@ -84,6 +84,7 @@ class BlockSemantics:
     post: str = "tensor"
     submodules: dict[str, str] = field(default_factory=dict)
     how: str = "probe"  # "probe" (measured), "guess" (signature, opted into), "hf" (reference)
+    sites: dict = field(default_factory=dict)  # point -> engine/sites.Site, verified by the probe
 
     def __post_init__(self):
         if self.post not in POST_MODES:
@@ -92,7 +93,8 @@ class BlockSemantics:
     def describe(self) -> dict:
         return {"stream": self.stream.name or f"arg{self.stream.index}",
                 "pre": "stream+residual" if self.pre_adds_residual else "stream",
-                "post": self.post, "submodules": dict(self.submodules), "how": self.how}
+                "post": self.post, "submodules": dict(self.submodules), "how": self.how,
+                "sites": {p: f"{s.path} ({s.reading})" for p, s in self.sites.items()}}
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
@@ -229,6 +231,9 @@ class Trunk:
         if len(semantics) != len(layers):
             raise ValueError(f"{len(semantics)} block semantics for {len(layers)} layers")
         self.layers, self.semantics, self.report = layers, list(semantics), report or {}
+        # the model's final norm, where the probe found the module whose output is the model's
+        # final hidden state (final_norm.0); None: that point is refused
+        self.final_norm: nn.Module | None = None
 
     def __getitem__(self, i: int) -> nn.Module:
         return self.layers[i]

@@ -49,16 +49,22 @@ class CapturedRequest:
     positions: np.ndarray  # int32 [n]
     points: tuple[Address, ...]
     acts: torch.Tensor  # [n_points, n, width], CPU
+    # each point's own width where points of several widths share `acts` (its last dim is the
+    # widest; a narrower point's columns past its width are not data); None: all `acts` wide
+    widths: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
     def point(self, addr: "Address | str") -> torch.Tensor:
-        return self.acts[self.points.index(Address.parse(addr))]
+        """`[n, width of that point]`: z is n_heads x head_dim wide, mlp_act the MLP's width."""
+        i = self.points.index(Address.parse(addr))
+        return self.acts[i] if self.widths is None else self.acts[i, :, : self.widths[i]]
 
     def as_dict(self) -> ActivationCache:
-        """`{Address: [n, width]}`; string keys work too (`d["resid_post.3"]`)."""
-        return ActivationCache((a, self.acts[i]) for i, a in enumerate(self.points))
+        """`{Address: [n, width]}` at each point's own width; string keys work too
+        (`d["resid_post.3"]`)."""
+        return ActivationCache((a, self.point(a)) for a in self.points)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from . import blocks
+from . import probe_sites
 from .blocks import BlockSemantics, Trunk
 
 log = logging.getLogger("harvest.engine")
@@ -77,6 +78,7 @@ class _Record:
     subs: dict  # (layer, point) -> (attribute, calls, output rows or None)
     tail: list  # (module, first arg, first output) of modules that returned after the last block
     final: torch.Tensor
+    sites: "probe_sites.SiteRecorder | None" = None
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,7 +115,7 @@ def _patched(mods: list[nn.Module], make: Callable):
                 m.forward = f
 
 
-def _record(layers: nn.ModuleList, run: Callable, width: int) -> _Record:
+def _record(layers: nn.ModuleList, run: Callable, width: int, widths: dict | None = None) -> _Record:
     n = len(layers)
     calls, outs, counts, tail = [None] * n, [None] * n, [0] * n, []
     done = [False]
@@ -154,13 +156,15 @@ def _record(layers: nn.ModuleList, run: Callable, width: int) -> _Record:
             if isinstance(first, torch.Tensor):
                 tail.append((mod, args[0].detach().clone(), first.detach().clone()))
 
+    site_rec = probe_sites.SiteRecorder(layers, {"d_model": width, **(widths or {})})
     handle = nn.modules.module.register_module_forward_hook(on_return)
     try:
-        with _patched(list(layers), make), _patched(sub_mods, make_sub):
+        with _patched(list(layers), make), _patched(sub_mods, make_sub), \
+                _patched(site_rec.mods, site_rec.make):
             final = run()
     finally:
         handle.remove()
-    return _Record(calls, outs, counts, subs, tail, final)
+    return _Record(calls, outs, counts, subs, tail, final, site_rec)
 
 
 def _jittered(t: torch.Tensor, seed: int) -> torch.Tensor:
@@ -304,9 +308,11 @@ def _post_readings(layers, run, rec: _Record, width: int):
 
 
 @torch.no_grad()
-def decide(layers: nn.ModuleList, run: Callable, embed: Callable, width: int) -> Trunk:
-    """Measure every block's semantics; raise TrunkRefused naming the first block that fails."""
-    rec = _record(layers, run, width)
+def decide(layers: nn.ModuleList, run: Callable, embed: Callable, width: int,
+           widths: dict | None = None) -> Trunk:
+    """Measure every block's semantics; raise TrunkRefused naming the first block that fails.
+    `widths` maps the width kinds of engine/points.py to this rank's widths (module sites)."""
+    rec = _record(layers, run, width, widths)
     for li, c in enumerate(rec.counts):
         if c != 1:
             raise _refuse(layers[li], li, "I0", f"it ran {c} times in one forward")
@@ -337,11 +343,22 @@ def decide(layers: nn.ModuleList, run: Callable, embed: Callable, width: int) ->
             raise _refuse(layer, *post_failure)
         post = blocks.post_value(modes[li], rec.outs[li])
         subs, sub_notes = _check_submodules(rec, li, post)
-        sems.append(BlockSemantics(stream, residual, adds, modes[li], subs, how="probe"))
+        h = stream.get(args, kwargs)
+        pre = blocks.rows(h).float() + blocks.rows(residual.get(args, kwargs)).float() if adds else h
+        sub_vals = {p: rec.subs[(li, p)][2] for p in subs}
+        site_ok, site_notes = probe_sites.check(rec.sites, li, pre, post, sub_vals, width)
+        sub_notes.update(site_notes)
+        sems.append(BlockSemantics(stream, residual, adds, modes[li], subs, how="probe",
+                                   sites=site_ok))
         report.append({"layer": li, "class": type(layer).__name__, **sems[-1].describe(),
                        "pre_errors": {names[a]: round(e, 5) for a, e in pre_errs.items()},
                        **post_errs[li], "submodule_notes": sub_notes})
-    return Trunk(layers, sems, {"verified": True, "tolerance": PROBE_TOL, "blocks": report})
+    trunk = Trunk(layers, sems, {"verified": True, "tolerance": PROBE_TOL, "blocks": report})
+    trunk.final_norm = probe_sites.final_norm_module(rec.tail, rec.final, blocks.post_value(
+        modes[-1], rec.outs[-1]), lambda a, b: rel(a, b) <= PROBE_TOL)
+    trunk.report["final_norm"] = type(trunk.final_norm).__name__ if trunk.final_norm else None
+    return trunk
+
 
 
 def _check_submodules(rec: _Record, li: int, post: torch.Tensor) -> tuple[dict, dict]:
@@ -374,9 +391,9 @@ def unverified(layers: nn.ModuleList, reason: str) -> Trunk:
 
 
 def probe_trunk(layers: nn.ModuleList, run: Callable, embed: Callable, width: int,
-                allow_unverified: bool = False) -> Trunk:
+                allow_unverified: bool = False, widths: dict | None = None) -> Trunk:
     try:
-        trunk = decide(layers, run, embed, width)
+        trunk = decide(layers, run, embed, width, widths)
     except TrunkRefused as e:
         if not allow_unverified:
             raise

@@ -23,16 +23,18 @@ from torch import nn
 from harvest.engine.addresses import Address, FreezeSet
 from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
                      sublayer_value, with_arg)
+from .sites import SITE_POINTS, module_at
 
 
 @torch.library.custom_op("harvest::tap", mutates_args=("buf",))
 def tap(x: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
-    """buf[slot, :n] = x  (n = rows of this step, padding included; the harvest reads only real rows).
+    """buf[slot, :n, :w] = x  (n = rows of this step, padding included; the harvest reads only real
+    rows; w = the point's width, at most the buffer's: one buffer holds points of several widths).
 
-    x is `[n, width]` or `[1, n, width]` (Transformers backend): rows are counted after flattening,
+    x is `[n, w]` or `[1, n, w]` (Transformers backend): rows are counted after flattening,
     never from `x.shape[0]`, which is 1 for the batched layout."""
-    x = x.reshape(-1, buf.shape[-1])
-    buf[slot, : x.shape[0]].copy_(x)
+    x = x.reshape(-1, x.shape[-1])
+    buf[slot, : x.shape[0], : x.shape[1]].copy_(x)
 
 
 @tap.register_fake
@@ -43,8 +45,8 @@ def _tap_fake(x, buf, slot):
 @torch.library.custom_op("harvest::tap_sum", mutates_args=("buf",))
 def tap_sum(x: torch.Tensor, r: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x + r, written in place: the fused trunk's stream without a temporary."""
-    x, r = x.reshape(-1, buf.shape[-1]), r.reshape(-1, buf.shape[-1])
-    torch.add(x, r, out=buf[slot, : x.shape[0]])
+    x, r = x.reshape(-1, x.shape[-1]), r.reshape(-1, x.shape[-1])
+    torch.add(x, r, out=buf[slot, : x.shape[0], : x.shape[1]])
 
 
 @tap_sum.register_fake
@@ -75,29 +77,51 @@ def find_layers(model: nn.Module, n_layers: int) -> nn.ModuleList:
 
 @dataclass
 class TapSet:
-    """Buffers of one engine. `reads[i]` is written into `buf[i]`; `steer[a]` is added at a."""
+    """Buffers of one engine. `reads[i]` is written into `buf[i, :, :widths[i]]`; `steer[a]` is
+    added at a. The buffer is as wide as the widest read (`width`); narrower points leave the
+    columns past their own width unwritten, and every consumer cuts rows to `widths` (captured.py).
+    """
 
     reads: tuple[Address, ...]
     writes: tuple[Address, ...]
     buf: torch.Tensor | None  # [n_reads, max_tokens, width]
     steer: dict[Address, torch.Tensor] = field(default_factory=dict)  # [width] each, zero = off
     width: int = 0
+    widths: tuple[int, ...] = ()  # per read; () = every read is `width` wide
 
     def slot(self, a: Address) -> int:
         return self.reads.index(a)
 
 
-def allocate(fs: FreezeSet, max_tokens: int, width: int, dtype, device) -> TapSet:
+def buffer_width(width: int, widths) -> int:
+    return max([width, *widths])
+
+
+def allocate(fs: FreezeSet, max_tokens: int, width: int, dtype, device, widths=()) -> TapSet:
+    """`width` is the stream's (steering vectors); `widths` each read's (default: `width`)."""
+    widths = tuple(widths) or (width,) * len(fs.reads)
+    bw = buffer_width(width, widths)
     buf = None
     if fs.reads:
-        buf = torch.zeros(len(fs.reads), max_tokens, width, dtype=dtype, device=device)
+        buf = torch.zeros(len(fs.reads), max_tokens, bw, dtype=dtype, device=device)
     steer = {a: torch.zeros(width, dtype=dtype, device=device) for a in fs.writes}
-    return TapSet(fs.reads, fs.writes, buf, steer, width)
+    return TapSet(fs.reads, fs.writes, buf, steer, bw, widths)
 
 
 def check_supported(trunk: Trunk, points) -> None:
     """Refuse points this trunk cannot serve, the same way on every backend (see hf_backend)."""
     for a in points:
+        if a.name == "final_norm" and trunk.final_norm is None:
+            raise ValueError(f"{a}: the probe found no module whose output is the model's final "
+                             "hidden state from the last block's stream; capture "
+                             f"resid_post.{len(trunk) - 1} (the final norm's input)")
+        if a.name in SITE_POINTS and a.name not in trunk.semantics[a.layer].sites:
+            cls = type(trunk[a.layer]).__name__
+            blocks_report = trunk.report.get("blocks") or []
+            note = (blocks_report[a.layer].get("submodule_notes", {}).get(a.name)
+                    if a.layer < len(blocks_report) else None)
+            raise ValueError(f"{a}: block {cls} (layer {a.layer}) serves no {a.name}: "
+                             f"{note or 'the trunk was not probed (unverified), so no module site is known'}")
         if a.name == "resid_streams":
             raise ValueError(
                 f"{a}: this trunk has a single residual stream; use resid_post instead"
@@ -119,6 +143,10 @@ def install_freeze(trunk: Trunk, taps: TapSet) -> None:
     Instance-level `forward` replacement, not hooks: dynamo inlines it into the compiled graph.
     """
     check_supported(trunk, set(taps.reads) | set(taps.writes))
+    for a in set(taps.writes):
+        if a.name not in ("resid_pre", "resid_post", "attn_out", "mlp_out"):
+            raise ValueError(f"{a}: steering writes go to resid_pre, resid_post, attn_out or "
+                             f"mlp_out; {a.name} is read-only")
     by_layer: dict[int, set[str]] = {}
     for a in set(taps.reads) | set(taps.writes):
         by_layer.setdefault(a.layer, set()).add(a.name)
@@ -126,8 +154,16 @@ def install_freeze(trunk: Trunk, taps: TapSet) -> None:
         for sub in ("attn_out", "mlp_out"):
             if sub in names:
                 _wrap_sublayer(trunk.sublayer(Address(sub, li)), Address(sub, li), taps)
-        if names & {"resid_pre", "resid_post"}:
+        for p in SITE_POINTS:
+            if p in names:
+                site = trunk.semantics[li].sites[p]
+                _wrap_site(module_at(trunk[li], site.path), site, _reader(taps, Address(p, li)))
+        if names & {"resid_pre", "resid_post", "embeddings"}:
             _wrap_block(trunk, li, taps)
+    if Address("final_norm", 0) in taps.reads:
+        from .sites import Site
+
+        _wrap_site(trunk.final_norm, Site("", "out"), _reader(taps, Address("final_norm", 0)))
 
 
 def _reader(taps: TapSet, a: Address):
@@ -162,6 +198,28 @@ def _wrap_sublayer(mod: nn.Module, a: Address, taps: TapSet) -> None:
     mod.forward = forward
 
 
+def _wrap_site(mod: nn.Module, site, read) -> None:
+    """A module site (engine/capture/sites.py): read its input before it runs (a fused add-norm mutates
+    its arguments in place) or its output after."""
+    orig = mod.forward
+    s_i, s_n = site.stream
+    r_i, r_n = site.residual if (site.reading == "in+res" and site.residual) else (None, None)
+    use_res = r_i is not None or r_n is not None
+
+    if site.reading == "out":
+        def forward(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            read(sublayer_value(out))
+            return out
+    else:
+        def forward(*args, **kwargs):
+            read(arg_value(args, kwargs, s_i, s_n),
+                 arg_value(args, kwargs, r_i, r_n) if use_res else None)
+            return orig(*args, **kwargs)
+
+    mod.forward = forward
+
+
 def _wrap_block(trunk: Trunk, li: int, taps: TapSet) -> None:
     """Every argument passes through (`t_cond=None` and friends); the stream is found where the
     probe found it, by position or by name, whichever the caller used."""
@@ -170,6 +228,7 @@ def _wrap_block(trunk: Trunk, li: int, taps: TapSet) -> None:
     pre, post = Address("resid_pre", li), Address("resid_post", li)
     pre_vec, post_vec = taps.steer.get(pre), taps.steer.get(post)
     read_pre, read_post = _reader(taps, pre), _reader(taps, post)
+    read_emb = _reader(taps, Address("embeddings", 0)) if li == 0 else None
     s_i, s_n = sem.stream.index, sem.stream.name
     use_res = sem.pre_adds_residual and sem.residual is not None
     r_i, r_n = (sem.residual.index, sem.residual.name) if use_res else (None, None)
@@ -182,6 +241,9 @@ def _wrap_block(trunk: Trunk, li: int, taps: TapSet) -> None:
             args, kwargs = with_arg(args, kwargs, s_i, s_n, h + pre_vec)
         if read_pre is not None:
             read_pre(arg_value(args, kwargs, s_i, s_n),
+                     arg_value(args, kwargs, r_i, r_n) if use_res else None)
+        if read_emb is not None:
+            read_emb(arg_value(args, kwargs, s_i, s_n),
                      arg_value(args, kwargs, r_i, r_n) if use_res else None)
         out = orig(*args, **kwargs)
         if post_vec is not None:
@@ -211,7 +273,23 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
     handles = []
     for a in taps.reads:
         sem, slot = trunk.semantics[a.layer], taps.slot(a)
-        if a.name in ("attn_out", "mlp_out"):
+        if a.name == "final_norm":
+            def hook(mod, args, out, slot=slot):
+                _copy_rows(taps.buf, slot, sublayer_value(out))
+            handles.append(trunk.final_norm.register_forward_hook(hook))
+        elif a.name in SITE_POINTS:
+            site = sem.sites[a.name]
+            mod = module_at(trunk[a.layer], site.path)
+            if site.reading == "out":
+                def hook(mod, args, out, slot=slot):
+                    _copy_rows(taps.buf, slot, sublayer_value(out))
+                handles.append(mod.register_forward_hook(hook))
+            else:
+                def hook(mod, args, kwargs, slot=slot, site=site):
+                    from .probe_sites import read_input
+                    _copy_rows(taps.buf, slot, read_input(site, args, kwargs))
+                handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+        elif a.name in ("attn_out", "mlp_out"):
             def hook(mod, args, out, slot=slot):
                 _copy_rows(taps.buf, slot, sublayer_value(out))
             handles.append(trunk.sublayer(a).register_forward_hook(hook))
@@ -219,7 +297,7 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
             def hook(mod, args, out, slot=slot, mode=sem.post):
                 _copy_rows(taps.buf, slot, post_value(mode, out))
             handles.append(trunk[a.layer].register_forward_hook(hook))
-        else:  # resid_pre
+        else:  # resid_pre, embeddings (block 0's input)
             def hook(mod, args, kwargs, slot=slot, sem=sem):
                 _copy_rows(taps.buf, slot, pre_value(sem, args, kwargs))
             handles.append(trunk[a.layer].register_forward_pre_hook(hook, with_kwargs=True))
@@ -228,4 +306,4 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
 
 def _copy_rows(buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:
     t = rows(t)
-    buf[slot, : t.shape[0]].copy_(t)
+    buf[slot, : t.shape[0], : t.shape[1]].copy_(t)

@@ -28,7 +28,7 @@ from harvest.engine.addresses import Address, FreezeSet, parse_addresses, resolv
 from harvest.engine.capture.captured import CapturedRequest
 from harvest.engine.checkpoint import ModelInfo, read_model_info, validate_tokens
 from harvest.engine.protocol import DestinationProvider, StepStats
-from harvest.engine.parallel import EngineLost, check_parallel, check_tp_fits, remove_dist_files
+from harvest.engine.parallel import EngineLost, check_parallel, check_tp_fits, check_tp_points, remove_dist_files
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -86,6 +86,7 @@ class VLLMModel:
             self.mode = "freeze"
         self.tp = check_parallel(tensor_parallel_size, engine_args.get("pipeline_parallel_size", 1),
                                  self.mode)
+        check_tp_points(self.tp, self.info, self.frozen.reads if self.frozen else ())
         if self.tp > 1:  # before vLLM starts: its refusal comes late and wrapped (parallel.py)
             from transformers import AutoConfig
 
@@ -401,7 +402,13 @@ class VLLMModel:
             acts = self.state.take(r.internal, f"request {r.index}")
         else:
             acts = torch.empty(0, n, self.width, dtype=self.dtype)
-        return CapturedRequest(r.index, r.ids, np.arange(n, dtype=np.int32), tuple(pts), acts)
+        widths = self.point_widths(pts)
+        return CapturedRequest(r.index, r.ids, np.arange(n, dtype=np.int32), tuple(pts), acts,
+                               None if all(w == acts.shape[-1] for w in widths) else widths)
+
+    def point_widths(self, pts) -> tuple[int, ...]:
+        """Each point's own width (engine/points.py): rows of `acts` are cut to it."""
+        return tuple(self.info.point_width(Address.parse(a).name) for a in pts)
 
     def _abort(self, engine, reqs: dict[str, _Req], capturing: bool) -> None:
         try:

@@ -192,7 +192,21 @@ def runner_geometry(runner) -> dict:
     mc = runner.model_config
     return {"n_layers": mc.get_total_num_hidden_layers(), "width": mc.get_hidden_size(),
             "dtype": mc.dtype, "max_tokens": runner.scheduler_config.max_num_batched_tokens,
-            "device": runner.device}
+            "device": runner.device, "kinds": kind_widths(mc.hf_text_config,
+                                                          parallel_ranks()["tp_size"])}
+
+
+def kind_widths(hf_config, tp_size: int = 1) -> dict:
+    """{width kind: this rank's width} (engine/points.py): sharded kinds are a 1/tp slice."""
+    from harvest.engine.points import TABLE, WIDTH_KINDS, config_width
+
+    sharded = {p.width for p in TABLE if p.tp == "sharded"}
+    out = {}
+    for kind in WIDTH_KINDS:
+        w = config_width(hf_config, kind)
+        if w:
+            out[kind] = w // tp_size if kind in sharded else w
+    return out
 
 
 # -- seeded sampling on the CPU build --------------------------------------------------------------

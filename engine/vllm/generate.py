@@ -254,7 +254,9 @@ def _handover(model, g: _Gen, pts) -> GeneratedRequest:
         acts = model.state.take(g.internal, f"prompt {g.index} sample {g.sample}")[:, :n]
     else:
         acts = torch.empty(0, n, model.width, dtype=model.dtype)
+    widths = model.point_widths(pts) if pts else ()
     return GeneratedRequest(g.index, fed, np.arange(n, dtype=np.int32), tuple(pts), acts,
+                            None if all(w == acts.shape[-1] for w in widths) else widths,
                             sample=g.sample, prompt_len=len(g.prompt), generated=gen,
                             finish_reason=g.finish_reason)
 

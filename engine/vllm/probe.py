@@ -141,10 +141,12 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
     from harvest.engine.capture import taps as tapmod
 
     ids, positions = _probe_inputs(runner)
-    width = compat.runner_geometry(runner)["width"]
-    buf = torch.full((len(reads), len(ids), width), float("nan"),
-                     dtype=compat.runner_geometry(runner)["dtype"], device=ids.device)
-    ts = tapmod.TapSet(tuple(reads), (), buf, {}, width)
+    g = compat.runner_geometry(runner)
+    widths = read_widths(reads, g)
+    width = tapmod.buffer_width(g["width"], widths)
+    buf = torch.full((len(reads), len(ids), width), float("nan"), dtype=g["dtype"],
+                     device=ids.device)
+    ts = tapmod.TapSet(tuple(reads), (), buf, {}, width, widths)
     with torch.inference_mode(), _probe_attention(model):
         handles = tapmod.install_hooks(trunk, ts)
         try:
@@ -165,6 +167,20 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
             f"tensor-parallel rank at the tap, so one rank holds only a shard: {shown}. Capture "
             "resid_post / resid_pre there (the stream is all-reduced), or load the model with "
             "tensor_parallel_size=1")
+
+
+def read_widths(reads, geometry: dict) -> tuple[int, ...]:
+    """Each read's width on this rank (engine/points.py width kinds; a shard's under TP)."""
+    from harvest.engine.points import BY_NAME
+
+    out = []
+    for a in reads:
+        kind = BY_NAME[a.name].width if a.name in BY_NAME else "d_model"
+        w = geometry["kinds"].get(kind) if kind != "d_model" else geometry["width"]
+        if not w:
+            raise ValueError(f"{a}: this model's config gives no {kind} width")
+        out.append(int(w))
+    return tuple(out)
 
 
 def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Trunk:
@@ -198,6 +214,7 @@ def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Tr
     width = geometry["width"]
     t0 = time.perf_counter()
     with torch.inference_mode(), _probe_attention(model):
-        trunk = probe.probe_trunk(layers, run, embed, width, allow_unverified=allow)
+        trunk = probe.probe_trunk(layers, run, embed, width, allow_unverified=allow,
+                                  widths=geometry["kinds"])
     trunk.report.update(seconds=round(time.perf_counter() - t0, 3), forward_seconds=forwards)
     return trunk

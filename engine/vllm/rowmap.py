@@ -76,6 +76,7 @@ class HarvestState:
     dropped_rows: int = 0
     ring: "RingWriter | None" = None  # tensor parallel: this rank publishes steps (stepring.py)
     quantize: bool = False  # this capture's rows leave the engine as packed fp8 (quantize.py)
+    geometry: dict = field(default_factory=dict)  # compat.runner_geometry (hooked mode's widths)
 
     # -- capture loop side ------------------------------------------------------------------
     def begin_capture(self, points: tuple[Address, ...], quantize: str | None = None) -> None:
@@ -257,10 +258,12 @@ class HarvestState:
             h.remove()
         self.hook_handles = []
         buf = None
+        widths = vllm_probe.read_widths(points, self.geometry)
+        self.width = tapmod.buffer_width(self.geometry["width"], widths)
         if points:
             buf = torch.zeros(len(points), self.max_tokens, self.width, dtype=self.dtype,
                               device=self.device)
-        self.taps = tapmod.TapSet(tuple(points), (), buf, {}, self.width)
+        self.taps = tapmod.TapSet(tuple(points), (), buf, {}, self.width, widths)
         self.transport = make_transport(buf, self.max_tokens, staging=False)
         if points:
             self.hook_handles = tapmod.install_hooks(self.layers, self.taps)
@@ -286,7 +289,8 @@ def setup(runner, cfg: dict) -> HarvestState:
         # i13: the block-semantics probe (refuses a trunk it cannot verify) before any tap.
         layers = vllm_probe.probed_trunk(runner, model, g["n_layers"], cfg)
         fs = FreezeSet(tuple(map(Address.parse, cfg["reads"])), tuple(map(Address.parse, cfg["writes"])))
-        ts = tapmod.allocate(fs, g["max_tokens"], g["width"], g["dtype"], g["device"])
+        ts = tapmod.allocate(fs, g["max_tokens"], g["width"], g["dtype"], g["device"],
+                             vllm_probe.read_widths(fs.reads, g))
         # The single call into taps (i13 owns its arguments): wrap the decoder layers now, so the
         # compiled graph contains the taps.
         tapmod.install_freeze(layers, ts)
@@ -295,8 +299,8 @@ def setup(runner, cfg: dict) -> HarvestState:
             layers = vllm_probe.probed_trunk(runner, runner.get_model(), g["n_layers"], cfg)
         ts = tapmod.TapSet((), (), None, {}, g["width"])
     transport = make_transport(ts.buf, g["max_tokens"], staging=staging)
-    st = HarvestState(ts, layers, mode, g["max_tokens"], g["width"], g["dtype"], g["device"],
-                      transport, staging)
+    st = HarvestState(ts, layers, mode, g["max_tokens"], max(g["width"], ts.width), g["dtype"],
+                      g["device"], transport, staging, geometry=g)
     par = compat.parallel_ranks()
     if par["tp_size"] > 1 and mode == "freeze" and ts.buf is not None:
         # Every rank computed the same probe and installed the same taps (so every rank compiles

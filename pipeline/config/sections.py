@@ -17,6 +17,7 @@ from typing import Any
 
 from harvest.engine import BACKENDS
 from harvest.engine.addresses import KNOWN_POINTS
+from harvest.engine.points import BY_NAME, REFUSED
 
 from .fields import ConfigError, check_bool, check_choice, check_float, check_int, check_str
 from .generate import from_section
@@ -196,10 +197,19 @@ def check_point(p: Any) -> None:
         )
     name = p.rpartition(".")[0]
     if name not in KNOWN_POINTS:
+        why = REFUSED.get(name)
         raise ConfigError(
-            f"capture.points entry {p!r}: unknown point {name!r}; known points are "
-            f"{', '.join(KNOWN_POINTS)}"
-        )
+            f"capture.points entry {p!r}: " + (f"point {name!r} is not served: {why}" if why else
+                                                f"unknown point {name!r}; known points are "
+                                                f"{', '.join(KNOWN_POINTS)}"))
+    spec = BY_NAME.get(name)
+    if spec is not None and spec.width != "d_model":
+        raise ConfigError(
+            f"capture.points entry {p!r}: {name} is {spec.width}-wide ({spec.meaning}), and a "
+            "store holds d_model-wide rows only (per-point widths are not in the store format "
+            "yet): capture it with the engine API (harvest.engine.run_with_cache), or store "
+            "d_model points (attn_in, resid_mid, mlp_in, mlp_out, ...)")
+
 
 
 @dataclass

@@ -37,12 +37,15 @@ def resolve_points(points: list[str], n_layers: int) -> list[str]:
     """Expand `name.*` and range-check every address against the model; errors name the field.
     The grammar and point kinds were checked with the config (sections.check_point)."""
     from harvest.engine.addresses import parse_addresses
+    from harvest.engine.points import MODEL_LEVEL
 
     expanded: list[str] = []
     for p in points:
         check_point(p)  # again: a config changed after validation must not pass here
         name, _, layer = p.rpartition(".")
-        if layer == "*":
+        if layer == "*" and name in MODEL_LEVEL:  # one per model: `embeddings.*` is embeddings.0
+            expanded.append(f"{name}.0")
+        elif layer == "*":
             expanded += [f"{name}.{i}" for i in range(n_layers)]
         else:
             expanded.append(p)

@@ -14,8 +14,14 @@ def test_address_string_form_round_trips():
 
 
 def test_unknown_point_names_the_known_ones():
-    with pytest.raises(ValueError, match="known points are resid_pre, resid_post"):
-        Address.parse("resid_mid.3")
+    with pytest.raises(ValueError, match="known points are embeddings, resid_pre, attn_in"):
+        Address.parse("resid_middle.3")
+    with pytest.raises(ValueError, match="fused gate_up_proj"):
+        Address.parse("mlp_pre.3")  # a point the field names and no engine can serve: the reason
+    with pytest.raises(ValueError, match="model-level point"):
+        Address.parse("embeddings.2")
+    assert Address.parse("resid_mid.3").spec.width == "d_model"
+    assert Address.parse("z.1").spec.tp == "sharded"
     with pytest.raises(ValueError, match="'<point>.<layer>'"):
         Address.parse("resid_post")
 
@@ -98,3 +104,27 @@ def test_frozen_set_refuses_points_outside_it():
     fs.check_read([Address("resid_post", 1)])
     with pytest.raises(ValueError, match="cannot serve resid_post.0"):
         fs.check_read([Address("resid_post", 0)])
+
+
+def test_docs_point_table_is_the_table():
+    """docs/engine.md's point table is generated from engine/points.py, never edited by hand."""
+    from pathlib import Path
+
+    from harvest.engine.points import table_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
+    assert table_markdown() in doc
+
+
+def test_point_widths_from_configs():
+    """Widths per kind from a config dict: the store and `plan` size each point from these."""
+    from harvest.engine.points import point_width
+
+    smol = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9}
+    assert [point_width(smol, p) for p in ("mlp_in", "z", "mlp_act")] == [576, 576, 1536]
+    gpt2 = {"model_type": "gpt2", "n_embd": 128, "n_head": 2}
+    assert point_width(gpt2, "mlp_act") == 512 and point_width(gpt2, "z") == 128
+    qwen3 = {"hidden_size": 128, "num_attention_heads": 4, "head_dim": 64, "num_experts": 8}
+    assert point_width(qwen3, "z") == 256 and point_width(qwen3, "router_logits") == 8
+    with pytest.raises(ValueError, match="router_logits needs a MoE model"):
+        point_width(smol, "router_logits")

@@ -14,7 +14,7 @@ import torch
 
 from harvest.engine.vllm import compat
 from harvest.engine.capture import stepring
-from harvest.engine.parallel import PP_REFUSED, check_parallel
+from harvest.engine.parallel import PP_REFUSED, check_parallel, check_tp_points
 from harvest.pipeline.config.fields import ConfigError
 from harvest.pipeline.config.sections import ModelConfig
 
@@ -148,6 +148,22 @@ def test_plan_prices_a_tp_actor_as_its_gpus():
         load_config(data={**base, "model": {"path": "x", "tensor_parallel_size": 8},
                           "ray": {"num_actors": 2, "num_gpus_per_actor": 4}})
 
+
+def test_tensor_parallel_refuses_points_that_are_not_d_model_wide():
+    """z / mlp_act are column shards per rank (not assembled yet), router_logits wider than the
+    step ring's rows: refused by name before any worker starts; d_model points pass."""
+    from harvest.engine.addresses import Address
+    from harvest.engine.checkpoint import ModelInfo
+
+    info = ModelInfo(n_layers=4, width=128, max_position=64, vocab_size=97, n_streams=1,
+                     architecture="LlamaForCausalLM", kinds=(("heads", 128), ("neurons", 256)))
+    reads = [Address("mlp_in", 1), Address("resid_mid", 2)]
+    check_tp_points(2, info, reads)
+    with pytest.raises(ValueError, match="mlp_act.1 are not d_model-wide replicated.*sharded"):
+        check_tp_points(2, info, reads + [Address("mlp_act", 1)])
+    with pytest.raises(ValueError, match="z.0 are not"):  # as wide as the stream, but a shard
+        check_tp_points(2, info, reads + [Address("z", 0)])
+    check_tp_points(1, info, reads + [Address("mlp_act", 1)])
 
 def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):
     """vLLM CPU's ranks name their shared-memory segments `<ident>-...-cpushm_<rank>`; a killed

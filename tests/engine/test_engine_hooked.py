@@ -16,6 +16,7 @@ import torch
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.model_check import reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
+from tests.support import hf_points
 from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # vLLM engines (hooked mode): not in `pytest -m 'not slow'`
@@ -84,6 +85,15 @@ def test_hooked_points_can_change_between_calls(hooked):
     b = run_with_cache(m, toks, ["mlp_out.2", "resid_post.1"])[0]
     assert list(b) == [Address("mlp_out", 2), Address("resid_post", 1)]
     torch.testing.assert_close(a[Address("resid_post", 1)], b[Address("resid_post", 1)])
+    # module-site points of other widths, hooked like the rest: each at its own width, equal to
+    # Hugging Face fp32 read by plain hooks (tests/support/hf_points.py)
+    pts = ["mlp_act.2", "z.1", "resid_mid.0"]
+    c = run_with_cache(m, toks, pts)[0]
+    assert [tuple(c[p].shape) for p in pts] == [(20, 256), (20, 128), (20, 128)]
+    (ref,) = hf_points.references([{"path": path, "family": "llama", "tokens": toks,
+                                    "points": pts}])
+    for p in pts:
+        assert rel_err(c[p], ref[0][p]) < 0.05, p
 
 
 @pytest.mark.parametrize("hooked", ["llama"], indirect=True)

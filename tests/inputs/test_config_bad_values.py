@@ -124,7 +124,12 @@ def test_shard_rows_and_points_errors_say_the_fix(capsys, config):
     msg = _refused_line(capsys, config, "store.shard_rows=100")
     assert "packing.context_size=64" in msg and "use 128 or 64" in msg
     msg = _refused_line(capsys, config, "capture.points=[resid_post.1, resid_poop.3]")
-    assert "'resid_poop.3'" in msg and "resid_pre, resid_post, attn_out, mlp_out" in msg
+    assert "'resid_poop.3'" in msg and "resid_pre, attn_in, z, attn_out" in msg
+    # the table's points that a store cannot hold, or no engine serves, are refused by name
+    msg = _refused_line(capsys, config, "capture.points=[mlp_in.1, mlp_act.1]")
+    assert "'mlp_act.1': mlp_act is neurons-wide" in msg and "d_model-wide rows only" in msg
+    msg = _refused_line(capsys, config, "capture.points=[mlp_pre.1]")
+    assert "fused gate_up_proj" in msg
 
 
 def test_real_cli_process_refuses_a_nan_lease(config):

@@ -78,7 +78,7 @@ def test_quantiser_matches_numpy_reference_bit_for_bit(dt):
 
 def _format_md_decoder():
     """The numpy decoder FORMAT.md gives under "fp8 stores", executed as written there."""
-    text = open(os.path.join(ROOT, "pipeline", "store", "FORMAT.md")).read()
+    text = open(os.path.join(ROOT, "store", "FORMAT.md")).read()
     block = text.split("## fp8 stores", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     assert len([ln for ln in block.strip().splitlines() if ln.strip()]) <= 10
     env: dict = {}
@@ -185,7 +185,7 @@ def test_light_package_reads_fp8_without_torch(stores):
     code = (
         "import sys, json, numpy as np\n"
         "sys.modules['torch'] = None\n"   # any torch import fails
-        "from harvest.store import open_store, fp8\n"
+        "from harvest.store import open_store\nfrom harvest.store.format import fp8\n"
         "from harvest.store.commit.verify import verify\n"
         f"s = open_store({url!r}, read_only=True)\n"
         "v = verify(s, deep=True)\n"

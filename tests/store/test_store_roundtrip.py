@@ -249,7 +249,7 @@ def test_split_huffman_chunks_read_in_zarr_and_blosc_bit_for_bit(tmp_path):
     import re
     from pathlib import Path
 
-    fmt = (Path(__file__).resolve().parents[2] / "pipeline" / "store" / "FORMAT.md").read_text()
+    fmt = (Path(__file__).resolve().parents[2] / "store" / "FORMAT.md").read_text()
     [code] = [c for c in re.findall(r"```py\n(.*?)```", fmt, re.S) if "def decode(chunk" in c]
     code = "\n".join(line[2:] for line in code.splitlines())   # the block is indented in a list
     assert "harvest" not in code

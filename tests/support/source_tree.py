@@ -9,7 +9,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # folder at the repository root -> its package name (pyproject.toml's package-dir)
 ROOTS = {"harvest": "harvest", "engine": "harvest.engine", "pipeline": "harvest.pipeline",
-         "jobs": "harvest.jobs", "benchmarks": "harvest.benchmarks", "testing": "harvest.testing"}
+         "store": "harvest.store", "jobs": "harvest.jobs", "benchmarks": "harvest.benchmarks",
+         "testing": "harvest.testing"}
 
 
 def modules(repo: Path = REPO, roots: dict = ROOTS) -> dict[str, tuple[Path, bool]]:

@@ -1,0 +1,164 @@
+"""The probe's second half: record every candidate module site (engine/capture/sites.py) in the probe's
+forward and keep only the sites whose readings satisfy what the point means.
+
+Every site must run once in its block and give one row per stream row at the point's width (the
+width the model's config gives, engine/points.py; a shard's width under tensor parallelism).
+The stream between attention and MLP is checked against the block's own measured stream, not
+taken on the module's name:
+
+  S1  resid_mid - resid_pre  = c * (attention's output: attn_out_post where the block post-norms
+      it, else attn_out), c > 0 (1 almost everywhere; Granite's residual_multiplier);
+  S2  resid_post - resid_mid = c' * (mlp_out_post where the block post-norms it, else mlp_out).
+
+A parallel block's pre-MLP norm reads resid_pre, so S1 fails (its difference is zero) and
+resid_mid is refused by name there; a norm's output taken for its input would fail both. The
+post-norm points are checked by the same S1/S2 (they are the terms). Errors are row medians of
+the fit's relative error, like the block probe's (MoE routing ties move single rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import blocks
+from . import sites
+from .sites import Site
+
+SITE_TOL = 0.1  # bf16 cancellation in resid_mid - resid_pre stays ~1e-2; a wrong site is >= 0.5
+
+
+def _clone(t):
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+
+def find_input(fn, args, kwargs, width: int | None):
+    """(stream slot, residual slot) of a module call: the point-width floating tensor by
+    parameter name (engine/blocks.locate_inputs); any width when the config gives none."""
+    if width is None:
+        for i, v in enumerate(args):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in (2, 3):
+                width = v.shape[-1]
+                break
+    if width is None:
+        return None, None
+    return blocks.locate_inputs(fn, args, kwargs, width)
+
+
+def read_input(site: Site, args, kwargs):
+    """A site's input reading from a call, with the slots the probe located."""
+    h = blocks.arg_value(args, kwargs, *site.stream)
+    if site.reading == "in+res" and site.residual is not None:
+        r = blocks.arg_value(args, kwargs, *site.residual)
+        if r is not None:
+            return h + r
+    return h
+
+
+def point_width(point: str, widths: dict) -> int | None:
+    from harvest.engine.points import BY_NAME
+
+    return widths.get(BY_NAME[point].width)
+
+
+class SiteRecorder:
+    """Patches every candidate site of every layer for one probe forward (see probe._record)."""
+
+    def __init__(self, layers: nn.ModuleList, widths: dict):
+        self.widths = widths
+        self.cands, self.notes = [], []
+        self.mods, self.keys, self.seen = [], [], {}
+        for li, layer in enumerate(layers):
+            c, why = sites.candidates(layer)
+            self.cands.append(c)
+            self.notes.append(dict(why))
+            for p, site in c.items():
+                self.mods.append(sites.module_at(layer, site.path))
+                self.keys.append((li, p, site))
+                self.seen[(li, p)] = [0, None, site]
+
+    def make(self, k: int, orig):
+        li, p, site = self.keys[k]
+        entry = self.seen[(li, p)]
+        width = point_width(p, self.widths)
+
+        def forward(*args, **kwargs):
+            entry[0] += 1
+            if site.reading != "out":
+                s, r = find_input(orig, args, kwargs, width)
+                if s is not None:
+                    res = (r.index, r.name) if r is not None else None
+                    located = Site(site.path, site.reading, (s.index, s.name), res)
+                    v = read_input(located, args, kwargs)
+                    entry[1], entry[2] = (_clone(v.float()) if v is not None else None), located
+            out = orig(*args, **kwargs)
+            if site.reading == "out":
+                entry[1] = _clone(blocks.sublayer_value(out))
+            return out
+        return forward
+
+
+def _fit(diff: torch.Tensor, term: torch.Tensor) -> float:
+    """Median row error of diff = c * term with one c > 0 (inf when c <= 0)."""
+    d, t = blocks.rows(diff).float(), blocks.rows(term).float()
+    if d.shape != t.shape:
+        return float("inf")
+    c = (d * t).sum() / (t * t).sum().clamp_min(1e-30)
+    if c <= 0:
+        return float("inf")
+    return float(((d - c * t).norm(dim=1) / d.norm(dim=1).clamp_min(1e-30)).median())
+
+
+def check(rec: SiteRecorder, li: int, pre: torch.Tensor, post: torch.Tensor, subs: dict,
+          width: int) -> tuple[dict, dict]:
+    """The verified sites of layer `li` and the notes (reasons) of the points it cannot serve.
+    `subs` maps attn_out/mlp_out to the block's recorded sublayer output (None if not served)."""
+    ok, notes = {}, dict(rec.notes[li])
+    n_rows = blocks.rows(post).shape[0]
+    vals = {}
+    for p in rec.cands[li]:
+        calls, value, site = rec.seen[(li, p)]
+        want = width if point_width(p, rec.widths) is None and p in ("attn_in", "mlp_in",
+                                                                     "resid_mid") else \
+            point_width(p, rec.widths)
+        if calls != 1 or value is None:
+            notes[p] = f"{site.path} ran {calls} times in one block forward" if calls != 1 else \
+                f"no {want or ''}-wide tensor at {site.path} ({site.reading})"
+            continue
+        r = blocks.rows(value)
+        if r.shape[0] != n_rows or (want is not None and r.shape[1] != want):
+            notes[p] = (f"{site.path} gave {tuple(r.shape)} where {n_rows} rows of width {want} "
+                        "were expected")
+            continue
+        ok[p], vals[p] = site, r
+    if "resid_mid" in ok:
+        attn = vals.get("attn_out_post") if "attn_out_post" in rec.cands[li] else subs.get("attn_out")
+        mlp = vals.get("mlp_out_post") if "mlp_out_post" in rec.cands[li] else subs.get("mlp_out")
+        mid = vals["resid_mid"]
+        s1 = _fit(mid - blocks.rows(pre).float(), attn) if attn is not None else float("inf")
+        s2 = _fit(blocks.rows(post).float() - mid, mlp) if mlp is not None else float("inf")
+        if not (s1 <= SITE_TOL and s2 <= SITE_TOL):
+            for p in ("resid_mid", "attn_out_post", "mlp_out_post"):
+                if p in ok:
+                    del ok[p]
+                    notes[p] = (f"{rec.cands[li]['resid_mid'].path}'s input is not the stream "
+                                "between attention and MLP (resid_mid - resid_pre ~ attention "
+                                f"output: error {s1:.3g}; resid_post - resid_mid ~ MLP output: "
+                                f"{s2:.3g}; bound {SITE_TOL}): a parallel block (attention and "
+                                "MLP both read resid_pre) has no stream between them")
+    else:
+        for p in ("attn_out_post", "mlp_out_post"):
+            if p in ok:  # unverifiable without the stream between them
+                del ok[p]
+                notes[p] = notes.get("resid_mid", "no resid_mid site to check it against")
+    return ok, notes
+
+
+def final_norm_module(tail, final: torch.Tensor, post: torch.Tensor, close):
+    """final_norm.0's module: the first module returning after the last block (`tail`: (module,
+    first input, first output)) whose output is the model's final hidden state (`close`), on an
+    input of the stream's size: I4's module, which I4 checked on the last block's stream."""
+    for mod, arg, out in tail:
+        if arg.numel() == post.numel() and close(out, final):
+            return mod
+    return None

@@ -1,0 +1,152 @@
+"""The table of capture points, as data: what each point is, how wide it is, where it lives.
+
+Every consumer reads this one table: the address grammar (engine/addresses.py), the taps and the
+probe (engine/capture/sites.py: where a point's tensor is inside a block), config checks
+(pipeline/config/sections.py), the store and `harvest plan` (widths), and docs/engine.md's point table.
+
+Width kinds: `d_model` (the stream), `heads` (n_heads x head_dim: o_proj's input), `neurons`
+(the MLP width: down_proj's input), `experts` (one router logit per expert). Under tensor
+parallelism `heads` and `neurons` are column-sharded across ranks (a rank holds a slice);
+`experts` comes off a replicated gate and `d_model` points are all-reduced.
+
+Block layouts (measured per block by the probe; see engine/capture/sites.py):
+- `sequential`: pre-norm blocks, attention then MLP on the updated stream (Llama, GPT-2, Qwen);
+- `sandwich`: sequential plus norms on the sublayer outputs (Gemma 2/3: pre and post norms;
+  OLMo 2: post norms only);
+- `parallel`: attention and MLP both read the block's input stream (GPT-NeoX, GPT-J, Falcon,
+  Cohere): there is no stream between them, so no `resid_mid` and no sublayer post-norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WIDTH_KINDS = ("d_model", "heads", "neurons", "experts")
+LAYOUTS = ("sequential", "sandwich", "parallel")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One row of the table.
+
+    `layouts`: the block layouts that have the point (a block of another layout refuses it by
+    name); `moe`: True = MoE blocks only, False = dense MLPs only, None = both; `level`: "layer"
+    (one per block, `name.L`) or "model" (one per model, addressed `name.0`); `tp`: "replicated"
+    (every rank holds the whole row) or "sharded" (each rank a column slice).
+    """
+
+    name: str
+    width: str
+    tp: str
+    layouts: tuple[str, ...]
+    meaning: str
+    level: str = "layer"
+    moe: bool | None = None
+
+    def __post_init__(self):
+        assert self.width in WIDTH_KINDS and self.tp in ("replicated", "sharded")
+        assert set(self.layouts) <= set(LAYOUTS) and self.level in ("layer", "model")
+
+
+_ALL = LAYOUTS
+_SEQ = ("sequential", "sandwich")
+TABLE: tuple[Point, ...] = (
+    Point("embeddings", "d_model", "replicated", _ALL,
+          "the token embeddings as the model scales them: the stream entering block 0",
+          level="model"),
+    Point("resid_pre", "d_model", "replicated", _ALL, "the stream entering block L"),
+    Point("attn_in", "d_model", "replicated", _ALL,
+          "attention's normalised input (input_layernorm / ln_1 output)"),
+    Point("z", "heads", "sharded", _ALL,
+          "the per-head attention outputs before the output projection (o_proj's input)"),
+    Point("attn_out", "d_model", "replicated", _ALL,
+          "the attention sublayer's output, before any post-norm and the residual add"),
+    Point("attn_out_post", "d_model", "replicated", ("sandwich",),
+          "the attention output after its post-norm (post_attention_layernorm output)"),
+    Point("resid_mid", "d_model", "replicated", _SEQ,
+          "the stream between attention and MLP (after attention's residual add)"),
+    Point("mlp_in", "d_model", "replicated", _ALL,
+          "the MLP's input (post_attention_layernorm / pre_feedforward_layernorm / ln_2 output)"),
+    Point("mlp_act", "neurons", "sharded", _ALL,
+          "the MLP's hidden activations (down_proj's input)", moe=False),
+    Point("router_logits", "experts", "replicated", _ALL,
+          "the MoE gate's logits, one per expert, before softmax and top-k", moe=True),
+    Point("mlp_out", "d_model", "replicated", _ALL,
+          "the MLP (or MoE block) output, before any post-norm and the residual add"),
+    Point("mlp_out_post", "d_model", "replicated", ("sandwich",),
+          "the MLP output after its post-norm (post_feedforward_layernorm output)"),
+    Point("resid_post", "d_model", "replicated", _ALL, "the stream leaving block L"),
+    Point("final_norm", "d_model", "replicated", _ALL,
+          "the model's final norm applied to the last block's stream (the LM head's input)",
+          level="model"),
+)
+BY_NAME = {p.name: p for p in TABLE}
+NAMES = tuple(BY_NAME)
+MODEL_LEVEL = tuple(p.name for p in TABLE if p.level == "model")
+
+# Points the seed system serves that no table row stands for, and why; asking for one names it.
+REFUSED = {
+    "mlp_pre": "a fused gate_up_proj computes the gate and up projections in one matmul, so the "
+               "pre-activation is never a tensor of its own; capture mlp_act (down_proj's input)",
+    "expert_weights": "the fused MoE kernel computes routing weights inside the kernel; capture "
+                      "router_logits and apply the family's softmax/top-k",
+    "expert_indices": "the fused MoE kernel picks experts inside the kernel; capture "
+                      "router_logits and apply the family's top-k",
+    "lm_head": "the logits are vocab-wide and sharded under TP; capture final_norm",
+}
+
+
+def point(name: str) -> Point:
+    """The table row of `name`, or a ValueError naming the known points (or why it is refused)."""
+    if name in BY_NAME:
+        return BY_NAME[name]
+    if name in REFUSED:
+        raise ValueError(f"point {name!r} is not served: {REFUSED[name]}")
+    raise ValueError(f"unknown point {name!r}: known points are {', '.join(NAMES)}")
+
+
+def config_width(cfg, kind: str) -> int | None:
+    """A width kind from a Hugging Face config (a transformers config or its dict); None where
+    the config does not say (e.g. `experts` on a dense model)."""
+    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    text = get("text_config")
+    if text is not None:  # multimodal wrappers: the language model's config
+        return config_width(text, kind)
+    d = get("hidden_size") or get("n_embd") or get("d_model")
+    if kind == "d_model":
+        return d
+    if kind == "heads":
+        heads = get("num_attention_heads") or get("n_head")
+        head_dim = get("head_dim") or (d // heads if d and heads else None)
+        return heads * head_dim if heads and head_dim else None
+    if kind == "neurons":
+        n = get("intermediate_size") or get("n_inner") or get("ffn_hidden_size")
+        if n is None and get("model_type") in ("gpt2", "gptj", "falcon") and d:
+            n = 4 * d
+        return n
+    if kind == "experts":
+        return get("num_experts") or get("num_local_experts") or get("n_routed_experts")
+    raise ValueError(f"unknown width kind {kind!r}: use one of {', '.join(WIDTH_KINDS)}")
+
+
+def point_width(cfg, name: str) -> int:
+    """The width of point `name` in this model (its config), or a ValueError naming why not."""
+    p = point(name)
+    w = config_width(cfg, p.width)
+    if not w:
+        raise ValueError(f"point {name!r} ({p.width} wide) does not exist in this model: its "
+                         f"config gives no {p.width} width"
+                         + (" (router_logits needs a MoE model)" if p.width == "experts" else ""))
+    return int(w)
+
+
+def table_markdown() -> str:
+    """docs/engine.md's point table, generated from TABLE (tests/capture/test_points.py compares)."""
+    lines = ["| point | width | under TP | block layouts | meaning |",
+             "|---|---|---|---|---|"]
+    for p in TABLE:
+        where = ", ".join(p.layouts) + {True: " (MoE only)", False: " (dense MLP only)",
+                                        None: ""}[p.moe]
+        name = f"`{p.name}.0` (model)" if p.level == "model" else f"`{p.name}.L`"
+        lines.append(f"| {name} | {p.width} | {p.tp} | {where} | {p.meaning} |")
+    return "\n".join(lines)
