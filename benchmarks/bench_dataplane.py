@@ -261,7 +261,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
         out["requests_per_unit"] = int(statistics.median(sum(d.values()) for d in per))
         out["requests_by_op"] = ", ".join(f"{k} {v}" for k, v in sorted(per[-1].items()))
     v = s.verify(deep=False)
-    out["verify_ok"] = bool(v["ok"])
+    out["verify_ok"] = bool(v.ok)
     return out
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from harvest.benchmarks.scale_shape import TABLES as SHAPE_TABLES
 from harvest.benchmarks.scale_shape import UNITS_PER_1B, read_open_child, shape_rows, table_child
+from harvest.engine.protocol import CaptureOnly
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
@@ -136,7 +137,7 @@ def scale_model(out: Path | None = None) -> str:
     return str(out)
 
 
-class StubEngine:
+class StubEngine(CaptureOnly):
     """Stands in for the engine: zeros for every requested row, no model. Loaded by the actor
     through `engine_factory`; the driver, tokenisers, writer and commits are all the real ones.
     A harvest.engine.protocol.CaptureEngine (tests/engine/test_engine_protocol.py checks it); its steps
@@ -367,7 +368,7 @@ def bookkeeping_child(spec: dict) -> dict:
         out = {"committed": st["committed_units"]}
     elif op == "verify":
         v = open_store(url, storage_options=so).verify(objects=False)
-        out = {"committed": v["committed_units"], "ok": v["ok"]}
+        out = {"committed": v.committed_units, "ok": v.ok}
     elif op == "raw_get":
         # what finalize cannot avoid: one GET per unit's stats sidecar (batched the same way)
         from harvest.store.format import layout
@@ -430,8 +431,12 @@ class StubActor:
     def __init__(self, index: int):
         self.index = index
 
-    def info(self) -> dict:
-        return {"index": self.index, "queue_tokens": 0, "pid": os.getpid(), "load_seconds": 0.0}
+    def info(self):
+        from harvest.pipeline.messages import ActorInfo
+
+        return ActorInfo(index=self.index, pid=os.getpid(), host="", gpus=[], n_layers=0, width=0,
+                         max_model_len=0, dtype="", describe={}, load_seconds=0.0, threads=1,
+                         platform="", check=None, queue_tokens=0)
 
     def run_unit(self, unit, attempt: int = 1):
         from harvest.pipeline.messages import UnitResult
@@ -443,8 +448,8 @@ class StubActor:
     def ping(self) -> int:
         return os.getpid()
 
-    def figures(self) -> dict:
-        return {}
+    def figures(self):
+        return None   # no engine: the driver's tally reports no step figures
 
 
 def dispatch_child(spec: dict) -> dict:

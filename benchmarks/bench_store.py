@@ -217,7 +217,7 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
     for epoch, label in ((0, "c_read_first"), (1, "c_read")):
         if storage == "local":
             drop_page_cache(url)
-        t_read[epoch], _ = _timeit(lambda: read(epoch), label)
+        t_read[epoch], _ = _timeit(lambda epoch=epoch: read(epoch), label)
     return {"t_put": t_put, "t_get": t_get, "t_get_first": t_get_first, "t_write": t_write,
             "t_read": t_read[1], "t_read_first": t_read[0] + t_open, "t_open": t_open,
             "t_enc": t_enc, "t_dec": t_dec, **dict(_CPU),
@@ -295,7 +295,7 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
             so = None
             if st == "s3":
                 srv = seaweed.start(os.path.join(tmp, "weed"))
-                _SERVER_PID = srv._proc.pid if getattr(srv, "_proc", None) else None
+                _SERVER_PID = srv.pid
                 import s3fs
 
                 s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")

@@ -53,7 +53,7 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
     try:
         layers = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--layers: expected 'all' or comma-separated ints, got {spec!r}")
+        raise SystemExit(f"--layers: expected 'all' or comma-separated ints, got {spec!r}") from None
     bad = [x for x in layers if not 0 <= x < n_layers]
     if bad or not layers:
         raise SystemExit(f"--layers: {bad or spec!r} out of range for a {n_layers}-layer model "

@@ -146,7 +146,7 @@ def read_open_child(spec: dict) -> dict:
     s = open_store(spec["url"], storage_options=spec.get("storage_options"), read_only=True)
     ds = ActivationDataset(s, batch_size=4096, shuffle=False)
     return {"committed": len(ds._sources._lites), "pieces": len(ds.pieces), "rows": ds.n_rows,
-            "tables_read": ds._store._tables.loads,
+            "tables_read": ds._store.table_cache.loads,
             "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 

@@ -19,8 +19,9 @@ from .load import BACKENDS, load_model
 
 # Names whose modules import torch are loaded on first use (PEP 562), so `harvest.engine.addresses`,
 # which pipeline config validation reads (the point kinds), costs no torch import (3 s here).
-_LAZY = {"ActivationCache": "capture.captured", "CapturedRequest": "capture.captured", "to_numpy": "capture.captured",
-         "run_with_cache": "capture.captured", "GenerateParams": "vllm.generate", "GeneratedRequest": "vllm.generate",
+_LAZY = {"ActivationCache": "capture.captured", "CapturedRequest": "capture.captured",
+         "to_numpy": "capture.captured", "run_with_cache": "capture.captured",
+         "GenerateParams": "vllm.generate", "GeneratedRequest": "vllm.generate",
          "CheckConfig": "model_check", "check_loaded": "model_check", "check_model": "model_check",
          "TrunkRefused": "capture.probe"}
 

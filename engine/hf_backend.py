@@ -16,7 +16,7 @@ from .capture import blocks
 from .addresses import Address, parse_addresses
 from harvest.engine.capture.captured import CapturedRequest
 from .checkpoint import read_model_info, validate_tokens
-from .protocol import DestinationProvider, StepStats
+from .protocol import CaptureOnly, DestinationProvider, StepStats
 from harvest.engine.capture.sites import SITE_POINTS, candidates, module_at
 from harvest.engine.capture.taps import check_supported, find_layers
 
@@ -42,7 +42,7 @@ def hf_sites(sem: blocks.BlockSemantics, layer, parallel: bool) -> blocks.BlockS
     return dataclasses.replace(sem, sites=sites)
 
 
-class HFModel:
+class HFModel(CaptureOnly):
     """A harvest.engine.protocol.CaptureEngine on a Hugging Face model. A step is one padded
     micro-batch forward of at most `max_num_batched_tokens` tokens, padding included."""
 

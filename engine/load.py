@@ -3,7 +3,7 @@
 Its own module (not the package's `__init__`) so the modules that load engines themselves
 (model_check.py's reference subprocess and check_model) import it at the top: defined in
 `__init__`, it could only be reached through a function-level import that hid an
-engine <-> check import cycle (issue 23 item 7).
+engine <-> check import cycle.
 """
 
 from __future__ import annotations

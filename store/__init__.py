@@ -7,7 +7,7 @@ See FORMAT.md for the layout.
 
 from .format import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
 
-from harvest import __version__  # noqa: E402 -- the one version (created_by.harvest)
+from harvest import __version__ as __version__  # noqa: E402 -- the one version (created_by.harvest)
 
 from .errors import (  # noqa: E402
     DataIntegrityError,

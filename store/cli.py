@@ -32,15 +32,15 @@ def cmd_verify(args) -> int:
 
     v = open_store(args.url, storage_options=_options(args), read_only=True).verify(
         deep=args.deep, objects=args.objects)
-    complete = v["ok"] and not v["missing_units"]
+    complete = v.complete
     if args.json:
-        print(json.dumps(v, default=str))
+        print(json.dumps(v.as_dict(), default=str))
         return 0 if complete else 1
-    state = "OK" if complete else ("INCOMPLETE" if v["missing_units"] else "FAILED")
-    print(f"{redact_url(args.url)}: {state}: {v['committed_units']:,} of {v['planned_units']:,} "
-          f"units, {v['committed_rows']:,} of {v['planned_rows']:,} rows committed"
-          f"{' (deep: every byte read)' if v['deep_checked'] else ''}")
-    for e in v["errors"][:20]:
+    state = "OK" if complete else ("INCOMPLETE" if v.missing_units else "FAILED")
+    print(f"{redact_url(args.url)}: {state}: {v.committed_units:,} of {v.planned_units:,} "
+          f"units, {v.committed_rows:,} of {v.planned_rows:,} rows committed"
+          f"{' (deep: every byte read)' if v.deep_checked else ''}")
+    for e in v.errors[:20]:
         print(f"  {e}")
     return 0 if complete else 1
 

@@ -19,7 +19,7 @@ def store_info(st) -> dict:
         "compression": st.compression, "committed_units": len(names),
         "committed_rows": rows, "committed_fraction": rows / planned if planned else 0.0,
         "planned_units": len(plan), "finalized": st.summary is not None,
-        "stats": st._meta["attributes"].get("stats"),
-        "compression_ratio": st._meta["attributes"].get("compression_ratio"),
+        "stats": st.attributes.get("stats"),
+        "compression_ratio": st.attributes.get("compression_ratio"),
         "attrs": st.attrs,
     }

@@ -1,6 +1,6 @@
 """A component's config dataclass, given whole or built from the keyword call style.
 
-ReaderConfig and StoreSpec replaced wide constructors (issue 23), but the keyword calls trainers,
+ReaderConfig and StoreSpec stand for what were wide constructors, and the keyword calls trainers,
 examples and docs make (`ActivationDataset(store, batch_size=...)`, `create_store(url,
 points=...)`) must keep working: the keywords build the dataclass. One rule for both, here.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import zarr
@@ -41,6 +41,9 @@ from harvest.store.storage.locate import Location, locate
 from harvest.store.format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
 from harvest.store.commit.plan import PlanStore, Unit, check_region, check_units
+
+if TYPE_CHECKING:
+    from .write.buffers import BufferPool
 
 MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
 
@@ -74,12 +77,18 @@ class Store:
         # lives for the whole run and commits unit after unit, and a marker of a 512-shard unit
         # at 8B's shape is ~0.5 MB of JSON (a few MB parsed); kept all, they grew without end
         self._markers: OrderedDict = OrderedDict()
-        self._shard_map = None   # reads.UnitMap: shard -> its committed unit, for read_shard
-        self._tables = _tables.TableCache()   # per-unit object tables (layout 3), bounded
+        self._shard_map: _reads.UnitMap | None = None   # shard -> its committed unit, for read_shard
+        self.table_cache = _tables.TableCache()   # per-unit object tables (layout 3), bounded
+        # decoded unit metadata chunks recently read (commit/objects.read_meta), keyed by key,
+        # digest and size so a rewrite after uncommit never hits an old entry
+        self.meta_chunk_cache: dict = {}
+        # the block buffers writers of this store share (write/blocks.shard_buffers), made by
+        # the first writer at its block size
+        self.block_buffers: BufferPool | None = None
         self.plans = PlanStore(loc)
 
     @property
-    def _zstore(self):
+    def zarr_store(self):
         """zarr's store object, made on first use: the writer and reader move whole shards
         themselves, and an idle async S3 client only adds a loop-bound session to clean up."""
         if self._zstore_obj is None:
@@ -99,6 +108,28 @@ class Store:
     def attrs(self) -> dict:
         """The run attributes given to create_store (model, dataset, config...)."""
         return self._meta["attributes"].get("run", {})
+
+    @property
+    def attributes(self) -> dict:
+        """The root group's attributes as opened (run, summary, stats, committed_rows, ...)."""
+        return self._meta["attributes"]
+
+    @property
+    def harvest_attrs(self) -> dict:
+        """The root's `harvest` block: the format facts create_store recorded (FORMAT.md)."""
+        return self._h
+
+    def note_finalized(self, attrs_update: dict) -> None:
+        """Take in the root attributes finalize has just written, `harvest` block included."""
+        self._meta["attributes"].update(attrs_update)
+        self._h = self._meta["attributes"]["harvest"]
+
+    def note_resized(self, n_rows: int) -> None:
+        """Take in a new row count written to every array's zarr.json (finalize.resize_rows):
+        cached arrays and codecs know the old shape."""
+        self.n_rows = int(n_rows)
+        self._h["n_rows"] = int(n_rows)
+        self._arrays.clear()
 
     @property
     def summary(self) -> dict | None:
@@ -172,7 +203,7 @@ class Store:
 
     def _open_array(self, path: str) -> zarr.Array:
         try:
-            return zarr.open_array(store=self._zstore, path=path,
+            return zarr.open_array(store=self.zarr_store, path=path,
                                    mode="r" if self.read_only else "r+", zarr_format=3)
         except StoreError:
             raise
@@ -237,7 +268,7 @@ class Store:
             return _fp8.dequantize(rows)
         return np.asarray(rows).astype(np.float32)
 
-    def _meta_array(self, name: str) -> zarr.Array:
+    def meta_array(self, name: str) -> zarr.Array:
         arr = self._arrays.get(name)
         if arr is None:
             arr = self._arrays[name] = self._open_array(name)
@@ -253,7 +284,7 @@ class Store:
         attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"read_row_meta: [{start}, {stop}) is outside 0..{self.n_rows}")
-        return tuple(self._meta_array(n)[start:stop] for n in layout.BASE_META)
+        return tuple(self.meta_array(n)[start:stop] for n in layout.BASE_META)
 
     def read_row_meta_checked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like read_row_meta, committed rows only, each chunk checked against its marker."""
@@ -314,7 +345,8 @@ class Store:
     def marker_names(self) -> list[_commits.MarkerName]:
         return _commits.list_markers(self._loc)
 
-    def _remember_marker(self, m: dict) -> None:
+    def remember_marker(self, m: dict) -> None:
+        """Keep the marker a writer of this store just committed (and drop the shard map)."""
         self._shard_map = None
         self._cache_marker(_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"]), m)
 
@@ -407,7 +439,7 @@ class Store:
         """Merge committed stats into the store, record compression and the run summary."""
         return _finalize.finalize(self, summary)
 
-    def verify(self, deep: bool = False, objects: bool = False) -> dict:
+    def verify(self, deep: bool = False, objects: bool = False) -> _verify.VerifyReport:
         """Every planned row committed exactly once, markers consistent with the plan and their
         recorded sizes; deep=True reads every byte (by the markers' object names, no listing).
 

@@ -97,7 +97,7 @@ def writer(dry: bool) -> dict:
                    lambda: google_crc32c.value(shard.tobytes()), shard.nbytes), 3)}
         from harvest.store.commit.verify import verify
         rep = verify(s, deep=True)
-        out["verify_deep"] = "OK" if rep.get("ok", False) else f"FAILED: {str(rep)[:400]}"
+        out["verify_deep"] = "OK" if rep.ok else f"FAILED: {rep.errors[:5]}"
         out["ok"] = out["verify_deep"] == "OK"
         return out
     finally:

@@ -27,8 +27,9 @@ from harvest.engine.capture import stepring
 from harvest.engine.addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from harvest.engine.capture.captured import CapturedRequest
 from harvest.engine.checkpoint import ModelInfo, read_model_info, validate_tokens
-from harvest.engine.protocol import DestinationProvider, StepStats
-from harvest.engine.parallel import EngineLost, check_parallel, check_tp_fits, check_tp_points, remove_dist_files
+from harvest.engine.protocol import CaptureMode, DestinationProvider, StepStats
+from harvest.engine.parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
+                                     remove_dist_files)
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -78,6 +79,7 @@ class VLLMModel:
         self.frozen: FreezeSet | None = resolve_freeze_points(
             freeze_points, self.n_layers, self.info.n_streams, freeze_writes, enforce_eager
         ).freeze_set()  # None: hooked mode, which must run eager (hooks never fire compiled)
+        self.mode: CaptureMode
         if self.frozen is None:
             self.mode = "hooked"
         elif not self.frozen.reads and not self.frozen.writes:
@@ -240,7 +242,15 @@ class VLLMModel:
         return self.state.step_stats()
 
     # -- capture ----------------------------------------------------------------------------
-    def _resolve_points(self, points) -> tuple[Address, ...]:
+    def next_request_id(self, prefix: str) -> str:
+        """A request id unique within this engine (capture and generate share the counter)."""
+        rid = f"{prefix}{self._next_id}"
+        self._next_id += 1
+        return rid
+
+    def resolve_points(self, points) -> tuple[Address, ...]:
+        """The addresses a capture call reads: `points` checked against the mode, or the
+        mode's default (freeze: every frozen read)."""
         if points is None:
             if self.mode == "freeze":
                 return self.frozen.reads
@@ -311,7 +321,7 @@ class VLLMModel:
         """
         from vllm import SamplingParams
 
-        pts = self._resolve_points(points)
+        pts = self.resolve_points(points)
         st = self.state
         capturing = bool(pts)
         if capturing:

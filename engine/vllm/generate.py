@@ -156,7 +156,7 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
     `sampling.seed`; the pipeline seeds each slot by its place in the store (slot_seed).
     """
     gp = sampling or GenerateParams()
-    pts = model._resolve_points(points)
+    pts = model.resolve_points(points)
     st = model.state
     capturing = bool(pts)
     if capturing:
@@ -182,8 +182,7 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
                 room = len(ids) + gp.max_new_tokens
                 own = None if seeds is None else seeds(prompt_no)
                 for sample in range(gp.n):
-                    rid = f"g{model._next_id}"
-                    model._next_id += 1
+                    rid = model.next_request_id("g")
                     acts = None
                     if capturing:
                         want = destinations(prompt_no * gp.n + sample, room) if destinations else None

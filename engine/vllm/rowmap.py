@@ -28,6 +28,7 @@ from . import compat
 from harvest.engine.capture import taps as tapmod
 from . import probe as vllm_probe
 from harvest.engine.addresses import Address, FreezeSet
+from harvest.engine.protocol import CaptureMode
 from harvest.engine.capture.stepring import RingSpec, RingWriter
 from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
 from harvest.engine.capture.quantize import check_quantize, packed_width
@@ -51,7 +52,7 @@ class Dest:
 class HarvestState:
     taps: tapmod.TapSet
     layers: object
-    mode: str  # "freeze" | "hooked" | "plain"
+    mode: CaptureMode
     max_tokens: int
     width: int
     dtype: torch.dtype

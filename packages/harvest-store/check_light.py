@@ -28,8 +28,8 @@ def main(url: str, rows: int = 4096) -> int:
     for p in s.points[:4]:
         h.update(np.ascontiguousarray(s.read(p, 0, min(rows, s.n_rows))).view(np.uint16).tobytes())
     print(f"python {sys.version.split()[0]}, torch imported: {'torch' in sys.modules}, "
-          f"errors: {v['errors']}, deep: {v['deep_checked']}, digest {h.hexdigest()[:16]}")
-    return 0 if not v["errors"] else 1
+          f"errors: {v.errors}, deep: {v.deep_checked}, digest {h.hexdigest()[:16]}")
+    return 0 if not v.errors else 1
 
 
 if __name__ == "__main__":

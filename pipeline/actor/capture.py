@@ -31,7 +31,8 @@ import numpy as np
 
 from .engine import check_engine, close_engine, gpu_ids, load_engine
 from harvest.pipeline.logs import mark_phase, redirect_actor
-from harvest.pipeline.messages import ActorSpec, UnitResult, UnitTask
+from harvest.store.format.dtypes import torch_dtype
+from harvest.pipeline.messages import ActorFigures, ActorInfo, ActorSpec, UnitResult, UnitStatus, UnitTask
 
 log = logging.getLogger("harvest.actor")
 
@@ -114,37 +115,35 @@ class HarvestActor:
         mark_phase("ready")
 
     # -- introspection ----------------------------------------------------------------------
-    def info(self) -> dict:
+    def info(self) -> ActorInfo:
         e = self.engine
-        return {
-            "index": self.index, "pid": os.getpid(), "host": socket.gethostname(),
-            "gpus": gpu_ids(), "n_layers": int(e.n_layers), "width": int(e.width),
-            "max_model_len": int(e.max_model_len), "dtype": str(e.dtype).replace("torch.", ""),
-            "describe": e.describe(), "load_seconds": round(self.load_seconds, 3),
-            "threads": self.spec.threads, "platform": self.profile,
-            "check": self.check,
+        return ActorInfo(
+            index=self.index, pid=os.getpid(), host=socket.gethostname(),
+            gpus=gpu_ids(), n_layers=int(e.n_layers), width=int(e.width),
+            max_model_len=int(e.max_model_len), dtype=str(e.dtype).replace("torch.", ""),
+            describe=e.describe(), load_seconds=round(self.load_seconds, 3),
+            threads=self.spec.threads, platform=self.profile,
+            check=self.check,
             # rows the driver keeps queued here so the engine never runs dry between units
-            "queue_tokens": 4 * self._step_tokens,
-        }
+            queue_tokens=4 * self._step_tokens,
+        )
 
     def ping(self) -> int:
         return os.getpid()
 
-    def figures(self) -> dict:
+    def figures(self) -> ActorFigures:
         """Units, tokens and step fill (scheduled tokens / (steps x max_num_batched_tokens))."""
-        out = {"index": self.index, "pid": os.getpid(), "units": self.units_done,
-               "tokens": self.tokens_done, "streams": self.streams,
-               "rows_in_place": self.rows_in_place}
         now, base = self.engine.step_stats(), self._steps0
-        if "rows_placed" in now:  # tensor parallel: rows the rank wrote into the shared arena
-            out["rows_placed"] = now["rows_placed"] - base.get("rows_placed", 0)
         steps = now["steps"] - base["steps"]
         sched = now["scheduled_tokens"] - base["scheduled_tokens"]
-        out.update(steps=steps, scheduled_tokens=sched,
-                   max_num_batched_tokens=now["max_num_batched_tokens"],
-                   step_fill=round(sched / (steps * now["max_num_batched_tokens"]), 4)
-                   if steps else None)
-        return out
+        return ActorFigures(
+            index=self.index, pid=os.getpid(), units=self.units_done, tokens=self.tokens_done,
+            streams=self.streams, rows_in_place=self.rows_in_place, steps=steps,
+            scheduled_tokens=sched, max_num_batched_tokens=now["max_num_batched_tokens"],
+            step_fill=round(sched / (steps * now["max_num_batched_tokens"]), 4) if steps else None,
+            # tensor parallel: rows the rank wrote into the shared arena
+            rows_placed=(now["rows_placed"] - base.get("rows_placed", 0)
+                         if "rows_placed" in now else None))
 
     # -- work -------------------------------------------------------------------------------
     def _open_store(self):
@@ -169,7 +168,7 @@ class HarvestActor:
 
         uid, rs, re_ = unit.unit_id, unit.row_start, unit.row_end
 
-        def result(status: str, tokens: int = 0, seconds: float = 0.0, **kw) -> UnitResult:
+        def result(status: UnitStatus, tokens: int = 0, seconds: float = 0.0, **kw) -> UnitResult:
             return UnitResult(unit_id=uid, row_start=rs, row_end=re_, actor=self.index,
                               pid=os.getpid(), attempt=attempt, status=status, tokens=tokens,
                               seconds=seconds, **kw)
@@ -266,7 +265,7 @@ class HarvestActor:
         except BaseException as e:  # noqa: BLE001 -- the engine failed: every unit in it fails
             for job in list(live):
                 job.fail(e)
-            if getattr(self.engine, "lost", False):
+            if self.engine.lost:
                 self._exit_engine_lost(e)
             return True
         finally:
@@ -358,9 +357,9 @@ class HarvestActor:
             if store.quantized:
                 same = bool(getattr(e, "quantizes", False)) and self.slots is None
             else:
-                same = e.dtype == _torch_dtype(store.np_dtype)
+                same = e.dtype == torch_dtype(store.np_dtype)
             ok = bool(e.accepts_destinations) and list(store.points) == list(self.points) and same
-            shared = getattr(e, "shared_allocator", lambda: None)() if ok else None
+            shared = e.shared_allocator() if ok else None
             if shared is not None:
                 # tensor parallel: block buffers in the engine's shared arena, so the rank
                 # that computes the rows writes them in place (engine/capture/shmdest.py)
@@ -382,7 +381,7 @@ class HarvestActor:
         if view.dtype == np.uint8:   # packed fp8 rows (the engine quantises into them)
             return torch.from_numpy(view)
         signed = {2: np.int16, 4: np.int32}[view.dtype.itemsize]
-        return torch.from_numpy(view.view(signed)).view(_torch_dtype(self._open_store().np_dtype))
+        return torch.from_numpy(view.view(signed)).view(torch_dtype(self._open_store().np_dtype))
 
     def close(self) -> None:
         """Stop the stream and close the engine (vLLM's executor and ranks, the shared arena and
@@ -396,13 +395,6 @@ class HarvestActor:
             self._closed = True
             close_engine(self.engine, None if here else self._engine_thread, timeout, self.index)
 
-
-def _torch_dtype(np_dtype):
-    import torch
-
-    from harvest.store.format.dtypes import BF16
-
-    return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np.dtype(np_dtype).name)
 
 
 def _pinned_empty(shape, dtype) -> np.ndarray:

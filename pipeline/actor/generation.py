@@ -42,7 +42,7 @@ import numpy as np
 # the `capture.generate` section itself (GenerateConfig, its YAML parsing) is a config section,
 # in pipeline/config/generate.py: config loading validates it without importing this runtime
 # module (this one imports chat -> data -> config: importing it from the section was a cycle)
-from harvest.pipeline.config.generate import GenerateConfig  # noqa: F401  (re-exported for callers)
+from harvest.pipeline.config.generate import GenerateConfig
 
 # The `gen` values and META_PAD live in store/layout.py (the store's format); imported where
 # used, so importing this module (the actor does at start) never loads the store package

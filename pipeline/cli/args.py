@@ -1,9 +1,9 @@
 """What every `harvest` command shares: the config arguments, the config they load, the store a
 command reads, and the one JSON document `--json` prints.
 
-Its own module so the command modules (cli.py, schedule_cli.py) both import it at the top: when
-these lived in cli.py, schedule_cli.py could only reach them through a function-level import, an
-import cycle cli <-> schedule_cli hidden from the reader (issue 23 item 7).
+Its own module so the command modules (main.py, schedule_cmd.py) both import it at the top: in
+main.py, schedule_cmd.py could reach them only through a function-level import, an import cycle
+hidden from the reader.
 """
 
 from __future__ import annotations

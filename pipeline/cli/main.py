@@ -12,9 +12,10 @@ import argparse
 import sys
 
 from .args import (config_args, is_user_error, load_args_config, print_json, store_args,
-                       store_target)
+                   store_target)
 from .repair import add_parsers as add_repair
 from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.driver.tally import RunSummary
 from .schedule_cmd import add_parser as add_schedule
 from .card import add_parser as add_card
 from harvest.store.storage.credentials import redact_url
@@ -28,7 +29,7 @@ def _setup_logging(verbose: bool) -> None:
     setup_console(verbose)
 
 
-def format_summary(s: dict) -> str:
+def format_summary(s: RunSummary) -> str:
     if s.get("noop"):
         return (f"store {s.get('store')} is already complete: {s.get('tokens')} tokens in "
                 f"{s.get('units')} units, finished {s.get('finished_at')}; nothing to do")
@@ -75,7 +76,7 @@ def _skipped(s: dict) -> "str | None":
             "docs/operations.md, \"Skipped rows\"")
 
 
-def budget_shortfall(cfg: HarvestConfig, summary: dict) -> "str | None":
+def budget_shortfall(cfg: HarvestConfig, summary: RunSummary) -> "str | None":
     """The corpus ended before packing.max_tokens: say so with the numbers (the summary's
     budget_reached flag alone went unnoticed)."""
     budget = cfg.packing.max_tokens
@@ -122,7 +123,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _run_report(cfg, summary: dict):
+def _run_report(cfg, summary: RunSummary):
     """The finished store's report (pipeline/cli/report.py): it reads a fixed sample of shards, so it
     costs seconds whatever the corpus size. A report that fails is a warning, never a failed run:
     the data is committed and verified by then. Returns the paths, or the reason as a string."""
@@ -224,9 +225,9 @@ def cmd_verify(args) -> int:
         return 1
     v = open_store(url, storage_options=so, read_only=True).verify(deep=args.deep,
                                                                    objects=args.objects)
-    complete = v["ok"] and not v["missing_units"]
+    complete = v.complete
     if args.json:
-        print_json(args, {**v, "complete": complete})
+        print_json(args, {**v.as_dict(), "complete": complete})
     else:
         print(verify_text(v, complete))
     return 0 if complete else 1
@@ -234,7 +235,7 @@ def cmd_verify(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .text import inspect_text
-    from .views import inspect
+    from harvest.store.inspect import inspect
 
     url, so = store_target(args)
     rows = None

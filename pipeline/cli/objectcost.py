@@ -1,8 +1,8 @@
 """What a run's store layout costs on object storage: objects, their sizes, requests, for `plan`.
 
-Issue 24: at an 8B model's shape (32 layers x 4096 wide) the old layout made ~68 M objects per
-10^9 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and markers of half a
-megabyte, and nothing said so before the run. Layout 3 streams ~128 MiB shards, chunks row
+Why it is counted: at an 8B model's shape (32 layers x 4096 wide) a layout of 4 MiB shards makes
+~68 M objects per 10^9 tokens, data objects of ~3 MB, 6 M row-metadata objects of 2-4 KiB and
+markers of half a megabyte, and nothing would say so before the run. Layout 3 streams ~128 MiB shards, chunks row
 metadata per unit and moves the per-shard records into a per-unit object table, so markers are
 ~1 KB whatever the shape (`table_bytes` says the table's). Every figure here is counted from the
 code that writes the store, not from copies of its rules: `layout.ROW_META` (the base columns,

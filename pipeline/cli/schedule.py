@@ -34,17 +34,19 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 from harvest.pipeline.config.fields import ConfigError, check_float, check_int
 from . import schedule_log
 from harvest.pipeline.config.run import HarvestConfig, from_dict
-from .schedule_log import TICK_DIR, read_ticks  # noqa: F401 -- re-exported
+from harvest.pipeline.driver.lease import LeaseRecord
+from harvest.pipeline.driver.tally import RunSummary
 
 log = logging.getLogger("harvest.pipeline")
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_BUSY, EXIT_STUCK = 0, 1, 2, 3, 4
-MODES = ("extend", "checkpoints")
+ScheduleMode = Literal["extend", "checkpoints"]
+MODES: tuple[str, ...] = get_args(ScheduleMode)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class ScheduleConfig:
     """One schedule. `tokens_per_tick` (extend) is rounded up to whole work units; `checkpoints`
     is a directory of checkpoint directories (a mounted bucket or PVC works the same)."""
 
-    mode: str = "extend"
+    mode: ScheduleMode = "extend"
     tokens_per_tick: int | None = None
     checkpoints: str | None = None
     stuck_after_s: float = 6 * 3600.0
@@ -120,7 +122,7 @@ class StoreState:
     finished: bool = False     # finalized (summary written)
     committed_tokens: int = 0
     planned_tokens: int = 0
-    lease: object = None       # lease.LeaseRecord of a live driver, or None
+    lease: LeaseRecord | None = None   # the live driver's lease, or None
     shown_url: str = ""
 
 
@@ -166,10 +168,10 @@ def _alive(st: StoreState, sc: ScheduleConfig) -> "Tick | None":
                 st.committed_tokens)
 
 
-RunFn = Callable[..., dict]
+RunFn = Callable[..., RunSummary]
 
 
-def _default_run(cfg: HarvestConfig, stop_tokens: "int | None" = None) -> dict:
+def _default_run(cfg: HarvestConfig, stop_tokens: "int | None" = None) -> RunSummary:
     from harvest.pipeline.driver.run import run
 
     return run(cfg, stop_tokens=stop_tokens)

@@ -8,6 +8,10 @@ change what they compute.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harvest.store.commit.verify import VerifyReport
 
 
 def size(n: "float | None") -> str:
@@ -172,12 +176,12 @@ def status_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-def verify_text(v: dict, complete: bool) -> str:
-    state = "OK" if complete else ("INCOMPLETE" if v["missing_units"] else "FAILED")
-    lines = [f"{state}: {v['committed_units']}/{v['planned_units']} units, "
-             f"{v['committed_rows']:,}/{v['planned_rows']:,} rows committed"]
-    c = v.get("checked") or {}
-    if v.get("deep_checked"):
+def verify_text(v: VerifyReport, complete: bool) -> str:
+    state = "OK" if complete else ("INCOMPLETE" if v.missing_units else "FAILED")
+    lines = [f"{state}: {v.committed_units}/{v.planned_units} units, "
+             f"{v.committed_rows:,}/{v.planned_rows:,} rows committed"]
+    c = v.checked or {}
+    if v.deep_checked:
         lines.append(f"  deep: {c.get('shards', c.get('objects', 0)):,} shard objects, "
                      f"{c.get('meta_chunks', 0):,} metadata chunks, {c.get('sidecars', 0):,} stats "
                      f"sidecars read back ({size(c.get('bytes_read', 0))}) for "
@@ -185,16 +189,16 @@ def verify_text(v: dict, complete: bool) -> str:
                      "digests")
     elif c.get("objects"):
         lines.append(f"  sizes of {c.get('objects', 0):,} objects of {c.get('markers', 0):,} "
-                     f"committed units checked ({size(v.get('stored_bytes'))}); --deep reads "
+                     f"committed units checked ({size(v.stored_bytes)}); --deep reads "
                      "every byte")
     else:
         lines.append(f"  markers and publish records of {c.get('markers', 0):,} committed units "
                      "checked (each unit's objects were found at their recorded sizes when it "
                      "was published); objects not listed now: --objects lists them, --deep reads "
                      "every byte")
-    if v["missing_units"]:
-        lines.append(f"  uncommitted units: {v['missing_units'][:20]}")
-    lines += [f"  {e}" for e in v["errors"][:20]]
+    if v.missing_units:
+        lines.append(f"  uncommitted units: {v.missing_units[:20]}")
+    lines += [f"  {e}" for e in v.errors[:20]]
     return "\n".join(lines)
 
 
@@ -219,7 +223,7 @@ def inspect_text(i: dict) -> str:
         rows = [[p, f"{d['count']:,}", f"{d['rms_norm']:.3g}", f"{d['mean_norm']:.3g}",
                  f"{d['var_mean']:.3g}", f"{d['var_max']:.3g}", d["nonfinite_rows"]]
                 for p, d in st.items()]
-        lines.append(f"  statistics of kept rows (no special tokens, no leading positions):")
+        lines.append("  statistics of kept rows (no special tokens, no leading positions):")
         lines.append(_indent(table(rows, ["point", "rows", "rms norm", "|mean|", "mean var",
                                           "max var", "non-finite"])))
     elif not i["finalized"]:

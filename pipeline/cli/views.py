@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from harvest.store.inspect import inspect, stats_summary  # noqa: F401 -- `harvest inspect`
 
 # Without a driver lease (stores written before leases existed) a run is taken as alive while its
 # last commit is younger than this many times its typical gap between commits (and at least

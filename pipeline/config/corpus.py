@@ -10,7 +10,7 @@ fields, every error naming the field as written in YAML and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .fields import ConfigError, check_bool, check_choice, check_int, check_str
 
@@ -20,7 +20,7 @@ TEXT_ONLY_FORMATS = ("text", "csv", "chat")
 DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub", "chat")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where documents come from. `source: pydoc` is the offline default corpus.
 
@@ -92,14 +92,16 @@ class DataConfig:
         check_int("data.max_docs", self.max_docs, 1, optional=True)
 
 
-BOS_MODES = ("context", "document", "none")
+BosMode = Literal["context", "document", "none"]
+BOS_MODES: tuple[str, ...] = get_args(BosMode)
 # Default cap on one document's tokens when nothing bounds it (about 1 MB of text): a longer
 # document is cut there, counted in the run's packing figures.
 DOC_TOKENS_DEFAULT = 1 << 18
-OVERFLOW_MODES = ("split", "truncate")
+OverflowMode = Literal["split", "truncate"]
+OVERFLOW_MODES: tuple[str, ...] = get_args(OverflowMode)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackingConfig:
     """How documents become fixed contexts (rows of the store are their tokens, in order).
 
@@ -109,9 +111,9 @@ class PackingConfig:
     """
 
     context_size: int = 128
-    bos: str = "context"
+    bos: BosMode = "context"
     bos_token_id: int | None = None
-    overflow: str = "split"
+    overflow: OverflowMode = "split"
     max_tokens: int | None = None
     tokenize_batch: int = 256
     # Tokens per chunk of tokenised output: the granularity at which workers hand tokens over and

@@ -19,7 +19,7 @@ from .yamltext import unknown_msg
 MAX_SAMPLES = (1 << 15) - 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateConfig:
     """`capture.generate`: complete each context's prompt and capture the generated tokens too.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harvest.engine.models import REPO_ROOT, cache_dir as _engine_cache_dir
+from harvest.engine.models import REPO_ROOT, cache_dir as _engine_cache_dir  # noqa: F401 -- REPO_ROOT: config's name for it
 
 
 def cache_dir() -> Path:

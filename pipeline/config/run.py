@@ -30,8 +30,12 @@ from .yamltext import (deep_merge, load_yaml_unique, parse_override, read_text, 
                        unknown_msg)
 
 
-@dataclass
+@dataclass(frozen=True)
 class HarvestConfig:
+    """A run's whole config, one frozen dataclass per section: built and validated once by
+    load_config and never changed afterwards, so what was checked is what every consumer
+    reads (another run is another config: `--set`, or dataclasses.replace, then validate())."""
+
     name: str = "harvest"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -46,7 +50,7 @@ class HarvestConfig:
         check_bool("progress", self.progress)
         for section in SECTIONS:
             getattr(self, section).validate()
-        check_shard_rows(self.store.shard_rows, self.packing.context_size)
+        check_store_sizes(self)
         check_chat(self)
         check_generate(self)
         if self.store.dtype not in (None, "float8_e4m3fn", self.model.dtype):
@@ -112,15 +116,20 @@ class HarvestConfig:
         }
 
 
-def check_shard_rows(shard_rows: "int | None", context_size: int) -> None:
-    """A shard holds whole contexts (store/FORMAT.md, "Sizes"): units are whole contexts that
-    start on shard boundaries, so store.shard_rows must be a multiple of packing.context_size."""
-    C = context_size
-    if shard_rows is not None and shard_rows % C:
-        lo, hi = (shard_rows // C) * C, (shard_rows // C + 1) * C
-        raise ConfigError(
-            f"store.shard_rows={shard_rows} is not a multiple of packing.context_size={C}: "
-            f"use {hi}" + (f" or {lo}" if lo else "") + ", or leave store.shard_rows out")
+def check_store_sizes(cfg: "HarvestConfig") -> None:
+    """store.shard_rows and store.chunk_rows against packing.context_size, by the store's own
+    rule (layout.check_sizes; store/FORMAT.md, "Sizes"). Imported here, not at the top: loading
+    a config imports no zarr (harvest.store's package does), and only sizes given explicitly
+    need the check."""
+    if cfg.store.shard_rows is None and cfg.store.chunk_rows is None:
+        return
+    from harvest.store.format.layout import check_sizes
+
+    try:
+        check_sizes(cfg.store.shard_rows, cfg.store.chunk_rows, cfg.packing.context_size,
+                    names=("store.shard_rows", "store.chunk_rows", "packing.context_size"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_chat(cfg: "HarvestConfig") -> None:

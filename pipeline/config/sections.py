@@ -34,7 +34,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 STORE_DTYPES = DTYPES + ("float8_e4m3fn",)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """The engine each actor hosts; unknown engine options go in `engine_args` and pass through.
 
@@ -143,7 +143,7 @@ class ModelConfig:
         return kw
 
 
-@dataclass
+@dataclass(frozen=True)
 class CaptureConfig:
     """What to capture: addresses like `resid_post.3`; `resid_post.*` means every layer."""
 
@@ -183,7 +183,8 @@ class CaptureConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.generate is not None:
-            self.generate = from_section(self.generate)
+            # the section as given (a mapping from YAML) becomes its dataclass, once, here
+            object.__setattr__(self, "generate", from_section(self.generate))
             self.generate.validate()
 
 
@@ -212,7 +213,7 @@ def check_point(p: Any) -> None:
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoreConfig:
     """The Zarr store: a local dir or an fsspec URL (s3:// reads AWS_* env vars).
 
@@ -257,11 +258,7 @@ class StoreConfig:
         check_float("store.lease_seconds", self.lease_seconds, 1.0, MAX_SECONDS)
         check_int("store.shard_rows", self.shard_rows, 1, optional=True)
         check_int("store.chunk_rows", self.chunk_rows, 1, optional=True)
-        if self.shard_rows and self.chunk_rows and self.shard_rows % self.chunk_rows:
-            raise ConfigError(
-                f"store.chunk_rows={self.chunk_rows} must divide store.shard_rows="
-                f"{self.shard_rows}: pick a divisor or leave chunk_rows out"
-            )
+        # against each other and packing.context_size: run.check_store_sizes
         if self.dtype is not None:
             check_choice("store.dtype", self.dtype, STORE_DTYPES)
         check_int("store.unit_shards", self.unit_shards, 1, optional=True)
@@ -302,7 +299,7 @@ class StoreConfig:
         return url if "://" in url else os.path.abspath(url)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RayConfig:
     """Cluster and actor settings. `address: null` uses the cluster Ray gives the job
     (`RAY_ADDRESS`, set by `ray job submit`) or starts a local one."""

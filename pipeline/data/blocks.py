@@ -143,7 +143,7 @@ def _parquet_blocks(files: list[str], block_bytes: int) -> list[list[dict]]:
 
 
 def _disk_blocks(cfg: DataConfig, path: str) -> list[list[dict]]:
-    ds = _load_disk(cfg, path)
+    ds = load_disk(cfg, path)
     n = ds.num_rows
     per_row = max(1, ds.data.nbytes // max(1, n))
     step = max(1, cfg.block_bytes // per_row)
@@ -159,7 +159,7 @@ def _dataset_blocks(cfg: DataConfig, src) -> list[list[dict]]:
     return [[{"kind": "dataset", "shard": i, "n_shards": n}] for i in range(n)]
 
 
-def _load_disk(cfg: DataConfig, path: str):
+def load_disk(cfg: DataConfig, path: str):
     import datasets
 
     ds = datasets.load_from_disk(path)
@@ -305,7 +305,7 @@ def _read_parquet(seg: dict, cfg: DataConfig, at: "int | None") -> Iterator[tupl
 
 
 def _read_disk(seg: dict, cfg: DataConfig, at: "int | None") -> Iterator[tuple]:
-    ds = _load_disk(cfg, seg["path"])
+    ds = load_disk(cfg, seg["path"])
     a = seg["start"] + (at or 0)
     for s in range(a, seg["stop"], 1024):
         vals = ds[s:min(seg["stop"], s + 1024)][cfg.value_column]

@@ -17,7 +17,7 @@ import json
 from harvest.pipeline.config.run import HarvestConfig
 from .documents import DataError, resolve_source
 from .packing import PackingError
-from .blocks import _load_disk, open_dataset, read_block
+from .blocks import load_disk, open_dataset, read_block
 
 # A local source up to this size is read whole by the context check; larger ones by first block.
 SMALL_SOURCE_BYTES = 64 << 20
@@ -103,7 +103,7 @@ def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
         elif seg["kind"] == "lines":
             names = ["text"]  # the datasets text loader's one column
         else:
-            ds = _load_disk(cfg, seg["path"]) if seg["kind"] == "disk" else open_dataset(cfg)[0]
+            ds = load_disk(cfg, seg["path"]) if seg["kind"] == "disk" else open_dataset(cfg)[0]
             names = getattr(ds, "column_names", None)
             if names is None:
                 first = next(iter(ds), None)

@@ -78,6 +78,10 @@ class Frontier:
         """Is this chunk at or after the frontier (still to be placed)?"""
         return not self.done and (block, chunk) >= (self.next_block, self.next_chunk)
 
+    def filling_chunks(self) -> set[str]:
+        """The chunk keys the unit being filled holds pieces of (not emitted yet)."""
+        return {chunk_key(p[0], p[1]) for p in self._pieces}
+
     def continuation(self) -> "tuple[int, dict | None, int] | None":
         """Where tokenising must (re)start for the frontier to go on: (block, cursor, chunk)."""
         if self.done or self.next_block >= self.n_blocks:

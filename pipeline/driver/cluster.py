@@ -17,7 +17,7 @@ from harvest.pipeline.actor.capture import HarvestActor
 from harvest.pipeline.config.run import HarvestConfig
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.logs import quiet
-from harvest.pipeline.messages import ActorSpec
+from harvest.pipeline.messages import ActorInfo, ActorSpec
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -209,7 +209,7 @@ def root_cause(exc: BaseException) -> str:
     return text[-1] if text else type(exc).__name__
 
 
-def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[dict]:
+def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[ActorInfo]:
     """The actors' info() results, checked against the model the driver prepared for."""
     import ray
 
@@ -223,9 +223,9 @@ def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[dict]:
                 f"{root_cause(e)}"
             ) from None
     for inf in infos:
-        if inf["width"] != prep.width or inf["n_layers"] != prep.n_layers:
+        if inf.width != prep.width or inf.n_layers != prep.n_layers:
             raise HarvestError(
-                f"actor {inf['index']} loaded a model of width {inf['width']} x {inf['n_layers']} "
+                f"actor {inf.index} loaded a model of width {inf.width} x {inf.n_layers} "
                 f"layers, the config of {cfg.model.path} says {prep.width} x {prep.n_layers}")
     return infos
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Sequence
 
 from .cluster import root_cause
 from .tally import DispatchReport, UnitCounts
@@ -23,7 +24,7 @@ from harvest.pipeline.errors import HarvestError
 from .health import ActorHealth, WaitLine
 from .holdings import Holdings
 from .inflight import InFlight
-from harvest.pipeline.messages import UnitResult
+from harvest.pipeline.messages import ActorInfo, UnitResult
 from .plan_writer import PlanWriter
 from harvest.store.commit.markers import IndexBuilder, index_batch
 
@@ -114,13 +115,13 @@ class Scheduler:
         self.units.ready.extend((u, 1) for u in units)
 
     # ---- actors ------------------------------------------------------------------------------
-    def attach(self, store, actors: list, infos: list[dict]) -> dict:
+    def attach(self, store, actors: list, infos: list[ActorInfo]) -> dict:
         """Actors are ready and the store exists: start dispatching. Returns the plan's figures
         (units planned, waiting for chunks, slots per actor)."""
         self.plan.store = store
         self.health.attach(actors, infos)
         unit_rows = self.units.unit_rows
-        queue = max(i.get("queue_tokens", 0) for i in infos)
+        queue = max(i.queue_tokens for i in infos)
         # enough units in flight per actor that its engine never runs dry between units
         slots = max(self.cfg.ray.max_in_flight, math.ceil(queue / unit_rows) + 1)
         self.inflight.attach(len(actors), min(slots, 60))
@@ -241,7 +242,7 @@ class Scheduler:
         return self.frontier.done and not self.plan.unplanned and not self.units.ready \
             and not self.units.waiting and not self.inflight
 
-    def step(self, bar, extra: list = (), timeout: float = 5.0) -> list:
+    def step(self, bar, extra: Sequence = (), timeout: float = 5.0) -> list:
         """One round: start tokenising, dispatch, wait for something. Returns the `extra` refs
         that became ready (the caller's own, e.g. actors starting)."""
         import ray

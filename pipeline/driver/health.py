@@ -14,6 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from harvest.pipeline.messages import ActorFigures, ActorInfo
+
 log = logging.getLogger("harvest.pipeline")
 
 WAIT_LINE_SECONDS = 30.0     # a log line at least this often while nothing finishes
@@ -21,8 +23,8 @@ DEADLINE_MEDIAN_FACTOR = 10  # the derived unit deadline: this many times the me
 
 
 @dataclass
-class ActorFigures:
-    """Per-actor figures. Units in flight overlap (one captures while the other commits), so a
+class ActorTally:
+    """Per-actor figures the driver keeps. Units in flight overlap (one captures while the other commits), so a
     rate over summed unit times would understate the actor: the rate is over capture time."""
 
     index: int
@@ -35,9 +37,11 @@ class ActorFigures:
     failures: int = 0
     already_committed: int = 0   # units this actor found committed (an earlier attempt's)
     restarts: int = 0            # new processes seen for this actor (Ray restarts, ours)
-    step: dict = field(default_factory=dict)
+    step: ActorFigures | None = None
+    """The actor's own figures (HarvestActor.figures), collected at the end of the run."""
 
     def as_dict(self) -> dict:
+        s = self.step
         return {
             "index": self.index, "pids": self.pids, "units": self.units, "tokens": self.tokens,
             "rows_with_activations": self.rows_with_activations,
@@ -46,10 +50,10 @@ class ActorFigures:
             "tokens_per_second": (round(self.tokens / self.engine_seconds, 1)
                                   if self.engine_seconds else None),
             "failures": self.failures, "already_committed": self.already_committed,
-            "restarts": self.restarts, "step_fill": self.step.get("step_fill"),
-            "steps": self.step.get("steps"), "streams": self.step.get("streams"),
-            "rows_in_place": self.step.get("rows_in_place"),
-            "rows_placed": self.step.get("rows_placed"),
+            "restarts": self.restarts, "step_fill": s.step_fill if s else None,
+            "steps": s.steps if s else None, "streams": s.streams if s else None,
+            "rows_in_place": s.rows_in_place if s else None,
+            "rows_placed": s.rows_placed if s else None,
         }
 
 
@@ -63,7 +67,7 @@ class ActorHealth:
         self.ray_cfg, self.emit = ray_cfg, emit
         self.actors: list = []
         self.alive: set = set()
-        self.figures: dict[int, ActorFigures] = {}
+        self.figures: dict[int, ActorTally] = {}
         self.pid: dict[int, int] = {}           # actor -> its current process id
         self.seen_pids: dict[int, set] = {}     # actor -> every process id it ran in
         self.progress: dict[int, float] = {}    # actor -> when it last finished something
@@ -75,16 +79,16 @@ class ActorHealth:
         self.deadline_kills = 0     # actors killed for missing the unit deadline
         self.killed_unseen: set = set()  # of those, actors neither back (new pid) nor lost yet
 
-    def attach(self, actors: list, infos: list[dict]) -> None:
+    def attach(self, actors: list, infos: list[ActorInfo]) -> None:
         self.actors = actors
-        self.figures = {i: ActorFigures(i) for i in range(len(actors))}
+        self.figures = {i: ActorTally(i) for i in range(len(actors))}
         self.alive = set(range(len(actors)))
         now = time.monotonic()
         for i, inf in enumerate(infos):
-            self.pid[i] = inf["pid"]
-            self.seen_pids[i] = {inf["pid"]}
+            self.pid[i] = inf.pid
+            self.seen_pids[i] = {inf.pid}
             self.progress[i] = now
-        self.load_seconds = max(float(i.get("load_seconds") or 0.0) for i in infos)
+        self.load_seconds = max(float(i.load_seconds or 0.0) for i in infos)
 
     def usable(self) -> list[int]:
         """Actors that may get units now: alive and not being pinged back."""
@@ -141,8 +145,9 @@ class ActorHealth:
 
         for a in sorted(self.alive):
             try:
-                self.figures[a].step = ray.get(self.actors[a].figures.remote(), timeout=30)
-                self.saw_pid(a, int(self.figures[a].step["pid"]))  # a restart seen only now
+                step = ray.get(self.actors[a].figures.remote(), timeout=30)
+                self.figures[a].step = step
+                self.saw_pid(a, step.pid)  # a restart seen only now
             except Exception:  # noqa: BLE001 -- figures are a report, never a failure
                 pass
         self.sync_restarts()

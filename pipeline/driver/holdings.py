@@ -59,7 +59,7 @@ class Holdings:
 
     def release(self, keys) -> None:
         """Let go of the chunks in `keys` that nothing needs any more."""
-        pinned = {chunk_key(p[0], p[1]) for p in self.frontier._pieces}
+        pinned = self.frontier.filling_chunks()
         for k in keys:
             h = self.held.get(k)
             if h is None or self.users.get(k, 0) > 0 or k in pinned:

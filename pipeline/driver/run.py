@@ -21,14 +21,14 @@ import datetime as _dt
 import logging
 import os
 import time
-from typing import Callable
+from typing import Callable, cast
 
 from .cluster import (actor_request, collect_infos, ensure_ray, kill_all, start_actors,
                       start_report)
 from harvest.pipeline.config.run import HarvestConfig
 from .dispatch import Scheduler
-from .tally import DispatchReport
-from harvest.pipeline.errors import HarvestError, ResumeMismatch  # noqa: F401 -- re-exported for callers
+from .tally import DispatchReport, RunSummary
+from harvest.pipeline.errors import HarvestError
 from .exits import orderly_signals, shutdown_ray
 from harvest.pipeline.logs import StartWatch, progress_bar
 from harvest.pipeline.data.packing import PackingError
@@ -36,6 +36,7 @@ from harvest.pipeline.data.context_rows import sum_stats
 from .prepare import Prepared, prepare
 from .resume import check_resume, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
+from harvest.store.commit.verify import VerifyReport
 from harvest.store.storage.credentials import redact_url
 from harvest.pipeline.data.tokenpool import TokenPool, env_for_workers
 
@@ -45,7 +46,7 @@ DATA_KEYS = ("rows_read", "rows_skipped", "skipped_reasons")
 
 
 def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
-        engine_factory: str | None = None, stop_tokens: int | None = None) -> dict:
+        engine_factory: str | None = None, stop_tokens: int | None = None) -> RunSummary:
     """Run (or resume) the harvest described by `cfg`; returns the summary written to the store.
 
     `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
@@ -59,7 +60,7 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
         return _run_leased(cfg, on_event, engine_factory, stop_tokens)
 
 
-def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) -> dict:
+def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) -> RunSummary:
     t_start = time.perf_counter()
     sink = StoreSink(cfg)
     sink.on_write_start()
@@ -73,7 +74,7 @@ def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) 
 
 
 def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start: float,
-         stop_tokens: "int | None" = None) -> dict:
+         stop_tokens: "int | None" = None) -> RunSummary:
     """Prepare, then write: tokenising workers and capture actors run the units into the sink's
     store; then the sink completes (verify, finalize)."""
     emit = on_event or (lambda e: None)
@@ -88,10 +89,11 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
         sink.on_resume(existing, prep.layout.capacity_rows)
         state = resume_state(existing, prep, max_contexts)
         if state.complete and existing.summary is not None:
-            s = dict(existing.summary or {})
+            s = cast(RunSummary, dict(existing.summary or {}))
             log.info("store %s is already complete (%s units, %s tokens, finished %s): nothing to do",
                      shown_url, s.get("units"), s.get("tokens"), s.get("finished_at"))
-            return {**s, "noop": True}
+            s["noop"] = True
+            return s
     else:
         state = fresh_state(prep, max_contexts)
     if not prep.sources["blocks"]:
@@ -147,18 +149,18 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
 
 
 def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
-            dispatch_seconds: float) -> dict:
+            dispatch_seconds: float) -> RunSummary:
     """A tick's end (stop_tokens reached): every planned unit is committed, nothing finalized.
     The same verify as at the end (markers, plan coverage) so a tick never reports rows it lost;
     the summary is the caller's to keep (schedule.py records it beside the store)."""
     settle_or_fail(store, redact_url(store.url))   # sink.py: every committed unit published
     verify = store.verify(objects=False)
-    if not verify["ok"] or verify["missing_units"]:
+    if not verify.complete:
         raise HarvestError(f"store {redact_url(store.url)} failed verification after a paused "
-                           f"run: {verify['errors'][:5]} missing {verify['missing_units'][:10]}")
+                           f"run: {verify.errors[:5]} missing {verify.missing_units[:10]}")
     summary = _summary(cfg, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
-    summary.update(status="paused", paused=True,
-                   planned_tokens=sched.frontier.placed * cfg.packing.context_size)
+    summary["status"], summary["paused"] = "paused", True
+    summary["planned_tokens"] = sched.frontier.placed * cfg.packing.context_size
     emit({"event": "done", "summary": summary})
     return summary
 
@@ -179,11 +181,11 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
         pending = [r for r in pending if not any(r is g for g in got)]
         if not pending and infos is None:
             infos = collect_infos(refs, cfg, prep)
-            _model_check(infos[0], cfg)
-            emit({"event": "actors_ready", "actors": infos})
+            _model_check(infos[0].check, cfg)
+            emit({"event": "actors_ready", "actors": [i.as_dict() for i in infos]})
             log.info("%d actors ready: %s", len(infos), ", ".join(
-                f"#{i['index']} pid {i['pid']} ({i['describe'].get('backend')}/"
-                f"{i['describe'].get('mode')}, load {i['load_seconds']:.1f} s)" for i in infos))
+                f"#{i.index} pid {i.pid} ({i.describe.get('backend')}/"
+                f"{i.describe.get('mode')}, load {i.load_seconds:.1f} s)" for i in infos))
         if existing is None and sched.frontier.done and sched.frontier.placed == 0:
             d = sched.data_stats()
             raise PackingError(
@@ -217,10 +219,10 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
     return store
 
 
-def _model_check(info0: dict, cfg: HarvestConfig) -> None:
+def _model_check(check: dict | None, cfg: HarvestConfig) -> None:
     """Stop before anything is written when actor 0's engine disagrees with Hugging Face fp32
-    (capture.check_model): the store would otherwise fill with rows that look fine and are not."""
-    check = info0.get("check")
+    (capture.check_model; `check` is ActorInfo.check, None when it did not run): the store would
+    otherwise fill with rows that look fine and are not."""
     if check is None:
         return
     if check.get("ok"):
@@ -241,7 +243,7 @@ def _model_check(info0: dict, cfg: HarvestConfig) -> None:
 
 
 def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
-            t_start: float, emit, skipped: int, dispatch_seconds: float = 0.0) -> dict:
+            t_start: float, emit, skipped: int, dispatch_seconds: float = 0.0) -> RunSummary:
     summary = sink.on_write_complete(
         store, lambda verify: _summary(cfg, prep, store, sched, verify, t_start, skipped,
                                        dispatch_seconds))
@@ -249,15 +251,15 @@ def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | Non
     return summary
 
 
-def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict,
-             t_start: float, skipped: int, dispatch_seconds: float) -> dict:
+def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: VerifyReport,
+             t_start: float, skipped: int, dispatch_seconds: float) -> RunSummary:
     """The run's summary, recorded in the store at finalize and returned to the caller."""
     report = sched.report() if sched is not None else DispatchReport()
     tokens_run = report.tokens_run
     stats = report.data if report.data is not None else _plan_stats(store)
-    stored = verify.get("stored_bytes") or 0
-    logical = verify["committed_rows"] * len(store.points) * store.row_bytes
-    summary = {
+    stored = verify.stored_bytes or 0
+    logical = verify.committed_rows * len(store.points) * store.row_bytes
+    summary: RunSummary = {
         "name": cfg.name,
         "store": redact_url(store.url),
         "status": "complete",
@@ -265,12 +267,12 @@ def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict
         "points": len(store.points),
         "width": store.width,
         "context_size": cfg.packing.context_size,
-        "tokens": verify["committed_rows"],
+        "tokens": verify.committed_rows,
         "tokens_this_run": tokens_run,
         # of those rows, the ones holding activations (not zeroed by capture.roles, not a
         # generation slot's padding or last token): what a reader yields by default
         "rows_with_activations_this_run": report.rows_with_activations_run,
-        "units": verify["planned_units"],
+        "units": verify.planned_units,
         "units_run": report.units_run,
         "units_skipped": skipped,
         "bytes_logical": logical,
@@ -285,7 +287,8 @@ def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: dict
         "tokenised_jobs": report.tokenised_jobs,
         "data": {"source": prep.sources["description"], **{k: stats.get(k, 0) for k in DATA_KEYS}},
         "packing": {k: v for k, v in stats.items() if k not in DATA_KEYS},
-        "verified": {k: verify[k] for k in ("ok", "planned_units", "committed_units", "committed_rows")},
+        "verified": {"ok": verify.ok, "planned_units": verify.planned_units,
+                     "committed_units": verify.committed_units, "committed_rows": verify.committed_rows},
         "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     return summary
@@ -301,6 +304,3 @@ def _plan_stats(store) -> dict:
 def _progress(cfg: HarvestConfig, total: int | None):
     return progress_bar(cfg.progress, total, cfg.name)
 
-
-# Kept importable from here (the CLI and older callers): the read-only views and preparation.
-from harvest.pipeline.cli.views import inspect, status  # noqa: E402,F401

@@ -27,11 +27,14 @@ from typing import Callable
 from harvest.pipeline.data.chat import chat_attrs
 from harvest.pipeline.config.run import HarvestConfig
 from harvest.pipeline.errors import HarvestError
+from harvest.pipeline.messages import ActorInfo
 from harvest.pipeline.actor.generation import store_attrs
 from .lease import Lease, refuse_if_held
 from .prepare import Prepared
+from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
 from harvest.store.storage.locate import locate
+from harvest.store.commit.verify import VerifyReport
 from harvest.store.storage.credentials import redact_url
 
 log = logging.getLogger("harvest.pipeline")
@@ -66,7 +69,7 @@ class StoreSink:
         self.lease = Lease(loc, cfg.store.lease_seconds, self.shown_url, cfg.content_key(),
                            cfg.name).acquire()
 
-    def create(self, prep: Prepared, info0: dict, chunk_contexts: int):
+    def create(self, prep: Prepared, info0: ActorInfo, chunk_contexts: int):
         """The new store: layout from the plan, attributes from the run and actor 0's engine."""
         from harvest.store import create_store
 
@@ -77,9 +80,9 @@ class StoreSink:
         attrs = {
             RUN_ATTR: prep.run_key(),
             "config": cfg.to_dict(redact=True),
-            "model": info0["describe"],
+            "model": info0.describe,
             "model_path": prep.model_path,
-            "model_check": info0.get("check"),
+            "model_check": info0.check,
             "points": prep.points,
             "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
@@ -138,7 +141,7 @@ class StoreSink:
         return settle(store, self.shown_url, repair)
 
     # -- complete / failed -------------------------------------------------------------------
-    def on_write_complete(self, store, summarize: Callable[[dict], dict]) -> dict:
+    def on_write_complete(self, store, summarize: Callable[[VerifyReport], RunSummary]) -> RunSummary:
         """Publish what a writer left unpublished (a unit whose data is gone is uncommitted and
         the run fails, naming it: a re-run re-captures it), verify (markers, plan coverage,
         publish records), then finalize with `summarize(verify)`; returns the summary."""
@@ -147,10 +150,10 @@ class StoreSink:
         # markers, plan coverage and recorded sizes only: listing every object is `harvest
         # verify --objects` (tens of thousands of LIST pages at corpus scale), never run here
         verify = store.verify(objects=False)
-        if not verify["ok"] or verify["missing_units"]:
-            missing = verify["missing_units"]
+        if not verify.complete:
+            missing = verify.missing_units
             raise HarvestError(
-                f"store {redact_url(store.url)} failed verification: {verify['errors'][:5]}"
+                f"store {redact_url(store.url)} failed verification: {verify.errors[:5]}"
                 f"{' missing units ' + str(missing[:10]) if missing else ''}")
         summary = summarize(verify)
         store.finalize(summary)

@@ -5,6 +5,56 @@ the scheduler's attributes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, NotRequired, TypedDict
+
+
+class FaultFigures(TypedDict):
+    """Retries and deaths of a run, as DispatchReport.fault_figures counts them."""
+
+    unit_retries: int
+    ray_task_retries: int
+    unit_deadlines: int
+    actor_restarts: int
+    actors_lost: int
+    actor_deaths_seen: int
+    units_found_committed: int
+
+
+class RunSummary(FaultFigures):
+    """A run's summary (driver.run's return, the store's `summary` attribute, the `done`
+    event): a dict because it is JSON in the store and in events; typed so that what builds it
+    and what reads it agree on the keys."""
+
+    name: str
+    store: str
+    status: Literal["complete", "paused"]
+    model: dict
+    points: int
+    width: int
+    context_size: int
+    tokens: int
+    tokens_this_run: int
+    units: int
+    units_run: int
+    units_skipped: int
+    bytes_logical: int
+    bytes_stored: int
+    compression_ratio: float | None
+    dispatch_seconds: float
+    wall_seconds: float
+    tokens_per_second: float | None
+    per_actor: list
+    blocks: int
+    tokenised_jobs: int
+    data: dict
+    packing: dict
+    verified: dict
+    finished_at: str
+    paused: NotRequired[bool]
+    """A scheduled tick stopped at its token budget: committed and verified, not finalized."""
+    planned_tokens: NotRequired[int]
+    noop: NotRequired[bool]
+    """The store was complete already: this is its recorded summary, nothing ran."""
 
 
 @dataclass
@@ -22,7 +72,7 @@ class DispatchReport:
     """A run's dispatch figures. The defaults are a run that dispatched nothing (a store whose
     units were all committed and only needed finalizing)."""
 
-    per_actor: list = field(default_factory=list)   # health.ActorFigures.as_dict() per actor
+    per_actor: list = field(default_factory=list)   # health.ActorTally.as_dict() per actor
     tokens_run: int = 0
     rows_with_activations_run: int = 0   # of tokens_run: rows holding activations
     units_run: int = 0
@@ -36,7 +86,7 @@ class DispatchReport:
     tokenised_jobs: int = 0
     data: "dict | None" = None   # source and packing figures (None: read them from the plan)
 
-    def fault_figures(self) -> dict:
+    def fault_figures(self) -> FaultFigures:
         """Retries and deaths counted from what happened, Ray's own included: a unit Ray re-ran
         in a restarted actor (max_task_retries) reaches the loop as a success, seen only as a new
         pid (45 actor kills once read `unit_retries 0, actor deaths 0`)."""

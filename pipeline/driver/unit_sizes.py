@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harvest.pipeline.config.run import ConfigError, HarvestConfig, check_shard_rows
+from harvest.pipeline.config.run import HarvestConfig
 from harvest.store.format.layout import CAPACITY_ROWS, choose_sizes
 from harvest.store.commit.plan import Unit
 
@@ -49,7 +49,6 @@ def choose_layout(cfg: HarvestConfig, width: int, itemsize: int, n_points: int,
     if stored is not None:
         return Layout(*stored, capacity, C)
     st = cfg.store
-    check_shard_rows(st.shard_rows, C)  # again: a config changed after validation
     target = st.unit_tokens
     if cfg.packing.max_tokens is not None:
         # enough units that every actor gets several (a straggler then costs one small unit)
@@ -58,12 +57,8 @@ def choose_layout(cfg: HarvestConfig, width: int, itemsize: int, n_points: int,
     if shard_rows is None and st.unit_shards is None:
         shard_rows = choose_sizes(width, itemsize, n_points, multiple=C)[0]
         shard_rows = min(shard_rows, max(C, target // C * C))
-    try:
-        shard_rows, chunk_rows = choose_sizes(width, itemsize, n_points, multiple=C,
-                                              shard_rows=shard_rows, chunk_rows=st.chunk_rows)
-    except ValueError:
-        raise ConfigError(
-            f"store.chunk_rows={st.chunk_rows} must divide the shard size {shard_rows}: pick a "
-            "divisor or leave store.chunk_rows out") from None
+    # explicit sizes were checked with the config (run.check_store_sizes)
+    shard_rows, chunk_rows = choose_sizes(width, itemsize, n_points, multiple=C,
+                                          shard_rows=shard_rows, chunk_rows=st.chunk_rows)
     unit_shards = st.unit_shards or max(1, target // shard_rows)
     return Layout(shard_rows, chunk_rows, shard_rows * unit_shards, capacity, C)

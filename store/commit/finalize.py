@@ -95,7 +95,7 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     for subset, moments in merged.items():
         # one [points, width] array per statistic: 4 arrays, not 4 per point (each array is
         # several requests to create on object storage)
-        g = zarr.open_group(store=store._zstore, path=f"{layout.STATS_GROUP}/{subset}", mode="a",
+        g = zarr.open_group(store=store.zarr_store, path=f"{layout.STATS_GROUP}/{subset}", mode="a",
                             zarr_format=3)
         for name, vecs in (("mean", [m.mean for m in moments]), ("var", [m.var for m in moments])):
             a = g.create_array(name, shape=(P, store.width), dtype="float64", chunks=(P, store.width),
@@ -127,11 +127,11 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
         "finalized_at": _now(),
         "committed_rows": rows,
     }
-    g = zarr.open_group(store=store._zstore, mode="r+", zarr_format=3)
+    g = zarr.open_group(store=store.zarr_store, mode="r+", zarr_format=3)
     h = dict(g.attrs["harvest"])
     h["n_rows"] = store.n_rows
     g.attrs.update({**attrs_update, "harvest": h})
-    store._meta["attributes"].update({**attrs_update, "harvest": h})
+    store.note_finalized({**attrs_update, "harvest": h})
     _card.write_card(store)  # README.md from the attributes just written (card.py)
     return {"committed_units": len(refs), "committed_rows": rows, "compression_ratio": ratio,
             "stats": attrs_update["stats"], "stats_kept": attrs_update["stats_kept"]}
@@ -213,9 +213,7 @@ def _shrink(store: Store, n_rows: int) -> None:
         meta = json.loads(loc.read_bytes(key))
         meta["shape"] = [int(n_rows)] + list(meta["shape"][1:])
         loc.write_bytes(key, json.dumps(meta, indent=2).encode())
-    store.n_rows = int(n_rows)
-    store._h["n_rows"] = int(n_rows)
-    store._arrays.clear()  # cached arrays and codecs know the old shape
+    store.note_resized(n_rows)
 
 
 FINALIZE_ATTRS = ("summary", "stats", "stats_kept", "compression_ratio", "finalized_at",

@@ -163,10 +163,7 @@ def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = N
 def _meta_cache(store) -> dict:
     """Decoded unit metadata chunks recently read through this store (keyed by key, digest and
     size: a rewrite after uncommit never hits an old entry); readers ask per shard."""
-    cache = getattr(store, "_meta_chunks", None)
-    if cache is None:
-        cache = store._meta_chunks = {}
-    return cache
+    return store.meta_chunk_cache
 
 
 def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
@@ -178,7 +175,7 @@ def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
     a, b = sh["row_start"], sh["row_end"]
     what = f"row metadata {name} of shard {sh['index']}"
     if rec is None:  # legacy marker: through zarr, checked by the unit's digest when whole
-        col = np.asarray(store._meta_array(name)[a:b])
+        col = np.asarray(store.meta_array(name)[a:b])
         want = ((marker.get("row_meta") or {}).get("crc32c") or {}).get(name)
         if want is not None and (a, b) == (marker["row_start"], marker["row_end"]) and \
                 crc32c(col) != want:

@@ -101,10 +101,7 @@ class TableCache:
 
 
 def _cache(store) -> TableCache:
-    c = getattr(store, "_tables", None)
-    if c is None:  # stores built without one (hand-made namespaces in tools and tests)
-        c = store._tables = TableCache()
-    return c
+    return store.table_cache
 
 
 def load(store, m: dict) -> list[dict]:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +44,42 @@ _MAX_ERRORS = 200
 _DIAGNOSED = 5   # unpublished units whose objects verify's default mode stats (the first few)
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What Store.verify found. A store is complete when `ok` and no unit is missing."""
+
+    ok: bool
+    """No error found (a store with planned units not committed yet can be ok)."""
+    errors: list[str]
+    """What is wrong, each naming the unit or array and the repair (at most ~200)."""
+    n_rows: int
+    planned_units: int
+    committed_units: int
+    missing_units: list[int]
+    """Planned units with no commit marker (a resumed run writes them)."""
+    planned_rows: int
+    committed_rows: int
+    committed_fraction: float
+    unpublished_units: int
+    """Committed units without a publish record (their objects not yet checked at their keys:
+    `harvest finalize` publishes or diagnoses them)."""
+    deep_checked: bool
+    """Every byte was read back and checked against the markers' digests (deep=True)."""
+    checked: dict[str, int]
+    """Counts of what was checked: markers, tables, objects, shards, meta_chunks, sidecars,
+    bytes_read."""
+    stored_bytes: int
+
+    @property
+    def complete(self) -> bool:
+        """Every planned row committed and nothing wrong: `harvest verify` exits 0."""
+        return self.ok and not self.missing_units
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able (`harvest verify --json`)."""
+        return asdict(self)
+
+
 def _guard(errors: list[str], what: str, fn, default=None):
     try:
         return fn()
@@ -51,7 +88,7 @@ def _guard(errors: list[str], what: str, fn, default=None):
         return default
 
 
-def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
+def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyReport:
     errors: list[str] = []
     checked: dict = {"markers": 0, "tables": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
                      "bytes_read": 0}
@@ -89,8 +126,8 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
                       f"{missing_units[:10]}); run the harvest again to resume them")
     planned_rows = sum(u.n_rows for u in plan_units)
     committed_rows = sum(n[2] - n[1] for n in matching)
-    if store.summary is not None and store._meta["attributes"].get("committed_rows") not in (None, committed_rows):
-        errors.append(f"the store was finalized with {store._meta['attributes']['committed_rows']} committed "
+    if store.summary is not None and store.attributes.get("committed_rows") not in (None, committed_rows):
+        errors.append(f"the store was finalized with {store.attributes['committed_rows']} committed "
                       f"rows, its markers now cover {committed_rows}: markers were lost or added since")
     _guard(errors, "array metadata", lambda: _check_arrays(store, errors))
     want = _Wanted(store.points, store.meta_columns) if objects else None
@@ -108,12 +145,12 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
             break
         checked["markers"] += 1
         got_ids.add(m.get("unit_id"))
-        errs = _guard(errors, f"marker of unit {m.get('unit_id')}", lambda: _check_marker(store, m), [])
+        errs = _guard(errors, f"marker of unit {m.get('unit_id')}", lambda m=m: _check_marker(store, m), [])
         errors += errs
         if errs:
             continue
         if want is not None or deep:   # the unit's table: one at a time, never all at once
-            recs = _guard(errors, f"unit {m.get('unit_id')}", lambda: unit_shards(store, m))
+            recs = _guard(errors, f"unit {m.get('unit_id')}", lambda m=m: unit_shards(store, m))
             if recs is None:
                 continue
             checked["tables"] += "shards" not in m
@@ -140,13 +177,13 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> dict:
         errors += _unpublished_errors(store, unpublished, n_unpublished)
     if objects and len(errors) <= _MAX_ERRORS:
         _guard(errors, "object listing", lambda: errors.extend(_check_objects(store, want, checked)))
-    return {"ok": not errors, "errors": errors[:_MAX_ERRORS + 10], "n_rows": store.n_rows,
-            "planned_units": len(plan), "committed_units": len(committed_ids),
-            "missing_units": missing_units, "planned_rows": planned_rows,
-            "committed_rows": committed_rows,
-            "committed_fraction": committed_rows / planned_rows if planned_rows else 0.0,
-            "unpublished_units": n_unpublished,
-            "deep_checked": deep, "checked": checked, "stored_bytes": stored}
+    return VerifyReport(
+        ok=not errors, errors=errors[:_MAX_ERRORS + 10], n_rows=store.n_rows,
+        planned_units=len(plan), committed_units=len(committed_ids),
+        missing_units=missing_units, planned_rows=planned_rows, committed_rows=committed_rows,
+        committed_fraction=committed_rows / planned_rows if planned_rows else 0.0,
+        unpublished_units=n_unpublished,
+        deep_checked=deep, checked=checked, stored_bytes=stored)
 
 
 def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
@@ -217,7 +254,7 @@ def _check_records(store: Store, m: dict, recs: list) -> list[str]:
 
 def _check_arrays(store: Store, errors: list[str]) -> None:
     for name, dt in store.meta_columns.items():
-        a = store._meta_array(name)
+        a = store.meta_array(name)
         if a.shape != (store.n_rows,) or a.dtype != np.dtype(dt):
             errors.append(f"row metadata {name} has shape {a.shape} dtype {a.dtype}, expected "
                           f"({store.n_rows},) {dt} (zarr.json or the harvest attributes were edited)")

@@ -94,6 +94,13 @@ def is_quantized(name: str) -> bool:
 def row_width(name: str, width: int) -> int:
     """Columns of a point array: the model width, plus 4 scale bytes per row for fp8."""
     return int(width) + 4 if is_quantized(name) else int(width)
+def torch_dtype(np_dtype: np.dtype):
+    """The torch dtype of rows held as `np_dtype` (the reader hands them out as it, the actor
+    compares its engine's against it). torch is imported here, on call: the light install that
+    reads stores without torch never calls it."""
+    import torch
+
+    return torch.bfloat16 if np.dtype(np_dtype) == BF16 else getattr(torch, np.dtype(np_dtype).name)
 
 
 def zarr_dtype(np_dtype: np.dtype):

@@ -62,7 +62,7 @@ STATS_SUBSETS = ("all", "kept")
 
 # Per point array: one object per shard, ~128 MiB logical (~100 MB stored at bf16's ~1.2x).
 # At an 8B model's shape (32 points x 4096 wide) 4 MiB shards made ~68 M objects and ~205 M
-# requests per 10^9 tokens (issue 24); 128 MiB makes ~2 M objects. The writer never holds a shard:
+# requests per 10^9 tokens; 128 MiB makes ~2 M objects. The writer never holds a shard:
 # it streams each point's shard object block by block (uploads.py), so the shard size no longer
 # bounds memory and memory no longer bounds the shard size.
 TARGET_SHARD_BYTES = 128 << 20
@@ -207,6 +207,23 @@ def _pow2_floor(x: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1.0, x)))))
 
 
+def check_sizes(shard_rows: int | None, chunk_rows: int | None, multiple: int = 1,
+                names: tuple[str, str, str] = ("shard_rows", "chunk_rows", "context_size")) -> None:
+    """The rule for explicit sizes, the one place it is written (the run config checks its
+    `store` section with it, naming its fields in `names`): a shard holds whole contexts
+    (shard_rows a multiple of `multiple`, the context size: units are whole contexts that start
+    on shard boundaries) and whole inner chunks (chunk_rows divides shard_rows). None: derived."""
+    shard_name, chunk_name, multiple_name = names
+    m = max(1, int(multiple))
+    if shard_rows is not None and shard_rows % m:
+        lo, hi = (shard_rows // m) * m, (shard_rows // m + 1) * m
+        raise ValueError(f"{shard_name}={shard_rows} is not a multiple of {multiple_name}={m}: use "
+                         f"{hi}" + (f" or {lo}" if lo else "") + f", or leave {shard_name} out")
+    if shard_rows is not None and chunk_rows is not None and shard_rows % chunk_rows:
+        raise ValueError(f"{chunk_name}={chunk_rows} must divide {shard_name}={shard_rows} (a shard "
+                         f"holds whole inner chunks): pick a divisor or leave {chunk_name} out")
+
+
 def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
                  n_rows: int | None = None, shard_rows: int | None = None,
                  chunk_rows: int | None = None) -> tuple[int, int]:
@@ -224,6 +241,7 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
     """
     row_bytes = max(1, width * itemsize)
     m = max(1, int(multiple))
+    check_sizes(shard_rows, chunk_rows, m)
     if shard_rows is None:
         target = TARGET_SHARD_BYTES / row_bytes
         if m == 1 or (m & (m - 1)) == 0:
@@ -232,16 +250,12 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
             shard_rows = m * max(1, int(target // m))
         if n_rows is not None and 0 < n_rows < shard_rows:
             shard_rows = max(m, -(-int(n_rows) // m) * m)
-    elif shard_rows % m:
-        raise ValueError(f"shard_rows={shard_rows} is not a multiple of the context size {m}")
     if chunk_rows is None:
         cap = max(1, TARGET_CHUNK_BYTES // row_bytes)
         chunk_rows = largest_divisor_at_most(int(shard_rows), cap)
         if n_rows is not None and 0 < n_rows < chunk_rows:
             chunk_rows = largest_divisor_at_most(int(shard_rows), int(n_rows))
-    elif shard_rows % chunk_rows:
-        raise ValueError(f"shard_rows={shard_rows} must be a multiple of chunk_rows={chunk_rows} "
-                         "(a shard holds whole inner chunks)")
+    check_sizes(shard_rows, chunk_rows)  # an explicit chunk against a derived shard
     return int(shard_rows), int(chunk_rows)
 
 

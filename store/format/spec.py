@@ -1,5 +1,6 @@
 """What a store is, as one validated dataclass: its points, shape, layout, dtype, compression,
-token facts and optional row-metadata columns (issue 23: create_store took 17 arguments).
+token facts and optional row-metadata columns, checked once where it is built (instead of
+create_store checking 17 arguments one by one).
 
 `create_store(url, spec=StoreSpec(...))` is the explicit form; the keyword form
 `create_store(url, points=..., width=..., n_rows=..., shard_rows=...)` that the driver, tests,
@@ -48,8 +49,8 @@ class StoreSpec:
         values and a float32 scale per row, `width + 4` uint8 columns; fp8.py); compression: see
         compression.py.
     meta_chunk_rows: rows per chunk of the row-metadata arrays (None: shard_rows). The pipeline
-        passes its unit size: one chunk per unit and column instead of one per shard (issue 24:
-        2-4 KiB objects by the million). A multiple of shard_rows; every writer's region must then
+        passes its unit size: one chunk per unit and column instead of one per shard (one per
+        shard makes 2-4 KiB objects by the million). A multiple of shard_rows; every writer's region must then
         start on a chunk (units do).
     context_size, special_token_ids, bos_token_id, tokenizer, stats_skip_positions: facts readers
         rely on (context geometry, the `kept` row statistics).

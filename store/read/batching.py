@@ -5,7 +5,7 @@ that spans two windows (or, in endless mode, two epochs) is assembled in a side 
 two runs interleaved, because the older window's arena is handed to the decoder as soon as the
 next window is asked for.
 
-Where the time went (issue 22; 262,144 rows x 576 bf16, one window, 2 cores): the reader ran at
+Where the time went (measured: 262,144 rows x 576 bf16, one window, 2 cores): the reader ran at
 0.6-0.7x the raw decode of the same shards. Decoding took as long as the raw decode; the rest
 was the gather, done after it in the consumer's thread, into a fresh `np.empty` per batch. A
 fresh 4.7 MB batch costs its page faults and the kernel's zeroing of every page (a second pass

@@ -1,5 +1,5 @@
-"""What an ActivationDataset reads and how: one validated dataclass (issue 23: the dataset took 30
-keyword arguments, checked here and there in its constructor).
+"""What an ActivationDataset reads and how: one validated dataclass, every option checked here
+once (not here and there in the dataset's constructor).
 
 `ActivationDataset(store, config=ReaderConfig(...))` is the explicit form; the keyword form
 `ActivationDataset(store, points, batch_size=..., seed=...)` that trainers, examples and docs use

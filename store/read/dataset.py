@@ -37,13 +37,13 @@ import torch
 from . import mixing
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
-from harvest.store.format.dtypes import BF16, raw_dtype
+from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
 from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from harvest.store.format.roles import resolve_roles
 from .loader import ActivationLoader
 from harvest.store.commit.objects import CommittedMeta, read_point
 from .readahead import Arenas, WindowFinisher, WindowReader
-from .config import NORMALIZE_MODES, ReaderConfig  # noqa: F401 -- re-exported for users
+from .config import ReaderConfig
 from .order import PiecePlanning, committed_pieces, rank_world
 from .sampling import lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
@@ -57,10 +57,6 @@ _GATHER_AHEAD = 4         # batches gathered ahead on the codec threads (batchin
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
 _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
-
-
-def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:
-    return torch.bfloat16 if np_dtype == BF16 else getattr(torch, np_dtype.name)
 
 
 def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +153,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (st.row_bytes * len(self.points)))
         self.shuffle_buffer_rows = buf
         self.window_shards = max(1, math.ceil(buf / st.shard_rows))
-        self.shard_rows, self._mix_docs = st.shard_rows, None
+        self.shard_rows, self.mix_docs = st.shard_rows, None
 
         # ---- normalisation and the norm filter ----
         self.normalize, self.max_norm_ratio = cfg.normalize, cfg.max_norm_ratio
@@ -170,7 +166,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._store, self._store_pid = st, os.getpid()
         self._setup_norm(st, cfg.norm_constants, cfg.norm_sample_rows)
         self.out_dtype = cfg.out_dtype or (torch.float32 if cfg.normalize or st.quantized
-                                           else _torch_dtype(st.np_dtype))
+                                           else torch_dtype(st.np_dtype))
         if self.world_size > 1:
             self.count_rows()  # once here, not once per worker
 
@@ -197,7 +193,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                  "yet (no unit's commit marker exists), so there is nothing to "
                                  "take statistics from; wait until units commit, or pass "
                                  "norm_constants=")
-            sample = _norm.read_sample(st, self._meta(), self.points, self.pieces, self._sources,
+            sample = _norm.read_sample(st, self.committed_meta(), self.points, self.pieces,
+                                       self._sources,
                                        self.filter.without_sinks(sink_positions(store_facts(st))),
                                        int(sample_rows), self.seed,
                                        self.max_norm_ratio, self.io_threads)
@@ -227,7 +224,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             self._batch_bufs = None
         return self._store
 
-    def _meta(self) -> CommittedMeta:
+    def committed_meta(self) -> CommittedMeta:
         st = self._open()
         if self._meta_cols is None:
             self._meta_cols = CommittedMeta(st, self.pieces, self._sources)
@@ -269,7 +266,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         return self.filter.meta_names()
 
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:
-        cols = self._meta()
+        cols = self.committed_meta()
         return {n: cols.read(n, *piece) for n in self._meta_names()}
 
     # ---- iteration ---------------------------------------------------------------------------
@@ -290,7 +287,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
             specs, skip_rows = self._preskip(specs, skip_rows)
         self._open()
         if self._meta_names():
-            self._meta()   # opened here, not raced for by the fetch threads
+            self.committed_meta()   # opened here, not raced for by the fetch threads
         if self._arenas is None:
             self._arenas = Arenas(self._slot_rows, len(self.points), self._rw, self._raw)
         if self._batch_bufs is None:   # per process, kept across epochs like the arenas

@@ -61,7 +61,7 @@ def store_facts(store) -> dict:
     them (context_size, special/BOS ids, tokenizer, stats_skip_positions): one dict for every
     lookup below, so a v2 store's recorded facts win over a stale copy in the run config."""
     facts = dict(store.attrs or {})
-    h = getattr(store, "_h", None) or {}
+    h = store.harvest_attrs
     for k in ("context_size", "special_token_ids", "bos_token_id", "tokenizer", "stats_skip_positions"):
         if h.get(k) not in (None, [], 0):  # create_store's defaults mean "not recorded"
             facts[k] = h[k]

@@ -15,8 +15,8 @@ sum_d [1 - (1 - n_d / N) ** k] over whole documents, estimated from the sampled 
 P R / sampled rows; the sample is runs of consecutive shards with documents joined by doc_id
 across them, because counting each shard's part of a document as one (documents about as long
 as a shard) put uniform at 50 against 34 measured. Rows with doc_id < 0 (inserted BOS) are drawn
-but are no document. The old rule (warn below 8 shards) missed 8 of 32 shards: 173 documents a
-batch against 581 uniform (issue 22).
+but are no document. A fixed rule (warn below 8 shards) misses 8 of 32 shards: 173 documents a
+batch against 581 uniform.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def check(ds, workers: int = 1, stacklevel: int = 3) -> str | None:
     window = min(ds.window_shards, -(-len(ds.pieces) // G))   # a worker's window is within its part
     if window >= len(ds.pieces):
         return None
-    if ds._mix_docs is None:
-        ds._mix_docs = DocSample(ds.pieces, ds.filter, ds._meta().read, ds.seed)
-    msg = mixing_warning(ds._mix_docs, ds.batch_size, window, ds.shard_rows, ds.shuffle_buffer_rows, G)
+    if ds.mix_docs is None:
+        ds.mix_docs = DocSample(ds.pieces, ds.filter, ds.committed_meta().read, ds.seed)
+    msg = mixing_warning(ds.mix_docs, ds.batch_size, window, ds.shard_rows, ds.shuffle_buffer_rows, G)
     if msg:
         warnings.warn(msg, stacklevel=stacklevel)
     return msg

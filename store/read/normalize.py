@@ -239,7 +239,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
             i, a, b = span(blk)
             groups.setdefault(i, []).append((blk, a, b))
         got = {}
-        for (i, blks), rows in zip(groups.items(), ex.map(
+        for (_i, blks), rows in zip(groups.items(), ex.map(
                 read_piece, [(i, [(a, b) for _, a, b in v]) for i, v in groups.items()])):
             got.update({blk: x for (blk, _, _), x in zip(blks, rows)})
         return [got[blk] for blk in batch]

@@ -141,7 +141,7 @@ def committed_pieces(st: Store) -> tuple[Pieces, Sources]:
         raise DataIntegrityError(f"{st.url}: committed rows [{pieces.lo[u]}, {pieces.hi[u]}) and "
                                  f"[{pieces.lo[u + 1]}, ...) overlap (markers disagree with the "
                                  "plan); run `harvest verify`")
-    final_rows = st._meta["attributes"].get("committed_rows") if st.summary is not None else None
+    final_rows = st.attributes.get("committed_rows") if st.summary is not None else None
     have = pieces.total_rows()
     if final_rows is not None and have != final_rows:
         raise DataIntegrityError(
@@ -153,7 +153,7 @@ def committed_pieces(st: Store) -> tuple[Pieces, Sources]:
 class PiecePlanning:
     """Counts and epoch plans over the dataset's pieces; a base of ActivationDataset.
 
-    Uses the dataset's pieces, filter, _counts (-1: not counted yet), _meta(), io_threads, seed,
+    Uses the dataset's pieces, filter, _counts (-1: not counted yet), committed_meta(), io_threads, seed,
     shuffle, rank, world_size, window_shards and endless.
     """
 
@@ -163,7 +163,7 @@ class PiecePlanning:
         if not f.needs_meta:
             m = f.mask(a, b)
             return b - a if m is None else int(m.sum())
-        cols = self._meta()
+        cols = self.committed_meta()
         got = {n: cols.read(n, a, b) for n in f.meta_names()}
         return int(f.mask(a, b, got.get("token_id"), got.get("doc_id"), got.get("role"),
                           got.get("gen")).sum())

@@ -86,4 +86,4 @@ def read_generation_column(st, name: str, start: int, stop: int, checked: bool) 
         return np.zeros(stop - start, layout.ROW_META[name])
     if checked:
         return read_meta_checked(st, name, start, stop)
-    return st._meta_array(name)[start:stop]
+    return st.meta_array(name)[start:stop]

@@ -15,7 +15,7 @@ Inside a rank, workers take contiguous equal parts of the rank's share, so each 
 only its part (the shard at each boundary is read by both neighbours). An earlier "resident" mode
 (every worker read all of a share that fit one window and kept every num_workers-th row) mixed
 more documents per batch but made every worker decode everything: 2 workers ran at 0.5x the
-no-worker rate (issue 22). A worker's batches draw from its own part only; the reader warns when
+no-worker rate. A worker's batches draw from its own part only; the reader warns when
 a window holds too few documents (mixing.py).
 
 Batches a rank's DataLoader hands out round-robin are numbered globally; lane l of nw produces

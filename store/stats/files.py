@@ -62,8 +62,8 @@ def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, 
     if subset not in layout.STATS_SUBSETS:
         raise ValueError(f"subset={subset!r}: use one of {layout.STATS_SUBSETS}")
     points = list(points or store.points)
-    if store._meta["attributes"].get("stats"):
-        g = zarr.open_group(store=store._zstore, path=f"{layout.STATS_GROUP}/{subset}", mode="r",
+    if store.attributes.get("stats"):
+        g = zarr.open_group(store=store.zarr_store, path=f"{layout.STATS_GROUP}/{subset}", mode="r",
                             zarr_format=3)
         a = dict(g.attrs)
         mean, var = g["mean"][:], g["var"][:]

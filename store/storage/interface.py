@@ -17,12 +17,23 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 from .credentials import scrub
 from harvest.store.errors import StoreAccessError
 from .retries import RetryBudgetExceeded, with_retries
 
+
+
+class UploadRecord(TypedDict):
+    """What a commit records to publish a streamed object later (Storage.finish_object's return:
+    JSON in the unit's marker or table, read back by complete_upload and finalize)."""
+
+    upload_id: str
+    parts: int
+    _etags: NotRequired[list[str]]
+    """The parts' ETags, in memory only (dropped before the record is written): the writer's
+    own publish completes without asking the server for them."""
 
 @dataclass
 class Storage(abc.ABC):
@@ -190,7 +201,7 @@ class Storage(abc.ABC):
         """Append `data` (the parts of one object arrive in order, from one thread at a time)."""
         handle["file"].write(data)
 
-    def finish_object(self, handle: dict) -> "dict | None":
+    def finish_object(self, handle: dict) -> "UploadRecord | None":
         """Every part is written, durably; the object is not yet at its zarr key. Returns what
         a commit must record to publish it later (None: nothing, it is moved by name)."""
         handle.pop("file").close()
@@ -209,13 +220,13 @@ class Storage(abc.ABC):
         except Exception:  # noqa: BLE001
             pass
 
-    def complete_upload(self, final_rel: str, upload: dict) -> bool:
+    def complete_upload(self, final_rel: str, upload: UploadRecord) -> bool:
         """Make an object `finish_object` recorded `upload` for appear at `final_rel`; False if
         there is nothing left to complete (completed already, or aborted). Backends whose
         `finish_object` returns None never get here."""
         raise NotImplementedError(f"{self.kind} storage records no uploads to complete")
 
-    def abort_upload(self, final_rel: str, upload_id: str) -> None:
+    def abort_upload(self, final_rel: str, upload_id: str) -> None:  # noqa: B027 -- a no-op by default
         """Drop a finished but never completed upload (a losing attempt's)."""
 
     def pending_uploads(self, rel: str) -> "dict[str, str]":

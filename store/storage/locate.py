@@ -13,7 +13,6 @@ import fsspec
 from .credentials import scrub, userinfo
 from harvest.store.errors import StoreAccessError
 from .local import LocalStorage
-from .objectstore import _CREATE_ONCE_PROBES  # noqa: F401 -- tests force the fallback
 from .objectstore import ObjectStorage, S3Storage, s3_options
 from .retries import RetryBudgetExceeded, is_transient, with_retries
 from .interface import Storage

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from harvest.store.errors import StoreAccessError
 from .retries import with_retries
-from .interface import Storage
+from .interface import Storage, UploadRecord
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class S3Storage(ObjectStorage):
     # A point's shard object is one multipart upload to its final zarr key: parts go up as the
     # writer's blocks complete, and CompleteMultipartUpload -- after this attempt's marker was
     # created -- makes the whole object appear at once. Publishing is one request, no copy (a
-    # server-side copy of a unit took longer than capturing it, issue 24). An upload never
+    # server-side copy of a unit took longer than capturing it). An upload never
     # completed is invisible: a losing attempt aborts its own, and finalize completes a
     # committed one whose writer died (or aborts a loser's) from one listing of the uploads.
     part_min_bytes: ClassVar[int] = 5 << 20
@@ -194,7 +194,7 @@ class S3Storage(ObjectStorage):
                      Key=handle["key"], UploadId=handle["id"], PartNumber=n, Body=bytes(data))
         handle["etags"].append(r["ETag"])
 
-    def finish_object(self, handle: dict) -> dict:
+    def finish_object(self, handle: dict) -> UploadRecord:
         """The upload id and part count (and, in memory only, the parts' ETags: the writer's
         own publish completes without asking the server for them)."""
         return {"upload_id": handle["id"], "parts": len(handle["etags"]),
@@ -211,7 +211,7 @@ class S3Storage(ObjectStorage):
         except FileNotFoundError:
             pass
 
-    def complete_upload(self, final_rel: str, upload: dict) -> bool:
+    def complete_upload(self, final_rel: str, upload: UploadRecord) -> bool:
         """CompleteMultipartUpload from the ETags the writer kept, else from ListParts (a
         finalize after the writer died), checked against the part count its record holds."""
         b, k = self._bucket_key(final_rel)

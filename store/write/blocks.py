@@ -39,10 +39,10 @@ class Shard:
 def shard_buffers(store, block_rows: int, keep: int) -> BufferPool:
     """The store's pool of block buffers [n_points, block_rows, width]: writers of units in
     flight at once (an actor commits one while capturing the next) reuse each other's buffers."""
-    pool = getattr(store, "_shard_buffers", None)
+    pool = store.block_buffers
     if pool is None or pool.shape[1] != block_rows:
         alloc = pool.allocate if pool is not None else None
-        pool = store._shard_buffers = BufferPool((len(store.points), block_rows, store.row_width),
+        pool = store.block_buffers = BufferPool((len(store.points), block_rows, store.row_width),
                                                  raw_dtype(store.np_dtype), keep, alloc)
     pool.keep = max(pool.keep, keep)
     return pool

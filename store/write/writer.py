@@ -278,7 +278,7 @@ class RegionWriter(ShardUploads):
                     f"{other.get('attempt')}) while this one was writing; this writer's objects are "
                     "removed and the committed ones are untouched (each attempt writes its own).")
             manifest = other
-        self._store._remember_marker(manifest)
+        self._store.remember_marker(manifest)
         self._manifest = manifest
         self._shutdown()
         self._release()

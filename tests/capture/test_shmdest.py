@@ -46,7 +46,6 @@ class Pair:
 
     def step(self, reqs, finished=()):
         """One forward: reqs = [(rid, start, count)]; fed positions/ids are the true ones."""
-        n = sum(c for _, _, c in reqs)
         self.seed += 1
         buf = torch.randn(P, T, W, generator=torch.Generator().manual_seed(self.seed)).bfloat16()
         pos = torch.cat([torch.arange(s, s + c) for _, s, c in reqs])

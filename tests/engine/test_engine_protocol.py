@@ -73,7 +73,7 @@ def test_engine_class_implements_the_protocol(cls):
 def test_the_checks_see_what_an_engine_lacks():
     """The same checks on engines as they were before the Protocol: each gap is named."""
 
-    class Old:  # the stub engine as it was: no step_stats, max_batch_tokens, no destinations
+    class Old(protocol.CaptureOnly):  # the stub engine as it was: no step_stats, max_batch_tokens, no destinations
         backend, name, revision, info, frozen = "stub", "x", None, None, None
 
         def __init__(self):
@@ -113,10 +113,33 @@ def test_the_checks_see_what_an_engine_lacks():
         "capture(): 'destinations' must be optional",
         "capture(): extra parameter 'order' must be optional"])
     assert not isinstance(Old(), protocol.CaptureEngine)
+    # the optional capabilities are members too: an engine without CaptureOnly's defaults
+    class Bare:
+        backend, name, revision, info, frozen = "stub", "x", None, None, None
+        accepts_destinations, max_num_batched_tokens = True, 1
+
+        def __init__(self):
+            self.n_layers = self.width = self.max_model_len = 1
+            self.dtype = None
+
+        def describe(self):
+            return {}
+
+        def capture(self, batches, points, destinations=None):
+            return iter(())
+
+        def step_stats(self):
+            return {}
+
+        def close(self):
+            pass
+
+    assert sorted(class_problems(Bare)) == sorted([
+        "attribute 'lost' is never set", "generate() is missing", "shared_allocator() is missing"])
     assert isinstance(Swapped(), protocol.CaptureEngine)  # presence only: why signatures matter
 
 
-class _NoStepStats:
+class _NoStepStats(protocol.CaptureOnly):
     """A factory engine without step_stats: the actor refuses it when it loads."""
 
     backend, name, revision, info, frozen = "broken", "x", None, None, None

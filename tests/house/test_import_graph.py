@@ -15,8 +15,7 @@ submodule would otherwise sit in a cycle with a package that re-exports it).
 
 from __future__ import annotations
 
-import ast
-
+from tests.support.import_graph import import_graph
 from tests.support.source_tree import modules
 
 # Cycles still known, each one entry (its modules), so fixing one is deleting its line: the
@@ -27,49 +26,6 @@ from tests.support.source_tree import modules
 # log's layout moved to shmdest, which stepring imports one way; and config -> sections ->
 # generation -> chat -> data -> config: capture.generate's section moved to generate_section.py.)
 ALLOWED_CYCLES: list[set[str]] = []
-
-
-def _target(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    base = module.split(".") if is_pkg else module.split(".")[:-1]
-    base = base[:len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def _type_checking(node: ast.AST) -> bool:
-    t = node.test if isinstance(node, ast.If) else None
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
-def _imports(tree: ast.AST):
-    """Every import statement in `tree`, at any depth, except under `if TYPE_CHECKING:`."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        for child in ast.iter_child_nodes(node):
-            todo += child.orelse if _type_checking(child) else [child]
-
-
-def import_graph(mods: dict) -> dict[str, set[str]]:
-    """{module: the harvest modules it imports anywhere in its source}."""
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for m, (path, is_pkg) in mods.items():
-        for node in _imports(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                graph[m] |= {a.name for a in node.names if a.name in mods}
-            elif isinstance(node, ast.ImportFrom):
-                t = _target(m, is_pkg, node)
-                for a in node.names:
-                    if f"{t}.{a.name}" in mods:
-                        graph[m].add(f"{t}.{a.name}")
-                    elif t in mods:
-                        graph[m].add(t)
-            graph[m].discard(m)
-    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -179,3 +135,12 @@ def test_a_cycle_behind_a_function_level_import_is_found(tmp_path):
     graph = import_graph(modules(tmp_path, {"pkg": "pkg"}))
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.c"] == {"pkg.a"} and graph["pkg.e"] == set()
     assert cycles(graph) == [{"pkg.a", "pkg.b", "pkg.c"}]
+
+
+def test_every_lazy_name_of_the_engine_package_resolves():
+    """harvest.engine's PEP 562 names (imported by name, so the graph above cannot see them)
+    point at modules that exist and define them."""
+    import harvest.engine as engine
+
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None, name

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harvest.engine.vllm.generate import GeneratedRequest
-from harvest.pipeline.actor.generation import GenerateConfig, Slots, slot_meta, slot_seed
+from harvest.pipeline.actor.generation import Slots, slot_meta, slot_seed
+from harvest.pipeline.config.generate import GenerateConfig
 from harvest.store import create_store
 from harvest.store.format.layout import (GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT,
                                            GEN_SAMPLED, META_INSERTED, META_PAD)

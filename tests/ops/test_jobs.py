@@ -105,7 +105,7 @@ def test_ray_job_submit_runs_the_entrypoint_to_completion(ray_head, tiny_llama, 
 
     store = open_store(str(store_dir))
     v = store.verify()
-    assert v["ok"] and v["committed_units"] == 8, v
+    assert v.ok and v.committed_units == 8, v
     assert store.summary["tokens"] == 2048 and len(store.summary["per_actor"]) == 2
 
     again = _submit(ray_head, sid, path)

@@ -68,7 +68,7 @@ def test_report_and_inspect_read_an_unpublished_units_metadata(store_and_data, t
     import shutil
 
     from harvest.store import open_store
-    from harvest.pipeline.cli.views import inspect
+    from harvest.store.inspect import inspect
     from tests.support.reader_stores import unpublish
 
     src, data = store_and_data

@@ -14,7 +14,8 @@ from harvest.pipeline.config.fields import ConfigError
 from harvest.pipeline.cli.main import main
 from harvest.pipeline.driver.lease import Lease
 from harvest.pipeline.cli.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
-                                       read_ticks, store_state)
+                                       store_state)
+from harvest.pipeline.cli.schedule_log import read_ticks
 from harvest.store import open_store
 from harvest.store.storage.locate import locate
 from tests.support.pipeline import MAX_TOKENS, check_store, make_cfg
@@ -234,7 +235,7 @@ def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, cor
     metas = {}
     for name, s in stores.items():
         v = s.verify(deep=True)
-        assert v["ok"] and v["committed_rows"] == budget, v
+        assert v.ok and v.committed_rows == budget, v
         metas[name] = s.read_row_meta(0, s.n_rows)
         acts = reference_capture(str(ckpts / name), metas[name][0], cfg.packing.context_size,
                                  SHARD_ROWS, cfg.capture.batch_contexts, [s.points[-1]])

@@ -113,7 +113,7 @@ def test_non_harvest_location_is_refused(tiny_llama, docs, tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     (store / "notes.txt").write_text("someone else's files")
-    from harvest.pipeline.driver.run import HarvestError
+    from harvest.pipeline.errors import HarvestError
 
     _fails(make_cfg(tiny_llama, str(store), docs), HarvestError, r"not empty and is not a harvest store")
     assert sorted(p.name for p in store.iterdir()) == ["notes.txt"]

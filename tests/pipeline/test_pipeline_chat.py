@@ -101,7 +101,7 @@ def test_role_masked_chat_run_stores_exactly_the_assistant_tokens(ray_cluster, s
     assert summary["tokens"] == st.n_rows == len(want_tok)
     assert summary["data"]["rows_skipped"] == 1
     tok_ids, doc, _ = st.read_row_meta_checked(0, st.n_rows)
-    role = np.asarray(st._meta_array("role")[:])
+    role = np.asarray(st.meta_array("role")[:])
     np.testing.assert_array_equal(tok_ids, want_tok)
     np.testing.assert_array_equal(doc.reshape(-1, C)[:, 0], want_doc)
     np.testing.assert_array_equal(role == CODES["assistant"], want_asst)

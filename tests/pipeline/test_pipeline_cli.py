@@ -155,7 +155,7 @@ def test_verify_fails_until_complete_and_inspect_shows_rows(half_done, capsys):
 
 
 def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, tiny_llama):
-    from harvest.pipeline.driver.run import ResumeMismatch
+    from harvest.pipeline.errors import ResumeMismatch
 
     cfg, done, path = half_done
     before = open_store(cfg.store.resolved_url).committed_units()

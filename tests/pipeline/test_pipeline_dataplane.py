@@ -36,6 +36,6 @@ def test_same_rows_with_one_and_three_tokenising_workers(ray_cluster, tiny_llama
         assert np.array_equal(tok, ref.token_ids), w
         assert np.array_equal(doc, ref.doc_ids), w
         assert np.array_equal(pos, ref.positions), w
-        assert st.verify(deep=True)["ok"]
+        assert st.verify(deep=True).ok
     a = {p: np.asarray(stores[1].read(p, 0, 6144)) for p in stores[1].points}
     assert_store_matches(stores[3], a)  # same tokens in the same rows: same activations, bit for bit

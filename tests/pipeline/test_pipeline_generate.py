@@ -62,7 +62,7 @@ def check_slots(store, model: str, prompts: list, roles=None, kept=None, stops=S
     tok = store.read_row_meta(0, store.n_rows)[0]
     g = store.read_gen(0, store.n_rows, checked=True)
     smp = store.read_sample(0, store.n_rows, checked=True)
-    role = None if roles is None else np.asarray(store._meta_array("role")[:])
+    role = None if roles is None else np.asarray(store.meta_array("role")[:])
     early, seqs, where = 0, [], []  # per (slot, sample): its tokens; (slot row, L, fed generated rows)
     for s, prompt in enumerate(prompts):
         a, L = s * C, len(prompt)
@@ -147,9 +147,9 @@ def test_generation_units_survive_a_killed_actor_and_match_hf(ray_cluster, tiny_
     assert sum(a["rows_in_place"] or 0 for a in summary["per_actor"]) > 0, summary["per_actor"]
     store = open_store(cfg.store.resolved_url)
     v = store.verify(deep=True)
-    assert v["ok"], v["errors"]
+    assert v.ok, v.errors
     n_rows = units * SHARD_ROWS
-    assert store.n_rows == n_rows <= ref.packed.n_rows and not v["missing_units"]
+    assert store.n_rows == n_rows <= ref.packed.n_rows and not v.missing_units
     P = CONTEXT - N * NEW
     assert store.attrs["generation"]["prompt_len"] == P
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
@@ -201,14 +201,14 @@ def test_chat_prompts_are_completed_as_the_assistant_and_match_hf(ray_cluster, t
     summary = run(cfg)
     assert summary["data"]["skipped_reasons"] == {"prompt_too_long": 1}, summary["data"]
     store = open_store(cfg.store.resolved_url)
-    assert store.verify(deep=True)["ok"]
+    assert store.verify(deep=True).ok
     eos = t.convert_tokens_to_ids("<|eos|>")
     assert eos in store.attrs["generation"]["stop_ids"]  # the template's end of turn
     labelled = [label_conversation(t, c, generation_prompt=True) for c in convs if len(c[0]["content"]) < 100]
     assert store.n_rows == len(labelled) * C
     stored = check_slots(store, str(model), [np.asarray(i) for i, _ in labelled],
                          roles=[r for _, r in labelled], kept=[ASSISTANT], stops=STOP + [eos])
-    role = np.asarray(store._meta_array("role")[:])
+    role = np.asarray(store.meta_array("role")[:])
     # stored: the generated rows and the prompts' assistant turns, nothing else
     g = store.read_gen(0, store.n_rows)
     assert np.array_equal(stored, (role == ASSISTANT) & np.isin(g, (GEN_PROMPT, GEN_SAMPLED)))

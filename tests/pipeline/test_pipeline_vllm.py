@@ -78,7 +78,7 @@ def test_fp8_store_quantised_in_the_engine(ray_cluster, tiny_llama, corpus, refe
     assert store.dtype == "float8_e4m3fn" and store.compression["codec"] == "zstd"
     assert sum(a["rows_in_place"] for a in summary["per_actor"]) == summary["tokens"]
     v = store.verify(deep=True)
-    assert v["ok"] and not v["missing_units"], v["errors"]
+    assert v.ok and not v.missing_units, v.errors
     ref, acts = reference
     tok, _, _ = store.read_row_meta(0, store.n_rows)
     assert np.array_equal(tok, ref.packed.token_ids)

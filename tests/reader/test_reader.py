@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from harvest.store import create_store
-from harvest.store.read.dataset import ActivationDataset, ReaderConfig
+from harvest.store.read.config import ReaderConfig
+from harvest.store.read.dataset import ActivationDataset
 from harvest.testing import synthetic
 from tests.support.reader_stores import BOS, committed_rows, make_store
 

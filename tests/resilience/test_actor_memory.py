@@ -105,7 +105,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
 
     back = open_store(url)
     v = back.verify(deep=True)
-    assert v["ok"] and v["committed_units"] == UNITS, v
+    assert v.ok and v.committed_units == UNITS, v
     tok = tokens_of(0, n)
     want = rows_of(tok)
     for p, name in enumerate(points):
@@ -204,4 +204,4 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     assert outcome[failed[0]].endswith(want_error), outcome
     assert left == 0, f"{left} writers alive after the stream ended"
     v = open_store(url).verify()
-    assert v["committed_units"] == len(units) - 1, v
+    assert v.committed_units == len(units) - 1, v

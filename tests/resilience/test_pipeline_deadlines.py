@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from harvest.pipeline.driver.run import HarvestError, run
+from harvest.pipeline.driver.run import run
+from harvest.pipeline.errors import HarvestError
 from harvest.store import StoreAccessError, open_store
 from tests.support.pipeline import check_store, make_cfg
 

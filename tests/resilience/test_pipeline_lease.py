@@ -116,7 +116,7 @@ def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, cap
     assert proc.wait(300) == 0, (tmp_path / "a.log").read_text()[-3000:]
     st = open_store(str(store))
     v = st.verify()
-    assert v["ok"] and not v["missing_units"], v
+    assert v.ok and not v.missing_units, v
     assert st.summary is not None and st.summary["status"] == "complete"
     assert current(st.location).record.get("released") is True
 

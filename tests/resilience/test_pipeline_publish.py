@@ -95,7 +95,7 @@ def test_a_store_shrunk_by_the_old_finalize_resumes_after_harvest_finalize(
     assert summary["units_run"] == 2 and summary["units_skipped"] == 2
     store = open_store(url)
     v = store.verify(deep=True)
-    assert v["ok"] and v["committed_rows"] == 1024 and store.n_rows == 1024, v["errors"]
+    assert v.ok and v.committed_rows == 1024 and store.n_rows == 1024, v.errors
     tok, _, _ = store.read_row_meta(0, 1024)
     assert np.array_equal(tok, reference_rows(cfg).token_ids)
     _assert_rows(store, reference[1], 0, 1024)

@@ -14,6 +14,7 @@ import pytest
 
 from harvest.store import RegionConflict, RegionWriteFailed, create_store, open_store
 from harvest.store.storage import locate as backend
+from harvest.store.storage import objectstore
 from harvest.store.format import layout
 from harvest.store.read.dataset import ActivationDataset
 from harvest.store.commit.tables import unit_shards
@@ -99,14 +100,14 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     rows = np.concatenate([b["row"].numpy() for b in ActivationDataset(r, batch_size=500, return_meta=True)])
     assert np.array_equal(np.sort(rows), np.arange(0, 2048))  # shard 2's object exists, yet unseen
     v = r.verify()
-    assert not v["ok"] and v["missing_units"] == [1] and v["committed_fraction"] == 0.5
+    assert not v.ok and v.missing_units == [1] and v.committed_fraction == 0.5
 
     [m] = synthetic.fill(r, x, units=[r.plan()[1]], order="shuffled")  # the rewrite
     assert m["unit_id"] == 1
     markers = [n for n in r.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")]
     assert markers == ["unit-00000000.0-2048.json", "unit-00000001.2048-4096.json"]
     v = r.verify(deep=True)
-    assert v["ok"], v["errors"]
+    assert v.ok, v.errors
     for i, p in enumerate(r.points):
         assert np.array_equal(r.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
 
@@ -116,7 +117,7 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     again.write(2048, synthetic.activations((P, 2048, W), seed=99))
     m2 = again.commit()
     assert m2["already_committed"] and m2["attempt"] == m["attempt"]
-    assert r.verify(deep=True)["ok"]
+    assert r.verify(deep=True).ok
 
 
 def test_second_live_writer_is_stopped_and_cannot_touch_the_committed_bytes(tmp_path):
@@ -131,13 +132,13 @@ def test_second_live_writer_is_stopped_and_cannot_touch_the_committed_bytes(tmp_
     with pytest.raises(RegionConflict, match="another writer"):
         b.write(1024, xb[:, 1024:2048])    # b notices the marker before uploading more
     v = s.verify(deep=True)
-    assert v["missing_units"] == [1] and len(v["errors"]) == 1, v["errors"]  # a's bytes intact
+    assert v.missing_units == [1] and len(v.errors) == 1, v.errors  # a's bytes intact
     assert np.array_equal(s.read("resid_post.0", 0, 2048).view(np.uint16), xa[0, :2048].view(np.uint16))
     s.uncommit(0)                          # driver repair still works: rewrite the unit
     synthetic.fill(s, xa, units=[s.plan()[0]])
     assert s.commit_manifest(0)["attempt"] != ma["attempt"]
     v = s.verify(deep=True)
-    assert v["missing_units"] == [1] and len(v["errors"]) == 1  # only "unit 1 not committed" is left
+    assert v.missing_units == [1] and len(v.errors) == 1  # only "unit 1 not committed" is left
 
 
 def _fill_unit(s, data, uid, monkeypatch, publish=True):
@@ -171,10 +172,10 @@ def _reads_exactly(url, so, want, attempt, unpublished=False):
     assert np.array_equal(got, want.transpose(1, 0, 2).view(np.uint16))
     v = r.verify(deep=True)
     if unpublished:
-        assert v["unpublished_units"] == 1 and not v["missing_units"], v["errors"]
-        assert "unit 0: pending" in "\n".join(v["errors"]), v["errors"]
+        assert v.unpublished_units == 1 and not v.missing_units, v.errors
+        assert "unit 0: pending" in "\n".join(v.errors), v.errors
     else:
-        assert v["ok"], v["errors"]
+        assert v.ok, v.errors
     assert r.committed_units()[0]["attempt"] == attempt
 
 
@@ -304,14 +305,14 @@ def test_s3_if_none_match_probe_and_check_then_write_fallback(seaweedfs, s3_url)
         server_honours = True
     assert loc.honours_if_none_match() is server_honours  # the probe reports what the server does
     key = (seaweedfs.endpoint, loc.root.split("/", 1)[0])
-    saved = backend._CREATE_ONCE_PROBES.get(key)
-    backend._CREATE_ONCE_PROBES[key] = False  # force the documented check-then-write path
+    saved = objectstore._CREATE_ONCE_PROBES.get(key)
+    objectstore._CREATE_ONCE_PROBES[key] = False  # force the documented check-then-write path
     try:
         assert loc.create_once("fb/unit.json", b"a") is True
         assert loc.create_once("fb/unit.json", b"b") is False
         assert loc.read_bytes("fb/unit.json") == b"a"
     finally:
-        backend._CREATE_ONCE_PROBES[key] = saved
+        objectstore._CREATE_ONCE_PROBES[key] = saved
 
 
 def test_permanent_upload_failure_leaves_region_uncommitted(seaweedfs, s3_url):
@@ -385,7 +386,7 @@ def test_writer_threads_run_below_the_caller_and_reuse_shard_buffers(tmp_path):
         assert shardcodec.codec_pool(background=True).submit(comm).result().startswith("harvest-encode")
     w.write(0, x[:, :2048])
     w.commit()
-    seen = {id(b) for b in s._shard_buffers._free}
+    seen = {id(b) for b in s.block_buffers._free}
     assert seen, "finished shards' buffers are kept for reuse"
     w = _meta(s.region_writer(1, 2048, 4096))
     w.write(2048, x[:, 2048:3072])

@@ -56,7 +56,7 @@ def test_create_store_argument_errors(tmp_path):
         _small(u, width=0)
     with pytest.raises(ValueError, match="dtype='int8' is not supported: use one of bfloat16"):
         _small(u, dtype="int8")
-    with pytest.raises(ValueError, match="shard_rows=250 must be a multiple of chunk_rows=64"):
+    with pytest.raises(ValueError, match="chunk_rows=64 must divide shard_rows=250"):
         _small(u, shard_rows=250)
     with pytest.raises(ValueError, match="compression='brotli' is unknown"):
         _small(u, compression="brotli")
@@ -83,7 +83,7 @@ def test_store_spec_is_the_keyword_form(tmp_path):
     spec = StoreSpec(**fields)
     b = create_store(str(tmp_path / "spec"), spec=spec)
     drop = ("created_at", "created_by")
-    ha, hb = ({k: v for k, v in s._h.items() if k not in drop} for s in (a, b))
+    ha, hb = ({k: v for k, v in s.harvest_attrs.items() if k not in drop} for s in (a, b))
     assert ha == hb
     assert (spec.shard_rows, spec.chunk_rows, spec.meta_chunk_rows) == (b.shard_rows, 64, b.shard_rows)
     assert spec.dtype == "bfloat16" and spec.special_token_ids == (1, 5) and spec.points == tuple(fields["points"])
@@ -142,8 +142,8 @@ def test_region_and_write_errors(tmp_path):
     other.commit()
     assert sorted(s.committed_units()) == [0]
     v = s.verify()
-    assert not v["ok"] and v["missing_units"] == [1]
-    assert any("committed rows [512,768) but the plan says [512,1000)" in e for e in v["errors"])
+    assert not v.ok and v.missing_units == [1]
+    assert any("committed rows [512,768) but the plan says [512,1000)" in e for e in v.errors)
     ro = open_store(str(tmp_path / "w"), read_only=True)
     with pytest.raises(StoreError, match="read-only"):
         ro.region_writer(1, 512, 1000)

@@ -133,7 +133,7 @@ def test_fp8_store_bytes_decoder_stats_and_verify(stores):
         np.testing.assert_allclose(st["mean"], d64.mean(0), rtol=1e-10, atol=1e-10)
         np.testing.assert_allclose(st["var"], d64.var(0), rtol=1e-9, atol=1e-10)
     v = q.verify(deep=True)
-    assert v["ok"] and v["deep_checked"], v["errors"]
+    assert v.ok and v.deep_checked, v.errors
     assert q.info()["dtype"] == "float8_e4m3fn" and q.info()["row_width"] == W + 4
     # inspect and report show values (dequantised), not the packed bytes
     from harvest.pipeline.cli.report import collect

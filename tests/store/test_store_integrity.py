@@ -185,7 +185,7 @@ def test_late_writer_cannot_replace_the_committed_bytes(tmp_path):
     xa, xb = synthetic.activations((2, N, W), seed=1), synthetic.activations((2, N, W), seed=2)
     meta = [np.arange(512, dtype=np.int32), np.zeros(512, np.int64), np.arange(512, dtype=np.int32)]
     a, b = s.region_writer(0, 0, 512), s.region_writer(0, 0, 512)
-    for w, x in ((a, xa), (b, xb)):
+    for w, _x in ((a, xa), (b, xb)):
         w.write_meta(0, *meta)
     b.write(0, xb[:, :512])                 # every shard of b uploaded before a commits ...
     a.write(0, xa[:, :512])
@@ -198,7 +198,7 @@ def test_late_writer_cannot_replace_the_committed_bytes(tmp_path):
     assert r.commit_manifest(0)["attempt"] == ma["attempt"]
     assert attempt_objects(r.location) == {}       # b's objects removed, a's published
     v = r.verify(deep=True)
-    assert v["errors"] == [v["errors"][0]] and "not committed" in v["errors"][0]  # only units 1..3
+    assert v.errors == [v.errors[0]] and "not committed" in v.errors[0]  # only units 1..3
 
 
 def test_full_disk_write_leaves_no_temp_files_or_objects(tmp_path, monkeypatch):
@@ -226,7 +226,7 @@ def test_full_disk_write_leaves_no_temp_files_or_objects(tmp_path, monkeypatch):
     assert left == [] and attempt_objects(s.location) == {}
     assert not s.is_committed(0)
     synthetic.fill(s, x, units=[s.plan()[0]])   # the unit can be written once the disk has room
-    assert s.verify(deep=True)["committed_units"] == 1
+    assert s.verify(deep=True).committed_units == 1
 
 
 def test_evicted_shards_go_through_scratch_and_commit_the_same_bits(tmp_path):
@@ -238,7 +238,7 @@ def test_evicted_shards_go_through_scratch_and_commit_the_same_bits(tmp_path):
     synthetic.fill(s, x, token_id=tok, order="shuffled", chunk=50, max_open_shards=1)
     assert not os.path.exists(os.path.join(path, layout.SCRATCH_DIR)) or \
         not any(fs for _, _, fs in os.walk(os.path.join(path, layout.SCRATCH_DIR)))
-    assert s.verify(deep=True)["ok"]
+    assert s.verify(deep=True).ok
     for i, p in enumerate(POINTS):
         assert np.array_equal(s.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
     assert np.array_equal(s.read_row_meta_checked(0, N)[0], tok)

@@ -86,8 +86,8 @@ def test_lifecycle_abort_after_a_crash_between_marker_and_completion(seaweedfs, 
 
     r = open_store(s3_url, storage_options=so, read_only=True)
     v = r.verify()
-    assert not v["ok"] and v["unpublished_units"] == 2 and not v["missing_units"]
-    text = "\n".join(v["errors"])
+    assert not v.ok and v.unpublished_units == 2 and not v.missing_units
+    text = "\n".join(v.errors)
     assert "2 committed units are not published" in text and "harvest finalize" in text
     assert "unit 1: gone" in text and "unit 3: gone" in text and "harvest uncommit" in text
     slept = _no_sleep(monkeypatch)
@@ -100,14 +100,14 @@ def test_lifecycle_abort_after_a_crash_between_marker_and_completion(seaweedfs, 
 
     rep = open_store(s3_url, storage_options=so).settle(repair=True)
     assert rep["uncommitted"] == [1, 3] and set(rep["gone"]) == {1, 3}
-    assert open_store(s3_url, storage_options=so, read_only=True).verify()["missing_units"] == [1, 3]
+    assert open_store(s3_url, storage_options=so, read_only=True).verify().missing_units == [1, 3]
     s = open_store(s3_url, storage_options=so)
     _fill(s, x, [1, 3])                                    # the resume's re-capture
     v = s.verify()
-    assert v["ok"] and v["unpublished_units"] == 0, v["errors"]
+    assert v.ok and v.unpublished_units == 0, v.errors
     s.finalize()
     r = open_store(s3_url, storage_options=so, read_only=True)
-    assert r.verify(deep=True)["ok"]
+    assert r.verify(deep=True).ok
     for i, p in enumerate(r.points):
         assert np.array_equal(r.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
         assert np.array_equal(_zarr_rows(s3_url, so, p).view(np.uint16), x[i].view(np.uint16))
@@ -131,7 +131,7 @@ def test_pending_units_are_published_by_settle_and_the_three_diagnoses(seaweedfs
                                                  r"pending.*harvest finalize"):
         r.read("resid_post.0", 3072, 4096)
     v = r.verify()
-    assert "unit 3: pending" in "\n".join(v["errors"]) and v["unpublished_units"] == 1
+    assert "unit 3: pending" in "\n".join(v.errors) and v.unpublished_units == 1
 
     loc = s.location
     loc.delete(layout.shard_object_key("resid_post.1", 1))            # gone
@@ -163,7 +163,7 @@ def test_pending_units_are_published_by_settle_and_the_three_diagnoses(seaweedfs
                           x[0, 3072:].view(np.uint16))
     # damage after publication is what --objects (sizes) and --deep (bytes) find
     v = r.verify(objects=True)
-    text = "\n".join(v["errors"])
+    text = "\n".join(v.errors)
     assert "shard 1 is committed (unit 1) but its object is missing" in text
     assert "shard 2 object is" in text
 
@@ -206,12 +206,12 @@ def test_finalize_refuses_a_partial_plan_and_harvest_finalize_publishes(tmp_path
     assert main(["finalize", url]) == 0
     assert "finalized" in capsys.readouterr().out
     r = open_store(url, read_only=True)
-    assert r.summary is not None and r.verify(deep=True)["ok"]
+    assert r.summary is not None and r.verify(deep=True).ok
 
     assert main(["uncommit", url, "--unit", "2"]) == 0
     assert "re-capture" in capsys.readouterr().out
     v = open_store(url, read_only=True).verify()
-    assert v["missing_units"] == [2] and not v["ok"]
+    assert v.missing_units == [2] and not v.ok
     assert main(["uncommit", url, "--unit", "2"]) == 2  # not committed: nothing done
 
 
@@ -240,7 +240,7 @@ def test_a_store_shrunk_by_the_old_finalize_grows_back(tmp_path):
     _fill(s, x, [2, 3])
     s.finalize()
     r = open_store(url, read_only=True)
-    assert r.verify(deep=True)["ok"] and r.n_rows == N
+    assert r.verify(deep=True).ok and r.n_rows == N
     for i, p in enumerate(r.points):
         assert np.array_equal(r.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
 

@@ -59,7 +59,7 @@ def _f32(x):
 def test_reader_roles_yields_exactly_those_rows(tmp_path):
     st, data, role = _store(tmp_path / "s", {"captured": None})
     assert st.meta_columns["role"] == "int8"
-    np.testing.assert_array_equal(np.asarray(st._meta_array("role")[:]), role)
+    np.testing.assert_array_equal(np.asarray(st.meta_array("role")[:]), role)
     ds = ActivationDataset(st, batch_size=100, shuffle=False, return_meta=True,
                            roles=["assistant", "system"])
     rows, acts = _rows(ds)
@@ -103,7 +103,7 @@ def test_role_masked_store_keeps_only_the_captured_rows(tmp_path):
     x = _f32(data[0][keep]).astype(np.float64)
     assert kept["count"] == keep.sum()
     np.testing.assert_allclose(kept["mean"], x.mean(0), rtol=1e-6, atol=1e-7)
-    assert verify(st, deep=True)["ok"]
+    assert verify(st, deep=True).ok
 
 
 def test_text_store_refuses_roles(tmp_path):
@@ -132,6 +132,6 @@ def test_store_without_the_role_column_reads_as_before(tmp_path, monkeypatch):
     np.testing.assert_array_equal(acts, _f32(data[0]))
     with pytest.raises(ValueError, match="no role column"):
         ActivationDataset(st, roles=["assistant"])
-    assert verify(st, deep=True, objects=True)["ok"]
+    assert verify(st, deep=True, objects=True).ok
     finalize(st)
     assert open_store(str(tmp_path / "s")).n_rows == N

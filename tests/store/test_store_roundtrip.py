@@ -76,8 +76,8 @@ def test_round_trip_bits_metadata_and_stats(target):
     assert fin["compression_ratio"]["overall"] > 1.05
     assert r.info()["compression_ratio"]["overall"] == fin["compression_ratio"]["overall"]
     v = r.verify(deep=True)
-    assert v["ok"], v["errors"]
-    assert v["committed_fraction"] == 1.0
+    assert v.ok, v.errors
+    assert v.committed_fraction == 1.0
     assert not finite.all()  # the special rows really were in there
 
 
@@ -134,7 +134,7 @@ def test_out_of_order_beyond_open_shard_limit_is_still_exact(tmp_path):
         np.testing.assert_allclose(st["mean"], mean, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(st["var"], var, rtol=1e-10, atol=1e-12)
     assert len(unit_shards(s, m)) == 3 and m["table"]["n_shards"] == 3
-    assert s.verify(deep=True)["ok"]
+    assert s.verify(deep=True).ok
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

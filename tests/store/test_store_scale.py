@@ -125,8 +125,8 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
 
     r = open_store(url, storage_options=so)
     v = r.verify(deep=True)
-    assert v["ok"], v["errors"]
-    assert r.verify(objects=True)["ok"]
+    assert v.ok, v.errors
+    assert r.verify(objects=True).ok
     z = zarr.open_group(store=r.location.zarr_store(read_only=True), mode="r")
     for i in (0, 17, 31):
         want = rows[i].view(np.uint16)
@@ -177,8 +177,8 @@ def test_row_metadata_in_one_chunk_per_unit(target, monkeypatch):
         assert np.array_equal(g, want)
     assert np.array_equal(r.read_row_meta_checked(300, 700)[0], tok[300:700])  # inside a unit's chunk
     v = r.verify(deep=True)
-    assert v["ok"], v["errors"]
-    assert r.verify(objects=True)["ok"]
+    assert v.ok, v.errors
+    assert r.verify(objects=True).ok
     z = zarr.open_group(store=r.location.zarr_store(read_only=True), mode="r")
     assert np.array_equal(np.asarray(z["doc_id"][:]), doc)
     listed = r.location.list_tree("token_id/c")
@@ -212,6 +212,6 @@ def test_attempt_named_objects_of_older_s3_stores_still_read_and_finalize(seawee
     s.finalize()
     assert _leftovers(s) == ([], {})
     r = open_store(s3_url, storage_options=so)
-    assert r.verify(deep=True)["ok"] and r.verify(objects=True)["ok"]
+    assert r.verify(deep=True).ok and r.verify(objects=True).ok
     z = zarr.open_group(store=r.location.zarr_store(read_only=True), mode="r")
     assert np.array_equal(np.asarray(z["resid_post/1"][:]).view(np.uint16), x[1].view(np.uint16))

@@ -56,7 +56,7 @@ def _reads_exactly(url, so, x):
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(r.n_rows))
     assert np.array_equal(got, x.transpose(1, 0, 2).view(np.uint16))
     v = r.verify(deep=True)
-    assert v["ok"], v["errors"]
+    assert v.ok, v.errors
     return v
 
 
@@ -87,10 +87,10 @@ def test_reading_opens_no_table_until_a_unit_is_read(target):
     x, _ = _fill(s)
     r = open_store(url, storage_options=so, read_only=True)
     ds = ActivationDataset(r, batch_size=32)
-    assert ds._store._tables.loads == 0           # pieces come from the row ranges alone
-    assert r.verify()["ok"] and r._tables.loads == 0   # default verify reads no table either
+    assert ds._store.table_cache.loads == 0           # pieces come from the row ranges alone
+    assert r.verify().ok and r.table_cache.loads == 0   # default verify reads no table either
     n = sum(len(b) for b in ds)
-    assert n == 8 * SHARD and 1 <= ds._store._tables.loads
+    assert n == 8 * SHARD and 1 <= ds._store.table_cache.loads
     _reads_exactly(url, so, x)
 
 
@@ -138,10 +138,10 @@ def test_a_missing_or_damaged_table_is_refused_with_the_repair(target, damage):
         for _ in ActivationDataset(open_store(url, storage_options=so), batch_size=16):
             pass
     v = open_store(url, storage_options=so).verify(deep=True)
-    assert not v["ok"] and any("unit 1: its object table" in e and want in e and "uncommit(1)" in e
-                               for e in v["errors"]), v["errors"]
+    assert not v.ok and any("unit 1: its object table" in e and want in e and "uncommit(1)" in e
+                               for e in v.errors), v.errors
     v = open_store(url, storage_options=so).verify(objects=True)
-    assert not v["ok"] and any("uncommit(1)" in e for e in v["errors"])
+    assert not v.ok and any("uncommit(1)" in e for e in v.errors)
     # unit 0 is untouched: its rows still read
     assert r.read("resid_post.1", 0, 2 * SHARD).shape == (2 * SHARD, W)
 

@@ -197,8 +197,8 @@ def check_store(store, reference, rel_tol: float | None = None):
     """Complete, verified, metadata = packing, activations = the single-process reference."""
     ref, acts = reference
     v = store.verify(deep=True)
-    assert v["ok"], v["errors"]
-    assert v["committed_rows"] == ref.packed.n_rows and not v["missing_units"]
+    assert v.ok, v.errors
+    assert v.committed_rows == ref.packed.n_rows and not v.missing_units
     assert store.n_rows == ref.packed.n_rows  # finalize shrank the arrays to the rows committed
     tok, doc, pos = store.read_row_meta(0, store.n_rows)
     assert np.array_equal(tok, ref.packed.token_ids)

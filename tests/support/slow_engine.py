@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from harvest.engine.checkpoint import ModelInfo
+from harvest.engine.protocol import CaptureOnly
 from harvest.pipeline.messages import ActorSpec
 from harvest.store.write.writer import RegionWriter
 
@@ -39,7 +40,7 @@ def rows_of(tok: np.ndarray) -> np.ndarray:
             + np.arange(W)[None, None, :]).astype(np.float32)
 
 
-class SlowEngine:
+class SlowEngine(CaptureOnly):
     """A harvest.engine.protocol.CaptureEngine, no model: rows computed from the token ids,
     yielded in submission order `ENGINE_WINDOW` contexts behind the feed, `DELAY` seconds each.
     With factory_options["in_place"] it accepts destinations and writes into the writer's shard
