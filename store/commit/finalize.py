@@ -232,7 +232,7 @@ def unfinalize(store: Store, capacity_rows: int) -> bool:
         return False
     if store.n_rows < capacity_rows:
         _shrink(store, capacity_rows)   # only zarr.json: no object lies past the old shape
-    g = zarr.open_group(store=store._zstore, mode="r+", zarr_format=3)
+    g = zarr.open_group(store=store.zarr_store, mode="r+", zarr_format=3)
     h = dict(g.attrs["harvest"])
     h["n_rows"] = store.n_rows
     keep = {k: v for k, v in dict(g.attrs).items() if k not in FINALIZE_ATTRS}

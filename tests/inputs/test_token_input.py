@@ -299,7 +299,7 @@ def test_finalized_store_card_matches_attributes_and_cli_refresh(tmp_path, capsy
     assert text.startswith("---\n")
     front = yaml.safe_load(text.split("---\n")[1])
     st = open_store(str(url))
-    a = st._meta["attributes"]
+    a = st.attributes
     h = front["harvest"]
     assert h["points"] == st.points and h["width"] == st.width and h["dtype"] == st.dtype
     assert h["rows"] == a["committed_rows"] == 1024 and h["tokens"] == 1024

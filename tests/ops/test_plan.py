@@ -503,7 +503,7 @@ def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, ca
     assert "num_key_value_heads=3 is not divisible by 2" in err
     assert "[1, 3]" in err and "For further information" not in err
     cfg = load_config(tmp_path / "run.yaml")
-    cfg.model.tensor_parallel_size = 2  # as if the path were a hub name: prepare reads it
+    object.__setattr__(cfg.model, "tensor_parallel_size", 2)  # as a hub name would: prepare reads it
     with pytest.raises(ConfigError, match="num_attention_heads=9"):
         model_facts(cfg)
     # vLLM's rules: KV heads fewer than ranks are replicated when the ranks are a multiple

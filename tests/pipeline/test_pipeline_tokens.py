@@ -89,7 +89,7 @@ def test_pretokenised_dataset_captured_row_for_row(ray_cluster, tiny_llama, tmp_
 
     text = (tmp_path / "store" / "README.md").read_text()
     front = yaml.safe_load(text.split("---\n")[1])["harvest"]
-    a = store._meta["attributes"]
+    a = store.attributes
     assert front["rows"] == a["committed_rows"] == n and front["points"] == store.points
     assert front["width"] == store.width and front["dtype"] == store.dtype
     assert front["context_size"] == C and front["contexts"] == CONTEXTS
@@ -100,4 +100,4 @@ def test_pretokenised_dataset_captured_row_for_row(ray_cluster, tiny_llama, tmp_
 def _meta(store, name: str, n: int) -> np.ndarray:
     import zarr
 
-    return zarr.open_array(store=store._zstore, path=name, mode="r")[:n]
+    return zarr.open_array(store=store.zarr_store, path=name, mode="r")[:n]

@@ -81,7 +81,7 @@ def test_a_store_shrunk_by_the_old_finalize_resumes_after_harvest_finalize(
         s.finalize()
     end = max(u * 256 + 256 for u in done)
     _shrink(s, end)                                     # what the old Store.finalize did
-    g = _z.open_group(store=s._zstore, mode="r+", zarr_format=3)
+    g = _z.open_group(store=s.zarr_store, mode="r+", zarr_format=3)
     h = dict(g.attrs["harvest"])
     h["n_rows"] = end
     g.attrs.update({"harvest": h, "finalized_at": "2026-12-01T00:00:00", "committed_rows": 512,

@@ -190,7 +190,7 @@ def test_light_package_reads_fp8_without_torch(stores):
         f"s = open_store({url!r}, read_only=True)\n"
         "v = verify(s, deep=True)\n"
         "x = fp8.dequantize(s.read('resid_post.0', 0, s.n_rows))\n"
-        "print(json.dumps({'ok': v['ok'], 'sum': float(np.float64(x).sum()), 'shape': list(x.shape)}))\n")
+        "print(json.dumps({'ok': v.ok, 'sum': float(np.float64(x).sum()), 'shape': list(x.shape)}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]

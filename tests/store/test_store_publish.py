@@ -226,7 +226,7 @@ def test_a_store_shrunk_by_the_old_finalize_grows_back(tmp_path):
     x = synthetic.activations((P, N, W), seed=8)
     _fill(s, x, [0, 1])
     _shrink(s, 2048)                                   # what the old finalize did
-    g = zarr.open_group(store=s._zstore, mode="r+", zarr_format=3)
+    g = zarr.open_group(store=s.zarr_store, mode="r+", zarr_format=3)
     h = dict(g.attrs["harvest"])
     h["n_rows"] = 2048
     g.attrs.update({"harvest": h, "finalized_at": "then", "committed_rows": 2048, "summary": {}})
@@ -236,7 +236,7 @@ def test_a_store_shrunk_by_the_old_finalize_grows_back(tmp_path):
         _fill(s, x, [2])                               # what the resume failed with
     assert unfinalize(s, N)
     s = open_store(url)
-    assert s.n_rows == N and s.summary is None and "committed_rows" not in s._meta["attributes"]
+    assert s.n_rows == N and s.summary is None and "committed_rows" not in s.attributes
     _fill(s, x, [2, 3])
     s.finalize()
     r = open_store(url, read_only=True)
