@@ -150,7 +150,7 @@ def card_text(store: Store) -> str:
         f"| corpus | {corpus}, split `{data.get('split', '')}`, column "
         f"`{data.get('column', '')}`" + (f", fingerprint `{data['fingerprint']}`"
                                          if data.get("fingerprint") else "") + " |",
-        f"| tokens from | " + (f"pre-tokenised ids (`{token_src.get('column')}`, tokenizer "
+        "| tokens from | " + (f"pre-tokenised ids (`{token_src.get('column')}`, tokenizer "
                                f"{token_src.get('tokenizer_name') or 'not recorded'})"
                                if token_src else "text tokenised by the model's tokenizer") + " |",
         f"| filters | BOS id {f['bos_token_id']}, special ids {f['special_token_ids']}; "

@@ -36,7 +36,7 @@ def find_input(fn, args, kwargs, width: int | None):
     """(stream slot, residual slot) of a module call: the point-width floating tensor by
     parameter name (engine/blocks.locate_inputs); any width when the config gives none."""
     if width is None:
-        for i, v in enumerate(args):
+        for v in args:
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in (2, 3):
                 width = v.shape[-1]
                 break
