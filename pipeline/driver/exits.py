@@ -46,7 +46,7 @@ class Terminated(KeyboardInterrupt):
 
 
 _state = {"installed": 0, "received": None}
-_reaper: dict[str, subprocess.Popen] = {}   # "proc": the watcher of the local cluster started here
+_reaper: dict[str, subprocess.Popen | None] = {}   # "proc": the watcher of the local cluster started here
 
 
 def _handler(signum, frame) -> None:
@@ -137,9 +137,7 @@ def init_local_ray(kw: dict[str, Any]) -> None:
     try:
         ray.init(**kw)
         # a watcher that stops these processes if this driver dies without doing it (SIGKILL)
-        proc = reaper.start(_children() - before)
-        if proc is not None:
-            _reaper["proc"] = proc
+        _reaper["proc"] = reaper.start(_children() - before)
     except BaseException as e:
         leftovers = _children() - before
         try:
