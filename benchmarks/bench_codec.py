@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -128,7 +129,7 @@ def run(store: str | None = None, point: str | None = None, rows: int = 8192, re
         chunk_rows, src = s.chunk_rows, {"store": s.url, "point": point}
     raw = x.view(f"<u{x.dtype.itemsize}")
     bf16_bytes = x.shape[0] * x.shape[1] * 2
-    res = {"default": compression.DEFAULT["codec"], "baseline": BASELINE, **src, "rows": int(x.shape[0]),
+    res: dict[str, Any] = {"default": compression.DEFAULT["codec"], "baseline": BASELINE, **src, "rows": int(x.shape[0]),
            "width": int(x.shape[1]), "dtype": str(x.dtype), "chunk_rows": chunk_rows, "repeat": repeat,
            "codecs": measure(_chunks(raw, chunk_rows), bf16_bytes, repeat=repeat)}
     c = res["codecs"]

@@ -153,7 +153,7 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
     elif mode in ("freeze", "freeze_transcoder"):
-        freeze = "auto"
+        freeze: str | list[str] = "auto"
         if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
             from harvest.engine.checkpoint import read_model_info
 

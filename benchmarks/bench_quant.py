@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,8 +52,8 @@ MODES = {
 }
 KINDS = (("bfloat16", "bfloat16", 0), ("bfloat16_seed2", "bfloat16", 1),
          ("float8_e4m3fn", "float8_e4m3fn", 0))
-RECIPE = dict(normalize="norm_scale", exclude_special=True, max_norm_ratio=10.0, test_fraction=0.1,
-              split_seed=0)
+RECIPE: dict[str, Any] = dict(normalize="norm_scale", exclude_special=True, max_norm_ratio=10.0,
+                              test_fraction=0.1, split_seed=0)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -220,7 +221,7 @@ def run(mode: str = "quick", model: str | None = None, root: str | None = None,
     urls = {dt: os.path.join(tmp.name, f"{dt}.zarr") for dt in ("bfloat16", "float8_e4m3fn")}
     stores = {dt: write_store(u, dt, acts, train_ids, special) for dt, u in urls.items()}
     keep = ~np.isin(train_ids.reshape(-1), special)
-    store_fig = {"bytes": {dt: sum(stored_bytes(u, p) for p in points) for dt, u in urls.items()},
+    store_fig: dict[str, Any] = {"bytes": {dt: sum(stored_bytes(u, p) for p in points) for dt, u in urls.items()},
                  "row_rel_err": {}}
     store_fig["fp8_over_bf16"] = store_fig["bytes"]["float8_e4m3fn"] / store_fig["bytes"]["bfloat16"]
     for p in points:

@@ -40,7 +40,7 @@ def size_category(rows: int) -> str:
 
 def card_facts(store: Store) -> dict:
     """The figures the card shows, from the store's attributes only (the `harvest:` block)."""
-    a = store._meta["attributes"]
+    a = store.attributes
     run = store.attrs
     rows = int(a.get("committed_rows") or 0)
     C = store.context_size
@@ -100,7 +100,7 @@ def _fmt(x) -> str:
 
 
 def _stats_table(store: Store) -> str:
-    a = store._meta["attributes"]
+    a = store.attributes
     kept = a.get("stats_kept") or {}
     every = a.get("stats") or {}
     if not every:
@@ -136,7 +136,7 @@ def card_text(store: Store) -> str:
     body = [
         f"# Activations of {name}\n",
         f"Residual-stream and other activations captured by harvest "
-        f"{hv.get('version') or (store._h.get('created_by') or {}).get('harvest', '')}: one row "
+        f"{hv.get('version') or (store.harvest_attrs.get('created_by') or {}).get('harvest', '')}: one row "
         "per token, every point's row i the same token, with `token_id`, `doc_id` and `position` "
         "columns saying which.\n",
         "| | |", "|---|---|",
@@ -150,7 +150,7 @@ def card_text(store: Store) -> str:
         f"| corpus | {corpus}, split `{data.get('split', '')}`, column "
         f"`{data.get('column', '')}`" + (f", fingerprint `{data['fingerprint']}`"
                                          if data.get("fingerprint") else "") + " |",
-        f"| tokens from | " + (f"pre-tokenised ids (`{token_src.get('column')}`, tokenizer "
+        "| tokens from | " + (f"pre-tokenised ids (`{token_src.get('column')}`, tokenizer "
                                f"{token_src.get('tokenizer_name') or 'not recorded'})"
                                if token_src else "text tokenised by the model's tokenizer") + " |",
         f"| filters | BOS id {f['bos_token_id']}, special ids {f['special_token_ids']}; "

@@ -124,6 +124,13 @@ class Store:
         self._meta["attributes"].update(attrs_update)
         self._h = self._meta["attributes"]["harvest"]
 
+    def note_unfinalized(self, dropped, harvest: dict) -> None:
+        """Take in the root attributes unfinalize has just written: the finalize attributes
+        `dropped` are gone and `harvest` is the new `harvest` block."""
+        for k in dropped:
+            self._meta["attributes"].pop(k, None)
+        self._meta["attributes"]["harvest"] = self._h = harvest
+
     def note_resized(self, n_rows: int) -> None:
         """Take in a new row count written to every array's zarr.json (finalize.resize_rows):
         cached arrays and codecs know the old shape."""

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = ("tiny-llama", "tiny-qwen3", "smollm2")
@@ -172,7 +173,7 @@ def child_plain(model: str) -> dict:
     return out
 
 
-CHILDREN = {"engine": child_engine, "plain": child_plain}
+CHILDREN: dict[str, Callable[..., dict]] = {"engine": child_engine, "plain": child_plain}
 
 
 # -- the pipeline step (subprocesses of its own) ----------------------------------------------------

@@ -42,13 +42,13 @@ PARTS = (("transport", 130), ("writer", 100), ("reader", 100), ("taps", 450))
 
 def run_part(name: str, dry: bool) -> dict:
     if name == "taps":
-        from . import torch_taps as m
-        return m.run(dry, replays=2 if dry else 6, reps=3 if dry else 20)
+        from . import torch_taps
+        return torch_taps.run(dry, replays=2 if dry else 6, reps=3 if dry else 20)
     if name == "transport":
-        from . import torch_transport as m
-        return m.run(dry)
-    from . import torch_store as m
-    return m.writer(dry) if name == "writer" else m.reader(dry)
+        from . import torch_transport
+        return torch_transport.run(dry)
+    from . import torch_store
+    return torch_store.writer(dry) if name == "writer" else torch_store.reader(dry)
 
 
 def child(name: str, dry: bool, timeout: float) -> dict:
@@ -74,7 +74,7 @@ def child(name: str, dry: bool, timeout: float) -> dict:
 
 def summarize(parts: dict) -> dict:
     """The cross-part ratio: what the node's cores can write against what the transport delivers."""
-    out = {}
+    out: dict[str, object] = {}
     tr, wr = parts.get("transport", {}), parts.get("writer", {})
     delivered = (tr.get("staging") or {}).get("achieved_d2h_gbs")
     sustained = wr.get("sustained_gbs_at_all_cores")

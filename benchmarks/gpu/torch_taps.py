@@ -53,8 +53,7 @@ def build_trunk(shape: dict, device: torch.device):
     """A random-init Llama trunk (LlamaModel: no LM head) in bf16, from a config, no download."""
     from transformers import LlamaConfig, LlamaModel
 
-    cfg = LlamaConfig(max_position_embeddings=4096, **shape)
-    cfg._attn_implementation = "sdpa"
+    cfg = LlamaConfig(max_position_embeddings=4096, attn_implementation="sdpa", **shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaModel(cfg)

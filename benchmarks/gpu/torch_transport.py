@@ -30,6 +30,7 @@ buffer; the CUDA figures are "skipped: needs CUDA".
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +58,9 @@ def layout(geo: dict) -> tuple[dict, list]:
             if ids and ids[-1] == rid:
                 counts[-1] += 1
             else:
-                ids.append(rid), counts.append(1), starts.append(j)
+                ids.append(rid)
+                counts.append(1)
+                starts.append(j)
         steps.append((ids, counts, starts))
     return reqs, steps
 
@@ -223,11 +226,11 @@ def run(dry: bool) -> dict:
     t0 = time.perf_counter()
     P, T, W = geo["points"], geo["tokens"], geo["width"]
     step_bytes = P * T * W * 2
-    out = {"geometry": geo, "step_gb": round(step_bytes / 1e9, 3)}
+    out: dict[str, Any] = {"geometry": geo, "step_gb": round(step_bytes / 1e9, 3)}
     copy_loop = Loop(geo, device)
     shape = (P, geo["request"], W)
-    proto = CudaTransport if cuda else CPUTransport
-    maker = proto(copy_loop.buf, T, staging=False) if cuda else proto()  # only new_destination
+    # only new_destination: pinned host memory on CUDA
+    maker = CudaTransport(copy_loop.buf, T, staging=False) if cuda else CPUTransport()
     t = time.perf_counter()
     dests = {rid: maker.new_destination(shape, torch.bfloat16) for rid in copy_loop.reqs}
     out["destinations"] = {"count": len(dests), "pinned": all(d.is_pinned() for d in dests.values())

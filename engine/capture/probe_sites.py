@@ -18,6 +18,8 @@ the fit's relative error, like the block probe's (MoE routing ties move single r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ def find_input(fn, args, kwargs, width: int | None):
     """(stream slot, residual slot) of a module call: the point-width floating tensor by
     parameter name (engine/blocks.locate_inputs); any width when the config gives none."""
     if width is None:
-        for i, v in enumerate(args):
+        for v in args:
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in (2, 3):
                 width = v.shape[-1]
                 break
@@ -61,13 +63,23 @@ def point_width(point: str, widths: dict) -> int | None:
     return widths.get(BY_NAME[point].width)
 
 
+@dataclass
+class Seen:
+    """What one candidate site saw in the probe forward: its calls, the value it read (None
+    when no tensor of the point's width was there) and the site as located in that call."""
+    calls: int
+    value: torch.Tensor | None
+    site: Site
+
+
 class SiteRecorder:
     """Patches every candidate site of every layer for one probe forward (see probe._record)."""
 
     def __init__(self, layers: nn.ModuleList, widths: dict):
         self.widths = widths
         self.cands, self.notes = [], []
-        self.mods, self.keys, self.seen = [], [], {}
+        self.mods, self.keys = [], []
+        self.seen: dict[tuple[int, str], Seen] = {}
         for li, layer in enumerate(layers):
             c, why = sites.candidates(layer)
             self.cands.append(c)
@@ -75,7 +87,7 @@ class SiteRecorder:
             for p, site in c.items():
                 self.mods.append(sites.module_at(layer, site.path))
                 self.keys.append((li, p, site))
-                self.seen[(li, p)] = [0, None, site]
+                self.seen[(li, p)] = Seen(0, None, site)
 
     def make(self, k: int, orig):
         li, p, site = self.keys[k]
@@ -83,17 +95,17 @@ class SiteRecorder:
         width = point_width(p, self.widths)
 
         def forward(*args, **kwargs):
-            entry[0] += 1
+            entry.calls += 1
             if site.reading != "out":
                 s, r = find_input(orig, args, kwargs, width)
                 if s is not None:
                     res = (r.index, r.name) if r is not None else None
                     located = Site(site.path, site.reading, (s.index, s.name), res)
                     v = read_input(located, args, kwargs)
-                    entry[1], entry[2] = (_clone(v.float()) if v is not None else None), located
+                    entry.value, entry.site = (_clone(v.float()) if v is not None else None), located
             out = orig(*args, **kwargs)
             if site.reading == "out":
-                entry[1] = _clone(blocks.sublayer_value(out))
+                entry.value = _clone(blocks.sublayer_value(out))
             return out
         return forward
 
@@ -117,7 +129,8 @@ def check(rec: SiteRecorder, li: int, pre: torch.Tensor, post: torch.Tensor, sub
     n_rows = blocks.rows(post).shape[0]
     vals = {}
     for p in rec.cands[li]:
-        calls, value, site = rec.seen[(li, p)]
+        seen = rec.seen[(li, p)]
+        calls, value, site = seen.calls, seen.value, seen.site
         want = width if point_width(p, rec.widths) is None and p in ("attn_in", "mlp_in",
                                                                      "resid_mid") else \
             point_width(p, rec.widths)

@@ -54,7 +54,7 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(lines)
 
 
-def _held(s: dict) -> str:
+def _held(s: RunSummary) -> str:
     """How many of the run's rows hold activations, where not all do (chat padding and roles
     outside capture.roles are zeros; generation slots have rows without): a reader yields those."""
     held, rows = s.get("rows_with_activations_this_run"), s.get("tokens_this_run")
@@ -64,7 +64,7 @@ def _held(s: dict) -> str:
             "capture.roles or generated rows without, stored as zeros)")
 
 
-def _skipped(s: dict) -> "str | None":
+def _skipped(s: RunSummary) -> "str | None":
     """The source rows the run skipped, by reason (docs/operations.md, "Skipped rows"): a
     conversation the template cannot label is never silent."""
     data = s.get("data") or {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ class Terminated(KeyboardInterrupt):
 
 
 _state = {"installed": 0, "received": None}
+_reaper: dict[str, subprocess.Popen | None] = {}   # "proc": the watcher of the local cluster started here
 
 
 def _handler(signum, frame) -> None:
@@ -121,7 +123,7 @@ def shutdown_ray() -> None:
     watcher (reaper.py) goes first, its work done."""
     import ray
 
-    reaper.stop(_state.pop("reaper", None))
+    reaper.stop(_reaper.pop("proc", None))
     ray.shutdown()
 
 
@@ -135,7 +137,7 @@ def init_local_ray(kw: dict[str, Any]) -> None:
     try:
         ray.init(**kw)
         # a watcher that stops these processes if this driver dies without doing it (SIGKILL)
-        _state["reaper"] = reaper.start(_children() - before)
+        _reaper["proc"] = reaper.start(_children() - before)
     except BaseException as e:
         leftovers = _children() - before
         try:

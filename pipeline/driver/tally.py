@@ -34,6 +34,9 @@ class RunSummary(FaultFigures):
     context_size: int
     tokens: int
     tokens_this_run: int
+    rows_with_activations_this_run: int
+    """Of tokens_this_run, the rows holding activations (the rest are padding, roles outside
+    capture.roles or generated rows, stored as zeros): what a reader yields by default."""
     units: int
     units_run: int
     units_skipped: int

@@ -227,8 +227,7 @@ def unfinalize(store: Store, capacity_rows: int) -> bool:
     anything changed. Driver only (it alone writes zarr.json)."""
     if store.read_only:
         raise StoreError("unfinalize: store was opened read-only")
-    attrs = store._meta["attributes"]
-    if store.n_rows >= capacity_rows and not any(k in attrs for k in FINALIZE_ATTRS):
+    if store.n_rows >= capacity_rows and not any(k in store.attributes for k in FINALIZE_ATTRS):
         return False
     if store.n_rows < capacity_rows:
         _shrink(store, capacity_rows)   # only zarr.json: no object lies past the old shape
@@ -238,9 +237,7 @@ def unfinalize(store: Store, capacity_rows: int) -> bool:
     keep = {k: v for k, v in dict(g.attrs).items() if k not in FINALIZE_ATTRS}
     keep["harvest"] = h
     g.attrs.put(keep)   # the whole attribute set at once (update merges: keys would stay)
-    for k in FINALIZE_ATTRS:
-        attrs.pop(k, None)
-    attrs["harvest"] = h
+    store.note_unfinalized(FINALIZE_ATTRS, h)
     return True
 
 

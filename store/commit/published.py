@@ -201,27 +201,32 @@ def settle(store, repair: bool = False) -> dict:
     plan = {u.unit_id: (u.row_start, u.row_end) for u in store.plan_units()}
     names = [n for n in store.marker_names()
              if (not plan or plan.get(n.unit_id) == n.rows) and n.unit_id not in records]
-    out = {"checked": 0, "published": [], "gone": {}, "damaged": {}, "uncommitted": []}
+    published: list[int] = []
+    failed: dict[str, dict[int, str]] = {"gone": {}, "damaged": {}}
+    uncommitted: list[int] = []
+    checked = 0
+    out = {"checked": checked, "published": published, **failed, "uncommitted": uncommitted}
     if not names:
         return out
     pending = loc.pending_uploads("")
     for m in store.iter_committed(names, planned=True):
-        out["checked"] += 1
+        checked += 1
         state, why = check_unit(store, m, pending)
         if state == "published":
-            out["published"].append(m["unit_id"])
+            published.append(m["unit_id"])
         else:
-            out[state][m["unit_id"]] = why
-    bad = sorted({**out["gone"], **out["damaged"]})
+            failed[state][m["unit_id"]] = why
+    bad = sorted({**failed["gone"], **failed["damaged"]})
     if bad and repair:
         if store.read_only:
             raise StoreError("settle: store was opened read-only")
         for uid in bad:
-            state = "gone" if uid in out["gone"] else "damaged"
+            state = "gone" if uid in failed["gone"] else "damaged"
             log.warning("unit %d is committed but its data is %s (%s): uncommitted, the resume "
-                        "re-captures it", uid, state, out[state][uid])
+                        "re-captures it", uid, state, failed[state][uid])
             store.uncommit(uid)
-        out["uncommitted"] = bad
+        uncommitted += bad
+    out["checked"] = checked
     return out
 
 

@@ -199,7 +199,7 @@ def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
                      lambda: store.location.pending_uploads(""), {}) or {}
     for m in ms:
         uid = m["unit_id"]
-        state, why = _guard(out, f"unit {uid}", lambda: _published.diagnose_unit(store, m, pending),
+        state, why = _guard(out, f"unit {uid}", lambda m=m: _published.diagnose_unit(store, m, pending),
                             ("unknown", ""))
         if state == "pending":
             out.append(f"unit {uid}: pending: {why}: run `harvest finalize {url}`")

@@ -122,14 +122,15 @@ class SplitHuffman:
         if not self._fast or n % t or m < _MIN_ELEMENTS or n > _MAX_BYTES:
             return self._blosc.encode(raw)
         words = raw.view(self._uint)
-        streams, sizes = [], []
+        streams: list[memoryview | bytes] = []   # the byte streams, joined into the chunk below
+        sizes: list[int] = []
         for j in range(t - 1):   # byte j of every element: a shift and a truncating cast, one pass
             s = _scratch(j, m)
             if j:
                 np.right_shift(words, 8 * j, out=s, casting="unsafe")
             else:
                 np.copyto(s, words, casting="unsafe")   # keeps the low byte
-            streams.append(s)
+            streams.append(s.data)   # a view of the scratch bytes, copied by the join
             sizes.append(m)
         if t == 1:
             top = raw
@@ -144,8 +145,8 @@ class SplitHuffman:
         flags = (_FLAG_SHUFFLE if t > 1 else 0) | (_ZSTD_FORMAT << 5)
         parts = [_HEADER.pack(_BLOSC_VERSION, _ZSTD_VERSION, flags, t, n, n, total, 20, sizes[0]),
                  streams[0]]
-        for s, size in zip(streams[1:], sizes[1:]):
-            parts += [_SIZE.pack(size), s]
+        for stream, size in zip(streams[1:], sizes[1:]):
+            parts += [_SIZE.pack(size), stream]
         return b"".join(parts)
 
     def decode(self, buf, out=None):

@@ -33,8 +33,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("harvest.benchmarks.bench_scale", "_gcs_up"): "reuses the Ray test fixture's cluster helpers",
     ("harvest.benchmarks.bench_scale", "_wait_ready"): "reuses the Ray test fixture's cluster helpers",
     ("harvest.benchmarks.bench_scale", "_stop"): "reuses the Ray test fixture's cluster helpers",
-    ("harvest.benchmarks.gpu_torch_taps", "_attn_implementation"):
-        "transformers' config field that picks the attention kernel (no public setter)",
+    ("harvest.pipeline.data.provenance", "_fingerprint"):
+        "datasets' Dataset has no public fingerprint; it names the loaded data in the provenance",
     ("harvest.benchmarks.scale_shape", "_sources"): "reports the reader's committed-unit count",
     ("harvest.benchmarks.scale_shape", "_lites"): "reports the reader's committed-unit count",
     ("harvest.benchmarks.scale_shape", "_store"): "reports how many unit tables the reader loaded",

@@ -148,7 +148,7 @@ def test_pending_units_are_published_by_settle_and_the_three_diagnoses(seaweedfs
         with pytest.raises(DataIntegrityError) as e:
             r.read(point, *rows)
         msg = str(e.value)
-        assert f"of unit {unit} is {state}" in msg and f"harvest uncommit" in msg and \
+        assert f"of unit {unit} is {state}" in msg and "harvest uncommit" in msg and \
             f"--unit {unit}" in msg and "harvest finalize" not in msg, msg
     assert slept == []
     monkeypatch.undo()

@@ -72,12 +72,12 @@ def _main(spec_path: str, out_path: str) -> None:
                 path, how = sites[name]
                 mod = layers[int(L)].get_submodule(path)
                 if how == "in":
-                    def hook(m, args, kwargs, p=p):
+                    def hook(m, args, kwargs, p=p, seen=seen):
                         x = args[0] if args else kwargs["hidden_states"]
                         seen[p] = x.detach().float().reshape(-1, x.shape[-1]).clone()
                     handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
                 else:
-                    def hook(m, args, out, p=p):
+                    def hook(m, args, out, p=p, seen=seen):
                         x = out[0] if isinstance(out, tuple) else out
                         seen[p] = x.detach().float().reshape(-1, x.shape[-1]).clone()
                     handles.append(mod.register_forward_hook(hook))
