@@ -370,3 +370,13 @@ def tokenize_docs(
 def pack_texts(texts: Iterable[tuple[int, str]], tokenizer, cfg: PackingConfig) -> Packed:
     bos = resolve_bos(cfg, tokenizer)
     return pack_token_docs(tokenize_docs(texts, tokenizer, cfg.tokenize_batch), cfg, bos)
+
+
+def emit_until(chunks, last_index: "int | None"):
+    """Yield `chunks` up to and including the one numbered `last_index` (all if None); returns
+    True once that chunk was yielded, so the caller stops reading its block."""
+    for c in chunks:
+        yield c
+        if last_index is not None and c.index >= last_index:
+            return True
+    return False

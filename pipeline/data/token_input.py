@@ -45,7 +45,7 @@ import numpy as np
 
 from harvest.pipeline.config.corpus import DataConfig, PackingConfig
 from .documents import DataError, resolve_source
-from .packing import BlockPacker
+from .packing import BlockPacker, emit_until
 from harvest.pipeline.config.paths import expand_path
 from .blocks import read_block
 
@@ -114,14 +114,9 @@ def pack_token_block(block_id: int, block: list[dict], data: DataConfig, packing
                 p.stats.docs_capped += int(len(ids) > cap)
                 ids = ids[:cap]
             chunks = p.add(row, pos, ids, whole=whole)
-        for c in chunks:
-            yield c
-            if last_index is not None and c.index >= last_index:
-                return
-    for c in p.finish():
-        yield c
-        if last_index is not None and c.index >= last_index:
+        if (yield from emit_until(chunks, last_index)):
             return
+    yield from emit_until(p.finish(), last_index)
 
 
 # ---- checks before Ray ---------------------------------------------------------------------------

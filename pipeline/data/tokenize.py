@@ -14,7 +14,7 @@ import os
 from typing import Iterator
 
 from harvest.pipeline.config.run import DataConfig, PackingConfig
-from .packing import BlockPacker
+from .packing import BlockPacker, emit_until
 from .blocks import read_block
 
 BATCH_CHARS = 1 << 18  # characters per tokenizer call, at most (about 70k tokens)
@@ -83,19 +83,12 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
         size = 0
         return out
 
-    def emit(chunks):
-        for c in chunks:
-            yield c
-            if last_index is not None and c.index >= last_index:
-                return True
-        return False
-
     for row, pos, text, reason in read_block(block, data, start):
         if p.done:
             break
         if reason is not None:
             if batch:  # keep source order: pending documents are packed before the skip counts
-                stop = yield from emit(flush())
+                stop = yield from emit_until(flush(), last_index)
                 if stop:
                     return
             p.skip(row, reason)
@@ -105,14 +98,14 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
         # documents per call, and bytes: 256 whole source files can be megabytes, and the first
         # chunk (the first unit) would wait for all of them
         if len(batch) >= packing.tokenize_batch or size >= BATCH_CHARS:
-            stop = yield from emit(flush())
+            stop = yield from emit_until(flush(), last_index)
             if stop:
                 return
     if batch:
-        stop = yield from emit(flush())
+        stop = yield from emit_until(flush(), last_index)
         if stop:
             return
-    yield from emit(p.finish())
+    yield from emit_until(p.finish(), last_index)
 
 
 def pack_chat_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
@@ -149,14 +142,9 @@ def pack_chat_block(block_id: int, block: list[dict], data: DataConfig, packing:
         else:
             p.stats.docs_capped += int(len(ids) > cap)
             chunks = p.add(row, pos, ids[:cap], roles[:cap])
-        for c in chunks:
-            yield c
-            if last_index is not None and c.index >= last_index:
-                return
-    for c in p.finish():
-        yield c
-        if last_index is not None and c.index >= last_index:
+        if (yield from emit_until(chunks, last_index)):
             return
+    yield from emit_until(p.finish(), last_index)
 
 
 class TokenizeWorker:
