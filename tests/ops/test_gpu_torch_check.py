@@ -114,7 +114,7 @@ def test_without_zarr_the_store_parts_are_explicit_skips():
 @pytest.mark.slow  # imports the store in a clean subprocess
 def test_the_wheels_script_covers_what_the_store_imports():
     """Every third-party module the writer/reader/verify chain imports, beyond torch and numpy
-    (the GPU host has those), is in gpu_torch_check.sh's list, or the GPU run dies on import."""
+    (the GPU host has those), is in benchmarks/gpu/torch_check.sh's list, or the GPU run dies on import."""
     code = ("import sys\nimport harvest.store.write.writer, harvest.store.read.dataset, "
             "harvest.store.commit.verify, harvest.store.read.adapters\n"
             "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
@@ -126,7 +126,7 @@ def test_the_wheels_script_covers_what_the_store_imports():
     # interpreter-level module
     host = {"torch", "torchgen", "numpy", "harvest", "sympy", "mpmath", "networkx", "jinja2",
             "markupsafe", "filelock", "dill", "tqdm", "cython_runtime"}
-    listed = set(re.findall(r"(\w+):", (REPO / "benchmarks" / "gpu_torch_check.sh").read_text()
+    listed = set(re.findall(r"(\w+):", (REPO / "benchmarks" / "gpu" / "torch_check.sh").read_text()
                             .split('PKGS="', 1)[1].split('"', 1)[0]))
     missing = {m for m in loaded - host - listed if not m.startswith("_")}
     assert not missing, f"add to PKGS in benchmarks/gpu/torch_check.sh: {sorted(missing)}"
