@@ -54,6 +54,7 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
     from harvest.store.stats import moments as _moments
     from harvest.store.commit.markers import IndexBuilder, encode_marker, index_batch, prepare
     from harvest.store.commit.plan import Unit
+    from harvest.store.commit.published import record as published_record
 
     U = shard_rows * unit_shards
     s = create_store(url, points=[f"resid_post.{i}" for i in range(points)], width=width,
@@ -105,6 +106,8 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
         table_bytes.append(len(prep.table_blob))
         pending[loc.key(prep.table_key)] = prep.table_blob
         pending[loc.key(layout.commit_key(u.unit_id, u.row_start, u.row_end))] = raw
+        key, body = published_record(m, len(recs))   # published, as its writer leaves it
+        pending[loc.key(key)] = body
         # indexed as the driver does (commits.index_batch); the markers since the last segment
         # stay unindexed, as a driver killed between two segments leaves them
         index.add(m)

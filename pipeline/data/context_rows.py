@@ -142,9 +142,10 @@ class Frontier:
             else:
                 self.next_chunk, self.skip_ctx = j + 1, 0
         if self.next_block >= self.n_blocks:
+            # the data's end: always one last emission, empty when a unit ended exactly at the
+            # last chunk, so the plan is marked final (finalize refuses a plan that is not)
             self.done = True
-            if self._ctx or self._consumed:
-                out.append(self._emit())
+            out.append(self._emit())
         return out
 
     def _next_block(self, d: dict) -> None:

@@ -85,11 +85,16 @@ def unit_objects(store, m: dict) -> list[UnitObject]:
     return out
 
 
-def write_record(loc, m: dict, n_objects: int) -> None:
+def record(m: dict, n_objects: int) -> "tuple[str, bytes]":
+    """Unit `m`'s publish record: its key and body (every object at its key, `n_objects`)."""
     body = {"unit_id": int(m["unit_id"]), "attempt": m.get("attempt"), "objects": int(n_objects),
             "published_at": _now()}
-    loc.write_bytes(layout.published_key(m["unit_id"], attempt_token(m.get("attempt"))),
-                    json.dumps(body, separators=(",", ":")).encode())
+    return (layout.published_key(m["unit_id"], attempt_token(m.get("attempt"))),
+            json.dumps(body, separators=(",", ":")).encode())
+
+
+def write_record(loc, m: dict, n_objects: int) -> None:
+    loc.write_bytes(*record(m, n_objects))
 
 
 def published_units(loc) -> "dict[int, set[str]]":

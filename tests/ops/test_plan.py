@@ -88,6 +88,19 @@ def test_units_are_dense_shard_aligned_and_independent_of_arrival_order():
         assert [e.unit for e in got] == [e.unit for e in ref]
 
 
+def test_a_unit_ending_exactly_at_the_data_s_end_still_marks_the_plan_final():
+    """16 contexts in units of 4: the last unit ends at the last chunk of the last block; the
+    frontier still says the plan is final (an empty last emission), or finalize would refuse
+    a finished store as "not read to its end"."""
+    emitted = []
+    f = Frontier(8, 4, 2)
+    for d in _chunks({0: [3, 5], 1: [4, 4]}):
+        emitted += f.add(d)
+    assert [(e.unit.row_start, e.unit.row_end) for e in emitted if e.unit.n_rows] == \
+        [(0, 32), (32, 64), (64, 96), (96, 128)]
+    assert f.done and any(e.final for e in emitted) and emitted[-1].final
+
+
 def test_budget_cuts_at_a_context_boundary_in_block_order():
     got = _place(Frontier(8, 4, 4, max_contexts=10), _chunks(COUNTS))
     assert [(e.unit.row_start, e.unit.row_end) for e in got] == [(0, 32), (32, 64), (64, 80)]

@@ -80,9 +80,9 @@ def test_context_larger_than_the_model_limit(tiny_llama, docs, tmp_path):
 def test_unknown_point(tiny_llama, docs, tmp_path):
     store = tmp_path / "store"
     # the point kind is refused with the config; the layer range once the model is read
-    with pytest.raises(ConfigError, match=r"capture.points entry 'resid_mid.1': unknown point "
-                                          r"'resid_mid'; known points"):
-        make_cfg(tiny_llama, str(store), docs, capture={"points": ["resid_mid.1"]})
+    with pytest.raises(ConfigError, match=r"capture.points entry 'resid_middle.1': unknown point "
+                                          r"'resid_middle'; known points"):
+        make_cfg(tiny_llama, str(store), docs, capture={"points": ["resid_middle.1"]})
     _fails(make_cfg(tiny_llama, str(store), docs, capture={"points": ["resid_post.9"]}),
            ConfigError, r"capture.points: address resid_post.9 is out of range: the model has "
                         r"layers 0..3")
