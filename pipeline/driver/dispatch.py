@@ -141,6 +141,7 @@ class Scheduler:
             unit, attempt = self.units.ready.popleft()
             ref = self.health.actors[a].run_unit.remote(self.units.task(unit), attempt)
             self.inflight.add(ref, unit, a, attempt, self.health.pid.get(a))
+            self.emit({"event": "unit_sent", "unit": unit.unit_id, "actor": a, "attempt": attempt})
 
     def _requeue(self, unit, a: int, attempt: int, why: str, fix: str = "") -> None:
         """A unit failed on actor `a` (an error, the actor's death, the deadline): it goes back

@@ -22,16 +22,20 @@ import time
 from pathlib import Path
 
 
-def hold_after(ready: Path, hold: int, gate: "Path | None"):
-    """The on_event hook; see the module docstring."""
+def hold_after(ready: Path, hold: str, gate: "Path | None"):
+    """The on_event hook; see the module docstring. `hold` "N": after N units done, unit 0 among
+    them; "sent:N": after the N-th unit is handed to an actor, so no more than N units are ever
+    dispatched (the test then waits for their commits in the store)."""
     done: set[int] = set()
     state = {"held": False}
+    sent = hold.startswith("sent:")
+    n = int(hold.split(":")[-1])
 
     def hook(e: dict) -> None:
-        if e.get("event") != "unit_done" or state["held"]:
+        if e.get("event") != ("unit_sent" if sent else "unit_done") or state["held"]:
             return
-        done.add(int(e["unit_id"]))
-        if len(done) >= hold and 0 in done:
+        done.add(int(e["unit"] if sent else e["unit_id"]))
+        if len(done) >= n and (sent or 0 in done):
             state["held"] = True
             tmp = ready.with_name(ready.name + ".tmp")
             tmp.write_text(json.dumps(sorted(done)))
@@ -47,7 +51,7 @@ def main(argv: list[str]) -> int:
     from harvest.pipeline.driver import run as driver
     from harvest.pipeline.cli.main import main as cli_main
 
-    hook = hold_after(Path(ready), int(hold), Path(opened[0]) if opened else None)
+    hook = hold_after(Path(ready), hold, Path(opened[0]) if opened else None)
     real_run = driver.run
 
     def gated_run(cfg, on_event=None, **kw):
