@@ -10,7 +10,9 @@ when `store.dtype: float8_e4m3fn`; tests/store/test_store_fp8.py and test_engine
 quantisers to one numpy reference). On each point, identical TopK SAEs (examples/train_topk.py's
 module, the examples' recipe: special tokens out, rows over 10x the median norm out, norm_scale,
 10 % of contexts held out) train with the same seed and the same batches on each store, plus a
-second bf16 seed as the yardstick of noise:
+second bf16 seed as the yardstick of noise. The same three trainings are repeated with a second SAE
+kind, the standard ReLU SAE with an L1 penalty (SAELens' `standard`, dictionary_learning's
+`AutoEncoder`): its figures sit under the key `relu`, TopK's at the top level.
 
 - `fvu`: fraction of variance unexplained on the held-out rows of the **bf16** store (what the
   activations really are), each SAE with its own training constants;
@@ -42,13 +44,17 @@ from typing import Any
 import numpy as np
 import torch
 
+# The ReLU SAE's L1 coefficient (the loss is per-dimension MSE + L1 / d * sum of latents): at 2.0,
+# 200 steps on SmolLM2's resid_post.15 reach L0 ~40, about TopK's k = 32 (5.0: L0 ~3; 0.5: ~220).
+L1 = 2.0
+SAE_KINDS = ("topk", "relu")
 MODES = {
     "full": dict(contexts=512, ce_contexts=16, context=128, steps=600, batch=1024, expansion=4,
-                 k=32, layers=(3, 15, 27), lr=2e-3),
+                 k=32, layers=(3, 15, 27), lr=2e-3, l1=L1),
     "quick": dict(contexts=160, ce_contexts=40, context=128, steps=200, batch=512, expansion=4,
-                  k=32, layers=(3, 15, 27), lr=2e-3),
+                  k=32, layers=(3, 15, 27), lr=2e-3, l1=L1),
     "dry": dict(contexts=24, ce_contexts=2, context=32, steps=8, batch=64, expansion=2, k=8,
-                layers=(0, 1, 3), lr=2e-3),
+                layers=(0, 1, 3), lr=2e-3, l1=L1),
 }
 KINDS = (("bfloat16", "bfloat16", 0), ("bfloat16_seed2", "bfloat16", 1),
          ("float8_e4m3fn", "float8_e4m3fn", 0))
@@ -63,6 +69,31 @@ def topk_sae_class():
     if ex not in sys.path:
         sys.path.insert(0, ex)
     return importlib.import_module("train_topk").TopKSAE
+
+
+class ReluSAE(torch.nn.Module):
+    """The standard SAE (SAELens' `standard`, dictionary_learning's `AutoEncoder`): ReLU encoder,
+    loss = per-dimension MSE + (l1 / d) * sum of latents (unit-norm decoder rows, renormalised after
+    every step as the TopK SAE's are)."""
+
+    def __init__(self, d: int, m: int):
+        super().__init__()
+        w = torch.randn(m, d)
+        w /= w.norm(dim=1, keepdim=True)
+        self.W_dec = torch.nn.Parameter(w)
+        self.W_enc = torch.nn.Parameter(w.t().clone())
+        self.b_enc = torch.nn.Parameter(torch.zeros(m))
+        self.b_dec = torch.nn.Parameter(torch.zeros(d))
+
+    def encode(self, x):
+        return ((x - self.b_dec) @ self.W_enc + self.b_enc).relu()
+
+    def forward(self, x):
+        return self.encode(x) @ self.W_dec + self.b_dec
+
+    @torch.no_grad()
+    def normalize_decoder(self):
+        self.W_dec /= self.W_dec.norm(dim=1, keepdim=True)
 
 
 def contexts(tokenizer, n: int, C: int) -> tuple[np.ndarray, list[int]]:
@@ -133,8 +164,9 @@ def stored_bytes(root: str, point: str) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
-def train(url: str, point: str, seed: int, cfg: dict):
-    """(sae, its training constants): the examples' TopK loop on one store."""
+def train(url: str, point: str, seed: int, cfg: dict, kind: str = "topk"):
+    """(sae, its training constants): the examples' TopK loop on one store (`kind` "relu": the
+    standard L1 SAE, the same loop plus the L1 term)."""
     from harvest.store.read.adapters import on_device
     from harvest.store.read.dataset import ActivationDataset
 
@@ -142,10 +174,16 @@ def train(url: str, point: str, seed: int, cfg: dict):
                            steps=cfg["steps"], seed=seed, **RECIPE)
     torch.manual_seed(seed)
     d = ds.width
-    sae = topk_sae_class()(d, cfg["expansion"] * d, cfg["k"])
+    m = cfg["expansion"] * d
+    sae = topk_sae_class()(d, m, cfg["k"]) if kind == "topk" else ReluSAE(d, m)
     opt = torch.optim.Adam(sae.parameters(), lr=cfg["lr"])
     for x in on_device(ds):
-        loss = ((sae(x) - x) ** 2).sum(-1).mean() / d
+        if kind == "topk":
+            loss = ((sae(x) - x) ** 2).sum(-1).mean() / d
+        else:
+            f = sae.encode(x)
+            loss = ((f @ sae.W_dec + sae.b_dec - x) ** 2).sum(-1).mean() / d + \
+                cfg["l1"] / d * f.sum(-1).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -197,8 +235,10 @@ def cross_entropy(model, ids: torch.Tensor, layer: int | None = None, sae=None, 
 
 
 def run(mode: str = "quick", model: str | None = None, root: str | None = None,
-        threads: int | None = None, log=print, **override) -> dict:
-    """One study; `override` replaces settings of the mode (layers, ce_contexts, steps, ...)."""
+        threads: int | None = None, log=print, saes: tuple[str, ...] = SAE_KINDS, **override) -> dict:
+    """One study; `override` replaces settings of the mode (layers, ce_contexts, steps, ...). The
+    TopK SAEs' figures are the top-level `bfloat16`, `bfloat16_seed2`, `float8_e4m3fn`, `verdict`
+    and `fvu_ok`; every other SAE kind's are the same keys under its name (`relu`)."""
     cfg = {**MODES[mode], **{k: v for k, v in override.items() if v is not None}}
     if threads:
         torch.set_num_threads(threads)
@@ -234,18 +274,25 @@ def run(mode: str = "quick", model: str | None = None, root: str | None = None,
     out: dict = {"mode": mode, "model": str(model or "smollm2"), "tokens": n * C,
                  "ce_tokens": int(ce_ids.numel()), "points": points, "settings": cfg,
                  "store": store_fig, "ce_clean": cross_entropy(lm, ce_ids)}
-    for name, dt, seed in KINDS:
-        per = {}
-        for p in points:
-            sae, consts = train(urls[dt], p, seed, cfg)
-            per[p] = evaluate(sae, consts, urls["bfloat16"], p)
-            per[p]["ce_spliced"] = cross_entropy(lm, ce_ids, int(p.split(".")[1]), sae, consts)
-            log(f"{name:15s} {p}: " + ", ".join(f"{k} {v:.4f}" for k, v in per[p].items()))
-        out[name] = {k: float(np.mean([per[p][k] for p in points]))
-                     for k in ("fvu", "l0", "dead", "ce_spliced")}
-        out[name]["per_layer"] = per
-    out["verdict"] = verdict(out, points)
-    out["fvu_ok"] = all(v["ok"] for v in out["verdict"].values())
+    for kind in saes:
+        res: dict[str, Any] = {}
+        for name, dt, seed in KINDS:
+            per = {}
+            for p in points:
+                sae, consts = train(urls[dt], p, seed, cfg, kind)
+                per[p] = evaluate(sae, consts, urls["bfloat16"], p)
+                per[p]["ce_spliced"] = cross_entropy(lm, ce_ids, int(p.split(".")[1]), sae, consts)
+                log(f"{kind:4s} {name:15s} {p}: " + ", ".join(f"{k} {v:.4f}" for k, v in per[p].items()))
+            res[name] = {k: float(np.mean([per[p][k] for p in points]))
+                         for k in ("fvu", "l0", "dead", "ce_spliced")}
+            res[name]["per_layer"] = per
+        res["verdict"] = verdict(res, points)
+        res["fvu_ok"] = all(v["ok"] for v in res["verdict"].values())
+        if kind == "topk":
+            out.update(res)
+        else:
+            out[kind] = res
+    out["saes"] = list(saes)
     out["seconds"] = time.perf_counter() - t0
     out["cpu_seconds"] = time.process_time() - c0   # all threads: comparable on a shared box
     tmp.cleanup()
@@ -262,40 +309,48 @@ def verdict(out: dict, points: list[str]) -> dict:
     return v
 
 
+def _kinds(res: dict) -> list[tuple[str, dict]]:
+    """(SAE kind, its figures) for every kind the run trained (TopK's are at the top level)."""
+    return [(k, res if k == "topk" else res[k]) for k in res.get("saes", ["topk"])]
+
+
 def table(res: dict) -> str:
     lines = [f"bench_quant ({res['mode']}): {res['model']}, {res['tokens']:,} tokens, "
              f"CE on {res['ce_tokens']:,} held-out tokens (clean {res['ce_clean']:.4f})",
              f"stored bytes fp8/bf16 {res['store']['fp8_over_bf16']:.3f}; fp8 row error " +
              ", ".join(f"{p} p50 {e['p50']:.2%} p99 {e['p99']:.2%}"
                        for p, e in res["store"]["row_rel_err"].items()),
-             f"{'point':14s} {'store':15s} {'fvu':>8s} {'l0':>6s} {'dead':>6s} {'ce_spliced':>10s}"]
-    for p in res["points"]:
-        for name, _, _ in KINDS:
-            r = res[name]["per_layer"][p]
-            lines.append(f"{p:14s} {name:15s} {r['fvu']:8.4f} {r['l0']:6.1f} {r['dead']:6.3f} "
-                         f"{r['ce_spliced']:10.4f}")
-        v = res["verdict"][p]
-        lines.append(f"{'':14s} fp8 - bf16 fvu {v['fvu_diff']:+.4f}, tolerance {v['tolerance']:.4f} "
-                     f"(seed spread {v['seed_spread']:.4f}): {'holds' if v['ok'] else 'MISSES'}")
+             f"{'sae':5s}{'point':14s} {'store':15s} {'fvu':>8s} {'l0':>7s} {'dead':>6s} {'ce_spliced':>10s}"]
+    for kind, r0 in _kinds(res):
+        for p in res["points"]:
+            for name, _, _ in KINDS:
+                r = r0[name]["per_layer"][p]
+                lines.append(f"{kind:5s}{p:14s} {name:15s} {r['fvu']:8.4f} {r['l0']:7.1f} {r['dead']:6.3f} "
+                             f"{r['ce_spliced']:10.4f}")
+            v = r0["verdict"][p]
+            lines.append(f"{'':19s} fp8 - bf16 fvu {v['fvu_diff']:+.4f}, tolerance {v['tolerance']:.4f} "
+                         f"(seed spread {v['seed_spread']:.4f}): {'holds' if v['ok'] else 'MISSES'}")
     return "\n".join(lines)
 
 
 def markdown(res: dict) -> str:
     """The results as RESULTS.md / docs tables."""
     st = res["store"]
-    lines = ["| point | store | held-out FVU | L0 | dead | spliced CE (clean %.4f) |" % res["ce_clean"],
-             "|---|---|---:|---:|---:|---:|"]
-    for p in res["points"]:
-        for name, _, _ in KINDS:
-            r = res[name]["per_layer"][p]
-            lines.append(f"| {p} | {name} | {r['fvu']:.4f} | {r['l0']:.1f} | {r['dead']:.3f} | "
-                         f"{r['ce_spliced']:.4f} |")
-    lines += ["", "| point | fp8 - bf16 FVU | bf16 seed spread | tolerance | fp8 holds | "
-                  "fp8 row error p50 / p99 |", "|---|---:|---:|---:|---|---:|"]
-    for p in res["points"]:
-        v, e = res["verdict"][p], st["row_rel_err"][p]
-        lines.append(f"| {p} | {v['fvu_diff']:+.4f} | {v['seed_spread']:.4f} | {v['tolerance']:.4f} | "
-                     f"{'yes' if v['ok'] else '**no**'} | {e['p50']:.2%} / {e['p99']:.2%} |")
+    lines = ["| SAE | point | store | held-out FVU | L0 | dead | spliced CE (clean %.4f) |" % res["ce_clean"],
+             "|---|---|---|---:|---:|---:|---:|"]
+    for kind, r0 in _kinds(res):
+        for p in res["points"]:
+            for name, _, _ in KINDS:
+                r = r0[name]["per_layer"][p]
+                lines.append(f"| {kind} | {p} | {name} | {r['fvu']:.4f} | {r['l0']:.1f} | {r['dead']:.3f} | "
+                             f"{r['ce_spliced']:.4f} |")
+    lines += ["", "| SAE | point | fp8 - bf16 FVU | bf16 seed spread | tolerance | fp8 holds | "
+                  "fp8 row error p50 / p99 |", "|---|---|---:|---:|---:|---|---:|"]
+    for kind, r0 in _kinds(res):
+        for p in res["points"]:
+            v, e = r0["verdict"][p], st["row_rel_err"][p]
+            lines.append(f"| {kind} | {p} | {v['fvu_diff']:+.4f} | {v['seed_spread']:.4f} | {v['tolerance']:.4f} | "
+                         f"{'yes' if v['ok'] else '**no**'} | {e['p50']:.2%} / {e['p99']:.2%} |")
     lines += ["", f"Stored bytes, these points: bf16 {st['bytes']['bfloat16']:,}, fp8 "
                   f"{st['bytes']['float8_e4m3fn']:,} (**{st['fp8_over_bf16']:.3f}x**)."]
     return "\n".join(lines)
@@ -313,11 +368,15 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="layers (default: the mode's)")
     ap.add_argument("--ce-contexts", type=int, default=None, help="held-out contexts for spliced CE")
+    ap.add_argument("--saes", nargs="+", choices=SAE_KINDS, default=list(SAE_KINDS),
+                    help="SAE kinds to train (default: both; TopK's figures are the top-level keys)")
+    ap.add_argument("--l1", type=float, default=None, help=f"the ReLU SAE's L1 coefficient (default {L1})")
     a = ap.parse_args(argv)
     mode = "quick" if a.quick else "dry" if a.dry else "full"
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else print
     res = run(mode, a.model, a.root, a.threads, log=log,
-              layers=tuple(a.layers) if a.layers else None, ce_contexts=a.ce_contexts)
+              saes=tuple(a.saes), layers=tuple(a.layers) if a.layers else None,
+              ce_contexts=a.ce_contexts, l1=a.l1)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1) if a.json else table(res))

@@ -1,4 +1,4 @@
-"""bench_quant's dry mode on the tiny model: one invocation trains the three SAEs per point on a
+"""bench_quant's dry mode on the tiny model: one invocation trains the three SAEs of each kind (TopK, ReLU) per point on a
 bf16 and an fp8 store of the same capture and reports every figure the quick/full runs do."""
 
 from __future__ import annotations
@@ -25,4 +25,12 @@ def test_dry_run_reports_every_figure(tiny_llama, tmp_path, capsys):
     assert all(e["p99"] < 0.04 for e in st["row_rel_err"].values())
     assert res["ce_clean"] > 0
     assert "fp8 - bf16 fvu" in bench_quant.table(res)
-    assert bench_quant.markdown(res).count("| resid_post.") == 3 * 3 + 3
+    # the second SAE kind: the same figures, its own verdict; an L1 SAE is not held to k
+    relu = res["relu"]
+    for name in ("bfloat16", "bfloat16_seed2", "float8_e4m3fn"):
+        r = relu[name]
+        assert all(isinstance(r[key], float) for key in ("fvu", "l0", "dead", "ce_spliced")), name
+        assert 0 < r["fvu"] < 1.5 and 0 <= r["dead"] <= 1 and r["l0"] > 0
+    assert relu["bfloat16"]["fvu"] != res["bfloat16"]["fvu"]
+    assert set(relu["verdict"]) == set(res["points"]) and res["saes"] == ["topk", "relu"]
+    assert bench_quant.markdown(res).count("| resid_post.") == 2 * (3 * 3 + 3)
