@@ -28,6 +28,7 @@ import numpy as np
 
 from harvest.store.format import layout
 from harvest.store.commit.objects import read_meta
+from harvest.store.commit.tables import shard_record
 
 # compared in every pair: what makes a row "the same token" (what `harvest schedule checkpoints`
 # checks too); the optional columns are compared where both stores have them
@@ -140,7 +141,7 @@ def _unit_column(st, m: dict, name: str) -> np.ndarray:
     a, b = m["row_start"], m["row_end"]
     parts = []
     for s in range(a // st.shard_rows, -(-b // st.shard_rows)):
-        parts.append(read_meta(st, m, s, name))
+        parts.append(read_meta(st, m, shard_record(st, m, s), name))
     return np.concatenate(parts) if parts else np.empty(0, layout.ROW_META[name])
 
 

@@ -91,7 +91,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def __new__(cls, store=None, *args, **kwargs) -> Any:
         if isinstance(store, (list, tuple)):
             from .paired import PairedDataset   # it builds one of these per store
-            return PairedDataset(store, *args, **kwargs)
+            return PairedDataset(store, *args, member=cls, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, store: "Store | str", points: "str | Sequence[str] | None" = None,

@@ -39,7 +39,6 @@ from harvest.store.commit.alignment import AlignmentReport, StoresNotAligned, ch
 from harvest.store.errors import DataIntegrityError
 from harvest.store.store import Store, open_store
 from .config import ReaderConfig
-from .dataset import ActivationDataset
 from .filters import store_context_size, store_facts
 from .loader import ActivationLoader
 
@@ -72,15 +71,19 @@ class PairedDataset(torch.utils.data.IterableDataset):
     width. `names`: the dict keys (default: the last part of each store's URL, where they
     differ, else "0", "1", ...). With `return_meta=True` a batch is a dict: `acts` (the tensor
     or the dict) and the first store's `row`, `token_id`, `doc_id`, `position`, ... (equal in
-    every store: checked).
+    every store: checked). `member`: the single-store dataset class (ActivationDataset, which
+    makes this object and passes itself: this module does not import it).
     """
 
     def __init__(self, stores: Sequence, points: "str | Sequence[str] | None" = None,
                  batch_size: int | None = None, *, config: ReaderConfig | None = None,
                  storage_options: "dict | Sequence[dict | None] | None" = None,
                  names: "Sequence[str] | None" = None, form: str | None = None,
-                 store_points: "Sequence | None" = None, **options):
+                 store_points: "Sequence | None" = None, member=None, **options):
         super().__init__()
+        if member is None:
+            raise TypeError("PairedDataset is made by ActivationDataset([store_a, store_b], ...), "
+                            "which passes itself as `member`, the dataset read for each store")
         stores = list(stores)
         if not stores:
             raise ValueError("ActivationDataset([]): give at least one store")
@@ -97,7 +100,8 @@ class PairedDataset(torch.utils.data.IterableDataset):
         if nc is not None and (not isinstance(nc, (list, tuple)) or len(nc) != n):
             raise ValueError(f"norm_constants: give a list of {n}, one per store (a paired "
                              "dataset's `norm_constants`), each store is normalised on its own")
-        sos = list(storage_options) if isinstance(storage_options, (list, tuple)) else [storage_options] * n
+        sos: list = list(storage_options) if isinstance(storage_options, (list, tuple)) else \
+            [storage_options] * n
         if len(sos) != n:
             raise ValueError(f"storage_options: a list of {len(sos)} for {n} stores")
         opened = [s if isinstance(s, Store) else open_store(s, storage_options=so, read_only=True)
@@ -126,7 +130,7 @@ class PairedDataset(torch.utils.data.IterableDataset):
         per_row = sum(s.row_bytes * _n_points(s, p) for s, p in zip(opened, specs))
         buf = cfg.shuffle_buffer_rows or max(cfg.batch_size * 4, _DEFAULT_BUFFER_BYTES // per_row)
         self.return_meta = cfg.return_meta
-        self.datasets = [ActivationDataset(s, config=dataclasses.replace(
+        self.datasets = [member(s, config=dataclasses.replace(
             cfg, points=p, shuffle_buffer_rows=buf, return_meta=True,
             norm_constants=None if nc is None else nc[i])) for i, (s, p) in enumerate(zip(opened, specs))]
         self.config = dataclasses.replace(cfg, shuffle_buffer_rows=buf)
