@@ -264,8 +264,8 @@ def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, cor
 
 
 def test_alignment_check_finds_one_differing_token(tmp_path):
-    """Checkpoint stores are compared row by row (windows spread over the store): one token
-    different in one store is reported, naming both checkpoints."""
+    """Checkpoint stores are compared unit by unit by their markers' row-metadata digests: one
+    token different in one store is reported, naming both checkpoints, the unit and the row."""
     from harvest.pipeline.config.run import load_config
     from harvest.pipeline.cli.schedule import aligned
     from harvest.store import create_store
@@ -286,3 +286,4 @@ def test_alignment_check_finds_one_differing_token(tmp_path):
     assert aligned(cfg, ["a", "b"]) is None
     msg = aligned(cfg, ["a", "b", "c"])
     assert msg and "'a' and 'c' are not row-aligned" in msg
+    assert "unit 3 (rows [768, 1024)) holds different `token_id` (first at row 900: 900 vs 901" in msg, msg
