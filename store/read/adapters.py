@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .dataset import ActivationDataset
+from .paired import PairedDataset
 
 
 def _dataset(source) -> ActivationDataset | None:
@@ -38,6 +39,9 @@ def _dataset(source) -> ActivationDataset | None:
 
 
 def _check(source, steps: int | None, who: str) -> None:
+    if isinstance(source, PairedDataset) or isinstance(getattr(source, "dataset", None), PairedDataset):
+        raise ValueError(f"{who}: a paired dataset yields [batch, n_models, width]; train a "
+                         "crosscoder on crosscoder_data(ds), or flatten=True for an SAE trainer")
     ds = _dataset(source)
     if ds is None:
         return
@@ -81,8 +85,6 @@ def crosscoder_data(source: Iterable, device="cpu", steps: int | None = None,
     """A crosscoder's data from a paired dataset (or its loader): float32 `[batch, n_models,
     width]` on `device`, or `[batch, n_models * width]` with `flatten` (model 0's width
     first). Checked: one point per store, stacked (form="stack"), lasting `steps` batches."""
-    from .paired import PairedDataset
-
     ds = source if isinstance(source, PairedDataset) else getattr(source, "dataset", None)
     if isinstance(ds, PairedDataset):
         if ds.form != "stack" or any(len(p) != 1 for p in ds.points) or ds.datasets[0].stack:

@@ -17,7 +17,7 @@ import torch
 from harvest.store import create_store
 from harvest.store.commit.alignment import StoresNotAligned, check_aligned
 from harvest.store.errors import DataIntegrityError
-from harvest.store.read.adapters import crosscoder_data
+from harvest.store.read.adapters import crosscoder_data, dictionary_learning_data
 from harvest.store.read.dataset import ActivationDataset
 from harvest.store.read.paired import PairedDataset
 from harvest.testing import synthetic
@@ -218,6 +218,10 @@ def test_a_crosscoder_trains_from_paired_batches(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert len(losses) == 150
+    with pytest.raises(ValueError, match="paired dataset yields .* crosscoder_data"):
+        dictionary_learning_data(ds)
+    with pytest.raises(ValueError, match="give a paired dataset"):
+        next(crosscoder_data(ActivationDataset(stores[0], "resid_post.0", batch_size=256)))
     assert np.mean(losses[-10:]) < 0.2 * np.mean(losses[:10]), (losses[:10], losses[-10:])
 
 
