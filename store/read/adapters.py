@@ -13,7 +13,8 @@
   dictionary-learning 0.1.0, the only release, has none; SAELens 6.54 and sparsify 1.3 have no
   crosscoder mode either). `crosscoder_data(ds, flatten=True)` gives `[batch, n_models * width]`
   for any SAE trainer: an SAE over the concatenated rows is an acausal crosscoder whose decoder
-  rows split per model (`W_dec.view(dict_size, n_models, width)`), trained with the SAE's
+  rows split per model (`[dict_size, n_models * width]` viewed as `[dict_size, n_models,
+  width]`), trained with the SAE's
   penalty on the whole decoder row (examples/train_crosscoder.py, dictionary_learning's TopK).
 
 The dataset must yield one point (`points="resid_post.N"`, 2-D batches) and, for trainers that
