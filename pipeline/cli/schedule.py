@@ -312,43 +312,30 @@ def checkpoint_tick(cfg: HarvestConfig, sc: ScheduleConfig,
     return ticks
 
 
-ALIGN_WINDOWS, ALIGN_ROWS = 64, 4096   # rows compared: all of a store up to 256k rows, else a
-# spread sample (a billion rows' metadata is 16 GB: never read whole on the submitter)
-
-
 def aligned(cfg: HarvestConfig, names: list[str]) -> "str | None":
-    """None when every finished checkpoint store holds the same token, document and position in
-    the compared rows (ALIGN_WINDOWS windows of ALIGN_ROWS, evenly spread) as the first, and the
-    same row count; else what differs (a tokenizer or data change between checkpoints)."""
-    import numpy as np
-
+    """None when every finished checkpoint store holds the same rows as the first: the same row
+    count, unit plan and committed units, and in every unit the same token, document and position
+    columns, compared by the CRC32C digests of those columns in the units' commit markers (every
+    row, for the price of reading the markers; harvest.store.commit.alignment). Else what differs,
+    naming the unit and the first differing row (a tokenizer or data change between checkpoints)."""
     from harvest.store import open_store
+    from harvest.store.commit.alignment import StoresNotAligned, check_aligned
 
-    first = None
+    finished = []
     for name in names:
         url = cfg.store.url.rstrip("/") + "/" + name
         try:
             s = open_store(url, storage_options=cfg.store.fs_options())
         except Exception:  # noqa: BLE001 -- not created yet
             continue
-        if s.summary is None:
-            continue
-        if first is None:
-            first = (name, s)
-            continue
-        ref = first[1]
-        bad = ref.n_rows != s.n_rows
-        starts = np.linspace(0, max(0, s.n_rows - ALIGN_ROWS), ALIGN_WINDOWS).astype(int)
-        for a in sorted(set(starts.tolist())):
-            if bad:
-                break
-            b = min(s.n_rows, a + ALIGN_ROWS)
-            bad = not all(np.array_equal(x, y) for x, y in
-                          zip(s.read_row_meta(a, b), ref.read_row_meta(a, b)))
-        if bad:
-            return (f"stores of checkpoints {first[0]!r} and {name!r} are not row-aligned "
-                    f"({ref.n_rows} vs {s.n_rows} rows, or other tokens): their tokenizers or "
-                    "data differ; capture them with one tokenizer and one pinned corpus")
+        if s.summary is not None:
+            finished.append((name, s))
+    for other in finished[1:]:
+        try:
+            check_aligned([finished[0][1], other[1]], [finished[0][0], other[0]])
+        except StoresNotAligned as e:
+            return (f"checkpoint {e} (their tokenizers or data differ: capture them with one "
+                    "tokenizer and one pinned corpus)")
     return None
 
 

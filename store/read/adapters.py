@@ -7,6 +7,15 @@
 - sparsify 1.3 trains online from a Hugging Face model only; drive its `SparseCoder` with your
   own loop over `on_device(ds)` (examples/train_sparsify.py).
 - plain PyTorch: `on_device(ds)` (examples/train_topk.py).
+- crosscoders, over a paired dataset (`ActivationDataset([store_a, store_b], point)`):
+  `crosscoder_data(ds)` gives `[batch, n_models, width]`, what a crosscoder trainer takes
+  (dictionary_learning's `CrossCoderTrainer`, in the jkminder fork that adds it: PyPI's
+  dictionary-learning 0.1.0, the only release, has none; SAELens 6.54 and sparsify 1.3 have no
+  crosscoder mode either). `crosscoder_data(ds, flatten=True)` gives `[batch, n_models * width]`
+  for any SAE trainer: an SAE over the concatenated rows is an acausal crosscoder whose decoder
+  rows split per model (`[dict_size, n_models * width]` viewed as `[dict_size, n_models,
+  width]`), trained with the SAE's
+  penalty on the whole decoder row (examples/train_crosscoder.py, dictionary_learning's TopK).
 
 The dataset must yield one point (`points="resid_post.N"`, 2-D batches) and, for trainers that
 count steps themselves, run long enough: `steps=N` (or `endless=True`) instead of one epoch,
@@ -20,6 +29,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .dataset import ActivationDataset
+from .paired import PairedDataset
 
 
 def _dataset(source) -> ActivationDataset | None:
@@ -30,6 +40,9 @@ def _dataset(source) -> ActivationDataset | None:
 
 
 def _check(source, steps: int | None, who: str) -> None:
+    if isinstance(source, PairedDataset) or isinstance(getattr(source, "dataset", None), PairedDataset):
+        raise ValueError(f"{who}: a paired dataset yields [batch, n_models, width]; train a "
+                         "crosscoder on crosscoder_data(ds), or flatten=True for an SAE trainer")
     ds = _dataset(source)
     if ds is None:
         return
@@ -66,6 +79,31 @@ def dictionary_learning_data(source: Iterable, device="cpu", steps: int | None =
     """dictionary_learning's `data`: an iterable of [batch, d] batches lasting `steps` batches."""
     _check(source, steps, "dictionary_learning_data")
     return on_device(source, device)
+
+
+def crosscoder_data(source: Iterable, device="cpu", steps: int | None = None,
+                    flatten: bool = False) -> Iterator[torch.Tensor]:
+    """A crosscoder's data from a paired dataset (or its loader): float32 `[batch, n_models,
+    width]` on `device`, or `[batch, n_models * width]` with `flatten` (model 0's width
+    first). Checked: one point per store, stacked (form="stack"), lasting `steps` batches."""
+    ds = source if isinstance(source, PairedDataset) else getattr(source, "dataset", None)
+    if isinstance(ds, PairedDataset):
+        if ds.form != "stack" or any(len(p) != 1 for p in ds.points) or ds.datasets[0].stack:
+            raise ValueError(f"crosscoder_data: the paired dataset yields {ds.form} batches of points "
+                             f"{ds.points}; read one point per store (points='resid_post.N', or "
+                             "store_points=[one point each]) with form='stack'")
+        if steps is not None and not ds.endless:
+            per_epoch = ds.rows_per_worker() // ds.batch_size
+            if per_epoch < steps:
+                raise ValueError(f"crosscoder_data: {steps} steps need more than one epoch ({per_epoch} "
+                                 f"batches); build the dataset with steps={steps} (or endless=True)")
+    elif _dataset(source) is not None:
+        raise ValueError("crosscoder_data: give a paired dataset, ActivationDataset([store_a, "
+                         "store_b], point): one store has no models to cross")
+    for x in on_device(source, device):
+        if x.dim() != 3:
+            raise ValueError(f"crosscoder_data: batches must be [batch, n_models, width], got {tuple(x.shape)}")
+        yield x.reshape(x.shape[0], -1) if flatten else x
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,16 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     ReaderConfig (readerconfig.py, every option documented there): pass `config=ReaderConfig(...)`,
     or the options as keywords as before (`ActivationDataset(store, "resid_post.10",
     batch_size=4096, seed=0)`), which build the same config; `self.config` holds it.
+
+    A list of row-aligned stores (`ActivationDataset([store_a, store_b], ...)`) gives a
+    paired.PairedDataset instead: the same rows from each, `[batch, n_models, width]`.
     """
+
+    def __new__(cls, store=None, *args, **kwargs) -> Any:
+        if isinstance(store, (list, tuple)):
+            from .paired import PairedDataset   # it builds one of these per store
+            return PairedDataset(store, *args, member=cls, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, store: "Store | str", points: "str | Sequence[str] | None" = None,
                  batch_size: int | None = None, *, config: ReaderConfig | None = None,

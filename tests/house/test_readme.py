@@ -24,7 +24,7 @@ from harvest.pipeline.config.run import REPO_ROOT
 from tests.support.readme import PAGES, README, blocks
 
 # python blocks per page (path from the repository root); each is run by a test below
-PYTHON_BLOCKS = {"README.md": 0, "docs/engine.md": 1, "docs/store.md": 1}
+PYTHON_BLOCKS = {"README.md": 0, "docs/engine.md": 1, "docs/store.md": 2}
 
 # bash blocks (first command line) -> where they are exercised instead of here
 COVERED = {
@@ -177,3 +177,38 @@ def test_reader_block_yields_what_its_comments_say(default_like_store):
         print("reader block ok", sq)
     """)
     assert "reader block ok" in _run(code, default_like_store, timeout=300).stdout
+
+
+@pytest.fixture(scope="module")
+def checkpoint_like_stores(tmp_path_factory):
+    """`.harvest/stores/step-1000` and `step-2000` in a scratch cwd: one corpus's rows (the same
+    token ids, documents, positions), two models' activations."""
+    from harvest.store import create_store
+    from harvest.testing import synthetic
+    from tests.support.reader_stores import BOS, packed_meta
+
+    cwd = tmp_path_factory.mktemp("readme-paired")
+    n, width, context = 8192, 32, 128
+    tok, doc, pos = packed_meta(n, context, seed=3)
+    for seed, name in ((1, "step-1000"), (2, "step-2000")):
+        s = create_store(str(cwd / ".harvest" / "stores" / name), points=["resid_post.10"], width=width,
+                         n_rows=n, shard_rows=1024, chunk_rows=512, context_size=context,
+                         special_token_ids=[0, BOS, 2], bos_token_id=BOS, stats_skip_positions=2)
+        s.write_plan(s.default_plan(2))
+        synthetic.fill(s, synthetic.activations((1, n, width), seed=seed), token_id=tok, doc_id=doc,
+                       position=pos)
+    return cwd
+
+
+@pytest.mark.slow  # two stores built and read in a subprocess
+def test_paired_reader_block_yields_what_its_comments_say(checkpoint_like_stores):
+    code = _block("from harvest.store.read.adapters import crosscoder_data") + textwrap.dedent("""
+        import torch
+        assert ds.names == ["step-1000", "step-2000"], ds.names
+        assert ds.alignment.by_digest == ds.alignment.units == 4, ds.alignment
+        assert x.dtype == torch.float32 and x.shape[1:] == (2, ds.width) and 0 < x.shape[0] <= 4096
+        sq = [float((x[:, i].double() ** 2).sum(1).mean()) for i in range(2)]
+        assert all(0.8 * ds.width < v < 1.25 * ds.width for v in sq), sq
+        print("paired block ok", sq)
+    """)
+    assert "paired block ok" in _run(code, checkpoint_like_stores, timeout=300).stdout

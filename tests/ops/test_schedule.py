@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from harvest.pipeline.config.fields import ConfigError
 from harvest.pipeline.cli.main import main
@@ -246,13 +247,25 @@ def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, cor
     p = stores["step-1000"].points[-1]
     assert not np.array_equal(np.asarray(stores["step-1000"].read(p, 0, 64)),
                               np.asarray(stores["step-2000"].read(p, 0, 64)))  # two models
+    # the paired reader over the real pair: alignment from the markers' digests, and each
+    # store's own rows at the row ids of every batch
+    from harvest.store.read.dataset import ActivationDataset
+    ds = ActivationDataset(list(stores.values()), p, batch_size=100, seed=0, return_meta=True)
+    assert ds.names == ["step-1000", "step-2000"] and ds.alignment.by_digest == ds.alignment.units > 0
+    got = list(ds)
+    rows = np.concatenate([b["row"].numpy() for b in got])
+    acts = np.concatenate([b["acts"].view(torch.int16).numpy() for b in got])
+    assert np.array_equal(np.sort(rows), np.arange(budget)) and acts.shape[1] == 2
+    for i, s in enumerate(stores.values()):
+        alone = np.asarray(s.read(p, 0, s.n_rows)).view(np.int16)
+        assert np.array_equal(acts[:, i], alone[rows])
     again = checkpoint_tick(cfg, sc, run_fn=_no_run)
     assert [t.status for t in again] == ["complete", "complete"]
 
 
 def test_alignment_check_finds_one_differing_token(tmp_path):
-    """Checkpoint stores are compared row by row (windows spread over the store): one token
-    different in one store is reported, naming both checkpoints."""
+    """Checkpoint stores are compared unit by unit by their markers' row-metadata digests: one
+    token different in one store is reported, naming both checkpoints, the unit and the row."""
     from harvest.pipeline.config.run import load_config
     from harvest.pipeline.cli.schedule import aligned
     from harvest.store import create_store
@@ -273,3 +286,4 @@ def test_alignment_check_finds_one_differing_token(tmp_path):
     assert aligned(cfg, ["a", "b"]) is None
     msg = aligned(cfg, ["a", "b", "c"])
     assert msg and "'a' and 'c' are not row-aligned" in msg
+    assert "unit 3 (rows [768, 1024)) holds different `token_id` (first at row 900: 900 vs 901" in msg, msg
