@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BOS, CTX, WIDTH, BATCH = 1, 128, 576, 4096
@@ -172,8 +173,7 @@ def loader_speed(ds, workers: int, epochs: int, first: int = 1) -> dict:
     import torch
 
     pids = torch.zeros(workers, dtype=torch.int64).share_memory_()
-    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True,
-                                     worker_init_fn=_note_pid(pids))
+    dl = ds.loader(workers, persistent_workers=True, worker_init_fn=_note_pid(pids))
     rates, rss, uss, cpu = [], [], [], []
     before = None
     for e in range(first, first + epochs):
@@ -190,6 +190,84 @@ def loader_speed(ds, workers: int, epochs: int, first: int = 1) -> dict:
     del dl
     return {"rates": rates, "rss": rss, "uss": uss, "cpu_s_per_row": float(np.median(cpu)) / n if cpu else None,
             "decoded_rows": ds.decoded_rows[:workers], "rows_per_epoch": n}
+
+
+class _Batches(torch.utils.data.IterableDataset):
+    """`n` batches of `k` x `width` bf16, gathered into the worker's recycled buffers (the
+    reader's own path) and handed over through shared-memory slots (`handoff=True`, as
+    ActivationLoader does) or torch's pickling (a plain DataLoader): the hand-off alone."""
+
+    resume_point = 0
+
+    def __init__(self, n: int, k: int, width: int):
+        from harvest.store.format.dtypes import BF16, raw_dtype
+
+        super().__init__()
+        self.n, self.batch_size, self.width, self.points = n, k, width, ["p"]
+        self.quantized, self.dequantize, self.norm_constants = False, True, None
+        self.store_dtype, self.out_dtype = BF16, torch.bfloat16
+        self.row_width, self.raw_dtype = width, raw_dtype(BF16)
+        self.handoff_rings = None
+
+    def __iter__(self):
+        from harvest.store.read import handoff
+        from harvest.store.read.batching import BatchBuffers
+
+        hand = handoff.worker_side(self, torch.utils.data.get_worker_info())
+        shape = (self.batch_size, 1, self.width)
+        bufs = hand.buffers if hand is not None and hand.buffers is not None else \
+            BatchBuffers(shape, self.raw_dtype, keep=6)
+        for i in range(self.n):
+            out = bufs.get()
+            out[:, 0, :1] = i      # the gather writes every row; here one value per row
+            t = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)[:, 0, :]
+            yield t if hand is None else hand.pack(t)
+
+
+def handoff_cost(width: int = WIDTH, batches: int = 200, repeats: int = 3) -> dict:
+    """Hand-off alone, 1 persistent worker (started and warmed by one epoch first): us per row
+    from worker to trainer, torch's path against the shared-memory slots, each less the same
+    loop run in this process (the consumer reads one value of every row, so every page it
+    receives is touched); all three side by side in each repeat, medians of the per-repeat
+    differences. `us_per_row` is wall time, `cpu_us_per_row` the CPU of trainer + worker (the
+    figure to trust when other jobs share the cores). GB/s = row bytes / wall time."""
+    from harvest.store.read.loader import ActivationLoader
+
+    ds = _Batches(batches, BATCH, width)
+
+    def consume(loader) -> None:
+        for x in loader:
+            float(x[:, 0].float().sum())
+
+    def one(loader, pid=None) -> tuple[float, float]:
+        c0, w0, t = time.process_time(), _cpu_s(pid) if pid else 0.0, time.perf_counter()
+        consume(loader)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c0 + ((_cpu_s(pid) - w0) if pid else 0.0)
+        return wall / (batches * BATCH), cpu / (batches * BATCH)
+
+    loaders = {}
+    for name in ("torch", "slots"):
+        pids = torch.zeros(1, dtype=torch.int64).share_memory_()
+        kw = {"num_workers": 1, "persistent_workers": True, "worker_init_fn": _note_pid(pids)}
+        loaders[name] = (torch.utils.data.DataLoader(ds, batch_size=None, **kw) if name == "torch"
+                         else ActivationLoader(ds, **kw), pids)
+        consume(loaders[name][0])     # start the worker, warm its buffers
+    per: dict = {"in_process": [], "torch": [], "slots": []}
+    for _ in range(repeats):
+        per["in_process"].append(one(ds))
+        for name, (dl, pids) in loaders.items():
+            per[name].append(one(dl, int(pids[0])))
+    row_bytes = width * 2
+    out: dict = {"width": width, "batch_rows": BATCH, "batches": batches,
+                 "in_process_us_per_row": float(np.median([w for w, _ in per["in_process"]])) * 1e6}
+    for k in ("torch", "slots"):   # hand-off = through a worker less the same loop in-process
+        us = float(np.median([x[0] - y[0] for x, y in zip(per[k], per["in_process"])])) * 1e6
+        cpu = float(np.median([x[1] - y[1] for x, y in zip(per[k], per["in_process"])])) * 1e6
+        out[k] = {"us_per_row": us, "cpu_us_per_row": cpu, "gb_per_s": row_bytes / max(us, 1e-9) / 1e3,
+                  "runs_us": [x[0] * 1e6 for x in per[k]]}
+    out["speedup"] = out["torch"]["us_per_row"] / max(out["slots"]["us_per_row"], 1e-9)
+    del loaders
+    return out
 
 
 def peak_rss_mb(rev: str | None, url: str, **kw) -> float:

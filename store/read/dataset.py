@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import mixing
+from . import handoff, mixing
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
@@ -116,6 +116,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._raw = raw_dtype(st.np_dtype)
         # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean
         self._rw, self._vdtype = st.row_width, _norm.value_dtype(st)
+        self.row_width, self.raw_dtype = self._rw, self._raw
+        self.handoff_rings = None   # set by ActivationLoader while its workers fork (handoff.py)
         self.quantized, self.dequantize = st.quantized, cfg.dequantize
         if not self.dequantize and not self.quantized:
             raise ValueError(f"dequantize=False: {st.url} is a {st.dtype} store, not a quantised "
@@ -234,7 +236,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # DataLoader workers started with spawn/forkserver get the dataset pickled: an open store
         # (an async S3 client) and arenas cannot travel, and each worker opens its own
         state = dict(self.__dict__)
-        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None)
+        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None,
+                     handoff_rings=None)
         return state
 
     # ---- epochs (counts and plans: readorder.PiecePlanning) -----------------------------------
@@ -275,6 +278,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
             cap_malloc_arenas()   # worker RSS grew epoch after epoch otherwise (workermem.py)
+        hand = handoff.worker_side(self, info)   # batches to the loader through shared memory
         epoch, resume = int(self._ctl[0]), int(self._ctl[1])
         ln = lane(wid, resume, nw)     # which global batches this worker produces (sampling.lane)
         g = self.rank * nw + ln
@@ -303,9 +307,10 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self._rw),
                              self._raw, self._emit, skip=skip_rows, limit=limit, drop_last=self.drop_last,
                              shuffle=self.shuffle, seed=self.seed, tally=self.tally, pool=codec_pool(),
-                             ahead=_GATHER_AHEAD, buffers=self._batch_bufs):
+                             ahead=_GATHER_AHEAD,
+                             buffers=self._batch_bufs if hand is None or hand.buffers is None else hand.buffers):
             self._served += 1
-            yield batch
+            yield batch if hand is None else hand.pack(batch)
 
     def _counted(self, specs, wid: int):
         """Count the rows each worker decodes (`decoded_rows`), as windows go to the decoder."""

@@ -3,13 +3,16 @@
 The dataset's batches come from worker processes round-robin; counting them here is what lets
 `state_dict()` name the resume point without asking the workers: batches are numbered per rank,
 and after a resume worker k produces the lane the round-robin will ask it for (sampling.lane).
+
+With workers, batches come back through shared-memory slots (handoff.py), not torch's pickling:
+a batch's tensor lives in a slot that is reused only once no tensor over it is alive.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import mixing
+from . import handoff, mixing
 
 
 class ActivationLoader(torch.utils.data.DataLoader):
@@ -23,12 +26,26 @@ class ActivationLoader(torch.utils.data.DataLoader):
             mixing.check(dataset, num_workers)   # each worker's window lies within its part
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self._base, self._delivered = 0, 0
+        self.handoff: handoff.ParentSide | None = None
+        if num_workers > 0 and handoff.usable(kwargs.get("multiprocessing_context")):
+            self.handoff = handoff.ParentSide(handoff.Rings(num_workers, handoff.slot_bytes(dataset)))
 
     def __iter__(self):
         self._base, self._delivered = self.dataset.resume_point, 0
-        for x in super().__iter__():
+        hand = self.handoff
+        if hand is None:
+            it = super().__iter__()
+        else:
+            hand.begin()
+            self.dataset.handoff_rings = hand.rings   # inherited by the workers forked now
+            try:
+                it = super().__iter__()
+            finally:
+                self.dataset.handoff_rings = None     # a plain DataLoader's workers must not pack
+            hand.started()
+        for x in it:
             self._delivered += 1
-            yield x
+            yield x if hand is None else hand.unpack(x, self.pin_memory)
 
     def state_dict(self) -> dict:
         return self.dataset.state_dict(self._base + self._delivered, self.num_workers)
