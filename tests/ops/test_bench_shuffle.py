@@ -19,5 +19,9 @@ def test_one_run_reports_both_ratios_and_worker_figures(tmp_path):
     assert res["shards"] == 2 and w2["rows_per_epoch"] == rows
     assert w2["decoded_rows_per_worker_per_epoch"] == [rows / 2, rows / 2]
     assert len(w2["worker_rss_mb"]) == 2 and all(len(r) == 2 and min(r) > 0 for r in w2["worker_private_mb"])
+    h = res["handoff"]   # the hand-off alone, both paths measured in the same run
+    assert h["width"] == 576 and h["slots"]["gb_per_s"] > 0 and h["torch"]["cpu_us_per_row"] > 0
+    assert len(h["slots"]["runs_us"]) == len(h["torch"]["runs_us"]) == 1
     text = bench_shuffle.summary(res)
     assert "raw decode" in text and "zarr-python" in text and "no workers on" in text
+    assert "hand-off worker -> trainer" in text
