@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import handoff, mixing
+from . import handoff, mixing, permute
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
@@ -287,7 +287,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         skip_batches = worker_share(resume, ln, nw)
         limit = None if self.steps is None else worker_share(self.steps, ln, nw) - skip_batches
         specs, skip_rows = self._specs(epoch, ln, nw), skip_batches * self.batch_size
-        if skip_rows and self.norm_limit is None:
+        if skip_rows and self.norm_limit is None and self.shuffle != "global":
             specs, skip_rows = self._preskip(specs, skip_rows)
         self._open()
         if self._meta_names():
@@ -304,13 +304,33 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
         self.tally = Tally()
-        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self._rw),
+        readies = reader(self._counted(specs, wid))
+        if self.shuffle == "global":   # one keyed permutation of every kept row (permute.py)
+            readies = self.global_reader(finish.names, wid).readies(epoch, g, self.world_size * nw,
+                                                                    skip_rows, self.endless)
+            skip_rows = 0
+        for batch in batches(readies, self.batch_size, (len(self.points), self._rw),
                              self._raw, self._emit, skip=skip_rows, limit=limit, drop_last=self.drop_last,
                              shuffle=self.shuffle, seed=self.seed, tally=self.tally, pool=codec_pool(),
                              ahead=_GATHER_AHEAD,
                              buffers=self._batch_bufs if hand is None or hand.buffers is None else hand.buffers):
             self._served += 1
             yield batch if hand is None else hand.pack(batch)
+
+    def global_reader(self, names, wid: int = 0, acts: bool = True) -> permute.GlobalReader:
+        """The shuffle="global" reader of this dataset's kept rows, batches carrying metadata
+        columns `names` (acts=False: metadata only, for describe.py)."""
+        need = sorted(set(self._meta_names()) | set(names))
+        cols = self.committed_meta() if need else None
+        src = permute.GlobalSource(self.pieces, self._ensure_counts(), self.filter, self._fetch,
+                                   (lambda pc: {n: cols.read(n, *pc) for n in need}) if cols else None,
+                                   list(names), len(self.points), self._rw, self._raw, self._slot_rows,
+                                   self.seed)
+
+        def count(rows: int) -> None:
+            self._decoded[min(wid, len(self._decoded) - 1)] += rows * len(self.points)
+        block = max(1, self.shuffle_buffer_rows // self.batch_size) * self.batch_size   # whole batches
+        return permute.GlobalReader(src, block, self.config.prefetch_shards, acts, count)
 
     def _counted(self, specs, wid: int):
         """Count the rows each worker decodes (`decoded_rows`), as windows go to the decoder."""

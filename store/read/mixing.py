@@ -102,7 +102,7 @@ def mixing_warning(sample: DocSample, k: int, window: int, shard_rows: int, buff
 
 def check(ds, workers: int = 1, stacklevel: int = 3) -> str | None:
     """Warn (and return the text) when dataset `ds` read by `workers` per rank mixes poorly."""
-    if not ds.shuffle or not ds.pieces:
+    if not ds.shuffle or ds.shuffle == "global" or not ds.pieces:   # global: uniform by construction
         return None
     G = ds.world_size * max(1, workers)
     window = min(ds.window_shards, -(-len(ds.pieces) // G))   # a worker's window is within its part
