@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import handoff, mixing, permute
+from . import describe as _describe, handoff, mixing, permute
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
@@ -148,7 +148,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # the marker facts that check its bytes (objects.py) ----
         self.pieces, self._sources = committed_pieces(st)
         self.n_rows = self.pieces.total_rows()
-        self._slot_rows = self.pieces.max_rows(default=1)
+        self._slot_rows = self.slot_rows = self.pieces.max_rows(default=1)
         self._counts = np.full(len(self.pieces), -1, np.int64)
 
         buf = cfg.shuffle_buffer_rows or \
@@ -406,6 +406,12 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def resume_point(self) -> int:
         """Batches of the current epoch (since the start when endless) a resume skips."""
         return int(self._ctl[1])
+
+    def describe(self, num_workers: int = 0, batches: int = 16) -> dict:
+        """How well this reader mixes documents on this store, read by `num_workers` DataLoader
+        workers: expected and simulated distinct documents per batch against a uniform shuffle,
+        lag-1 same-document rate and doc-id autocorrelation, memory (describe.py)."""
+        return _describe.describe(self, num_workers, batches)
 
     def loader(self, num_workers: int = 0, **kwargs) -> ActivationLoader:
         """A DataLoader over this dataset that counts what it delivers, for `state_dict()`."""
