@@ -70,14 +70,14 @@ def _meta(n_rows: int, seed: int = 0):
 SHARD_ROWS = 16384
 
 
-def build_store(path: str, n_rows: int):
+def build_store(path: str, n_rows: int, width: int = WIDTH, shard_rows: int = SHARD_ROWS):
     from harvest.store import create_store
 
     # 16,384-row shards (18 MiB at width 576), fixed: the figures in RESULTS.md (32 shards at 2^19
     # rows) and the window/worker split they describe stay comparable across layout policies
     # (the default policy now makes ~128 MiB shards: 4 of them here, too few to shuffle across)
-    s = create_store(path, points=["resid_post.20"], width=WIDTH, n_rows=n_rows,
-                     shard_rows=min(SHARD_ROWS, n_rows),
+    s = create_store(path, points=["resid_post.20"], width=width, n_rows=n_rows,
+                     shard_rows=min(shard_rows, n_rows),
                      attrs={"config": {"packing": {"context_size": CTX}}}, overwrite=True)
     tok, doc, pos = _meta(n_rows)
     s.write_plan(s.default_plan(1))
@@ -88,7 +88,7 @@ def build_store(path: str, n_rows: int):
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
         w.write_meta(a, tok[a:b], doc[a:b], pos[a:b])
-        w.write(a, rng.standard_normal((1, b - a, WIDTH), np.float32).astype(ml_dtypes.bfloat16))
+        w.write(a, rng.standard_normal((1, b - a, width), np.float32).astype(ml_dtypes.bfloat16))
         w.commit()
     return s, doc, tok
 
@@ -328,13 +328,53 @@ def zarr_decode(store) -> None:
         arr[a:b]
 
 
+# Layouts whose mixing is measured from metadata (describe()): the SmolLM2 run's store (width 576,
+# the default ~128 MiB shards) and an 8B model's (width 4096, 128 MiB shards), each 4 default
+# windows long. Mixing depends on rows, shards, documents and batch only, so the store is built
+# 8 wide with the real layout's shard_rows and the default buffer of the real width passed as
+# shuffle_buffer_rows; memory is stated for the real width.
+SHAPES = {"smollm2": (576, 116_480), "8b": (4096, 16_384)}
+_BUFFER_BYTES = 1 << 30    # the reader's default shuffle buffer per process
+
+
+def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) -> dict:
+    """Distinct documents per batch at the default options (window shuffle) and in global mode,
+    by describe() (expected and simulated from the metadata), against the ideal uniform draw
+    measured as above, with 1 and 2 DataLoader workers; memory at the real width."""
+    from harvest.store.read.dataset import ActivationDataset
+
+    width, shard_rows = SHAPES[shape]
+    buf = _BUFFER_BYTES // (2 * width)
+    win = -(-buf // shard_rows)
+    rows = windows * win * shard_rows
+    url = os.path.join(root, f"shape-{shape}.zarr")
+    s, doc, tok = build_store(url, rows, width=8, shard_rows=shard_rows)
+    ideal_q = ideal(doc, tok, perms=2)
+    shard_bytes = shard_rows * width * 2
+    out = {"width": width, "shard_rows": shard_rows, "shard_mib": shard_bytes / 2**20, "rows": rows,
+           "shards": s.n_shards, "windows": windows, "buffer_rows": buf, "ideal": ideal_q,
+           "memory_mib": {"window": 2 * win * shard_bytes / 2**20,
+                          "global": (buf // BATCH * BATCH * width * 2 + 4 * shard_bytes) / 2**20}}
+    for mode in (True, "global"):
+        ds = ActivationDataset(url, batch_size=BATCH, seed=0, exclude_token_ids=[BOS], shuffle=mode,
+                               shuffle_buffer_rows=buf)
+        for w in (0, 2):
+            d = ds.describe(num_workers=w, batches=batches)
+            d["vs_ideal"] = d["simulated"]["distinct_docs"] / ideal_q["distinct_docs"]
+            out[f"{'global' if mode == 'global' else 'default'}/{max(1, w)}w"] = d
+    return out
+
+
 def _quality(out: dict, readers: dict, url: str, rows: int) -> None:
     # default settings (targets), then a window of a quarter of the store (no target: shows that
     # two workers streaming their own windows draw from as many shards as one worker does)
+    from harvest.store.read.dataset import ActivationDataset
+
+    variants = [(name, D, {}) for name, D in readers.items()] + [("global", ActivationDataset, {"shuffle": "global"})]
     for window, suffix in ((None, ""), (rows // 4, " window=1/4")):
-        for name, D in readers.items():
+        for name, D, extra in variants:
             for w in (0, 2):
-                q = quality(D, url, w, **({"shuffle_buffer_rows": window} if window else {}))
+                q = quality(D, url, w, **extra, **({"shuffle_buffer_rows": window} if window else {}))
                 q["vs_ideal"] = {"distinct_docs": q["distinct_docs"] / out["ideal"]["distinct_docs"],
                                  "lag1_same_doc": q["lag1_same_doc"] / out["ideal"]["lag1_same_doc"]}
                 out["quality"][f"{name}/{max(1, w)}w{suffix}"] = q
@@ -349,6 +389,12 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
     lw = loader_speed(ActivationDataset(url, batch_size=BATCH, seed=0), 2, epochs)
 
     datasets = {name: D(url, batch_size=BATCH, seed=0) for name, D in readers.items()}
+    # global against the window shuffle, at a buffer of a quarter of the store (4 blocks, each
+    # reading every shard) and at the default (one block: every shard read once)
+    quarter = {"shuffle_buffer_rows": s.n_rows // 4}
+    datasets.update({"window/4": ActivationDataset(url, batch_size=BATCH, seed=0, **quarter),
+                     "global/4": ActivationDataset(url, batch_size=BATCH, seed=0, shuffle="global", **quarter),
+                     "global": ActivationDataset(url, batch_size=BATCH, seed=0, shuffle="global")})
     first = {name: timed(epoch_of(ds, 0)) for name, ds in datasets.items()}
     fns = {"raw_decode": raw_decoder(s), "zarr_decode": lambda: zarr_decode(s), "gather_pass": gatherer(s)}
     times: dict = {k: [] for k in [*fns, *datasets]}
@@ -376,6 +422,9 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
         sp[name]["cpu_vs_decode_plus_gather"] = float(np.median([f / x[1] for f, x in zip(floor, times[name])]))
     if "baseline" in datasets:
         sp["new"]["vs_baseline_paired"] = paired("new", "baseline", 0)
+    for g, w in (("global", "new"), ("global/4", "window/4")):   # rate of global / rate of window
+        sp[g]["vs_window"] = paired(g, w, 0)
+        sp[g]["decoded_vs_window"] = datasets[g].decoded_rows[0] / max(1, datasets[w].decoded_rows[0])
 
     def growth(series):   # largest per-worker value over the epochs, relative to epoch 1's
         return max(max(r[w] / series[0][w] for w in range(len(r))) for r in series) - 1
@@ -392,7 +441,7 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
 
 
 def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root: str | None = None,
-        epochs: int = 10, speed_only: bool = False) -> dict:
+        epochs: int = 10, speed_only: bool = False, shapes: tuple = ()) -> dict:
     from harvest.store.read.dataset import ActivationDataset
 
     root = root or tempfile.mkdtemp(prefix="bench-shuffle-")
@@ -413,6 +462,7 @@ def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root
                 **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
                 "store_mb": rows * WIDTH * 2 / 2**20}
     out["handoff"] = handoff_cost(WIDTH, batches=max(8, min(200, rows // BATCH)), repeats=repeats)
+    out["shapes"] = {sh: shape_quality(root, sh) for sh in shapes}
     out["speed"] = _speed(s, url, readers, repeats, epochs)
     return out
 
@@ -438,7 +488,31 @@ def summary(res: dict) -> str:
         f"{_mb(w2['worker_rss_mb'][-1])} MB (max {100 * w2['worker_rss_growth_vs_epoch1']:+.1f} % of epoch 1), "
         f"private {_mb(w2['worker_private_mb'][0])} -> {_mb(w2['worker_private_mb'][-1])} MB "
         f"(max {100 * w2['worker_private_growth_vs_epoch1']:+.1f} %; target within 10 %)",
-        _handoff_line(res["handoff"])])
+        _handoff_line(res["handoff"]), *_global_lines(res), *_shape_lines(res)])
+
+
+def _global_lines(res: dict) -> list[str]:
+    sp, q = res["speed"], res.get("quality", {})
+    lines = [f"global shuffle: {sp['global/4']['rows_per_s']:,.0f} rows/s = {sp['global/4']['vs_window']:.2f}x "
+             f"the window shuffle at a buffer of 1/4 of the store (decodes {sp['global/4']['decoded_vs_window']:.1f}x "
+             f"the rows); at the default buffer {sp['global']['vs_window']:.2f}x "
+             f"({sp['global']['decoded_vs_window']:.1f}x the rows)"]
+    if "global/1w" in q:
+        lines.append("documents per batch vs ideal: " + ", ".join(
+            f"{k} {v['vs_ideal']['distinct_docs']:.2f}" for k, v in q.items()))
+    return lines
+
+
+def _shape_lines(res: dict) -> list[str]:
+    out = []
+    for sh, r in res.get("shapes", {}).items():
+        out.append(f"{sh} layout (width {r['width']}, {r['shard_mib']:.0f} MiB shards, {r['shards']} shards = "
+                   f"{r['windows']} default windows): documents per batch vs ideal "
+                   + ", ".join(f"{k} {r[k]['vs_ideal']:.2f}" for k in ("default/1w", "default/2w", "global/1w",
+                                                                        "global/2w"))
+                   + f"; memory per process window {r['memory_mib']['window']:.0f} MiB, "
+                   f"global {r['memory_mib']['global']:.0f} MiB")
+    return out
 
 
 def _handoff_line(h: dict) -> str:
@@ -456,9 +530,11 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=10, help="epochs of the 2-worker run (RSS per epoch)")
     ap.add_argument("--speed-only", action="store_true", help="skip the shuffle quality and peak RSS")
     ap.add_argument("--baseline", default=None, help="git revision of a reader to compare with")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES),
+                    help="layouts whose mixing is measured from metadata (4 default windows each)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = run(a.rows, a.repeats, a.baseline, epochs=a.epochs, speed_only=a.speed_only)
+    res = run(a.rows, a.repeats, a.baseline, epochs=a.epochs, speed_only=a.speed_only, shapes=tuple(a.shapes))
     text = json.dumps(res, indent=1)
     print(text)
     print(summary(res))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import queue
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -80,11 +81,11 @@ class GlobalSource:
     and how to fetch a piece's point (`fetch(piece, p, out)`) and metadata (`fetch_meta(piece)`,
     or None when no column is needed); `names`: the metadata columns a batch carries."""
 
-    pieces: object
+    pieces: Any
     counts: np.ndarray
-    filt: object
-    fetch: object
-    fetch_meta: object
+    filt: Any
+    fetch: Callable
+    fetch_meta: Callable | None
     names: list
     n_points: int
     row_width: int
@@ -140,8 +141,8 @@ class GlobalReader:
     def block(self, epoch: int, kept_ids: np.ndarray) -> Ready:
         """Kept rows `kept_ids` (indices into the epoch's kept rows), read in that order."""
         s, m = self.src, kept_ids.shape[0]
-        piece = np.searchsorted(self.cum, kept_ids, side="right") - 1
-        j = kept_ids - self.cum[piece]
+        piece = np.asarray(np.searchsorted(self.cum, kept_ids, side="right")) - 1
+        j: np.ndarray = kept_ids - self.cum[piece]
         order = np.argsort(piece, kind="stable")
         bounds = np.flatnonzero(np.diff(piece[order])) + 1
         groups = np.split(order, bounds)
