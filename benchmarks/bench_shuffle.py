@@ -270,6 +270,41 @@ def handoff_cost(width: int = WIDTH, batches: int = 200, repeats: int = 3) -> di
     return out
 
 
+def workers_paired(url: str, repeats: int) -> dict:
+    """2 persistent workers through ActivationLoader (shared-memory slots) and through a plain
+    DataLoader (torch's pickling) against no workers, epoch after epoch in turn (each repeat runs
+    all three back to back); ratios are medians of per-repeat rate ratios. Load average noted."""
+    from harvest.store.read.dataset import ActivationDataset
+
+    ds0 = ActivationDataset(url, batch_size=BATCH, seed=0)
+    dss = {k: ActivationDataset(url, batch_size=BATCH, seed=0) for k in ("slots", "torch")}
+    loaders = {"slots": dss["slots"].loader(2, persistent_workers=True),
+               "torch": torch.utils.data.DataLoader(dss["torch"], batch_size=None, num_workers=2,
+                                                    persistent_workers=True)}
+
+    def epoch(it, ds, e) -> float:
+        ds.set_epoch(e)
+        t = time.perf_counter()
+        n = sum(b.shape[0] for b in it)
+        return n / (time.perf_counter() - t)
+
+    for k, dl in loaders.items():    # start the workers and warm their buffers
+        epoch(dl, dss[k], 0)
+    epoch(ds0, ds0, 0)
+    load = [os.getloadavg()[0]]
+    rates: dict = {"none": [], "slots": [], "torch": []}
+    for r in range(repeats):
+        rates["none"].append(epoch(ds0, ds0, r + 1))
+        for k, dl in loaders.items():
+            rates[k].append(epoch(dl, dss[k], r + 1))
+    load.append(os.getloadavg()[0])
+    del loaders
+    return {"rows_per_s": {k: float(np.median(v)) for k, v in rates.items()}, "runs": rates,
+            "slots_vs_none": float(np.median([a / b for a, b in zip(rates["slots"], rates["none"])])),
+            "torch_vs_none": float(np.median([a / b for a, b in zip(rates["torch"], rates["none"])])),
+            "cpus": os.cpu_count(), "load_average_1min": load}
+
+
 def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
     """Peak resident memory (MB) of a fresh process that reads one shuffled epoch, above what it
     had after its imports: what the reader holds while shuffling."""
@@ -462,6 +497,7 @@ def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root
                 **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
                 "store_mb": rows * WIDTH * 2 / 2**20}
     out["handoff"] = handoff_cost(WIDTH, batches=max(8, min(200, rows // BATCH)), repeats=repeats)
+    out["workers_paired"] = workers_paired(url, repeats)
     out["shapes"] = {sh: shape_quality(root, sh) for sh in shapes}
     out["speed"] = _speed(s, url, readers, repeats, epochs)
     return out
@@ -488,7 +524,14 @@ def summary(res: dict) -> str:
         f"{_mb(w2['worker_rss_mb'][-1])} MB (max {100 * w2['worker_rss_growth_vs_epoch1']:+.1f} % of epoch 1), "
         f"private {_mb(w2['worker_private_mb'][0])} -> {_mb(w2['worker_private_mb'][-1])} MB "
         f"(max {100 * w2['worker_private_growth_vs_epoch1']:+.1f} %; target within 10 %)",
-        _handoff_line(res["handoff"]), *_global_lines(res), *_shape_lines(res)])
+        _handoff_line(res["handoff"]), _workers_line(res["workers_paired"]), *_global_lines(res),
+        *_shape_lines(res)])
+
+
+def _workers_line(w: dict) -> str:
+    return (f"2 workers vs none, epochs in turn: {w['slots_vs_none']:.2f}x through shared-memory slots, "
+            f"{w['torch_vs_none']:.2f}x through torch's pickling, on {w['cpus']} cores (target >= 0.95x "
+            f"on 2 cores; load average {w['load_average_1min'][0]:.1f} -> {w['load_average_1min'][1]:.1f})")
 
 
 def _global_lines(res: dict) -> list[str]:

@@ -24,7 +24,9 @@ def test_one_run_reports_both_ratios_and_worker_figures(tmp_path):
     assert len(h["slots"]["runs_us"]) == len(h["torch"]["runs_us"]) == 1
     text = bench_shuffle.summary(res)
     assert "raw decode" in text and "zarr-python" in text and "no workers on" in text
-    assert "hand-off worker -> trainer" in text and "global shuffle:" in text
+    assert "hand-off worker -> trainer" in text and "global shuffle:" in text and "epochs in turn" in text
+    wp = res["workers_paired"]   # 2 workers (slots, torch) and none, one epoch each per repeat
+    assert wp["slots_vs_none"] > 0 and wp["torch_vs_none"] > 0 and len(wp["runs"]["slots"]) == 1
     # global against the window shuffle at a quarter-store buffer: 4 blocks, each reading both
     # shards, so it decodes 4x the rows (recounted by the datasets' own decoded_rows)
     assert sp["global/4"]["decoded_vs_window"] == 4.0 and sp["global"]["decoded_vs_window"] == 1.0
