@@ -43,9 +43,10 @@ class ActivationLoader(torch.utils.data.DataLoader):
             finally:
                 self.dataset.handoff_rings = None     # a plain DataLoader's workers must not pack
             hand.started()
+        pin = self.pin_memory and torch.cuda.is_available()   # as torch decides for its own batches
         for x in it:
             self._delivered += 1
-            yield x if hand is None else hand.unpack(x, self.pin_memory)
+            yield x if hand is None else hand.unpack(x, pin)
 
     def state_dict(self) -> dict:
         return self.dataset.state_dict(self._base + self._delivered, self.num_workers)
