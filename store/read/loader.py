@@ -32,6 +32,10 @@ class ActivationLoader(torch.utils.data.DataLoader):
 
     def __iter__(self):
         self._base, self._delivered = self.dataset.resume_point, 0
+        if self.handoff is not None and not self.persistent_workers and self.handoff.rings.gen[0]:
+            # new workers each iteration: new slots too, so workers of an iteration still alive
+            # (a generator kept) never share a slot with the new ones
+            self.handoff = handoff.ParentSide(handoff.Rings(self.num_workers, self.handoff.rings.cap))
         hand = self.handoff
         if hand is None:
             it = super().__iter__()

@@ -151,3 +151,22 @@ def test_abandoned_epochs_free_their_slots_and_a_plain_dataloader_gets_tensors(e
     plain = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
     assert all(isinstance(b["acts"], torch.Tensor) for b in plain)
     assert np.array_equal(np.sort(np.concatenate([b["row"].numpy() for b in plain])), committed_rows(s))
+
+
+def test_two_live_iterations_never_share_slots(eight, monkeypatch):
+    """Non-persistent workers: an iteration kept alive (its generator held) beside a new one:
+    each has its own slots, so both deliver correct rows, interleaved."""
+    from harvest.store.read import handoff
+
+    monkeypatch.setattr(handoff, "BY_VALUE", 0)
+    s, data = eight[0], eight[1]
+    dl = _ds(s, shuffle_buffer_rows=2 * SHARD).loader(2)
+    a, b = iter(dl), None
+    first = next(a)
+    b = iter(dl)
+    got = [first]
+    for x, y in zip(a, b):
+        got += [x, y]
+    for g in got:
+        want = torch.from_numpy(data[0, g["row"].numpy()].astype(np.float32))
+        assert torch.equal(g["acts"].float(), want.to(g["acts"].dtype).float())
