@@ -105,6 +105,12 @@ class GlobalReader:
         self.cum = np.concatenate([[0], np.cumsum(src.counts)]).astype(np.int64)
         self.scratch = max(1, int(scratch))
         self._block: np.ndarray | None = None
+        # decoded shards in flight, made once: fresh memory costs its page faults every block
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(self.scratch if acts else 0):
+            self._free.put(np.empty((src.slot_rows, src.n_points, src.row_width), src.raw))
+        self._pool = cf.ThreadPoolExecutor(self.scratch, thread_name_prefix="harvest-global") \
+            if acts and self.scratch > 1 else None
 
     @property
     def n_rows(self) -> int:
@@ -143,9 +149,14 @@ class GlobalReader:
         s, m = self.src, kept_ids.shape[0]
         piece = np.asarray(np.searchsorted(self.cum, kept_ids, side="right")) - 1
         j: np.ndarray = kept_ids - self.cum[piece]
-        order = np.argsort(piece, kind="stable")
-        bounds = np.flatnonzero(np.diff(piece[order])) + 1
-        groups = np.split(order, bounds)
+        # the block's arena holds its rows grouped by shard, each shard's in row order (one
+        # near-sequential copy out of the decoded shard); idx then says which arena row each
+        # position reads, and the batches' gather is the one random pass, as in the window mode
+        order = np.lexsort((j, piece))
+        edges = np.concatenate([[0], np.flatnonzero(np.diff(piece[order])) + 1, [m]])
+        groups = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+        idx = np.empty(m, np.int64)
+        idx[order] = np.arange(m, dtype=np.int64)
         if self.acts:
             if self._block is None or self._block.shape[0] < m:
                 self._block = np.empty((max(m, self.M), s.n_points, s.row_width), s.raw)
@@ -154,11 +165,11 @@ class GlobalReader:
             arena = np.zeros((m, 1, 1), np.uint8)
         rows = np.empty(m, np.int64)
         meta = {n: np.empty(m, np.int64) for n in s.names}
-        free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(self.scratch if self.acts else 0):
-            free.put(np.empty((s.slot_rows, s.n_points, s.row_width), s.raw))
+        free = self._free
 
-        def one(dest: np.ndarray) -> int:
+        def one(span: tuple[int, int]) -> int:
+            lo, hi = span
+            dest = order[lo:hi]
             i = int(piece[dest[0]])
             a, b = s.pieces[i]
             cols = s.fetch_meta((a, b)) if s.fetch_meta is not None else {}
@@ -177,17 +188,15 @@ class GlobalReader:
                 try:
                     for p in range(s.n_points):
                         s.fetch((a, b), p, tmp[:b - a, p, :])
-                    arena[dest] = tmp[local]
+                    np.take(tmp[:b - a], local, axis=0, out=arena[lo:hi])
                 finally:
                     free.put(tmp)
             return b - a
 
-        workers = self.scratch if self.acts else 1
-        if workers > 1 and len(groups) > 1:
-            with cf.ThreadPoolExecutor(workers, thread_name_prefix="harvest-global") as ex:
-                decoded = sum(ex.map(one, groups))
+        if self._pool is not None and len(groups) > 1:
+            decoded = sum(self._pool.map(one, groups))
         else:
             decoded = sum(one(d) for d in groups)
         if self.on_decode is not None and self.acts:
             self.on_decode(decoded)
-        return Ready(arena, np.arange(m, dtype=np.int64), rows, meta, epoch)
+        return Ready(arena, idx, rows, meta, epoch)
