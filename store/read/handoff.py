@@ -149,7 +149,7 @@ class WorkerSide:
     def pack(self, batch):
         if isinstance(batch, torch.Tensor):
             return self._tensor(batch)
-        if isinstance(batch, tuple):
+        if isinstance(batch, (tuple, list)):
             return tuple(self.pack(b) for b in batch)
         if isinstance(batch, dict):
             return {k: self.pack(v) for k, v in batch.items()}
@@ -246,7 +246,7 @@ class ParentSide:
         if isinstance(b, ByValue):
             t = torch.from_numpy(b.array).view(b.dtype).view(b.shape)
             return t.pin_memory() if pin else t
-        if isinstance(b, tuple):
+        if isinstance(b, (tuple, list)):   # torch's default_convert turns a tuple into a list
             return tuple(self._unpack(x, pin) for x in b)
         if isinstance(b, dict):
             return {k: self._unpack(v, pin) for k, v in b.items()}
