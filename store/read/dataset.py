@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import describe as _describe, handoff, mixing, permute
+from . import handoff, mixing, permute
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
@@ -319,7 +319,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     def global_reader(self, names, wid: int = 0, acts: bool = True) -> permute.GlobalReader:
         """The shuffle="global" reader of this dataset's kept rows, batches carrying metadata
-        columns `names` (acts=False: metadata only, for describe.py)."""
+        columns `names` (acts=False: metadata only, for mixing.describe)."""
         need = sorted(set(self._meta_names()) | set(names))
         cols = self.committed_meta() if need else None
         src = permute.GlobalSource(self.pieces, self._ensure_counts(), self.filter, self._fetch,
@@ -410,8 +410,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def describe(self, num_workers: int = 0, batches: int = 16) -> dict:
         """How well this reader mixes documents on this store, read by `num_workers` DataLoader
         workers: expected and simulated distinct documents per batch against a uniform shuffle,
-        lag-1 same-document rate and doc-id autocorrelation, memory (describe.py)."""
-        return _describe.describe(self, num_workers, batches)
+        lag-1 same-document rate and doc-id autocorrelation, memory (mixing.describe)."""
+        return mixing.describe(self, num_workers, batches)
 
     def loader(self, num_workers: int = 0, **kwargs) -> ActivationLoader:
         """A DataLoader over this dataset that counts what it delivers, for `state_dict()`."""

@@ -184,7 +184,7 @@ class PiecePlanning:
         return self._ensure_counts()
 
     def window_specs(self, epoch: int, lane: int = 0, num_workers: int = 1):
-        """The windows lane `lane` of `num_workers` reads from `epoch` on (describe.py)."""
+        """The windows lane `lane` of `num_workers` reads from `epoch` on (mixing.describe)."""
         return self._specs(epoch, lane, max(1, num_workers))
 
     def count_rows(self) -> int:

@@ -97,7 +97,7 @@ class GlobalSource:
 class GlobalReader:
     """Turns (epoch, position range) into Ready blocks of `block_rows` rows in permuted order.
 
-    `acts=False` reads metadata only (describe.py): the block's arena is then a dummy."""
+    `acts=False` reads metadata only (mixing.describe): the block's arena is then a dummy."""
 
     def __init__(self, src: GlobalSource, block_rows: int, scratch: int = 4, acts: bool = True,
                  on_decode=None):
