@@ -85,8 +85,13 @@ def zero_copy(ds) -> bool:
             and ds.out_dtype == torch_dtype(ds.store_dtype))
 
 
-def slot_bytes(ds) -> int:
-    """Bytes of the largest tensor a batch of `ds` holds (gathered rows, or the finished acts)."""
+def slot_bytes(ds) -> int | None:
+    """Bytes of the largest tensor a batch of `ds` holds (gathered rows, or the finished acts);
+    None for a dataset that does not say (not an ActivationDataset: its loader keeps torch's
+    path, since only ActivationDataset's workers pack their batches into slots)."""
+    if not all(hasattr(ds, a) for a in ("row_width", "raw_dtype", "batch_size", "points", "width",
+                                        "quantized", "dequantize", "out_dtype")):
+        return None
     k, P, W = ds.batch_size, len(ds.points), ds.width
     gathered = k * P * ds.row_width * ds.raw_dtype.itemsize
     out_itemsize = 1 if (ds.quantized and not ds.dequantize) else torch.empty(0, dtype=ds.out_dtype).element_size()
@@ -134,7 +139,8 @@ class WorkerSide:
         self.gen = 0
         self.idle = [_refs(self.arrays, s) for s in range(rings.slots)]
         self.buffers = None
-        if zero_copy(ds) and slot_bytes(ds) <= rings.cap:
+        need = slot_bytes(ds)
+        if zero_copy(ds) and need is not None and need <= rings.cap:
             self.buffers = SlotBuffers(self, (ds.batch_size, len(ds.points), ds.row_width), ds.raw_dtype)
 
     def begin(self) -> None:

@@ -27,8 +27,9 @@ class ActivationLoader(torch.utils.data.DataLoader):
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self._base, self._delivered = 0, 0
         self.handoff: handoff.ParentSide | None = None
-        if num_workers > 0 and handoff.usable(kwargs.get("multiprocessing_context")):
-            self.handoff = handoff.ParentSide(handoff.Rings(num_workers, handoff.slot_bytes(dataset)))
+        cap = handoff.slot_bytes(dataset) if num_workers > 0 else None
+        if cap and handoff.usable(kwargs.get("multiprocessing_context")):
+            self.handoff = handoff.ParentSide(handoff.Rings(num_workers, cap))
 
     def __iter__(self):
         self._base, self._delivered = self.dataset.resume_point, 0
