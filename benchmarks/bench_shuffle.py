@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BOS, CTX, WIDTH, BATCH = 1, 128, 576, 4096
@@ -69,14 +70,14 @@ def _meta(n_rows: int, seed: int = 0):
 SHARD_ROWS = 16384
 
 
-def build_store(path: str, n_rows: int):
+def build_store(path: str, n_rows: int, width: int = WIDTH, shard_rows: int = SHARD_ROWS):
     from harvest.store import create_store
 
     # 16,384-row shards (18 MiB at width 576), fixed: the figures in RESULTS.md (32 shards at 2^19
     # rows) and the window/worker split they describe stay comparable across layout policies
     # (the default policy now makes ~128 MiB shards: 4 of them here, too few to shuffle across)
-    s = create_store(path, points=["resid_post.20"], width=WIDTH, n_rows=n_rows,
-                     shard_rows=min(SHARD_ROWS, n_rows),
+    s = create_store(path, points=["resid_post.20"], width=width, n_rows=n_rows,
+                     shard_rows=min(shard_rows, n_rows),
                      attrs={"config": {"packing": {"context_size": CTX}}}, overwrite=True)
     tok, doc, pos = _meta(n_rows)
     s.write_plan(s.default_plan(1))
@@ -87,7 +88,7 @@ def build_store(path: str, n_rows: int):
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
         w.write_meta(a, tok[a:b], doc[a:b], pos[a:b])
-        w.write(a, rng.standard_normal((1, b - a, WIDTH), np.float32).astype(ml_dtypes.bfloat16))
+        w.write(a, rng.standard_normal((1, b - a, width), np.float32).astype(ml_dtypes.bfloat16))
         w.commit()
     return s, doc, tok
 
@@ -172,8 +173,7 @@ def loader_speed(ds, workers: int, epochs: int, first: int = 1) -> dict:
     import torch
 
     pids = torch.zeros(workers, dtype=torch.int64).share_memory_()
-    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True,
-                                     worker_init_fn=_note_pid(pids))
+    dl = ds.loader(workers, persistent_workers=True, worker_init_fn=_note_pid(pids))
     rates, rss, uss, cpu = [], [], [], []
     before = None
     for e in range(first, first + epochs):
@@ -190,6 +190,119 @@ def loader_speed(ds, workers: int, epochs: int, first: int = 1) -> dict:
     del dl
     return {"rates": rates, "rss": rss, "uss": uss, "cpu_s_per_row": float(np.median(cpu)) / n if cpu else None,
             "decoded_rows": ds.decoded_rows[:workers], "rows_per_epoch": n}
+
+
+class _Batches(torch.utils.data.IterableDataset):
+    """`n` batches of `k` x `width` bf16, gathered into the worker's recycled buffers (the
+    reader's own path) and handed over through shared-memory slots (`handoff=True`, as
+    ActivationLoader does) or torch's pickling (a plain DataLoader): the hand-off alone."""
+
+    resume_point = 0
+
+    def __init__(self, n: int, k: int, width: int):
+        from harvest.store.format.dtypes import BF16, raw_dtype
+
+        super().__init__()
+        self.n, self.batch_size, self.width, self.points = n, k, width, ["p"]
+        self.quantized, self.dequantize, self.norm_constants = False, True, None
+        self.store_dtype, self.out_dtype = BF16, torch.bfloat16
+        self.row_width, self.raw_dtype = width, raw_dtype(BF16)
+        self.handoff_rings = None
+
+    def __iter__(self):
+        from harvest.store.read import handoff
+        from harvest.store.read.batching import BatchBuffers
+
+        hand = handoff.worker_side(self, torch.utils.data.get_worker_info())
+        shape = (self.batch_size, 1, self.width)
+        bufs = hand.buffers if hand is not None and hand.buffers is not None else \
+            BatchBuffers(shape, self.raw_dtype, keep=6)
+        for i in range(self.n):
+            out = bufs.get()
+            out[:, 0, :1] = i      # the gather writes every row; here one value per row
+            t = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)[:, 0, :]
+            yield t if hand is None else hand.pack(t)
+
+
+def handoff_cost(width: int = WIDTH, batches: int = 200, repeats: int = 3) -> dict:
+    """Hand-off alone, 1 persistent worker (started and warmed by one epoch first): us per row
+    from worker to trainer, torch's path against the shared-memory slots, each less the same
+    loop run in this process (the consumer reads one value of every row, so every page it
+    receives is touched); all three side by side in each repeat, medians of the per-repeat
+    differences. `us_per_row` is wall time, `cpu_us_per_row` the CPU of trainer + worker (the
+    figure to trust when other jobs share the cores). GB/s = row bytes / wall time."""
+    from harvest.store.read.loader import ActivationLoader
+
+    ds = _Batches(batches, BATCH, width)
+
+    def consume(loader) -> None:
+        for x in loader:
+            float(x[:, 0].float().sum())
+
+    def one(loader, pid=None) -> tuple[float, float]:
+        c0, w0, t = time.process_time(), _cpu_s(pid) if pid else 0.0, time.perf_counter()
+        consume(loader)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c0 + ((_cpu_s(pid) - w0) if pid else 0.0)
+        return wall / (batches * BATCH), cpu / (batches * BATCH)
+
+    loaders = {}
+    for name in ("torch", "slots"):
+        pids = torch.zeros(1, dtype=torch.int64).share_memory_()
+        kw = {"num_workers": 1, "persistent_workers": True, "worker_init_fn": _note_pid(pids)}
+        loaders[name] = (torch.utils.data.DataLoader(ds, batch_size=None, **kw) if name == "torch"
+                         else ActivationLoader(ds, **kw), pids)
+        consume(loaders[name][0])     # start the worker, warm its buffers
+    per: dict = {"in_process": [], "torch": [], "slots": []}
+    for _ in range(repeats):
+        per["in_process"].append(one(ds))
+        for name, (dl, pids) in loaders.items():
+            per[name].append(one(dl, int(pids[0])))
+    row_bytes = width * 2
+    out: dict = {"width": width, "batch_rows": BATCH, "batches": batches,
+                 "in_process_us_per_row": float(np.median([w for w, _ in per["in_process"]])) * 1e6}
+    for k in ("torch", "slots"):   # hand-off = through a worker less the same loop in-process
+        us = float(np.median([x[0] - y[0] for x, y in zip(per[k], per["in_process"])])) * 1e6
+        cpu = float(np.median([x[1] - y[1] for x, y in zip(per[k], per["in_process"])])) * 1e6
+        out[k] = {"us_per_row": us, "cpu_us_per_row": cpu, "gb_per_s": row_bytes / max(us, 1e-9) / 1e3,
+                  "runs_us": [x[0] * 1e6 for x in per[k]]}
+    out["speedup"] = out["torch"]["us_per_row"] / max(out["slots"]["us_per_row"], 1e-9)
+    del loaders
+    return out
+
+
+def workers_paired(url: str, repeats: int) -> dict:
+    """2 persistent workers through ActivationLoader (shared-memory slots) and through a plain
+    DataLoader (torch's pickling) against no workers, epoch after epoch in turn (each repeat runs
+    all three back to back); ratios are medians of per-repeat rate ratios. Load average noted."""
+    from harvest.store.read.dataset import ActivationDataset
+
+    ds0 = ActivationDataset(url, batch_size=BATCH, seed=0)
+    dss = {k: ActivationDataset(url, batch_size=BATCH, seed=0) for k in ("slots", "torch")}
+    loaders = {"slots": dss["slots"].loader(2, persistent_workers=True),
+               "torch": torch.utils.data.DataLoader(dss["torch"], batch_size=None, num_workers=2,
+                                                    persistent_workers=True)}
+
+    def epoch(it, ds, e) -> float:
+        ds.set_epoch(e)
+        t = time.perf_counter()
+        n = sum(b.shape[0] for b in it)
+        return n / (time.perf_counter() - t)
+
+    for k, dl in loaders.items():    # start the workers and warm their buffers
+        epoch(dl, dss[k], 0)
+    epoch(ds0, ds0, 0)
+    load = [os.getloadavg()[0]]
+    rates: dict = {"none": [], "slots": [], "torch": []}
+    for r in range(repeats):
+        rates["none"].append(epoch(ds0, ds0, r + 1))
+        for k, dl in loaders.items():
+            rates[k].append(epoch(dl, dss[k], r + 1))
+    load.append(os.getloadavg()[0])
+    del loaders
+    return {"rows_per_s": {k: float(np.median(v)) for k, v in rates.items()}, "runs": rates,
+            "slots_vs_none": float(np.median([a / b for a, b in zip(rates["slots"], rates["none"])])),
+            "torch_vs_none": float(np.median([a / b for a, b in zip(rates["torch"], rates["none"])])),
+            "cpus": os.cpu_count(), "load_average_1min": load}
 
 
 def peak_rss_mb(rev: str | None, url: str, **kw) -> float:
@@ -250,13 +363,53 @@ def zarr_decode(store) -> None:
         arr[a:b]
 
 
+# Layouts whose mixing is measured from metadata (describe()): the SmolLM2 run's store (width 576,
+# the default ~128 MiB shards) and an 8B model's (width 4096, 128 MiB shards), each 4 default
+# windows long. Mixing depends on rows, shards, documents and batch only, so the store is built
+# 8 wide with the real layout's shard_rows and the default buffer of the real width passed as
+# shuffle_buffer_rows; memory is stated for the real width.
+SHAPES = {"smollm2": (576, 116_480), "8b": (4096, 16_384)}
+_BUFFER_BYTES = 1 << 30    # the reader's default shuffle buffer per process
+
+
+def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) -> dict:
+    """Distinct documents per batch at the default options (window shuffle) and in global mode,
+    by describe() (expected and simulated from the metadata), against the ideal uniform draw
+    measured as above, with 1 and 2 DataLoader workers; memory at the real width."""
+    from harvest.store.read.dataset import ActivationDataset
+
+    width, shard_rows = SHAPES[shape]
+    buf = _BUFFER_BYTES // (2 * width)
+    win = -(-buf // shard_rows)
+    rows = windows * win * shard_rows
+    url = os.path.join(root, f"shape-{shape}.zarr")
+    s, doc, tok = build_store(url, rows, width=8, shard_rows=shard_rows)
+    ideal_q = ideal(doc, tok, perms=2)
+    shard_bytes = shard_rows * width * 2
+    out = {"width": width, "shard_rows": shard_rows, "shard_mib": shard_bytes / 2**20, "rows": rows,
+           "shards": s.n_shards, "windows": windows, "buffer_rows": buf, "ideal": ideal_q,
+           "memory_mib": {"window": 2 * win * shard_bytes / 2**20,
+                          "global": (buf // BATCH * BATCH * width * 2 + 4 * shard_bytes) / 2**20}}
+    for mode in (True, "global"):
+        ds = ActivationDataset(url, batch_size=BATCH, seed=0, exclude_token_ids=[BOS], shuffle=mode,
+                               shuffle_buffer_rows=buf)
+        for w in (0, 2):
+            d = ds.describe(num_workers=w, batches=batches)
+            d["vs_ideal"] = d["simulated"]["distinct_docs"] / ideal_q["distinct_docs"]
+            out[f"{'global' if mode == 'global' else 'default'}/{max(1, w)}w"] = d
+    return out
+
+
 def _quality(out: dict, readers: dict, url: str, rows: int) -> None:
     # default settings (targets), then a window of a quarter of the store (no target: shows that
     # two workers streaming their own windows draw from as many shards as one worker does)
+    from harvest.store.read.dataset import ActivationDataset
+
+    variants = [(name, D, {}) for name, D in readers.items()] + [("global", ActivationDataset, {"shuffle": "global"})]
     for window, suffix in ((None, ""), (rows // 4, " window=1/4")):
-        for name, D in readers.items():
+        for name, D, extra in variants:
             for w in (0, 2):
-                q = quality(D, url, w, **({"shuffle_buffer_rows": window} if window else {}))
+                q = quality(D, url, w, **extra, **({"shuffle_buffer_rows": window} if window else {}))
                 q["vs_ideal"] = {"distinct_docs": q["distinct_docs"] / out["ideal"]["distinct_docs"],
                                  "lag1_same_doc": q["lag1_same_doc"] / out["ideal"]["lag1_same_doc"]}
                 out["quality"][f"{name}/{max(1, w)}w{suffix}"] = q
@@ -271,6 +424,12 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
     lw = loader_speed(ActivationDataset(url, batch_size=BATCH, seed=0), 2, epochs)
 
     datasets = {name: D(url, batch_size=BATCH, seed=0) for name, D in readers.items()}
+    # global against the window shuffle, at a buffer of a quarter of the store (4 blocks, each
+    # reading every shard) and at the default (one block: every shard read once)
+    quarter = {"shuffle_buffer_rows": s.n_rows // 4}
+    datasets.update({"window/4": ActivationDataset(url, batch_size=BATCH, seed=0, **quarter),
+                     "global/4": ActivationDataset(url, batch_size=BATCH, seed=0, shuffle="global", **quarter),
+                     "global": ActivationDataset(url, batch_size=BATCH, seed=0, shuffle="global")})
     first = {name: timed(epoch_of(ds, 0)) for name, ds in datasets.items()}
     fns = {"raw_decode": raw_decoder(s), "zarr_decode": lambda: zarr_decode(s), "gather_pass": gatherer(s)}
     times: dict = {k: [] for k in [*fns, *datasets]}
@@ -298,6 +457,9 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
         sp[name]["cpu_vs_decode_plus_gather"] = float(np.median([f / x[1] for f, x in zip(floor, times[name])]))
     if "baseline" in datasets:
         sp["new"]["vs_baseline_paired"] = paired("new", "baseline", 0)
+    for g, w in (("global", "new"), ("global/4", "window/4")):   # rate of global / rate of window
+        sp[g]["vs_window"] = paired(g, w, 0)
+        sp[g]["decoded_vs_window"] = datasets[g].decoded_rows[0] / max(1, datasets[w].decoded_rows[0])
 
     def growth(series):   # largest per-worker value over the epochs, relative to epoch 1's
         return max(max(r[w] / series[0][w] for w in range(len(r))) for r in series) - 1
@@ -314,7 +476,7 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
 
 
 def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root: str | None = None,
-        epochs: int = 10, speed_only: bool = False) -> dict:
+        epochs: int = 10, speed_only: bool = False, shapes: tuple = ()) -> dict:
     from harvest.store.read.dataset import ActivationDataset
 
     root = root or tempfile.mkdtemp(prefix="bench-shuffle-")
@@ -334,6 +496,9 @@ def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root
                 "new": peak_rss_mb(None, url, **kw),
                 **({"baseline": peak_rss_mb(baseline, url, **kw)} if baseline else {}),
                 "store_mb": rows * WIDTH * 2 / 2**20}
+    out["handoff"] = handoff_cost(WIDTH, batches=max(8, min(200, rows // BATCH)), repeats=repeats)
+    out["workers_paired"] = workers_paired(url, repeats)
+    out["shapes"] = {sh: shape_quality(root, sh) for sh in shapes}
     out["speed"] = _speed(s, url, readers, repeats, epochs)
     return out
 
@@ -358,7 +523,47 @@ def summary(res: dict) -> str:
         f"worker memory over {len(w2['worker_rss_mb'])} epochs: RSS {_mb(w2['worker_rss_mb'][0])} -> "
         f"{_mb(w2['worker_rss_mb'][-1])} MB (max {100 * w2['worker_rss_growth_vs_epoch1']:+.1f} % of epoch 1), "
         f"private {_mb(w2['worker_private_mb'][0])} -> {_mb(w2['worker_private_mb'][-1])} MB "
-        f"(max {100 * w2['worker_private_growth_vs_epoch1']:+.1f} %; target within 10 %)"])
+        f"(max {100 * w2['worker_private_growth_vs_epoch1']:+.1f} %; target within 10 %)",
+        _handoff_line(res["handoff"]), _workers_line(res["workers_paired"]), *_global_lines(res),
+        *_shape_lines(res)])
+
+
+def _workers_line(w: dict) -> str:
+    return (f"2 workers vs none, epochs in turn: {w['slots_vs_none']:.2f}x through shared-memory slots, "
+            f"{w['torch_vs_none']:.2f}x through torch's pickling, on {w['cpus']} cores (target >= 0.95x "
+            f"on 2 cores; load average {w['load_average_1min'][0]:.1f} -> {w['load_average_1min'][1]:.1f})")
+
+
+def _global_lines(res: dict) -> list[str]:
+    sp, q = res["speed"], res.get("quality", {})
+    lines = [f"global shuffle: {sp['global/4']['rows_per_s']:,.0f} rows/s = {sp['global/4']['vs_window']:.2f}x "
+             f"the window shuffle at a buffer of 1/4 of the store (decodes {sp['global/4']['decoded_vs_window']:.1f}x "
+             f"the rows); at the default buffer {sp['global']['vs_window']:.2f}x "
+             f"({sp['global']['decoded_vs_window']:.1f}x the rows)"]
+    if "global/1w" in q:
+        lines.append("documents per batch vs ideal: " + ", ".join(
+            f"{k} {v['vs_ideal']['distinct_docs']:.2f}" for k, v in q.items()))
+    return lines
+
+
+def _shape_lines(res: dict) -> list[str]:
+    out = []
+    for sh, r in res.get("shapes", {}).items():
+        out.append(f"{sh} layout (width {r['width']}, {r['shard_mib']:.0f} MiB shards, {r['shards']} shards = "
+                   f"{r['windows']} default windows): documents per batch vs ideal "
+                   + ", ".join(f"{k} {r[k]['vs_ideal']:.2f}" for k in ("default/1w", "default/2w", "global/1w",
+                                                                        "global/2w"))
+                   + f"; memory per process window {r['memory_mib']['window']:.0f} MiB, "
+                   f"global {r['memory_mib']['global']:.0f} MiB")
+    return out
+
+
+def _handoff_line(h: dict) -> str:
+    sl, tp = h["slots"], h["torch"]
+    return (f"hand-off worker -> trainer at width {h['width']}: {sl['us_per_row']:.3f} us/row "
+            f"({sl['gb_per_s']:.1f} GB/s; CPU {sl['cpu_us_per_row']:.3f} us/row) through shared-memory "
+            f"slots against {tp['us_per_row']:.2f} us/row (CPU {tp['cpu_us_per_row']:.2f}) through "
+            f"torch's pickling (target <= 0.3 us/row)")
 
 
 def main(argv=None) -> None:
@@ -368,9 +573,11 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=10, help="epochs of the 2-worker run (RSS per epoch)")
     ap.add_argument("--speed-only", action="store_true", help="skip the shuffle quality and peak RSS")
     ap.add_argument("--baseline", default=None, help="git revision of a reader to compare with")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES),
+                    help="layouts whose mixing is measured from metadata (4 default windows each)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = run(a.rows, a.repeats, a.baseline, epochs=a.epochs, speed_only=a.speed_only)
+    res = run(a.rows, a.repeats, a.baseline, epochs=a.epochs, speed_only=a.speed_only, shapes=tuple(a.shapes))
     text = json.dumps(res, indent=1)
     print(text)
     print(summary(res))

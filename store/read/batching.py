@@ -52,7 +52,8 @@ class BatchBuffers:
     same few buffers back forever, a caller that keeps every batch (`list(dataset)`) gets fresh
     ones, as before. At most `keep` buffers are pooled; beyond that they are left to the caller.
 
-    In a DataLoader worker the pickler that sends a batch to the parent copies it into a fresh
+    Under `ActivationLoader` a worker gathers into shared-memory slots instead (handoff.py); in
+    a plain DataLoader's worker the pickler that sends a batch to the parent copies it into a fresh
     shared segment and repoints the tensor there, so the buffer comes back here as soon as the
     batch is sent (worker CPU 2.65 us/row against 2.82 with a fresh array per batch). Gathering
     straight into fresh shared memory instead (torch's default_collate does so, to skip that

@@ -49,7 +49,12 @@ class ReaderConfig:
             `acts.float() * scale[..., None]` (on the GPU: `fp8.to(device)` first). Refused
             with normalize= (apply the constants after dequantising on the device).
     Order:
-        shuffle, seed: piece order and in-window permutations are reproducible from (seed, epoch).
+        shuffle, seed: True (or "window"): shards in a seeded order, rows permuted within windows
+            of shuffle_buffer_rows; "global": every kept row of the store in one keyed permutation
+            per epoch (permute.py: exact, 1.0x a uniform shuffle's documents per batch, but each
+            block of shuffle_buffer_rows rows reads every shard holding one of its rows, about
+            store / buffer times the window shuffle's reads); False: row order. Either order is
+            reproducible from (seed, epoch). `describe()` says how well the choice mixes.
         shuffle_buffer_rows: rows in one shuffle window, rounded up to whole shards (default 1 GiB
             worth per process); every batch is a uniform draw from its window, mixed across its
             shards. Memory: up to two windows per process (the next one decodes meanwhile).
@@ -89,7 +94,7 @@ class ReaderConfig:
 
     points: "str | tuple[str, ...] | None" = None
     batch_size: int = 4096
-    shuffle: bool = True
+    shuffle: "bool | str" = True
     seed: int = 0
     shuffle_buffer_rows: int | None = None
     rank: int | None = None
@@ -131,6 +136,15 @@ class ReaderConfig:
                                      ("io_threads", "threads", True), ("context_size", "tokens", True),
                                      ("shuffle_buffer_rows", "rows", True)):
             set_(self, name, _count(name, getattr(self, name), unit, optional))
+        if self.shuffle not in (True, False, "window", "global"):
+            raise ValueError(f"shuffle={self.shuffle!r}: use True (= 'window'), False, or 'global' "
+                             "(a permutation of every kept row; reads more, see permute.py)")
+        if self.shuffle == "window":
+            set_(self, "shuffle", True)
+        if self.shuffle == "global" and self.max_norm_ratio is not None:
+            raise ValueError("max_norm_ratio= with shuffle='global': the norm filter drops rows only "
+                             "known once read, which a fixed permutation of the kept rows cannot "
+                             "absorb; use shuffle=True (window) or drop max_norm_ratio")
         if self.shuffle_buffer_rows is not None and self.shuffle_buffer_rows < self.batch_size:
             raise ValueError(f"shuffle_buffer_rows={self.shuffle_buffer_rows} must be >= batch_size="
                              f"{self.batch_size}: a batch is drawn from one window")

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import mixing
+from . import handoff, mixing, permute
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
@@ -125,6 +125,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._raw = raw_dtype(st.np_dtype)
         # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean
         self._rw, self._vdtype = st.row_width, _norm.value_dtype(st)
+        self.row_width, self.raw_dtype = self._rw, self._raw
+        self.handoff_rings = None   # set by ActivationLoader while its workers fork (handoff.py)
         self.quantized, self.dequantize = st.quantized, cfg.dequantize
         if not self.dequantize and not self.quantized:
             raise ValueError(f"dequantize=False: {st.url} is a {st.dtype} store, not a quantised "
@@ -155,7 +157,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # the marker facts that check its bytes (objects.py) ----
         self.pieces, self._sources = committed_pieces(st)
         self.n_rows = self.pieces.total_rows()
-        self._slot_rows = self.pieces.max_rows(default=1)
+        self._slot_rows = self.slot_rows = self.pieces.max_rows(default=1)
         self._counts = np.full(len(self.pieces), -1, np.int64)
 
         buf = cfg.shuffle_buffer_rows or \
@@ -243,7 +245,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # DataLoader workers started with spawn/forkserver get the dataset pickled: an open store
         # (an async S3 client) and arenas cannot travel, and each worker opens its own
         state = dict(self.__dict__)
-        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None)
+        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None,
+                     handoff_rings=None)
         return state
 
     # ---- epochs (counts and plans: readorder.PiecePlanning) -----------------------------------
@@ -284,6 +287,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
             cap_malloc_arenas()   # worker RSS grew epoch after epoch otherwise (workermem.py)
+        hand = handoff.worker_side(self, info)   # batches to the loader through shared memory
         epoch, resume = int(self._ctl[0]), int(self._ctl[1])
         ln = lane(wid, resume, nw)     # which global batches this worker produces (sampling.lane)
         g = self.rank * nw + ln
@@ -292,7 +296,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         skip_batches = worker_share(resume, ln, nw)
         limit = None if self.steps is None else worker_share(self.steps, ln, nw) - skip_batches
         specs, skip_rows = self._specs(epoch, ln, nw), skip_batches * self.batch_size
-        if skip_rows and self.norm_limit is None:
+        if skip_rows and self.norm_limit is None and self.shuffle != "global":
             specs, skip_rows = self._preskip(specs, skip_rows)
         self._open()
         if self._meta_names():
@@ -309,12 +313,33 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
         self.tally = Tally()
-        for batch in batches(reader(self._counted(specs, wid)), self.batch_size, (len(self.points), self._rw),
+        readies = reader(self._counted(specs, wid))
+        if self.shuffle == "global":   # one keyed permutation of every kept row (permute.py)
+            readies = self.global_reader(finish.names, wid).readies(epoch, g, self.world_size * nw,
+                                                                    skip_rows, self.endless)
+            skip_rows = 0
+        for batch in batches(readies, self.batch_size, (len(self.points), self._rw),
                              self._raw, self._emit, skip=skip_rows, limit=limit, drop_last=self.drop_last,
                              shuffle=self.shuffle, seed=self.seed, tally=self.tally, pool=codec_pool(),
-                             ahead=_GATHER_AHEAD, buffers=self._batch_bufs):
+                             ahead=_GATHER_AHEAD,
+                             buffers=self._batch_bufs if hand is None or hand.buffers is None else hand.buffers):
             self._served += 1
-            yield batch
+            yield batch if hand is None else hand.pack(batch)
+
+    def global_reader(self, names, wid: int = 0, acts: bool = True) -> permute.GlobalReader:
+        """The shuffle="global" reader of this dataset's kept rows, batches carrying metadata
+        columns `names` (acts=False: metadata only, for mixing.describe)."""
+        need = sorted(set(self._meta_names()) | set(names))
+        cols = self.committed_meta() if need else None
+        src = permute.GlobalSource(self.pieces, self._ensure_counts(), self.filter, self._fetch,
+                                   (lambda pc: {n: cols.read(n, *pc) for n in need}) if cols else None,
+                                   list(names), len(self.points), self._rw, self._raw, self._slot_rows,
+                                   self.seed)
+
+        def count(rows: int) -> None:
+            self._decoded[min(wid, len(self._decoded) - 1)] += rows * len(self.points)
+        block = max(1, self.shuffle_buffer_rows // self.batch_size) * self.batch_size   # whole batches
+        return permute.GlobalReader(src, block, self.config.prefetch_shards, acts, count)
 
     def _counted(self, specs, wid: int):
         """Count the rows each worker decodes (`decoded_rows`), as windows go to the decoder."""
@@ -390,6 +415,12 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def resume_point(self) -> int:
         """Batches of the current epoch (since the start when endless) a resume skips."""
         return int(self._ctl[1])
+
+    def describe(self, num_workers: int = 0, batches: int = 16) -> dict:
+        """How well this reader mixes documents on this store, read by `num_workers` DataLoader
+        workers: expected and simulated distinct documents per batch against a uniform shuffle,
+        lag-1 same-document rate and doc-id autocorrelation, memory (mixing.describe)."""
+        return mixing.describe(self, num_workers, batches)
 
     def loader(self, num_workers: int = 0, **kwargs) -> ActivationLoader:
         """A DataLoader over this dataset that counts what it delivers, for `state_dict()`."""

@@ -3,13 +3,16 @@
 The dataset's batches come from worker processes round-robin; counting them here is what lets
 `state_dict()` name the resume point without asking the workers: batches are numbered per rank,
 and after a resume worker k produces the lane the round-robin will ask it for (sampling.lane).
+
+With workers, batches come back through shared-memory slots (handoff.py), not torch's pickling:
+a batch's tensor lives in a slot that is reused only once no tensor over it is alive.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import mixing
+from . import handoff, mixing
 
 
 class ActivationLoader(torch.utils.data.DataLoader):
@@ -23,12 +26,32 @@ class ActivationLoader(torch.utils.data.DataLoader):
             mixing.check(dataset, num_workers)   # each worker's window lies within its part
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
         self._base, self._delivered = 0, 0
+        self.handoff: handoff.ParentSide | None = None
+        cap = handoff.slot_bytes(dataset) if num_workers > 0 else None
+        if cap and handoff.usable(kwargs.get("multiprocessing_context")):
+            self.handoff = handoff.ParentSide(handoff.Rings(num_workers, cap))
 
     def __iter__(self):
         self._base, self._delivered = self.dataset.resume_point, 0
-        for x in super().__iter__():
+        if self.handoff is not None and not self.persistent_workers and self.handoff.rings.gen[0]:
+            # new workers each iteration: new slots too, so workers of an iteration still alive
+            # (a generator kept) never share a slot with the new ones
+            self.handoff = handoff.ParentSide(handoff.Rings(self.num_workers, self.handoff.rings.cap))
+        hand = self.handoff
+        if hand is None:
+            it = super().__iter__()
+        else:
+            hand.begin()
+            self.dataset.handoff_rings = hand.rings   # inherited by the workers forked now
+            try:
+                it = super().__iter__()
+            finally:
+                self.dataset.handoff_rings = None     # a plain DataLoader's workers must not pack
+            hand.started()
+        pin = self.pin_memory and torch.cuda.is_available()   # as torch decides for its own batches
+        for x in it:
             self._delivered += 1
-            yield x
+            yield x if hand is None else hand.unpack(x, pin)
 
     def state_dict(self) -> dict:
         return self.dataset.state_dict(self._base + self._delivered, self.num_workers)

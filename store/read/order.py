@@ -179,6 +179,14 @@ class PiecePlanning:
             self._counts[todo] = got
         return self._counts
 
+    def kept_counts(self) -> np.ndarray:
+        """Kept rows of every piece (before the norm filter), counted once."""
+        return self._ensure_counts()
+
+    def window_specs(self, epoch: int, lane: int = 0, num_workers: int = 1):
+        """The windows lane `lane` of `num_workers` reads from `epoch` on (mixing.describe)."""
+        return self._specs(epoch, lane, max(1, num_workers))
+
     def count_rows(self) -> int:
         """Kept rows per epoch before the norm filter (reads token_id/doc_id once when the
         filters need them: 4-8 bytes a row, about 1 % of a 576-wide bf16 point)."""

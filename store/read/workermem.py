@@ -19,7 +19,8 @@ the quality epochs, saw 10 epochs at RSS +4.7 %, private 465 -> 511 MB (+9.8 %).
 
 The bound per worker, private memory: the window arena (its part's pieces x shard_rows x points x
 width x itemsize, 17 x 18.9 MB = 321 MB above; a second one when its part spans several windows)
-+ (4 ahead + 2) batch buffers (28 MB at 4,096 x 576 bf16) + up to io_threads compressed shards in
++ (4 ahead + 2) batch buffers (28 MB at 4,096 x 576 bf16; under ActivationLoader its 10
+shared-memory slots instead, handoff.py) + up to io_threads compressed shards in
 flight (8 x ~17 MB); plus the imports (~250-350 MB of RSS, mostly shared with the parent).
 `decoded_rows` and readahead.Arenas say what a worker decodes and holds.
 """

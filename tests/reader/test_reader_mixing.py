@@ -63,3 +63,46 @@ def test_workers_narrow_each_window_and_the_loader_says_so(docs32):
     with pytest.warns(UserWarning, match="each of 4 ranks x workers") as rec:
         ds.loader(2)                           # a worker's window: 8 shards, too few
     assert "more than a worker's share of 8" in str(rec[0].message)
+
+
+# ---- describe(): the same figures, for the user's own store and options -------------------------
+
+def _recount(batches: list[np.ndarray]) -> dict:
+    """Independent recount over real batches' doc ids: distinct documents, consecutive same-
+    document rate, Pearson lag-1 correlation of doc ids (pairs within a batch, both >= 0)."""
+    full = [d for d in batches if len(d) == K]
+    xs, ys = [], []
+    for d in full:
+        for a, b in zip(d[:-1].tolist(), d[1:].tolist()):
+            if a >= 0 and b >= 0:
+                xs.append(a)
+                ys.append(b)
+    return {"distinct_docs": _distinct(full),
+            "lag1_same_doc": float(np.mean([np.mean(d[1:] == d[:-1]) for d in full])),
+            "lag1_doc_autocorr": float(np.corrcoef(xs, ys)[0, 1])}
+
+
+@pytest.mark.parametrize("shuffle", [True, "global"], ids=["window", "global"])
+def test_describe_matches_a_recount_of_the_batches_the_reader_yields(docs32, shuffle):
+    s, doc = docs32
+    kw = {"batch_size": K, "seed": 3, "shuffle": shuffle, "shuffle_buffer_rows": 4 * SHARD,
+          "exclude_token_ids": [1]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = ActivationDataset(s, **kw)
+        d = ds.describe(num_workers=2, batches=6)
+        real = [b["doc_id"].numpy() for b in ActivationDataset(s, return_meta=True, **kw).loader(2)]
+    got = _recount(real[0::2][:6])       # lane 0: the loader's even batches
+    sim = d["simulated"]
+    assert sim["batches"] == 6
+    for key, v in got.items():
+        assert sim[key] == pytest.approx(v, rel=1e-9), key
+    assert d["uniform_distinct_docs"] > 0 and d["shards"] == 32 and d["ranks_x_workers"] == 2
+    if shuffle == "global":
+        # uniform by construction; the blocks of 4 shards' rows each read every shard
+        assert d["vs_uniform"] == 1.0 and sim["vs_uniform"] > 0.8
+        assert d["shard_reads_vs_window"] > 4
+        assert abs(sim["lag1_doc_autocorr"]) < 0.2
+    else:
+        # 4-shard windows: well under uniform, as the warning says
+        assert d["window_shards"] == 4 and d["vs_uniform"] < 0.5 and sim["vs_uniform"] < 0.6

@@ -89,13 +89,14 @@ def _ds(s, **kw):
                              exclude_token_ids=[BOS], **kw)
 
 
+@pytest.mark.parametrize("shuffle", [True, "global"], ids=["window", "global"])
 @pytest.mark.parametrize("nw", [0, 2])
-def test_resume_mid_epoch_yields_exactly_the_rows_not_yet_seen(seven, nw):
+def test_resume_mid_epoch_yields_exactly_the_rows_not_yet_seen(seven, nw, shuffle):
     s = seven[0]
-    ds = _ds(s)
+    ds = _ds(s, shuffle=shuffle)
     ds.set_epoch(1)
     full = np.concatenate([b["row"].numpy() for b in ds.loader(nw)])
-    ds = _ds(s)
+    ds = _ds(s, shuffle=shuffle)
     ds.set_epoch(1)
     dl = ds.loader(nw)
     first = []
@@ -105,7 +106,7 @@ def test_resume_mid_epoch_yields_exactly_the_rows_not_yet_seen(seven, nw):
             break
     state = dl.state_dict()
     assert state["epoch"] == 1 and state["batches"] == 7
-    again = _ds(s)
+    again = _ds(s, shuffle=shuffle)
     dl2 = again.loader(nw)
     dl2.load_state_dict(state)
     rest = np.concatenate([b["row"].numpy() for b in dl2])
@@ -167,3 +168,57 @@ def test_norm_filter_pads_to_equal_counts_over_ranks(tmp_path):
         assert ds.tally.padded == len(rows) - len(np.unique(rows)) > 0
     assert sizes[0] == sizes[1] == n // 2
     assert set(np.concatenate(seen)) == set(np.setdiff1d(np.arange(n), sinks))
+
+
+# ---- shuffle="global" (permute.py): one keyed permutation of every kept row per epoch -----------
+
+def test_global_shuffle_is_a_permutation_of_the_kept_rows_each_epoch(seven):
+    """Each kept row exactly once per epoch, a different order each epoch, every block read
+    from the shards that hold its rows (so more than once per epoch: its documented cost)."""
+    s, data, tok = seven[0], seven[1], seven[2]
+    kept = committed_rows(s)
+    kept = kept[tok[kept] != BOS]
+    orders = []
+    for epoch in (0, 1):
+        ds = _ds(s, shuffle="global")
+        ds.set_epoch(epoch)
+        got = list(ds)
+        for b in got[:3]:
+            assert np.array_equal(b["acts"].float().numpy(), data[0, b["row"].numpy()].astype(np.float32))
+        orders.append(np.concatenate([b["row"].numpy() for b in got]))
+        assert np.array_equal(np.sort(orders[-1]), kept)
+        assert sum(ds.decoded_rows) > len(kept)      # blocks of 2 shards' rows over 7 shards
+    assert not np.array_equal(orders[0], orders[1])
+    # not the window shuffle's order, and not grouped: rows of a batch come from many shards
+    assert len(np.unique(orders[0][:100] // SHARD)) >= 5
+
+
+def test_global_shuffle_two_ranks_two_workers_equal_disjoint(seven):
+    s, tok = seven[0], seven[2]
+    kept = committed_rows(s)
+    kept = kept[tok[kept] != BOS]
+    got, sizes = [], []
+    for rank in range(2):
+        ds = _ds(s, shuffle="global", rank=rank, world_size=2)
+        rows, per_worker = _epoch(ds, 2)
+        sizes += [len(r) for r in per_worker]
+        got.append(rows)
+    assert sizes == [len(kept) // 4] * 4, sizes
+    allrows = np.concatenate(got)
+    assert len(np.unique(allrows)) == len(allrows) and np.isin(allrows, kept).all()
+    assert len(kept) - len(allrows) == len(kept) % 4
+
+
+def test_global_endless_resume_continues_the_stream(seven):
+    s = seven[0]
+    n = len(_epoch(_ds(s, shuffle="global"), 0)[0])
+    steps = 2 * n // 100 + 3
+    stream = np.concatenate([b["row"].numpy() for b in _ds(s, shuffle="global", steps=steps)])
+    assert len(stream) == steps * 100
+    head = stream[: n // 100 * 100]                  # the batch straddling the epochs mixes two
+    assert len(np.unique(head)) == len(head)
+    again = _ds(s, shuffle="global", steps=steps)
+    again.load_state_dict(_ds(s, shuffle="global", steps=steps).state_dict(batches=20))
+    assert np.array_equal(np.concatenate([b["row"].numpy() for b in again]), stream[20 * 100:])
+    with pytest.raises(ValueError, match="shuffle='global'"):
+        _ds(s, shuffle="global", max_norm_ratio=5)

@@ -170,6 +170,16 @@ def test_reader_dequantised_and_gpu_handoff_batches(stores):
     assert acts.shape == (N, W) and scale.shape == (N,)
     rows = torch.cat([b["row"] for b in parts]).numpy()
     assert np.array_equal((acts.float() * scale[:, None]).numpy(), want[rows, 1])
+    # the (acts, scale) form through 2 workers' shared-memory slots (store/read/handoff.py):
+    # the same pairs, still a tuple (torch's own hand-over would make it a list)
+    from harvest.store.read import handoff
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(handoff, "BY_VALUE", 0)
+        pairs = list(ActivationDataset(url, points="resid_post.1", batch_size=256, shuffle=False,
+                                       dequantize=False).loader(2))
+    assert all(isinstance(p, tuple) and p[0].dtype == torch.float8_e4m3fn for p in pairs)
+    vals = torch.cat([a.float() * sc[:, None] for a, sc in pairs]).numpy()
+    assert np.array_equal(np.sort(vals, axis=0), np.sort(want[:, 1], axis=0))
     with pytest.raises(ValueError, match="dequantize=False"):
         ActivationDataset(url, points="resid_post.0", batch_size=8, dequantize=False,
                           normalize="norm_scale")
