@@ -336,7 +336,7 @@ class ShardUploads:
             codec = self._codecs[p]
             cr = codec.chunk_rows
             visit, partials = chunk_partials(sh.keep, sh.present, cr, -(-x.shape[0] // cr),
-                                             self._decode)
+                                             self._decode, self._decode is not None)
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=visit)
             mom_all, mom_kept = partials(self._W)
             stream = self._stream(si, p)
