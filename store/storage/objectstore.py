@@ -318,6 +318,14 @@ def s3_options(storage_options: dict | None) -> dict:
         # Newer botocore checksum defaults break uploads to several S3-compatible servers.
         cfg.setdefault("request_checksum_calculation", "when_required")
         cfg.setdefault("response_checksum_validation", "when_required")
+        # UNSIGNED-PAYLOAD: without a checksum header (above) botocore SHA-256-signs every body,
+        # ~0.6 core-s per GB stored on the writer's cores (benchmarks/results/RESULTS.md). The
+        # bytes are checked end to end instead: every shard object against the CRC32C its writer
+        # recorded before the marker, by every reader and by verify (FORMAT.md, "Integrity").
+        # storage_options config_kwargs.s3.payload_signing_enabled: true turns signing back on.
+        s3cfg = dict(cfg.get("s3") or {})
+        s3cfg.setdefault("payload_signing_enabled", False)
+        cfg["s3"] = s3cfg
         so["config_kwargs"] = cfg
     elif os.environ.get("AWS_REGION") and "region_name" not in ck:
         ck["region_name"] = os.environ["AWS_REGION"]
