@@ -244,6 +244,8 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
            "width": W, "shard_rows": sr, "producer": "in place (reserve)" if inplace else "write (a copy)",
            "shard_mib_per_point": round(sr * s.row_bytes / 2**20, 2), "units": units,
            "shards_per_unit": shards_per_unit}
+    if storage == "s3":
+        out["part_bytes"] = s.location.part_min_bytes
     markers, write_s, peaks, rss, cpu_s, stage_s = [], [], [], [], [], []
     try:
         for u in s.plan():
@@ -408,9 +410,15 @@ def main() -> None:
                     help="store dtypes, each its own store, side by side")
     ap.add_argument("--producer", choices=["inplace", "copy"], default="inplace",
                     help="rows written in place (reserve: the capture actor's path) or by write()")
+    ap.add_argument("--part-mib", type=float, default=None,
+                    help="S3 parts gathered to this size (default: S3Storage.part_min_bytes)")
     ap.add_argument("--dry", action="store_true", help="a tiny shape, local only unless --storage")
     ap.add_argument("--json", action="store_true", help="one JSON document: rows and summary")
     a = ap.parse_args()
+    if a.part_mib:
+        from harvest.store.storage.objectstore import S3Storage
+
+        S3Storage.part_min_bytes = int(a.part_mib * 2**20)
     rows = run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
                codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry)
     if a.json:

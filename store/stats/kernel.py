@@ -4,7 +4,7 @@ Why: at an 8B model's shape the numpy path (moments.Moments.of: widen each block
 subtract the mean, square and sum again: five passes over 4-byte-per-number copies of 2-byte data)
 cost 1.1-1.6 core-seconds per GB of bf16 rows, more than the codec. Here each row is read once,
 widened in registers and added into float64 sums of its class (kept / excluded / absent), one
-pass, no temporaries: ~0.23 core-s/GB bf16 measured on one core (benchmarks/results/RESULTS.md).
+pass (rows added four at a time), no temporaries: ~0.16 core-s/GB bf16 measured on one core (benchmarks/results/RESULTS.md).
 
 Numerics (the shifted-data algorithm): per class, `K` is the class's first row in the chunk and
 the sums are S1 = sum(x - K), S2 = sum((x - K)^2) in float64; then mean = K + S1/n and
@@ -39,72 +39,99 @@ def _build() -> dict:
     import numba
 
     opts = {"nogil": True, "cache": True, "boundscheck": False}
+    R = 4   # rows added per sweep of the float64 sums: a quarter of their cache traffic
+
+    @numba.njit(**opts)
+    def run_of(cls, i, n):
+        """(class, rows) of the run of up to R rows of one class that starts at row i."""
+        k = cls[i]
+        m = 1
+        while m < R and i + m < n and cls[i + m] == k:
+            m += 1
+        return k, m
+
+    @numba.njit(**opts)
+    def add(fr, m, k, K, s1, s2, cnt):
+        """Rows fr[:m] (float32 or float64 values) into class k's shifted sums."""
+        w = K.shape[1]
+        kk = K[k]
+        if cnt[k] == 0:
+            for j in range(w):
+                kk[j] = fr[0, j]
+        cnt[k] += m
+        a = s1[k]
+        b = s2[k]
+        if m == R:
+            f0, f1, f2, f3 = fr[0], fr[1], fr[2], fr[3]
+            for j in range(w):
+                kj = kk[j]
+                d0 = f0[j] - kj
+                d1 = f1[j] - kj
+                d2 = f2[j] - kj
+                d3 = f3[j] - kj
+                a[j] += (d0 + d1) + (d2 + d3)
+                b[j] += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
+        else:
+            for r in range(m):
+                fr_r = fr[r]
+                for j in range(w):
+                    d = fr_r[j] - kk[j]
+                    a[j] += d
+                    b[j] += d * d
 
     @numba.njit(**opts)
     def bits16(u16, cls, K, s1, s2, cnt):  # bf16: the bits shifted up are the float32 value
         n, w = u16.shape
-        row = np.empty(w, np.uint32)
-        fr = row.view(np.float32)
-        for i in range(n):
-            k = cls[i]
-            if k < 0:
-                continue
-            for j in range(w):
-                row[j] = np.uint32(u16[i, j]) << np.uint32(16)
-            kk = K[k]
-            if cnt[k] == 0:
-                for j in range(w):
-                    kk[j] = fr[j]
-            cnt[k] += 1
-            a = s1[k]
-            b = s2[k]
-            for j in range(w):
-                d = fr[j] - kk[j]
-                a[j] += d
-                b[j] += d * d
+        rows = np.empty((R, w), np.uint32)
+        fr = rows.view(np.float32)
+        i = 0
+        while i < n:
+            k, m = run_of(cls, i, n)
+            if k >= 0:
+                for r in range(m):
+                    for j in range(w):
+                        rows[r, j] = np.uint32(u16[i + r, j]) << np.uint32(16)
+                add(fr, m, k, K, s1, s2, cnt)
+            i += m
 
     @numba.njit(**opts)
-    def floats(x, cls, K, s1, s2, cnt):  # float32 rows
-        n, w = x.shape
-        for i in range(n):
-            k = cls[i]
-            if k < 0:
-                continue
-            kk = K[k]
-            if cnt[k] == 0:
-                for j in range(w):
-                    kk[j] = x[i, j]
-            cnt[k] += 1
-            a = s1[k]
-            b = s2[k]
-            for j in range(w):
-                d = np.float64(x[i, j]) - kk[j]
-                a[j] += d
-                b[j] += d * d
+    def floats(x, cls, K, s1, s2, cnt):  # float32 / float64 rows, as they are
+        n = x.shape[0]
+        i = 0
+        while i < n:
+            k, m = run_of(cls, i, n)
+            if k >= 0:
+                add(x[i:i + m], m, k, K, s1, s2, cnt)
+            i += m
 
     @numba.njit(**opts)
-    def fp8(q, scale, lut, cls, K, s1, s2, cnt):  # packed fp8 rows: float32(lut[q]) * scale
+    def fp8(q, scale, cls, K, s1, s2, cnt):
+        """Packed fp8 rows (q: uint8 [n, width + 4], the scales apart), dequantised as fp8.dequantize does: float32(q) * scale. float32(q)
+        from the bits, vectorised: e4m3fn's exponent and mantissa moved to float32's places
+        read as 2^-120 times the value, subnormals included, so one exact multiply by 2^120
+        rebiases. e4m3fn's NaN (0x7F, 0xFF) becomes a float32 NaN, which makes the sums NaN."""
         n = q.shape[0]
         w = K.shape[1]
-        row = np.empty(w, np.float32)
-        for i in range(n):
-            k = cls[i]
-            if k < 0:
-                continue
-            sc = scale[i]
-            for j in range(w):
-                row[j] = lut[q[i, j]] * sc
-            kk = K[k]
-            if cnt[k] == 0:
-                for j in range(w):
-                    kk[j] = row[j]
-            cnt[k] += 1
-            a = s1[k]
-            b = s2[k]
-            for j in range(w):
-                d = row[j] - kk[j]
-                a[j] += d
-                b[j] += d * d
+        rows = np.empty((R, w), np.uint32)
+        fr = rows.view(np.float32)
+        rebias = np.float32(2.0 ** 120)
+        i = 0
+        while i < n:
+            k, m = run_of(cls, i, n)
+            if k >= 0:
+                for r in range(m):
+                    for j in range(w):
+                        b = np.uint32(q[i + r, j])
+                        mag = b & np.uint32(0x7F)
+                        # mag 0x7F (NaN): (mag + 1) >> 7 is 1 and sets float32's exponent to all
+                        # ones, a NaN; below it adds nothing. Branch-free, so the loop vectorises
+                        rows[r, j] = ((b & np.uint32(0x80)) << np.uint32(24)) | (mag << np.uint32(20)) \
+                            | (((mag + np.uint32(1)) >> np.uint32(7)) * np.uint32(0x7F800000))
+                    sc = scale[i + r]
+                    for j in range(w):
+                        fr[r, j] = (fr[r, j] * rebias) * sc
+                add(fr, m, k, K, s1, s2, cnt)
+            i += m
 
     return {"bits16": bits16, "float": floats, "fp8": fp8}
 
@@ -119,15 +146,6 @@ def kernels() -> "dict | None":
             except ImportError:
                 _kernels = _NO_NUMBA
         return _kernels or None
-
-
-def _fp8_lut() -> np.ndarray:
-    from harvest.store.format.fp8 import FP8
-
-    return np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
-
-
-_LUT: "np.ndarray | None" = None
 
 
 def classes(n: int, keep: "np.ndarray | None", present: "np.ndarray | None") -> np.ndarray:
@@ -145,7 +163,6 @@ def chunk_subsets(rows: np.ndarray, cls: np.ndarray, quantized: bool = False
     takes the numpy path. `rows`: the chunk in the store dtype (bf16/fp16/fp32), or packed fp8
     rows (uint8 [n, width + 4]) when `quantized`; statistics of fp8 are of the dequantised values
     (float32(q) * scale, exactly fp8.dequantize's)."""
-    global _LUT
     ks = kernels()
     if ks is None or rows.ndim != 2:
         return None
@@ -153,10 +170,9 @@ def chunk_subsets(rows: np.ndarray, cls: np.ndarray, quantized: bool = False
         from harvest.store.format.fp8 import SCALE_BYTES
 
         w = rows.shape[1] - SCALE_BYTES
-        if _LUT is None:
-            _LUT = _fp8_lut()
         scale = np.ascontiguousarray(rows[:, w:]).view("<f4")[:, 0].astype(np.float32)
-        fn, args = ks["fp8"], (rows[:, :w], scale, _LUT)
+        # the packed rows whole (C-contiguous: the kernel vectorises; a [:, :w] view would not)
+        fn, args = ks["fp8"], (np.ascontiguousarray(rows), scale)
     else:
         w = rows.shape[1]
         if rows.dtype == BF16:

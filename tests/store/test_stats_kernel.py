@@ -111,3 +111,22 @@ def test_empty_classes_and_bits_do_not_depend_on_thread():
         outs = list(ex.map(lambda _: kernel.chunk_subsets(rows, kernel.classes(64, None, None)),
                            range(8)))
     assert all(np.array_equal(o[0].m2, outs[0][0].m2) for o in outs)
+
+
+def test_fp8_every_byte_dequantises_as_the_reference_and_nan_bytes_fall_back():
+    """All 254 finite e4m3fn bytes (subnormals, both zeros, +-448) in rows with different scales:
+    the kernel's bit-level float32(q) * scale is fp8.dequantize's; a NaN byte (0x7F, 0xFF) under a
+    finite scale is not read as a number: the numpy path counts its row apart."""
+    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
+    q = np.stack([np.roll(finite, i) for i in range(8)])           # [8, 254]
+    scale = np.array([1.0, 0.5, 3.3e-3, 7.7, 1e-30, 2.5e3, 1.0, 0.125], "<f4")
+    packed = np.concatenate([q, scale.view(np.uint8).reshape(8, 4)], axis=1)
+    x64 = fp8.dequantize(packed).astype(np.float64)
+    all_, _ = kernel.chunk_subsets(packed, kernel.classes(8, None, None), True)
+    _check(all_, x64)
+    bad = packed.copy()
+    bad[3, 10] = 0x7F
+    assert kernel.chunk_subsets(bad, kernel.classes(8, None, None), True) is None
+    a2, _ = chunk_moments(bad, None, None, fp8.dequantize, True)
+    ok = np.arange(8) != 3
+    _check(a2, x64[ok], nonfinite=1)
