@@ -333,11 +333,13 @@ def check_dtype(dtype: str) -> str:
 
 def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
         workdir: str | None = None, codecs=("default",), dtype="bfloat16", inplace: bool = True,
-        dry: bool = False, **_ignored) -> list[dict]:
-    """One row per (storage, dtype, codec), side by side in this invocation. `dtype`: a name or
-    a list of names. `dry`: a tiny shape (4 points x 256, 2,048-row shards) in seconds, for the
-    test suite: the same code path, no figure worth reporting."""
+        dry: bool = False, part_mib=(None,), **_ignored) -> list[dict]:
+    """One row per (storage, part size on S3, dtype, codec), side by side in this invocation.
+    `dtype`: a name or a list of names. `part_mib`: S3 part sizes (None: the store's own,
+    S3Storage.part_min_bytes). `dry`: a tiny shape (4 points x 256, 2,048-row shards) in
+    seconds, for the test suite: the same code path, no figure worth reporting."""
     from harvest.store.format import compression
+    from harvest.store.storage.objectstore import S3Storage
     from harvest.testing import seaweed, synthetic
 
     dtypes = [check_dtype(d) for d in ([dtype] if isinstance(dtype, str) else dtype)]
@@ -360,18 +362,25 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
                 s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")
                 so, base_url = srv.storage_options, "s3://bench/store"
             i = 0
-            for dt in dtypes:
-                for codec in codecs:
-                    url = f"{base_url}-{i}"
-                    # "default" is the dtype's default (fp8: fp8.DEFAULT_COMPRESSION)
-                    spec = None if codec == "default" else codec
-                    rows.append(_one(st, url, so, units, shards_per_unit, base, spec, dt, inplace, sr))
-                    if st == "local" and i == 0 and not dry:
-                        rows[-1].update(meta_at_default_unit(tmp))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                    if st == "local":
-                        shutil.rmtree(url, ignore_errors=True)
-                    i += 1
+            own_part = S3Storage.part_min_bytes
+            for part in (part_mib if st == "s3" else (None,)):
+                S3Storage.part_min_bytes = own_part if part is None else int(part * 2**20)
+                try:
+                    for dt in dtypes:
+                        for codec in codecs:
+                            url = f"{base_url}-{i}"
+                            # "default" is the dtype's default (fp8: fp8.DEFAULT_COMPRESSION)
+                            spec = None if codec == "default" else codec
+                            rows.append(_one(st, url, so, units, shards_per_unit, base, spec, dt,
+                                             inplace, sr))
+                            if st == "local" and i == 0 and not dry:
+                                rows[-1].update(meta_at_default_unit(tmp))
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                            if st == "local":
+                                shutil.rmtree(url, ignore_errors=True)
+                            i += 1
+                finally:
+                    S3Storage.part_min_bytes = own_part
             if srv is not None:
                 srv.stop()
                 srv = None
@@ -391,7 +400,7 @@ def summary(rows: list[dict]) -> dict:
     for r in rows:
         t = target.get(r["dtype"])
         if r["storage"] == "s3" and t is not None:
-            key = f"{r['dtype']}/{r['codec'].get('codec')}"
+            key = f"{r['dtype']}/{r['codec'].get('codec')}/{r['part_bytes'] >> 20}MiB"
             out["targets"][key] = {"write_core_s_per_gb": r["write_core_s_per_gb"], "target": t,
                                    "met": r["write_core_s_per_gb"] <= t}
     return out
@@ -410,17 +419,15 @@ def main() -> None:
                     help="store dtypes, each its own store, side by side")
     ap.add_argument("--producer", choices=["inplace", "copy"], default="inplace",
                     help="rows written in place (reserve: the capture actor's path) or by write()")
-    ap.add_argument("--part-mib", type=float, default=None,
-                    help="S3 parts gathered to this size (default: S3Storage.part_min_bytes)")
+    ap.add_argument("--part-mib", type=float, nargs="+", default=None,
+                    help="S3 parts gathered to these sizes, each its own store (default: the "
+                         "store's, S3Storage.part_min_bytes)")
     ap.add_argument("--dry", action="store_true", help="a tiny shape, local only unless --storage")
     ap.add_argument("--json", action="store_true", help="one JSON document: rows and summary")
     a = ap.parse_args()
-    if a.part_mib:
-        from harvest.store.storage.objectstore import S3Storage
-
-        S3Storage.part_min_bytes = int(a.part_mib * 2**20)
     rows = run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
-               codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry)
+               codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry,
+               part_mib=a.part_mib or (None,))
     if a.json:
         print(json.dumps({"rows": rows, "summary": summary(rows)}))
     else:
