@@ -487,6 +487,15 @@ def test_plan_prices_an_fp8_store_at_the_8b_shape(tmp_path, capsys):
     # data objects priced from the fp8 rows, still well above object storage's small-object range
     assert q["layout"]["data_object_bytes"] == int(q["shard_rows"] * 4100 / 1.17) >= 32_000_000
     assert q["layout"]["objects"] <= bf["layout"]["objects"]
+    # the data plane: the same GB/s of rows (per bf16 number), priced by fp8's measured write path
+    from harvest.store.format import compression
+
+    dq, db = q["dataplane"], bf["dataplane"]
+    assert dq["gb_per_second_per"] == db["gb_per_second_per"]
+    assert dq["write_core_s_per_gb"] == compression.write_core_s_per_gb("zstd", "float8_e4m3fn")
+    assert db["write_core_s_per_gb"] == compression.write_core_s_per_gb("default")
+    assert dq["write_core_s_per_gb"] < db["write_core_s_per_gb"]
+    assert dq["cores_needed_per"] < db["cores_needed_per"]
 
 def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, capsys):
     """SmolLM2's shape (9 attention heads, 3 KV heads, MLP 1536, vocab 49152): TP=2 is refused
