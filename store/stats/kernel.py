@@ -67,6 +67,7 @@ def chunk_subsets(rows: np.ndarray, cls: np.ndarray, quantized: bool = False
     ks = kernels()
     if ks is None or rows.ndim != 2:
         return None
+    args: tuple
     if quantized:
         from harvest.store.format.fp8 import SCALE_BYTES
 
