@@ -270,9 +270,7 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec,
             f"({gb_s:.2f} GB/s of rows x {core_s:g} core-s/GB: buffers, codec, CRCs, statistics, "
             f"upload), but ray.num_cpus_per_actor={cpus:g} reserves {have:g} per GPU: set "
             f"ray.num_cpus_per_actor={want:g} (the node must have them: an 8xH100 node has ~12 "
-            f"physical cores per GPU), or capture fewer points{_fp8_hint(dtype)}, or "
-            f"store.compression=none ({write_core_s_per_gb('none', dtype):g} core-s/GB, "
-            f"{_codec_gap(codec)})")
+            f"physical cores per GPU), or capture fewer points{_fp8_hint(dtype)}")
     return out, warnings
 
 
@@ -286,9 +284,3 @@ def _fp8_hint(dtype: str) -> str:
     fp8 = "float8_e4m3fn"
     return (f", or store.dtype={fp8} ({write_core_s_per_gb(compression_for(None, fp8), fp8):g} "
             "core-s/GB, half the bytes; see docs/store.md)")
-
-
-def _codec_gap(codec) -> str:
-    from harvest.store.format.compression import expected_ratio
-
-    return f"{expected_ratio(codec):g}x more bytes to store and move"

@@ -137,14 +137,14 @@ def expected_ratio(spec: "str | dict | None") -> float:
 # shape (32 points x 4096, 128 MiB shards) uploading to SeaweedFS, one invocation for all
 # (benchmarks/results/RESULTS.md, "Whole write path"). `harvest plan` turns it into host cores per
 # GPU. An fp8 store's figure is per GB of the same bf16 rows (its write path moves about half the
-# bytes). blosc-zstd (not in that run): split-huffman's figure plus the encode stage difference
-# the two had side by side in the earlier run (0.80 core-s/GB); codecs not measured are priced as
-# blosc-zstd (bf16; c-blosc's zstd-1 is the slowest of the candidates bench_codec measures) or as
-# zstd (fp8).
-WRITE_CORE_S_PER_GB = {"split-huffman": 2.51, "blosc-zstd": 3.3, "none": 2.0}
-WRITE_CORE_S_PER_GB_FP8 = {"zstd": 1.94, "none": 1.5}
+# bytes). Not in that run: blosc-zstd, priced as split-huffman plus the encode difference the two
+# had side by side in the earlier run (0.80 core-s/GB), and every codec not named here likewise;
+# `none`, priced as the dtype's default codec (in the earlier run it cost 3 % more than
+# split-huffman on S3: no codec seconds, 1.44x the bytes to checksum, send and upload).
+WRITE_CORE_S_PER_GB = {"split-huffman": 3.00, "blosc-zstd": 3.80, "none": 3.00}
+WRITE_CORE_S_PER_GB_FP8 = {"zstd": 2.19, "none": 2.19}
 WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 heavily shared cores "
-                       "(load average ~10), SeaweedFS over loopback: an upper bound")
+                       "(load average 15-20), SeaweedFS over loopback: an upper bound")
 
 
 def write_core_s_per_gb(spec: "str | dict | None", dtype: str = "bfloat16") -> float:
