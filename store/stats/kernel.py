@@ -4,7 +4,8 @@ Why: at an 8B model's shape the numpy path (moments.Moments.of: widen each block
 subtract the mean, square and sum again: five passes over 4-byte-per-number copies of 2-byte data)
 cost 1.1-1.6 core-seconds per GB of bf16 rows, more than the codec. Here each row is read once,
 widened in registers and added into float64 sums of its class (kept / excluded / absent), one
-pass (rows added four at a time), no temporaries: ~0.16 core-s/GB bf16 measured on one core (benchmarks/results/RESULTS.md).
+pass (rows added four at a time), no temporaries: 0.16-0.24 core-s/GB of bf16 alone on one core,
+0.35-0.40 in the write path beside the codec threads (benchmarks/results/RESULTS.md).
 
 Numerics (the shifted-data algorithm): per class, `K` is the class's first row in the chunk and
 the sums are S1 = sum(x - K), S2 = sum((x - K)^2) in float64; then mean = K + S1/n and
