@@ -141,10 +141,10 @@ def expected_ratio(spec: "str | dict | None") -> float:
 # had side by side in the earlier run (0.80 core-s/GB), and every codec not named here likewise;
 # `none`, priced as the dtype's default codec (in the earlier run it cost 3 % more than
 # split-huffman on S3: no codec seconds, 1.44x the bytes to checksum, send and upload).
-WRITE_CORE_S_PER_GB = {"split-huffman": 3.00, "blosc-zstd": 3.80, "none": 3.00}
-WRITE_CORE_S_PER_GB_FP8 = {"zstd": 2.19, "none": 2.19}
-WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 heavily shared cores "
-                       "(load average 15-20), SeaweedFS over loopback: an upper bound")
+WRITE_CORE_S_PER_GB = {"split-huffman": 2.56, "blosc-zstd": 3.36, "none": 2.56}
+WRITE_CORE_S_PER_GB_FP8 = {"zstd": 1.88, "none": 1.88}
+WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 shared cores (load "
+                       "average 5-7), SeaweedFS over loopback: an upper bound")
 
 
 def write_core_s_per_gb(spec: "str | dict | None", dtype: str = "bfloat16") -> float:
