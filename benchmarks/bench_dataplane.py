@@ -20,12 +20,17 @@ the producer's piece: what the writer holds is what is measured). Per storage:
   return, less the producer's own cost of making the rows (measured alone on the same pieces,
   `producer_core_s_per_gb`). The storage server (SeaweedFS) is another process, not counted.
 
-Each `--codec` (store.compression names, default: the default and the old default side by side)
-gets its own store on each storage, in one invocation. `--dtype` is the store's dtype (the rows
-are cast from the bf16 rows; a dtype the store does not know is refused before anything runs).
+Rows arrive in place by default (`RegionWriter.reserve`, the capture actor's path: the engine's
+device-to-host copy lands in the writer's block); `--producer copy` feeds them by `write` (one
+host copy more, the `buffer` stage). Each `--dtype` (default: bfloat16 and float8_e4m3fn side by
+side; fp8 rows arrive packed, quantised as the engine does before rows leave it), each `--codec`
+(store.compression names; `default`: the dtype's default) and, on S3, each `--part-mib` gets its
+own store, in one invocation. `--json` prints one document: the rows and a summary against issue
+38's targets (<= 1.0 core-s/GB of bf16 for bf16 stores, <= 0.6 for fp8, on S3) with the load
+average. `--dry`: a tiny shape in seconds (the suite runs it).
 
     .venv/bin/python -m harvest.benchmarks.bench_dataplane [--units 2] [--storage local s3]
-        [--codec default blosc-zstd] [--dtype bfloat16]
+        [--dtype bfloat16 float8_e4m3fn] [--codec default] [--part-mib 5 16] [--json] [--dry]
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ class PeakRSS:
 class StageCPU:
     """CPU seconds per write-path stage (thread CPU time, all threads), by wrapping the stage
     functions while the block runs: `encode` (the codec, per inner chunk), `stats` (per-chunk
-    moments), `crc` (raw rows' CRC32C), `stream` (object CRC, gathering parts, handing them to
+    moments, stats/unit.chunk_moments), `crc` (raw rows' CRC32C), `stream` (object CRC, gathering parts, handing them to
     the storage: a local store's write() is here, an S3 part's upload is the client's threads),
     `buffer` (the producer's rows copied into the writer's blocks). What the wrapped functions
     miss (the S3 client's threads: HTTP, and over plain http SigV4's SHA-256 of every payload;
@@ -87,7 +92,7 @@ class StageCPU:
 
         self.cpu, self._lock, self._undo = collections.Counter(), threading.Lock(), []
         self._wrap(shardcodec.ShardCodec, "_encode_chunk", "encode")
-        self._wrap(blockstats, "subsets_of", "stats")
+        self._wrap(blockstats, "chunk_moments", "stats")
         self._wrap(moments, "crc32c", "crc")
         self._wrap(streams.ObjectStream, "append", "stream")
         self._wrap(writer.RegionWriter, "write", "buffer")
@@ -154,37 +159,90 @@ def meta_at_default_unit(tmp: str) -> dict:
     return {f"meta_chunk_bytes_default_unit_{k}": len(s.meta_codec(k).encode(v)) for k, v in cols.items()}
 
 
-def _pieces(base: np.ndarray, dtype: np.dtype, a0: int, b0: int):
-    """The producer: `base` made distinct per piece (low mantissa bits flipped), cast to the
-    store's dtype where it is not bf16."""
+def _base_rows(base: np.ndarray, dtype: str) -> np.ndarray:
+    """The producer's sample in the store's raw row form: bf16 bits, or for an fp8 store the
+    packed rows (e4m3fn bytes + a float32 scale per row) the engine quantises into before rows
+    leave the GPU (fp8.py), so neither the quantiser nor a bf16-sized copy is in the write path."""
+    from harvest.store.format import fp8
+    from harvest.store.format.dtypes import is_quantized, raw_dtype, resolve_dtype
+
+    if is_quantized(dtype):
+        return fp8.quantize(base)
+    d = resolve_dtype(dtype)
+    return (base if base.dtype == d else base.astype(d)).view(raw_dtype(d))
+
+
+def _make_piece(raw: np.ndarray, r: int, out: np.ndarray, fp8: bool) -> None:
+    """Piece `r // PIECE` of the producer into `out` (a writer's reserved rows, or scratch):
+    `raw` made distinct per piece (fp8: sign bits of some columns, which keeps every value
+    finite; otherwise the low mantissa bits), written once, as a transport would."""
+    k = (r // PIECE) & 0x7F
+    if fp8:
+        w = raw.shape[-1] - 4
+        mask = np.where((np.arange(w) + k) % 7 == 0, 0x80, 0).astype(np.uint8)
+        np.bitwise_xor(raw[..., :w], mask, out=out[..., :w])
+        out[..., w:] = raw[..., w:]
+    else:
+        np.bitwise_xor(raw, raw.dtype.type(k), out=out)
+
+
+def _produce(w, raw: np.ndarray, a0: int, b0: int, fp8: bool, inplace: bool) -> None:
+    """Feed rows [a0, b0) to writer `w` in PIECE-row pieces: in place (`reserve`, as the capture
+    actor does: the engine's device-to-host copy lands in the writer's block, one host copy) or
+    by `write` (the producer's array copied into the block: one copy more)."""
+    scratch = np.empty_like(raw)
     for r in range(a0, b0, PIECE):
-        piece = (base.view(np.uint16) ^ np.uint16((r // PIECE) & 0x7F)).view(base.dtype)
-        yield r, piece if piece.dtype == dtype else piece.astype(dtype)
+        n = min(PIECE, b0 - r)
+        view = w.reserve(r, n) if inplace else None
+        if view is not None:
+            _make_piece(raw[:, :n], r, view, fp8)
+            w.fill_reserved(r, n)
+        else:
+            _make_piece(raw[:, :n], r, scratch[:, :n], fp8)
+            w.write(r, scratch[:, :n])
 
 
-def producer_cost(base: np.ndarray, dtype: np.dtype, rows: int) -> float:
-    """CPU seconds of making `rows` rows of pieces alone (subtracted from the write path's)."""
+def producer_cost(raw: np.ndarray, rows: int, fp8: bool) -> float:
+    """CPU seconds of making `rows` rows of pieces alone, into one buffer (subtracted from the
+    write path's: on a GPU host this is the device-to-host copy)."""
+    out = np.empty_like(raw)
     t = time.process_time()
-    for _ in _pieces(base, dtype, 0, rows):
-        pass
+    for r in range(0, rows, PIECE):
+        _make_piece(raw, r, out, fp8)
     return time.process_time() - t
 
 
+def _warm(raw: np.ndarray, fp8: bool) -> None:
+    """Load what a capture process loads once (numba and the compiled statistics kernels, from
+    their disk cache) before the clock starts: a per-process cost, not a per-GB one."""
+    from harvest.store.format.dtypes import BF16
+    from harvest.store.stats.unit import chunk_moments
+
+    rows = raw[0, :8] if fp8 else raw[0, :8].view(BF16)
+    chunk_moments(np.ascontiguousarray(rows), None, None, None, fp8)
+
+
 def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.ndarray,
-         codec: str = "default", dtype: str = "bfloat16") -> dict:
+         codec: str = "default", dtype: str = "bfloat16", inplace: bool = True,
+         shard_rows: "int | None" = None) -> dict:
     from harvest.store import create_store
     from harvest.store.commit import objects
 
     from harvest.store.format import layout
-    from harvest.store.format.dtypes import resolve_dtype
+    from harvest.store.format.dtypes import resolve_dtype, row_width
 
     np_dtype = resolve_dtype(dtype)
-    sr = layout.choose_sizes(WIDTH, np_dtype.itemsize, POINTS, multiple=128)[0]
+    P, W = base.shape[0], base.shape[2]
+    # the store's own choice (spec.py): ~128 MiB shard objects of its stored rows
+    sr = shard_rows or layout.choose_sizes(row_width(dtype, W), np_dtype.itemsize, P, multiple=128)[0]
     unit_rows = sr * shards_per_unit
     # as the pipeline creates stores: row metadata in one chunk per unit
-    s = create_store(url, points=[f"resid_post.{i}" for i in range(POINTS)], width=WIDTH,
+    s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W,
                      n_rows=1 << 30, storage_options=so, context_size=128, meta_chunk_rows=unit_rows,
-                     dtype=dtype, compression=codec)
+                     dtype=dtype, compression=codec, shard_rows=sr)
+    raw = _base_rows(base, s.dtype)
+    fp8 = bool(s.quantized)
+    _warm(raw, fp8)
     s.write_plan(s.default_plan(shards_per_unit)[:units])
     counts = _count_requests(s)
     publish_s = []
@@ -198,10 +256,12 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
-    out = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": POINTS,
-           "width": WIDTH, "shard_rows": sr,
-           "shard_mib_per_point": sr * WIDTH * np_dtype.itemsize / 2**20, "units": units,
+    out = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": P,
+           "width": W, "shard_rows": sr, "producer": "in place (reserve)" if inplace else "write (a copy)",
+           "shard_mib_per_point": round(sr * s.row_bytes / 2**20, 2), "units": units,
            "shards_per_unit": shards_per_unit}
+    if storage == "s3":
+        out["part_bytes"] = s.location.part_min_bytes
     markers, write_s, peaks, rss, cpu_s, stage_s = [], [], [], [], [], []
     try:
         for u in s.plan():
@@ -212,8 +272,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
                 w = s.region_writer(u["unit_id"], a0, b0)
                 n = b0 - a0
                 w.write_meta(a0, *_meta_columns(a0, n, u["unit_id"]))
-                for r, piece in _pieces(base, np_dtype, a0, b0):
-                    w.write(r, piece)
+                _produce(w, raw, a0, b0, fp8, inplace)
                 m = w.commit()
                 write_s.append(time.perf_counter() - t)
                 cpu_s.append(time.process_time() - c0)
@@ -234,23 +293,23 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     meta = sorted({(r.get("chunk", sh["index"]), c, r["nbytes"]) for sh in recs
                    for c, r in sh["meta"].items()})
     meta = [b for _, _, b in meta]
-    logical = unit_rows * POINTS * WIDTH * np_dtype.itemsize
-    bf16_gb = unit_rows * POINTS * WIDTH * 2 / 1e9
-    producer = producer_cost(base, np_dtype, unit_rows)
+    logical = unit_rows * P * s.row_bytes
+    bf16_gb = unit_rows * P * W * 2 / 1e9
+    producer = producer_cost(raw, unit_rows, fp8)
     out.update({
         "write_core_s_per_gb": round((statistics.median(cpu_s) - producer) / bf16_gb, 3),
         "producer_core_s_per_gb": round(producer / bf16_gb, 3),
         "write_core_s_per_gb_by_stage": _by_stage(stage_s, cpu_s, producer, bf16_gb),
         "data_object_bytes_min": min(data), "data_object_bytes_median": int(statistics.median(data)),
         "data_object_bytes_max": max(data),
-        "compression_ratio": round(sr * WIDTH * np_dtype.itemsize * len(data) / sum(data), 3),
-        "stored_vs_bf16": round(sum(data) / (sr * WIDTH * 2 * len(data)), 3),
+        "compression_ratio": round(sr * s.row_bytes * len(data) / sum(data), 3),
+        "stored_vs_bf16": round(sum(data) / (sr * W * 2 * len(data)), 3),
         "meta_object_bytes_min": min(meta), "meta_object_bytes_max": max(meta),
-        "objects_per_unit": shards_per_unit * POINTS + 3 + 3,  # + sidecar, table, marker
-        "objects_per_1b_tokens": round(1e9 / sr * POINTS + 5 * 1e9 / unit_rows),
+        "objects_per_unit": shards_per_unit * P + 3 + 3,  # + sidecar, table, marker
+        "objects_per_1b_tokens": round(1e9 / sr * P + 5 * 1e9 / unit_rows),
         "writer_peak_buffered_mib": round(max(peaks) / 2**20, 1),
         "rss_growth_mib": round(max(rss) / 2**20, 1),
-        "shard_set_mib": round(sr * POINTS * WIDTH * 2 / 2**20, 1),
+        "shard_set_mib": round(sr * P * s.row_bytes / 2**20, 1),
         "write_s_per_unit": round(statistics.median(write_s), 2),
         "publish_s_per_unit": round(statistics.median(publish_s), 3) if publish_s else None,
         "write_mb_s": round(logical / statistics.median(write_s) / 1e6, 1),
@@ -278,28 +337,35 @@ def _by_stage(stage_s: list, cpu_s: list, producer: float, bf16_gb: float) -> di
 
 def check_dtype(dtype: str) -> str:
     """The store dtype's canonical name, or SystemExit naming the ones the store knows."""
-    from harvest.store.format.dtypes import SUPPORTED_DTYPES, dtype_name, resolve_dtype
+    from harvest.store.format.dtypes import SUPPORTED_DTYPES, dtype_name, is_quantized, resolve_dtype
 
     try:
-        return dtype_name(resolve_dtype(dtype))
+        d = resolve_dtype(dtype)
+        return str(dtype) if is_quantized(str(dtype)) else dtype_name(d)
     except (ValueError, KeyError) as e:
         raise SystemExit(f"bench_dataplane: --dtype {dtype!r}: {e} (the store's dtypes: "
                          f"{', '.join(SUPPORTED_DTYPES)})") from None
 
 
 def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
-        workdir: str | None = None, codecs=("default",), dtype: str = "bfloat16",
-        **_ignored) -> list[dict]:
+        workdir: str | None = None, codecs=("default",), dtype="bfloat16", inplace: bool = True,
+        dry: bool = False, part_mib=(None,), **_ignored) -> list[dict]:
+    """One row per (storage, part size on S3, dtype, codec), side by side in this invocation.
+    `dtype`: a name or a list of names. `part_mib`: S3 part sizes (None: the store's own,
+    S3Storage.part_min_bytes). `dry`: a tiny shape (4 points x 256, 2,048-row shards) in
+    seconds, for the test suite: the same code path, no figure worth reporting."""
     from harvest.store.format import compression
+    from harvest.store.storage.objectstore import S3Storage
     from harvest.testing import seaweed, synthetic
 
-    dtype = check_dtype(dtype)
+    dtypes = [check_dtype(d) for d in ([dtype] if isinstance(dtype, str) else dtype)]
     for c in codecs:
         try:
             compression.normalize(c)
         except ValueError as e:
             raise SystemExit(f"bench_dataplane: --codec {c!r}: {e}") from None
-    base = synthetic.activations((POINTS, PIECE, WIDTH), seed=3)
+    P, W, sr = (4, 256, 2048) if dry else (POINTS, WIDTH, None)
+    base = synthetic.activations((P, PIECE, W), seed=3)
     tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-dataplane-")
     rows, srv = [], None
     try:
@@ -311,14 +377,26 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
 
                 s3fs.S3FileSystem(**srv.storage_options).mkdir("bench")
                 so, base_url = srv.storage_options, "s3://bench/store"
-            for i, codec in enumerate(codecs):
-                url = f"{base_url}-{i}"
-                rows.append(_one(st, url, so, units, shards_per_unit, base, codec, dtype))
-                if st == "local" and i == 0:
-                    rows[-1].update(meta_at_default_unit(tmp))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-                if st == "local":
-                    shutil.rmtree(url, ignore_errors=True)
+            i = 0
+            own_part = S3Storage.part_min_bytes
+            for part in (part_mib if st == "s3" else (None,)):
+                S3Storage.part_min_bytes = own_part if part is None else int(part * 2**20)
+                try:
+                    for dt in dtypes:
+                        for codec in codecs:
+                            url = f"{base_url}-{i}"
+                            # "default" is the dtype's default (fp8: fp8.DEFAULT_COMPRESSION)
+                            spec = None if codec == "default" else codec
+                            rows.append(_one(st, url, so, units, shards_per_unit, base, spec, dt,
+                                             inplace, sr))
+                            if st == "local" and i == 0 and not dry:
+                                rows[-1].update(meta_at_default_unit(tmp))
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                            if st == "local":
+                                shutil.rmtree(url, ignore_errors=True)
+                            i += 1
+                finally:
+                    S3Storage.part_min_bytes = own_part
             if srv is not None:
                 srv.stop()
                 srv = None
@@ -330,19 +408,48 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
     return rows
 
 
+def summary(rows: list[dict]) -> dict:
+    """The write path against issue 38's targets (core-s per GB of bf16 input, to S3): <= 1.0
+    for bf16 stores, <= 0.6 for fp8 stores; `load_average` is the box's when it finished."""
+    target = {"bfloat16": 1.0, "float8_e4m3fn": 0.6}
+    out: dict = {"load_average": [round(x, 2) for x in os.getloadavg()], "targets": {}}
+    for r in rows:
+        t = target.get(r["dtype"])
+        if r["storage"] == "s3" and t is not None:
+            key = f"{r['dtype']}/{r['codec'].get('codec')}/{r['part_bytes'] >> 20}MiB"
+            out["targets"][key] = {"write_core_s_per_gb": r["write_core_s_per_gb"], "target": t,
+                                   "met": r["write_core_s_per_gb"] <= t}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--units", type=int, default=2)
     ap.add_argument("--shards-per-unit", type=int, default=1)
     ap.add_argument("--storage", nargs="+", default=["local", "s3"])
     ap.add_argument("--workdir", default=None, help="where stores go (default: a temp dir)")
-    ap.add_argument("--codec", nargs="+", default=["default", "blosc-zstd"],
-                    help="store.compression names, each its own store, side by side")
-    ap.add_argument("--dtype", default="bfloat16", help="the store's dtype (default bfloat16)")
+    ap.add_argument("--codec", nargs="+", default=["default"],
+                    help="store.compression names, each its own store, side by side ('default': "
+                         "the dtype's default)")
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float8_e4m3fn"],
+                    help="store dtypes, each its own store, side by side")
+    ap.add_argument("--producer", choices=["inplace", "copy"], default="inplace",
+                    help="rows written in place (reserve: the capture actor's path) or by write()")
+    ap.add_argument("--part-mib", type=float, nargs="+", default=None,
+                    help="S3 parts gathered to these sizes, each its own store (default: the "
+                         "store's, S3Storage.part_min_bytes)")
+    ap.add_argument("--dry", action="store_true", help="a tiny shape, local only unless --storage")
+    ap.add_argument("--json", action="store_true", help="one JSON document: rows and summary")
     a = ap.parse_args()
-    for r in run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
-                 codecs=a.codec, dtype=a.dtype):
-        print(json.dumps(r))
+    rows = run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
+               codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry,
+               part_mib=a.part_mib or (None,))
+    if a.json:
+        print(json.dumps({"rows": rows, "summary": summary(rows)}))
+    else:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps(summary(rows)))
 
 
 if __name__ == "__main__":

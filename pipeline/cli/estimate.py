@@ -235,12 +235,15 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
     }, warnings
 
 
-def dataplane(cfg, est: dict, bytes_per_token: int, codec) -> "tuple[dict | None, list[str]]":
+def dataplane(cfg, est: dict, bytes_per_token: int, codec,
+              dtype: str = "bfloat16") -> "tuple[dict | None, list[str]]":
     """(figures, warnings): the host CPU the write path needs at the planned rate, per GPU (per
     actor on CPU runs), against what the config reserves (`ray.num_cpus_per_actor`). The write
     path's core-seconds per GB are compression.write_core_s_per_gb (measured, bench_dataplane);
-    bytes are the rows as captured, at 2 bytes a number (what the figure is per)."""
+    bytes are the rows as captured, at 2 bytes a number (what the figure is per), whatever the
+    store's `dtype` (an fp8 store's write path moves half of them: its own measured figure)."""
     from harvest.store.format.compression import WRITE_CORE_S_SOURCE, write_core_s_per_gb
+    from harvest.store.format.fp8 import compression_for
 
     rate = est.get("tokens_per_second")
     if not rate:
@@ -252,7 +255,7 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec) -> "tuple[dict | None
     per = "GPU" if plat == "gpu" else "actor"
     units = actors * gpus_per_actor if plat == "gpu" else actors
     gb_s = rate * bytes_per_token / 1e9 / units   # per GPU (or actor)
-    core_s = write_core_s_per_gb(codec)
+    core_s = write_core_s_per_gb(compression_for(codec, dtype), dtype)
     need = gb_s * core_s
     cpus, _ = cfg.ray.actor_resources({"GPU": 1} if plat == "gpu" else {})
     have = cpus / gpus_per_actor if plat == "gpu" else cpus
@@ -267,12 +270,17 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec) -> "tuple[dict | None
             f"({gb_s:.2f} GB/s of rows x {core_s:g} core-s/GB: buffers, codec, CRCs, statistics, "
             f"upload), but ray.num_cpus_per_actor={cpus:g} reserves {have:g} per GPU: set "
             f"ray.num_cpus_per_actor={want:g} (the node must have them: an 8xH100 node has ~12 "
-            f"physical cores per GPU), or capture fewer points, or store.compression=none "
-            f"({write_core_s_per_gb('none'):g} core-s/GB, {_codec_gap(codec)})")
+            f"physical cores per GPU), or capture fewer points{_fp8_hint(dtype)}")
     return out, warnings
 
 
-def _codec_gap(codec) -> str:
-    from harvest.store.format.compression import expected_ratio
+def _fp8_hint(dtype: str) -> str:
+    """The cheaper dtype, where the store is not fp8 already (its measured write-path CPU)."""
+    from harvest.store.format.compression import write_core_s_per_gb
+    from harvest.store.format.fp8 import compression_for
 
-    return f"{expected_ratio(codec):g}x more bytes to store and move"
+    if dtype == "float8_e4m3fn":
+        return ""
+    fp8 = "float8_e4m3fn"
+    return (f", or store.dtype={fp8} ({write_core_s_per_gb(compression_for(None, fp8), fp8):g} "
+            "core-s/GB, half the bytes; see docs/store.md)")

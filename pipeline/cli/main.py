@@ -182,7 +182,8 @@ def cmd_plan(args) -> int:
     ratio = expected_ratio(codec, out["store_dtype"])
     out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
-    out["dataplane"], warn = dataplane(cfg, est, len(prep.points) * prep.width * 2, codec)
+    out["dataplane"], warn = dataplane(cfg, est, len(prep.points) * prep.width * 2, codec,
+                                       out["store_dtype"])
     out["warnings"] += warn
     out["layout"] = layout_cost(
         points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,

@@ -83,7 +83,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     meta_by_column = {c: unit_rows * np.dtype(dt).itemsize for c, dt in columns.items()}
     meta_stored = round(sum(meta_by_column.values()) / M)
     # requests per streamed object: start + parts + completion on object storage (parts are
-    # compressed blocks gathered to S3's 5 MiB minimum); a local store renames (0 requests, but
+    # compressed blocks gathered to S3Storage.part_min_bytes, 16 MiB); a local store renames (0 requests, but
     # the figure stays the object store's, what the layout would cost there)
     part_min = S3Storage.part_min_bytes
     chunk = choose_sizes(width, itemsize, P, shard_rows=shard_rows)[1]

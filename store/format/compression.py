@@ -131,21 +131,29 @@ def expected_ratio(spec: "str | dict | None") -> float:
     return EXPECTED_RATIO_OTHER
 
 
-# The whole write path's CPU, core-seconds per GB of bf16 input (the writer's buffers, the codec,
-# CRCs, per-chunk statistics and the S3 client's threads), measured by
-# `python -m harvest.benchmarks.bench_dataplane` at the 8B shape (32 points x 4096, 128 MiB
-# shards) uploading to SeaweedFS, one invocation for all three (benchmarks/results/RESULTS.md).
-# `harvest plan` turns it into host cores per GPU. Codecs not measured there are priced as
-# blosc-zstd (c-blosc's zstd-1 is the slowest of the candidates bench_codec measures).
-WRITE_CORE_S_PER_GB = {"split-huffman": 5.29, "blosc-zstd": 6.46, "none": 5.45}
-WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 heavily shared cores, "
-                       "SeaweedFS over plain http (its client SHA-256-signs every payload, which "
-                       "https to AWS does not): an upper bound")
+# The whole write path's CPU, core-seconds per GB of bf16 input (the writer's block buffers, the
+# codec, CRCs, per-chunk statistics and the S3 client's threads, the rows arriving in place as the
+# capture actor writes them), measured by `python -m harvest.benchmarks.bench_dataplane` at the 8B
+# shape (32 points x 4096, 128 MiB shards) uploading to SeaweedFS, one invocation for all
+# (benchmarks/results/RESULTS.md, "Whole write path"). `harvest plan` turns it into host cores per
+# GPU. An fp8 store's figure is per GB of the same bf16 rows (its write path moves about half the
+# bytes). Not in that run: blosc-zstd, priced as split-huffman plus the encode difference the two
+# had side by side in the earlier run (0.80 core-s/GB), and every codec not named here likewise;
+# `none`, priced as the dtype's default codec (in the earlier run it cost 3 % more than
+# split-huffman on S3: no codec seconds, 1.44x the bytes to checksum, send and upload).
+WRITE_CORE_S_PER_GB = {"split-huffman": 2.56, "blosc-zstd": 3.36, "none": 2.56}
+WRITE_CORE_S_PER_GB_FP8 = {"zstd": 1.88, "none": 1.88}
+WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 shared cores (load "
+                       "average 5-7), SeaweedFS over loopback: an upper bound")
 
 
-def write_core_s_per_gb(spec: "str | dict | None") -> float:
-    """The measured whole-write-path CPU of a codec (see WRITE_CORE_S_PER_GB)."""
+def write_core_s_per_gb(spec: "str | dict | None", dtype: str = "bfloat16") -> float:
+    """The measured whole-write-path CPU of a codec for a store of `dtype` (see
+    WRITE_CORE_S_PER_GB); `spec` as the store records it (an fp8 store's None is fp8's default,
+    which fp8.compression_for resolves: pass its result)."""
     spec = normalize(spec)
+    if dtype == "float8_e4m3fn":
+        return WRITE_CORE_S_PER_GB_FP8["none" if spec["codec"] == "none" else "zstd"]
     if spec["codec"] in ("split-huffman", "none"):
         return WRITE_CORE_S_PER_GB[spec["codec"]]
     return WRITE_CORE_S_PER_GB["blosc-zstd"]

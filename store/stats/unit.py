@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from harvest.store.format import layout
+from .kernel import chunk_subsets, classes
 from .moments import Moments, merge_all, subsets_of
 
 
@@ -58,25 +59,39 @@ class BlockStats:
                 acc[p] = acc[p].merge(part[subset][p])
 
 
-def chunk_partials(keep, present, chunk_rows: int, n_chunks: int, decode=None):
+def chunk_partials(keep, present, chunk_rows: int, n_chunks: int, decode=None,
+                   quantized: bool = False):
     """(visit, result) for ShardCodec.encode_block: `visit(i, rows)` takes inner chunk i's
     partials in the codec thread while the chunk is in cache, and `result(width)` merges them in
     chunk order into the block's (all, kept) Moments. `keep`: rows of the `kept` class (None: all);
     `present`: rows holding activations (None: all), the others count in no statistic;
-    `decode(rows)`: the values the statistics are of (fp8 stores: the dequantised rows)."""
+    `decode(rows)`: the values the statistics are of (fp8 stores: the dequantised rows), for the
+    numpy path; `quantized`: the rows are packed fp8 (the compiled path dequantises as it goes)."""
     parts: list = [None] * n_chunks
 
     def visit(i: int, rows) -> None:
-        if decode is not None:
-            rows = decode(rows)
-        keep_i = None if keep is None else keep[i * chunk_rows:i * chunk_rows + rows.shape[0]]
-        if present is not None:
-            have = present[i * chunk_rows:i * chunk_rows + rows.shape[0]]
-            rows, keep_i = rows[have], (None if keep_i is None else keep_i[have])
-        parts[i] = subsets_of(rows, keep_i)
+        parts[i] = chunk_moments(rows, _rows_of(keep, i, chunk_rows, rows.shape[0]),
+                                 _rows_of(present, i, chunk_rows, rows.shape[0]), decode, quantized)
 
     def result(width: int) -> tuple[Moments, Moments]:
         return (merge_all([[q[0]] for q in parts], 1, width)[0],
                 merge_all([[q[1]] for q in parts], 1, width)[0])
 
     return visit, result
+
+
+def _rows_of(mask, i: int, chunk_rows: int, n: int):
+    return None if mask is None else mask[i * chunk_rows:i * chunk_rows + n]
+
+
+def chunk_moments(rows, keep, present, decode=None, quantized: bool = False) -> tuple[Moments, Moments]:
+    """(all, kept) Moments of one inner chunk: the compiled one-pass kernel (kernel.py) where it
+    applies, else numpy (moments.subsets_of on the decoded rows)."""
+    got = chunk_subsets(rows, classes(rows.shape[0], keep, present), quantized)
+    if got is not None:
+        return got
+    if decode is not None:
+        rows = decode(rows)
+    if present is not None:
+        rows, keep = rows[present], (None if keep is None else keep[present])
+    return subsets_of(rows, keep)

@@ -174,7 +174,12 @@ class S3Storage(ObjectStorage):
     # server-side copy of a unit took longer than capturing it). An upload never
     # completed is invisible: a losing attempt aborts its own, and finalize completes a
     # committed one whose writer died (or aborts a loser's) from one listing of the uploads.
-    part_min_bytes: ClassVar[int] = 5 << 20
+    # Parts but the last must be at least 5 MiB (S3's minimum); the writer gathers 16 MiB: the
+    # upload client's CPU is largely per request (signing, headers, the response, a task per
+    # part), so at the 8B shape 16 MiB parts cost ~0.3 core-s per GB of bf16 less than 5 MiB
+    # ones and half the write requests (benchmarks/results/RESULTS.md, "Whole write path"), for
+    # ~11 MiB more held per open shard object (uploads.py's memory bound).
+    part_min_bytes: ClassVar[int] = 16 << 20
 
     def _bucket_key(self, rel: str) -> tuple[str, str]:
         bucket, _, key = self.key(rel).partition("/")
@@ -318,6 +323,14 @@ def s3_options(storage_options: dict | None) -> dict:
         # Newer botocore checksum defaults break uploads to several S3-compatible servers.
         cfg.setdefault("request_checksum_calculation", "when_required")
         cfg.setdefault("response_checksum_validation", "when_required")
+        # UNSIGNED-PAYLOAD: without a checksum header (above) botocore SHA-256-signs every body,
+        # ~0.6 core-s per GB stored on the writer's cores (benchmarks/results/RESULTS.md). The
+        # bytes are checked end to end instead: every shard object against the CRC32C its writer
+        # recorded before the marker, by every reader and by verify (FORMAT.md, "Integrity").
+        # storage_options config_kwargs.s3.payload_signing_enabled: true turns signing back on.
+        s3cfg = dict(cfg.get("s3") or {})
+        s3cfg.setdefault("payload_signing_enabled", False)
+        cfg["s3"] = s3cfg
         so["config_kwargs"] = cfg
     elif os.environ.get("AWS_REGION") and "region_name" not in ck:
         ck["region_name"] = os.environ["AWS_REGION"]

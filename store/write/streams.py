@@ -9,8 +9,9 @@ The writer then never holds a shard: at an 8B model's shape a shard set is 4 GiB
 
 Where the bytes go is the storage's business (`Storage.begin_object` ... `finish_object`): a
 temp file renamed to the attempt's name locally, a multipart upload to the zarr key on S3. Parts
-but the last must be at least `part_min_bytes` (S3: 5 MiB), so compressed blocks are held until
-they reach it: per stream at most one part below the minimum plus one block.
+but the last are at least `part_min_bytes` (S3: 16 MiB, above S3's 5 MiB minimum: fewer requests,
+less client CPU), so compressed blocks are held until they reach it: per stream at most one part
+below it plus one block.
 
 Digests: the CRC32C of the stored bytes is extended as they are appended (the object's bytes are
 exactly the appends in order). The CRC32C of the raw rows (the marker's per-shard `crc32c`, in

@@ -11,8 +11,8 @@ knobs keep their old names: they count blocks now). Each point's shard object is
     buffered bytes <= n_points x block_bytes x (max_open + max_pending)
                       + n_points x open shard objects x (part_min_bytes + compressed block)
 
-independent of the shard size (the second term is 0 locally; on S3 it is what the 5 MiB minimum
-part costs). `buffered_bytes` and `peak_buffered_bytes` are this accounting.
+independent of the shard size (the second term is 0 locally; on S3 it is what gathering 16 MiB
+parts costs: S3Storage.part_min_bytes). `buffered_bytes` and `peak_buffered_bytes` are this accounting.
 
 Why evict instead of refusing: the engine yields requests in completion order, which straddles
 block boundaries. An evicted block's filled rows go to scratch objects of this attempt and are
@@ -336,7 +336,7 @@ class ShardUploads:
             codec = self._codecs[p]
             cr = codec.chunk_rows
             visit, partials = chunk_partials(sh.keep, sh.present, cr, -(-x.shape[0] // cr),
-                                             self._decode)
+                                             self._decode, self._decode is not None)
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=visit)
             mom_all, mom_kept = partials(self._W)
             stream = self._stream(si, p)

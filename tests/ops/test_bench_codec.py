@@ -57,6 +57,7 @@ def test_bench_dataplane_names_the_dtypes_it_knows_and_refuses_others():
     from harvest.benchmarks import bench_dataplane
 
     assert bench_dataplane.check_dtype("bfloat16") == "bfloat16"
+    assert bench_dataplane.check_dtype("float8_e4m3fn") == "float8_e4m3fn"
     with pytest.raises(SystemExit, match=r"--dtype 'float8_e5m2'.*bfloat16"):
         bench_dataplane.check_dtype("float8_e5m2")
     with pytest.raises(SystemExit, match="--codec 'lzma'"):
@@ -77,3 +78,24 @@ def test_bench_dataplane_stage_cpu_counts_the_write_stages_and_unwraps(tmp_path)
     assert {"encode", "stats", "crc", "stream", "buffer"} <= set(st.cpu)
     assert shardcodec.ShardCodec._encode_chunk is before
     assert np.array_equal(s.read("resid_post.1", 0, 1024).view(np.uint16), x[1].view(np.uint16))
+
+
+def test_bench_dataplane_dry_writes_bf16_and_fp8_side_by_side_by_stage(tmp_path):
+    """The dry mode (a tiny shape, local): a bf16 and an fp8 store from the same rows, written in
+    place as the capture actor does (no `buffer` copy stage), each verified, with the write
+    path's CPU by stage; the fp8 store holds under half the bf16 store's bytes of bf16 input."""
+    from harvest.benchmarks import bench_dataplane
+
+    rows = bench_dataplane.run(units=1, storage=("local",), dtype=["bfloat16", "float8_e4m3fn"],
+                               dry=True, workdir=str(tmp_path))
+    bf, f8 = rows
+    assert (bf["dtype"], f8["dtype"]) == ("bfloat16", "float8_e4m3fn")
+    assert bf["codec"] == {"codec": "split-huffman"} and f8["codec"]["codec"] == "zstd"
+    for r in rows:
+        assert r["verify_ok"] and r["producer"] == "in place (reserve)"
+        st = r["write_core_s_per_gb_by_stage"]
+        assert {"encode", "stats", "crc", "stream", "other"} <= set(st) and "buffer" not in st
+        assert r["write_core_s_per_gb"] > 0
+    assert f8["stored_vs_bf16"] < 0.5 < bf["stored_vs_bf16"] < 0.8
+    s = bench_dataplane.summary(rows)
+    assert s["targets"] == {} and len(s["load_average"]) == 3   # targets are S3's

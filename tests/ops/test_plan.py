@@ -252,7 +252,7 @@ def _recount(p: dict, ratio: float) -> dict:
     per unit, the index
     compacted into one segment; every object a multipart upload (start, parts, completion
     after the marker): a data object's parts are its blocks (8 MiB per point, a block set at
-    most 128 MiB: power-of-two rows here) gathered to S3's 5 MiB minimum, a metadata chunk one
+    most 128 MiB: power-of-two rows here) gathered to the writer's part size (16 MiB), a metadata chunk one
     part; a sidecar, a table and a marker PUT per unit; a marker GET per shard and one before the marker."""
     T, U, S, P = p["estimate"]["tokens"], p["unit_rows"], p["shard_rows"], p["points"]
     units, shards, per_unit = -(-T // U), -(-T // S), U // S
@@ -261,7 +261,9 @@ def _recount(p: dict, ratio: float) -> dict:
     block = min(S, 1 << (cap.bit_length() - 1))
     data = int(S * row / ratio)
     stored_block = int(block * row / ratio)
-    part = stored_block * -(-(5 << 20) // stored_block)  # whole blocks, at least 5 MiB
+    from harvest.store.storage.objectstore import S3Storage
+
+    part = stored_block * -(-S3Storage.part_min_bytes // stored_block)  # whole blocks, >= a part
     parts = -(-data // part)
     writes = per_unit * P * (2 + parts) + 3 * 3 + 3
     return {"units": units, "shards": shards,
@@ -487,6 +489,15 @@ def test_plan_prices_an_fp8_store_at_the_8b_shape(tmp_path, capsys):
     # data objects priced from the fp8 rows, still well above object storage's small-object range
     assert q["layout"]["data_object_bytes"] == int(q["shard_rows"] * 4100 / 1.17) >= 32_000_000
     assert q["layout"]["objects"] <= bf["layout"]["objects"]
+    # the data plane: the same GB/s of rows (per bf16 number), priced by fp8's measured write path
+    from harvest.store.format import compression
+
+    dq, db = q["dataplane"], bf["dataplane"]
+    assert dq["gb_per_second_per"] == db["gb_per_second_per"]
+    assert dq["write_core_s_per_gb"] == compression.write_core_s_per_gb("zstd", "float8_e4m3fn")
+    assert db["write_core_s_per_gb"] == compression.write_core_s_per_gb("default")
+    assert dq["write_core_s_per_gb"] < db["write_core_s_per_gb"]
+    assert dq["cores_needed_per"] < db["cores_needed_per"]
 
 def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, capsys):
     """SmolLM2's shape (9 attention heads, 3 KV heads, MLP 1536, vocab 49152): TP=2 is refused

@@ -299,3 +299,22 @@ def test_writer_memory_stays_within_its_documented_bound(tmp_path):
     assert m["bytes_per_s"] > 0 and w.throughput()["bytes_written"] == x.nbytes
     for i, p in enumerate(s.points):
         assert np.array_equal(s.read(p, 0, n).view(np.uint16), x[i].view(np.uint16))
+
+
+def test_s3_parts_go_up_unsigned_and_round_trip(seaweedfs, s3_url):
+    """Shard parts are sent with UNSIGNED-PAYLOAD (no SHA-256 of every body on the writer's
+    cores, storage/objectstore.py s3_options): the server takes them, and the bytes are still
+    checked end to end against the writer's CRC32Cs (deep verify, every read)."""
+    x = synthetic.activations((P, N, W), seed=6)
+    s = _make(s3_url, seaweedfs.storage_options)
+    fs = s.location.fs
+    fs.connect()
+    sent: list = []
+    fs.s3.meta.events.register("before-send.s3.UploadPart",
+                               lambda request, **_: sent.append(request.headers.get("X-Amz-Content-SHA256")))
+    synthetic.fill(s, x, token_id=np.zeros(N, np.int32))
+    assert sent and {h.decode() if isinstance(h, bytes) else h for h in sent} == {"UNSIGNED-PAYLOAD"}, sent
+    s.finalize({})
+    r = open_store(s3_url, storage_options=seaweedfs.storage_options)
+    assert np.array_equal(r.read("resid_post.1", 0, N).view(np.uint16), x[1].view(np.uint16))
+    assert r.verify(deep=True).ok

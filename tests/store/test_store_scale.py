@@ -74,6 +74,11 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
     from harvest.store.write.writer import RegionWriter
 
     url, so = target
+    # S3's minimum part (the writer gathers 16 MiB): these 16 MiB shard objects then go up in
+    # several parts, which is what is tested
+    from harvest.store.storage.objectstore import S3Storage
+
+    monkeypatch.setattr(S3Storage, "part_min_bytes", 5 << 20)
     s = create_store(url, points=POINTS, width=W, n_rows=N, shard_rows=SHARD, storage_options=so,
                      context_size=128)
     s.write_plan(s.default_plan(1))
