@@ -77,7 +77,9 @@ def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
 
 
 class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
-    """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors.
+    """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors;
+    points of several widths (e.g. `mlp_act.L` beside `mlp_in.L`) as a dict `{point: [batch,
+    width_p]}` in the order given, rows aligned (row i of every point is the same token).
 
     `store`: a Store or a URL (then `storage_options` apply). What to read and how is one
     ReaderConfig (readerconfig.py, every option documented there): pass `config=ReaderConfig(...)`,
@@ -113,9 +115,14 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self.drop_last, self.return_meta, self.eps = cfg.drop_last, cfg.return_meta, cfg.eps
         self.io_threads = cfg.io_threads or 2 * cfg.prefetch_shards
         self.width, self.store_dtype = st.width, st.np_dtype
+        self.widths = {p: st.widths[p] for p in self.points}   # each point's own width
         self._raw = raw_dtype(st.np_dtype)
-        # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean
-        self._rw, self._vdtype = st.row_width, _norm.value_dtype(st)
+        # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean;
+        # points of several widths share [rows, points, widest] buffers, each in its first
+        # `_cols[j]` columns, and are cut to their own width when a batch is made (`_emit`)
+        self._cols = [st.point_row_width(p) for p in self.points]
+        self._rw, self._vdtype = max(self._cols), _norm.value_dtype(st)
+        self.mixed = len(set(self._cols)) > 1
         self.quantized, self.dequantize = st.quantized, cfg.dequantize
         if not self.dequantize and not self.quantized:
             raise ValueError(f"dequantize=False: {st.url} is a {st.dtype} store, not a quantised "
@@ -150,7 +157,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._counts = np.full(len(self.pieces), -1, np.int64)
 
         buf = cfg.shuffle_buffer_rows or \
-            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (st.row_bytes * len(self.points)))
+            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (self._rw * st.np_dtype.itemsize
+                                                               * len(self.points)))
         self.shuffle_buffer_rows = buf
         self.window_shards = max(1, math.ceil(buf / st.shard_rows))
         self.shard_rows, self.mix_docs = st.shard_rows, None
@@ -254,7 +262,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         st = self._open()
         i = self._piece_index(piece)
         m, sh = self._sources[i]
-        read_point(st, m, sh, st.points.index(self.points[p]), out=out, rows=piece[1] - piece[0])
+        read_point(st, m, sh, st.points.index(self.points[p]), out=out[:, :self._cols[p]],
+                   rows=piece[1] - piece[0])
 
     def _piece_index(self, piece: tuple[int, int]) -> int:
         return self.pieces.index(piece)   # a bisect: a dict of 2 M pieces was 200 MB
@@ -295,7 +304,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                             keep=_GATHER_AHEAD + 2)
         finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self._vdtype,
                                 self._slot_rows, self.shuffle, self.seed, g, self.return_meta,
-                                self._extra_meta)
+                                self._extra_meta, self._cols if self.mixed else None)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
@@ -322,6 +331,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
         """x is [n, n_points, row width] raw bits of the store dtype."""
+        if self.mixed:
+            return self._emit_points(x, rows, meta)
         t = _to_torch(x, self.store_dtype)
         scale = None
         if self.quantized:
@@ -344,6 +355,29 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         if not self.return_meta:
             return t
         return {"acts": t, "row": torch.from_numpy(np.ascontiguousarray(rows)),
+                **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
+
+    def _emit_points(self, x: np.ndarray, rows: np.ndarray, meta: dict):
+        """Points of several widths: `{point: [n, width_p]}`, each cut to its own columns and
+        normalised with its own constants (an fp8 store's scale is the last 4 of its columns)."""
+        acts, scales = {}, {}
+        for j, p in enumerate(self.points):
+            t = _to_torch(np.ascontiguousarray(x[:, j, :self._cols[j]]), self.store_dtype)
+            if self.quantized:
+                t, s = fp8_split(t)
+                if self.dequantize:
+                    t = t.float() * s[..., None]
+                else:
+                    acts[p], scales[p] = t, s
+                    continue
+            if self.norm_constants is not None:
+                t = self.norm_constants.apply_point(p, t)
+            acts[p] = t.to(self.out_dtype)
+        out = (acts, scales) if scales else acts
+        if not self.return_meta:
+            return out
+        extra = {"scale": scales} if scales else {}
+        return {"acts": acts, **extra, "row": torch.from_numpy(np.ascontiguousarray(rows)),
                 **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
 
     # ---- resume ------------------------------------------------------------------------------
