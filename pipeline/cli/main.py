@@ -168,7 +168,8 @@ def cmd_plan(args) -> int:
         "unit_rows": L.unit_rows,
         "shard_rows": L.shard_rows,
         "chunk_rows": L.chunk_rows,
-        "bytes_per_token": len(prep.points) * prep.row_width * prep.itemsize,
+        "bytes_per_token": sum(prep.point_bytes().values()),   # each point at its own width
+        "widths": dict(prep.widths or {}),
         "store_dtype": existing.dtype if existing is not None else cfg.store_dtype(),
         "corpus_bytes": corpus_bytes(prep.sources),
     }
@@ -182,7 +183,8 @@ def cmd_plan(args) -> int:
     ratio = expected_ratio(codec, out["store_dtype"])
     out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
-    out["dataplane"], warn = dataplane(cfg, est, len(prep.points) * prep.width * 2, codec)
+    out["dataplane"], warn = dataplane(cfg, est, sum((prep.widths or {}).values()) * 2
+                                       or len(prep.points) * prep.width * 2, codec)
     out["warnings"] += warn
     out["layout"] = layout_cost(
         points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
@@ -190,7 +192,9 @@ def cmd_plan(args) -> int:
         rate=args.rate or est.get("tokens_per_second"),
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
         roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
-        samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1)
+        samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
+        point_widths={p: b // prep.itemsize for p, b in prep.point_bytes().items()}
+        if len(set((prep.widths or {}).values())) > 1 else None)
     if args.json:
         print_json(args, out)
     else:
