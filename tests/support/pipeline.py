@@ -75,8 +75,8 @@ def reference_capture(model_path: str, token_ids: np.ndarray, context_size: int,
             batches = [ctx[i : i + batch_contexts] for i in range(0, len(ctx), batch_contexts)]
             for req in m.capture(batches, points):
                 row = rs + req.index * context_size
-                for pi, p in enumerate(points):
-                    a = to_numpy(req.acts[pi])
+                for p in points:
+                    a = to_numpy(req.point(p))   # at the point's own width
                     if out[p] is None:
                         out[p] = np.zeros((n, a.shape[1]), a.dtype)
                     out[p][row : row + len(a)] = a
