@@ -144,7 +144,7 @@ def card_text(store: Store) -> str:
         f"| model | `{name}` (revision or weights sha256: `{ident}`) |",
         f"| points | {len(pts)}: {shown} |",
         f"| width, dtype | {f['width']}, {f['dtype']} |",
-        *([f"| widths | " + ", ".join(f"{p} {w}" for p, w in f["widths"].items()) + " |"]
+        *(["| widths | " + ", ".join(f"{p} {w}" for p, w in f["widths"].items()) + " |"]
           if f.get("widths") else []),
         f"| rows (tokens) | {_fmt(f['rows'])}" + (f" in {_fmt(f['contexts'])} contexts of "
                                                   f"{f['context_size']}" if f["context_size"]

@@ -128,7 +128,7 @@ def test_fp8_scale_per_point_row(tmp_path):
         assert np.array_equal(got, want), p   # its scale from its own columns only
     assert r.verify(deep=True).ok
     b = next(iter(ActivationDataset(str(tmp_path / "q.zarr"), POINTS, batch_size=N, shuffle=False)))
-    for i, p in enumerate(POINTS):
+    for p in POINTS:
         np.testing.assert_array_equal(b[p].numpy(), fp8.dequantize(r.read(p, 0, N)))
 
 
