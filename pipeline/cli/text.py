@@ -218,7 +218,9 @@ def inspect_text(i: dict) -> str:
              f"  rows       {i['committed_rows']:,} committed of {i['n_rows']:,} "
              f"({i['committed_units']}/{i['planned_units']} units), context {i['context_size']}",
              f"  arrays     {len(i['points'])} points x width {i['width']} {i['dtype']}"
-             + (" (+ a float32 scale per row)" if i.get("row_width", i["width"]) != i["width"] else "")
+             + (" (+ a float32 scale per row)" if i["dtype"] == "float8_e4m3fn" else "")
+             + ("; widths " + ", ".join(f"{p} {w}" for p, w in i["widths"].items())
+                if len(set((i.get("widths") or {}).values())) > 1 else "")
              + ", shards of "
              f"{i['shard_rows']:,} rows, chunks of {i['chunk_rows']:,}",
              f"  codec      {codec(i.get('compression'))}" + _ratio(i.get("compression_ratio")),
