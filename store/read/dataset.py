@@ -37,7 +37,7 @@ import torch
 from . import mixing
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
-from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
+from harvest.store.format.dtypes import raw_dtype, torch_dtype
 from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from harvest.store.format.roles import resolve_roles
 from .loader import ActivationLoader
@@ -49,6 +49,7 @@ from .sampling import lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
 from harvest.store.store import Store, open_store
 from .workermem import cap_malloc_arenas
+from .tensors import emit_points, fp8_split, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -57,23 +58,6 @@ _GATHER_AHEAD = 4         # batches gathered ahead on the codec threads (batchin
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
 _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
-
-
-def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed fp8 rows uint8 `[..., width + 4]` -> (float8_e4m3fn `[..., width]`, float32
-    scales `[...]`), copies of the two parts (fp8.py has the layout)."""
-    w = packed.shape[-1] - 4
-    q = packed[..., :w].contiguous().view(torch.float8_e4m3fn)
-    scale = packed[..., w:].contiguous().view(torch.float32)[..., 0]
-    return q, scale
-
-
-def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
-    """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
-    raw = np.ascontiguousarray(raw)
-    if np_dtype == BF16:
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(raw.view(np_dtype))
 
 
 class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
@@ -332,8 +316,10 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
         """x is [n, n_points, row width] raw bits of the store dtype."""
         if self.mixed:
-            return self._emit_points(x, rows, meta)
-        t = _to_torch(x, self.store_dtype)
+            return emit_points(x, rows, meta, self.points, self._cols, self.store_dtype,
+                               self.quantized, self.dequantize, self.norm_constants,
+                               self.out_dtype, self.return_meta)
+        t = to_torch(x, self.store_dtype)
         scale = None
         if self.quantized:
             t, scale = fp8_split(t)
@@ -355,29 +341,6 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         if not self.return_meta:
             return t
         return {"acts": t, "row": torch.from_numpy(np.ascontiguousarray(rows)),
-                **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
-
-    def _emit_points(self, x: np.ndarray, rows: np.ndarray, meta: dict):
-        """Points of several widths: `{point: [n, width_p]}`, each cut to its own columns and
-        normalised with its own constants (an fp8 store's scale is the last 4 of its columns)."""
-        acts, scales = {}, {}
-        for j, p in enumerate(self.points):
-            t = _to_torch(np.ascontiguousarray(x[:, j, :self._cols[j]]), self.store_dtype)
-            if self.quantized:
-                t, s = fp8_split(t)
-                if self.dequantize:
-                    t = t.float() * s[..., None]
-                else:
-                    acts[p], scales[p] = t, s
-                    continue
-            if self.norm_constants is not None:
-                t = self.norm_constants.apply_point(p, t)
-            acts[p] = t.to(self.out_dtype)
-        out = (acts, scales) if scales else acts
-        if not self.return_meta:
-            return out
-        extra = {"scale": scales} if scales else {}
-        return {"acts": acts, **extra, "row": torch.from_numpy(np.ascontiguousarray(rows)),
                 **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
 
     # ---- resume ------------------------------------------------------------------------------
