@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     cm = sub.add_parser("check-model", help="capture a model in freeze mode and compare every "
                         "layer with Hugging Face fp32; exit 1 above tolerance")
     cm.add_argument("model", help="checkpoint dir, hub name, smollm2 or tiny:<arch>")
-    cm.add_argument("--points", nargs="*", help="default: resid_post at every layer")
+    cm.add_argument("--points", nargs="*", help="default: resid_post at every layer; any point of "
+                    "the table, at its own width (mlp_act.3, z.*, router_logits.* on MoE)")
     cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
     cm.add_argument("--tol-p50", type=float, default=0.03,
                     help="cap on the p50 bound; below it, each point's bound is a multiple "
