@@ -244,6 +244,22 @@ def check_loaded(model: CaptureEngine, reference_path: str | None = None, points
     return _measure(model, path, tokens, refs, points, cfg, dtype)
 
 
+def expand_points(points, n_layers: int) -> list[str]:
+    """Addresses as given, `name.*` expanded to every layer (`name.0` for a model-level point):
+    `harvest check-model smollm2 --points mlp_in.* mlp_act.*` checks a transcoder's points and
+    the MLP's hidden units (at its own width) at every layer."""
+    from .points import MODEL_LEVEL
+
+    out: list[str] = []
+    for p in points:
+        name, _, layer = str(p).rpartition(".")
+        if layer != "*":
+            out.append(str(p))
+        else:
+            out += [f"{name}.0"] if name in MODEL_LEVEL else [f"{name}.{i}" for i in range(n_layers)]
+    return out
+
+
 def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig(),
                 **engine_args) -> dict:
     """Load `name_or_path` in freeze mode (the mode of a harvest run) with a small
@@ -251,7 +267,7 @@ def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig()
     computed first, before this process holds an engine."""
     name_or_path = resolve_model(name_or_path)  # smollm2, tiny:<arch> as in load_model
     info = read_model_info(name_or_path, engine_args.get("revision"))
-    pts = [str(p) for p in points] if points else [f"resid_post.{i}" for i in range(info.n_layers)]
+    pts = expand_points(points or ["resid_post.*"], info.n_layers)
     tokens = check_prompts(name_or_path, cfg.lengths, cfg.seed, info.vocab_size)
     dtype = _dtype(engine_args.get("dtype"))  # the vLLM backend's default: bfloat16
     refs = _refs(name_or_path, tokens, pts, cfg, engine_args.get("revision"), dtype)

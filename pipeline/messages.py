@@ -27,8 +27,9 @@ class ActorSpec:
     """The checkpoint the engine loads (resolved: a local path or a hub name)."""
     engine_kwargs: dict
     """`harvest.engine.load_model`'s keyword arguments beside the path (ModelConfig's)."""
-    points: tuple[str, ...]
-    """The points captured, in the store's order."""
+    points: tuple
+    """The points captured, in the store's order: engine Addresses, parsed once by the driver
+    (prepare.resolve_points); `str(a)` is the store's point name."""
     context_size: int
     """Tokens per context: a unit's rows are cut into contexts of this many."""
     store_url: str
@@ -57,7 +58,7 @@ class ActorSpec:
 
     def __post_init__(self):
         if not isinstance(self.points, tuple) or not self.points:
-            raise ValueError(f"ActorSpec.points must be a non-empty tuple of point names, got "
+            raise ValueError(f"ActorSpec.points must be a non-empty tuple of addresses, got "
                              f"{self.points!r}")
         if self.context_size <= 0:
             raise ValueError(f"ActorSpec.context_size must be positive, got {self.context_size}")

@@ -54,6 +54,7 @@ def card_facts(store: Store) -> dict:
         "engine": model.get("backend"),
         "points": list(store.points),
         "width": store.width,
+        "widths": dict(store.widths) if store.mixed_widths else None,
         "dtype": store.dtype,
         "rows": rows,
         "tokens": rows,
@@ -143,6 +144,8 @@ def card_text(store: Store) -> str:
         f"| model | `{name}` (revision or weights sha256: `{ident}`) |",
         f"| points | {len(pts)}: {shown} |",
         f"| width, dtype | {f['width']}, {f['dtype']} |",
+        *(["| widths | " + ", ".join(f"{p} {w}" for p, w in f["widths"].items()) + " |"]
+          if f.get("widths") else []),
         f"| rows (tokens) | {_fmt(f['rows'])}" + (f" in {_fmt(f['contexts'])} contexts of "
                                                   f"{f['context_size']}" if f["context_size"]
                                                   else "") + " |",

@@ -11,7 +11,7 @@ def store_info(st) -> dict:
     planned = sum(u.n_rows for u in plan)
     return {
         "url": st.url, "layout_version": st.layout_version, "points": st.points,
-        "width": st.width, "n_rows": st.n_rows, "dtype": st.dtype, "row_width": st.row_width,
+        "width": st.width, "widths": dict(st.widths), "n_rows": st.n_rows, "dtype": st.dtype, "row_width": st.row_width,
         "shard_rows": st.shard_rows, "chunk_rows": st.chunk_rows,
         "context_size": st.context_size, "special_token_ids": st.special_token_ids,
         "bos_token_id": st.bos_token_id, "tokenizer": st.tokenizer,

@@ -65,8 +65,15 @@ class Store:
         self.chunk_rows: int = int(h["chunk_rows"])
         self.dtype: str = h["dtype"]
         self.np_dtype: np.dtype = resolve_dtype(self.dtype)   # of the stored elements
-        # columns of a point array: `width`, plus a float32 scale per row in fp8 stores (fp8.py)
-        self.row_width: int = row_width(self.dtype, self.width)
+        # each point's own width (layout 4: `widths`; older layouts: every point is `width`)
+        self.widths: dict[str, int] = layout.point_widths(h)
+        self.mixed_widths: bool = any(w != self.width for w in self.widths.values())
+        # the widest point (never below `width`): writers' block buffers and the engine's
+        # destinations are [points, rows, max_width]; a narrower point uses its first columns
+        self.max_width: int = max([self.width, *self.widths.values()])
+        # columns of a buffer row: `max_width`, plus a float32 scale per row in fp8 stores
+        # (fp8.py); a point array's own columns are `point_row_width(point)`
+        self.row_width: int = row_width(self.dtype, self.max_width)
         self.quantized: bool = is_quantized(self.dtype)
         self.compression: dict = h["compression"]
         self.layout_version: int = int(h["layout_version"])
@@ -184,8 +191,18 @@ class Store:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row of one point, uncompressed (as stored: fp8 rows with their scale)."""
+        """Bytes of one buffer row of one point, uncompressed (as stored: fp8 rows with their
+        scale; the widest point's where widths differ: `row_set_bytes` sums each point's own)."""
         return self.row_width * self.np_dtype.itemsize
+
+    @property
+    def row_set_bytes(self) -> int:
+        """Bytes of one row of every point as stored (each point at its own width)."""
+        return sum(self.point_row_width(p) for p in self.points) * self.np_dtype.itemsize
+
+    def point_row_width(self, point: str) -> int:
+        """Columns of `point`'s array: its width, plus 4 scale bytes per row in an fp8 store."""
+        return row_width(self.dtype, self.widths[point])
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         s = shard * self.shard_rows
@@ -193,6 +210,7 @@ class Store:
 
     def __repr__(self) -> str:
         return (f"Store({self.url!r}, points={len(self.points)}, width={self.width}, "
+                + (f"widths={sorted(set(self.widths.values()))}, " if self.mixed_widths else "") +
                 f"n_rows={self.n_rows}, dtype={self.dtype})")
 
     def info(self) -> dict:
@@ -266,7 +284,7 @@ class Store:
         return _reads.read_rows(self, point, start, stop)
 
     def read_values(self, point: str, start: int, stop: int) -> np.ndarray:
-        """`read` as float32 values [n, width]: widened, or dequantised in an fp8 store."""
+        """`read` as float32 values [n, the point's width]: widened, or dequantised in an fp8 store."""
         return self.values(self.read(point, start, stop))
 
     def values(self, rows: np.ndarray) -> np.ndarray:
@@ -437,7 +455,8 @@ class Store:
         token and whose context position is >= stats_skip_positions; see FORMAT.md).
 
         From finalize if present, else merged now from the committed partials. Each value:
-        count, mean [width] float64, var [width] float64, mean_sq_norm, nonfinite_rows.
+        count, mean [point's width] float64, var [point's width] float64, mean_sq_norm,
+        nonfinite_rows.
         """
         return _statsfiles.read_stats(self, points, subset)
 

@@ -90,7 +90,8 @@ class HarvestActor:
             t1 = time.perf_counter()
             self.check = self._engine_thread.submit(check_engine, self.engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
-        self.points = list(spec.points)
+        self.addresses = tuple(spec.points)   # Addresses, parsed once (prepare.resolve_points)
+        self.points = [str(a) for a in self.addresses]   # the store's point names
         self.context_size = spec.context_size
         self.slots = None
         if spec.generate is not None:
@@ -248,8 +249,8 @@ class HarvestActor:
             kw["destinations"] = destination
             if self._open_store().quantized:   # fp8 rows leave the engine packed (quantize.py)
                 kw["quantize"] = self._open_store().dtype
-        stream = self.engine.capture(feed, self.points, **kw) if self.slots is None else \
-            self.slots.stream(self.engine, feed, self.points, routes, **kw)
+        stream = self.engine.capture(feed, self.addresses, **kw) if self.slots is None else \
+            self.slots.stream(self.engine, feed, self.addresses, routes, **kw)
         try:
             for req in stream:
                 job, i = routes.pop(req.index)
@@ -355,7 +356,10 @@ class HarvestActor:
             store = self._open_store()
             e = self.engine
             if store.quantized:
-                same = bool(getattr(e, "quantizes", False)) and self.slots is None
+                # the engine quantises a whole buffer row; points of several widths need each
+                # point's scale over its own columns, which the writer computes (writer.py)
+                same = bool(getattr(e, "quantizes", False)) and self.slots is None \
+                    and not store.mixed_widths
             else:
                 same = e.dtype == torch_dtype(store.np_dtype)
             ok = bool(e.accepts_destinations) and list(store.points) == list(self.points) and same

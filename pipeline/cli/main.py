@@ -168,7 +168,8 @@ def cmd_plan(args) -> int:
         "unit_rows": L.unit_rows,
         "shard_rows": L.shard_rows,
         "chunk_rows": L.chunk_rows,
-        "bytes_per_token": len(prep.points) * prep.row_width * prep.itemsize,
+        "bytes_per_token": sum(prep.point_bytes().values()),   # each point at its own width
+        "widths": dict(prep.widths or {}),
         "store_dtype": existing.dtype if existing is not None else cfg.store_dtype(),
         "corpus_bytes": corpus_bytes(prep.sources),
     }
@@ -182,8 +183,8 @@ def cmd_plan(args) -> int:
     ratio = expected_ratio(codec, out["store_dtype"])
     out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
-    out["dataplane"], warn = dataplane(cfg, est, len(prep.points) * prep.width * 2, codec,
-                                       out["store_dtype"])
+    out["dataplane"], warn = dataplane(cfg, est, sum((prep.widths or {}).values()) * 2
+                                       or len(prep.points) * prep.width * 2, codec, out["store_dtype"])
     out["warnings"] += warn
     out["layout"] = layout_cost(
         points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
@@ -191,7 +192,9 @@ def cmd_plan(args) -> int:
         rate=args.rate or est.get("tokens_per_second"),
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
         roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
-        samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1)
+        samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
+        point_widths={p: b // prep.itemsize for p, b in prep.point_bytes().items()}
+        if len(set((prep.widths or {}).values())) > 1 else None)
     if args.json:
         print_json(args, out)
     else:
@@ -317,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     cm = sub.add_parser("check-model", help="capture a model in freeze mode and compare every "
                         "layer with Hugging Face fp32; exit 1 above tolerance")
     cm.add_argument("model", help="checkpoint dir, hub name, smollm2 or tiny:<arch>")
-    cm.add_argument("--points", nargs="*", help="default: resid_post at every layer")
+    cm.add_argument("--points", nargs="*", help="default: resid_post at every layer; any point of "
+                    "the table, at its own width (mlp_act.3, z.*, router_logits.* on MoE)")
     cm.add_argument("--lengths", default="5,37,150,64,90,17,1,120", help="prompt lengths")
     cm.add_argument("--tol-p50", type=float, default=0.03,
                     help="cap on the p50 bound; below it, each point's bound is a multiple "

@@ -64,9 +64,12 @@ def index_requests(units: int) -> int:
 def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
                 tokens: "int | None", ratio: float, rate: "float | None",
                 object_store: bool, roles: bool = False, generated: bool = False,
-                samples: bool = False) -> dict:
+                samples: bool = False, point_widths: "dict | None" = None) -> dict:
     """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
-    whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at."""
+    whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at.
+    `width` is the widest point's stored columns (what sizes shards and blocks); `point_widths`
+    (point -> its stored columns, where points differ) adds `per_point`: each point's row,
+    shard object and total bytes and its objects."""
     # `roles`: a chat store's `role` column; `generated`: a generation store's `gen` column;
     # `samples`: the `sample` column of n > 1 samples per prompt
     extra = (("role",) if roles else ()) + (("gen",) if generated else ()) + \
@@ -145,6 +148,14 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
         out["reads_per_second"] = round(reads * per_s)
         # a reader taking every point back at the capture rate: one GET per object
         out["readback_reads_per_second"] = round(shards_per_unit * P * per_s)
+    if point_widths:
+        out["per_point"] = {
+            p: {"width": int(w), "row_bytes": int(w) * itemsize,
+                "data_object_bytes_logical": shard_rows * int(w) * itemsize,
+                "data_object_bytes": int(shard_rows * int(w) * itemsize / ratio),
+                "bytes_logical": tokens * int(w) * itemsize if tokens else None,
+                "objects": shards}
+            for p, w in point_widths.items()}
     out["warnings"] = layout_warnings(out, width=width, itemsize=itemsize, shard_rows=shard_rows,
                                       unit_rows=unit_rows, marker_one=marker_one)
     return out

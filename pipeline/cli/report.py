@@ -129,7 +129,7 @@ def collect(store, tokenizer_path: str | None = None, sample_shards: int = SAMPL
     every = store.stats(subset="all")
     points = list(store.points)
     rows, stored = _committed_sizes(markers, len(points))
-    logical = rows * store.row_bytes
+    itemsize = store.np_dtype.itemsize   # logical bytes: each point at its own width
     per_point = []
     for i, p in enumerate(points):
         name, layer = _layer_key(p)
@@ -139,7 +139,9 @@ def collect(store, tokenizer_path: str | None = None, sample_shards: int = SAMPL
             "point": p, "name": name, "layer": layer, **k,
             "count_all": a["count"], "rms_norm_all": a["rms_norm"], "var_max_all": a["var_max"],
             **dims,
-            "compression": round(logical / stored[i], 4) if stored[i] else None,
+            "width": store.widths[p],
+            "compression": (round(rows * store.point_row_width(p) * itemsize / stored[i], 4)
+                            if stored[i] else None),
         })
     decode = _decoder(store, tokenizer_path)
     shards = _sample_shards(markers, sample_shards, store.shard_rows)

@@ -51,6 +51,12 @@ def plan_text(p: dict) -> str:
              + ("  (exists: a run resumes it)" if p["store_exists"] else "")]
     lines.append(f"model     {p['model_path']}: {p['points']} points x width {p['width']}, "
                  f"{size(p['bytes_per_token'])} per token")
+    ws = p.get("widths") or {}
+    if len(set(ws.values())) > 1:   # points of several widths: each at its own (FORMAT.md)
+        per = (p.get("layout") or {}).get("per_point") or {}
+        lines.append("widths    " + ", ".join(
+            f"{k} {w}" + (f" ({size(per[k]['bytes_logical'])})" if per.get(k, {}).get("bytes_logical")
+                          else "") for k, w in ws.items()))
     text = f"{size(p['corpus_bytes'])} of text, " if p.get("corpus_bytes") else ""
     lines.append(f"data      {p['data']}: {text}{p['blocks']} block(s) of up to "
                  f"{size(p['block_bytes'])}")
@@ -212,7 +218,9 @@ def inspect_text(i: dict) -> str:
              f"  rows       {i['committed_rows']:,} committed of {i['n_rows']:,} "
              f"({i['committed_units']}/{i['planned_units']} units), context {i['context_size']}",
              f"  arrays     {len(i['points'])} points x width {i['width']} {i['dtype']}"
-             + (" (+ a float32 scale per row)" if i.get("row_width", i["width"]) != i["width"] else "")
+             + (" (+ a float32 scale per row)" if i["dtype"] == "float8_e4m3fn" else "")
+             + ("; widths " + ", ".join(f"{p} {w}" for p, w in i["widths"].items())
+                if len(set((i.get("widths") or {}).values())) > 1 else "")
              + ", shards of "
              f"{i['shard_rows']:,} rows, chunks of {i['chunk_rows']:,}",
              f"  codec      {codec(i.get('compression'))}" + _ratio(i.get("compression_ratio")),

@@ -17,7 +17,7 @@ from typing import Any
 
 from harvest.engine import BACKENDS
 from harvest.engine.addresses import KNOWN_POINTS
-from harvest.engine.points import BY_NAME, REFUSED
+from harvest.engine.points import REFUSED
 
 from .fields import ConfigError, check_bool, check_choice, check_float, check_int, check_str
 from .generate import from_section
@@ -170,8 +170,9 @@ class CaptureConfig:
             raise ConfigError(
                 "capture.points must be a non-empty list such as [resid_post.3] or [resid_post.*]"
             )
-        for p in self.points:
-            check_point(p)
+        # parsed once, here: (point name, layer or None for `name.*`) per entry, in order;
+        # prepare.resolve_points expands them against the model's depth into Addresses
+        object.__setattr__(self, "parsed", tuple(parse_point(p) for p in self.points))
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
         if self.roles is not None:
@@ -188,9 +189,10 @@ class CaptureConfig:
             self.generate.validate()
 
 
-def check_point(p: Any) -> None:
-    """One capture.points entry: the address grammar and a known point kind. The layer range
-    needs the model's depth, so prepare.resolve_points checks it once the model config is read."""
+def parse_point(p: Any) -> "tuple[str, int | None]":
+    """One capture.points entry -> (point name, layer; None for `name.*`): the address grammar
+    and a known point kind. The layer range and whether the model has the point (router_logits
+    needs a MoE model) need its config: prepare.resolve_points checks them once it is read."""
     if not isinstance(p, str) or not re.fullmatch(r"[A-Za-z_]+\.(\d+|\*)", p):
         raise ConfigError(
             f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "
@@ -203,13 +205,8 @@ def check_point(p: Any) -> None:
             f"capture.points entry {p!r}: " + (f"point {name!r} is not served: {why}" if why else
                                                 f"unknown point {name!r}; known points are "
                                                 f"{', '.join(KNOWN_POINTS)}"))
-    spec = BY_NAME.get(name)
-    if spec is not None and spec.width != "d_model":
-        raise ConfigError(
-            f"capture.points entry {p!r}: {name} is {spec.width}-wide ({spec.meaning}), and a "
-            "store holds d_model-wide rows only (per-point widths are not in the store format "
-            "yet): capture it with the engine API (harvest.engine.run_with_cache), or store "
-            "d_model points (attn_in, resid_mid, mlp_in, mlp_out, ...)")
+    layer = p.rpartition(".")[2]
+    return name, None if layer == "*" else int(layer)
 
 
 

@@ -60,9 +60,9 @@ def actor_spec(cfg: HarvestConfig, prep, index: int,
     return ActorSpec(
         index=index,
         model_path=prep.model_path,
-        engine_kwargs=cfg.model.engine_kwargs(prep.points),
+        engine_kwargs=cfg.model.engine_kwargs(list(prep.addresses or prep.points)),
         engine_factory=engine_factory,
-        points=tuple(prep.points),
+        points=tuple(prep.addresses or prep.points),   # parsed once (prepare.resolve_points)
         context_size=cfg.packing.context_size,
         store_url=cfg.store.resolved_url,
         storage_options=cfg.store.fs_options(),

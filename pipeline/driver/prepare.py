@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harvest.pipeline.config.run import ConfigError, HarvestConfig
 from harvest.pipeline.data.packing import resolve_bos
 from .unit_sizes import Layout, choose_layout
-from harvest.pipeline.config.sections import check_point
+from harvest.pipeline.config.sections import CaptureConfig
 from harvest.pipeline.data.check import check_fills_context, probe_text_column
 from harvest.pipeline.data.blocks import plan_blocks
 from harvest.store.read.filters import SINK_POSITIONS
+
+if TYPE_CHECKING:
+    from harvest.engine.addresses import Address
 
 
 def resolve_model_path(path: str) -> str:
@@ -33,26 +36,48 @@ def resolve_model_path(path: str) -> str:
         raise ConfigError(f"model.path={path!r}: {e}") from None
 
 
-def resolve_points(points: list[str], n_layers: int) -> list[str]:
-    """Expand `name.*` and range-check every address against the model; errors name the field.
-    The grammar and point kinds were checked with the config (sections.check_point)."""
-    from harvest.engine.addresses import parse_addresses
-    from harvest.engine.points import MODEL_LEVEL
+def resolve_points(capture: CaptureConfig, n_layers: int, info=None) -> "tuple[Address, ...]":
+    """The config's points, parsed once when it was validated (`capture.parsed`), as Addresses:
+    `name.*` expanded, every layer range-checked against the model, duplicates dropped, and
+    (given the model's `info`) each point checked to exist in it (router_logits on a dense
+    model, mlp_act on a MoE one are refused by name). Errors name the field."""
+    from harvest.engine.addresses import Address
+    from harvest.engine.points import BY_NAME, MODEL_LEVEL
 
-    expanded: list[str] = []
-    for p in points:
-        check_point(p)  # again: a config changed after validation must not pass here
-        name, _, layer = p.rpartition(".")
-        if layer == "*" and name in MODEL_LEVEL:  # one per model: `embeddings.*` is embeddings.0
-            expanded.append(f"{name}.0")
-        elif layer == "*":
-            expanded += [f"{name}.{i}" for i in range(n_layers)]
-        else:
-            expanded.append(p)
+    parsed = getattr(capture, "parsed", None)
+    if parsed is None:
+        raise ConfigError("capture: this config was not validated (build it with load_config "
+                          "or from_dict, or call .validate()), so capture.points are not parsed")
+    out: list[Address] = []
     try:
-        return [str(a) for a in parse_addresses(expanded, n_layers)]
+        for name, layer in parsed:
+            if layer is None:   # `name.*`: every layer (model-level points: the one, `.0`)
+                layers = [0] if name in MODEL_LEVEL else range(n_layers)
+            else:
+                layers = [layer]
+            for li in layers:
+                if li >= n_layers:
+                    raise ValueError(f"address {name}.{li} is out of range: the model has "
+                                     f"layers 0..{n_layers - 1}")
+                a = Address(name, li)
+                if a not in out:
+                    out.append(a)
     except ValueError as e:
         raise ConfigError(f"capture.points: {e}") from None
+    if info is not None:
+        experts = dict(info.kinds).get("experts")
+        for name in dict.fromkeys(a.name for a in out):
+            spec = BY_NAME.get(name)
+            if spec is not None and spec.moe is False and experts:
+                raise ConfigError(
+                    f"capture.points: {name} is a dense MLP's point ({spec.meaning}) and "
+                    f"{info.architecture} has MoE blocks ({experts} experts): capture "
+                    "router_logits or mlp_in/mlp_out there")
+            try:
+                info.point_width(name)
+            except ValueError as e:
+                raise ConfigError(f"capture.points: {e}; drop {name} from capture.points") from None
+    return tuple(out)
 
 
 def model_facts(cfg: HarvestConfig) -> tuple[str, Any]:
@@ -101,7 +126,7 @@ class Prepared:
     width: int
     vocab_size: int
     max_len: int
-    points: list[str]
+    points: list[str]      # str(a) of `addresses`: the store's point names
     bos_token_id: int | None
     special_token_ids: list[int]
     sources: dict          # {"kind", "description", "blocks": [[segment...]...]}
@@ -109,6 +134,20 @@ class Prepared:
     stats_skip_positions: int
     seconds: float
     token_source: "dict | None" = None  # data.tokens_column: what check_token_source found
+    addresses: tuple = ()   # the capture points as parsed Addresses (engine.addresses), in order
+    widths: "dict | None" = None   # point -> its width in this model (engine/points.py)
+
+    @property
+    def max_width(self) -> int:
+        """The widest point's width (never below the model's): block buffers are this wide."""
+        return max([self.width, *(self.widths or {}).values()])
+
+    def point_bytes(self) -> dict:
+        """point -> bytes of one stored row of it (its own width; fp8: + the scale)."""
+        from harvest.store.format.dtypes import row_width
+
+        return {p: row_width(self.cfg.store_dtype(), (self.widths or {}).get(p, self.width))
+                * self.itemsize for p in self.points}
 
     @property
     def itemsize(self) -> int:
@@ -117,10 +156,10 @@ class Prepared:
 
     @property
     def row_width(self) -> int:
-        """Stored columns per row of a point (fp8: the width and 4 scale bytes)."""
+        """Stored columns per buffer row of a point (the widest point's; fp8: + 4 scale bytes)."""
         from harvest.store.format.dtypes import row_width
 
-        return row_width(self.cfg.store_dtype(), self.width)
+        return row_width(self.cfg.store_dtype(), self.max_width)
 
     def run_key(self) -> dict:
         """What the store remembers about the run, to refuse a mismatched resume."""
@@ -138,7 +177,9 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     layout and recorded blocks win over what the config would choose now)."""
     t0 = time.perf_counter()
     model_path, info = model_facts(cfg)
-    points = resolve_points(cfg.capture.points, info.n_layers)
+    addresses = resolve_points(cfg.capture, info.n_layers, info)
+    points = [str(a) for a in addresses]
+    widths = {p: info.point_width(a.name) for p, a in zip(points, addresses)}
     limit = context_limit(cfg, info)
     C = cfg.packing.context_size
     if C > limit:
@@ -175,8 +216,9 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
             stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
     from harvest.store.format.dtypes import row_width
 
-    layout = choose_layout(cfg, row_width(cfg.store_dtype(), info.width), itemsize, len(points),
-                           stored_layout)
+    # one shard size for every point (units are shard-aligned), sized for the widest
+    layout = choose_layout(cfg, row_width(cfg.store_dtype(), max([info.width, *widths.values()])),
+                           itemsize, len(points), stored_layout)
     if existing is not None and stored_layout is None:
         # a store created by a driver that died before recording its sources: its arrays fix
         # the shards; this run's units are whole shards of them (the plan is still empty)
@@ -196,4 +238,5 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         # a resumed store filled contexts already; a new one must be able to fill one
         check_fills_context(cfg, sources["blocks"], tokenizer, bos)
     return Prepared(cfg, model_path, info.n_layers, info.width, info.vocab_size, limit, points,
-                    bos, special, sources, layout, skip, time.perf_counter() - t0, token_source)
+                    bos, special, sources, layout, skip, time.perf_counter() - t0, token_source,
+                    addresses, widths)

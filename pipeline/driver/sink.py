@@ -95,7 +95,8 @@ class StoreSink:
             attrs["generation"] = store_attrs(cfg, prep.model_path)
         L = prep.layout
         store = create_store(
-            cfg.store.resolved_url, points=prep.points, width=prep.width, n_rows=L.capacity_rows,
+            cfg.store.resolved_url, points=prep.points, width=prep.width, widths=prep.widths,
+            n_rows=L.capacity_rows,
             shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.store_dtype(),
             compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
             create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,

@@ -93,15 +93,20 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     acc = store.merge_stats(refs)
     merged = {s: acc.moments(s) for s in layout.STATS_SUBSETS}
     for subset, moments in merged.items():
-        # one [points, width] array per statistic: 4 arrays, not 4 per point (each array is
-        # several requests to create on object storage)
+        # one [points, max width] array per statistic: 4 arrays, not 4 per point (each array is
+        # several requests to create on object storage); a narrower point's row is NaN past its
+        # width (layout 4, FORMAT.md "Per-point widths")
         g = zarr.open_group(store=store.zarr_store, path=f"{layout.STATS_GROUP}/{subset}", mode="a",
                             zarr_format=3)
         for name, vecs in (("mean", [m.mean for m in moments]), ("var", [m.var for m in moments])):
-            a = g.create_array(name, shape=(P, store.width), dtype="float64", chunks=(P, store.width),
+            W = store.max_width
+            a = g.create_array(name, shape=(P, W), dtype="float64", chunks=(P, W),
                                compressors=None, fill_value=np.nan, overwrite=True,
                                dimension_names=["point", "dim"])
-            a[:] = np.stack(vecs)
+            full = np.full((P, W), np.nan)
+            for i, v in enumerate(vecs):
+                full[i, :v.shape[0]] = v
+            a[:] = full
         g.attrs.update({"points": store.points, "count": [m.count for m in moments],
                         "mean_sq_norm": [m.mean_sq_norm for m in moments],
                         "nonfinite_rows": [m.nonfinite for m in moments]})
@@ -109,14 +114,15 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     _commits.compact_index(loc, index)
     _settle_attempt_objects(store, owner, meta_owner)
     abort_losing_uploads(store, pending, owner, meta_owner)
-    logical = rows * store.row_bytes
+    # logical bytes per point: rows x its own stored columns (fp8: + the scale) x itemsize
+    logical = [rows * store.point_row_width(p) * store.np_dtype.itemsize for p in store.points]
     if not recorded:  # a marker without sizes (zarr fallback codec): list what it wrote
         stored = np.array([_listed_bytes(store, p) for p in store.points], np.int64)
     stored_total = int(stored.sum())
-    ratio = {"overall": round(logical * P / stored_total, 4) if stored_total else None,
-             "per_point": {p: (round(logical / int(b), 4) if b else None)
-                           for p, b in zip(store.points, stored)},
-             "logical_bytes": logical * P, "stored_bytes": stored_total}
+    ratio = {"overall": round(sum(logical) / stored_total, 4) if stored_total else None,
+             "per_point": {p: (round(lg / int(b), 4) if b else None)
+                           for p, lg, b in zip(store.points, logical, stored)},
+             "logical_bytes": sum(logical), "stored_bytes": stored_total}
     if end and end < store.n_rows:
         _shrink(store, end)
     attrs_update = {

@@ -129,7 +129,7 @@ def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str
     version 3 a fixed-size reference to the unit's object table (`table`, made by `prepare`) and
     the stored bytes per point (finalize and the report sum these instead of every shard's)."""
     recs = _tables.records(shards)
-    nbytes = (row_end - row_start) * len(store.points) * store.row_bytes
+    nbytes = (row_end - row_start) * store.row_set_bytes
     m = {"layout_version": store.layout_version, "unit_id": unit_id,
          "row_start": row_start, "row_end": row_end, "n_rows": row_end - row_start}
     if store.layout_version < 3:

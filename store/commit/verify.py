@@ -260,11 +260,12 @@ def _check_arrays(store: Store, errors: list[str]) -> None:
                           f"({store.n_rows},) {dt} (zarr.json or the harvest attributes were edited)")
     for p in store.points:
         a = store.array(p)
-        if a.shape != (store.n_rows, store.row_width) or a.dtype != store.np_dtype:
+        rw = store.point_row_width(p)   # the point's own width (layout 4), fp8: + its scale
+        if a.shape != (store.n_rows, rw) or a.dtype != store.np_dtype:
             errors.append(f"array {p} has shape {a.shape} dtype {a.dtype}, expected "
-                          f"({store.n_rows}, {store.row_width}) {store.dtype} (zarr.json or the harvest "
+                          f"({store.n_rows}, {rw}) {store.dtype} (zarr.json or the harvest "
                           "attributes were edited)")
-        if tuple(a.shards or a.chunks) != (store.shard_rows, store.row_width):
+        if tuple(a.shards or a.chunks) != (store.shard_rows, rw):
             errors.append(f"array {p} shards {a.shards} do not match shard_rows={store.shard_rows}")
 
 

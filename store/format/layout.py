@@ -17,7 +17,11 @@ LAYOUT_NAME = "harvest.activations"
 # Version 3 moved the per-shard records out of the commit marker into a per-unit object table
 # (FORMAT.md, "Layout version 3"); version 2 stores, whose markers carry them inline, still read.
 LAYOUT_VERSION = 3
-SUPPORTED_LAYOUT_VERSIONS = (2, 3)
+# Version 4 = version 3 plus per-point widths (`widths` attribute, FORMAT.md "Per-point widths"):
+# written only when some point is not `width` wide, so that a harvest which knows one width per
+# store refuses such a store instead of misreading it; a store of one width stays version 3.
+LAYOUT_VERSION_WIDTHS = 4
+SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4)
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
 # `role` (int8, codes in store/roles.py) and `gen` (int8, FORMAT.md "Generation") were added
@@ -57,7 +61,9 @@ PROBE_DIR = f"{CONTROL_DIR}/probe"
 # never land bytes on an object a marker vouches for (see FORMAT.md, "Work units and commits").
 OBJECTS_DIR = f"{CONTROL_DIR}/objects"
 SCRATCH_DIR = f"{CONTROL_DIR}/scratch"   # rows of shards a writer had to evict before completing
-STATS_GROUP = "stats"             # zarr group: stats/<subset>/{mean,var} [points, width], finalize
+# zarr group: stats/<subset>/{mean,var} [points, max width] float64, finalize (a point narrower
+# than the widest holds NaN past its own width: FORMAT.md "Per-point widths")
+STATS_GROUP = "stats"
 STATS_SUBSETS = ("all", "kept")
 
 # Per point array: one object per shard, ~128 MiB logical (~100 MB stored at bf16's ~1.2x).
@@ -288,6 +294,19 @@ def block_rows(shard_rows: int, chunk_rows: int, n_points: int, row_bytes: int,
 
 # what open_store needs in the `harvest` attributes before it trusts a group (FORMAT.md)
 REQUIRED_ATTRS = ("points", "width", "n_rows", "shard_rows", "chunk_rows", "dtype", "compression")
+
+
+def point_widths(h: dict) -> dict[str, int]:
+    """point -> its width, from a store's `harvest` attributes: `widths` (layout 4) where given,
+    else every point is `width` wide (layouts 2 and 3)."""
+    given = h.get("widths") or {}
+    return {p: int(given.get(p, h["width"])) for p in h["points"]}
+
+
+def layout_version(widths: dict[str, int], width: int) -> int:
+    """The layout a new store is written at: 4 when any point is not `width` wide, else 3."""
+    return LAYOUT_VERSION_WIDTHS if any(int(w) != int(width) for w in widths.values()) \
+        else LAYOUT_VERSION
 
 
 def check_group(raw: "bytes | None", url: str, what: str) -> dict:

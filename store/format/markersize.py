@@ -43,7 +43,8 @@ def _typical(points, unit_id, row_start, k, n_shards, shard_rows, row_bytes, obj
              meta_bytes, version) -> Prepared:
     from types import SimpleNamespace
 
-    store = SimpleNamespace(layout_version=version, points=list(points), row_bytes=row_bytes)
+    store = SimpleNamespace(layout_version=version, points=list(points), row_bytes=row_bytes,
+                            row_set_bytes=row_bytes * len(points))
     attempt = "f" * 16  # writers' attempt ids are 16 hex digits
     rows = n_shards * shard_rows
     stats = {"key": layout.stats_key(unit_id, attempt), "sha256": "0" * 64,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from . import compression as _compression
 from . import fp8 as _fp8
@@ -44,6 +44,9 @@ class StoreSpec:
 
     points: capture points, e.g. ["resid_post.10"], one array each (`[n_rows, width]`).
     width: the model's hidden width; n_rows: rows the arrays are sized to (finalize shrinks them).
+    widths: point -> its own width where it is not `width` (z: heads x head_dim, mlp_act: the
+        MLP width, router_logits: the expert count); resolved to every point's width. A store
+        with any point of another width is written at layout 4 (FORMAT.md "Per-point widths").
     shard_rows, chunk_rows: rows per shard object and per inner chunk (None: layout.choose_sizes).
     dtype: "bfloat16" (bit-exact), "float16", "float32", or "float8_e4m3fn" (quantised: e4m3fn
         values and a float32 scale per row, `width + 4` uint8 columns; fp8.py); compression: see
@@ -61,6 +64,7 @@ class StoreSpec:
     points: tuple[str, ...]
     width: int
     n_rows: int
+    widths: "Mapping[str, int] | None" = None
     shard_rows: int | None = None
     chunk_rows: int | None = None
     dtype: str = "bfloat16"
@@ -93,6 +97,7 @@ class StoreSpec:
             set_(self, name, _positive(name, getattr(self, name), optional=False))
         for name in ("shard_rows", "chunk_rows", "context_size", "meta_chunk_rows"):
             set_(self, name, _positive(name, getattr(self, name)))
+        set_(self, "widths", _widths(points, self.widths, self.width))
         np_dtype = resolve_dtype(self.dtype)
         set_(self, "dtype", canonical_name(self.dtype))
         set_(self, "compression", _compression.normalize(_fp8.compression_for(self.compression, self.dtype)))
@@ -104,7 +109,8 @@ class StoreSpec:
         set_(self, "special_token_ids", tuple(sorted({int(t) for t in self.special_token_ids})))
         if self.bos_token_id is not None:
             set_(self, "bos_token_id", int(self.bos_token_id))
-        shard, chunk = layout.choose_sizes(row_width(self.dtype, self.width), np_dtype.itemsize, len(points),
+        # one shard_rows for every point (units are shard-aligned), sized for the widest point
+        shard, chunk = layout.choose_sizes(row_width(self.dtype, self.max_width), np_dtype.itemsize, len(points),
                                            multiple=self.context_size or 1, n_rows=self.n_rows,
                                            shard_rows=self.shard_rows, chunk_rows=self.chunk_rows)
         set_(self, "shard_rows", shard)
@@ -123,6 +129,11 @@ class StoreSpec:
                              "generated=True: only a generation store has samples")
 
     @property
+    def max_width(self) -> int:
+        """The widest point's width (never below `width`): writers' block buffers are this wide."""
+        return max([self.width, *self.widths.values()])
+
+    @property
     def columns(self) -> tuple[str, ...]:
         """The row-metadata columns this store has: layout.BASE_META plus the optional ones asked."""
         return layout.BASE_META + tuple(f.metadata["column"] for f in _column_fields() if getattr(self, f.name))
@@ -139,6 +150,18 @@ class StoreSpec:
 
 def _column_fields() -> list:
     return [f for f in dataclasses.fields(StoreSpec) if "column" in f.metadata]
+
+
+def _widths(points: tuple[str, ...], given, width: int) -> dict[str, int]:
+    """Every point's width: `given[point]` where given, else `width`; refuses a point not in
+    `points` or a width that is not a positive int."""
+    given = dict(given or {})
+    unknown = [p for p in given if p not in points]
+    if unknown:
+        raise ValueError(f"widths names {unknown}, which are not in points {list(points)}: give "
+                         "widths of the store's points only")
+    return {p: int(_positive(f"widths[{p!r}]", given.get(p, width), optional=False) or width)
+            for p in points}
 
 
 def _positive(name: str, v, optional: bool = True) -> int | None:

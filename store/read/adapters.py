@@ -17,6 +17,20 @@
   width]`), trained with the SAE's
   penalty on the whole decoder row (examples/train_crosscoder.py, dictionary_learning's TopK).
 
+Transcoders read one point and predict another, row for row (mlp_in.L -> mlp_out.L); the
+dataset reads both in one batch (`points=["mlp_in.3", "mlp_out.3"]`) and `transcoder_batches`
+splits each batch into (x, y):
+- sparsify 1.3: `SparseCoder(d, TranscoderConfig(...))`, `sae(x, y)` per batch
+  (examples/train_transcoder_sparsify.py); its decoder is `d_in` wide, so x and y have one width.
+- a cross-layer transcoder's inputs: x = mlp_in at every layer, y = mlp_out at every layer
+  (`[batch, layers, d]` each); none of the three trainers ships one, so any CLT module takes
+  these as they are.
+- SAELens 6.x trains no transcoder (its `Transcoder` is an inference class); its
+  `MultiSAETrainer` trains SAEs on several hooks of different widths in lockstep from one
+  `dict[hook, [batch, d_hook]]` stream: `saelens_multi_data_provider(ds)`.
+- dictionary_learning 0.1 has no transcoder trainer (`trainSAE(transcoder=True)` changes only
+  its logging; every trainer's loss reconstructs its input).
+
 The dataset must yield one point (`points="resid_post.N"`, 2-D batches) and, for trainers that
 count steps themselves, run long enough: `steps=N` (or `endless=True`) instead of one epoch,
 checked here so a trainer does not stop with a bare StopIteration mid-run.
@@ -104,6 +118,65 @@ def crosscoder_data(source: Iterable, device="cpu", steps: int | None = None,
         if x.dim() != 3:
             raise ValueError(f"crosscoder_data: batches must be [batch, n_models, width], got {tuple(x.shape)}")
         yield x.reshape(x.shape[0], -1) if flatten else x
+
+def _points(batch, names: list[str]) -> dict:
+    """{point: [batch, width_p]} from one dataset batch: a dict (points of several widths), a
+    stacked `[batch, n_points, width]` tensor (in the dataset's point order) or return_meta's."""
+    acts = batch["acts"] if isinstance(batch, dict) and "acts" in batch else batch
+    if isinstance(acts, dict):
+        return acts
+    if acts.dim() == 2:
+        return {names[0]: acts}
+    return {p: acts[:, i] for i, p in enumerate(names)}
+
+
+def transcoder_batches(source: Iterable, inputs, targets, device="cpu",
+                       dtype: torch.dtype = torch.float32, steps: int | None = None
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) per batch for a transcoder: `inputs` and `targets` are a point each (`"mlp_in.3"`,
+    `"mlp_out.3"`: x, y are `[batch, width]`) or lists of points of one width each (a
+    cross-layer transcoder: `[batch, len(points), width]`). The dataset reads them all, row
+    aligned (x[i] and y[i] are the same token)."""
+    ds = _dataset(source)
+    ins = [inputs] if isinstance(inputs, str) else list(inputs)
+    outs = [targets] if isinstance(targets, str) else list(targets)
+    if ds is not None:
+        missing = [p for p in ins + outs if p not in ds.points]
+        if missing:
+            raise ValueError(f"transcoder_batches: the dataset does not read {missing}; build it "
+                             f"with points={ins + [p for p in outs if p not in ins]}")
+        if steps is not None and not ds.endless and ds.rows_per_worker() // ds.batch_size < steps:
+            raise ValueError(f"transcoder_batches: {steps} steps need more than one epoch; build "
+                             f"the dataset with steps={steps} (or endless=True)")
+    names = list(ds.points) if ds is not None else ins + outs
+    dev = torch.device(device)
+
+    def take(acts: dict, which: list[str], one: bool) -> torch.Tensor:
+        t = acts[which[0]] if one else torch.stack([acts[p] for p in which], dim=1)
+        return t.to(dev, dtype, non_blocking=dev.type == "cuda")
+
+    for b in source:
+        acts = _points(b, names)
+        yield take(acts, ins, isinstance(inputs, str)), take(acts, outs, isinstance(targets, str))
+
+
+def saelens_multi_data_provider(source: Iterable, hook_names: "dict[str, str] | None" = None,
+                                device="cpu", steps: int | None = None
+                                ) -> Iterator[dict[str, torch.Tensor]]:
+    """SAELens' MultiHookDataProvider: an iterator of `{hook_name: [batch, d_hook]}` float32
+    batches, rows aligned across hooks, each at its own width (e.g. mlp_in.3 and mlp_act.3).
+    `hook_names`: point -> the hook name the trainer knows it by (default: the point's name)."""
+    ds = _dataset(source)
+    if ds is not None and steps is not None and not ds.endless \
+            and ds.rows_per_worker() // ds.batch_size < steps:
+        raise ValueError(f"saelens_multi_data_provider: {steps} steps need more than one epoch; "
+                         f"build the dataset with steps={steps} (or endless=True)")
+    names = list(ds.points) if ds is not None else list(hook_names or {})
+    rename = hook_names or {}
+    dev = torch.device(device)
+    for b in source:
+        yield {rename.get(p, p): t.to(dev, torch.float32, non_blocking=dev.type == "cuda")
+               for p, t in _points(b, names).items()}
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ import torch
 from . import handoff, mixing, permute
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
-from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
+from harvest.store.format.dtypes import raw_dtype, torch_dtype
 from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from harvest.store.format.roles import resolve_roles
 from .loader import ActivationLoader
@@ -49,6 +49,7 @@ from .sampling import lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
 from harvest.store.store import Store, open_store
 from .workermem import cap_malloc_arenas
+from .tensors import emit_points, fp8_split, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +60,10 @@ _STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless",
                "n_rows", "window_shards")
 
 
-def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed fp8 rows uint8 `[..., width + 4]` -> (float8_e4m3fn `[..., width]`, float32
-    scales `[...]`), copies of the two parts (fp8.py has the layout)."""
-    w = packed.shape[-1] - 4
-    q = packed[..., :w].contiguous().view(torch.float8_e4m3fn)
-    scale = packed[..., w:].contiguous().view(torch.float32)[..., 0]
-    return q, scale
-
-
-def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
-    """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
-    raw = np.ascontiguousarray(raw)
-    if np_dtype == BF16:
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(raw.view(np_dtype))
-
-
 class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
-    """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors.
+    """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors;
+    points of several widths (e.g. `mlp_act.L` beside `mlp_in.L`) as a dict `{point: [batch,
+    width_p]}` in the order given, rows aligned (row i of every point is the same token).
 
     `store`: a Store or a URL (then `storage_options` apply). What to read and how is one
     ReaderConfig (readerconfig.py, every option documented there): pass `config=ReaderConfig(...)`,
@@ -122,9 +108,14 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self.drop_last, self.return_meta, self.eps = cfg.drop_last, cfg.return_meta, cfg.eps
         self.io_threads = cfg.io_threads or 2 * cfg.prefetch_shards
         self.width, self.store_dtype = st.width, st.np_dtype
+        self.widths = {p: st.widths[p] for p in self.points}   # each point's own width
         self._raw = raw_dtype(st.np_dtype)
-        # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean
-        self._rw, self._vdtype = st.row_width, _norm.value_dtype(st)
+        # stored columns per row (fp8: width + the row's float32 scale) and what their bits mean;
+        # points of several widths share [rows, points, widest] buffers, each in its first
+        # `_cols[j]` columns, and are cut to their own width when a batch is made (`_emit`)
+        self._cols = [st.point_row_width(p) for p in self.points]
+        self._rw, self._vdtype = max(self._cols), _norm.value_dtype(st)
+        self.mixed = len(set(self._cols)) > 1
         self.row_width, self.raw_dtype = self._rw, self._raw
         self.handoff_rings = None   # set by ActivationLoader while its workers fork (handoff.py)
         self.quantized, self.dequantize = st.quantized, cfg.dequantize
@@ -161,7 +152,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._counts = np.full(len(self.pieces), -1, np.int64)
 
         buf = cfg.shuffle_buffer_rows or \
-            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (st.row_bytes * len(self.points)))
+            max(self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (self._rw * st.np_dtype.itemsize
+                                                               * len(self.points)))
         self.shuffle_buffer_rows = buf
         self.window_shards = max(1, math.ceil(buf / st.shard_rows))
         self.shard_rows, self.mix_docs = st.shard_rows, None
@@ -266,7 +258,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         st = self._open()
         i = self._piece_index(piece)
         m, sh = self._sources[i]
-        read_point(st, m, sh, st.points.index(self.points[p]), out=out, rows=piece[1] - piece[0])
+        read_point(st, m, sh, st.points.index(self.points[p]), out=out[:, :self._cols[p]],
+                   rows=piece[1] - piece[0])
 
     def _piece_index(self, piece: tuple[int, int]) -> int:
         return self.pieces.index(piece)   # a bisect: a dict of 2 M pieces was 200 MB
@@ -308,7 +301,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
                                             keep=_GATHER_AHEAD + 2)
         finish = WindowFinisher(self.pieces, self.filter, self._counts, self.norm_limit, self._vdtype,
                                 self._slot_rows, self.shuffle, self.seed, g, self.return_meta,
-                                self._extra_meta)
+                                self._extra_meta, self._cols if self.mixed else None)
         reader = WindowReader(self.pieces, len(self.points), self._arenas, self.io_threads, self._fetch,
                               self._fetch_meta if self._meta_names() else None, finish)
         self._served, self._resumed = 0, resume
@@ -356,7 +349,11 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
         """x is [n, n_points, row width] raw bits of the store dtype."""
-        t = _to_torch(x, self.store_dtype)
+        if self.mixed:
+            return emit_points(x, rows, meta, self.points, self._cols, self.store_dtype,
+                               self.quantized, self.dequantize, self.norm_constants,
+                               self.out_dtype, self.return_meta)
+        t = to_torch(x, self.store_dtype)
         scale = None
         if self.quantized:
             t, scale = fp8_split(t)

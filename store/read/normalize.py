@@ -57,11 +57,19 @@ class NormConstants:
     rows: int
     mean_sq_norm: tuple[float, ...]
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., n_points, width] or [..., width] with one point."""
+    def apply(self, x):
+        """x: [..., n_points, width] or [..., width] with one point, or {point: [..., width_p]}
+        (points of several widths: each at its own width)."""
+        if isinstance(x, dict):
+            return {p: self.apply_point(p, v) for p, v in x.items()}
         s, c = (self.shift, self.scale) if x.dim() >= 2 and x.shape[-2:] == self.shift.shape else \
             (self.shift[0], self.scale[0])
         return (x.float() - s.to(x.device)) * c.to(x.device)
+
+    def apply_point(self, point: str, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., width_p] rows of `point` (its own width; constants past it are unused)."""
+        i, w = self.points.index(point), x.shape[-1]
+        return (x.float() - self.shift[i, :w].to(x.device)) * self.scale[i, :w].to(x.device)
 
     def invert(self, y: torch.Tensor) -> torch.Tensor:
         """Back to activation units (e.g. to report a reconstruction error in the model's space)."""
@@ -77,8 +85,12 @@ class NormConstants:
 
 def constants(mode: str, points, moments: list[Moments], width: int, source: str,
               eps: float = 1e-6) -> NormConstants:
+    """`width` is unused: each point is normalised at its own width (len of its mean); with
+    points of several widths `shift`/`scale` are [points, widest], shift 0 and scale 1 past a
+    point's width."""
     shift, scale = [], []
     for p, m in zip(points, moments):
+        width = int(np.asarray(m.mean).shape[0])
         if not m.count:
             raise ValueError(f"normalize={mode!r}: no rows of {p} pass the filters, so there is "
                              "nothing to take statistics from; loosen the filters")
@@ -95,9 +107,17 @@ def constants(mode: str, points, moments: list[Moments], width: int, source: str
             scale.append(np.full_like(mean, np.sqrt(width / var.sum())))
         else:
             raise ValueError(f"normalize={mode!r}: use one of {MODES}")
-    return NormConstants(mode, tuple(points), torch.from_numpy(np.stack(shift).astype(np.float32)),
-                         torch.from_numpy(np.stack(scale).astype(np.float32)), source,
+    return NormConstants(mode, tuple(points), torch.from_numpy(_pad(shift, 0.0)),
+                         torch.from_numpy(_pad(scale, 1.0)), source,
                          int(moments[0].count), tuple(float(m.mean_sq_norm) for m in moments))
+
+
+def _pad(rows: list, fill: float) -> np.ndarray:
+    """Per-point vectors -> float32 [points, widest], `fill` past a point's width."""
+    out = np.full((len(rows), max(r.shape[0] for r in rows)), fill, np.float32)
+    for i, r in enumerate(rows):
+        out[i, :r.shape[0]] = r
+    return out
 
 
 def _check_spread(mode: str, point: str, m: Moments, var: np.ndarray) -> None:
@@ -166,6 +186,9 @@ class Sample:
     norm_limit: np.ndarray | None   # per point: max ||x||^2 kept (None: no norm filter)
     outlier_rows: int         # sample rows the norm filter dropped
     blocks: int               # blocks read
+    # each point's stored columns when points of several widths share [n, points, widest]
+    # (a narrower point's row is its first columns); None: every point fills the row
+    cols: "list[int] | None" = None
 
 
 def _blocks(pieces, chunk_rows: int):
@@ -204,6 +227,9 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
     dtype = value_dtype(store)
     meta_names = filt.meta_names()
     point_index = [store.points.index(p) for p in points]
+    widths = [store.point_row_width(p) for p in points]   # each point's stored columns
+    W = max(widths)
+    cut = None if all(c == W for c in widths) else widths
 
     def span(block: int) -> tuple[int, int, int]:
         """(piece index, a, b): the rows of one block, inside one piece."""
@@ -221,7 +247,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
             masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
                                    cols.get("gen")))
         live = [m is None or bool(m.any()) for m in masks]
-        out = [np.empty((b - a if ok else 0, len(points), store.row_width), raw)
+        out = [np.zeros((b - a if ok else 0, len(points), W), raw)
                for (a, b), ok in zip(spans, live)]
         if any(live):
             m, sh = sources[i]
@@ -229,7 +255,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
                 x = read_point(store, m, sh, pi).view(raw)
                 for k, (a, b) in enumerate(spans):
                     if live[k]:
-                        out[k][:, j] = x[a - s0:b - s0]
+                        out[k][:, j, :widths[j]] = x[a - s0:b - s0]
         return [x if mk is None or not ok else x[mk] for x, mk, ok in zip(out, masks, live)]
 
     def read_batch(ex, batch: list[int]) -> list[np.ndarray]:
@@ -260,24 +286,25 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
                 if x.shape[0]:
                     parts.append(x)
                     have += x.shape[0]
-    rows = np.concatenate(parts) if parts else np.empty((0, len(points), store.row_width), raw)
+    rows = np.concatenate(parts) if parts else np.empty((0, len(points), W), raw)
     if rows.shape[0] > n_rows:  # the last blocks overshoot: keep a random subset, not a prefix
         rows = rows[np.sort(rng.choice(rows.shape[0], n_rows, replace=False))]
     limit, dropped = None, 0
     if max_norm_ratio is not None and rows.shape[0]:
-        sq = np.stack([sq_norms(rows[:, j], dtype) for j in range(len(points))], axis=1)  # [n, P]
+        sq = np.stack([sq_norms(rows[:, j, :widths[j]], dtype) for j in range(len(points))], axis=1)
         limit = (max_norm_ratio ** 2) * np.median(sq, axis=0)
         keep = (sq <= limit).all(axis=1)
         dropped = int((~keep).sum())
         rows = rows[keep]
-    return Sample(rows, limit, dropped, used)
+    return Sample(rows, limit, dropped, used, cut)
 
 
 def sample_moments(sample: Sample, dtype) -> list[Moments]:
     """Moments of each point's sampled rows (`dtype`: value_dtype of the store)."""
     def values(x):
         return _fp8.dequantize(x) if isinstance(dtype, str) and dtype == FP8_NAME else x.view(dtype)
-    return [Moments.of(values(np.ascontiguousarray(sample.rows[:, j])))
+    cols = sample.cols or [None] * sample.rows.shape[1]
+    return [Moments.of(values(np.ascontiguousarray(sample.rows[:, j, :cols[j]])))
             for j in range(sample.rows.shape[1])]
 
 

@@ -135,8 +135,11 @@ class WindowFinisher:
     """
 
     def __init__(self, pieces, filt, counts: np.ndarray, norm_limit, dtype, slot_rows: int, shuffle: bool,
-                 seed: int, g: int, return_meta: bool, extra_meta: tuple = ()):
+                 seed: int, g: int, return_meta: bool, extra_meta: tuple = (), cols=None):
+        """`cols`: each point's stored columns where points of several widths share the arena's
+        [rows, points, widest] slots (a narrower point's row is its first columns), else None."""
         self.pieces, self.filt, self.counts, self.norm_limit = pieces, filt, counts, norm_limit
+        self.cols = cols
         self.dtype, self.R, self.shuffle, self.seed, self.g = dtype, slot_rows, shuffle, seed, g
         self.names = (["token_id", "doc_id", "position"] + (["gen"] if filt.generated else [])
                       + list(extra_meta) if return_meta else [])
@@ -158,7 +161,8 @@ class WindowFinisher:
         if self.norm_limit is not None and local.size:
             ok = np.ones(local.shape[0], bool)
             for j in range(arena.shape[1]):
-                ok &= sq_norms(arena[k * self.R + local, j], self.dtype) <= self.norm_limit[j]
+                c = None if self.cols is None else self.cols[j]
+                ok &= sq_norms(arena[k * self.R + local, j, :c], self.dtype) <= self.norm_limit[j]
             dropped = int((~ok).sum())
             local = local[ok]
         return local, dropped

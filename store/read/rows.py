@@ -52,7 +52,7 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
         a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
         if b > a:
             parts.append(st.read_shard(point, s)[a - sh["row_start"]:b - sh["row_start"]])
-    return np.concatenate(parts) if parts else np.empty((0, st.row_width), st.np_dtype)
+    return np.concatenate(parts) if parts else np.empty((0, st.point_row_width(point)), st.np_dtype)
 
 
 def read_row_meta_checked(st, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

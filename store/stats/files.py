@@ -42,9 +42,10 @@ BATCH_BYTES = 32 << 20
 
 def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
     refs = sorted(refs, key=lambda r: r[0])
-    partial = 32 * len(store.points) * store.width
+    partial = 32 * len(store.points) * store.max_width
     batch = max(1, min(batch, BATCH_BYTES // max(1, partial)))
-    acc = _moments.StreamingMerge(layout.STATS_SUBSETS, len(store.points), store.width)
+    acc = _moments.StreamingMerge(layout.STATS_SUBSETS, len(store.points), store.max_width,
+                                  [store.widths[p] for p in store.points] if store.mixed_widths else None)
     batches = [refs[i:i + batch] for i in range(0, len(refs), batch)]
     ahead = 3  # batches in flight while one merges (memory: ahead x batch partials)
     with cf.ThreadPoolExecutor(ahead) as ex:
@@ -70,7 +71,8 @@ def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, 
         out = {}
         for p in points:
             i = a["points"].index(p)
-            out[p] = {"count": int(a["count"][i]), "mean": mean[i], "var": var[i],
+            w = store.widths.get(p, mean.shape[1])   # layout 4: NaN past a point's width
+            out[p] = {"count": int(a["count"][i]), "mean": mean[i, :w], "var": var[i, :w],
                       "mean_sq_norm": float(a["mean_sq_norm"][i]),
                       "nonfinite_rows": int(a["nonfinite_rows"][i])}
         return out

@@ -142,9 +142,10 @@ def subsets_of(rows: np.ndarray, keep: "np.ndarray | None") -> tuple[Moments, Mo
     return kept.merge(Moments.of(rows[~keep])), kept
 
 
-def merge_all(parts: list[list[Moments]], n_points: int, width: int) -> list[Moments]:
-    """Merge per-point partials in the order given."""
-    acc = [Moments.empty(width) for _ in range(n_points)]
+def merge_all(parts: list[list[Moments]], n_points: int, width: "int | list[int]") -> list[Moments]:
+    """Merge per-point partials in the order given (`width`: one for all, or each point's)."""
+    ws = list(width) if isinstance(width, (list, tuple)) else [int(width)] * n_points
+    acc = [Moments.empty(ws[p]) for p in range(n_points)]
     for part in parts:
         for p in range(n_points):
             acc[p] = acc[p].merge(part[p])
@@ -158,18 +159,30 @@ def dumps(subsets: dict[str, list[Moments]]) -> bytes:
     """A unit's per-point partials, one set per row subset, as exact float64: a small JSON
     header, then per subset count[P], nonfinite[P] (int64), mean[P, W], m2[P, W] (float64),
     little endian. Raw arrays rather than npz: finalize reads one per unit, and parsing 10^5 zip
-    archives was most of its time."""
+    archives was most of its time. Points of several widths (layout 4): W is the widest, a
+    narrower point's row is zero past its width (a merge keeps zeros there: delta 0) and the
+    header's `widths` says each point's width."""
     names = list(subsets)
     P = len(subsets[names[0]])
-    W = subsets[names[0]][0].mean.shape[0] if P else 0
-    head = json.dumps({"subsets": names, "points": P, "width": W}).encode()
-    parts = [_MAGIC, struct.pack("<I", len(head)), head]
+    ws = [int(m.mean.shape[0]) for m in subsets[names[0]]]
+    W = max(ws, default=0)
+    head = {"subsets": names, "points": P, "width": W}
+    if any(w != W for w in ws):
+        head["widths"] = ws
+    hb = json.dumps(head).encode()
+    parts = [_MAGIC, struct.pack("<I", len(hb)), hb]
+
+    def stack(rows: list) -> bytes:
+        out = np.zeros((P, W), "<f8")
+        for i, r in enumerate(rows):
+            out[i, :r.shape[0]] = r
+        return out.tobytes()
+
     for name in names:
         ms = subsets[name]
         parts += [np.array([m.count for m in ms], "<i8").tobytes(),
                   np.array([m.nonfinite for m in ms], "<i8").tobytes(),
-                  np.stack([m.mean for m in ms]).astype("<f8").tobytes(),
-                  np.stack([m.m2 for m in ms]).astype("<f8").tobytes()]
+                  stack([m.mean for m in ms]), stack([m.m2 for m in ms])]
     return b"".join(parts)
 
 
@@ -192,8 +205,16 @@ def load_arrays(data: bytes) -> dict[str, tuple]:
     return out
 
 
+def widths_of(data: bytes) -> "list[int] | None":
+    """Each point's width in a partial of points of several widths; None when all are `width`."""
+    (n,) = struct.unpack("<I", data[4:8])
+    return json.loads(data[8:8 + n]).get("widths")
+
+
 def loads(data: bytes) -> dict[str, list[Moments]]:
-    return {name: [Moments(int(c[i]), m[i].copy(), q[i].copy(), int(b[i])) for i in range(len(c))]
+    ws = widths_of(data)
+    return {name: [Moments(int(c[i]), m[i, :ws[i] if ws else None].copy(),
+                           q[i, :ws[i] if ws else None].copy(), int(b[i])) for i in range(len(c))]
             for name, (c, m, q, b) in load_arrays(data).items()}
 
 
@@ -205,7 +226,11 @@ class StreamingMerge:
     deterministic in the order given): 60 per-point merges per unit were most of finalize's time.
     """
 
-    def __init__(self, subsets: tuple[str, ...], n_points: int, width: int):
+    def __init__(self, subsets: tuple[str, ...], n_points: int, width: int,
+                 widths: "list[int] | None" = None):
+        """`width`: the widest point's (partials are [points, width], zero-padded); `widths`:
+        each point's own, where they differ (`moments` cuts each point's to it)."""
+        self.widths = widths
         self.acc = {s: (np.zeros(n_points, np.int64), np.zeros((n_points, width)),
                         np.zeros((n_points, width)), np.zeros(n_points, np.int64)) for s in subsets}
 
@@ -233,4 +258,6 @@ class StreamingMerge:
 
     def moments(self, subset: str) -> list[Moments]:
         c, m, m2, bad = self.acc[subset]
-        return [Moments(int(c[p]), m[p].copy(), m2[p].copy(), int(bad[p])) for p in range(len(c))]
+        ws = self.widths or [m.shape[1]] * len(c)
+        return [Moments(int(c[p]), m[p, :ws[p]].copy(), m2[p, :ws[p]].copy(), int(bad[p]))
+                for p in range(len(c))]

@@ -19,11 +19,12 @@ from .moments import Moments, merge_all, subsets_of
 
 
 class BlockStats:
-    def __init__(self, block_ids: Iterable[int], n_points: int, width: int):
+    def __init__(self, block_ids: Iterable[int], widths: "list[int]"):
+        """`widths`: each point's width, in the store's point order."""
         self._ids = list(block_ids)
-        self._P = n_points
+        self._P = n_points = len(widths)
         self._parts: dict[int, dict] = {}   # block -> {"all"|"kept": per point Moments or None}
-        self._acc = {s: [Moments.empty(width) for _ in range(n_points)] for s in layout.STATS_SUBSETS}
+        self._acc = {s: [Moments.empty(widths[p]) for p in range(n_points)] for s in layout.STATS_SUBSETS}
         self._next = 0   # index in the block ids of the next block to merge into _acc
 
     def add(self, block: int, p: int, moments_all: Moments, moments_kept: Moments) -> None:

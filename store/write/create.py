@@ -54,8 +54,10 @@ def create_store(url, points: Sequence[str] | None = None, width: int | None = N
     loc = locate(url, storage_options)
     run_attrs = redact_attrs(_jsonable(attrs or {}, "create_store attrs"), loc.storage_options)
     harvest = {
-        "layout": layout.LAYOUT_NAME, "layout_version": layout.LAYOUT_VERSION,
+        "layout": layout.LAYOUT_NAME,
+        "layout_version": layout.layout_version(dict(spec.widths or {}), spec.width),
         "points": list(spec.points), "arrays": dict(zip(spec.points, paths)), "width": spec.width,
+        "widths": dict(spec.widths or {}),
         "n_rows": spec.n_rows, "shard_rows": spec.shard_rows, "chunk_rows": spec.chunk_rows,
         "dtype": spec.dtype, "compression": spec.compression,
         "row_meta": row_meta,
@@ -81,8 +83,9 @@ def create_store(url, points: Sequence[str] | None = None, width: int | None = N
     try:
         g = zarr.create_group(store=zstore, overwrite=overwrite, zarr_format=3,
                               attributes={"harvest": harvest, "run": run_attrs})
-        n, w = spec.n_rows, row_width(spec.dtype, spec.width)   # fp8: + a float32 scale per row
-        for path in paths:
+        n = spec.n_rows
+        for point, path in zip(spec.points, paths):
+            w = row_width(spec.dtype, (spec.widths or {})[point])   # fp8: + a float32 scale per row
             g.create_array(path, shape=(n, w), dtype=zarr_dtype(np_dtype),
                            chunks=(spec.chunk_rows, w), shards=(spec.shard_rows, w),
                            compressors=_compression.compressors(spec.compression, np_dtype.itemsize),

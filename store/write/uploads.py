@@ -35,6 +35,7 @@ import uuid
 from collections import OrderedDict
 
 import google_crc32c
+import numpy as np
 
 from harvest.store.format import layout
 from harvest.store.stats import moments as _moments
@@ -68,8 +69,12 @@ class ShardUploads:
         self.max_open_shards, self.max_pending_shards = max_open_shards, max_pending_shards
         self.retries = retries
         self.attempt = uuid.uuid4().hex[:16]
-        self._P, self._W, self._dtype = len(store.points), store.width, store.np_dtype
-        self._RW = store.row_width   # columns of a stored row (fp8: width + its scale)
+        self._P, self._W, self._dtype = len(store.points), store.max_width, store.np_dtype
+        self._RW = store.row_width   # columns of a buffer row (fp8: width + its scale)
+        # each point's own width and stored columns: a narrower point uses the first columns of
+        # its [block_rows, max width] buffer slot (FORMAT.md "Per-point widths")
+        self._widths = [store.widths[p] for p in store.points]
+        self._RWs = [store.point_row_width(p) for p in store.points]
         # statistics are of the values a reader gets: an fp8 store's dequantised rows (fp8.py)
         self._decode = _fp8.dequantize if store.quantized else None
         self._raw = raw_dtype(self._dtype)  # buffers hold raw bits: bf16 copies are slow in numpy
@@ -113,7 +118,7 @@ class ShardUploads:
         # would leave an upload no marker names (on S3, one never completed nor aborted)
         self._meta_uploaded: set[int] = set()
         self._streams: dict[tuple[int, int], ObjectStream] = {}  # (shard, point) -> its object
-        self._stats = BlockStats(self._block_ids, self._P, self._W)   # merged in block order
+        self._stats = BlockStats(self._block_ids, self._widths)   # merged in block order
         self._crc: dict[int, list] = {}
         self._nbytes: dict[int, list] = {}
         self._ocrc: dict[int, list] = {}         # CRC32C of each stored object, per point
@@ -328,8 +333,10 @@ class ShardUploads:
         block of a shard finishes the object."""
         if self._failed is not None or self._closed:
             return
-        x = sh.data[p].view(self._dtype)
-        crc = _moments.crc32c(sh.data[p])
+        raw = sh.data[p] if self._RWs[p] == self._RW else \
+            np.ascontiguousarray(sh.data[p, :, :self._RWs[p]])
+        x = raw.view(self._dtype)
+        crc = _moments.crc32c(raw)
         sr = self._store.shard_rows
         si = sh.start // sr
         try:
@@ -338,7 +345,7 @@ class ShardUploads:
             visit, partials = chunk_partials(sh.keep, sh.present, cr, -(-x.shape[0] // cr),
                                              self._decode, self._decode is not None)
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=visit)
-            mom_all, mom_kept = partials(self._W)
+            mom_all, mom_kept = partials(self._widths[p])
             stream = self._stream(si, p)
             last = stream.append((sh.start - si * sr) // cr, chunks, crc, x.nbytes)
             del chunks

@@ -40,6 +40,17 @@ from .uploads import ShardUploads
 log = logging.getLogger(__name__)
 
 
+def _quantize_points(a: np.ndarray, widths: list[int], row_width: int) -> np.ndarray:
+    """Float rows [P, n, max width] -> packed fp8 rows [P, n, max width + 4]: each point's row
+    quantised over its own width (its scale from its own values), in its first columns."""
+    if all(w == a.shape[2] for w in widths):
+        return _fp8.quantize(a)
+    out = np.zeros((a.shape[0], a.shape[1], row_width), np.uint8)
+    for p, w in enumerate(widths):
+        out[p, :, :w + 4] = _fp8.quantize(a[p, :, :w])
+    return out
+
+
 class RegionWriter(ShardUploads):
     """Write rows of one region in any order; `commit()` makes them visible, exactly once.
 
@@ -84,10 +95,13 @@ class RegionWriter(ShardUploads):
         return self._meta.rows_with_activations()
 
     def write(self, row_start: int, acts) -> None:
-        """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width].
+        """Rows [row_start, row_start + n) of every point: acts is [n_points, n, width], width =
+        `store.max_width`: a point narrower than the widest has its rows in its first columns
+        (the rest are ignored), as the engine delivers points of several widths.
 
-        An fp8 store takes float rows (quantised here, bit for bit as the engine would: fp8.py)
-        or rows already packed (uint8 [n_points, n, width + 4])."""
+        An fp8 store takes float rows (quantised here, bit for bit as the engine would: fp8.py,
+        each point over its own width) or rows already packed (uint8 [n_points, n, width + 4];
+        with points of several widths, point p's packed row in its first widths[p] + 4 columns)."""
         if self.already_committed:
             return
         self._check_usable()
@@ -95,7 +109,7 @@ class RegionWriter(ShardUploads):
         if a.ndim == 2 and self._P == 1:
             a = a[None]
         if self._store.quantized and a.dtype != np.uint8 and a.ndim == 3 and a.shape[2] == self._W:
-            a = _fp8.quantize(a)
+            a = _quantize_points(a, self._widths, self._RW)
         if a.ndim != 3 or a.shape[0] != self._P or a.shape[2] != self._RW:
             raise ValueError(f"write: acts must be [n_points={self._P}, n, width={self._RW}], got "
                              f"{tuple(a.shape)}")

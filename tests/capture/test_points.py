@@ -140,3 +140,11 @@ def test_a_site_of_the_wrong_width_is_refused():
     assert "mlp_act" not in trunk.semantics[0].sites
     with pytest.raises(ValueError, match="serves no mlp_act: no 41-wide tensor"):
         taps.check_supported(trunk, [Address("mlp_act", 0)])
+
+
+def test_check_model_expands_every_layer_of_any_point():
+    """`harvest check-model --points mlp_in.* mlp_act.* embeddings.*`: each layer, model-level once."""
+    from harvest.engine.model_check import expand_points
+
+    assert expand_points(["mlp_in.*", "mlp_act.1", "embeddings.*"], 2) == [
+        "mlp_in.0", "mlp_in.1", "mlp_act.1", "embeddings.0"]

@@ -125,11 +125,38 @@ def test_shard_rows_and_points_errors_say_the_fix(capsys, config):
     assert "packing.context_size=64" in msg and "use 128 or 64" in msg
     msg = _refused_line(capsys, config, "capture.points=[resid_post.1, resid_poop.3]")
     assert "'resid_poop.3'" in msg and "resid_pre, attn_in, z, attn_out" in msg
-    # the table's points that a store cannot hold, or no engine serves, are refused by name
-    msg = _refused_line(capsys, config, "capture.points=[mlp_in.1, mlp_act.1]")
-    assert "'mlp_act.1': mlp_act is neurons-wide" in msg and "d_model-wide rows only" in msg
+    # points of other widths load (the store holds each at its own width) ...
+    msg = _refused_line(capsys, config, "capture.points=[mlp_in.1, mlp_act.1, z.*, router_logits.*]")
+    assert msg.startswith("model.path="), msg
+    # ... and the points no engine serves are refused by name
     msg = _refused_line(capsys, config, "capture.points=[mlp_pre.1]")
     assert "fused gate_up_proj" in msg
+
+
+def test_points_parsed_once_and_checked_against_the_model():
+    """capture.points are parsed when the config is validated; prepare.resolve_points expands
+    them into Addresses against the model and refuses, by name, a point the model lacks."""
+    from harvest.engine.addresses import Address
+    from harvest.engine.checkpoint import ModelInfo
+    from harvest.pipeline.config.run import ConfigError, from_dict
+    from harvest.pipeline.driver.prepare import resolve_points
+
+    cap = from_dict({"capture": {"points": ["mlp_act.*", "mlp_in.1", "embeddings.*", "mlp_in.1"]}}).capture
+    assert cap.parsed == (("mlp_act", None), ("mlp_in", 1), ("embeddings", None), ("mlp_in", 1))
+    dense = ModelInfo(2, 64, 128, 100, 1, "LlamaForCausalLM", (("d_model", 64), ("heads", 64),
+                                                                ("neurons", 256)))
+    got = resolve_points(cap, 2, dense)
+    assert got == (Address("mlp_act", 0), Address("mlp_act", 1), Address("mlp_in", 1),
+                   Address("embeddings", 0))
+    moe = ModelInfo(2, 64, 128, 100, 1, "Qwen3MoeForCausalLM", dense.kinds + (("experts", 8),))
+    with pytest.raises(ConfigError, match="mlp_act is a dense MLP's point .*8 experts"):
+        resolve_points(cap, 2, moe)
+    router = from_dict({"capture": {"points": ["router_logits.0"]}}).capture
+    assert resolve_points(router, 2, moe) == (Address("router_logits", 0),)
+    with pytest.raises(ConfigError, match="router_logits.*needs a MoE model.*drop router_logits"):
+        resolve_points(router, 2, dense)
+    with pytest.raises(ConfigError, match="out of range: the model has layers 0..1"):
+        resolve_points(from_dict({"capture": {"points": ["z.2"]}}).capture, 2, dense)
 
 
 def test_real_cli_process_refuses_a_nan_lease(config):

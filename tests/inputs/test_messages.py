@@ -92,10 +92,14 @@ def test_cluster_builds_a_spec_from_a_config():
 
     cfg = load_config(data={"model": {"path": "tiny:llama"}, "store": {"url": "/tmp/x.zarr"},
                             "ray": {"num_actors": 2}})
-    prep = SimpleNamespace(model_path="/m", points=["resid_post.0", "resid_post.1"])
+    from harvest.engine.addresses import Address
+
+    addresses = (Address("resid_post", 0), Address("mlp_act", 1))   # parsed once, by prepare
+    prep = SimpleNamespace(model_path="/m", points=["resid_post.0", "mlp_act.1"],
+                           addresses=addresses)
     spec = actor_spec(cfg, prep, 0, "pkg.mod:Engine")
     assert isinstance(spec, ActorSpec)
-    assert spec.points == ("resid_post.0", "resid_post.1")
+    assert spec.points == addresses and spec.engine_kwargs.get("freeze_points") in (None, list(addresses))
     assert spec.engine_factory == "pkg.mod:Engine"
     assert spec.context_size == cfg.packing.context_size and spec.store_url.endswith("x.zarr")
     assert spec.check_model is (cfg.capture.check_model and cfg.model.backend == "vllm")

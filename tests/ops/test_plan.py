@@ -542,3 +542,28 @@ def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, ca
         "must be divisible by tensor parallel size (2). [type=value_error]\n"
         "    For further information visit https://errors.pydantic.dev/2.12/v/value_error\n")
     assert "Total number of attention heads (9)" in root_cause(wrapped)
+
+
+def test_plan_prices_points_of_several_widths_each_at_its_own(tmp_path, capsys):
+    """A transcoder's pair and the MLP's hidden units (3 x 576 here) at every layer: bytes per
+    token and per point at each point's width, one shard size (for the widest) and the same
+    objects per point; router_logits on a dense model is refused by name before anything runs."""
+    from harvest.pipeline.cli.main import main
+
+    model = _model_dir(tmp_path, 30, 576, vocab=49152)
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                   "capture.points=[mlp_in.*, mlp_act.*]")
+    assert p["points"] == 60 and p["widths"]["mlp_in.7"] == 576 and p["widths"]["mlp_act.7"] == 1728
+    assert p["bytes_per_token"] == 30 * (576 + 1728) * 2
+    per = p["layout"]["per_point"]
+    S, T = p["shard_rows"], p["estimate"]["tokens"]
+    assert per["mlp_act.0"]["data_object_bytes_logical"] == S * 1728 * 2 == 3 * per["mlp_in.0"][
+        "data_object_bytes_logical"]
+    assert per["mlp_act.0"]["bytes_logical"] == T * 1728 * 2
+    assert per["mlp_in.0"]["objects"] == per["mlp_act.0"]["objects"] == p["layout"]["shards"]
+    # shards sized for the widest point: ~128 MiB of mlp_act rows, never more
+    assert S * 1728 * 2 <= 128 << 20 < 2 * S * 1728 * 2
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"),
+                 "--set", "capture.points=[router_logits.*]"]) == 2
+    err = capsys.readouterr().err
+    assert "router_logits" in err and "needs a MoE model" in err, err

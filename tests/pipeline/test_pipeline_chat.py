@@ -153,6 +153,40 @@ def test_role_masked_chat_run_stores_exactly_the_assistant_tokens(ray_cluster, s
     np.testing.assert_allclose(float((y * y).sum(1).mean()), st.width, rtol=1e-3)
 
 
+def check_mixed_widths(st, model: str) -> None:
+    """Each point at its own width, within bf16 tolerance of a single-process capture of the
+    stored tokens (the actor's batches run beside other requests: last-bit differences; a row of
+    another token, layer or point is > 30% off), and the reader's rows bit for bit the store's."""
+    from tests.support.pipeline import reference_capture
+
+    assert st.layout_version == 4 and st.widths == {POINT: 576, "mlp_in.3": 576, "z.3": 576,
+                                                    "mlp_act.3": 1536, "mlp_out.3": 576}
+    v = st.verify(deep=True)
+    assert v.ok and v.complete, v.errors
+    tok_ids, _, _ = st.read_row_meta_checked(0, st.n_rows)
+    ref = reference_capture(model, tok_ids, C, 4 * C, 4, MIXED)
+    stored = {}
+    for p in MIXED:
+        got = stored[p] = st.read(p, 0, st.n_rows)
+        assert got.shape == ref[p].shape == (st.n_rows, st.widths[p])
+        g, w = got.astype(np.float32), ref[p].astype(np.float32)
+        err = np.linalg.norm(g - w, axis=1) / (np.linalg.norm(w, axis=1) + 1e-12)
+        # z (attention's per-head output) is the noisiest in bf16: ~3% worst row, 0.5% median
+        assert err.max() < 0.05 and np.median(err) < 0.01, (p, float(err.max()))
+    assert all(st.stats([p])[p]["mean"].shape == (st.widths[p],) for p in MIXED)
+    ds = ActivationDataset(st, MIXED, batch_size=100, seed=1, return_meta=True)
+    n = 0
+    for b in ds:
+        rows = b["row"].numpy()
+        for p in MIXED:
+            x = b["acts"][p]
+            assert x.shape == (len(rows), st.widths[p])
+            assert np.array_equal(x.view(torch.int16).numpy().view(np.uint16),
+                                  stored[p][rows].view(np.uint16)), p
+        n += len(rows)
+    assert n == st.n_rows
+
+
 def check_kept_stats(st, got: np.ndarray, tok_ids: np.ndarray, stored: np.ndarray) -> None:
     """The store's `kept` statistics against a recount over its rows: stored rows whose token is
     not special and whose context position is at least 2 (FORMAT.md, "Statistics")."""
@@ -167,8 +201,16 @@ def check_kept_stats(st, got: np.ndarray, tok_ids: np.ndarray, stored: np.ndarra
     np.testing.assert_allclose(s["mean_sq_norm"], (x * x).sum(1).mean(), rtol=1e-9)
 
 
+# a transcoder's pair and the MLP's hidden units beside the stream: three widths' worth of points
+# in one store (SmolLM2: d_model 576, mlp_act 1,536; z is 9 heads x 64 = 576)
+MIXED = [POINT, "mlp_in.3", "z.3", "mlp_act.3", "mlp_out.3"]
+
+
 def test_text_store_without_bos_leaves_its_sinks_out_of_kept(ray_cluster, smollm2, tmp_path):
-    """`bos: none`: each context's first row is a document's token, and an attention sink."""
+    """`bos: none`: each context's first row is a document's token, and an attention sink. The
+    run stores points of several widths (layout 4): each at its own, verify --deep passes, and
+    every row equals the engine's single-process capture; the reader yields each at its width,
+    rows aligned."""
     from transformers import AutoTokenizer
     from pydoc_data.topics import topics
 
@@ -176,10 +218,11 @@ def test_text_store_without_bos_leaves_its_sinks_out_of_kept(ray_cluster, smollm
     data.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)[:40]))
     cfg = make_cfg(smollm2, str(tmp_path / "store"), data,
                    packing={"context_size": C, "bos": "none", "max_tokens": 16 * C},
-                   capture={"points": [POINT], "check_model": False},
+                   capture={"points": MIXED, "check_model": False},
                    store={"shard_rows": 4 * C}, ray={"num_actors": 1})
     run(cfg)
     st = open_store(cfg.store.resolved_url)
+    check_mixed_widths(st, smollm2)
     tok = AutoTokenizer.from_pretrained(smollm2)
     tok_ids, _, _ = st.read_row_meta_checked(0, st.n_rows)
     got = np.asarray(st.read(POINT, 0, st.n_rows))

@@ -48,16 +48,31 @@ def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_l
     """Shards of one context each, as the old policy chose when 128 MiB of shards held one context
     (an 8 B model, all layers). Units were one shard, so each capture() call held one context and
     filled 32 of a 256-token step. Units now span many shards and one capture stream runs across
-    units: the steps stay full."""
+    units: the steps stay full. The run also stores a transcoder's pair and the MLP's hidden
+    units (mlp_act, wider than the stream) beside resid_post: points of several widths go
+    straight from the engine's tap buffer into the writers' buffers, each stored at its own."""
+    from tests.support.pipeline import reference_capture
+
+    extra = ["mlp_in.1", "mlp_act.1", "mlp_out.1"]
     cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "model.backend=vllm",
                    "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
-                   "ray.num_actors=1", "store.shard_rows=32", "store.unit_shards=null")
+                   "ray.num_actors=1", "store.shard_rows=32", "store.unit_shards=null",
+                   capture={"points": reference[0].points + extra})
     summary = run(cfg)
     [actor] = summary["per_actor"]
     assert summary["units"] == actor["units"] >= 4  # several units, each of many one-context shards
-    assert open_store(cfg.store.resolved_url).shard_rows == 32
+    store = open_store(cfg.store.resolved_url)
+    assert store.shard_rows == 32
     assert actor["steps"] >= 6144 // 256 and actor["step_fill"] >= 0.9, actor
-    check_store(open_store(cfg.store.resolved_url), reference, rel_tol=REL_TOL)
+    assert actor["rows_in_place"] == summary["tokens"]   # one host copy, mixed widths too
+    assert store.mixed_widths and store.widths["mlp_act.1"] > store.width == store.widths["mlp_in.1"]
+    ref, acts = reference
+    more = reference_capture(tiny_llama, ref.packed.token_ids, ref.packed.context_size,
+                             ref.unit_rows, 4, extra)
+    check_store(store, (ref, {**acts, **more}), rel_tol=REL_TOL)
+    # the load-time check compared every stored point, the wider one included, with HF fp32
+    check = store.attrs["model_check"]
+    assert check["ok"] and set(check["points"]) == set(store.points), check
 
 
 def test_fp8_store_quantised_in_the_engine(ray_cluster, tiny_llama, corpus, reference, tmp_path):

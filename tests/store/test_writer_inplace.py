@@ -91,3 +91,29 @@ def test_a_failed_model_check_stops_the_run_with_the_per_point_table():
         _model_check(bad, cfg)
     with pytest.raises(HarvestError, match="TrunkRefused: nope"):
         _model_check({"ok": False, "error": "TrunkRefused: nope"}, cfg)
+
+
+def test_points_of_several_widths_in_place_store_only_their_own_columns(tmp_path):
+    """A reservation is [points, n, widest] (the engine's destination shape); a narrower point's
+    rows are its first columns and whatever lies past them (the engine leaves it unwritten) is
+    never stored, CRC'd or counted."""
+    widths = {"mlp_in.0": W, "mlp_act.0": 3 * W}
+    s = create_store(str(tmp_path / "m.zarr"), points=list(widths), width=W, widths=widths,
+                     n_rows=N, shard_rows=SHARD, chunk_rows=32)
+    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
+    data = synthetic.activations((P, N, 3 * W), seed=5)
+    raw = data.view(np.uint16)
+    w = s.region_writer(0, 0, N)
+    _meta(w)
+    for a in range(0, N, 16):
+        v = w.reserve(a, 16)
+        assert v is not None and v.shape == (P, 16, 3 * W)
+        v[...] = raw[:, a:a + 16]   # junk past mlp_in's 8 columns, as an engine's buffer holds
+        w.fill_reserved(a, 16)
+    w.commit()
+    back = open_store(s.url)
+    assert np.array_equal(np.asarray(back.read("mlp_in.0", 0, N)).view(np.uint16), raw[0, :, :W])
+    assert np.array_equal(np.asarray(back.read("mlp_act.0", 0, N)).view(np.uint16), raw[1])
+    x = data[0, :, :W].astype(np.float64)
+    np.testing.assert_allclose(back.stats(["mlp_in.0"])["mlp_in.0"]["mean"], x.mean(0), rtol=1e-12)
+    assert back.verify(deep=True).ok

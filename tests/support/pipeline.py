@@ -75,8 +75,8 @@ def reference_capture(model_path: str, token_ids: np.ndarray, context_size: int,
             batches = [ctx[i : i + batch_contexts] for i in range(0, len(ctx), batch_contexts)]
             for req in m.capture(batches, points):
                 row = rs + req.index * context_size
-                for pi, p in enumerate(points):
-                    a = to_numpy(req.acts[pi])
+                for p in points:
+                    a = to_numpy(req.point(p))   # at the point's own width
                     if out[p] is None:
                         out[p] = np.zeros((n, a.shape[1]), a.dtype)
                     out[p][row : row + len(a)] = a
@@ -177,7 +177,7 @@ def shared_reference(model_path: str, corpus: Path, scratch: Path):
     if key not in _REFERENCES:
         cfg = make_cfg(model_path, str(scratch / "unused"), corpus)
         packed = reference_rows(cfg)
-        points = resolve_points(cfg.capture.points, model_facts(cfg)[1].n_layers)
+        points = [str(a) for a in resolve_points(cfg.capture, model_facts(cfg)[1].n_layers)]
         acts = reference_capture(model_path, packed.token_ids, cfg.packing.context_size,
                                  SHARD_ROWS, cfg.capture.batch_contexts, points)
         _REFERENCES[key] = (Reference(packed, points, SHARD_ROWS), acts)

@@ -1,0 +1,57 @@
+"""Raw rows of a reader's batch -> the tensors it yields (store/read/dataset.py's `_emit`).
+
+`to_torch` views raw bits as the store dtype without a copy; `fp8_split` cuts packed fp8 rows
+into values and scales; `emit_points` makes the batch of points of several widths: a dict
+`{point: [batch, width_p]}`, each point cut to its own columns of the `[batch, points, widest]`
+gather (FORMAT.md "Per-point widths") and normalised with its own constants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harvest.store.format.dtypes import BF16
+
+
+def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed fp8 rows uint8 `[..., width + 4]` -> (float8_e4m3fn `[..., width]`, float32
+    scales `[...]`), copies of the two parts (fp8.py has the layout)."""
+    w = packed.shape[-1] - 4
+    q = packed[..., :w].contiguous().view(torch.float8_e4m3fn)
+    scale = packed[..., w:].contiguous().view(torch.float32)[..., 0]
+    return q, scale
+
+
+def to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
+    """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
+    raw = np.ascontiguousarray(raw)
+    if np_dtype == BF16:
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw.view(np_dtype))
+
+
+def emit_points(x: np.ndarray, rows: np.ndarray, meta: dict, points, cols, store_dtype,
+                quantized: bool, dequantize: bool, norm, out_dtype, return_meta: bool):
+    """Points of several widths: `{point: [n, width_p]}` from `x` ([n, points, widest] raw bits),
+    each cut to its stored columns `cols[j]` (an fp8 store's scale is the last 4 of them) and
+    normalised with its own constants (`norm`: NormConstants or None). An fp8 store read with
+    `dequantize=False` gives `(acts, scales)` dicts; `return_meta` the reader's meta dict."""
+    acts, scales = {}, {}
+    for j, p in enumerate(points):
+        t = to_torch(np.ascontiguousarray(x[:, j, :cols[j]]), store_dtype)
+        if quantized:
+            t, s = fp8_split(t)
+            if not dequantize:
+                acts[p], scales[p] = t, s
+                continue
+            t = t.float() * s[..., None]
+        if norm is not None:
+            t = norm.apply_point(p, t)
+        acts[p] = t.to(out_dtype)
+    out = (acts, scales) if scales else acts
+    if not return_meta:
+        return out
+    extra = {"scale": scales} if scales else {}
+    return {"acts": acts, **extra, "row": torch.from_numpy(np.ascontiguousarray(rows)),
+            **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
