@@ -258,10 +258,11 @@ def kill_all(handles: list, close_first: bool = True) -> None:
             ray.kill(a, no_restart=True)
         except Exception:  # noqa: BLE001
             pass
-    if getattr(handles, "groups", None):
+    groups = getattr(handles, "groups", None)   # Actors' placement groups
+    if groups:
         from ray.util.placement_group import remove_placement_group
 
-        for pg in handles.groups:
+        for pg in groups:
             try:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001 -- a group gone with its job already
