@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -198,7 +199,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
-    out = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": POINTS,
+    out: dict[str, Any] = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": POINTS,
            "width": WIDTH, "shard_rows": sr,
            "shard_mib_per_point": sr * WIDTH * np_dtype.itemsize / 2**20, "units": units,
            "shards_per_unit": shards_per_unit}
