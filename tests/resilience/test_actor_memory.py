@@ -5,7 +5,8 @@ The real HarvestActor (constructed in-process through its `engine_factory` hook,
 one stream over many units, fed by two run_unit threads (two units in flight, as Ray's
 `max_concurrency` gives), into a real local store. The engine is a slow fake that keeps a few
 contexts in flight, so the stream never drains between units. Live RegionWriter objects are
-counted from the garbage collector's own list while the stream runs and after it ends; the store
+counted while the stream runs and after it ends (each writer registered in a WeakSet as it is
+built: the objects the garbage collector's list holds, without a scan per sample); the store
 is then verified and read back against rows computed here from the token ids.
 """
 
@@ -21,7 +22,7 @@ import pytest
 from harvest.pipeline.messages import ActorSpec, UnitTask
 from harvest.store import create_store, open_store
 from tests.support.slow_engine import (C, P, SLOW_ENGINE, W, live, live_writers, rows_of,
-                                       tokens_of)
+                                       tokens_of, track_writers)
 
 pytestmark = pytest.mark.slow  # the actor's stream over 40 units: not in `pytest -m 'not slow'`
 
@@ -78,6 +79,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
     threads = torch.get_num_threads()
     live.clear()
+    track_writers(monkeypatch)
     gc.collect()
     base = live_writers()
     actor = actor_mod.HarvestActor(_spec(url, points, in_place=in_place))
@@ -174,6 +176,7 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
     monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
     threads = torch.get_num_threads()
+    track_writers(monkeypatch)
     gc.collect()
     base = live_writers()
     # request 5: the second context of the second unit queued, once every context of the first
