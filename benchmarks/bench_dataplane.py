@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -256,7 +257,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
-    out = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": P,
+    out: dict[str, Any] = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": P,
            "width": W, "shard_rows": sr, "producer": "in place (reserve)" if inplace else "write (a copy)",
            "shard_mib_per_point": round(sr * s.row_bytes / 2**20, 2), "units": units,
            "shards_per_unit": shards_per_unit}

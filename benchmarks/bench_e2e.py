@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _engine_alone(model_path: str, engine_kwargs: dict, token_ids, context_size: int,
@@ -39,7 +40,7 @@ def _engine_alone(model_path: str, engine_kwargs: dict, token_ids, context_size:
 
     import numpy as np
 
-    spec = {"model_path": model_path, "engine_kwargs": engine_kwargs, "context_size": context_size,
+    spec: dict[str, Any] = {"model_path": model_path, "engine_kwargs": engine_kwargs, "context_size": context_size,
             "unit_rows": unit_rows, "batch_contexts": batch_contexts, "points": points,
             "tokens": str(Path(workdir) / "engine_tokens.npy"), "threads": os.cpu_count() or 1}
     np.save(spec["tokens"], np.asarray(token_ids, dtype=np.int32))
@@ -119,7 +120,7 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
     model = model or "tiny:llama"
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="harvest-bench-e2e-")
-    base = {
+    base: dict[str, Any] = {
         "name": "bench",
         "progress": False,
         "model": {"path": model, "backend": backend},

@@ -364,8 +364,8 @@ def bookkeeping_child(spec: dict) -> dict:
     elif op == "status":
         from harvest.pipeline.cli.views import status
 
-        st = status(url, so)
-        out = {"committed": st["committed_units"]}
+        view = status(url, so)
+        out = {"committed": view["committed_units"]}
     elif op == "verify":
         v = open_store(url, storage_options=so).verify(objects=False)
         out = {"committed": v.committed_units, "ok": v.ok}
@@ -488,7 +488,7 @@ def dispatch_child(spec: dict) -> dict:
     inflight, sent, got = {}, 0, 0
     while got < n_units:
         for a in actors:
-            while sent < n_units and sum(1 for x in inflight.values() if x is a) < 2:
+            while sent < n_units and sum(x is a for x in inflight.values()) < 2:
                 inflight[a.run_unit.remote(UnitTask(sent, 0, 1))] = a
                 sent += 1
         ready, _ = ray.wait(list(inflight), num_returns=1)

@@ -151,7 +151,7 @@ def make_tokens(model_path: str, n_prompts: int, prompt_len: int, out: Path) -> 
     except ImportError:  # engine bench missing: the same generator, so the peer still runs
         import random
 
-        def make_prompts(n, length, vocab, seed=0):
+        def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
             rng = random.Random(seed)
             return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
     prompts = make_prompts(n_prompts, prompt_len, info.vocab_size)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -173,7 +174,7 @@ def _figures(errs: np.ndarray) -> dict:
             "max": float(errs.max())}
 
 
-def compare(got: list[dict], ref: list[dict], points: list[str], cfg: CheckConfig,
+def compare(got: Sequence[dict], ref: Sequence[dict], points: list[str], cfg: CheckConfig,
             gap_ref: "list[dict] | None" = None) -> dict:
     """Per point: p50/p99/max of the capture's per-row relative error against HF fp32 (`ref`),
     the same figures of HF's run in the engine's dtype (`gap_ref`; None: the engine runs fp32,

@@ -272,7 +272,8 @@ def _post_readings(layers, run, rec: _Record, width: int):
     classes: dict[type, list[int]] = {}
     for li, layer in enumerate(layers):
         classes.setdefault(type(layer), []).append(li)
-    modes, errs, failures = [None] * n, [dict() for _ in range(n)], []
+    modes: list = [None] * n
+    errs, failures = [dict() for _ in range(n)], []
     for members in classes.values():
         cands = blocks.post_candidates(rec.outs[members[0]], width)
         for li in members:

@@ -285,22 +285,22 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
                     _copy_rows(taps.buf, slot, sublayer_value(out))
                 handles.append(mod.register_forward_hook(hook))
             else:
-                def hook(mod, args, kwargs, slot=slot, site=site):
+                def site_pre_hook(mod, args, kwargs, slot=slot, site=site):
                     from .probe_sites import read_input
                     _copy_rows(taps.buf, slot, read_input(site, args, kwargs))
-                handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+                handles.append(mod.register_forward_pre_hook(site_pre_hook, with_kwargs=True))
         elif a.name in ("attn_out", "mlp_out"):
             def hook(mod, args, out, slot=slot):
                 _copy_rows(taps.buf, slot, sublayer_value(out))
             handles.append(trunk.sublayer(a).register_forward_hook(hook))
         elif a.name == "resid_post":
-            def hook(mod, args, out, slot=slot, mode=sem.post):
+            def post_hook(mod, args, out, slot=slot, mode=sem.post):
                 _copy_rows(taps.buf, slot, post_value(mode, out))
-            handles.append(trunk[a.layer].register_forward_hook(hook))
+            handles.append(trunk[a.layer].register_forward_hook(post_hook))
         else:  # resid_pre, embeddings (block 0's input)
-            def hook(mod, args, kwargs, slot=slot, sem=sem):
+            def pre_hook(mod, args, kwargs, slot=slot, sem=sem):
                 _copy_rows(taps.buf, slot, pre_value(sem, args, kwargs))
-            handles.append(trunk[a.layer].register_forward_pre_hook(hook, with_kwargs=True))
+            handles.append(trunk[a.layer].register_forward_pre_hook(pre_hook, with_kwargs=True))
     return handles
 
 

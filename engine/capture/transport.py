@@ -225,7 +225,8 @@ class CudaTransport:
             t.done.synchronize()
 
 
-def make_transport(buf: torch.Tensor | None, fed_len: int, staging: bool = True):
+def make_transport(buf: torch.Tensor | None, fed_len: int, staging: bool = True
+                   ) -> CPUTransport | CudaTransport:
     if buf is not None and buf.device.type == "cuda":
         return CudaTransport(buf, fed_len, staging)
     return CPUTransport()

@@ -265,7 +265,7 @@ def generate_with_cache(model, prompts, points=None, sampling: GenerateParams | 
     """Complete a list of token lists; out[i][s] is sample s of prompt i (rows, tokens, text
     ids). `out[i][s].as_dict()` is the {Address: [rows, width]} cache."""
     gp = sampling or GenerateParams()
-    out = [[None] * gp.n for _ in prompts]
+    out: list[list] = [[None] * gp.n for _ in prompts]
     for r in generate(model, [prompts], points, gp):
         out[r.index][r.sample] = r
     return out

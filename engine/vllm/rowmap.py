@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ from harvest.engine.protocol import CaptureMode
 from harvest.engine.capture.stepring import RingSpec, RingWriter
 from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
 from harvest.engine.capture.quantize import check_quantize, packed_width
-from harvest.engine.capture.transport import check_destination, make_transport
+from harvest.engine.capture.blocks import Trunk
+from harvest.engine.capture.transport import CPUTransport, CudaTransport, check_destination, make_transport
 
 
 @dataclass
@@ -51,13 +53,15 @@ class Dest:
 @dataclass
 class HarvestState:
     taps: tapmod.TapSet
-    layers: object
+    # the probed trunk (freeze and hooked modes); None in plain mode; on the capture side of tensor
+    # parallel (remote.py) a namespace holding the ranks' probe report
+    layers: Trunk | SimpleNamespace | None
     mode: CaptureMode
     max_tokens: int
     width: int
     dtype: torch.dtype
     device: torch.device
-    transport: object
+    transport: CPUTransport | CudaTransport
     staging: bool = True
     dests: dict[str, Dest] = field(default_factory=dict)
     retired: set = field(default_factory=set)  # aborted internal ids: their rows are dropped
@@ -267,6 +271,7 @@ class HarvestState:
         self.taps = tapmod.TapSet(tuple(points), (), buf, {}, self.width, widths)
         self.transport = make_transport(buf, self.max_tokens, staging=False)
         if points:
+            assert isinstance(self.layers, Trunk), "hooked mode taps the probed trunk"
             self.hook_handles = tapmod.install_hooks(self.layers, self.taps)
 
     def step_stats(self) -> dict:

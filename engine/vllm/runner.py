@@ -13,11 +13,18 @@ and has none of the persistent state the row map reads (docs/engine.md: "Model R
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import compat
 from . import rowmap as harvest
 
+# the platform's classes, found at run time (compat.py): Any to the type checker
 _runners = compat.v1_runner_classes()
 _workers = compat.worker_classes()
+_GPURunner: Any = _runners["gpu"]
+_CPURunner: Any = _runners["cpu"]
+_GPUWorker: Any = _workers["gpu"]
+_CPUWorker: Any = _workers["cpu"]
 
 
 class HarvestRunnerMixin:
@@ -42,11 +49,11 @@ class HarvestRunnerMixin:
         return out
 
 
-class HarvestGPUModelRunner(HarvestRunnerMixin, _runners["gpu"]):
+class HarvestGPUModelRunner(HarvestRunnerMixin, _GPURunner):
     pass
 
 
-class HarvestCPUModelRunner(HarvestRunnerMixin, _runners["cpu"]):
+class HarvestCPUModelRunner(HarvestRunnerMixin, _CPURunner):
     """Also fixes seeded sampling on the CPU build (compat.snapshot_generators): without it, a
     generation with a seed dies on the first prompt vLLM prefills in chunks."""
 
@@ -77,6 +84,8 @@ def _refuse_v2(worker) -> None:
 
 class _HarvestRPC:
     """Reached with LLM.collective_rpc; in-process, the objects come back by reference."""
+
+    model_runner: HarvestRunnerMixin   # the platform worker's, set by its __init__/init_device
 
     def harvest_state(self):
         return self.model_runner.harvest
@@ -111,13 +120,13 @@ class _HarvestRPC:
         vec.copy_(torch.as_tensor(values, dtype=vec.dtype))
 
 
-class HarvestGPUWorker(_HarvestRPC, _workers["gpu"]):
+class HarvestGPUWorker(_HarvestRPC, _GPUWorker):
     def _make_model_runner(self):
         _refuse_v2(self)
         return HarvestGPUModelRunner(self.vllm_config, self.device)
 
 
-class HarvestCPUWorker(_HarvestRPC, _workers["cpu"]):
+class HarvestCPUWorker(_HarvestRPC, _CPUWorker):
     def init_device(self):
         super().init_device()
         _refuse_v2(self)

@@ -19,6 +19,8 @@ dozen fixed objects of a store (zarr.json nodes, the plan, finalize's statistics
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from harvest.store.commit.markers import index_batch
@@ -96,7 +98,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     units = -(-tokens // unit_rows) if tokens else None
     shards = -(-tokens // shard_rows) if tokens else None
     last = max(0, (units or 1) - 1)  # the last unit has the longest numbers in its marker
-    marker = dict(points=points, unit_id=last, row_start=last * unit_rows, shard_rows=shard_rows,
+    marker: dict[str, Any] = dict(points=points, unit_id=last, row_start=last * unit_rows, shard_rows=shard_rows,
                   row_bytes=row_bytes, object_bytes=data_stored, meta_bytes=meta_by_column)
     marker_bytes = marker_size(n_shards=shards_per_unit, **marker)
     marker_one = marker_size(n_shards=1, **marker)
@@ -115,7 +117,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
                   "complete_multipart_upload": n_obj, "put_stats_sidecar": SIDECAR_WRITES,
                   "put_object_table": TABLE_WRITES, "put_marker": MARKER_WRITES,
                   "index": writes["index"]}
-    out = {
+    out: dict[str, Any] = {
         "tokens": tokens, "units": units, "shards": shards, "shards_per_unit": shards_per_unit,
         "points": P, "meta_columns": M, "object_store": object_store,
         "objects": None, "objects_by_kind": None,

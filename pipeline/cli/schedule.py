@@ -103,7 +103,7 @@ class Tick:
     message: str
     tokens: int = 0     # committed tokens after the tick
     budget: int | None = None
-    summary: dict | None = None
+    summary: RunSummary | None = None
 
     @property
     def exit_code(self) -> int:
@@ -260,7 +260,7 @@ def _committed_after_failure(cfg: HarvestConfig) -> "int | None":
         return None
 
 
-def record_tick(cfg: HarvestConfig, summary: dict, started: float) -> None:
+def record_tick(cfg: HarvestConfig, summary: RunSummary, started: float) -> None:
     schedule_log.record_tick(_location(cfg), summary, started)
 
 

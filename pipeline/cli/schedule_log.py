@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any, Mapping
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -20,7 +21,7 @@ def _name(kind: str, seq: int) -> str:
     return f"{TICK_DIR}/{kind}-{seq:06d}.json"
 
 
-def record_tick(loc, summary: dict, started: float, seq: "int | None" = None,
+def record_tick(loc, summary: Mapping[str, Any], started: float, seq: "int | None" = None,
                 start: "dict | None" = None) -> None:
     """Keep a run's figures beside its store, numbered in order (`seq`: the number its start
     record took); a tick's data is committed already, so failing to record it is a warning, not

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from harvest.pipeline.config.run import DataConfig
 from .documents import DataError, open_dataset, resolve_source
@@ -43,7 +43,7 @@ def plan_blocks(cfg: DataConfig) -> dict:
         raise DataError(
             f"data.source={cfg.source!r} is empty ({len(src.files)} file(s) of 0 bytes): the "
             "dataset has no rows; point data.source at the data")
-    out = {"kind": src.kind, "description": src.description}
+    out: dict = {"kind": src.kind, "description": src.description}
     if cfg.max_docs is not None or cfg.streaming or not local and src.kind != "disk" \
             or (local and src.builder not in ("json", "text", "parquet")) \
             or (src.kind == "files" and isinstance(cfg.data_files, dict)):
@@ -222,11 +222,13 @@ def ids_problem(value) -> "str | None":
 def read_block(block: list[dict], cfg: DataConfig, start: dict | None = None) -> Iterator[tuple]:
     """(row, pos, text, reason) for every source row of the block, from `start` (a cursor:
     {"row", "pos"}) on; `reason` is None for usable text, else why the row is skipped."""
-    classify = _classify
+    classify: Callable[[Any], str | None] = _classify
     if cfg.tokens_column is not None:  # pre-tokenised rows (pipeline/data/token_input.py)
         classify = ids_problem
     elif cfg.format == "chat":
-        from .chat import conversation_problem as classify
+        from .chat import conversation_problem
+
+        classify = conversation_problem
     row = int(start["row"]) if start else 0
     pos = start.get("pos") if start else None
     seg0, inner = (pos[0], pos[1]) if pos else (0, None)
@@ -267,12 +269,12 @@ def _read_lines(seg: dict, cfg: DataConfig, at: "list | None") -> Iterator[tuple
                 if not body.strip():
                     continue  # blank lines are not rows (as in the datasets json loader)
                 try:
-                    body = body.decode("utf-8")
+                    decoded = body.decode("utf-8")
                 except UnicodeDecodeError:  # counted apart: the fix is the file's encoding
                     yield [here, 0], Refused("bad_encoding")
                     continue
                 try:
-                    obj = json.loads(body)
+                    obj = json.loads(decoded)
                 except ValueError:
                     yield [here, 0], Refused("bad_json")
                     continue
@@ -326,6 +328,6 @@ def _read_dataset(seg: dict, cfg: DataConfig, at: "int | None") -> Iterator[tupl
         yield i, r.get(cfg.value_column)
 
 
-_READERS = {"lines": _read_lines, "parquet": _read_parquet, "disk": _read_disk,
-            "dataset": _read_dataset}
+_READERS: dict[str, Callable[..., Iterator[tuple]]] = {
+    "lines": _read_lines, "parquet": _read_parquet, "disk": _read_disk, "dataset": _read_dataset}
 

@@ -167,7 +167,7 @@ class BlockPacker:
         self.max_contexts = max_contexts
         self.tok, self.doc, self.pos = _Growable(np.int32), _Growable(np.int64), _Growable(np.int32)
         self.stats = PackStats()
-        self.data = {"rows_read": 0, "rows_skipped": 0, "skipped_reasons": {}}
+        self.data: dict = {"rows_read": 0, "rows_skipped": 0, "skipped_reasons": {}}
         self.fill = 0             # tokens in the open context
         self.ctx_in_chunk = 0     # complete contexts in the current chunk
         self.ctx_total = 0        # complete contexts in this block (from the start cursor on)

@@ -14,6 +14,7 @@ import logging
 import os
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -30,7 +31,7 @@ class Job:
     # contexts the job may pack at most (packing.max_tokens's share from its start on); None:
     # the run's whole budget (a block's start, whose place in the run is not known yet)
     budget: int | None = None
-    gen: object = None
+    gen: Iterator[Any] | None = None   # the worker's ray generator of (arrays, descriptor) refs
     worker: int = -1
     chunks: int = 0
 

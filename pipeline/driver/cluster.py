@@ -166,6 +166,19 @@ def _placed(actors: list) -> int:
     return n
 
 
+def _never_placed(actor) -> bool:
+    """The actor still waits for resources and never had a process (no pid, no restart): it has
+    no engine to close. False when the GCS's actor table cannot be read."""
+    from ray._private import state
+
+    try:
+        row = state.actors(actor_id=actor._actor_id.hex()) or {}
+    except Exception:  # noqa: BLE001 -- unknown: close it as any other
+        return False
+    return (row.get("State") in ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
+            and not row.get("Pid") and not row.get("NumRestarts"))
+
+
 def _res(d: dict) -> str:
     return ", ".join(f"{k} {d.get(k, 0.0):g}" for k in ("CPU", "GPU"))
 
@@ -241,7 +254,9 @@ def kill_all(handles: list, close_first: bool = True) -> None:
 
     if close_first and handles:
         refs = []
-        for a in handles:
+        # an actor never placed has no process and no engine: its close would only wait out
+        # CLOSE_WAIT_S in the queue (a run stopped at ray.start_timeout_s)
+        for a in [a for a in handles if not _never_placed(a)]:
             try:
                 refs.append(a.close.remote())
             except Exception:  # noqa: BLE001 -- an actor already gone
@@ -258,10 +273,11 @@ def kill_all(handles: list, close_first: bool = True) -> None:
             ray.kill(a, no_restart=True)
         except Exception:  # noqa: BLE001
             pass
-    if getattr(handles, "groups", None):
+    groups = getattr(handles, "groups", None)   # Actors' placement groups
+    if groups:
         from ray.util.placement_group import remove_placement_group
 
-        for pg in handles.groups:
+        for pg in groups:
             try:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001 -- a group gone with its job already

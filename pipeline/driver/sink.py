@@ -34,6 +34,7 @@ from .prepare import Prepared
 from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
 from harvest.store.storage.locate import locate
+from harvest.store import Store
 from harvest.store.commit.verify import VerifyReport
 from harvest.store.storage.credentials import redact_url
 
@@ -47,8 +48,8 @@ class StoreSink:
     def __init__(self, cfg: HarvestConfig):
         self.cfg = cfg
         self.shown_url = redact_url(cfg.store.resolved_url)
-        self.existing = None
-        self.store = None
+        self.existing: Store | None = None   # the store a resume continues
+        self.store: Store | None = None      # the run's store, once created or reopened
         self.lease: Lease | None = None
 
     @property

@@ -19,6 +19,7 @@ are checked after decoding instead (a copy when the rows are strided), which is 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import google_crc32c
 import numpy as np
@@ -129,7 +130,7 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
     return None, tried, damaged
 
 
-def read_point(store, marker: dict, sh: dict, p: int, out: np.ndarray | None = None,
+def read_point(store, marker: dict, sh: dict | int, p: int, out: np.ndarray | None = None,
                rows: int | None = None) -> np.ndarray:
     """Rows [sh.row_start, sh.row_end) of point index `p`, checked; into `out` when given.
     `sh`: the shard's record, or its index (the record then comes from the unit's table)."""
@@ -166,7 +167,7 @@ def _meta_cache(store) -> dict:
     return store.meta_chunk_cache
 
 
-def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
+def read_meta(store, marker: dict, sh: dict | int, name: str) -> np.ndarray:
     """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker (`sh`: the
     shard's record or its index, as in read_point)."""
     if not isinstance(sh, dict):
@@ -205,6 +206,26 @@ def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
 
 
+class ShardSet(Protocol):
+    """Committed shard (or metadata chunk) indices: `in` is all abort_losing_uploads asks."""
+
+    def __contains__(self, shard: int, /) -> bool: ...
+
+
+class PieceSeq(Protocol):
+    """Indexable pieces: (row_start, row_end) by piece index (a list, or readorder.Pieces)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> tuple[int, int]: ...
+
+
+class SourceSeq(Protocol):
+    """Indexable sources: (marker facts, shard record or index) by piece index (readorder.Sources)."""
+
+    def __getitem__(self, i: int, /) -> tuple[dict, dict | int]: ...
+
+
 class CommittedMeta:
     """Row metadata of a reader's pieces, each chunk checked against its marker before use.
 
@@ -212,14 +233,14 @@ class CommittedMeta:
     column is read once (4-8 bytes a row) and the last few are kept, since the normalisation
     sample reads chunk-sized blocks of the same pieces."""
 
-    def __init__(self, store, pieces: list, sources: list, keep: int = 16):
+    def __init__(self, store, pieces: PieceSeq, sources: SourceSeq, keep: int = 16):
         import bisect
         import threading
 
         self._store, self._pieces, self._sources, self._keep = store, pieces, sources, keep
         self._starts = getattr(pieces, "starts", None)   # readorder.Pieces: its int64 array
         if self._starts is None:
-            self._starts = [a for a, _ in pieces]
+            self._starts = [pieces[i][0] for i in range(len(pieces))]
         self._bisect = bisect.bisect_right
         self._cache: dict = {}
         self._lock = threading.Lock()
@@ -317,7 +338,7 @@ def settle_uploads(store, pending: dict, marker: dict) -> None:
     complete_uploads(store.location, todo)
 
 
-def abort_losing_uploads(store, pending: dict, owner: dict, meta_owner: dict) -> None:
+def abort_losing_uploads(store, pending: dict, owner: ShardSet, meta_owner: ShardSet) -> None:
     """Uploads left `pending` after every committed marker settled its own: those of a
     committed shard (`owner`) or metadata chunk (`meta_owner`) are a losing (or failed)
     attempt's and are aborted; the others stay (a writer may still be at work on them)."""

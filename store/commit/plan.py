@@ -39,7 +39,7 @@ class Unit:
         return self.row_end - self.row_start
 
     def as_dict(self) -> dict:
-        d = {"unit_id": self.unit_id, "row_start": self.row_start, "row_end": self.row_end}
+        d: dict = {"unit_id": self.unit_id, "row_start": self.row_start, "row_end": self.row_end}
         if self.pieces:
             d["pieces"] = [list(p) for p in self.pieces]
         return d
@@ -49,7 +49,8 @@ class Unit:
         if isinstance(d, Unit):
             return d
         if not isinstance(d, dict):
-            return cls(*(int(x) for x in d))
+            unit_id, row_start, row_end = (int(x) for x in d)
+            return cls(unit_id, row_start, row_end)
         try:
             return cls(int(d["unit_id"]), int(d["row_start"]), int(d["row_end"]),
                        tuple(tuple(p) for p in d.get("pieces") or ()))
@@ -128,7 +129,7 @@ class PlanStore:
         if compact:
             c = json.loads(compact)
             upto = int(c["upto"])
-            units = [Unit(*u[:3], tuple(tuple(p) for p in u[3])) for u in c["units"]]
+            units = [Unit(u[0], u[1], u[2], tuple(tuple(p) for p in u[3])) for u in c["units"]]
             final = bool(c.get("final"))
             if payloads:
                 raw = self._loc.read_bytes(layout.PLAN_COMPACT_PAYLOAD_KEY)
@@ -139,7 +140,7 @@ class PlanStore:
             if raw is None:
                 continue
             seg = json.loads(raw)
-            units += [Unit(*u[:3], tuple(tuple(p) for p in u[3])) for u in seg["units"]]
+            units += [Unit(u[0], u[1], u[2], tuple(tuple(p) for p in u[3])) for u in seg["units"]]
             final = final or bool(seg.get("final"))
             if payloads:
                 p = self._loc.read_bytes(layout.plan_payload_key(s))

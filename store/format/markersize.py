@@ -31,12 +31,12 @@ def _typical_records(points, row_start: int, k: int, shard_rows: int, object_byt
     def crcs(n):
         return [_TYPICAL_CRC | rnd.getrandbits(31) for _ in range(n)]
 
-    return _tables.records(
+    return _tables.records([
         (row_start // shard_rows + i, row_start + i * shard_rows, row_start + (i + 1) * shard_rows,
          crcs(P), [object_bytes + rnd.randint(-object_bytes // 50, object_bytes // 50)
                    for _ in range(P)], crcs(P),
          {c: {"crc32c": crcs(1)[0], "nbytes": n} for c, n in meta_bytes.items()})
-        for i in range(k))
+        for i in range(k)])
 
 
 def _typical(points, unit_id, row_start, k, n_shards, shard_rows, row_bytes, object_bytes,

@@ -90,7 +90,7 @@ def batches(readies, k: int, shape: tuple[int, int], raw: np.dtype, emit, *, ski
     P, W = shape
     bufs = buffers or BatchBuffers((k, P, W), raw, keep=ahead + 2)
     produced = 0
-    part = None     # [out, rows, meta, filled, windows spanned]
+    part: list | None = None     # [out, rows, meta, filled, windows spanned]
     pending: deque = deque()   # (future or None, out, rows, meta) gathered ahead, in order
     if limit is not None and limit <= 0:
         return

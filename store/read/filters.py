@@ -12,7 +12,7 @@ the reader; see `normalize.sq_norms`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Iterable
 
 
 import numpy as np
@@ -148,7 +148,7 @@ class RowFilter:
     generated: bool = False
 
     @classmethod
-    def build(cls, exclude: Sequence[int] = (), context_size: int | None = None, seqpos=None,
+    def build(cls, exclude: Iterable[int] = (), context_size: int | None = None, seqpos=None,
               split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
               roles: "tuple | None" = None, generated: bool = False) -> "RowFilter":
         check_split(split, test_fraction)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -18,6 +19,10 @@ from .rows import lite
 from .readahead import WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan
 from harvest.store.store import Store
+
+if TYPE_CHECKING:
+    from harvest.store.commit.objects import CommittedMeta
+    from .filters import RowFilter
 
 
 def rank_world(rank, world_size) -> tuple[int, int]:
@@ -156,6 +161,18 @@ class PiecePlanning:
     Uses the dataset's pieces, filter, _counts (-1: not counted yet), committed_meta(), io_threads, seed,
     shuffle, rank, world_size, window_shards and endless.
     """
+
+    pieces: Pieces
+    filter: RowFilter
+    _counts: np.ndarray
+    committed_meta: Callable[[], CommittedMeta]
+    io_threads: int
+    seed: int
+    shuffle: bool
+    rank: int
+    world_size: int
+    window_shards: int
+    endless: bool
 
     def _count_piece(self, i: int) -> int:
         a, b = self.pieces[i]

@@ -168,18 +168,20 @@ class WindowFinisher:
         return local, dropped
 
     def __call__(self, spec: WindowSpec, arena: np.ndarray, slot_meta: list) -> Ready:
-        idx, rows, meta = [], [], {n: [] for n in self.names}
+        idx_parts: list = []
+        row_parts: list = []
+        meta_parts: dict[str, list] = {n: [] for n in self.names}
         dropped = 0
         for k, (t, cols) in enumerate(zip(spec.takes, slot_meta)):
             cols = cols or {}
             local, d = self._local(k, t, cols, arena)
             dropped += d
-            idx.append(k * self.R + local)
-            rows.append(self.pieces[t.piece][0] + local)
+            idx_parts.append(k * self.R + local)
+            row_parts.append(self.pieces[t.piece][0] + local)
             for n in self.names:
-                meta[n].append(cols[n][local].astype(np.int64))
+                meta_parts[n].append(cols[n][local].astype(np.int64))
         cat = lambda v: np.concatenate(v) if v else np.empty(0, np.int64)  # noqa: E731
-        idx, rows, meta = cat(idx), cat(rows), {n: cat(v) for n, v in meta.items()}
+        idx, rows, meta = cat(idx_parts), cat(row_parts), {n: cat(v) for n, v in meta_parts.items()}
         rng = np.random.default_rng([self.seed, spec.epoch, self.g, spec.index, 0x51])
         if self.shuffle:
             perm = rng.permutation(idx.shape[0])

@@ -57,7 +57,8 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
 
 def read_row_meta_checked(st, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Like Store.read_row_meta, committed rows only, each chunk checked against its marker."""
-    return tuple(read_meta_checked(st, n, start, stop) for n in layout.BASE_META)
+    token_id, doc_id, position = (read_meta_checked(st, n, start, stop) for n in layout.BASE_META)
+    return token_id, doc_id, position
 
 
 def read_meta_checked(st, name: str, start: int, stop: int) -> np.ndarray:

@@ -7,7 +7,7 @@ stores no object for an unwritten shard) and `finalize` shrinks them to the rows
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import zarr
@@ -88,7 +88,8 @@ def create_store(url, points: Sequence[str] | None = None, width: int | None = N
             w = row_width(spec.dtype, (spec.widths or {})[point])   # fp8: + a float32 scale per row
             g.create_array(path, shape=(n, w), dtype=zarr_dtype(np_dtype),
                            chunks=(spec.chunk_rows, w), shards=(spec.shard_rows, w),
-                           compressors=_compression.compressors(spec.compression, np_dtype.itemsize),
+                           compressors=_compression.compressors(cast(dict, spec.compression),  # normalized by StoreSpec
+                                                                 np_dtype.itemsize),
                            fill_value=0,
                            dimension_names=["row", "dim"], config={"write_empty_chunks": True})
         for name, dt in row_meta.items():

@@ -110,8 +110,8 @@ class ShardUploads:
                               list(store.meta_columns), captured_codes(store))
         self._states: dict[int, Shard] = {}     # block id -> its buffer state
         self._open: "OrderedDict[int, Shard]" = OrderedDict()
-        self._pending: "OrderedDict[int, list[cf.Future]]" = OrderedDict()
-        self._done: set[int] = set()            # blocks encoded and appended
+        self._pending: "OrderedDict[int | tuple[str, int], list[cf.Future]]" = OrderedDict()
+        self._done: set[int | tuple[str, int]] = set()   # blocks (and ("meta", chunk)) uploaded
         self._checked: set[int] = set()         # shards whose first block looked for a marker
         # shards whose metadata chunks were handed to an upload thread: commit uploads the rest.
         # Marked when submitted, not when done: a second upload of a chunk still in flight
@@ -385,11 +385,11 @@ class ShardUploads:
         for si in [si for si, fs in self._pending.items() if all(f.done() for f in fs)]:
             self._finish(si)
 
-    def _finish(self, si: int) -> None:
+    def _finish(self, si: int | tuple[str, int]) -> None:   # a block, or ("meta", chunk)
         futs = self._pending.pop(si)
         for f in futs:
             f.result()  # the upload functions record their own failures; this surfaces bugs
-        st = self._states.get(si)
+        st = self._states.get(si) if isinstance(si, int) else None
         if st is not None:
             self._buffers.give(st.data)  # every upload of it has finished
             st.data = None

@@ -103,7 +103,8 @@ def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
 
     assert [g for g in placement_group_table().values() if g["state"] != "REMOVED"] == []
 
-    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1")
+    # the TP=2 run's actor checked the model against HF fp32; this store is only compared
+    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1", "capture.check_model=false")
     run(cfg1)
     tp1 = open_store(cfg1.store.resolved_url)
     assert tp1.n_rows == tp2.n_rows

@@ -25,7 +25,10 @@ def smol_run(ray_cluster, smollm2, tmp_path_factory):
     url = str(tmp_path_factory.mktemp("parity") / "store")
     cfg = load_config(default_config_path(), [
         f"model.path={smollm2}", f"capture.points=[{POINT}]", "packing.max_tokens=8192",
-        "ray.num_actors=1", f"store.url={url}", "progress=false"])
+        "ray.num_actors=1", f"store.url={url}", "progress=false",
+        # the test compares these rows with SAELens's HF fp32 cache itself (act_rel_err): the
+        # actor's model check of all 30 layers against HF fp32 would only repeat it
+        "capture.check_model=false"])
     summary = run(cfg)
     assert summary["status"] == "complete", summary
     return url
