@@ -168,7 +168,7 @@ class PiecePlanning:
     committed_meta: Callable[[], CommittedMeta]
     io_threads: int
     seed: int
-    shuffle: bool
+    shuffle: bool | str     # True/"window", "global", or False
     rank: int
     world_size: int
     window_shards: int

@@ -58,7 +58,7 @@ class WorkerPlan:
     quota: int | None     # kept rows this worker yields this epoch; None when G == 1 (all)
 
 
-def epoch_order(n_pieces: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def epoch_order(n_pieces: int, seed: int, epoch: int, shuffle: bool | str) -> np.ndarray:
     if not shuffle:
         return np.arange(n_pieces)
     return np.random.default_rng([seed, epoch]).permutation(n_pieces)
