@@ -168,9 +168,9 @@ class StubEngine(CaptureOnly):
                 "scheduled_tokens": self.scheduled_tokens,
                 "max_num_batched_tokens": self.max_num_batched_tokens}
 
-    def capture(self, batches, points, destinations=None):
-        if destinations is not None:
-            raise ValueError("the stub engine takes no destinations")
+    def capture(self, batches, points, destinations=None, quantize=None):
+        if destinations is not None or quantize is not None:
+            raise ValueError("the stub engine takes no destinations and does not quantise")
         return self._capture(batches, points)
 
     def _capture(self, batches, points):

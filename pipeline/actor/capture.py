@@ -355,7 +355,7 @@ class HarvestActor:
             store = self._open_store()
             e = self.engine
             if store.quantized:
-                same = bool(getattr(e, "quantizes", False)) and self.slots is None
+                same = e.quantizes and self.slots is None
             else:
                 same = e.dtype == torch_dtype(store.np_dtype)
             ok = bool(e.accepts_destinations) and list(store.points) == list(self.points) and same
