@@ -58,7 +58,7 @@ def _peak_rss_mb() -> float:
 
 
 def _cache() -> Path:
-    from harvest.pipeline.config.run import cache_dir
+    from harvest.pipeline.config.paths import cache_dir
 
     return cache_dir()
 

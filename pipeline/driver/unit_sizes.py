@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 from harvest.pipeline.config.run import HarvestConfig
 from harvest.store.format.layout import CAPACITY_ROWS, choose_sizes
-from harvest.store.commit.plan import Unit
 
 UNITS_PER_ACTOR = 4
 
-__all__ = ["Layout", "Unit", "choose_layout", "UNITS_PER_ACTOR"]
+__all__ = ["Layout", "choose_layout", "UNITS_PER_ACTOR"]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ import random
 
 import pytest
 
-from harvest.pipeline.config.run import REPO_ROOT, ConfigError, load_config
+from harvest.engine.models import REPO_ROOT
+
+from harvest.pipeline.config.run import ConfigError, load_config
 from harvest.pipeline.data.context_rows import Frontier
 from harvest.pipeline.driver.unit_sizes import choose_layout
 from harvest.store.format.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
