@@ -150,7 +150,7 @@ def cmd_plan(args) -> int:
     from harvest.pipeline.driver.resume import probe_store
 
     cfg = load_args_config(args)
-    existing = probe_store(cfg)
+    existing = probe_store(cfg.store)
     prep = prepare(cfg, existing)
     L = prep.layout
     out = {

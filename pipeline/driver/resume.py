@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.sections import StoreConfig
 from harvest.pipeline.errors import HarvestError, ResumeMismatch
 from harvest.pipeline.data.context_rows import Frontier, chunk_key
 from harvest.pipeline.data.blocks import check_sizes
@@ -26,8 +27,8 @@ from harvest.pipeline.data.tokenpool import Job
 RUN_ATTR = "harvest_run"
 
 
-def probe_store(cfg: HarvestConfig, create_bucket: bool = False):
-    """The existing store at store.url, or None if the location is free.
+def probe_store(st: StoreConfig, create_bucket: bool = False):
+    """The existing store at `st`'s url (the store section), or None if the location is free.
 
     Fails fast (before any data is read) on a wrong endpoint or credentials, or a missing bucket
     (created instead when `create_bucket`: the driver passes store.create_bucket, `plan` writes
@@ -36,11 +37,11 @@ def probe_store(cfg: HarvestConfig, create_bucket: bool = False):
     from harvest.store import NotAHarvestStore, open_store
     from harvest.store.storage.locate import locate
 
-    url = cfg.store.resolved_url
+    url = st.resolved_url
     try:
-        return open_store(url, storage_options=cfg.store.fs_options())
+        return open_store(url, storage_options=st.fs_options())
     except NotAHarvestStore as e:
-        loc = locate(url, cfg.store.fs_options())
+        loc = locate(url, st.fs_options())
         loc.ensure_container(create_bucket)   # the bucket, on S3; nothing elsewhere
         try:
             entries = loc.fs.ls(loc.root, detail=False) if loc.fs.exists(loc.root) else []
@@ -128,7 +129,7 @@ class ResumeState:
 
 def fresh_state(prep, max_contexts: int | None) -> ResumeState:
     n = len(prep.sources["blocks"])
-    f = Frontier(prep.cfg.packing.context_size, prep.layout.unit_contexts, n, max_contexts)
+    f = Frontier(prep.context_size, prep.layout.unit_contexts, n, max_contexts)
     return ResumeState([], set(), [], {}, f, [], 0 if n else None)
 
 
@@ -148,7 +149,7 @@ def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
     committed = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
     todo = [u for u in plan["units"] if u.unit_id not in committed]
     n_blocks = len(prep.sources["blocks"])
-    f = Frontier.resume(prep.cfg.packing.context_size, prep.layout.unit_contexts, n_blocks,
+    f = Frontier.resume(prep.context_size, prep.layout.unit_contexts, n_blocks,
                         max_contexts, state)
     needed: dict[int, list[int]] = {}
     for u in todo:

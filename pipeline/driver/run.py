@@ -23,8 +23,8 @@ import os
 import time
 from typing import Callable, cast
 
-from .cluster import (actor_request, collect_infos, ensure_ray, kill_all, start_actors,
-                      start_report)
+from .cluster import (actor_request, actor_spec, collect_infos, ensure_ray, kill_all,
+                      start_actors, start_report)
 from harvest.pipeline.config.run import HarvestConfig
 from .dispatch import Scheduler
 from .tally import DispatchReport, RunSummary
@@ -110,17 +110,20 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
                  shown_url, len(state.committed), len(state.units), len(state.todo), len(state.jobs))
 
     remote = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-    started_ray = ensure_ray(cfg)
+    started_ray = ensure_ray(cfg.ray)
     pool = actors = sched = None
     try:
         chunk_contexts = max(1, cfg.packing.chunk_tokens // C)
         if existing is not None:
             chunk_contexts = int((existing.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
-        pool = TokenPool.start(cfg, prep, list(state.jobs), state.fresh_from, chunk_contexts,
-                               max_contexts, env_for_workers())
-        actors = start_actors(cfg, prep, engine_factory, local=started_ray and not remote)
-        sched = Scheduler(cfg, prep, state, pool, emit, lease)
-        bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
+        pool = TokenPool.start(cfg.data, cfg.packing, cfg.ray, prep, list(state.jobs),
+                               state.fresh_from, chunk_contexts, max_contexts, env_for_workers())
+        specs = [actor_spec(cfg, prep, i, engine_factory) for i in range(cfg.ray.num_actors)]
+        actors = start_actors(cfg.ray, cfg.model.tensor_parallel_size, specs,
+                              local=started_ray and not remote)
+        sched = Scheduler(cfg.ray, prep, state, pool, emit, lease)
+        bar = progress_bar(cfg.progress, None if max_contexts is None else max_contexts * C,
+                           cfg.name)
         try:
             store = _start(cfg, prep, sched, actors, sink, chunk_contexts, bar, emit,
                            skipped=len(state.committed))
@@ -180,8 +183,8 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
         got = sched.step(bar, extra=pending, timeout=2.0)
         pending = [r for r in pending if not any(r is g for g in got)]
         if not pending and infos is None:
-            infos = collect_infos(refs, cfg, prep)
-            _model_check(infos[0].check, cfg)
+            infos = collect_infos(refs, cfg.model, prep)
+            _model_check(infos[0].check, cfg.model.path)
             emit({"event": "actors_ready", "actors": [i.as_dict() for i in infos]})
             log.info("%d actors ready: %s", len(infos), ", ".join(
                 f"#{i.index} pid {i.pid} ({i.describe.get('backend')}/"
@@ -201,8 +204,8 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
         if pending:
             watch.tick(len(pending))
             if time.time() - watch.t0 > cfg.ray.start_timeout_s:
-                raise HarvestError(start_report(cfg, actors, actor_request(cfg),
-                                                time.time() - watch.t0))
+                request = actor_request(cfg.ray, cfg.model.tensor_parallel_size)
+                raise HarvestError(start_report(cfg.ray, actors, request, time.time() - watch.t0))
     if existing is None:
         store = sink.create(prep, infos[0], chunk_contexts)
     else:
@@ -219,7 +222,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
     return store
 
 
-def _model_check(check: dict | None, cfg: HarvestConfig) -> None:
+def _model_check(check: dict | None, model_path: str) -> None:
     """Stop before anything is written when actor 0's engine disagrees with Hugging Face fp32
     (capture.check_model; `check` is ActorInfo.check, None when it did not run): the store would
     otherwise fill with rows that look fine and are not."""
@@ -237,9 +240,9 @@ def _model_check(check: dict | None, cfg: HarvestConfig) -> None:
 
         why = "\n" + format_check(check)
     raise HarvestError(
-        f"model check failed on actor 0: the engine's rows for model.path={cfg.model.path!r} do "
+        f"model check failed on actor 0: the engine's rows for model.path={model_path!r} do "
         f"not match Hugging Face fp32: {why}\nNothing was written. Run `harvest check-model "
-        f"{cfg.model.path}` for details; set capture.check_model: false only if you know why.")
+        f"{model_path}` for details; set capture.check_model: false only if you know why.")
 
 
 def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
@@ -300,7 +303,4 @@ def _plan_stats(store) -> dict:
         chunks.update(p.get("chunks") or {})
     return sum_stats(chunks.values())
 
-
-def _progress(cfg: HarvestConfig, total: int | None):
-    return progress_bar(cfg.progress, total, cfg.name)
 

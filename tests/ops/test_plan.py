@@ -25,16 +25,20 @@ def _cfg(**kw):
     return load_config(data=data)
 
 
+def _layout(cfg, *shape):
+    return choose_layout(cfg.store, cfg.packing, cfg.ray.num_actors, *shape)
+
+
 def test_shard_rows_must_be_a_multiple_of_context_size():
     with pytest.raises(ConfigError, match=r"store.shard_rows=100 is not a multiple of "
                                           r"packing.context_size=64: use 128 or 64"):
-        choose_layout(_cfg(store={"shard_rows": 100}), 128, 2, 1)
+        _layout(_cfg(store={"shard_rows": 100}), 128, 2, 1)
     with pytest.raises(ConfigError, match="store.chunk_rows=48 must divide"):
-        choose_layout(_cfg(store={"shard_rows": 128, "chunk_rows": 48}), 128, 2, 1)
+        _layout(_cfg(store={"shard_rows": 128, "chunk_rows": 48}), 128, 2, 1)
 
 
 def test_derived_layout_sizes_units_for_the_engine_and_bounds_shards():
-    big = choose_layout(_cfg(packing={"context_size": 128}), 576, 2, 30)  # SmolLM2, all layers
+    big = _layout(_cfg(packing={"context_size": 128}), 576, 2, 30)  # SmolLM2, all layers
     assert big.shard_rows % 128 == 0 and big.shard_rows % big.chunk_rows == 0
     # shards ~128 MiB per point (issue 24: few, large objects); the writer's buffer bound is a
     # block set, independent of the shard size
@@ -45,9 +49,9 @@ def test_derived_layout_sizes_units_for_the_engine_and_bounds_shards():
     assert 1 << 17 <= big.unit_rows <= 1 << 18  # ~unit_tokens: many engine steps
     assert big.unit_rows // big.shard_rows >= 2
     # a small bounded run still gives every actor several units
-    small = choose_layout(_cfg(packing={"context_size": 128, "max_tokens": 64 * 128}), 128, 2, 4)
+    small = _layout(_cfg(packing={"context_size": 128, "max_tokens": 64 * 128}), 128, 2, 4)
     assert small.capacity_rows == 64 * 128 and small.capacity_rows // small.unit_rows >= 8
-    explicit = choose_layout(_cfg(store={"shard_rows": 128, "unit_shards": 3}), 128, 2, 1)
+    explicit = _layout(_cfg(store={"shard_rows": 128, "unit_shards": 3}), 128, 2, 1)
     assert (explicit.shard_rows, explicit.unit_rows) == (128, 384)
 
 
@@ -148,7 +152,7 @@ def _stopped_after(tmp_path, emitted, committed):
         u = emitted[uid].unit
         create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
     prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
-                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+                           context_size=8)
     return s, prep
 
 
@@ -520,7 +524,7 @@ def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, ca
     cfg = load_config(tmp_path / "run.yaml")
     object.__setattr__(cfg.model, "tensor_parallel_size", 2)  # as a hub name would: prepare reads it
     with pytest.raises(ConfigError, match="num_attention_heads=9"):
-        model_facts(cfg)
+        model_facts(cfg.model)
     # vLLM's rules: KV heads fewer than ranks are replicated when the ranks are a multiple
     gqa = {"num_attention_heads": 32, "num_key_value_heads": 2, "intermediate_size": 14336,
            "vocab_size": 128256}
