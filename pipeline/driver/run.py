@@ -101,7 +101,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     if existing is not None and state.complete:
         # every unit committed but never finalized (the driver died at the very end): no actors
         log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
-        return _finish(cfg, prep, sink, existing, None, t_start, emit, len(state.units))
+        return _finish(cfg.name, prep, sink, existing, None, t_start, emit, len(state.units))
     if stop_tokens is not None:
         U = prep.layout.unit_contexts
         state.frontier.stop_contexts = state.frontier.placed + -(-stop_tokens // (C * U)) * U
@@ -145,13 +145,13 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
         if started_ray:
             shutdown_ray()   # exits.py: and the watcher of a local cluster (reaper.py)
     if sched.frontier.paused:
-        return _paused(cfg, prep, store, sched, t_start, emit, len(state.committed),
+        return _paused(cfg.name, prep, store, sched, t_start, emit, len(state.committed),
                        dispatch_seconds)
-    return _finish(cfg, prep, sink, store, sched, t_start, emit, len(state.committed),
+    return _finish(cfg.name, prep, sink, store, sched, t_start, emit, len(state.committed),
                    dispatch_seconds=dispatch_seconds)
 
 
-def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
+def _paused(name: str, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
             dispatch_seconds: float) -> RunSummary:
     """A tick's end (stop_tokens reached): every planned unit is committed, nothing finalized.
     The same verify as at the end (markers, plan coverage) so a tick never reports rows it lost;
@@ -161,9 +161,9 @@ def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, 
     if not verify.complete:
         raise HarvestError(f"store {redact_url(store.url)} failed verification after a paused "
                            f"run: {verify.errors[:5]} missing {verify.missing_units[:10]}")
-    summary = _summary(cfg, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
+    summary = _summary(name, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
     summary["status"], summary["paused"] = "paused", True
-    summary["planned_tokens"] = sched.frontier.placed * cfg.packing.context_size
+    summary["planned_tokens"] = sched.frontier.placed * prep.context_size
     emit({"event": "done", "summary": summary})
     return summary
 
@@ -245,31 +245,32 @@ def _model_check(check: dict | None, model_path: str) -> None:
         f"{model_path}` for details; set capture.check_model: false only if you know why.")
 
 
-def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
+def _finish(name: str, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
             t_start: float, emit, skipped: int, dispatch_seconds: float = 0.0) -> RunSummary:
     summary = sink.on_write_complete(
-        store, lambda verify: _summary(cfg, prep, store, sched, verify, t_start, skipped,
+        store, lambda verify: _summary(name, prep, store, sched, verify, t_start, skipped,
                                        dispatch_seconds))
     emit({"event": "done", "summary": summary})
     return summary
 
 
-def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: VerifyReport,
+def _summary(name: str, prep: Prepared, store, sched: "Scheduler | None", verify: VerifyReport,
              t_start: float, skipped: int, dispatch_seconds: float) -> RunSummary:
-    """The run's summary, recorded in the store at finalize and returned to the caller."""
+    """The run's summary (`name`: the config's), recorded in the store at finalize and returned
+    to the caller."""
     report = sched.report() if sched is not None else DispatchReport()
     tokens_run = report.tokens_run
     stats = report.data if report.data is not None else _plan_stats(store)
     stored = verify.stored_bytes or 0
     logical = verify.committed_rows * len(store.points) * store.row_bytes
     summary: RunSummary = {
-        "name": cfg.name,
+        "name": name,
         "store": redact_url(store.url),
         "status": "complete",
         "model": (store.attrs or {}).get("model", {}),
         "points": len(store.points),
         "width": store.width,
-        "context_size": cfg.packing.context_size,
+        "context_size": prep.context_size,
         "tokens": verify.committed_rows,
         "tokens_this_run": tokens_run,
         # of those rows, the ones holding activations (not zeroed by capture.roles, not a
