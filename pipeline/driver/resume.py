@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.corpus import DataConfig
 from harvest.pipeline.config.sections import StoreConfig
 from harvest.pipeline.errors import HarvestError, ResumeMismatch
 from harvest.pipeline.data.context_rows import Frontier, chunk_key
@@ -59,6 +60,17 @@ def probe_store(st: StoreConfig, create_bucket: bool = False):
         return None
 
 
+def _refuse(store, diffs: list[tuple[str, Any, Any]]) -> None:
+    if diffs:
+        key, old, new = diffs[0]
+        raise ResumeMismatch(
+            f"store {store.url} was made by a different config ({key}: the store has {old!r}, "
+            f"this config says {new!r}); resuming would mix two runs in one store: use the "
+            "original config, or a new store.url"
+            + (f" ({len(diffs) - 1} more difference(s))" if len(diffs) > 1 else "")
+        )
+
+
 def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
@@ -68,8 +80,9 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
-def check_resume(store, cfg: HarvestConfig, prep=None) -> None:
-    """Refuse to continue a store made by another config, naming the first differing setting."""
+def check_resume(store, cfg: HarvestConfig) -> None:
+    """Refuse to continue a store made by another config, naming the first differing setting
+    (before anything is prepared; check_resume_plan then compares what prepare found)."""
     stored = (store.attrs or {}).get(RUN_ATTR)
     if not stored:
         raise ResumeMismatch(
@@ -83,30 +96,28 @@ def check_resume(store, cfg: HarvestConfig, prep=None) -> None:
             f"(store.dtype / model.dtype): one store holds one dtype, and resuming would mix "
             f"two; set store.dtype: {store.dtype} to go on with it, or use a new store.url")
     diffs = _diff(stored.get("content", {}), cfg.content_key())
-    if prep is not None:
-        for k in ("points", "context_size"):
-            if stored.get(k) != prep.run_key()[k]:
-                diffs.append((k, stored.get(k), prep.run_key()[k]))
     for name in ("shard_rows", "chunk_rows"):
         v = getattr(cfg.store, name)
         if v is not None and v != getattr(store, name):
             diffs.append((f"store.{name}", getattr(store, name), v))
-    if diffs:
-        key, old, new = diffs[0]
+    _refuse(store, diffs)
+
+
+def check_resume_plan(store, prep, data: DataConfig) -> None:
+    """After check_resume passed: refuse a resume whose prepared run differs from the store's
+    (the points as resolved for the model, the context size), or whose data changed since the
+    store was planned (block sizes, a save_to_disk fingerprint; `data`: the data section)."""
+    stored = (store.attrs or {}).get(RUN_ATTR) or {}
+    key = prep.run_key()
+    _refuse(store, [(k, stored.get(k), key[k]) for k in ("points", "context_size")
+                    if stored.get(k) != key[k]])
+    changed = check_sizes(prep.sources["blocks"]) or fingerprint_changed(
+        (store.attrs or {}).get("provenance"), data)
+    if changed:
         raise ResumeMismatch(
-            f"store {store.url} was made by a different config ({key}: the store has {old!r}, "
-            f"this config says {new!r}); resuming would mix two runs in one store: use the "
-            "original config, or a new store.url"
-            + (f" ({len(diffs) - 1} more difference(s))" if len(diffs) > 1 else "")
-        )
-    if prep is not None:
-        changed = check_sizes(prep.sources["blocks"]) or fingerprint_changed(
-            (store.attrs or {}).get("provenance"), cfg.data)
-        if changed:
-            raise ResumeMismatch(
-                f"store {store.url}: the data changed since the store was planned ({changed}); "
-                "resuming would mix two corpora in one store: restore the data, or use a new "
-                "store.url")
+            f"store {store.url}: the data changed since the store was planned ({changed}); "
+            "resuming would mix two corpora in one store: restore the data, or use a new "
+            "store.url")
 
 
 @dataclass

@@ -34,7 +34,7 @@ from harvest.pipeline.logs import StartWatch, progress_bar
 from harvest.pipeline.data.packing import PackingError
 from harvest.pipeline.data.context_rows import sum_stats
 from .prepare import Prepared, prepare
-from .resume import check_resume, fresh_state, resume_state
+from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
 from harvest.store.commit.verify import VerifyReport
 from harvest.store.storage.credentials import redact_url
@@ -85,7 +85,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     C = cfg.packing.context_size
     max_contexts = None if cfg.packing.max_tokens is None else cfg.packing.max_tokens // C
     if existing is not None:
-        check_resume(existing, cfg, prep)
+        check_resume_plan(existing, prep, cfg.data)   # the config was checked at on_write_start
         sink.on_resume(existing, prep.layout.capacity_rows)
         state = resume_state(existing, prep, max_contexts)
         if state.complete and existing.summary is not None:

@@ -205,6 +205,42 @@ def test_resume_state_gives_the_continuation_the_budget_left_at_its_chunk(tmp_pa
     # the budget is where the frontier's next context lands, less what it re-reads of the chunk
     assert st.frontier.placed - st.frontier.skip_ctx == 17 - st.jobs[1].budget
 
+
+def test_a_resume_is_checked_once_against_the_config_then_against_the_prepared_run(tmp_path):
+    """check_resume (the config, before prepare) and check_resume_plan (what prepare found) each
+    check their own facts: a store made by this config passes the first, and the second still
+    refuses other resolved points or a data file that changed size since the store was planned."""
+    from types import SimpleNamespace
+
+    from harvest.pipeline.driver.resume import RUN_ATTR, check_resume, check_resume_plan
+    from harvest.pipeline.errors import ResumeMismatch
+    from harvest.store import create_store
+
+    data = tmp_path / "c.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cfg = _cfg(data={"source": str(data)})
+    blocks = [[{"kind": "lines", "path": str(data), "size": data.stat().st_size}]]
+    key = {"content": cfg.content_key(), "points": ["resid_post.0"], "context_size": 64}
+    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=128,
+                     context_size=64, dtype=cfg.store_dtype(), attrs={RUN_ATTR: key})
+
+    def prep(points):
+        return SimpleNamespace(run_key=lambda: {**key, "points": points},
+                               sources={"blocks": blocks})
+
+    check_resume(s, cfg)
+    check_resume_plan(s, prep(["resid_post.0"]), cfg.data)
+    with pytest.raises(ResumeMismatch, match=r"\(points: the store has \['resid_post.0'\], this "
+                                             r"config says \['resid_post.1'\]\)"):
+        check_resume_plan(s, prep(["resid_post.1"]), cfg.data)
+    data.write_text('{"text": "ab"}\n')
+    with pytest.raises(ResumeMismatch, match=r"the data changed since the store was planned "
+                                             r"\(.*c.jsonl was 14 bytes when the store was planned, now 15\)"):
+        check_resume_plan(s, prep(["resid_post.0"]), cfg.data)
+    with pytest.raises(ResumeMismatch, match=r"packing.context_size: the store has 64, this config "
+                                             r"says 32"):
+        check_resume(s, _cfg(data={"source": str(data)}, packing={"context_size": 32}))
+
 # ---- `harvest plan`: objects, sizes and requests of the layout (issue 24) -------------------
 
 DEFAULT_RATIO = 1.45   # compression.EXPECTED_RATIO_DEFAULT: split-huffman on SmolLM2's rows
