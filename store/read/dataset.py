@@ -37,7 +37,7 @@ import torch
 from . import mixing
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
-from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
+from harvest.store.format.dtypes import raw_dtype, torch_dtype, torch_view
 from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from harvest.store.format.roles import resolve_roles
 from .loader import ActivationLoader
@@ -70,10 +70,7 @@ def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
     """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
-    raw = np.ascontiguousarray(raw)
-    if np_dtype == BF16:
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(raw.view(np_dtype))
+    return torch_view(np.ascontiguousarray(raw), np_dtype)
 
 
 class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
