@@ -58,7 +58,7 @@ def _peak_rss_mb() -> float:
 
 
 def _cache() -> Path:
-    from harvest.pipeline.config.run import cache_dir
+    from harvest.pipeline.config.paths import cache_dir
 
     return cache_dir()
 
@@ -168,9 +168,9 @@ class StubEngine(CaptureOnly):
                 "scheduled_tokens": self.scheduled_tokens,
                 "max_num_batched_tokens": self.max_num_batched_tokens}
 
-    def capture(self, batches, points, destinations=None):
-        if destinations is not None:
-            raise ValueError("the stub engine takes no destinations")
+    def capture(self, batches, points, destinations=None, quantize=None):
+        if destinations is not None or quantize is not None:
+            raise ValueError("the stub engine takes no destinations and does not quantise")
         return self._capture(batches, points)
 
     def _capture(self, batches, points):
@@ -298,8 +298,8 @@ def tokenize_child(spec: dict) -> dict:
     cfg = load_config(data=spec["config"])
     prep = prepare(cfg)
     jobs = [Job(b) for b in range(min(spec["blocks"], len(prep.sources["blocks"])))]
-    pool = TokenPool.start(cfg, prep, jobs, None, cfg.packing.chunk_tokens // 128, None,
-                           env_for_workers())
+    pool = TokenPool.start(cfg.data, cfg.packing, cfg.ray, prep, jobs, None,
+                           cfg.packing.chunk_tokens // 128, None, env_for_workers())
     ray.get([w.ping.remote() for w in pool.workers])  # tokenizers loaded: time the work alone
     t0 = time.perf_counter()
     tokens = 0
@@ -356,8 +356,7 @@ def bookkeeping_child(spec: dict) -> dict:
 
         s = open_store(url, storage_options=so)
         n = spec["units"]
-        prep = SimpleNamespace(sources={"blocks": [[{}]] * n},
-                               cfg=SimpleNamespace(packing=SimpleNamespace(context_size=128)),
+        prep = SimpleNamespace(sources={"blocks": [[{}]] * n}, context_size=128,
                                layout=SimpleNamespace(unit_contexts=spec.get("unit_contexts", 1)))
         st = resume_state(s, prep, None)
         out = {"todo": len(st.todo), "committed": len(st.committed)}
@@ -468,14 +467,15 @@ def dispatch_child(spec: dict) -> dict:
         ray.init(address=spec["address"])
     n_actors, n_units = spec["actors"], spec["units"]
     cfg = load_config(data={"ray": {"num_actors": n_actors, "max_in_flight": 2}})
-    prep = SimpleNamespace(layout=SimpleNamespace(unit_rows=1 << 18))
+    prep = SimpleNamespace(layout=SimpleNamespace(unit_rows=1 << 18),
+                           context_size=cfg.packing.context_size)
     f = Frontier(128, 2048, 0)
     f.done = True
     state = ResumeState([], set(), [], {}, f)
     pool = SimpleNamespace(active={}, fill=lambda *a: None, waitables=lambda *a: [],
                            blocks_tokenised=[])
     seen = []  # unit ids as the scheduler reports them done: each exactly once, none missing
-    sched = Scheduler(cfg, prep, state, pool,
+    sched = Scheduler(cfg.ray, prep, state, pool,
                       lambda e: seen.append(e["unit_id"]) if e.get("event") == "unit_done" else None)
     Remote = ray.remote(StubActor)
     actors = [Remote.options(num_cpus=0.001).remote(i) for i in range(n_actors)]

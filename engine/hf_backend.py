@@ -145,10 +145,14 @@ class HFModel(CaptureOnly):
                 "max_num_batched_tokens": self.max_num_batched_tokens}
 
     def capture(self, batches: Iterable[Sequence[Sequence[int]]], points=None,
-                destinations: DestinationProvider | None = None) -> Iterator[CapturedRequest]:
+                destinations: DestinationProvider | None = None,
+                quantize: str | None = None) -> Iterator[CapturedRequest]:
         if destinations is not None:  # at the call, not at the first row
             raise ValueError("the eager backend yields rows in its own tensors: destinations are "
                              "not supported (accepts_destinations is False)")
+        if quantize is not None:
+            raise ValueError(f"the eager backend yields rows in the model dtype: quantize="
+                             f"{quantize!r} is not supported (quantizes is False)")
         return self._capture(batches, points)
 
     @torch.inference_mode()

@@ -75,16 +75,22 @@ class CaptureEngine(Protocol):
     lost: bool
     """True once the engine can no longer run (vLLM: a worker process died): the actor exits so
     Ray restarts it. Always False for an engine that has no part to lose."""
+    quantizes: bool
+    """Whether `capture(quantize="float8_e4m3fn")` is served: the engine quantises rows before
+    they leave the device (vLLM in process; not tensor parallel). False: the caller quantises on
+    the host (the writer does, bit for bit the same) and never passes `quantize`."""
 
     def describe(self) -> dict:
         """JSON-able facts for reports: model, backend, mode, dtype, versions."""
         ...
 
     def capture(self, batches: Iterable[Sequence[Sequence[int]]], points, *,
-                destinations: DestinationProvider | None = None) -> Iterator[CapturedRequest]:
+                destinations: DestinationProvider | None = None,
+                quantize: str | None = None) -> Iterator[CapturedRequest]:
         """Yield each request's rows (a CapturedRequest, `index` in submission order from 0 per
-        call) once they are final; `batches` is consumed lazily. `destinations` is passed by
-        keyword (engines place their own options before it)."""
+        call) once they are final; `batches` is consumed lazily. `destinations` and `quantize`
+        are passed by keyword (engines place their own options before them); an engine whose
+        `quantizes` is False raises ValueError when given `quantize`."""
         ...
 
     def generate(self, batches: Iterable[Sequence[Sequence[int]]], points=None, sampling=None,
@@ -108,9 +114,10 @@ class CaptureEngine(Protocol):
 
 class CaptureOnly:
     """The optional capabilities of CaptureEngine as an engine without them has them: nothing to
-    lose, no shared memory, no generation. Engines other than vLLM's inherit it."""
+    lose, no shared memory, no generation, no quantising. Engines other than vLLM's inherit it."""
 
     lost = False
+    quantizes = False
 
     def generate(self, batches, points=None, sampling=None, max_in_flight_tokens=None,
                  destinations=None, seeds=None):

@@ -31,7 +31,7 @@ import numpy as np
 
 from .engine import check_engine, close_engine, gpu_ids, load_engine
 from harvest.pipeline.logs import mark_phase, redirect_actor
-from harvest.store.format.dtypes import torch_dtype
+from harvest.store.format.dtypes import torch_dtype, torch_view
 from harvest.pipeline.messages import ActorFigures, ActorInfo, ActorSpec, UnitResult, UnitStatus, UnitTask
 
 log = logging.getLogger("harvest.actor")
@@ -358,8 +358,7 @@ class HarvestActor:
             if store.quantized:
                 # the engine quantises a whole buffer row; points of several widths need each
                 # point's scale over its own columns, which the writer computes (writer.py)
-                same = bool(getattr(e, "quantizes", False)) and self.slots is None \
-                    and not store.mixed_widths
+                same = e.quantizes and self.slots is None and not store.mixed_widths
             else:
                 same = e.dtype == torch_dtype(store.np_dtype)
             ok = bool(e.accepts_destinations) and list(store.points) == list(self.points) and same
@@ -379,13 +378,9 @@ class HarvestActor:
 
     def _as_tensor(self, view: np.ndarray):
         """A writer view (raw integer bits of the store dtype) as an engine-dtype tensor over the
-        same memory: the engine's copies land in the shard buffer itself."""
-        import torch
-
-        if view.dtype == np.uint8:   # packed fp8 rows (the engine quantises into them)
-            return torch.from_numpy(view)
-        signed = {2: np.int16, 4: np.int32}[view.dtype.itemsize]
-        return torch.from_numpy(view.view(signed)).view(torch_dtype(self._open_store().np_dtype))
+        same memory: the engine's copies land in the shard buffer itself (an fp8 store's packed
+        uint8 rows as uint8: the engine quantises into them)."""
+        return torch_view(view, self._open_store().np_dtype)
 
     def close(self) -> None:
         """Stop the stream and close the engine (vLLM's executor and ranks, the shared arena and

@@ -252,19 +252,18 @@ class Slots:
         return meta, out
 
 
-def resolved_stop(cfg, model_path: str) -> list:
+def resolved_stop(g: GenerateConfig, chat: bool, model_path: str) -> list:
     """The ids generation stops at (the store's `stop_ids`): capture.generate.stop and, with
     stop_at_eos, the checkpoint's EOS ids (the engine adds those itself, engine/generate.eos_ids:
     listed here so the store names every id that ended a sample, text stores included); with
     chat input also the chat template's end-of-turn token (SmolLM2's <|im_end|>, Llama-3's
     <|eot_id|>) and the tokenizer's EOS: an instruct model's end of turn is often not among the
     checkpoint's EOS ids, and a completion that ran past it would write the next turn's
-    scaffolding and a made-up user message as 'assistant'."""
-    g = cfg.capture.generate
+    scaffolding and a made-up user message as 'assistant'. `chat`: data.format is chat."""
     stop = set(g.stop)
     if g.stop_at_eos:
-        stop |= set(checkpoint_eos_ids(model_path, getattr(cfg.model, "revision", None)))
-    if cfg.data.format == "chat" and g.stop_at_eos:
+        stop |= set(checkpoint_eos_ids(model_path))
+    if chat and g.stop_at_eos:
         from transformers import AutoTokenizer
 
         from harvest.pipeline.data.chat import end_of_turn_ids
@@ -292,17 +291,16 @@ def checkpoint_eos_ids(model_path: str, revision: "str | None" = None) -> list:
     return sorted(int(i) for i in ids if 0 <= i < (vocab or 1 << 62))
 
 
-def actor_section(cfg, model_path: str) -> "dict | None":
-    """ActorSpec.generate: the settings Slots is built from, stop ids resolved."""
-    g = cfg.capture.generate
+def actor_section(g: "GenerateConfig | None", chat: bool, model_path: str) -> "dict | None":
+    """ActorSpec.generate: the settings Slots is built from (capture.generate), stop ids
+    resolved; None without generation."""
     if g is None:
         return None
-    return {**g.describe(), "stop": resolved_stop(cfg, model_path)}
+    return {**g.describe(), "stop": resolved_stop(g, chat, model_path)}
 
 
-def store_attrs(cfg, model_path: str) -> dict:
+def store_attrs(g: GenerateConfig, chat: bool, context_size: int, model_path: str) -> dict:
     """The store's `generation` attribute (FORMAT.md, "Generation"): the settings, the prompt
     room P, the slot's rows and the stop ids the engine was given."""
-    g = cfg.capture.generate
-    return {**g.describe(), "prompt_len": g.prompt_len(cfg.packing.context_size),
-            "slot_rows": cfg.packing.context_size, "stop_ids": resolved_stop(cfg, model_path)}
+    return {**g.describe(), "prompt_len": g.prompt_len(context_size),
+            "slot_rows": context_size, "stop_ids": resolved_stop(g, chat, model_path)}

@@ -92,7 +92,7 @@ def budget_shortfall(cfg: HarvestConfig, summary: RunSummary) -> "str | None":
 
 def cmd_run(args) -> int:
     """Quiet by default (pipeline/logs.py): third-party output to a log folder, named once."""
-    from harvest.pipeline.config.run import cache_dir
+    from harvest.pipeline.config.paths import cache_dir
     from harvest.pipeline.driver.run import run
     from harvest.pipeline.logs import new_log_dir, quiet_run
 
@@ -150,7 +150,7 @@ def cmd_plan(args) -> int:
     from harvest.pipeline.driver.resume import probe_store
 
     cfg = load_args_config(args)
-    existing = probe_store(cfg)
+    existing = probe_store(cfg.store)
     prep = prepare(cfg, existing)
     L = prep.layout
     out = {

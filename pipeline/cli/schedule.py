@@ -133,7 +133,7 @@ def store_state(cfg: HarvestConfig) -> StoreState:
     from harvest.store.storage.credentials import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
-    store = probe_store(cfg, create_bucket=cfg.store.create_bucket)
+    store = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
     if store is None:  # a first tick may still be starting: its lease comes before the store
         cur = current(locate(cfg.store.resolved_url, cfg.store.fs_options()))
         live = cur if cur is not None and cur.live(cfg.store.lease_seconds) else None

@@ -71,7 +71,7 @@ def cmd_schedule(args) -> int:
 
 def _ticks(args):
     """The tick's outcomes, and the log folder when it ran quiet."""
-    from harvest.pipeline.config.run import cache_dir
+    from harvest.pipeline.config.paths import cache_dir
     from harvest.pipeline.logs import new_log_dir, quiet_run
     from .schedule import ScheduleConfig, checkpoint_tick, extend_tick
 

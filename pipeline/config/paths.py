@@ -1,7 +1,7 @@
 """Where the repo, the cache and user paths are: `{cache}`, `~` and `$VARS` expanded one way.
 
-Its own module so the section dataclasses (pipeline/config/sections.py) and pipeline/config/run.py, which
-re-exports these names for the CLI, data and corpus code, share one definition of the cache.
+Its own module so the section dataclasses (pipeline/config/sections.py), pipeline/config/run.py and
+the CLI, data and corpus code share one definition of the cache.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harvest.engine.models import REPO_ROOT, cache_dir as _engine_cache_dir  # noqa: F401 -- REPO_ROOT: config's name for it
+from harvest.engine.models import cache_dir as _engine_cache_dir
 
 
 def cache_dir() -> Path:

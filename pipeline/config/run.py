@@ -8,8 +8,8 @@ The sections live in pipeline/config/sections.py (model, capture, store, ray),
 pipeline/config/corpus.py (data, packing) and pipeline/config/generate.py (capture.generate);
 they are leaves that import only config helpers, never the runtime modules using them (data,
 generation, ...: those import the sections, one way, so loading a config is no import cycle).
-The YAML and override helpers in pipeline/config/yamltext.py,
-the cache paths in pipeline/config/paths.py; the names callers import from here are re-exported.
+The YAML and override helpers are in pipeline/config/yamltext.py, the cache paths in
+pipeline/config/paths.py (import them from there).
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from typing import Any
 import yaml
 
 from .fields import ConfigError, check_bool, check_str
-from .paths import REPO_ROOT, cache_dir, expand_path  # noqa: F401
+from harvest.engine.models import REPO_ROOT
 from .corpus import DataConfig, PackingConfig
 from .sections import CaptureConfig, ModelConfig, RayConfig, StoreConfig
-from .yamltext import (deep_merge, load_yaml_unique, parse_override, read_text,  # noqa: F401
-                       unknown_msg)
+from .yamltext import deep_merge, load_yaml_unique, parse_override, read_text, unknown_msg
 
 
 @dataclass(frozen=True)

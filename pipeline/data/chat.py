@@ -90,12 +90,12 @@ def pad_token_id(tokenizer) -> int:
         "a pad nor an EOS token: give a checkpoint whose tokenizer defines one")
 
 
-def chat_attrs(cfg) -> dict:
-    """What the store records about chat input (run attributes, key `chat`): {} for text."""
-    if cfg.data.format != "chat":
+def chat_attrs(data, roles: "list | None") -> dict:
+    """What the store records about chat input (run attributes, key `chat`): {} for text.
+    `data`: the data section; `roles`: capture.roles."""
+    if data.format != "chat":
         return {}
-    roles = cfg.capture.roles
-    return {"chat": {"messages_column": cfg.data.messages_column,
+    return {"chat": {"messages_column": data.messages_column,
                      "captured": sorted(roles, key=R.CODES.get) if roles else None,
                      "codes": dict(R.CODES)}}
 

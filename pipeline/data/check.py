@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.corpus import DataConfig, PackingConfig
 from .documents import DataError, resolve_source
 from .packing import PackingError
 from .blocks import load_disk, open_dataset, read_block
@@ -168,22 +168,22 @@ def _known_bytes(blocks: list[list[dict]]) -> "int | None":
     return total + sum(files.values())
 
 
-def check_fills_context(cfg: HarvestConfig, blocks: list[list[dict]], tokenizer,
-                        bos: "int | None") -> None:
+def check_fills_context(data: DataConfig, packing: PackingConfig, blocks: list[list[dict]],
+                        tokenizer, bos: "int | None", prompt_tokens: "int | None" = None) -> None:
     """Refuse a corpus that cannot fill one context (all rows empty, or fewer tokens than a
     context), before Ray starts: 100 empty documents once started Ray, tokenisers and actors
     (over 300 s) to say so. Packs with the workers' own code and stops at the first context, so
-    a usable corpus costs one tokenizer call here."""
-    from .tokenize import chat_prompt_tokens, pack_block
+    a usable corpus costs one tokenizer call here. `prompt_tokens`: pack_block's (chat input
+    completed by capture.generate: chat_prompt_tokens)."""
+    from .tokenize import pack_block
 
     size = _known_bytes(blocks)
     scan = blocks if size is not None and size <= SMALL_SOURCE_BYTES else blocks[:1]
     rows = skipped = tokens = 0
     reasons: dict = {}
     for b, block in enumerate(scan):
-        for chunk in pack_block(b, block, cfg.data, cfg.packing, tokenizer, bos,
-                                chunk_contexts=1, max_contexts=1,
-                                prompt_tokens=chat_prompt_tokens(cfg)):
+        for chunk in pack_block(b, block, data, packing, tokenizer, bos,
+                                chunk_contexts=1, max_contexts=1, prompt_tokens=prompt_tokens):
             if chunk.n_contexts:
                 return
             s = chunk.stats
@@ -195,7 +195,7 @@ def check_fills_context(cfg: HarvestConfig, blocks: list[list[dict]], tokenizer,
     read = "all of them read" if len(scan) == len(blocks) else \
         f"the first of {len(blocks)} blocks read"
     raise PackingError(
-        f"no complete context: data.source={cfg.data.source!r} had {rows} rows ({read}), "
+        f"no complete context: data.source={data.source!r} had {rows} rows ({read}), "
         f"{skipped} without usable text ({reasons or 'none'}), {tokens} tokens; one context needs "
-        f"packing.context_size={cfg.packing.context_size} tokens (from one block): add text, "
+        f"packing.context_size={packing.context_size} tokens (from one block): add text, "
         "check data.source/data.text_column, or lower packing.context_size")

@@ -222,8 +222,7 @@ def run_provenance(cfg, prep) -> dict:
     out = {
         "harvest": {"version": __version__, "content_key_sha256": _sha(cfg.content_key()),
                     "config_sha256": _sha(cfg.to_dict(redact=True))},
-        "model": model_provenance(prep.model_path, cfg.model.path,
-                                  getattr(cfg.model, "revision", None)),
+        "model": model_provenance(prep.model_path, cfg.model.path),  # the model section pins no revision
         "data": data_provenance(cfg.data, prep.sources),
     }
     if prep.token_source is not None:

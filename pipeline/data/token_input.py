@@ -238,12 +238,12 @@ def sample_agreement(rows: list[np.ndarray], tokenizer) -> "float | None":
     return round(float(np.mean(ratios)), 4) if ratios else None
 
 
-def check_token_source(cfg, blocks: list[list[dict]], tokenizer, vocab_size: int,
+def check_token_source(data: DataConfig, blocks: list[list[dict]], tokenizer, vocab_size: int,
                        model_name: str) -> dict:
     """Before Ray: the column holds ids, every scanned id is in the vocabulary, the recorded
     tokenizer (if any) is the model's, else a decode/re-encode sample agrees (or warns).
-    Returns the token source's description for the store (`provenance.token_source`)."""
-    data = cfg.data
+    Returns the token source's description for the store (`provenance.token_source`).
+    `model_name`: model.path, as errors name the model."""
     col = data.tokens_column
     src = resolve_source(data)
     if src.kind == "files" and src.builder in ("text", "csv"):
@@ -269,7 +269,7 @@ def check_token_source(cfg, blocks: list[list[dict]], tokenizer, vocab_size: int
                 continue
             if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise _bad_id(col, rows + row, ids, vocab_size, src.description,
-                              repr(cfg.model.path))
+                              repr(model_name))
             if len(sample) < SAMPLE_ROWS:
                 sample.append(ids)
             scanned += len(ids)
@@ -290,16 +290,16 @@ def check_token_source(cfg, blocks: list[list[dict]], tokenizer, vocab_size: int
         low = agree is not None and agree < SAMPLE_AGREEMENT
         if out.get("unverified"):
             if low:
-                raise _mismatch(out["tokenizer_name"], out["record"], cfg.model.path,
+                raise _mismatch(out["tokenizer_name"], out["record"], model_name,
                                 f"names differ and {len(sample)} sample rows decoded and "
                                 f"re-encoded agree at {agree:.2f}")
             log.warning("data.tokens_column: the dataset records tokenizer %r, which cannot be "
                         "loaded here; the model is %s and a sample of rows re-encodes alike "
                         "(%.2f): taken as the same tokenizer", out["tokenizer_name"],
-                        cfg.model.path, agree if agree is not None else float("nan"))
+                        model_name, agree if agree is not None else float("nan"))
         elif low:
             log.warning(
                 "data.tokens_column=%r: %d sample rows decoded and re-encoded with %s's tokenizer "
                 "agree at %.2f (1.0 = same ids): the ids may come from another tokenizer, and "
-                "nothing in the dataset records which", col, len(sample), cfg.model.path, agree)
+                "nothing in the dataset records which", col, len(sample), model_name, agree)
     return out

@@ -162,7 +162,7 @@ class TokenizeWorker:
         self.bos = spec["bos"]
         self.chunk_contexts = int(spec["chunk_contexts"])
         self.max_contexts = spec.get("max_contexts")
-        self.prompt_tokens = spec.get("prompt_tokens")  # chat_prompt_tokens(cfg)
+        self.prompt_tokens = spec.get("prompt_tokens")  # chat_prompt_tokens
         self.vocab_size = spec.get("vocab_size")  # pre-tokenised input's id check
         self.blocks_started = 0
 
@@ -183,9 +183,9 @@ class TokenizeWorker:
             yield {**c.describe(), "pid": os.getpid()}
 
 
-def chat_prompt_tokens(cfg) -> "int | None":
-    """The prompt room of a chat generation slot (pack_block's prompt_tokens), None otherwise."""
-    g = cfg.capture.generate
-    if g is None or cfg.data.format != "chat":
+def chat_prompt_tokens(generate, data: DataConfig, context_size: int) -> "int | None":
+    """The prompt room of a chat generation slot (pack_block's prompt_tokens), None otherwise.
+    `generate`: the capture.generate section (a GenerateConfig or None)."""
+    if generate is None or data.format != "chat":
         return None
-    return g.prompt_len(cfg.packing.context_size)
+    return generate.prompt_len(context_size)

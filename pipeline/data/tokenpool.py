@@ -16,6 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from harvest.pipeline.config.corpus import DataConfig, PackingConfig
+from harvest.pipeline.config.sections import RayConfig
+
 log = logging.getLogger("harvest.pipeline")
 
 JOB_ATTEMPTS = 3
@@ -47,22 +50,25 @@ class TokenPool:
     stopped: bool = False
 
     @classmethod
-    def start(cls, cfg, prep, jobs: list[Job], fresh_from: int | None, chunk_contexts: int,
+    def start(cls, data: DataConfig, packing: PackingConfig, ray_cfg: RayConfig, prep,
+              jobs: list[Job], fresh_from: int | None, chunk_contexts: int,
               max_contexts: int | None, env: dict) -> "TokenPool":
+        """Tokenising workers for `jobs` (then every block from `fresh_from`), each packing
+        with the `data` and `packing` sections; ray.tokenize_workers and tokenize_cpus size them."""
         import dataclasses
 
         import ray
 
-        from .tokenize import TokenizeWorker, chat_prompt_tokens
+        from .tokenize import TokenizeWorker
 
-        spec = {"model_path": prep.model_path, "data": dataclasses.asdict(cfg.data),
-                "packing": dataclasses.asdict(cfg.packing), "bos": prep.bos_token_id,
+        spec = {"model_path": prep.model_path, "data": dataclasses.asdict(data),
+                "packing": dataclasses.asdict(packing), "bos": prep.bos_token_id,
                 "chunk_contexts": chunk_contexts, "max_contexts": max_contexts, "env": env,
-                "prompt_tokens": chat_prompt_tokens(cfg), "vocab_size": prep.vocab_size}
-        cpus = cfg.ray.tokenizer_cpus(ray.cluster_resources())
+                "prompt_tokens": prep.prompt_tokens, "vocab_size": prep.vocab_size}
+        cpus = ray_cfg.tokenizer_cpus(ray.cluster_resources())
         blocks = prep.sources["blocks"]
         total = len(jobs) + (len(blocks) - fresh_from if fresh_from is not None else 0)
-        n = max(1, min(cfg.ray.tokenize_workers, total))
+        n = max(1, min(ray_cfg.tokenize_workers, total))
         Remote = ray.remote(TokenizeWorker)
         workers = [Remote.options(num_cpus=cpus, max_restarts=2).remote(spec) for _ in range(n)]
         log.info("started %d tokenising workers (%s CPU each) for %d jobs", n, cpus, total)

@@ -15,6 +15,7 @@ from . import exits
 from harvest.pipeline.actor import generation
 from harvest.pipeline.actor.capture import HarvestActor
 from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.sections import ModelConfig, RayConfig
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.logs import quiet
 from harvest.pipeline.messages import ActorInfo, ActorSpec
@@ -33,7 +34,7 @@ def forwarded_env() -> dict:
     return {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
 
 
-def ensure_ray(cfg: HarvestConfig) -> bool:
+def ensure_ray(ray_cfg: RayConfig) -> bool:
     """Connect to the cluster Ray gives us, or start a local one. True if we started it."""
     import ray
 
@@ -41,21 +42,24 @@ def ensure_ray(cfg: HarvestConfig) -> bool:
         return False
     # quiet runs (logs.quiet_run): worker output stays in the run's log folder, not on the console
     kw: dict[str, Any] = {"log_to_driver": not quiet()}
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
             ray.init(address=address, **kw)
         finally:
             exits.install()  # ray.init replaced the SIGTERM handler with its own
         return True
-    if cfg.ray.local_num_cpus:
-        kw["num_cpus"] = cfg.ray.local_num_cpus
+    if ray_cfg.local_num_cpus:
+        kw["num_cpus"] = ray_cfg.local_num_cpus
     exits.init_local_ray(kw)
     return True
 
 
 def actor_spec(cfg: HarvestConfig, prep, index: int,
                engine_factory: str | None = None) -> ActorSpec:
+    """Actor `index`'s part of the run: the one place the config is cut into what a capture
+    actor reads (its engine from `model`, its points and generation from `capture`, where it
+    writes from `store`, its threads from `ray`); the actor never sees the config itself."""
     threads = cfg.ray.threads_per_actor or max(1, multiprocessing.cpu_count() // cfg.ray.num_actors)
     return ActorSpec(
         index=index,
@@ -70,32 +74,32 @@ def actor_spec(cfg: HarvestConfig, prep, index: int,
         threads_requested=cfg.ray.threads_per_actor,  # GPU actors size from their own share
         check_model=index == 0 and cfg.capture.check_model and cfg.model.backend == "vllm",
         env=forwarded_env(),
-        generate=generation.actor_section(cfg, prep.model_path),
+        generate=generation.actor_section(cfg.capture.generate, cfg.data.format == "chat",
+                                          prep.model_path),
     )
 
 
-def start_actors(cfg: HarvestConfig, prep, engine_factory: str | None = None,
-                 local: bool = False) -> list:
-    """The capture actors (not yet ready). `local`: the cluster is one this driver started."""
+def start_actors(ray_cfg: RayConfig, tp: int, specs: list[ActorSpec], local: bool = False) -> list:
+    """The capture actors (not yet ready), one per spec (actor_spec); `tp`: the engine's
+    model.tensor_parallel_size. `local`: the cluster is one this driver started."""
     import ray
 
     Remote = ray.remote(HarvestActor)
-    request = actor_request(cfg)
+    request = actor_request(ray_cfg, tp)
     cpus, gpus = request["CPU"], request["GPU"]
     if local and not fitting_nodes(request):
         # a local cluster never grows: waiting out ray.start_timeout_s would change nothing
-        raise HarvestError(start_report(cfg, [], request, None))
-    tp = cfg.model.tensor_parallel_size
-    log.info("starting %d actors with %s CPU and %s GPU each%s", cfg.ray.num_actors, cpus, gpus,
+        raise HarvestError(start_report(ray_cfg, [], request, None))
+    log.info("starting %d actors with %s CPU and %s GPU each%s", len(specs), cpus, gpus,
              f", each a tensor-parallel group of {tp} ranks on one node" if tp > 1 else "")
-    opts = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=cfg.ray.max_restarts,
-                max_task_retries=cfg.ray.max_task_retries, max_concurrency=ACTOR_CONCURRENCY)
+    opts = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=ray_cfg.max_restarts,
+                max_task_retries=ray_cfg.max_task_retries, max_concurrency=ACTOR_CONCURRENCY)
     actors = Actors()
-    for i in range(cfg.ray.num_actors):
-        placement = group_placement(cfg, request, i)
+    for spec in specs:
+        placement = group_placement(tp, request)
         if placement:
             actors.groups.append(placement["scheduling_strategy"].placement_group)
-        actors.append(Remote.options(**opts, **placement).remote(actor_spec(cfg, prep, i, engine_factory)))
+        actors.append(Remote.options(**opts, **placement).remote(spec))
     return actors
 
 
@@ -113,7 +117,7 @@ class Actors(list):
         self.groups: list = []
 
 
-def group_placement(cfg: HarvestConfig, request: dict, index: int) -> dict:
+def group_placement(tp: int, request: dict) -> dict:
     """Tensor parallel: the actor's TP devices reserved together on one node, as one placement
     group (one bundle, STRICT_PACK) the actor is scheduled into. vLLM's multiprocessing executor
     starts its rank processes inside the actor, on the actor's node, with the devices Ray gave
@@ -121,7 +125,7 @@ def group_placement(cfg: HarvestConfig, request: dict, index: int) -> dict:
     reservation explicit and atomic (no actor holding half its GPUs while another waits for the
     rest), and a restarted actor (ray.max_restarts) comes back into the same reservation. The
     group is removed with the actors at the end of the run (kill_all). TP=1 actors keep plain resource requests."""
-    if cfg.model.tensor_parallel_size <= 1:
+    if tp <= 1:
         return {}
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -132,13 +136,13 @@ def group_placement(cfg: HarvestConfig, request: dict, index: int) -> dict:
         placement_group=pg, placement_group_bundle_index=0)}
 
 
-def actor_request(cfg: HarvestConfig) -> dict:
-    """The resources one capture actor asks Ray for."""
+def actor_request(ray_cfg: RayConfig, tp: int) -> dict:
+    """The resources one capture actor asks Ray for (`tp`: model.tensor_parallel_size)."""
     import ray
 
-    cpus, gpus = cfg.ray.actor_resources(ray.cluster_resources())
-    if gpus and cfg.model.tensor_parallel_size > gpus:
-        gpus = float(cfg.model.tensor_parallel_size)
+    cpus, gpus = ray_cfg.actor_resources(ray.cluster_resources())
+    if gpus and tp > gpus:
+        gpus = float(tp)
     return {"CPU": float(cpus), "GPU": float(gpus)}
 
 
@@ -183,12 +187,12 @@ def _res(d: dict) -> str:
     return ", ".join(f"{k} {d.get(k, 0.0):g}" for k in ("CPU", "GPU"))
 
 
-def start_report(cfg: HarvestConfig, actors: list, request: dict, waited: "float | None") -> str:
+def start_report(ray_cfg: RayConfig, actors: list, request: dict, waited: "float | None") -> str:
     """Why the actors are not all up, in one paragraph: what was asked, what the cluster has,
     how many were placed, and the fix. `waited` None: refused before starting (never fits)."""
     import ray
 
-    n = cfg.ray.num_actors
+    n = ray_cfg.num_actors
     asked = "{" + ", ".join(f"{k}: {v:g}" for k, v in request.items() if v) + "}"
     nodes = _nodes()
     head = (f"{n} actors x {asked} asked; the cluster has {_res(ray.cluster_resources())} "
@@ -202,10 +206,10 @@ def start_report(cfg: HarvestConfig, actors: list, request: dict, waited: "float
     placed = _placed(actors)
     if placed < len(actors):
         return (f"the capture actors were not all placed within ray.start_timeout_s="
-                f"{cfg.ray.start_timeout_s:g} s: {head}: {placed} placed, "
+                f"{ray_cfg.start_timeout_s:g} s: {head}: {placed} placed, "
                 f"{len(actors) - placed} waiting for resources. Nothing was written; {fix}")
     return (f"the capture actors' engines did not all load within ray.start_timeout_s="
-            f"{cfg.ray.start_timeout_s:g} s ({waited:.0f} s waited; all {len(actors)} were "
+            f"{ray_cfg.start_timeout_s:g} s ({waited:.0f} s waited; all {len(actors)} were "
             f"placed: {head}). Nothing was written; see the actors' logs, or raise "
             "ray.start_timeout_s (a cold compile of a large model takes minutes)")
 
@@ -222,7 +226,7 @@ def root_cause(exc: BaseException) -> str:
     return text[-1] if text else type(exc).__name__
 
 
-def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[ActorInfo]:
+def collect_infos(refs: list, model: ModelConfig, prep) -> list[ActorInfo]:
     """The actors' info() results, checked against the model the driver prepared for."""
     import ray
 
@@ -232,14 +236,14 @@ def collect_infos(refs: list, cfg: HarvestConfig, prep) -> list[ActorInfo]:
             infos.append(ray.get(r))
         except Exception as e:
             raise HarvestError(
-                f"actor {i} could not load the engine for model.path={cfg.model.path!r}: "
+                f"actor {i} could not load the engine for model.path={model.path!r}: "
                 f"{root_cause(e)}"
             ) from None
     for inf in infos:
         if inf.width != prep.width or inf.n_layers != prep.n_layers:
             raise HarvestError(
                 f"actor {inf.index} loaded a model of width {inf.width} x {inf.n_layers} "
-                f"layers, the config of {cfg.model.path} says {prep.width} x {prep.n_layers}")
+                f"layers, the config of {model.path} says {prep.width} x {prep.n_layers}")
     return infos
 
 

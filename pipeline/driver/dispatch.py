@@ -60,12 +60,12 @@ class Scheduler:
     `waits` (no silent waits). The driver reads `frontier`, `has_work()`, `data_stats()` and, for
     the summary, `report()`; it touches none of those objects."""
 
-    def __init__(self, cfg, prep, state, pool, emit, lease=None):
-        self.cfg, self.pool, self.emit = cfg, pool, emit
-        self.units = Holdings(state, cfg.packing.context_size, prep.layout.unit_rows)
+    def __init__(self, ray_cfg, prep, state, pool, emit, lease=None):
+        self.ray_cfg, self.pool, self.emit = ray_cfg, pool, emit
+        self.units = Holdings(state, prep.context_size, prep.layout.unit_rows)
         self.plan = PlanWriter(state, lease)
-        self.health = ActorHealth(cfg.ray, emit)
-        self.inflight = InFlight(cfg.ray.max_in_flight)
+        self.health = ActorHealth(ray_cfg, emit)
+        self.inflight = InFlight(ray_cfg.max_in_flight)
         self.counts = UnitCounts()
         self.index: CommitIndex | None = None
         self.waits = WaitLine()
@@ -123,7 +123,7 @@ class Scheduler:
         unit_rows = self.units.unit_rows
         queue = max(i.queue_tokens for i in infos)
         # enough units in flight per actor that its engine never runs dry between units
-        slots = max(self.cfg.ray.max_in_flight, math.ceil(queue / unit_rows) + 1)
+        slots = max(self.ray_cfg.max_in_flight, math.ceil(queue / unit_rows) + 1)
         self.inflight.attach(len(actors), min(slots, 60))
         self.units.size_window(len(actors), self.inflight.slots)
         self.index = CommitIndex(store)
@@ -147,7 +147,7 @@ class Scheduler:
         """A unit failed on actor `a` (an error, the actor's death, the deadline): it goes back
         to the front of the queue, or the run stops once it has failed unit_attempts times."""
         self.health.figures[a].failures += 1
-        if attempt >= self.cfg.ray.unit_attempts:
+        if attempt >= self.ray_cfg.unit_attempts:
             raise HarvestError(
                 f"unit {unit.unit_id} rows [{unit.row_start}, {unit.row_end}) failed {attempt} "
                 f"times, last on actor {a}: {why}. The store is resumable: fix the cause and "

@@ -13,12 +13,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harvest.pipeline.config.run import ConfigError, HarvestConfig
+from harvest.pipeline.config.fields import ConfigError
+from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.sections import ModelConfig
 from harvest.pipeline.data.packing import resolve_bos
 from .unit_sizes import Layout, choose_layout
 from harvest.pipeline.config.sections import CaptureConfig
 from harvest.pipeline.data.check import check_fills_context, probe_text_column
 from harvest.pipeline.data.blocks import plan_blocks
+from harvest.pipeline.data.tokenize import chat_prompt_tokens
 from harvest.store.read.filters import SINK_POSITIONS
 
 if TYPE_CHECKING:
@@ -80,24 +83,25 @@ def resolve_points(capture: CaptureConfig, n_layers: int, info=None) -> "tuple[A
     return tuple(out)
 
 
-def model_facts(cfg: HarvestConfig) -> tuple[str, Any]:
+def model_facts(model: ModelConfig) -> tuple[str, Any]:
+    """(the resolved checkpoint path, its config as read_model_info reads it) of `model`."""
     from harvest.engine.checkpoint import read_model_info
 
-    path = resolve_model_path(cfg.model.path)
+    path = resolve_model_path(model.path)
     try:
         info = read_model_info(path)
     except Exception as e:
         raise ConfigError(
-            f"model.path={cfg.model.path!r}: cannot read its config ({type(e).__name__}: "
+            f"model.path={model.path!r}: cannot read its config ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); give a checkpoint dir, a hub name, "
             "smollm2 or tiny:<arch>"
         ) from None
-    if cfg.model.tensor_parallel_size > 1:
-        check_model_tp(cfg, path)
+    if model.tensor_parallel_size > 1:
+        check_model_tp(model, path)
     return path, info
 
 
-def check_model_tp(cfg: HarvestConfig, path: str) -> None:
+def check_model_tp(model: ModelConfig, path: str) -> None:
     """model.tensor_parallel_size against the model's config (heads, KV heads, MLP width,
     vocabulary as vLLM splits them), before Ray or an engine starts."""
     from transformers import AutoConfig
@@ -105,22 +109,27 @@ def check_model_tp(cfg: HarvestConfig, path: str) -> None:
     from harvest.engine.parallel import check_tp_fits
 
     try:
-        check_tp_fits(cfg.model.tensor_parallel_size,
+        check_tp_fits(model.tensor_parallel_size,
                       AutoConfig.from_pretrained(path).to_dict(),
-                      "model.tensor_parallel_size", repr(cfg.model.path))
+                      "model.tensor_parallel_size", repr(model.path))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def context_limit(cfg: HarvestConfig, info) -> int:
-    limit = min(cfg.model.max_model_len or info.max_position, info.max_position)
+def context_limit(model: ModelConfig, info) -> int:
+    limit = min(model.max_model_len or info.max_position, info.max_position)
     # vLLM generates one token per request, so a prompt may use at most max_model_len - 1
-    return limit - 1 if cfg.model.backend == "vllm" else limit
+    return limit - 1 if model.backend == "vllm" else limit
 
 
 @dataclass
 class Prepared:
-    cfg: HarvestConfig
+    """What `prepare` found and decided, the facts the rest of the driver reads (not the config:
+    each consumer gets its section of that from the driver)."""
+
+    context_size: int      # packing.context_size
+    store_dtype: str       # the point arrays' dtype (HarvestConfig.store_dtype)
+    content_key: dict      # HarvestConfig.content_key(): what decides the store's rows
     model_path: str
     n_layers: int
     width: int
@@ -136,6 +145,7 @@ class Prepared:
     token_source: "dict | None" = None  # data.tokens_column: what check_token_source found
     addresses: tuple = ()   # the capture points as parsed Addresses (engine.addresses), in order
     widths: "dict | None" = None   # point -> its width in this model (engine/points.py)
+    prompt_tokens: "int | None" = None  # chat input with capture.generate: tokenize.chat_prompt_tokens
 
     @property
     def max_width(self) -> int:
@@ -146,41 +156,41 @@ class Prepared:
         """point -> bytes of one stored row of it (its own width; fp8: + the scale)."""
         from harvest.store.format.dtypes import row_width
 
-        return {p: row_width(self.cfg.store_dtype(), (self.widths or {}).get(p, self.width))
+        return {p: row_width(self.store_dtype, (self.widths or {}).get(p, self.width))
                 * self.itemsize for p in self.points}
 
     @property
     def itemsize(self) -> int:
         """Bytes of one stored element (fp8 stores: 1)."""
-        return stored_itemsize(self.cfg)
+        return stored_itemsize(self.store_dtype)
 
     @property
     def row_width(self) -> int:
         """Stored columns per buffer row of a point (the widest point's; fp8: + 4 scale bytes)."""
         from harvest.store.format.dtypes import row_width
 
-        return row_width(self.cfg.store_dtype(), self.max_width)
+        return row_width(self.store_dtype, self.max_width)
 
     def run_key(self) -> dict:
         """What the store remembers about the run, to refuse a mismatched resume."""
-        return {"content": self.cfg.content_key(), "points": self.points,
-                "context_size": self.cfg.packing.context_size}
+        return {"content": self.content_key, "points": self.points,
+                "context_size": self.context_size}
 
 
-def stored_itemsize(cfg: HarvestConfig) -> int:
-    """Bytes per stored element of the config's store dtype."""
-    return {"float32": 4, "float8_e4m3fn": 1}.get(cfg.store_dtype(), 2)
+def stored_itemsize(store_dtype: str) -> int:
+    """Bytes per stored element of a store of dtype `store_dtype`."""
+    return {"float32": 4, "float8_e4m3fn": 1}.get(store_dtype, 2)
 
 
 def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     """Everything the run needs before Ray starts; `existing` is a store being resumed (its
     layout and recorded blocks win over what the config would choose now)."""
     t0 = time.perf_counter()
-    model_path, info = model_facts(cfg)
+    model_path, info = model_facts(cfg.model)
     addresses = resolve_points(cfg.capture, info.n_layers, info)
     points = [str(a) for a in addresses]
     widths = {p: info.point_width(a.name) for p, a in zip(points, addresses)}
-    limit = context_limit(cfg, info)
+    limit = context_limit(cfg.model, info)
     C = cfg.packing.context_size
     if C > limit:
         raise ConfigError(
@@ -203,10 +213,11 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
 
         check_template(tokenizer, repr(cfg.model.path))
         special = sorted(set(special) | {pad_token_id(tokenizer)})
+    prompt_tokens = chat_prompt_tokens(cfg.capture.generate, cfg.data, C)
     skip = cfg.store.stats_skip_positions
     if skip is None:  # the first context positions are attention sinks whatever the token
         skip = SINK_POSITIONS
-    itemsize = stored_itemsize(cfg)
+    itemsize = stored_itemsize(cfg.store_dtype())
     stored_sources = None
     stored_layout = None
     token_source = None
@@ -217,7 +228,8 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     from harvest.store.format.dtypes import row_width
 
     # one shard size for every point (units are shard-aligned), sized for the widest
-    layout = choose_layout(cfg, row_width(cfg.store_dtype(), max([info.width, *widths.values()])),
+    layout = choose_layout(cfg.store, cfg.packing, cfg.ray.num_actors,
+                           row_width(cfg.store_dtype(), max([info.width, *widths.values()])),
                            itemsize, len(points), stored_layout)
     if existing is not None and stored_layout is None:
         # a store created by a driver that died before recording its sources: its arrays fix
@@ -233,10 +245,11 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         if cfg.data.tokens_column is not None:  # ids against the vocabulary and the tokenizer
             from harvest.pipeline.data.token_input import check_token_source
 
-            token_source = check_token_source(cfg, sources["blocks"], tokenizer, info.vocab_size,
-                                              cfg.model.path)
+            token_source = check_token_source(cfg.data, sources["blocks"], tokenizer,
+                                              info.vocab_size, cfg.model.path)
         # a resumed store filled contexts already; a new one must be able to fill one
-        check_fills_context(cfg, sources["blocks"], tokenizer, bos)
-    return Prepared(cfg, model_path, info.n_layers, info.width, info.vocab_size, limit, points,
-                    bos, special, sources, layout, skip, time.perf_counter() - t0, token_source,
-                    addresses, widths)
+        check_fills_context(cfg.data, cfg.packing, sources["blocks"], tokenizer, bos,
+                            prompt_tokens)
+    return Prepared(C, cfg.store_dtype(), cfg.content_key(), model_path, info.n_layers, info.width,
+                    info.vocab_size, limit, points, bos, special, sources, layout, skip,
+                    time.perf_counter() - t0, token_source, addresses, widths, prompt_tokens)

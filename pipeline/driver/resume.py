@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.corpus import DataConfig
+from harvest.pipeline.config.sections import StoreConfig
 from harvest.pipeline.errors import HarvestError, ResumeMismatch
 from harvest.pipeline.data.context_rows import Frontier, chunk_key
 from harvest.pipeline.data.blocks import check_sizes
@@ -26,8 +28,8 @@ from harvest.pipeline.data.tokenpool import Job
 RUN_ATTR = "harvest_run"
 
 
-def probe_store(cfg: HarvestConfig, create_bucket: bool = False):
-    """The existing store at store.url, or None if the location is free.
+def probe_store(st: StoreConfig, create_bucket: bool = False):
+    """The existing store at `st`'s url (the store section), or None if the location is free.
 
     Fails fast (before any data is read) on a wrong endpoint or credentials, or a missing bucket
     (created instead when `create_bucket`: the driver passes store.create_bucket, `plan` writes
@@ -36,11 +38,11 @@ def probe_store(cfg: HarvestConfig, create_bucket: bool = False):
     from harvest.store import NotAHarvestStore, open_store
     from harvest.store.storage.locate import locate
 
-    url = cfg.store.resolved_url
+    url = st.resolved_url
     try:
-        return open_store(url, storage_options=cfg.store.fs_options())
+        return open_store(url, storage_options=st.fs_options())
     except NotAHarvestStore as e:
-        loc = locate(url, cfg.store.fs_options())
+        loc = locate(url, st.fs_options())
         loc.ensure_container(create_bucket)   # the bucket, on S3; nothing elsewhere
         try:
             entries = loc.fs.ls(loc.root, detail=False) if loc.fs.exists(loc.root) else []
@@ -58,6 +60,17 @@ def probe_store(cfg: HarvestConfig, create_bucket: bool = False):
         return None
 
 
+def _refuse(store, diffs: list[tuple[str, Any, Any]]) -> None:
+    if diffs:
+        key, old, new = diffs[0]
+        raise ResumeMismatch(
+            f"store {store.url} was made by a different config ({key}: the store has {old!r}, "
+            f"this config says {new!r}); resuming would mix two runs in one store: use the "
+            "original config, or a new store.url"
+            + (f" ({len(diffs) - 1} more difference(s))" if len(diffs) > 1 else "")
+        )
+
+
 def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
@@ -67,8 +80,9 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
-def check_resume(store, cfg: HarvestConfig, prep=None) -> None:
-    """Refuse to continue a store made by another config, naming the first differing setting."""
+def check_resume(store, cfg: HarvestConfig) -> None:
+    """Refuse to continue a store made by another config, naming the first differing setting
+    (before anything is prepared; check_resume_plan then compares what prepare found)."""
     stored = (store.attrs or {}).get(RUN_ATTR)
     if not stored:
         raise ResumeMismatch(
@@ -82,30 +96,28 @@ def check_resume(store, cfg: HarvestConfig, prep=None) -> None:
             f"(store.dtype / model.dtype): one store holds one dtype, and resuming would mix "
             f"two; set store.dtype: {store.dtype} to go on with it, or use a new store.url")
     diffs = _diff(stored.get("content", {}), cfg.content_key())
-    if prep is not None:
-        for k in ("points", "context_size"):
-            if stored.get(k) != prep.run_key()[k]:
-                diffs.append((k, stored.get(k), prep.run_key()[k]))
     for name in ("shard_rows", "chunk_rows"):
         v = getattr(cfg.store, name)
         if v is not None and v != getattr(store, name):
             diffs.append((f"store.{name}", getattr(store, name), v))
-    if diffs:
-        key, old, new = diffs[0]
+    _refuse(store, diffs)
+
+
+def check_resume_plan(store, prep, data: DataConfig) -> None:
+    """After check_resume passed: refuse a resume whose prepared run differs from the store's
+    (the points as resolved for the model, the context size), or whose data changed since the
+    store was planned (block sizes, a save_to_disk fingerprint; `data`: the data section)."""
+    stored = (store.attrs or {}).get(RUN_ATTR) or {}
+    key = prep.run_key()
+    _refuse(store, [(k, stored.get(k), key[k]) for k in ("points", "context_size")
+                    if stored.get(k) != key[k]])
+    changed = check_sizes(prep.sources["blocks"]) or fingerprint_changed(
+        (store.attrs or {}).get("provenance"), data)
+    if changed:
         raise ResumeMismatch(
-            f"store {store.url} was made by a different config ({key}: the store has {old!r}, "
-            f"this config says {new!r}); resuming would mix two runs in one store: use the "
-            "original config, or a new store.url"
-            + (f" ({len(diffs) - 1} more difference(s))" if len(diffs) > 1 else "")
-        )
-    if prep is not None:
-        changed = check_sizes(prep.sources["blocks"]) or fingerprint_changed(
-            (store.attrs or {}).get("provenance"), cfg.data)
-        if changed:
-            raise ResumeMismatch(
-                f"store {store.url}: the data changed since the store was planned ({changed}); "
-                "resuming would mix two corpora in one store: restore the data, or use a new "
-                "store.url")
+            f"store {store.url}: the data changed since the store was planned ({changed}); "
+            "resuming would mix two corpora in one store: restore the data, or use a new "
+            "store.url")
 
 
 @dataclass
@@ -128,7 +140,7 @@ class ResumeState:
 
 def fresh_state(prep, max_contexts: int | None) -> ResumeState:
     n = len(prep.sources["blocks"])
-    f = Frontier(prep.cfg.packing.context_size, prep.layout.unit_contexts, n, max_contexts)
+    f = Frontier(prep.context_size, prep.layout.unit_contexts, n, max_contexts)
     return ResumeState([], set(), [], {}, f, [], 0 if n else None)
 
 
@@ -148,7 +160,7 @@ def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
     committed = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
     todo = [u for u in plan["units"] if u.unit_id not in committed]
     n_blocks = len(prep.sources["blocks"])
-    f = Frontier.resume(prep.cfg.packing.context_size, prep.layout.unit_contexts, n_blocks,
+    f = Frontier.resume(prep.context_size, prep.layout.unit_contexts, n_blocks,
                         max_contexts, state)
     needed: dict[int, list[int]] = {}
     for u in todo:

@@ -23,8 +23,8 @@ import os
 import time
 from typing import Callable, cast
 
-from .cluster import (actor_request, collect_infos, ensure_ray, kill_all, start_actors,
-                      start_report)
+from .cluster import (actor_request, actor_spec, collect_infos, ensure_ray, kill_all,
+                      start_actors, start_report)
 from harvest.pipeline.config.run import HarvestConfig
 from .dispatch import Scheduler
 from .tally import DispatchReport, RunSummary
@@ -34,7 +34,7 @@ from harvest.pipeline.logs import StartWatch, progress_bar
 from harvest.pipeline.data.packing import PackingError
 from harvest.pipeline.data.context_rows import sum_stats
 from .prepare import Prepared, prepare
-from .resume import check_resume, fresh_state, resume_state
+from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
 from harvest.store.commit.verify import VerifyReport
 from harvest.store.storage.credentials import redact_url
@@ -85,7 +85,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     C = cfg.packing.context_size
     max_contexts = None if cfg.packing.max_tokens is None else cfg.packing.max_tokens // C
     if existing is not None:
-        check_resume(existing, cfg, prep)
+        check_resume_plan(existing, prep, cfg.data)   # the config was checked at on_write_start
         sink.on_resume(existing, prep.layout.capacity_rows)
         state = resume_state(existing, prep, max_contexts)
         if state.complete and existing.summary is not None:
@@ -101,7 +101,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     if existing is not None and state.complete:
         # every unit committed but never finalized (the driver died at the very end): no actors
         log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
-        return _finish(cfg, prep, sink, existing, None, t_start, emit, len(state.units))
+        return _finish(cfg.name, prep, sink, existing, None, t_start, emit, len(state.units))
     if stop_tokens is not None:
         U = prep.layout.unit_contexts
         state.frontier.stop_contexts = state.frontier.placed + -(-stop_tokens // (C * U)) * U
@@ -110,17 +110,20 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
                  shown_url, len(state.committed), len(state.units), len(state.todo), len(state.jobs))
 
     remote = bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-    started_ray = ensure_ray(cfg)
+    started_ray = ensure_ray(cfg.ray)
     pool = actors = sched = None
     try:
         chunk_contexts = max(1, cfg.packing.chunk_tokens // C)
         if existing is not None:
             chunk_contexts = int((existing.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
-        pool = TokenPool.start(cfg, prep, list(state.jobs), state.fresh_from, chunk_contexts,
-                               max_contexts, env_for_workers())
-        actors = start_actors(cfg, prep, engine_factory, local=started_ray and not remote)
-        sched = Scheduler(cfg, prep, state, pool, emit, lease)
-        bar = _progress(cfg, None if max_contexts is None else max_contexts * C)
+        pool = TokenPool.start(cfg.data, cfg.packing, cfg.ray, prep, list(state.jobs),
+                               state.fresh_from, chunk_contexts, max_contexts, env_for_workers())
+        specs = [actor_spec(cfg, prep, i, engine_factory) for i in range(cfg.ray.num_actors)]
+        actors = start_actors(cfg.ray, cfg.model.tensor_parallel_size, specs,
+                              local=started_ray and not remote)
+        sched = Scheduler(cfg.ray, prep, state, pool, emit, lease)
+        bar = progress_bar(cfg.progress, None if max_contexts is None else max_contexts * C,
+                           cfg.name)
         try:
             store = _start(cfg, prep, sched, actors, sink, chunk_contexts, bar, emit,
                            skipped=len(state.committed))
@@ -142,13 +145,13 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
         if started_ray:
             shutdown_ray()   # exits.py: and the watcher of a local cluster (reaper.py)
     if sched.frontier.paused:
-        return _paused(cfg, prep, store, sched, t_start, emit, len(state.committed),
+        return _paused(cfg.name, prep, store, sched, t_start, emit, len(state.committed),
                        dispatch_seconds)
-    return _finish(cfg, prep, sink, store, sched, t_start, emit, len(state.committed),
+    return _finish(cfg.name, prep, sink, store, sched, t_start, emit, len(state.committed),
                    dispatch_seconds=dispatch_seconds)
 
 
-def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
+def _paused(name: str, prep: Prepared, store, sched: Scheduler, t_start: float, emit, skipped: int,
             dispatch_seconds: float) -> RunSummary:
     """A tick's end (stop_tokens reached): every planned unit is committed, nothing finalized.
     The same verify as at the end (markers, plan coverage) so a tick never reports rows it lost;
@@ -158,9 +161,9 @@ def _paused(cfg, prep: Prepared, store, sched: Scheduler, t_start: float, emit, 
     if not verify.complete:
         raise HarvestError(f"store {redact_url(store.url)} failed verification after a paused "
                            f"run: {verify.errors[:5]} missing {verify.missing_units[:10]}")
-    summary = _summary(cfg, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
+    summary = _summary(name, prep, store, sched, verify, t_start, skipped, dispatch_seconds)
     summary["status"], summary["paused"] = "paused", True
-    summary["planned_tokens"] = sched.frontier.placed * cfg.packing.context_size
+    summary["planned_tokens"] = sched.frontier.placed * prep.context_size
     emit({"event": "done", "summary": summary})
     return summary
 
@@ -180,8 +183,8 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
         got = sched.step(bar, extra=pending, timeout=2.0)
         pending = [r for r in pending if not any(r is g for g in got)]
         if not pending and infos is None:
-            infos = collect_infos(refs, cfg, prep)
-            _model_check(infos[0].check, cfg)
+            infos = collect_infos(refs, cfg.model, prep)
+            _model_check(infos[0].check, cfg.model.path)
             emit({"event": "actors_ready", "actors": [i.as_dict() for i in infos]})
             log.info("%d actors ready: %s", len(infos), ", ".join(
                 f"#{i.index} pid {i.pid} ({i.describe.get('backend')}/"
@@ -201,8 +204,8 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
         if pending:
             watch.tick(len(pending))
             if time.time() - watch.t0 > cfg.ray.start_timeout_s:
-                raise HarvestError(start_report(cfg, actors, actor_request(cfg),
-                                                time.time() - watch.t0))
+                request = actor_request(cfg.ray, cfg.model.tensor_parallel_size)
+                raise HarvestError(start_report(cfg.ray, actors, request, time.time() - watch.t0))
     if existing is None:
         store = sink.create(prep, infos[0], chunk_contexts)
     else:
@@ -219,7 +222,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
     return store
 
 
-def _model_check(check: dict | None, cfg: HarvestConfig) -> None:
+def _model_check(check: dict | None, model_path: str) -> None:
     """Stop before anything is written when actor 0's engine disagrees with Hugging Face fp32
     (capture.check_model; `check` is ActorInfo.check, None when it did not run): the store would
     otherwise fill with rows that look fine and are not."""
@@ -237,36 +240,37 @@ def _model_check(check: dict | None, cfg: HarvestConfig) -> None:
 
         why = "\n" + format_check(check)
     raise HarvestError(
-        f"model check failed on actor 0: the engine's rows for model.path={cfg.model.path!r} do "
+        f"model check failed on actor 0: the engine's rows for model.path={model_path!r} do "
         f"not match Hugging Face fp32: {why}\nNothing was written. Run `harvest check-model "
-        f"{cfg.model.path}` for details; set capture.check_model: false only if you know why.")
+        f"{model_path}` for details; set capture.check_model: false only if you know why.")
 
 
-def _finish(cfg, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
+def _finish(name: str, prep: Prepared, sink: StoreSink, store, sched: "Scheduler | None",
             t_start: float, emit, skipped: int, dispatch_seconds: float = 0.0) -> RunSummary:
     summary = sink.on_write_complete(
-        store, lambda verify: _summary(cfg, prep, store, sched, verify, t_start, skipped,
+        store, lambda verify: _summary(name, prep, store, sched, verify, t_start, skipped,
                                        dispatch_seconds))
     emit({"event": "done", "summary": summary})
     return summary
 
 
-def _summary(cfg, prep: Prepared, store, sched: "Scheduler | None", verify: VerifyReport,
+def _summary(name: str, prep: Prepared, store, sched: "Scheduler | None", verify: VerifyReport,
              t_start: float, skipped: int, dispatch_seconds: float) -> RunSummary:
-    """The run's summary, recorded in the store at finalize and returned to the caller."""
+    """The run's summary (`name`: the config's), recorded in the store at finalize and returned
+    to the caller."""
     report = sched.report() if sched is not None else DispatchReport()
     tokens_run = report.tokens_run
     stats = report.data if report.data is not None else _plan_stats(store)
     stored = verify.stored_bytes or 0
     logical = verify.committed_rows * len(store.points) * store.row_bytes
     summary: RunSummary = {
-        "name": cfg.name,
+        "name": name,
         "store": redact_url(store.url),
         "status": "complete",
         "model": (store.attrs or {}).get("model", {}),
         "points": len(store.points),
         "width": store.width,
-        "context_size": cfg.packing.context_size,
+        "context_size": prep.context_size,
         "tokens": verify.committed_rows,
         "tokens_this_run": tokens_run,
         # of those rows, the ones holding activations (not zeroed by capture.roles, not a
@@ -300,7 +304,4 @@ def _plan_stats(store) -> dict:
         chunks.update(p.get("chunks") or {})
     return sum_stats(chunks.values())
 
-
-def _progress(cfg: HarvestConfig, total: int | None):
-    return progress_bar(cfg.progress, total, cfg.name)
 

@@ -61,7 +61,7 @@ class StoreSink:
     def on_write_start(self) -> None:
         cfg = self.cfg
         # a missing bucket is created here when store.create_bucket (the lease is the first write)
-        self.existing = probe_store(cfg, create_bucket=cfg.store.create_bucket)
+        self.existing = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
         loc = (self.existing.location if self.existing is not None
                else locate(cfg.store.resolved_url, cfg.store.fs_options()))
         refuse_if_held(loc, cfg.store.lease_seconds, self.shown_url)
@@ -88,12 +88,13 @@ class StoreSink:
             "data": {"source": prep.sources["description"], "blocks": len(prep.sources["blocks"])},
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
-            **chat_attrs(cfg),
+            **chat_attrs(cfg.data, cfg.capture.roles),
             "provenance": run_provenance(cfg, prep),  # model, tokenizer, data, settings hashed
         }
         if cfg.capture.generate is not None:
             # the reader skips rows without activations in a store that has this (FORMAT.md)
-            attrs["generation"] = store_attrs(cfg, prep.model_path)
+            attrs["generation"] = store_attrs(cfg.capture.generate, cfg.data.format == "chat",
+                                              cfg.packing.context_size, prep.model_path)
         L = prep.layout
         store = create_store(
             cfg.store.resolved_url, points=prep.points, width=prep.width, widths=prep.widths,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harvest.pipeline.config.run import HarvestConfig
+from harvest.pipeline.config.corpus import PackingConfig
+from harvest.pipeline.config.sections import StoreConfig
 from harvest.store.format.layout import CAPACITY_ROWS, choose_sizes
-from harvest.store.commit.plan import Unit
 
 UNITS_PER_ACTOR = 4
 
-__all__ = ["Layout", "Unit", "choose_layout", "UNITS_PER_ACTOR"]
+__all__ = ["Layout", "choose_layout", "UNITS_PER_ACTOR"]
 
 
 @dataclass(frozen=True)
@@ -40,19 +40,20 @@ class Layout:
         return self.unit_rows // self.context_size
 
 
-def choose_layout(cfg: HarvestConfig, width: int, itemsize: int, n_points: int,
+def choose_layout(st: StoreConfig, packing: PackingConfig, num_actors: int, width: int,
+                  itemsize: int, n_points: int,
                   stored: "tuple[int, int, int] | None" = None) -> Layout:
-    """Shard/chunk/unit rows for this run; `stored` (shard, chunk, unit rows) of a resumed store
-    wins. Explicit config values are checked and kept, missing ones derived."""
-    C = cfg.packing.context_size
-    capacity = CAPACITY_ROWS if cfg.packing.max_tokens is None else cfg.packing.max_tokens // C * C
+    """Shard/chunk/unit rows for this run from the `store` and `packing` sections and
+    ray.num_actors; `stored` (shard, chunk, unit rows) of a resumed store wins. Explicit config
+    values are kept, missing ones derived."""
+    C = packing.context_size
+    capacity = CAPACITY_ROWS if packing.max_tokens is None else packing.max_tokens // C * C
     if stored is not None:
         return Layout(*stored, capacity, C)
-    st = cfg.store
     target = st.unit_tokens
-    if cfg.packing.max_tokens is not None:
+    if packing.max_tokens is not None:
         # enough units that every actor gets several (a straggler then costs one small unit)
-        target = min(target, max(C, capacity // (UNITS_PER_ACTOR * cfg.ray.num_actors)))
+        target = min(target, max(C, capacity // (UNITS_PER_ACTOR * num_actors)))
     shard_rows = st.shard_rows
     if shard_rows is None and st.unit_shards is None:
         shard_rows = choose_sizes(width, itemsize, n_points, multiple=C)[0]

@@ -103,6 +103,17 @@ def torch_dtype(np_dtype: np.dtype):
     return torch.bfloat16 if np.dtype(np_dtype) == BF16 else getattr(torch, np.dtype(np_dtype).name)
 
 
+def torch_view(raw: np.ndarray, np_dtype: np.dtype):
+    """A raw-bits array (raw_dtype: the writer's shard buffers, the reader's gathered rows) as a
+    tensor of `np_dtype`'s torch dtype over the same memory, no copy: the reader hands rows out
+    as it, the actor has the engine write into it. Through the signed integer of the same size,
+    which torch reads from numpy for every width (not so uint16/uint32, nor bfloat16)."""
+    import torch
+
+    signed = np.dtype(f"i{np.dtype(np_dtype).itemsize}")
+    return torch.from_numpy(raw.view(signed)).view(torch_dtype(np_dtype))
+
+
 def zarr_dtype(np_dtype: np.dtype):
     """The ZDType instance to hand zarr, so bfloat16 never goes through numpy dtype inference."""
     if np_dtype == BF16:

@@ -215,8 +215,9 @@ def _pow2_floor(x: float) -> int:
 
 def check_sizes(shard_rows: int | None, chunk_rows: int | None, multiple: int = 1,
                 names: tuple[str, str, str] = ("shard_rows", "chunk_rows", "context_size")) -> None:
-    """The rule for explicit sizes, the one place it is written (the run config checks its
-    `store` section with it, naming its fields in `names`): a shard holds whole contexts
+    """The rule for shard and chunk sizes, the one place it is written, applied where sizes
+    enter: `choose_sizes` (every store's sizes pass through it) and the run config's `store`
+    section at load (naming its fields in `names`, before anything runs): a shard holds whole contexts
     (shard_rows a multiple of `multiple`, the context size: units are whole contexts that start
     on shard boundaries) and whole inner chunks (chunk_rows divides shard_rows). None: derived."""
     shard_name, chunk_name, multiple_name = names
@@ -243,11 +244,11 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
     - chunk_rows: the largest divisor of shard_rows near TARGET_CHUNK_BYTES (a power of two when
       shard_rows is one; gcd() alone could give 4-row chunks for shard_rows=7812 and per-chunk
       overhead would dominate decoding).
-    Explicit values are checked, not changed. `n_points` no longer matters (kept for callers).
+    Explicit values are kept, and the result (explicit and derived values together) is checked
+    once, by check_sizes. `n_points` no longer matters (kept for callers).
     """
     row_bytes = max(1, width * itemsize)
     m = max(1, int(multiple))
-    check_sizes(shard_rows, chunk_rows, m)
     if shard_rows is None:
         target = TARGET_SHARD_BYTES / row_bytes
         if m == 1 or (m & (m - 1)) == 0:
@@ -261,7 +262,9 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
         chunk_rows = largest_divisor_at_most(int(shard_rows), cap)
         if n_rows is not None and 0 < n_rows < chunk_rows:
             chunk_rows = largest_divisor_at_most(int(shard_rows), int(n_rows))
-    check_sizes(shard_rows, chunk_rows)  # an explicit chunk against a derived shard
+    # derived sizes obey the rule by construction; an explicit one may not, alone (a shard that
+    # is no multiple of `multiple`) or against the other (an explicit chunk, a derived shard)
+    check_sizes(shard_rows, chunk_rows, m)
     return int(shard_rows), int(chunk_rows)
 
 

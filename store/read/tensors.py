@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harvest.store.format.dtypes import BF16
+from harvest.store.format.dtypes import torch_view
 
 
 def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,10 +25,7 @@ def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
     """Raw-bits array (see dtypes.raw_dtype) -> tensor of the store dtype, without a copy."""
-    raw = np.ascontiguousarray(raw)
-    if np_dtype == BF16:
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(raw.view(np_dtype))
+    return torch_view(np.ascontiguousarray(raw), np_dtype)
 
 
 def emit_points(x: np.ndarray, rows: np.ndarray, meta: dict, points, cols, store_dtype,

@@ -14,7 +14,6 @@ from .credentials import scrub, userinfo
 from harvest.store.errors import StoreAccessError
 from .local import LocalStorage
 from .objectstore import ObjectStorage, S3Storage, s3_options
-from .retries import RetryBudgetExceeded, is_transient, with_retries
 from .interface import Storage
 
 Location = Storage
@@ -54,5 +53,4 @@ def locate(url: str, storage_options: dict | None = None) -> Storage:
                budget_s=budget)
 
 
-__all__ = ["Location", "Storage", "LocalStorage", "ObjectStorage", "S3Storage", "locate",
-           "with_retries", "is_transient", "RetryBudgetExceeded"]
+__all__ = ["Location", "locate"]

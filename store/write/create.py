@@ -111,4 +111,4 @@ def _clear_control(loc: Location) -> None:
     loc.delete_tree(layout.CONTROL_DIR)
 
 
-__all__ = ["StoreSpec", "create_store"]
+__all__ = ["create_store"]

@@ -17,7 +17,7 @@ from harvest.engine import load_model
 from harvest.engine.capture import taps
 from harvest.engine.model_check import NO_COMPILE
 from harvest.pipeline.cli.main import main
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # vLLM engines and HF references: not in `pytest -m 'not slow'`
 

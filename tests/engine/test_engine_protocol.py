@@ -93,7 +93,7 @@ def test_the_checks_see_what_an_engine_lacks():
         accepts_destinations = True
         max_num_batched_tokens = 1
 
-        def capture(self, destinations, batches, points, order):
+        def capture(self, destinations, batches, points, order, quantize=None):
             return iter(())
 
         def step_stats(self):
@@ -102,11 +102,13 @@ def test_the_checks_see_what_an_engine_lacks():
     assert sorted(class_problems(Old)) == sorted([
         "attribute 'max_num_batched_tokens' is never set",
         "attribute 'accepts_destinations' is never set",
-        "capture() has no parameter 'destinations'", "step_stats() is missing"])
+        "capture() has no parameter 'destinations'", "capture() has no parameter 'quantize'",
+        "step_stats() is missing"])
     assert sorted(protocol.problems(Old())) == sorted([
         "attribute 'max_num_batched_tokens' is missing",
         "attribute 'accepts_destinations' is missing",
-        "capture() has no parameter 'destinations'", "step_stats() is missing"])
+        "capture() has no parameter 'destinations'", "capture() has no parameter 'quantize'",
+        "step_stats() is missing"])
     assert sorted(class_problems(Swapped)) == sorted([
         "capture(): 'batches' must be positional parameter 1",
         "capture(): 'points' must be positional parameter 2",
@@ -125,7 +127,7 @@ def test_the_checks_see_what_an_engine_lacks():
         def describe(self):
             return {}
 
-        def capture(self, batches, points, destinations=None):
+        def capture(self, batches, points, destinations=None, quantize=None):
             return iter(())
 
         def step_stats(self):
@@ -135,7 +137,8 @@ def test_the_checks_see_what_an_engine_lacks():
             pass
 
     assert sorted(class_problems(Bare)) == sorted([
-        "attribute 'lost' is never set", "generate() is missing", "shared_allocator() is missing"])
+        "attribute 'lost' is never set", "attribute 'quantizes' is never set",
+        "generate() is missing", "shared_allocator() is missing"])
     assert isinstance(Swapped(), protocol.CaptureEngine)  # presence only: why signatures matter
 
 
@@ -154,7 +157,7 @@ class _NoStepStats(protocol.CaptureOnly):
     def describe(self):
         return {}
 
-    def capture(self, batches, points, destinations=None):
+    def capture(self, batches, points, destinations=None, quantize=None):
         return iter(())
 
     def close(self):
@@ -183,7 +186,7 @@ def test_the_actor_refuses_an_engine_that_lacks_a_member(tmp_path, monkeypatch):
 
 def test_eager_backend_counts_steps_and_refuses_destinations(tiny_llama):
     """HFModel's step_stats: one step per padded micro-batch of at most max_num_batched_tokens
-    (padding included), scheduled tokens the real ones; destinations fail at the call."""
+    (padding included), scheduled tokens the real ones; destinations and quantize fail at the call."""
     from harvest.engine import load_model
 
     m = load_model(tiny_llama, backend="eager", dtype="float32", max_num_batched_tokens=64)
@@ -202,5 +205,8 @@ def test_eager_backend_counts_steps_and_refuses_destinations(tiny_llama):
         assert after["max_num_batched_tokens"] == 64
         with pytest.raises(ValueError, match="destinations are not supported"):
             m.capture([toks], ["resid_post.0"], destinations=lambda i, n: None)
+        assert m.quantizes is False
+        with pytest.raises(ValueError, match="quantize='float8_e4m3fn' is not supported"):
+            m.capture([toks], ["resid_post.0"], quantize="float8_e4m3fn")
     finally:
         m.close()

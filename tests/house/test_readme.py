@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 from tests.support.readme import PAGES, README, blocks
 
 # python blocks per page (path from the repository root); each is run by a test below

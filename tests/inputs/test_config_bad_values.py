@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from harvest.pipeline.cli.main import main
-from harvest.pipeline.config.run import REPO_ROOT, SECTIONS
+from harvest.engine.models import REPO_ROOT
+from harvest.pipeline.config.run import SECTIONS
 from harvest.pipeline.driver.lease import Lease, refuse_if_held
 from harvest.store.storage.locate import locate
 

@@ -299,7 +299,8 @@ def test_a_text_generation_store_names_the_eos_ids_that_stop_its_samples(tmp_pat
                          "data": {"source": str(tmp_path / "corpus.jsonl")},
                          "packing": {"context_size": 32},
                          "capture": {"generate": {"max_new_tokens": 4, "stop": [3], **generate}}})
-        return store_attrs(cfg, str(tmp_path))["stop_ids"]
+        return store_attrs(cfg.capture.generate, cfg.data.format == "chat",
+                           cfg.packing.context_size, str(tmp_path))["stop_ids"]
 
     assert stop_ids() == [3, 7, 9, 11]
     assert stop_ids(stop_at_eos=False) == [3]

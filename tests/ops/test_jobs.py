@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harvest.pipeline.config.run import REPO_ROOT, cache_dir, default_config_path, load_config
+from harvest.pipeline.config.paths import cache_dir
+from harvest.engine.models import REPO_ROOT
+from harvest.pipeline.config.run import default_config_path, load_config
 from harvest.store import open_store
 from tests.support.pipeline import make_cfg, write_corpus
 from tests.support.readme import blocks

@@ -9,7 +9,9 @@ import random
 
 import pytest
 
-from harvest.pipeline.config.run import REPO_ROOT, ConfigError, load_config
+from harvest.engine.models import REPO_ROOT
+
+from harvest.pipeline.config.run import ConfigError, load_config
 from harvest.pipeline.data.context_rows import Frontier
 from harvest.pipeline.driver.unit_sizes import choose_layout
 from harvest.store.format.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
@@ -23,16 +25,20 @@ def _cfg(**kw):
     return load_config(data=data)
 
 
+def _layout(cfg, *shape):
+    return choose_layout(cfg.store, cfg.packing, cfg.ray.num_actors, *shape)
+
+
 def test_shard_rows_must_be_a_multiple_of_context_size():
     with pytest.raises(ConfigError, match=r"store.shard_rows=100 is not a multiple of "
                                           r"packing.context_size=64: use 128 or 64"):
-        choose_layout(_cfg(store={"shard_rows": 100}), 128, 2, 1)
+        _layout(_cfg(store={"shard_rows": 100}), 128, 2, 1)
     with pytest.raises(ConfigError, match="store.chunk_rows=48 must divide"):
-        choose_layout(_cfg(store={"shard_rows": 128, "chunk_rows": 48}), 128, 2, 1)
+        _layout(_cfg(store={"shard_rows": 128, "chunk_rows": 48}), 128, 2, 1)
 
 
 def test_derived_layout_sizes_units_for_the_engine_and_bounds_shards():
-    big = choose_layout(_cfg(packing={"context_size": 128}), 576, 2, 30)  # SmolLM2, all layers
+    big = _layout(_cfg(packing={"context_size": 128}), 576, 2, 30)  # SmolLM2, all layers
     assert big.shard_rows % 128 == 0 and big.shard_rows % big.chunk_rows == 0
     # shards ~128 MiB per point (issue 24: few, large objects); the writer's buffer bound is a
     # block set, independent of the shard size
@@ -43,9 +49,9 @@ def test_derived_layout_sizes_units_for_the_engine_and_bounds_shards():
     assert 1 << 17 <= big.unit_rows <= 1 << 18  # ~unit_tokens: many engine steps
     assert big.unit_rows // big.shard_rows >= 2
     # a small bounded run still gives every actor several units
-    small = choose_layout(_cfg(packing={"context_size": 128, "max_tokens": 64 * 128}), 128, 2, 4)
+    small = _layout(_cfg(packing={"context_size": 128, "max_tokens": 64 * 128}), 128, 2, 4)
     assert small.capacity_rows == 64 * 128 and small.capacity_rows // small.unit_rows >= 8
-    explicit = choose_layout(_cfg(store={"shard_rows": 128, "unit_shards": 3}), 128, 2, 1)
+    explicit = _layout(_cfg(store={"shard_rows": 128, "unit_shards": 3}), 128, 2, 1)
     assert (explicit.shard_rows, explicit.unit_rows) == (128, 384)
 
 
@@ -146,7 +152,7 @@ def _stopped_after(tmp_path, emitted, committed):
         u = emitted[uid].unit
         create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
     prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
-                           cfg=SimpleNamespace(packing=SimpleNamespace(context_size=8)))
+                           context_size=8)
     return s, prep
 
 
@@ -198,6 +204,42 @@ def test_resume_state_gives_the_continuation_the_budget_left_at_its_chunk(tmp_pa
         [(2, 0, 0, None), (3, 0, None, 3)]
     # the budget is where the frontier's next context lands, less what it re-reads of the chunk
     assert st.frontier.placed - st.frontier.skip_ctx == 17 - st.jobs[1].budget
+
+
+def test_a_resume_is_checked_once_against_the_config_then_against_the_prepared_run(tmp_path):
+    """check_resume (the config, before prepare) and check_resume_plan (what prepare found) each
+    check their own facts: a store made by this config passes the first, and the second still
+    refuses other resolved points or a data file that changed size since the store was planned."""
+    from types import SimpleNamespace
+
+    from harvest.pipeline.driver.resume import RUN_ATTR, check_resume, check_resume_plan
+    from harvest.pipeline.errors import ResumeMismatch
+    from harvest.store import create_store
+
+    data = tmp_path / "c.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cfg = _cfg(data={"source": str(data)})
+    blocks = [[{"kind": "lines", "path": str(data), "size": data.stat().st_size}]]
+    key = {"content": cfg.content_key(), "points": ["resid_post.0"], "context_size": 64}
+    s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=128,
+                     context_size=64, dtype=cfg.store_dtype(), attrs={RUN_ATTR: key})
+
+    def prep(points):
+        return SimpleNamespace(run_key=lambda: {**key, "points": points},
+                               sources={"blocks": blocks})
+
+    check_resume(s, cfg)
+    check_resume_plan(s, prep(["resid_post.0"]), cfg.data)
+    with pytest.raises(ResumeMismatch, match=r"\(points: the store has \['resid_post.0'\], this "
+                                             r"config says \['resid_post.1'\]\)"):
+        check_resume_plan(s, prep(["resid_post.1"]), cfg.data)
+    data.write_text('{"text": "ab"}\n')
+    with pytest.raises(ResumeMismatch, match=r"the data changed since the store was planned "
+                                             r"\(.*c.jsonl was 14 bytes when the store was planned, now 15\)"):
+        check_resume_plan(s, prep(["resid_post.0"]), cfg.data)
+    with pytest.raises(ResumeMismatch, match=r"packing.context_size: the store has 64, this config "
+                                             r"says 32"):
+        check_resume(s, _cfg(data={"source": str(data)}, packing={"context_size": 32}))
 
 # ---- `harvest plan`: objects, sizes and requests of the layout (issue 24) -------------------
 
@@ -529,7 +571,7 @@ def test_plan_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path, ca
     cfg = load_config(tmp_path / "run.yaml")
     object.__setattr__(cfg.model, "tensor_parallel_size", 2)  # as a hub name would: prepare reads it
     with pytest.raises(ConfigError, match="num_attention_heads=9"):
-        model_facts(cfg)
+        model_facts(cfg.model)
     # vLLM's rules: KV heads fewer than ranks are replicated when the ranks are a multiple
     gqa = {"num_attention_heads": 32, "num_key_value_heads": 2, "intermediate_size": 14336,
            "vocab_size": 128256}

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from harvest.pipeline.cli.main import main
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 from harvest.pipeline.driver.run import run
 from harvest.store import open_store
 from tests.support.pipeline import make_cfg, reference_rows, shared_corpus

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from harvest.pipeline.cli.main import budget_shortfall
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 from harvest.store import open_store
 from tests.support.pipeline import make_cfg, shared_corpus
 

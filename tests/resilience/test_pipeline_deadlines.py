@@ -110,7 +110,7 @@ def run_stopping(hook: Stopper, model: str, tmp_path, corpus, restarts: int):
 def test_retries_stop_at_the_budget():
     """Transient errors are retried until the next try would start past the budget, not for
     attempts x (botocore retries x s3fs retries x read timeout)."""
-    from harvest.store.storage.locate import RetryBudgetExceeded, with_retries
+    from harvest.store.storage.retries import RetryBudgetExceeded, with_retries
 
     calls = []
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 from harvest.pipeline.driver.run import run
 from harvest.store import open_store
 from tests.support.pipeline import check_store, make_cfg

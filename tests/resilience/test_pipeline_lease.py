@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from harvest.pipeline.cli.main import main
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.driver.lease import Lease, current, refuse_if_held
 from harvest.store import open_store

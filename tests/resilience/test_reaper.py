@@ -13,7 +13,7 @@ import textwrap
 
 import psutil
 
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 from tests.support.waiting import wait_until
 
 _DRIVER = textwrap.dedent("""

@@ -14,7 +14,7 @@ import pytest
 
 from harvest.store import RegionConflict, RegionWriteFailed, create_store, open_store
 from harvest.store.storage import locate as backend
-from harvest.store.storage import objectstore
+from harvest.store.storage import objectstore, retries
 from harvest.store.format import layout
 from harvest.store.read.dataset import ActivationDataset
 from harvest.store.commit.tables import unit_shards
@@ -343,7 +343,7 @@ def test_retry_policy_classifies_errors():
             raise ConnectionError("reset by peer")
         return "ok"
 
-    assert backend.with_retries(flaky, "x", attempts=5, sleep=lambda s: None) == "ok" and len(calls) == 3
+    assert retries.with_retries(flaky, "x", attempts=5, sleep=lambda s: None) == "ok" and len(calls) == 3
     calls.clear()
 
     def denied():
@@ -351,7 +351,7 @@ def test_retry_policy_classifies_errors():
         raise PermissionError("AccessDenied")
 
     with pytest.raises(PermissionError):
-        backend.with_retries(denied, "x", attempts=5, sleep=lambda s: None)
+        retries.with_retries(denied, "x", attempts=5, sleep=lambda s: None)
     assert len(calls) == 1  # never retried
     calls.clear()
 
@@ -361,7 +361,7 @@ def test_retry_policy_classifies_errors():
 
     delays = []
     with pytest.raises(TimeoutError):
-        backend.with_retries(down, "x", attempts=4, base_delay=0.5, sleep=delays.append)
+        retries.with_retries(down, "x", attempts=4, base_delay=0.5, sleep=delays.append)
     assert len(calls) == 4 and len(delays) == 3
     assert all(0.25 * 2 ** i <= d <= 0.5 * 2 ** i for i, d in enumerate(delays))  # backoff grows
 

@@ -95,6 +95,12 @@ def test_store_spec_is_the_keyword_form(tmp_path):
         create_store(str(tmp_path / "x"), points=["resid_post.0"], width=8, n_rows=64, shardrows=64)
     with pytest.raises(ValueError, match="meta_chunk_rows=96 must be a multiple of shard_rows=64"):
         StoreSpec(points=["resid_post.0"], width=8, n_rows=256, shard_rows=64, chunk_rows=32, meta_chunk_rows=96)
+    # the size rule (layout.check_sizes), checked once on the chosen sizes: an explicit shard
+    # alone, and an explicit chunk against a derived shard
+    with pytest.raises(ValueError, match="shard_rows=100 is not a multiple of context_size=64: use 128 or 64"):
+        StoreSpec(points=["resid_post.0"], width=8, n_rows=1 << 20, shard_rows=100, context_size=64)
+    with pytest.raises(ValueError, match=r"chunk_rows=48 must divide shard_rows=\d+"):
+        StoreSpec(points=["resid_post.0"], width=8, n_rows=1 << 20, chunk_rows=48, context_size=64)
     with pytest.raises(ValueError, match="roles=1 must be True or False"):
         StoreSpec(points=["resid_post.0"], width=8, n_rows=64, roles=1)
 

@@ -73,24 +73,23 @@ def test_reservations_are_refused_where_rows_are_taken_and_missing_fills_block_c
 
 
 def test_a_failed_model_check_stops_the_run_with_the_per_point_table():
-    from harvest.pipeline.config.run import load_config
     from harvest.pipeline.driver.run import _model_check
     from harvest.pipeline.errors import HarvestError
 
-    cfg = load_config(data={"model": {"path": "tiny:llama"}})
+    path = "tiny:llama"   # model.path, as the error names it
     good = {"ok": True, "worst_point": "resid_post.0", "seconds": 1.0,
             "points": {"resid_post.0": {"p50": 0.004, "p99": 0.01, "max": 0.02, "ok": True}}}
-    _model_check(good, cfg)  # passes quietly
-    _model_check(None, cfg)  # actor 0 ran no check (eager backend, or capture.check_model: false)
+    _model_check(good, path)  # passes quietly
+    _model_check(None, path)  # actor 0 ran no check (eager backend, or capture.check_model: false)
     bad = {"ok": False, "worst_point": "resid_post.1", "tolerance": {"p50": 0.03, "p99": 0.15},
            "prompts": 3, "tokens": 90, "probe": {"verified": True},
            "points": {"resid_post.0": {"p50": 0.004, "p99": 0.01, "max": 0.02, "ok": True},
                       "resid_post.1": {"p50": 0.9, "p99": 0.99, "max": 1.0, "ok": False}}}
     with pytest.raises(HarvestError, match=r"(?s)model check failed on actor 0.*resid_post.1 .*"
                                            r"above tolerance.*Nothing was written"):
-        _model_check(bad, cfg)
+        _model_check(bad, path)
     with pytest.raises(HarvestError, match="TrunkRefused: nope"):
-        _model_check({"ok": False, "error": "TrunkRefused: nope"}, cfg)
+        _model_check({"ok": False, "error": "TrunkRefused: nope"}, path)
 
 
 def test_points_of_several_widths_in_place_store_only_their_own_columns(tmp_path):

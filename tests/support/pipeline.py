@@ -177,7 +177,7 @@ def shared_reference(model_path: str, corpus: Path, scratch: Path):
     if key not in _REFERENCES:
         cfg = make_cfg(model_path, str(scratch / "unused"), corpus)
         packed = reference_rows(cfg)
-        points = [str(a) for a in resolve_points(cfg.capture, model_facts(cfg)[1].n_layers)]
+        points = [str(a) for a in resolve_points(cfg.capture, model_facts(cfg.model)[1].n_layers)]
         acts = reference_capture(model_path, packed.token_ids, cfg.packing.context_size,
                                  SHARD_ROWS, cfg.capture.batch_contexts, points)
         _REFERENCES[key] = (Reference(packed, points, SHARD_ROWS), acts)

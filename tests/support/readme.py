@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from harvest.pipeline.config.run import REPO_ROOT
+from harvest.engine.models import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 # the pages whose blocks are checked: the README and every page under docs/

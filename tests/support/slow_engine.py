@@ -94,9 +94,11 @@ class SlowEngine(CaptureOnly):
         return {"steps": self.requests, "scheduled_tokens": self.requests * C,
                 "max_num_batched_tokens": C}
 
-    def capture(self, batches, points, destinations=None):
+    def capture(self, batches, points, destinations=None, quantize=None):
         if destinations is not None and not self.accepts_destinations:
             raise ValueError("this SlowEngine takes no destinations")
+        if quantize is not None:
+            raise ValueError("a SlowEngine does not quantise (quantizes is False)")
         return self._run(iter(batches), points, destinations)
 
     def _run(self, batches, points, destinations):
