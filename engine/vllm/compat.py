@@ -32,7 +32,7 @@ What the engine relies on, and why:
   `additional_config` into the compile-cache key, so per-engine file names must stay out of it).
 - Sharded points (z, mlp_act: a `RowParallelLinear`'s input, `input_is_parallel`,
   `input_size_per_partition`, `tp_rank`, and its weight loader's rank-ordered column split) are
-  assembled on the output rank by `GroupCoordinator.gather(x, dst=0, dim=-1)` on the TP group.
+  assembled by `GroupCoordinator.all_gather(x, dim=-1)` on the TP group.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
 """
@@ -334,22 +334,26 @@ def row_parallel_input(mod) -> dict | None:
             "width": int(mod.input_size_per_partition)}
 
 
-def tp_gather_columns(buf, slots: "list[int]", n: int, shard: int) -> bool:
-    """Assemble column-sharded tap slots on the output rank (TP rank 0): every rank sends rows
-    [:n] of columns [:shard] of `buf[slots]`, and rank 0 writes the rank-ordered concatenation
-    into `buf[slot, :n, :shard * tp_size]` (the full row, rank r's columns at r * shard). One
-    `GroupCoordinator.gather` on vLLM's TP group (the CPU build's shared-memory gather, NCCL on
-    CUDA; checked 0.32.0); every rank must call it in the same order. True on rank 0."""
+def tp_gather_columns(buf, slots: "list[int]", shards: "list[int]", n: int) -> None:
+    """Assemble column-sharded tap slots on every rank: each rank's rows [:n] of columns
+    [:shards[j]] of `buf[slots[j]]` are gathered, and `buf[slots[j], :n, :shards[j] * tp]` gets
+    the rank-ordered concatenation (the full row: rank r's columns at r * shard). One
+    `GroupCoordinator.all_gather(x, dim=-1)` on vLLM's TP group for all slots at once (padded to
+    the widest shard), the collective vLLM itself uses for the logits (its shared-memory
+    all-gather on CPU, NCCL on CUDA; checked 0.32.0): every rank waits for every rank's slice.
+    `GroupCoordinator.gather` to one rank would move half the bytes, but on the CPU build its
+    non-destination ranks return before the destination has read their slice, and the next
+    collective in flight hung the engine (measured: a tiny qwen3 at TP=2, step 1); every rank
+    must call this in the same order."""
     from vllm.distributed import parallel_state as ps
 
     g = ps.get_tp_group()
-    piece = buf[slots, :n, :shard].contiguous()  # [k, n, shard]: advanced index = one copy
-    full = g.gather(piece, dst=0, dim=-1)
-    if full is None:
-        return False
-    for j, s in enumerate(slots):
-        buf[s, :n, :full.shape[-1]].copy_(full[j])
-    return True
+    w = max(shards)
+    piece = buf[slots, :n, :w]  # [k, n, w]: advanced index = one contiguous copy
+    full = g.all_gather(piece, dim=-1).view(len(slots), n, g.world_size, w)  # [k, n, tp * w]
+    for j, (s, shard) in enumerate(zip(slots, shards)):
+        buf[s, :n, :shard * g.world_size].view(n, g.world_size, shard).copy_(
+            full[j, :, :, :shard])
 
 
 def tp_compilation_config(given: dict | None) -> dict:

@@ -116,8 +116,8 @@ def check() -> list[str]:
         for a in ("self.input_is_parallel = ", "self.input_size_per_partition = ",
                   "start_idx = self.tp_rank * shard_size"):
             need(a in src, f"RowParallelLinear: {a.strip(' =')}")
-        need("dst" in inspect.signature(ps.GroupCoordinator.gather).parameters,
-             "GroupCoordinator.gather(input_, dst, dim)")
+        need("dim" in inspect.signature(ps.GroupCoordinator.all_gather).parameters,
+             "GroupCoordinator.all_gather(input_, dim)")
     except (ImportError, OSError, AttributeError) as e:
         missing.append(f"tensor parallel internals: {e}")
     try:

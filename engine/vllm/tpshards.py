@@ -4,16 +4,18 @@ Under TP each rank's o_proj and down_proj are `RowParallelLinear`s whose input i
 of the full tensor (engine/points.py marks z and mlp_act `sharded`): rank r holds columns
 [r * w, (r + 1) * w) of n_heads x head_dim (z) or of the MLP width (mlp_act). Every rank's tap
 writes its own slice into its tap buffer, which is allocated at the full width; after each
-forward every rank sends its slices of the sharded slots to the output rank (TP rank 0), which
-writes the rank-ordered concatenation into the same slots (`gather`). The step ring and the
-shared destinations then carry full rows, exactly as for replicated points.
+forward the ranks all-gather the sharded slots (one collective per step for all of them) and
+write the rank-ordered concatenation into the same slots (`gather`, compat.tp_gather_columns);
+the output rank publishes them. The step ring and the shared destinations then carry full
+rows, exactly as for replicated points.
 
 Why a gather and not every rank writing its own columns into the shared destination: vLLM's
 multiprocessing executor returns the step from the output rank alone, so the engine's process
 would need a per-rank "published" counter and would have to wait on every rank before it reads
-a step; the gather is that wait (the output rank publishes only once it holds every slice), and
-it is one collective per step on vLLM's own TP group (its shared-memory gather on CPU, NCCL on
-CUDA). Its cost is measured per step (`gather_s` in the rank's summary) and reported.
+a step; the collective is that wait (the output rank publishes only once it holds every slice),
+on vLLM's own TP group (its shared-memory all-gather on CPU, NCCL on CUDA). Why an all-gather
+and not a gather to the output rank: see compat.tp_gather_columns (the CPU build's gather hung).
+Its cost is measured per step (`gather_s` in the rank's summary) and reported.
 
 At load, before anything is compiled, `plan` proves from the module that the tap's slice is the
 slice the gather assumes: the site is a `RowParallelLinear` with a parallel input, of this
@@ -36,30 +38,30 @@ def sharded(name: str) -> bool:
 
 
 class ShardGather:
-    """The sharded slots of one rank's tap buffer, grouped by shard width (one gather each)."""
+    """The sharded slots of one rank's tap buffer and each one's shard width (one collective
+    per step for all of them)."""
 
-    def __init__(self, groups: dict[int, list[int]]):
-        self.groups = groups
+    def __init__(self, slots: list[int], shards: list[int]):
+        self.slots, self.shards = slots, shards
         self.steps = 0
         self.ns = 0
 
     def gather(self, buf, n: int) -> None:
         """Every rank, after every forward that ran rows, in the same order."""
         t0 = time.perf_counter_ns()
-        for shard, slots in self.groups.items():
-            compat.tp_gather_columns(buf, slots, n, shard)
+        compat.tp_gather_columns(buf, self.slots, self.shards, n)
         self.ns += time.perf_counter_ns() - t0
         self.steps += 1
 
     def summary(self) -> dict:
-        return {"gathered_slots": sum(map(len, self.groups.values())), "gather_steps": self.steps,
+        return {"gathered_slots": len(self.slots), "gather_steps": self.steps,
                 "gather_s": round(self.ns / 1e9, 4)}
 
 
 def plan(trunk, reads, geometry: dict, tp_rank: int, tp_size: int) -> ShardGather | None:
     """The gather for the sharded reads of `reads` (tap slot order), or None when there are none.
     Raises TrunkRefused naming a sharded point whose site is not a row-parallel projection."""
-    groups: dict[int, list[int]] = {}
+    slots, shards = [], []
     for slot, a in enumerate(reads):
         if not sharded(a.name):
             continue
@@ -77,5 +79,6 @@ def plan(trunk, reads, geometry: dict, tp_rank: int, tp_size: int) -> ShardGathe
                 f"rank's {shard}-column slice (found {rp}), so the columns each rank holds are "
                 "unknown and the row cannot be assembled exactly. Load with "
                 "tensor_parallel_size=1 for it")
-        groups.setdefault(int(shard), []).append(slot)
-    return ShardGather(groups) if groups else None
+        slots.append(slot)
+        shards.append(int(shard))
+    return ShardGather(slots, shards) if slots else None
