@@ -1,6 +1,6 @@
 """Tensor-parallel capture (tensor_parallel_size=2, vLLM's multiprocessing executor) against HF fp32.
 
-Four families, one engine start each (a TP=2 engine is two worker processes, each compiling the
+Three families, one engine start each (a TP=2 engine is two worker processes, each compiling the
 same tapped graph): every layer's resid_post, and resid_pre / attn_out / mlp_out where the probe
 serves them, with chunked prefill (64-token steps) and several requests per step, exactly the
 bar of tests/engine/test_families.py. Rows reach the capture loop from the output rank through the step
@@ -8,7 +8,7 @@ ring (engine/capture/stepring.py) with the in-process checks (fed tokens and pos
 coverage); the probe proved at load that each replicated point is the same on both ranks.
 
 The column-sharded points (z = o_proj's input, mlp_act = down_proj's input: each rank holds a
-slice) are gathered to the output rank after every forward (engine/vllm/tpshards.py) and checked
+slice) are all-gathered on every rank after every forward (engine/vllm/tpshards.py) and checked
 at every layer, at their own widths, against Hugging Face fp32 read by plain forward hooks
 (tests/support/hf_points.py), within `harvest check-model`'s bound (the HF bf16 gap).
 
@@ -45,14 +45,12 @@ FAMILIES = {
     "llama": ("resid_post", "resid_pre", "attn_out", "mlp_out"),
     "qwen3": ("resid_post", "attn_out", "mlp_out"),
     "gpt2": ("resid_post", "resid_pre"),
-    "mixtral": ("resid_post",),
 }
 COMPILED = {"llama"}
-# module-site points at their own widths, against tests/support/hf_points.py's hooks: the
-# column-sharded z / mlp_act (gathered to the output rank; heads x head_dim, the MLP width) and
-# router_logits (one per expert, off the replicated gate; the tiny mixtral's experts are
-# identical, its router is not: routing cannot move mlp_out, the logits are real)
-SITES = {"llama": ("z", "mlp_act"), "qwen3": ("z", "mlp_act"), "mixtral": ("router_logits", "z")}
+# the column-sharded module-site points at their own widths (z: heads x head_dim, mlp_act: the
+# MLP width; all-gathered on every rank), against tests/support/hf_points.py's hooks.
+# router_logits is refused at TP > 1 (engine/parallel.TP_REFUSED, tests/capture).
+SITES = {"llama": ("z", "mlp_act"), "qwen3": ("z", "mlp_act")}
 
 
 def stream_points(arch: str) -> list[str]:
