@@ -204,7 +204,7 @@ class HarvestState:
         self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
         while self.lingering and self.lingering[0][0] < self.steps - 4:
             self.retired.discard(self.lingering.popleft()[1])
-        if self.shards is not None:  # every rank, every step: the output rank gets full rows
+        if self.shards is not None:  # every rank, every step: sharded slots become full rows
             self.shards.gather(self.taps.buf, compat.scheduled_tokens(scheduler_output))
         if self.ring is not None:
             self._publish(runner, scheduler_output)
@@ -295,7 +295,7 @@ def setup(runner, cfg: dict) -> HarvestState:
         # i13: the block-semantics probe (refuses a trunk it cannot verify) before any tap.
         layers = vllm_probe.probed_trunk(runner, model, g["n_layers"], cfg)
         fs = FreezeSet(tuple(map(Address.parse, cfg["reads"])), tuple(map(Address.parse, cfg["writes"])))
-        # full widths: under TP the output rank assembles sharded points in place (tpshards.py)
+        # full widths: under TP the ranks assemble sharded points in place (tpshards.py)
         ts = tapmod.allocate(fs, g["max_tokens"], g["width"], g["dtype"], g["device"],
                              vllm_probe.read_widths(fs.reads, g, full=True))
         # The single call into taps (i13 owns its arguments): wrap the decoder layers now, so the
