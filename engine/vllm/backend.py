@@ -142,7 +142,7 @@ class VLLMModel:
         ring = self.arena = None
         if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
             ring, self.arena = open_rows_path(
-                len(self.frozen.reads), self.max_num_batched_tokens, self.width,
+                len(self.frozen.reads), self.max_num_batched_tokens, self.rows_width(),
                 getattr(torch, dtype) if isinstance(dtype, str) else dtype,
                 eng.get("max_num_seqs") or DEFAULT_MAX_SEQS, shared_destination_bytes)
             # a fixed marker: the spec (per-engine file names) travels in the workers'
@@ -194,8 +194,8 @@ class VLLMModel:
             # has published (shmdest: the fence against a late write by the rank)
             self.arena.published = ring.latest
             self.arena.in_flight = compat.max_concurrent_batches(self.llm) - 1
-        return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes, self.width,
-                             self.dtype, self.max_num_batched_tokens, out, self.arena)
+        return RemoteHarvest(self.llm, ring, self.frozen.reads, self.frozen.writes,
+                             self.rows_width(), self.dtype, self.max_num_batched_tokens, out, self.arena)
 
     @property
     def lost(self) -> bool:
@@ -415,6 +415,12 @@ class VLLMModel:
         widths = self.point_widths(pts)
         return CapturedRequest(r.index, r.ids, np.arange(n, dtype=np.int32), tuple(pts), acts,
                                None if all(w == acts.shape[-1] for w in widths) else widths)
+
+    def rows_width(self) -> int:
+        """The width of a frozen capture's rows: the widest frozen read's full width (the tap
+        buffer's, engine/capture/taps.buffer_width), never less than the stream's."""
+        reads = self.frozen.reads if self.frozen else ()
+        return max([self.width, *self.point_widths(reads)])
 
     def point_widths(self, pts) -> tuple[int, ...]:
         """Each point's own width (engine/points.py): rows of `acts` are cut to it."""

@@ -30,6 +30,9 @@ What the engine relies on, and why:
   fence). The mp executor spawns the ranks inside `vllm.LLM()`, so they inherit the environment
   set around that call (the step ring's spec: `VllmConfig.compute_hash` hashes
   `additional_config` into the compile-cache key, so per-engine file names must stay out of it).
+- Sharded points (z, mlp_act: a `RowParallelLinear`'s input, `input_is_parallel`,
+  `input_size_per_partition`, `tp_rank`, and its weight loader's rank-ordered column split) are
+  assembled by `GroupCoordinator.all_gather(x, dim=-1)` on the TP group.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
 """
@@ -193,7 +196,8 @@ def runner_geometry(runner) -> dict:
     return {"n_layers": mc.get_total_num_hidden_layers(), "width": mc.get_hidden_size(),
             "dtype": mc.dtype, "max_tokens": runner.scheduler_config.max_num_batched_tokens,
             "device": runner.device, "kinds": kind_widths(mc.hf_text_config,
-                                                          parallel_ranks()["tp_size"])}
+                                                          parallel_ranks()["tp_size"]),
+            "full_kinds": kind_widths(mc.hf_text_config)}
 
 
 def kind_widths(hf_config, tp_size: int = 1) -> dict:
@@ -314,6 +318,42 @@ def tp_spread(t):
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g)
     return (hi - lo).to(torch.float32)
+
+
+def row_parallel_input(mod) -> dict | None:
+    """A sharded point's site (o_proj, down_proj) as vLLM splits it: for a `RowParallelLinear`
+    with `input_is_parallel`, {"tp_rank", "tp_size", "width"} where this rank's input is columns
+    [tp_rank * width, (tp_rank + 1) * width) of the full input (its weight loader narrows the
+    input dim at `tp_rank * shard`, checked 0.32.0); None for any other module (the columns a rank
+    holds are then unknown, and the point is refused under tensor parallelism)."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    if not isinstance(mod, RowParallelLinear) or not getattr(mod, "input_is_parallel", False):
+        return None
+    return {"tp_rank": int(mod.tp_rank), "tp_size": int(mod.tp_size),
+            "width": int(mod.input_size_per_partition)}
+
+
+def tp_gather_columns(buf, slots: "list[int]", shards: "list[int]", n: int) -> None:
+    """Assemble column-sharded tap slots on every rank: each rank's rows [:n] of columns
+    [:shards[j]] of `buf[slots[j]]` are gathered, and `buf[slots[j], :n, :shards[j] * tp]` gets
+    the rank-ordered concatenation (the full row: rank r's columns at r * shard). One
+    `GroupCoordinator.all_gather(x, dim=-1)` on vLLM's TP group for all slots at once (padded to
+    the widest shard), the collective vLLM itself uses for the logits (its shared-memory
+    all-gather on CPU, NCCL on CUDA; checked 0.32.0): every rank waits for every rank's slice.
+    `GroupCoordinator.gather` to one rank would move half the bytes, but on the CPU build its
+    non-destination ranks return before the destination has read their slice, and the next
+    collective in flight hung the engine (measured: a tiny qwen3 at TP=2, step 1); every rank
+    must call this in the same order."""
+    from vllm.distributed import parallel_state as ps
+
+    g = ps.get_tp_group()
+    w = max(shards)
+    piece = buf[slots, :n, :w]  # [k, n, w]: advanced index = one contiguous copy
+    full = g.all_gather(piece, dim=-1).view(len(slots), n, g.world_size, w)  # [k, n, tp * w]
+    for j, (s, shard) in enumerate(zip(slots, shards)):
+        buf[s, :n, :shard * g.world_size].view(n, g.world_size, shard).copy_(
+            full[j, :, :, :shard])
 
 
 def tp_compilation_config(given: dict | None) -> dict:

