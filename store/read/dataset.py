@@ -38,6 +38,7 @@ from . import mixing
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import BF16, raw_dtype, torch_dtype
+from .follow import FollowMode
 from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from harvest.store.format.roles import resolve_roles
 from .loader import ActivationLoader
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_BUFFER_BYTES = 1 << 30
 _GATHER_AHEAD = 4         # batches gathered ahead on the codec threads (batching.py)
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
-_STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
+_STATE_KEYS = ("follow", "seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
 
 
@@ -76,7 +77,7 @@ def _to_torch(raw: np.ndarray, np_dtype: np.dtype) -> torch.Tensor:
     return torch.from_numpy(raw.view(np_dtype))
 
 
-class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
+class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableDataset):
     """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors.
 
     `store`: a Store or a URL (then `storage_options` apply). What to read and how is one
@@ -111,6 +112,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self.rank, self.world_size = rank_world(cfg.rank, cfg.world_size)
         self.endless, self.steps = bool(cfg.endless or cfg.steps is not None), cfg.steps
         self.drop_last, self.return_meta, self.eps = cfg.drop_last, cfg.return_meta, cfg.eps
+        self.follow, self.follow_timeout, self.follow_poll = cfg.follow, cfg.follow_timeout, cfg.follow_poll
+        self.follow_line = None   # follow mode: the last iteration's UnitLine (follow.py)
         self.io_threads = cfg.io_threads or 2 * cfg.prefetch_shards
         self.width, self.store_dtype = st.width, st.np_dtype
         self._raw = raw_dtype(st.np_dtype)
@@ -167,7 +170,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._setup_norm(st, cfg.norm_constants, cfg.norm_sample_rows)
         self.out_dtype = cfg.out_dtype or (torch.float32 if cfg.normalize or st.quantized
                                            else torch_dtype(st.np_dtype))
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.follow:
             self.count_rows()  # once here, not once per worker
 
         mixing.check(self)   # warns when windows hold under half the uniform documents a batch
@@ -271,6 +274,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self):
+        if self.follow:   # a store a run is writing: follow.py
+            yield from self._follow_iter()
+            return
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
@@ -350,7 +356,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def _fingerprint(self) -> dict:
         return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "rank": self.rank,
                 "world_size": self.world_size, "endless": self.endless, "points": list(self.points),
-                "filter": self.filter.describe(), "n_rows": self.n_rows, "window_shards": self.window_shards}
+                "filter": self.filter.describe(), "window_shards": self.window_shards,
+                # a follower's rows are the run's, not those committed when it was built
+                "n_rows": "follow" if self.follow else self.n_rows, "follow": True if self.follow else None}
 
     def state_dict(self, batches: int | None = None, num_workers: int = 0) -> dict:
         """Where this rank stands: epoch and batches yielded in it (since the start when endless).
