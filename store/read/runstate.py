@@ -155,7 +155,10 @@ def run_state(st) -> RunState:
     loc = st.location
     got = read_lease(loc)
     raw = loc.read_bytes("zarr.json")
-    attrs = (json.loads(raw).get("attributes") or {}) if raw else {}
+    try:
+        attrs = (json.loads(raw).get("attributes") or {}) if raw else {}
+    except ValueError:   # finalize rewriting it (zarr's own write): not finalized yet, look again
+        attrs = {}
     gen, rec = got if got is not None else (None, None)
     return RunState(finalized="finalized_at" in attrs, lease_gen=gen, lease=rec)
 

@@ -19,6 +19,8 @@ from harvest.store.read.dataset import ActivationDataset
 from harvest.store.read.runstate import FollowTimeout, RunEndedUnfinished, RunLeaseStale, run_state
 from tests.support.live_store import LiveStore, host_boot, lease_record
 
+pytestmark = pytest.mark.filterwarnings("ignore:shuffle_buffer_rows=")
+
 OPTS = dict(batch_size=32, shuffle_buffer_rows=128, follow=True, follow_poll=0.005, return_meta=True)
 
 
@@ -173,3 +175,32 @@ def test_follow_options_are_checked():
         ReaderConfig(follow=True, max_norm_ratio=3.0)
     with pytest.raises(ValueError, match="follow_timeout"):
         ReaderConfig(follow=True, follow_timeout=0)
+
+
+def test_a_read_racing_the_writer_s_publish_finds_the_moved_copy(tmp_path):
+    """Publishing moves a committed attempt's object to its zarr key; a reader that looked at the
+    zarr key just before the move and at the attempt's key just after must still get the rows."""
+    from harvest.store import open_store
+    from harvest.store.commit.objects import point_keys, read_point
+    from tests.support.reader_stores import unpublish
+
+    live = LiveStore(tmp_path / "s", n_units=2)
+    live.plan(range(2), final=True)
+    live.commit(1)
+    assert unpublish(live.st, [1]) > 0          # the state between a commit and its publish
+    st = open_store(live.url)
+    m = st.commit_manifest(1)
+    pub, att = point_keys("resid_post.0", 1, m["attempt"])
+    loc, real_read = st.location, st.location.read_bytes
+    moved = []
+
+    def read_bytes(key, *a, **kw):
+        got = real_read(key, *a, **kw)
+        if key == pub and not moved:          # the writer publishes right after this read
+            moved.append(loc.move(att, pub))
+        return got
+
+    loc.read_bytes = read_bytes
+    x = read_point(st, m, 1, 0)
+    assert moved == [True]
+    assert np.array_equal(x.view(np.int16), live.data[0][64:128].view(np.int16))
