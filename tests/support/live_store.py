@@ -98,7 +98,7 @@ class LiveStore:
                 self.commit(uid)
                 self.committed = k + 1
                 if k + 1 < len(order):
-                    wait_until(lambda: polls() > seen or self.unpaced.is_set(), 60,
+                    wait_until(lambda seen=seen: polls() > seen or self.unpaced.is_set(), 60,
                                "the follower to look at the store", interval=0.005)
             if finish:
                 self.finish()
