@@ -237,7 +237,8 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
         # DataLoader workers started with spawn/forkserver get the dataset pickled: an open store
         # (an async S3 client) and arenas cannot travel, and each worker opens its own
         state = dict(self.__dict__)
-        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None)
+        state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None,
+                     follow_line=None)
         return state
 
     # ---- epochs (counts and plans: readorder.PiecePlanning) -----------------------------------

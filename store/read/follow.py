@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,11 +35,13 @@ import torch
 from harvest.store.commit.objects import read_meta, read_point
 from harvest.store.errors import StoreError
 from .batching import BatchBuffers, Tally, batches
+from .filters import RowFilter
 from .readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
 from .rows import lite
 from .runstate import FollowTimeout, RunState, run_state
 from .sampling import Take, lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
+from harvest.store.store import Store
 from .workermem import cap_malloc_arenas
 
 _GATHER_AHEAD = 4
@@ -173,6 +176,16 @@ class UnitLine:
 
 class FollowMode:
     """Follow mode of ActivationDataset (a base of it: the state it uses is the dataset's)."""
+
+    # the dataset's, set by ActivationDataset; declared here for the type checker
+    points: list[str]
+    filter: RowFilter
+    shard_rows: int
+    window_shards: int
+    seed: int
+    _decoded: torch.Tensor
+    _open: Callable[[], Store]
+    _meta_names: Callable[[], list[str]]
 
     def _follow_fetch(self, piece, p: int, out: np.ndarray) -> None:
         m, sh = self._fpieces.source(piece[0])

@@ -204,3 +204,17 @@ def test_a_read_racing_the_writer_s_publish_finds_the_moved_copy(tmp_path):
     x = read_point(st, m, 1, 0)
     assert moved == [True]
     assert np.array_equal(x.view(np.int16), live.data[0][64:128].view(np.int16))
+
+
+def test_dataloader_workers_split_units_and_end_equal(tmp_path):
+    live = LiveStore(tmp_path / "s", n_units=9)
+    live.plan(range(9), final=True)
+    for u in range(9):
+        live.commit(u)
+    live.finish()
+    ds = follower(live)
+    got = [b["row"].numpy() for b in ds.loader(num_workers=2)]
+    rows = np.concatenate(got)
+    # lanes: units 0,2,4,6,8 and 1,3,5,7 (+64 of its own rows repeated): equal batch counts
+    assert len(rows) == 10 * 64 and np.array_equal(np.unique(rows), np.arange(live.n))
+    assert len(got) == 20 and all(len(r) == 32 for r in got)
