@@ -173,7 +173,7 @@ def _meta_cache(store) -> dict:
     return store.meta_chunk_cache
 
 
-def read_meta(store, marker: dict, sh: dict, name: str) -> np.ndarray:
+def read_meta(store, marker: dict, sh: "dict | int", name: str) -> np.ndarray:
     """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker (`sh`: the
     shard's record or its index, as in read_point)."""
     if not isinstance(sh, dict):

@@ -202,8 +202,7 @@ class FollowMode:
         if not f.needs_meta:
             k = f.mask(a, b)
             return b - a if k is None else int(k.sum())
-        sh = a // self.shard_rows
-        got = {n: read_meta(self._open(), m, sh, n) for n in f.meta_names()}
+        got = {n: read_meta(self._open(), m, a // self.shard_rows, n) for n in f.meta_names()}
         return int(f.mask(a, b, got.get("token_id"), got.get("doc_id"), got.get("role"),
                           got.get("gen")).sum())
 
