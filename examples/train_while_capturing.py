@@ -4,7 +4,8 @@
     python examples/train_while_capturing.py --config jobs/configs/default.yaml --point resid_post.15 \\
         --compare 3
 
-Starts `harvest run --config CONFIG` (a fresh store under --workdir), waits for its first commit
+Starts `harvest run --config CONFIG` (a fresh store under --workdir; or `--store URL` follows a
+store another run is writing, or has written), waits for its first commit
 (the normalisation constants come from the rows committed by then), then trains the TopK SAE of
 examples/train_topk.py on `ActivationDataset(store, follow=True, ...)`: batches arrive as units
 commit, and the loop ends by itself when the run finalizes the store. It reports the held-out
@@ -50,9 +51,9 @@ def start_capture(config: str, url: str, sets: list[str], log: Path) -> subproce
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def wait_first_commit(url: str, proc: subprocess.Popen, log: Path) -> None:
+def wait_first_commit(url: str, proc: "subprocess.Popen | None", log: Path) -> None:
     while True:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise SystemExit(f"the capture ended (rc {proc.returncode}) before its first commit; see {log}")
         try:
             if open_store(url, read_only=True).marker_names():
@@ -84,6 +85,8 @@ def main():
     ap.add_argument("--config", default=str(REPO / "jobs/configs/tiny.yaml"))
     ap.add_argument("--set", action="append", default=[], help="config override for the capture")
     ap.add_argument("--workdir", default=None, help="where the store goes (default: a temp dir)")
+    ap.add_argument("--store", default=None, help="follow this store (a run writing it, or done) "
+                    "instead of starting a capture")
     ap.add_argument("--point", default=None, help="default: the middle point of the store")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--window-rows", type=int, default=None, help="shuffle_buffer_rows (default: the reader's)")
@@ -95,9 +98,9 @@ def main():
     args = ap.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="harvest-follow-"))
-    url, log = str(work / "store"), work / "capture.log"
+    url, log = args.store or str(work / "store"), work / "capture.log"
     t0 = time.perf_counter()
-    proc = start_capture(args.config, url, args.set, log)
+    proc = None if args.store else start_capture(args.config, url, args.set, log)
     wait_first_commit(url, proc, log)
     st = open_store(url, read_only=True)
     point = args.point or st.points[len(st.points) // 2]
@@ -118,7 +121,7 @@ def main():
 
     print(f"training on {point} while the capture runs ({seen['start']} units committed)", flush=True)
     sae, losses = train(live, args, 0, st.width, progress)
-    rc = proc.wait()
+    rc = proc.wait() if proc is not None else 0
     if rc:
         raise SystemExit(f"the capture failed (rc {rc}); see {log}")
     seconds = time.perf_counter() - t0
