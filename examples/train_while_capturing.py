@@ -104,8 +104,8 @@ def main():
     wait_first_commit(url, proc, log)
     st = open_store(url, read_only=True)
     point = args.point or st.points[len(st.points) // 2]
-    base = dict(points=point, batch_size=args.batch_size, normalize="norm_scale",
-                shuffle_buffer_rows=args.window_rows, **recipe_kwargs(st, 0))
+    base = {**recipe_kwargs(st, 0), "points": point, "batch_size": args.batch_size,
+            "shuffle_buffer_rows": args.window_rows}   # recipe: norm_scale, special tokens out
     base.pop("max_norm_ratio")   # a follower cannot take a whole-store norm sample
     live = ActivationDataset(url, follow=True, split="train", seed=0, **base)
     norm = live.norm_constants
