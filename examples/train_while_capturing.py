@@ -98,6 +98,7 @@ def main():
     args = ap.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="harvest-follow-"))
+    work.mkdir(parents=True, exist_ok=True)
     url, log = args.store or str(work / "store"), work / "capture.log"
     t0 = time.perf_counter()
     proc = None if args.store else start_capture(args.config, url, args.set, log)
