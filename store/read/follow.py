@@ -2,7 +2,7 @@
 
 `ActivationDataset(store, follow=True, ...)` yields the rows of units as they commit and ends when
 the run finalizes the store; it raises when the run ended unfinished or its driver's lease went
-stale (runstate.py), and, with `follow_timeout`, when no unit it needs committed for that long.
+stale (store/commit/runstate.py), and, with `follow_timeout`, when no unit it needs committed for that long.
 
 Who reads what, without talking: global worker g of G = world_size x num_workers (g = rank x
 num_workers + lane, sampling.lane) reads the units with `unit_id % G == g`, in unit-id order.
@@ -38,7 +38,7 @@ from .batching import BatchBuffers, Tally, batches
 from .filters import RowFilter
 from .readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
 from .rows import lite
-from .runstate import FollowTimeout, RunState, run_state
+from harvest.store.commit.runstate import FollowTimeout, RunState, run_state
 from .sampling import Take, lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
 from harvest.store.store import Store

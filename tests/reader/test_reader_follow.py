@@ -16,7 +16,7 @@ import torch
 
 from harvest.store.read.adapters import on_device, saelens_data_provider
 from harvest.store.read.dataset import ActivationDataset
-from harvest.store.read.runstate import FollowTimeout, RunEndedUnfinished, RunLeaseStale, run_state
+from harvest.store.commit.runstate import FollowTimeout, RunEndedUnfinished, RunLeaseStale, run_state
 from tests.support.live_store import LiveStore, host_boot, lease_record
 
 pytestmark = pytest.mark.filterwarnings("ignore:shuffle_buffer_rows=")

@@ -1,6 +1,6 @@
 """The run writing a store, as a reader sees it: finalized or not, the driver's lease, the plan.
 
-A follower (follow.py) reads a store while a run writes it; it has to tell "the run is still
+A follower (store/read/follow.py) reads a store while a run writes it; it has to tell "the run is still
 going, wait" from "it ended" and "it died". The store says all three without asking the driver:
 
 - finalized: the root `zarr.json` has `finalized_at` (finalize writes it last, FORMAT.md);
