@@ -89,7 +89,9 @@ def main():
                     "instead of starting a capture")
     ap.add_argument("--point", default=None, help="default: the middle point of the store")
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--window-rows", type=int, default=None, help="shuffle_buffer_rows (default: the reader's)")
+    ap.add_argument("--window-rows", type=int, default=None,
+                    help="shuffle_buffer_rows (default: the reader's 1 GiB of rows; a small store fits "
+                         "in one such window, and a follower reads a window once all of it is committed)")
     ap.add_argument("--expansion", type=int, default=4)
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
