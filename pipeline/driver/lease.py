@@ -140,7 +140,7 @@ class Lease:
         me = _process_id(os.getpid()) or (None, None)
         self.record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                        "boot": me[0], "start": me[1], "name": name, "identity": identity,
-                       "acquired": time.time()}
+                       "acquired": time.time(), "lease_seconds": self.ttl}
         self.gen: int | None = None
         self.root_existed = True
         self.lost: "LeaseRecord | None" = None

@@ -63,7 +63,7 @@ def _check(source, steps: int | None, who: str) -> None:
     if ds.stack:
         raise ValueError(f"{who}: the dataset yields [batch, n_points, width]; give one point "
                          f"(points='{ds.points[0]}') so batches are [batch, width]")
-    if steps is not None and not ds.endless:
+    if steps is not None and not ds.endless and not ds.follow:   # a follower's length is the run's
         per_epoch = ds.rows_per_worker() // ds.batch_size
         if per_epoch < steps:
             raise ValueError(f"{who}: {steps} steps need more than one epoch ({per_epoch} batches); build "

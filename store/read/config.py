@@ -86,6 +86,14 @@ class ReaderConfig:
     Length:
         endless, steps: endless=True runs epoch after epoch; steps=N stops after N batches per
             rank (spread over its DataLoader workers), crossing epochs as needed.
+    Follow (a store a run is writing; follow.py):
+        follow: yield each unit's rows once as units commit, and end when the run finalizes the
+            store (raise when it ends unfinished or its driver's lease goes stale). Global worker
+            g of ranks x DataLoader workers reads the units with unit_id % (ranks x workers) == g.
+            One pass (no endless=), no max_norm_ratio= (it needs the whole store's sample).
+        follow_timeout: seconds to wait for the next unit before FollowTimeout, whose message
+            names the run's state (None: as long as the driver's lease is fresh).
+        follow_poll: seconds between looks at the store while waiting.
     I/O:
         prefetch_shards, io_threads: concurrent fetch+decode tasks (default 2 x prefetch_shards).
 
@@ -121,6 +129,9 @@ class ReaderConfig:
     out_dtype: "torch.dtype | None" = None
     epoch: int = 0
     dequantize: bool = True
+    follow: bool = False
+    follow_timeout: float | None = None
+    follow_poll: float = 1.0
 
     def __post_init__(self):
         set_ = object.__setattr__   # frozen: normalise the containers once, here
@@ -164,11 +175,28 @@ class ReaderConfig:
             raise ValueError("dequantize=False yields the stored fp8 rows and their scales: "
                              "normalize= and out_dtype= need values; leave them out and apply "
                              "them after `acts.float() * scale[..., None]` on the device")
+        _check_follow(self)
 
     @classmethod
     def build(cls, config: "ReaderConfig | None" = None, **options) -> "ReaderConfig":
         """`config` as given, or one made of keyword `options` (keywordconfig.config_from)."""
         return config_from(cls, config, options, "config")
+
+
+def _check_follow(c: "ReaderConfig") -> None:
+    if not isinstance(c.follow, bool):
+        raise ValueError(f"follow={c.follow!r} must be True or False")
+    for name, v, optional in (("follow_timeout", c.follow_timeout, True), ("follow_poll", c.follow_poll, False)):
+        if (v is None and optional) or (isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0):
+            continue
+        raise ValueError(f"{name}={v!r} must be a number of seconds > 0" + (", or None" if optional else ""))
+    if c.follow and c.endless:
+        raise ValueError("follow=True reads a store once, as its units commit, and ends when the run "
+                         "finalizes it: drop endless=True (read the finished store again for more epochs)")
+    if c.follow and c.max_norm_ratio is not None:
+        raise ValueError("follow=True with max_norm_ratio=: the norm filter's median comes from a "
+                         "sample of the whole store, which a follower does not have; drop "
+                         "max_norm_ratio, or filter after the run")
 
 
 def _count(name: str, v, unit: str, optional: bool) -> int | None:

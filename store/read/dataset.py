@@ -38,6 +38,7 @@ from . import handoff, mixing, permute
 from . import normalize as _norm
 from .batching import BatchBuffers, Tally, batches
 from harvest.store.format.dtypes import raw_dtype, torch_dtype
+from .follow import FollowMode
 from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
 from harvest.store.format.roles import resolve_roles
 from .loader import ActivationLoader
@@ -56,11 +57,11 @@ log = logging.getLogger(__name__)
 _DEFAULT_BUFFER_BYTES = 1 << 30
 _GATHER_AHEAD = 4         # batches gathered ahead on the codec threads (batching.py)
 _COUNTED_WORKERS = 64      # decoded_rows keeps one counter per worker id below this
-_STATE_KEYS = ("seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
+_STATE_KEYS = ("follow", "seed", "shuffle", "batch_size", "rank", "world_size", "endless", "points", "filter",
                "n_rows", "window_shards")
 
 
-class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
+class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableDataset):
     """Yields `[batch, width]` (one point given as a str) or `[batch, n_points, width]` tensors;
     points of several widths (e.g. `mlp_act.L` beside `mlp_in.L`) as a dict `{point: [batch,
     width_p]}` in the order given, rows aligned (row i of every point is the same token).
@@ -106,6 +107,8 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self.rank, self.world_size = rank_world(cfg.rank, cfg.world_size)
         self.endless, self.steps = bool(cfg.endless or cfg.steps is not None), cfg.steps
         self.drop_last, self.return_meta, self.eps = cfg.drop_last, cfg.return_meta, cfg.eps
+        self.follow, self.follow_timeout, self.follow_poll = cfg.follow, cfg.follow_timeout, cfg.follow_poll
+        self.follow_line = None   # follow mode: the last iteration's UnitLine (follow.py)
         self.io_threads = cfg.io_threads or 2 * cfg.prefetch_shards
         self.width, self.store_dtype = st.width, st.np_dtype
         self.widths = {p: st.widths[p] for p in self.points}   # each point's own width
@@ -170,7 +173,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         self._setup_norm(st, cfg.norm_constants, cfg.norm_sample_rows)
         self.out_dtype = cfg.out_dtype or (torch.float32 if cfg.normalize or st.quantized
                                            else torch_dtype(st.np_dtype))
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.follow:
             self.count_rows()  # once here, not once per worker
 
         mixing.check(self)   # warns when windows hold under half the uniform documents a batch
@@ -238,7 +241,7 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
         # (an async S3 client) and arenas cannot travel, and each worker opens its own
         state = dict(self.__dict__)
         state.update(_store=None, _store_pid=None, _arenas=None, _meta_cols=None, _batch_bufs=None,
-                     handoff_rings=None)
+                     handoff_rings=None, follow_line=None)
         return state
 
     # ---- epochs (counts and plans: readorder.PiecePlanning) -----------------------------------
@@ -276,6 +279,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self):
+        if self.follow:   # a store a run is writing: follow.py
+            yield from self._follow_iter()
+            return
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
@@ -381,7 +387,9 @@ class ActivationDataset(PiecePlanning, torch.utils.data.IterableDataset):
     def _fingerprint(self) -> dict:
         return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "rank": self.rank,
                 "world_size": self.world_size, "endless": self.endless, "points": list(self.points),
-                "filter": self.filter.describe(), "n_rows": self.n_rows, "window_shards": self.window_shards}
+                "filter": self.filter.describe(), "window_shards": self.window_shards,
+                # a follower's rows are the run's, not those committed when it was built
+                "n_rows": "follow" if self.follow else self.n_rows, "follow": True if self.follow else None}
 
     def state_dict(self, batches: int | None = None, num_workers: int = 0) -> dict:
         """Where this rank stands: epoch and batches yielded in it (since the start when endless).

@@ -18,11 +18,12 @@ from tests.support.source_tree import modules
 
 # Classes meant to be mixed into another module's class, as (module, class). vLLM's runner
 # mixins reach the vLLM object they are mixed into; the reader's piece planning is a mixin of
-# the reader's dataset (its state is the dataset's) and is the store's to rework.
+# the reader's dataset (its state is the dataset's) and is the store's to rework; so is follow mode.
 ALLOWED = {
     ("harvest.engine.vllm.runner", "HarvestRunnerMixin"),
     ("harvest.engine.vllm.runner", "_HarvestRPC"),
     ("harvest.store.read.order", "PiecePlanning"),
+    ("harvest.store.read.follow", "FollowMode"),
 }
 
 

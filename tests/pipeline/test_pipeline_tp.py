@@ -39,8 +39,14 @@ REL_TOL = 0.03
 VLLM = ("model.backend=vllm", "model.max_num_batched_tokens=256", "ray.num_actors=1")
 
 
-def _cfg(tiny_llama, corpus, path, *extra):
-    return make_cfg(tiny_llama, str(path), corpus, *VLLM, *extra, capture={"batch_contexts": 64})
+# the column-sharded points (each rank holds a slice of z's heads and of the MLP's hidden units;
+# engine/vllm/tpshards.py gathers them), stored at their own widths beside the stream's points
+SHARDED = ["z.1", "mlp_act.1"]
+
+
+def _cfg(tiny_llama, corpus, path, *extra, points=()):
+    capture = {"batch_contexts": 64, **({"points": list(points)} if points else {})}
+    return make_cfg(tiny_llama, str(path), corpus, *VLLM, *extra, capture=capture)
 
 
 class WorkerKiller:
@@ -69,8 +75,12 @@ def _shm() -> set[str]:
 
 def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
         ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    from tests.support.pipeline import reference_capture
+
+    ref, acts = reference
+    points = list(ref.points) + SHARDED
     cfg = _cfg(tiny_llama, corpus, tmp_path / "tp2", "model.tensor_parallel_size=2",
-               "ray.max_in_flight=4")
+               "ray.max_in_flight=4", points=points)
     k = WorkerKiller()
     shm_before = _shm()
     summary = run(cfg, on_event=k)
@@ -82,7 +92,10 @@ def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
     assert ready["describe"]["mode"] == "freeze" and ready["describe"]["tensor_parallel_size"] == 2
     assert ready["describe"]["rows_path"].startswith("shared destinations")
     tp2 = open_store(cfg.store.resolved_url)
-    check_store(tp2, reference, rel_tol=REL_TOL)
+    assert tp2.mixed_widths and tp2.widths["mlp_act.1"] > tp2.width
+    more = reference_capture(tiny_llama, ref.packed.token_ids, ref.packed.context_size,
+                             ref.unit_rows, 4, SHARDED)
+    check_store(tp2, (ref, {**acts, **more}), rel_tol=REL_TOL)
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
     assert sorted(done) == reference[0].unit_ids  # each unit committed and reported once
     # before the kill the TP engine ran clean: no unit was retried
@@ -104,7 +117,7 @@ def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
     assert [g for g in placement_group_table().values() if g["state"] != "REMOVED"] == []
 
     # the TP=2 run's actor checked the model against HF fp32; this store is only compared
-    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1", "capture.check_model=false")
+    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1", "capture.check_model=false", points=points)
     run(cfg1)
     tp1 = open_store(cfg1.store.resolved_url)
     assert tp1.n_rows == tp2.n_rows
