@@ -210,8 +210,8 @@ class _Batches(torch.utils.data.IterableDataset):
         self.handoff_rings = None
 
     def __iter__(self):
-        from harvest.store.read import handoff
-        from harvest.store.read.batching import BatchBuffers
+        from harvest.store.read.feed import handoff
+        from harvest.store.read.feed.batching import BatchBuffers
 
         hand = handoff.worker_side(self, torch.utils.data.get_worker_info())
         shape = (self.batch_size, 1, self.width)
@@ -231,7 +231,7 @@ def handoff_cost(width: int = WIDTH, batches: int = 200, repeats: int = 3) -> di
     receives is touched); all three side by side in each repeat, medians of the per-repeat
     differences. `us_per_row` is wall time, `cpu_us_per_row` the CPU of trainer + worker (the
     figure to trust when other jobs share the cores). GB/s = row bytes / wall time."""
-    from harvest.store.read.loader import ActivationLoader
+    from harvest.store.read.feed.loader import ActivationLoader
 
     ds = _Batches(batches, BATCH, width)
 

@@ -34,15 +34,15 @@ import torch
 
 from harvest.store.commit.objects import read_meta, read_point
 from harvest.store.errors import StoreError
-from .batching import BatchBuffers, Tally, batches
-from .filters import RowFilter
-from .readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
-from .rows import lite
+from harvest.store.read.feed.batching import BatchBuffers, Tally, batches
+from harvest.store.read.filters import RowFilter
+from harvest.store.read.feed.readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
+from harvest.store.read.rows import lite
 from harvest.store.commit.runstate import FollowTimeout, RunState, run_state
-from .sampling import Take, lane, worker_share
+from harvest.store.read.shuffle.sampling import Take, lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
 from harvest.store.store import Store
-from .workermem import cap_malloc_arenas
+from harvest.store.read.feed.workermem import cap_malloc_arenas
 
 _GATHER_AHEAD = 4
 

@@ -29,11 +29,11 @@ import torch
 
 from harvest.store.format import fp8 as _fp8
 from harvest.store.format.dtypes import BF16, FP8_NAME
-from .filters import RowFilter, matches_recorded, recorded_stats_filter, sink_positions, store_facts
+from harvest.store.read.filters import RowFilter, matches_recorded, recorded_stats_filter, sink_positions, store_facts
 from harvest.store.commit.objects import read_point
 from harvest.store.format.roles import captured_codes
 from harvest.store.stats.moments import Moments
-from .config import NORMALIZE_MODES
+from harvest.store.read.config import NORMALIZE_MODES
 
 log = logging.getLogger(__name__)
 

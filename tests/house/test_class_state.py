@@ -22,7 +22,7 @@ from tests.support.source_tree import modules
 ALLOWED = {
     ("harvest.engine.vllm.runner", "HarvestRunnerMixin"),
     ("harvest.engine.vllm.runner", "_HarvestRPC"),
-    ("harvest.store.read.order", "PiecePlanning"),
+    ("harvest.store.read.shuffle.order", "PiecePlanning"),
     ("harvest.store.read.follow", "FollowMode"),
 }
 

@@ -187,7 +187,7 @@ def test_seqpos_needs_a_context_size(tmp_path):
 
 def test_store_package_imports_without_torch_ray_or_vllm():
     code = ("import sys, harvest.store, harvest.store.read.filters, "
-            "harvest.store.read.sampling; "
+            "harvest.store.read.shuffle.sampling; "
             "bad = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.store.read.batching import BatchBuffers
+from harvest.store.read.feed.batching import BatchBuffers
 from harvest.store.read.dataset import ActivationDataset
 from tests.support.reader_stores import committed_rows, make_store
 

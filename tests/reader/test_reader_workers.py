@@ -82,7 +82,7 @@ def test_worker_batches_equal_in_process_batches_as_sets_and_stay_valid_while_he
     """Every batch is kept (list()): no slot may be reused under a held batch, so each must
     still equal the store's rows when read after the epoch; 2 workers' rows are the in-process
     rows as a set, and their batches equal torch's hand-off of the same workers, in order."""
-    from harvest.store.read import handoff
+    from harvest.store.read.feed import handoff
 
     if not by_value:
         monkeypatch.setattr(handoff, "BY_VALUE", 0)   # every tensor through a slot (forked: inherited)
@@ -117,7 +117,7 @@ def test_abandoned_epochs_free_their_slots_and_a_plain_dataloader_gets_tensors(e
     """Persistent workers: an epoch broken off after 3 batches drops what was in flight; the
     next epoch frees those slots and delivers every row, and a trainer that drops each batch
     keeps reusing the same few slots. A plain DataLoader over the same dataset gets tensors."""
-    from harvest.store.read import handoff
+    from harvest.store.read.feed import handoff
 
     monkeypatch.setattr(handoff, "BY_VALUE", 0)
     s, data = eight[0], eight[1]
@@ -156,7 +156,7 @@ def test_abandoned_epochs_free_their_slots_and_a_plain_dataloader_gets_tensors(e
 def test_two_live_iterations_never_share_slots(eight, monkeypatch):
     """Non-persistent workers: an iteration kept alive (its generator held) beside a new one:
     each has its own slots, so both deliver correct rows, interleaved."""
-    from harvest.store.read import handoff
+    from harvest.store.read.feed import handoff
 
     monkeypatch.setattr(handoff, "BY_VALUE", 0)
     s, data = eight[0], eight[1]

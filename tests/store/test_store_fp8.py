@@ -170,9 +170,9 @@ def test_reader_dequantised_and_gpu_handoff_batches(stores):
     assert acts.shape == (N, W) and scale.shape == (N,)
     rows = torch.cat([b["row"] for b in parts]).numpy()
     assert np.array_equal((acts.float() * scale[:, None]).numpy(), want[rows, 1])
-    # the (acts, scale) form through 2 workers' shared-memory slots (store/read/handoff.py):
+    # the (acts, scale) form through 2 workers' shared-memory slots (store/read/feed/handoff.py):
     # the same pairs, still a tuple (torch's own hand-over would make it a list)
-    from harvest.store.read import handoff
+    from harvest.store.read.feed import handoff
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(handoff, "BY_VALUE", 0)
         pairs = list(ActivationDataset(url, points="resid_post.1", batch_size=256, shuffle=False,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import handoff, mixing
+from harvest.store.read.feed import handoff
+from harvest.store.read.shuffle import mixing
 
 
 class ActivationLoader(torch.utils.data.DataLoader):

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from harvest.store.errors import StoreError
-from .readahead import Ready
+from harvest.store.read.feed.readahead import Ready
 
 ROUNDS = 4
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harvest.store.errors import StoreError
-from .normalize import sq_norms
-from .sampling import Take
+from harvest.store.read.normalize import sq_norms
+from harvest.store.read.shuffle.sampling import Take
 
 
 @dataclass
