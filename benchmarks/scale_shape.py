@@ -79,7 +79,8 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
                               for u in units[i:i + seg]}, "state": state}, final=i + seg >= n_units)
     s.plans.compact(units[: n_units // seg * seg], [{"chunks": chunks, "state": state}],
                     n_units // seg - 1, False)
-    fake = SimpleNamespace(layout_version=s.layout_version, points=s.points, row_bytes=s.row_bytes)
+    fake = SimpleNamespace(layout_version=s.layout_version, points=s.points, row_bytes=s.row_bytes,
+                           row_set_bytes=s.row_set_bytes)
     obj_bytes = int(shard_rows * width * 2 / 1.42)   # the default codec's ratio on bf16
     index, indexed = IndexBuilder(), 0
     marker_bytes, table_bytes, pending = [], [], {}

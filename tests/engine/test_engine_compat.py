@@ -57,3 +57,20 @@ def test_importing_the_engine_patches_nothing_in_vllm():
         assert getattr(cls, name).__module__.startswith("vllm."), (cls, name)
     assert issubclass(runner.HarvestCPUModelRunner, runners["cpu"])
     assert issubclass(runner.HarvestGPUWorker, workers["gpu"])
+
+
+def test_vllm_cpu_kernel_scan_survives_a_process_that_loaded_numba():
+    """The store's statistics kernels load numba (llvmlite), whose `binding.ffi.lib` answers any
+    attribute; vllm-cpu's worker start scans every module's values (`_rebind_kernels`) and broke
+    on it, so an engine could not start after a store was written in the same process. The scan,
+    run here on its own (no overrides: it still visits every value), passes once the engine's
+    environment is set."""
+    import sys
+
+    from harvest.store.stats import kernel
+    from vllm.triton_utils import dispatcher
+
+    assert kernel.kernels() is not None   # numba's kernels loaded: llvmlite.binding.ffi with them
+    assert "llvmlite.binding.ffi" in sys.modules
+    compat.engine_environment(on_cpu=True)
+    dispatcher._rebind_kernels([])        # raised AttributeError before the guard
