@@ -71,29 +71,20 @@ def topk_sae_class():
     return importlib.import_module("train_topk").TopKSAE
 
 
-class ReluSAE(torch.nn.Module):
-    """The standard SAE (SAELens' `standard`, dictionary_learning's `AutoEncoder`): ReLU encoder,
-    loss = per-dimension MSE + (l1 / d) * sum of latents (unit-norm decoder rows, renormalised after
-    every step as the TopK SAE's are)."""
+def relu_sae_class():
+    """The standard SAE (SAELens' `standard`, dictionary_learning's `AutoEncoder`): the TopK SAE's
+    parameters and unit-norm decoder rows with a plain ReLU encoder; trained with loss =
+    per-dimension MSE + (l1 / d) * sum of latents (`train`)."""
+    base = topk_sae_class()
 
-    def __init__(self, d: int, m: int):
-        super().__init__()
-        w = torch.randn(m, d)
-        w /= w.norm(dim=1, keepdim=True)
-        self.W_dec = torch.nn.Parameter(w)
-        self.W_enc = torch.nn.Parameter(w.t().clone())
-        self.b_enc = torch.nn.Parameter(torch.zeros(m))
-        self.b_dec = torch.nn.Parameter(torch.zeros(d))
+    class ReluSAE(base):
+        def __init__(self, d: int, m: int):
+            super().__init__(d, m, 0)
 
-    def encode(self, x):
-        return ((x - self.b_dec) @ self.W_enc + self.b_enc).relu()
+        def encode(self, x):
+            return ((x - self.b_dec) @ self.W_enc + self.b_enc).relu()
 
-    def forward(self, x):
-        return self.encode(x) @ self.W_dec + self.b_dec
-
-    @torch.no_grad()
-    def normalize_decoder(self):
-        self.W_dec /= self.W_dec.norm(dim=1, keepdim=True)
+    return ReluSAE
 
 
 def contexts(tokenizer, n: int, C: int) -> tuple[np.ndarray, list[int]]:
@@ -175,7 +166,7 @@ def train(url: str, point: str, seed: int, cfg: dict, kind: str = "topk"):
     torch.manual_seed(seed)
     d = ds.width
     m = cfg["expansion"] * d
-    sae = topk_sae_class()(d, m, cfg["k"]) if kind == "topk" else ReluSAE(d, m)
+    sae = topk_sae_class()(d, m, cfg["k"]) if kind == "topk" else relu_sae_class()(d, m)
     opt = torch.optim.Adam(sae.parameters(), lr=cfg["lr"])
     for x in on_device(ds):
         if kind == "topk":
