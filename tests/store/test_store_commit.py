@@ -210,6 +210,9 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     # marker: one that died before completing them has nothing readable until finalize does,
     # and every checked read says so (never fill zeros, never the previous attempt's bytes).
     unpublished = not publish and so is not None
+    # a reader waits ~4 s for a pending upload before refusing (objects.UNPUBLISHED_WAIT_S);
+    # nothing completes these, so one short wait says the same here
+    monkeypatch.setattr("harvest.store.commit.objects.UNPUBLISHED_WAIT_S", (0.05,))
     old = _fill_unit(s, x, 0, monkeypatch, publish)
     m1 = _fill_unit(s, x, 1, monkeypatch)
     s.write_index([old, m1])                # the driver indexes markers as units commit
