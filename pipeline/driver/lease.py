@@ -39,24 +39,13 @@ import uuid
 from dataclasses import dataclass
 
 from harvest.pipeline.errors import HarvestError
-from harvest.store.commit.runstate import process_id
+from harvest.store.commit.runstate import LEASE_DIR, lease_generation, process_id
 
 log = logging.getLogger("harvest.pipeline")
-
-LEASE_DIR = "_harvest/lease"
 
 
 def _key(gen: int) -> str:
     return f"{LEASE_DIR}/lease-{gen:08d}.json"
-
-
-def _gen_of(name: str) -> "int | None":
-    if name.startswith("lease-") and name.endswith(".json"):
-        try:
-            return int(name[len("lease-"):-len(".json")])
-        except ValueError:
-            return None
-    return None
 
 
 @dataclass
@@ -88,7 +77,7 @@ class LeaseRecord:
 
 def current(loc) -> "LeaseRecord | None":
     """The newest lease of the store at `loc`, or None."""
-    gens = [g for g in (_gen_of(n) for n in loc.list_dir(LEASE_DIR)) if g is not None]
+    gens = [g for g in (lease_generation(n) for n in loc.list_dir(LEASE_DIR)) if g is not None]
     for gen in sorted(gens, reverse=True):
         data = loc.read_bytes(_key(gen))
         if data is None:
@@ -224,7 +213,7 @@ class Lease:
             if loc.exists("zarr.json"):
                 return
             for name in loc.list_dir(LEASE_DIR):
-                if _gen_of(name) is not None:
+                if lease_generation(name) is not None:
                     loc.delete(f"{LEASE_DIR}/{name}")
             loc.remove_empty_dirs([LEASE_DIR, "_harvest"], root=not self.root_existed)
         except Exception as e:  # noqa: BLE001

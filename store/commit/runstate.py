@@ -43,7 +43,8 @@ class FollowTimeout(TimeoutError):
     """A follower waited `follow_timeout` seconds for the next unit and none committed."""
 
 
-def _gen_of(name: str) -> "int | None":
+def lease_generation(name: str) -> "int | None":
+    """The generation of a lease object's name (`lease-00000003.json` -> 3), None for others."""
     if name.startswith("lease-") and name.endswith(".json"):
         try:
             return int(name[len("lease-"):-len(".json")])
@@ -54,7 +55,7 @@ def _gen_of(name: str) -> "int | None":
 
 def read_lease(loc) -> "tuple[int, dict] | None":
     """(generation, record) of the store's newest lease, or None when it has none."""
-    gens = sorted((g for g in (_gen_of(n) for n in loc.list_dir(LEASE_DIR)) if g is not None),
+    gens = sorted((g for g in (lease_generation(n) for n in loc.list_dir(LEASE_DIR)) if g is not None),
                   reverse=True)
     for gen in gens:
         data = loc.read_bytes(f"{LEASE_DIR}/lease-{gen:08d}.json")
