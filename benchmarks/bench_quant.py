@@ -130,6 +130,7 @@ def capture(model_path: str, ids: np.ndarray, points: list[str]) -> dict[str, np
 
 def write_store(url: str, dtype: str, acts: dict, ids: np.ndarray, special: list[int]):
     from harvest.store import create_store, open_store
+    from harvest.testing.synthetic import fill
 
     points = list(acts)
     n, C = ids.shape
@@ -139,13 +140,7 @@ def write_store(url: str, dtype: str, acts: dict, ids: np.ndarray, special: list
     tok = ids.reshape(-1)
     doc = np.repeat(np.arange(n, dtype=np.int64), C)        # a context is a document here
     pos = np.tile(np.arange(C, dtype=np.int32), n)
-    x = np.stack([acts[p] for p in points])
-    for u in s.plan():
-        a, b = u["row_start"], u["row_end"]
-        w = s.region_writer(u["unit_id"], a, b)
-        w.write_meta(a, tok[a:b], doc[a:b], pos[a:b])
-        w.write(a, x[:, a:b])
-        w.commit()
+    fill(s, np.stack([acts[p] for p in points]), token_id=tok, doc_id=doc, position=pos, chunk=n * C)
     s.finalize({"tokens": n * C})
     return open_store(url, read_only=True)
 

@@ -120,7 +120,6 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
         self._cols = [st.point_row_width(p) for p in self.points]
         self._rw, self._vdtype = max(self._cols), _norm.value_dtype(st)
         self.mixed = len(set(self._cols)) > 1
-        self.row_width, self.raw_dtype = self._rw, self._raw
         self.handoff_rings = None   # set by ActivationLoader while its workers fork (handoff.py)
         self.quantized, self.dequantize = st.quantized, cfg.dequantize
         if not self.dequantize and not self.quantized:
@@ -277,6 +276,16 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:
         cols = self.committed_meta()
         return {n: cols.read(n, *piece) for n in self._meta_names()}
+
+    @property
+    def row_width(self) -> int:
+        """Stored columns of a buffer row (the widest point's; fp8: + the 4 scale bytes)."""
+        return self._rw
+
+    @property
+    def raw_dtype(self) -> np.dtype:
+        """The raw-bits dtype the buffers hold (dtypes.raw_dtype of the store dtype)."""
+        return self._raw
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self):
