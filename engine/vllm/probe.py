@@ -158,11 +158,10 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
         finally:
             for h in handles:
                 h.remove()
-    scale = buf.float().abs().amax(dim=(1, 2)).clamp_min(1e-6)
-    spread = compat.tp_spread(buf).amax(dim=(1, 2)) / scale
     from .tpshards import sharded
 
-    kept = [(a, float(x)) for a, x in zip(reads, spread.tolist()) if not sharded(a.name)]
+    kept = [(a, x) for a, x in zip(reads, replica_spread(buf, compat.tp_spread(buf), widths))
+            if not sharded(a.name)]
     bad = [(str(a), x) for a, x in kept if not x <= REPLICA_TOL]
     trunk.report["tp_replicated"] = {str(a): x for a, x in kept}
     trunk.report["tp_sharded"] = [str(a) for a in reads if sharded(a.name)]
@@ -173,6 +172,18 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
             f"tensor-parallel rank at the tap, so one rank holds only a shard: {shown}. Capture "
             "resid_post / resid_pre there (the stream is all-reduced), or load the model with "
             "tensor_parallel_size=1")
+
+
+def replica_spread(buf: torch.Tensor, spread: torch.Tensor, widths) -> list[float]:
+    """Each read's largest spread over the ranks relative to its largest value, measured on its
+    own columns only: the NaN-filled buffer is as wide as the widest read, and a narrower point
+    (router_logits: one column per expert) leaves the columns past its width unwritten, NaN on
+    every rank. A NaN inside a read's own columns (a tap that never ran) stays NaN and fails."""
+    out = []
+    for i, w in enumerate(widths):
+        scale = buf[i, :, :w].float().abs().amax().clamp_min(1e-6)
+        out.append(float(spread[i, :, :w].amax() / scale))
+    return out
 
 
 def read_widths(reads, geometry: dict, full: bool = False) -> tuple[int, ...]:

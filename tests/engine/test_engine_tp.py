@@ -43,14 +43,15 @@ MAX_BATCHED = 64
 SUBLAYER_TOL = 0.05  # as tests/engine/test_families.py: one block's update through a norm, in bf16
 FAMILIES = {
     "llama": ("resid_post", "resid_pre", "attn_out", "mlp_out"),
-    "qwen3": ("resid_post", "attn_out", "mlp_out"),
+    "mixtral": ("resid_post", "attn_out", "mlp_out"),
     "gpt2": ("resid_post", "resid_pre"),
 }
 COMPILED = {"llama"}
-# the column-sharded module-site points at their own widths (z: heads x head_dim, mlp_act: the
-# MLP width; all-gathered on every rank), against tests/support/hf_points.py's hooks.
-# router_logits is refused at TP > 1 (engine/parallel.TP_REFUSED, tests/capture).
-SITES = {"llama": ("z", "mlp_act"), "qwen3": ("z", "mlp_act")}
+# module-site points at their own widths, against tests/support/hf_points.py's hooks: the
+# column-sharded z / mlp_act (heads x head_dim, the MLP width; all-gathered on every rank) and
+# router_logits (one per expert, off the replicated gate; the tiny mixtral's experts are
+# identical, its router is not: routing cannot move mlp_out, the logits are real)
+SITES = {"llama": ("z", "mlp_act"), "mixtral": ("z", "router_logits")}
 
 
 def stream_points(arch: str) -> list[str]:
@@ -124,7 +125,7 @@ def test_tp2_capture_equals_hf_fp32_at_every_layer(tp_engine):
           "ring", m.state.summary()["ring"])
     pts = site_points(arch)
     res = compare(got, sites[arch][0], pts, CheckConfig(), sites[arch][1])
-    print(arch, "sharded", {p: (round(v["p50"], 4), round(v["p99"], 4))
+    print(arch, "sites", {p: (round(v["p50"], 4), round(v["p99"], 4))
                             for p, v in res["points"].items()})
     assert res["ok"], (arch, {p: v for p, v in res["points"].items() if not v["ok"]})
     for p in pts:  # each at its own full width (z: heads x head_dim; mlp_act: the MLP width)
