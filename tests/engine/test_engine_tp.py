@@ -45,6 +45,7 @@ MAX_BATCHED = 64
 SUBLAYER_TOL = 0.05  # as tests/engine/test_families.py: one block's update through a norm, in bf16
 FAMILIES = {
     "llama": ("resid_post", "resid_pre", "attn_out", "mlp_out"),
+    "qwen3": ("resid_post", "attn_out", "mlp_out"),
     "mixtral": ("resid_post", "attn_out", "mlp_out"),
     "gpt2": ("resid_post", "resid_pre"),
 }
@@ -53,7 +54,7 @@ COMPILED = {"llama"}
 # column-sharded z / mlp_act (heads x head_dim, the MLP width; all-gathered on every rank) and
 # router_logits (one per expert, off the replicated gate; the tiny mixtral's experts are
 # identical, its router is not: routing cannot move mlp_out, the logits are real)
-SITES = {"llama": ("z", "mlp_act"), "mixtral": ("z", "router_logits")}
+SITES = {"llama": ("z", "mlp_act"), "qwen3": ("z", "mlp_act"), "mixtral": ("z", "router_logits")}
 
 
 def stream_points(arch: str) -> list[str]:
