@@ -107,9 +107,9 @@ class ObjectStream:
     def _emit(self, final: bool) -> None:
         if not self._pending or (not final and self.pending_bytes < self._loc.part_min_bytes):
             return
-        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        pieces = self._pending  # one part, sent as its pieces (no join: the storage's choice)
         self._pending, self.pending_bytes = [], 0
-        self._loc.write_part(self.handle, data)
+        self._loc.write_part(self.handle, pieces)
 
     def append(self, first_chunk: int, chunks: list, raw_crc: int, raw_nbytes: int) -> bool:
         """A block's compressed chunks (its first chunk's index in the shard), and the CRC32C
@@ -162,7 +162,7 @@ def write_small(loc, final_rel: str, attempt_rel: str, blob: bytes) -> "dict | N
     so it publishes the same way (rename, or completing a one-part upload: no copy)."""
     h = loc.begin_object(final_rel, attempt_rel)
     try:
-        loc.write_part(h, blob)
+        loc.write_part(h, [blob])
         return loc.finish_object(h)
     except BaseException:
         try:
