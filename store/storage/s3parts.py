@@ -168,7 +168,8 @@ def part_sender(storage_options: dict) -> "PartSender | None":
     """A PartSender for a store's s3fs options (`s3_options`'s result), or None where s3fs must
     keep sending parts: no explicit endpoint (AWS's own: region-aware virtual-host addressing is
     s3fs's), or options this client does not honour (a profile or session it cannot read,
-    requester-pays, SSE or other per-request extras)."""
+    requester-pays, SSE or other per-request extras, virtual-host addressing, another signature
+    version)."""
     so = storage_options
     ck = so.get("client_kwargs") or {}
     endpoint = ck.get("endpoint_url")
@@ -179,6 +180,9 @@ def part_sender(storage_options: dict) -> "PartSender | None":
     if set(ck) - {"endpoint_url", "region_name"}:
         return None
     cfg = so.get("config_kwargs") or {}
+    if (cfg.get("s3") or {}).get("addressing_style") == "virtual" \
+            or cfg.get("signature_version") not in (None, "s3v4"):
+        return None   # addressing or signing other than this client's: s3fs's to do
     import botocore.session
 
     # the region s3fs's client signs with: its own, the environment's, else us-east-1
