@@ -200,7 +200,7 @@ class S3Storage(ObjectStorage):
     # store names its endpoint; False sends them through s3fs (benchmarks compare the two).
     direct_parts: ClassVar[bool] = True
 
-    def _part_sender(self):
+    def parts_client(self):
         """The store's PartSender (one per endpoint and credentials in this process), or None."""
         if not self.direct_parts:
             return None
@@ -220,7 +220,7 @@ class S3Storage(ObjectStorage):
         n = len(handle["etags"]) + 1
         pieces = data if isinstance(data, list) else [data]
         what = f"upload part {n} of {handle['rel']}"
-        sender = self._part_sender()
+        sender = self.parts_client()
         if sender is not None:
             etag = with_retries(lambda: sender.upload_part(handle["bucket"], handle["key"],
                                                            handle["id"], n, pieces),
