@@ -26,6 +26,8 @@ import threading
 
 import google_crc32c
 
+from harvest.store.format import checksum
+
 log = logging.getLogger(__name__)
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
@@ -120,7 +122,7 @@ class ObjectStream:
                 c = bytes(c)  # uncompressed chunks are views of a buffer about to be reused
                 self.entries[first_chunk + i] = (self.offset, len(c))
                 self.offset += len(c)
-                self.object_crc = google_crc32c.extend(self.object_crc, c)
+                self.object_crc = checksum.extend(self.object_crc, c)
                 self._pending.append(c)
                 self.pending_bytes += len(c)
             self._raw[first_chunk] = (raw_crc, raw_nbytes)
