@@ -263,6 +263,15 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
+    from harvest.store.storage.s3parts import PartSender
+
+    real_part = PartSender.upload_part
+
+    def counted_part(*a, **k):  # parts sent from the writer's buffers bypass botocore's events
+        counts["UploadPart"] = counts.get("UploadPart", 0) + 1
+        return real_part(*a, **k)
+
+    PartSender.upload_part = counted_part  # type: ignore[method-assign]
     out: dict[str, Any] = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": P,
            "width": W, "shard_rows": sr, "producer": "in place (reserve)" if inplace else "write (a copy)",
            "shard_mib_per_point": round(sr * s.row_bytes / 2**20, 2), "units": units,
@@ -293,6 +302,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
                     {k: v - before.get(k, 0) for k, v in counts.items() if v - before.get(k, 0)})
     finally:
         objects.publish = real_publish
+        PartSender.upload_part = real_part  # type: ignore[method-assign]
     from harvest.store.commit.tables import unit_shards  # layout 3: records in the unit's table
 
     recs = [sh for m in markers for sh in unit_shards(s, m)]

@@ -147,7 +147,9 @@ _PROBE_LOCK = threading.Lock()
 
 @dataclass
 class S3Storage(ObjectStorage):
-    """S3 or an S3-compatible server (SeaweedFS, MinIO, ...) through s3fs."""
+    """S3 or an S3-compatible server (SeaweedFS, MinIO, ...) through s3fs, but for the parts of
+    streamed objects: those go from the writer's buffers (s3parts.PartSender) where the store
+    names an endpoint (see `direct_parts`)."""
 
     def create_once(self, rel: str, data: bytes) -> bool:
         """PUT with If-None-Match: * where the server honours it (probed once per endpoint and
