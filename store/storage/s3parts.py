@@ -123,14 +123,18 @@ class PartSender:
                     conn.sock.sendall(p)
                 resp = conn.getresponse()
                 body = resp.read()
-            except (ConnectionError, http.client.HTTPException, OSError) as e:
+            except (http.client.HTTPException, OSError) as e:
                 self._drop()
                 # a keep-alive connection the server closed while idle fails on first use:
                 # one immediate try on a new one (UploadPart is idempotent); else the caller's
                 # retries (with_retries) decide, as for any dropped connection
                 if reused and not fresh_try and not isinstance(e, TimeoutError):
                     continue
-                raise
+                if isinstance(e, OSError):
+                    raise
+                # a malformed or cut answer (IncompleteRead, BadStatusLine): a connection fault
+                raise ConnectionError(f"UploadPart {part_number} of s3://{bucket}/{key}: "
+                                      f"{type(e).__name__}: {e}") from e
             if resp.will_close:
                 self._drop()
             if 200 <= resp.status < 300:
@@ -199,8 +203,9 @@ def part_sender(storage_options: dict) -> "PartSender | None":
         if creds is None:
             return None  # s3fs then raises its own NoCredentialsError, which errors explain
     sign = bool((cfg.get("s3") or {}).get("payload_signing_enabled", False))
-    return PartSender(endpoint, region, creds, connect_timeout=cfg.get("connect_timeout"),
-                      read_timeout=cfg.get("read_timeout"), sign_payload=sign)
+    # botocore's defaults (60 s each) where the store sets none (store.timeout_s sets both)
+    return PartSender(endpoint, region, creds, connect_timeout=cfg.get("connect_timeout", 60),
+                      read_timeout=cfg.get("read_timeout", 60), sign_payload=sign)
 
 
 __all__ = ["PartSender", "part_sender"]
