@@ -128,8 +128,8 @@ class PartSender:
                 # a keep-alive connection the server closed while idle fails on first use:
                 # one immediate try on a new one (UploadPart is idempotent); else the caller's
                 # retries (with_retries) decide, as for any dropped connection
-                if reused and not fresh_try and not isinstance(e, TimeoutError):
-                    continue
+                if reused and not fresh_try and isinstance(e, ConnectionError):
+                    continue   # reset, broken pipe, closed before answering: not a timeout
                 if isinstance(e, OSError):
                     raise
                 # a malformed or cut answer (IncompleteRead, BadStatusLine): a connection fault

@@ -79,7 +79,8 @@ def test_stores_the_sender_cannot_serve_keep_s3fs():
 class _Server:
     """A tiny HTTP/1.1 server on 127.0.0.1 playing one answer per connection's request: `plan`
     is a list of (status, body, then) with then "keep" (keep the connection), "drop" (close it
-    after answering, without saying so) or "mute" (read the request, never answer)."""
+    after answering, without saying so), "cut" (close it halfway through the answer) or "mute"
+    (read the request, never answer)."""
 
     def __init__(self, plan):
         self.plan, self.requests, self.connections = list(plan), [], 0
@@ -117,6 +118,9 @@ class _Server:
                 status, body, then = self.plan.pop(0)
                 if then == "mute":
                     self._mute.append(conn)
+                    break
+                if then == "cut":  # the answer stops short of its Content-Length
+                    conn.sendall(b"HTTP/1.1 200 X\r\nETag: \"e\"\r\nContent-Length: 100\r\n\r\nab")
                     break
                 conn.sendall(f"HTTP/1.1 {status} X\r\nETag: \"e{len(self.requests)}\"\r\n"
                              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -156,11 +160,12 @@ def test_a_dropped_keep_alive_connection_is_reopened_once():
     assert headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/")
 
 
-def test_server_errors_are_s3fs_s_and_silence_is_a_timeout():
+def test_server_errors_are_s3fs_s_cut_answers_and_silence_are_retried():
     nosuch = (b"<Error><Code>NoSuchUpload</Code><Message>The specified multipart upload does "
               b"not exist.</Message></Error>")
     slow = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-    srv = _Server([(404, nosuch, "keep"), (503, slow, "keep"), (200, b"", "mute")])
+    srv = _Server([(404, nosuch, "keep"), (503, slow, "keep"), (200, b"", "cut"),
+                   (200, b"", "mute")])
     try:
         s = _sender(srv, read_timeout=0.5)
         with pytest.raises(FileNotFoundError, match="multipart upload does not exist"):
@@ -168,6 +173,9 @@ def test_server_errors_are_s3fs_s_and_silence_is_a_timeout():
         with pytest.raises(OSError) as ei:
             s.upload_part("bkt", "k", "u", 1, [b"x"])
         assert ei.value.errno == errno.EBUSY and is_transient(ei.value)  # retried by with_retries
+        with pytest.raises(ConnectionError, match="IncompleteRead") as ci:
+            s.upload_part("bkt", "k", "u", 1, [b"x"])
+        assert is_transient(ci.value)
         with pytest.raises(TimeoutError) as ti:
             s.upload_part("bkt", "k", "u", 1, [b"x"])
         assert is_transient(ti.value)
