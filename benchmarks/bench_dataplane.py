@@ -30,7 +30,8 @@ own store, in one invocation. `--json` prints one document: the rows and a summa
 average. `--dry`: a tiny shape in seconds (the suite runs it).
 
     .venv/bin/python -m harvest.benchmarks.bench_dataplane [--units 2] [--storage local s3]
-        [--dtype bfloat16 float8_e4m3fn] [--codec default] [--part-mib 5 16] [--json] [--dry]
+        [--dtype bfloat16 float8_e4m3fn] [--codec default] [--part-mib 5 16]
+        [--client direct s3fs] [--json] [--dry]
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ class StageCPU:
         self._wrap(blockstats, "chunk_moments", "stats")
         self._wrap(moments, "crc32c", "crc")
         self._wrap(streams.ObjectStream, "append", "stream")
+        from harvest.store.storage.objectstore import S3Storage
+
+        # inside `stream` (appends send full parts): an S3 part's request, on this thread where
+        # the PartSender sends it (s3fs only waits for its event loop here)
+        self._wrap(S3Storage, "write_part", "upload")
         self._wrap(writer.RegionWriter, "write", "buffer")
         return self
 
@@ -257,6 +263,15 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
+    from harvest.store.storage.s3parts import PartSender
+
+    real_part = PartSender.upload_part
+
+    def counted_part(*a, **k):  # parts sent from the writer's buffers bypass botocore's events
+        counts["UploadPart"] = counts.get("UploadPart", 0) + 1
+        return real_part(*a, **k)
+
+    PartSender.upload_part = counted_part  # type: ignore[method-assign]
     out: dict[str, Any] = {"storage": storage, "codec": s.compression, "dtype": s.dtype, "points": P,
            "width": W, "shard_rows": sr, "producer": "in place (reserve)" if inplace else "write (a copy)",
            "shard_mib_per_point": round(sr * s.row_bytes / 2**20, 2), "units": units,
@@ -287,6 +302,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
                     {k: v - before.get(k, 0) for k, v in counts.items() if v - before.get(k, 0)})
     finally:
         objects.publish = real_publish
+        PartSender.upload_part = real_part  # type: ignore[method-assign]
     from harvest.store.commit.tables import unit_shards  # layout 3: records in the unit's table
 
     recs = [sh for m in markers for sh in unit_shards(s, m)]
@@ -331,6 +347,8 @@ def _by_stage(stage_s: list, cpu_s: list, producer: float, bf16_gb: float) -> di
     i = sorted(range(len(cpu_s)), key=cpu_s.__getitem__)[len(cpu_s) // 2]
     st = dict(stage_s[i])
     total = cpu_s[i] - producer
+    if "upload" in st:
+        st["stream"] = st.get("stream", 0.0) - st["upload"]   # nested: counted once, as upload
     known = sum(st.values())
     st["other"] = total - known
     return {k: round(v / bf16_gb, 3) for k, v in sorted(st.items())}
@@ -350,10 +368,11 @@ def check_dtype(dtype: str) -> str:
 
 def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
         workdir: str | None = None, codecs=("default",), dtype="bfloat16", inplace: bool = True,
-        dry: bool = False, part_mib=(None,), **_ignored) -> list[dict]:
+        dry: bool = False, part_mib=(None,), clients=("direct",), **_ignored) -> list[dict]:
     """One row per (storage, part size on S3, dtype, codec), side by side in this invocation.
     `dtype`: a name or a list of names. `part_mib`: S3 part sizes (None: the store's own,
-    S3Storage.part_min_bytes). `dry`: a tiny shape (4 points x 256, 2,048-row shards) in
+    S3Storage.part_min_bytes). `clients`: how S3 parts are sent, each its own store ("direct":
+    s3parts.PartSender from the writer's buffers; "s3fs": through s3fs). `dry`: a tiny shape (4 points x 256, 2,048-row shards) in
     seconds, for the test suite: the same code path, no figure worth reporting."""
     from harvest.store.format import compression
     from harvest.store.storage.objectstore import S3Storage
@@ -380,8 +399,11 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
                 so, base_url = srv.storage_options, "s3://bench/store"
             i = 0
             own_part = S3Storage.part_min_bytes
-            for part in (part_mib if st == "s3" else (None,)):
+            own_direct = S3Storage.direct_parts
+            for part, client in ([(p, c) for p in part_mib for c in clients] if st == "s3"
+                                 else [(None, None)]):
                 S3Storage.part_min_bytes = own_part if part is None else int(part * 2**20)
+                S3Storage.direct_parts = client != "s3fs"
                 try:
                     for dt in dtypes:
                         for codec in codecs:
@@ -390,6 +412,8 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
                             spec = None if codec == "default" else codec
                             rows.append(_one(st, url, so, units, shards_per_unit, base, spec, dt,
                                              inplace, sr))
+                            if client is not None:
+                                rows[-1]["client"] = client
                             if st == "local" and i == 0 and not dry:
                                 rows[-1].update(meta_at_default_unit(tmp))
                             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -398,6 +422,7 @@ def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
                             i += 1
                 finally:
                     S3Storage.part_min_bytes = own_part
+                    S3Storage.direct_parts = own_direct
             if srv is not None:
                 srv.stop()
                 srv = None
@@ -417,7 +442,8 @@ def summary(rows: list[dict]) -> dict:
     for r in rows:
         t = target.get(r["dtype"])
         if r["storage"] == "s3" and t is not None:
-            key = f"{r['dtype']}/{r['codec'].get('codec')}/{r['part_bytes'] >> 20}MiB"
+            key = f"{r['dtype']}/{r['codec'].get('codec')}/{r['part_bytes'] >> 20}MiB" + \
+                (f"/{r['client']}" if r.get("client") else "")
             out["targets"][key] = {"write_core_s_per_gb": r["write_core_s_per_gb"], "target": t,
                                    "met": r["write_core_s_per_gb"] <= t}
     return out
@@ -439,12 +465,15 @@ def main() -> None:
     ap.add_argument("--part-mib", type=float, nargs="+", default=None,
                     help="S3 parts gathered to these sizes, each its own store (default: the "
                          "store's, S3Storage.part_min_bytes)")
+    ap.add_argument("--client", nargs="+", choices=["direct", "s3fs"], default=["direct"],
+                    help="how S3 parts are sent, each its own store: from the writer's buffers "
+                         "(direct, the default) or through s3fs")
     ap.add_argument("--dry", action="store_true", help="a tiny shape, local only unless --storage")
     ap.add_argument("--json", action="store_true", help="one JSON document: rows and summary")
     a = ap.parse_args()
     rows = run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
                codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry,
-               part_mib=a.part_mib or (None,))
+               part_mib=a.part_mib or (None,), clients=a.client)
     if a.json:
         print(json.dumps({"rows": rows, "summary": summary(rows)}))
     else:

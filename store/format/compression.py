@@ -141,10 +141,12 @@ def expected_ratio(spec: "str | dict | None") -> float:
 # had side by side in the earlier run (0.80 core-s/GB), and every codec not named here likewise;
 # `none`, priced as the dtype's default codec (in the earlier run it cost 3 % more than
 # split-huffman on S3: no codec seconds, 1.44x the bytes to checksum, send and upload).
-WRITE_CORE_S_PER_GB = {"split-huffman": 2.56, "blosc-zstd": 3.36, "none": 2.56}
-WRITE_CORE_S_PER_GB_FP8 = {"zstd": 1.88, "none": 1.88}
+# S3 parts sent from the writer's buffers (storage/s3parts.py) and the `crc32c` package's CRC32C
+# (format/checksum.py; without it google-crc32c adds ~0.05-0.1).
+WRITE_CORE_S_PER_GB = {"split-huffman": 1.82, "blosc-zstd": 2.62, "none": 1.82}
+WRITE_CORE_S_PER_GB_FP8 = {"zstd": 1.44, "none": 1.44}
 WRITE_CORE_S_SOURCE = ("measured by bench_dataplane at the 8B shape on 2 shared cores (load "
-                       "average 5-7), SeaweedFS over loopback: an upper bound")
+                       "average 2-3), SeaweedFS over loopback: an upper bound")
 
 
 def write_core_s_per_gb(spec: "str | dict | None", dtype: str = "bfloat16") -> float:

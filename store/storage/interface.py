@@ -198,8 +198,11 @@ class Storage(abc.ABC):
         return {"rel": attempt_rel, "file": f}
 
     def write_part(self, handle: dict, data) -> None:
-        """Append `data` (the parts of one object arrive in order, from one thread at a time)."""
-        handle["file"].write(data)
+        """Append one part: `data` is bytes-like or a list of them, in order (the writer hands
+        its compressed chunks over as they are: a backend that can send them without joining
+        does). The parts of one object arrive in order, from one thread at a time."""
+        for piece in (data if isinstance(data, list) else [data]):
+            handle["file"].write(piece)
 
     def finish_object(self, handle: dict) -> "UploadRecord | None":
         """Every part is written, durably; the object is not yet at its zarr key. Returns what

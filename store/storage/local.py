@@ -123,7 +123,7 @@ class LocalStorage(Storage):
         return {"rel": attempt_rel, "tmp": tmp, "file": open(tmp, "wb")}
 
     def write_part(self, handle: dict, data) -> None:
-        handle["file"].write(data)
+        handle["file"].writelines(data if isinstance(data, list) else [data])
 
     def finish_object(self, handle: dict) -> None:
         """fsync, then rename to the attempt's name (publish renames it again: no copy)."""

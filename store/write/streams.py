@@ -26,6 +26,8 @@ import threading
 
 import google_crc32c
 
+from harvest.store.format import checksum
+
 log = logging.getLogger(__name__)
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
@@ -107,9 +109,9 @@ class ObjectStream:
     def _emit(self, final: bool) -> None:
         if not self._pending or (not final and self.pending_bytes < self._loc.part_min_bytes):
             return
-        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        pieces = self._pending  # one part, sent as its pieces (no join: the storage's choice)
         self._pending, self.pending_bytes = [], 0
-        self._loc.write_part(self.handle, data)
+        self._loc.write_part(self.handle, pieces)
 
     def append(self, first_chunk: int, chunks: list, raw_crc: int, raw_nbytes: int) -> bool:
         """A block's compressed chunks (its first chunk's index in the shard), and the CRC32C
@@ -120,7 +122,7 @@ class ObjectStream:
                 c = bytes(c)  # uncompressed chunks are views of a buffer about to be reused
                 self.entries[first_chunk + i] = (self.offset, len(c))
                 self.offset += len(c)
-                self.object_crc = google_crc32c.extend(self.object_crc, c)
+                self.object_crc = checksum.extend(self.object_crc, c)
                 self._pending.append(c)
                 self.pending_bytes += len(c)
             self._raw[first_chunk] = (raw_crc, raw_nbytes)
@@ -162,7 +164,7 @@ def write_small(loc, final_rel: str, attempt_rel: str, blob: bytes) -> "dict | N
     so it publishes the same way (rename, or completing a one-part upload: no copy)."""
     h = loc.begin_object(final_rel, attempt_rel)
     try:
-        loc.write_part(h, blob)
+        loc.write_part(h, [blob])
         return loc.finish_object(h)
     except BaseException:
         try:

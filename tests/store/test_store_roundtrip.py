@@ -301,10 +301,17 @@ def test_writer_memory_stays_within_its_documented_bound(tmp_path):
         assert np.array_equal(s.read(p, 0, n).view(np.uint16), x[i].view(np.uint16))
 
 
-def test_s3_parts_go_up_unsigned_and_round_trip(seaweedfs, s3_url):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "s3fs"])
+def test_s3_parts_go_up_unsigned_and_round_trip(seaweedfs, s3_url, monkeypatch, direct):
     """Shard parts are sent with UNSIGNED-PAYLOAD (no SHA-256 of every body on the writer's
-    cores, storage/objectstore.py s3_options): the server takes them, and the bytes are still
-    checked end to end against the writer's CRC32Cs (deep verify, every read)."""
+    cores, storage/objectstore.py s3_options), from the writer's buffers (s3parts.py) or through
+    s3fs: the server takes them, and the bytes are still checked end to end against the
+    writer's CRC32Cs (deep verify, every read)."""
+    import http.client
+
+    from harvest.store.storage.objectstore import S3Storage
+
+    monkeypatch.setattr(S3Storage, "direct_parts", direct)
     x = synthetic.activations((P, N, W), seed=6)
     s = _make(s3_url, seaweedfs.storage_options)
     fs = s.location.fs
@@ -312,6 +319,14 @@ def test_s3_parts_go_up_unsigned_and_round_trip(seaweedfs, s3_url):
     sent: list = []
     fs.s3.meta.events.register("before-send.s3.UploadPart",
                                lambda request, **_: sent.append(request.headers.get("X-Amz-Content-SHA256")))
+    put_header = http.client.HTTPConnection.putheader
+
+    def direct_header(conn, k, *v):
+        if k == "X-Amz-Content-SHA256":
+            sent.append(v[0])
+        return put_header(conn, k, *v)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "putheader", direct_header)
     synthetic.fill(s, x, token_id=np.zeros(N, np.int32))
     assert sent and {h.decode() if isinstance(h, bytes) else h for h in sent} == {"UNSIGNED-PAYLOAD"}, sent
     s.finalize({})
