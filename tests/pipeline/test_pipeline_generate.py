@@ -29,7 +29,7 @@ from harvest.store import open_store
 from harvest.store.format.layout import (GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD)
 from harvest.store.format.roles import ASSISTANT, PAD
 from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, rel_err
-from tests.support.pipeline import CONTEXT, SHARD_ROWS, make_cfg
+from tests.support.pipeline import CONTEXT, EAGER_VLLM, SHARD_ROWS, make_cfg
 
 pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
 
@@ -137,7 +137,7 @@ def test_generation_units_survive_a_killed_actor_and_match_hf(ray_cluster, tiny_
     units = 8
     cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "model.backend=vllm",
                    "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
-                   "capture.points=[resid_post.0, resid_post.2]",
+                   "capture.points=[resid_post.0, resid_post.2]", EAGER_VLLM,
                    f"packing.max_tokens={units * SHARD_ROWS}",
                    capture={"generate": gen, "check_model": False})
     k = KillOnce()

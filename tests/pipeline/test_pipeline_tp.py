@@ -28,7 +28,7 @@ import pytest
 
 from harvest.pipeline.driver.run import run
 from harvest.store import open_store
-from tests.support.pipeline import assert_store_matches, check_store, make_cfg
+from tests.support.pipeline import EAGER_VLLM, assert_store_matches, check_store, make_cfg
 
 pytestmark = [
     pytest.mark.slow,
@@ -117,7 +117,8 @@ def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
     assert [g for g in placement_group_table().values() if g["state"] != "REMOVED"] == []
 
     # the TP=2 run's actor checked the model against HF fp32; this store is only compared
-    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1", "capture.check_model=false", points=points)
+    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1", "capture.check_model=false", EAGER_VLLM,
+                points=points)
     run(cfg1)
     tp1 = open_store(cfg1.store.resolved_url)
     assert tp1.n_rows == tp2.n_rows

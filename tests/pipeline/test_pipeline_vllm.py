@@ -13,7 +13,7 @@ import pytest
 
 from harvest.pipeline.driver.run import run
 from harvest.store import open_store
-from tests.support.pipeline import check_store, make_cfg
+from tests.support.pipeline import EAGER_VLLM, check_store, make_cfg
 
 pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
 
@@ -56,7 +56,7 @@ def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_l
     extra = ["mlp_in.1", "mlp_act.1", "mlp_out.1"]
     cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "model.backend=vllm",
                    "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
-                   "ray.num_actors=1", "store.shard_rows=32", "store.unit_shards=null",
+                   "ray.num_actors=1", "store.shard_rows=32", "store.unit_shards=null", EAGER_VLLM,
                    capture={"points": reference[0].points + extra})
     summary = run(cfg)
     [actor] = summary["per_actor"]

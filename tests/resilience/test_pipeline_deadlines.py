@@ -214,18 +214,18 @@ def test_actors_that_cannot_be_placed_stop_the_run_at_the_start_deadline(ray_clu
     store = tmp_path / "store"
     # 2 CPUs, 0.25 for the one tokenising worker: two actors of 0.6 CPU fit, two wait
     cfg = make_cfg(tiny_llama, str(store), corpus, "ray.num_actors=4",
-                   "ray.num_cpus_per_actor=0.6", "ray.start_timeout_s=15")
+                   "ray.num_cpus_per_actor=0.6", "ray.start_timeout_s=8")
     t0 = time.monotonic()
     with pytest.raises(HarvestError) as e:
         run(cfg)
     took = time.monotonic() - t0
     msg = str(e.value)
     assert msg.startswith("the capture actors were not all placed within "
-                          "ray.start_timeout_s=15 s: 4 actors x {CPU: 0.6} asked; the cluster "
+                          "ray.start_timeout_s=8 s: 4 actors x {CPU: 0.6} asked; the cluster "
                           "has CPU 2, GPU 0 ("), msg
     assert "2 placed, 2 waiting for resources. Nothing was written; ask for fewer actors " \
            "(ray.num_actors), less per actor (ray.num_cpus_per_actor" in msg, msg
-    assert took < 15 + 60, took
+    assert took < 8 + 60, took
     assert not store.exists() or list(store.iterdir()) == []  # no store, no lease
 
     # a request no node can ever hold says so (a cluster Ray gives us may grow: the deadline)

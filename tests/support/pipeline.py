@@ -37,6 +37,14 @@ def write_corpus(path: Path) -> Path:
     return path
 
 
+# An override for pipeline runs whose subject is not the compiled graph (exactly-once through a
+# kill, generation slots, a comparison run): vLLM's torch.compile off in the actors' engines (the
+# taps stay frozen in, run eagerly; engine.model_check.NO_COMPILE). Each compiled engine start
+# costs ~8 s more on 2 cores; the compiled pipeline path keeps its own runs
+# (test_pipeline_vllm.py, the TP=2 run in test_pipeline_tp.py).
+EAGER_VLLM = "model.engine_args={compilation_config: {mode: 0}}"
+
+
 def make_cfg(model_path: str, store_url: str, data_path: "str | Path", *overrides: str,
              storage_options: dict | None = None, **sections) -> HarvestConfig:
     data = {
