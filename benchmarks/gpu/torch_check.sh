@@ -20,7 +20,7 @@ WHEELS=.gpu-wheels
 PKGS="zarr:zarr==3.1.6 numcodecs:numcodecs==0.16.6 donfig:donfig==0.8.1.post1
 google_crc32c:google-crc32c==1.9.0 ml_dtypes:ml_dtypes==0.7.0 msgpack:msgpack==1.2.4
 yaml:PyYAML==6.0.4 fsspec:fsspec==2026.9.0 typing_extensions:typing_extensions==4.16.0
-packaging:packaging==26.4 backports.zstd:backports-zstd==1.8.0"
+packaging:packaging==26.4 backports.zstd:backports-zstd==1.8.0 crc32c:crc32c==2.9.post0"
 
 case "${1:-}" in
 wheels)
