@@ -79,8 +79,10 @@ def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
 
     ref, acts = reference
     points = list(ref.points) + SHARDED
+    # eager (EAGER_VLLM): the subject is the rows' path through a rank's death; the compiled
+    # TP=2 graph is tests/engine/test_engine_tp.py's
     cfg = _cfg(tiny_llama, corpus, tmp_path / "tp2", "model.tensor_parallel_size=2",
-               "ray.max_in_flight=4", points=points)
+               "ray.max_in_flight=4", EAGER_VLLM, points=points)
     k = WorkerKiller()
     shm_before = _shm()
     summary = run(cfg, on_event=k)
