@@ -38,7 +38,17 @@ def _alive(proc, log: Path) -> bool:
 
 
 def _tree(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+    """Every path under root with its mtime; a file that goes between the listing and its stat
+    (the actor is still publishing) is left out: the caller waits until two readings agree."""
+    out = {}
+    for d, dirs, files in os.walk(root):  # os.walk skips a folder that goes while it lists
+        for name in dirs + files:
+            p = Path(d) / name
+            try:
+                out[str(p.relative_to(root))] = p.stat().st_mtime_ns
+            except FileNotFoundError:
+                continue
+    return out
 
 
 def test_lease_is_exclusive_and_a_paused_holder_stops(tmp_path):
