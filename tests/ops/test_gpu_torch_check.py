@@ -1,6 +1,6 @@
 """benchmarks/gpu/torch_check.py cannot rot before a GPU is at hand: its dry mode runs here, on CPU.
 
-The dry run compiles a tiny Llama trunk with the freeze taps (torch.compile works on CPU; CUDA
+The dry run compiles a tiny Llama trunk with the freeze taps (torch.compile, aot_eager on CPU; CUDA
 graphs do not) and compares every tapped row with harvest's hooked-mode eager rows for real; the
 transport loop, the writer and the reader run at tiny shapes; what needs CUDA must say so.
 No vLLM and no Ray: no lock needed.

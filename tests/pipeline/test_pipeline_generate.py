@@ -191,9 +191,11 @@ def test_chat_prompts_are_completed_as_the_assistant_and_match_hf(ray_cluster, t
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     C = 64
     gen = {"max_new_tokens": NEW, "n": N, "temperature": 1.0, "seed": 5, "stop": STOP}
+    # eager (EAGER_VLLM): the model is a copy in tmp_path, a compile-cache miss on every run;
+    # compiled generation is tests/engine/test_engine_generate.py's
     cfg = make_cfg(str(model), str(tmp_path / "store"), data, "model.backend=vllm",
                    "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
-                   data={"format": "chat"},
+                   EAGER_VLLM, data={"format": "chat"},
                    packing={"context_size": C, "bos": "none", "max_tokens": None},
                    capture={"points": ["resid_post.1"], "roles": ["assistant"],
                             "generate": gen, "check_model": False},
