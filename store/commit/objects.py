@@ -21,10 +21,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-import google_crc32c
 import numpy as np
 
-from harvest.store.format import layout
+from harvest.store.format import checksum, layout
 from harvest.store.errors import DataIntegrityError
 from harvest.store.stats.moments import crc32c
 from .tables import shard_record, unit_shards
@@ -129,7 +128,7 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
         elif want_size is not None and len(blob) != want_size:
             tried.append(f"{k}: {len(blob)} bytes, its writer stored {want_size}")
             damaged = True
-        elif want_crc is not None and google_crc32c.value(blob) != want_crc:
+        elif want_crc is not None and checksum.value(blob) != want_crc:
             tried.append(f"{k}: CRC32C differs from the marker's")
             damaged = True
         else:

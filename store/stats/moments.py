@@ -13,9 +13,9 @@ import json
 import struct
 from dataclasses import dataclass
 
-from harvest.store.format import checksum
 import numpy as np
 
+from harvest.store.format import checksum
 from harvest.store.format.dtypes import BF16
 
 _BLOCK_ROWS = 256  # float64 working set per block (rows x width x 8 bytes) that stays in L2
