@@ -254,9 +254,21 @@ def shared_tokenizer():
     if not (d / "tokenizer.json").exists():
         tmp = d.with_name(d.name + f".tmp{os.getpid()}")
         train_tokenizer().save_pretrained(tmp)
-        shutil.rmtree(d, ignore_errors=True)
-        os.replace(tmp, d)
+        _publish(tmp, d, "tokenizer.json")
     return PreTrainedTokenizerFast.from_pretrained(d)
+
+
+def _publish(tmp: Path, out: Path, *files: str) -> None:
+    """Move a finished build into place. Builds are deterministic, so when another process (the
+    test suite's other worker) put a complete one there first, that one stays and is in use:
+    this build is dropped, never the other removed. An incomplete `out` (a build cut short
+    before builds were moved into place whole) is replaced."""
+    if out.exists() and not all((out / f).exists() for f in files):
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # `out` is there, not empty: built meanwhile by another process
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int = 128,
@@ -288,8 +300,7 @@ def build_tiny_model(out_dir, arch: str = "llama", n_layers: int = 4, width: int
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    _publish(tmp, out, "config.json", "tokenizer.json")
     return str(out)
 
 
@@ -321,12 +332,12 @@ def smollm2_path(cache: "str | Path | None" = None) -> str:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     cfg = json.loads((tmp / "config.json").read_text())
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    os.replace(tmp, out)
+    _publish(tmp, out, "config.json")
     return str(out)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.hidden import hiding
 
-pytestmark = pytest.mark.slow  # a pytest run in a subprocess
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]  # a pytest run in a subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 

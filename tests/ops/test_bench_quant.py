@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from harvest.benchmarks import bench_quant
 
 
+@pytest.mark.beside_engines  # the eager HF backend and SAEs in this process: no vLLM, no Ray
 def test_dry_run_reports_every_figure(tiny_llama, tmp_path, capsys):
     bench_quant.main(["--dry", "--json", "--model", tiny_llama, "--root", str(tmp_path)])
     res = json.loads(capsys.readouterr().out)

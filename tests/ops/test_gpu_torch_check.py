@@ -23,6 +23,7 @@ from harvest.benchmarks.gpu.torch_taps import STALE_MIN, TOL
 from tests.support.hidden import hiding
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.beside_engines  # torch only: no vLLM engine, no Ray
 NEEDS_CUDA = "skipped: needs CUDA"
 
 

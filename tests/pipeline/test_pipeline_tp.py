@@ -10,8 +10,9 @@ One TP=2 run, in which one TP worker process is SIGKILLed after the first unit c
   retry and the restart, and the actors' placement groups are gone afterwards;
 - no /dev/shm file the run created survives it (engines closed on every exit path);
 - the store is complete, verified and recounted (check_store: tokens, docs, positions from
-  packing alone), its rows equal the single-process eager reference and the TP=1 vLLM store of
-  the same config within bf16 tolerance.
+  packing alone), its rows equal the single-process eager reference within bf16 tolerance, the
+  column-sharded points (gathered from both ranks) included. (That TP=2 equals TP=1 in vLLM
+  exactly is tests/engine/test_engine_tp.py's, compiled.)
 One run instead of a clean run and a killed run (the suite's budget: each TP=2 actor start is
 two rank processes): the clean run proved nothing the units before the kill do not.
 
@@ -23,12 +24,11 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from harvest.pipeline.driver.run import run
 from harvest.store import open_store
-from tests.support.pipeline import EAGER_VLLM, assert_store_matches, check_store, make_cfg
+from tests.support.pipeline import EAGER_VLLM, check_store, make_cfg
 
 pytestmark = [
     pytest.mark.slow,
@@ -73,7 +73,7 @@ def _shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.")}
 
 
-def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
+def test_tp2_store_exact_through_a_killed_rank(
         ray_cluster, tiny_llama, corpus, reference, tmp_path):
     from tests.support.pipeline import reference_capture
 
@@ -117,12 +117,3 @@ def test_tp2_store_exact_through_a_killed_rank_and_equal_to_the_tp1_store(
     from ray.util import placement_group_table
 
     assert [g for g in placement_group_table().values() if g["state"] != "REMOVED"] == []
-
-    # the TP=2 run's actor checked the model against HF fp32; this store is only compared
-    cfg1 = _cfg(tiny_llama, corpus, tmp_path / "tp1", "capture.check_model=false", EAGER_VLLM,
-                points=points)
-    run(cfg1)
-    tp1 = open_store(cfg1.store.resolved_url)
-    assert tp1.n_rows == tp2.n_rows
-    assert_store_matches(tp2, {p: np.asarray(tp1.read(p, 0, tp1.n_rows)) for p in tp1.points},
-                         rel_tol=REL_TOL)

@@ -21,7 +21,8 @@ import pytest
 from tests.support.reader_stores import make_store
 from tests.support.trainers import run_example, trainers_python
 
-pytestmark = pytest.mark.slow  # SAE trainers in their own venv: not in `pytest -m 'not slow'`
+# SAE trainers in their own venv: not in `pytest -m 'not slow'`; no vLLM engine, no Ray
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]
 
 D, ATOMS, K, N = 64, 256, 4, 1 << 15
 

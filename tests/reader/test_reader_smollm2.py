@@ -16,7 +16,8 @@ import torch
 from harvest.store import create_store
 from harvest.store.read.dataset import ActivationDataset
 
-pytestmark = pytest.mark.slow  # SmolLM2 stores: not in `pytest -m 'not slow'`
+# SmolLM2 stores: not in `pytest -m 'not slow'`; eager HF, no vLLM engine, no Ray
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]
 
 CTX, N_CTX, LAYERS, WIDTH = 128, 24, 30, 576
 

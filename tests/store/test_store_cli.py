@@ -19,7 +19,7 @@ from harvest.store.format import layout
 from tests.support.hidden import hiding
 from tests.support.reader_stores import make_store
 
-pytestmark = pytest.mark.slow  # the command in subprocesses
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]  # the command in subprocesses
 
 REPO = Path(__file__).resolve().parents[2]
 N, SHARD, W, CTX = 1024, 256, 16, 64

@@ -24,6 +24,9 @@ from harvest.store.write.streams import crc32c_combine
 from harvest.store.commit.tables import unit_shards
 from harvest.testing import synthetic
 
+# the slow test writes and reads 1 GiB with no vLLM engine and no Ray: beside the engine tests
+pytestmark = pytest.mark.beside_engines
+
 P, W, SHARD, N = 32, 4096, 2048, 4096
 POINTS = [f"resid_post.{i}" for i in range(P)]
 
