@@ -4,15 +4,18 @@ Markers: `slow` is every test that starts vLLM, Ray, a model or a run in a subpr
 say so with `pytestmark`; a test elsewhere that asks for an engine or Ray fixture is marked here).
 `pytest -m "not slow"` is the unit subset (store, reader, config, plan, infra): about two minutes (ruff and mypy included).
 
-Two workers (pyproject's addopts: `-n 2 --dist loadgroup`): every slow test is in the xdist group
-`engines`, which one worker runs one test at a time in file order (one vLLM engine at a time, a
-Ray cluster of 2 CPUs, timings as on a quiet box); the other worker runs the unit subset and the
-slow modules marked `beside_engines` (no vLLM engine, no Ray cluster, nothing timed) beside it.
-The engine tests leave about a third of the 2 cores idle (Ray and engine start-ups, subprocesses,
-waits); the other worker uses it. `-n 0` runs everything in this process.
+Two workers (pyproject's addopts: `-n 2`; tests/support/workers.py): every slow test but those
+marked `beside_engines` is an engine test, and one worker runs them one at a time in file order
+(one vLLM engine at a time; what times a deadline runs there too); the other worker runs the unit
+subset and the slow modules marked `beside_engines` (no vLLM engine, nothing timed; eager Ray
+pipeline runs on that worker's own cluster) beside it. Run one after the other, the tests left a
+third of the 2 cores idle (Ray and engine start-ups, subprocesses, waits). `-n 0` runs everything
+in this process.
 """
 
 import pytest
+
+from tests.support import workers
 
 pytest_plugins = [
     "tests.fixtures.models",
@@ -26,10 +29,24 @@ SLOW_FIXTURES = frozenset({"tiny_models", "tiny_llama", "smollm2", "reference", 
                            "ray_head"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
+def pytest_itemcollected(item):
+    if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    workers.controller_setup(config)
+
+
+def pytest_unconfigure(config):
+    workers.controller_teardown(config)
+
+
+@pytest.hookimpl(trylast=True)  # the final list, after deselection
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") and not item.get_closest_marker("beside_engines"):
-            item.add_marker(pytest.mark.xdist_group("engines"))
+    workers.worker_write(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    return workers.EngineScopeScheduling(config, log)

@@ -26,6 +26,9 @@ def _no_run(cfg, stop_tokens=None):
     raise AssertionError("this tick must not start a run")
 
 
+# ticks are eager Ray runs (no vLLM engine): beside the engine tests (tests/support/workers.py)
+pytestmark = pytest.mark.beside_engines
+
 def test_extend_needs_a_budget_and_a_pinned_hub_dataset(tmp_path):
     cfg = make_cfg("tiny:llama", str(tmp_path / "s"), tmp_path / "c.jsonl",
                    "packing.max_tokens=null")

@@ -20,7 +20,8 @@ from harvest.store.read.dataset import ActivationDataset
 from harvest.store.format.roles import CODES
 from tests.support.pipeline import make_cfg, reference_capture
 
-pytestmark = pytest.mark.slow  # Ray + a model: not in `pytest -m 'not slow'`
+# Ray + a model (eager): not in `pytest -m 'not slow'`; beside the vLLM engine tests
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]
 
 C = 48
 POINT = "resid_post.3"

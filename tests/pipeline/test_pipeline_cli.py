@@ -23,7 +23,8 @@ from harvest.store import open_store
 from tests.support.pipeline import make_cfg, reference_rows, shared_corpus
 from tests.support.ray_actors import wait_actors_gone
 
-pytestmark = pytest.mark.slow  # Ray pipeline runs through the CLI: not in `pytest -m 'not slow'`
+# Ray pipeline runs (eager) through the CLI: not in `pytest -m 'not slow'`; beside the vLLM engine tests
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]
 
 
 class _Stop(Exception):

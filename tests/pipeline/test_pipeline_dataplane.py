@@ -11,7 +11,8 @@ from harvest.pipeline.driver.run import run
 from harvest.store import open_store
 from tests.support.pipeline import assert_store_matches, make_cfg, reference_block_rows
 
-pytestmark = pytest.mark.slow  # a Ray pipeline run: not in `pytest -m 'not slow'`
+# a Ray pipeline run (eager): not in `pytest -m 'not slow'`; beside the vLLM engine tests
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]
 
 OVERRIDES = ("data.block_bytes=4096", "packing.chunk_tokens=256", "ray.num_actors=1")
 

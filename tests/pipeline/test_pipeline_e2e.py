@@ -9,7 +9,8 @@ from harvest.pipeline.driver.run import run
 from harvest.store import open_store
 from tests.support.pipeline import check_store, make_cfg
 
-pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
+# Ray pipeline runs (the eager backend): not in `pytest -m 'not slow'`; beside the vLLM engine tests
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]
 
 
 

@@ -20,7 +20,7 @@ from harvest.store import open_store
 from tests.support.pipeline import make_cfg
 from tests.support.trainers import TRAINERS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]  # eager Ray runs, no vLLM engine
 
 C = 32
 CONTEXTS = 24

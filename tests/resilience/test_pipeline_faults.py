@@ -23,7 +23,7 @@ from tests.support.ray_actors import wait_actors_gone
 from tests.support.waiting import wait_until
 
 # Ray pipeline runs with killed processes: not in `pytest -m 'not slow'`
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]  # eager Ray runs, no vLLM engine
 
 
 

@@ -25,7 +25,8 @@ from harvest.store.read.dataset import ActivationDataset
 from tests.support.pipeline import make_cfg
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:shuffle_buffer_rows=")]
+pytestmark = [pytest.mark.slow, pytest.mark.beside_engines,  # eager Ray runs, no vLLM engine
+              pytest.mark.filterwarnings("ignore:shuffle_buffer_rows=")]
 
 OPTS = dict(batch_size=64, shuffle_buffer_rows=512, follow=True, follow_poll=0.05, return_meta=True)
 HEAD = 7   # batches follower B yields before it saves its state
