@@ -2,7 +2,8 @@
 
 Markers: `slow` is every test that starts vLLM, Ray, a model or a run in a subprocess (modules
 say so with `pytestmark`; a test elsewhere that asks for an engine or Ray fixture is marked here).
-`pytest -m "not slow"` is the unit subset (store, reader, config, plan, infra): about two minutes (ruff and mypy included).
+`pytest -m "not slow"` is the unit subset (store, reader, config, plan, infra): about one and a half
+minutes (ruff and mypy included).
 
 Two workers (pyproject's addopts: `-n 2`; tests/support/workers.py): every slow test but those
 marked `beside_engines` is an engine test, and one worker runs them one at a time in file order

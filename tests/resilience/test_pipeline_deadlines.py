@@ -71,7 +71,11 @@ def test_black_hole_endpoint_fails_within_the_budget(tiny_llama, black_hole, tmp
 
 
 class Stopper:
-    """on_event hook: SIGSTOP actor 1's process once it has units in flight."""
+    """on_event hook: SIGSTOP actor 1's process once the store is open and before the first unit
+    is sent (the `plan` event): every unit it is then given is still in flight at its deadline,
+    however late the hook runs. (Stopped at its first unit_done instead, a loaded driver saw that
+    event late, after the actor had committed every unit it held, and nothing was left for a
+    restarted process to commit.)"""
 
     def __init__(self):
         self.pids: dict[int, int] = {}
@@ -82,7 +86,7 @@ class Stopper:
         self.events.append(e)
         if e["event"] == "actors_ready":
             self.pids = {a["index"]: a["pid"] for a in e["actors"]}
-        elif e["event"] == "unit_done" and self.stopped is None and e["in_flight"].get(1):
+        elif e["event"] == "plan" and self.stopped is None:
             self.stopped = self.pids[1]
             os.kill(self.stopped, signal.SIGSTOP)
 
