@@ -1,8 +1,9 @@
 """harvest: activation capture (freeze-mode vLLM taps) -> sharded Zarr v3 stores -> SAE readers.
 
 Every import is `harvest.<part>`: `harvest.engine` (capture engines), `harvest.pipeline` (data,
-Ray driver and actors, the store under `harvest.store`), `harvest.jobs` (`ray job
-submit` entrypoints), `harvest.benchmarks` and `harvest.testing` (test servers, synthetic data). The folders stay at the repository root
+the Ray driver and actors, the CLI), `harvest.store` (the store and its SAE-training reader),
+`harvest.jobs` (`ray job submit` entrypoints), `harvest.benchmarks` and `harvest.testing` (test
+servers, synthetic data). The folders stay at the repository root
 (`engine/`, `pipeline/`, ...); pyproject.toml's `package-dir` installs them under this one name,
 so no top-level `pipeline` or `engine` of ours collides with another library's.
 
