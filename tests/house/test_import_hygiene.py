@@ -40,10 +40,15 @@ def test_taps_transport_coverage_writer_and_reader_import_and_work_without_vllm_
     r = _python(f"{imports}\nprint(sorted(m for m in sys.modules if m.split('.')[0] in "
                 "('vllm', 'ray')))")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-3000:]
-    # the unit tests of row coverage, the transport and the store, where vLLM and Ray cannot load
-    r = _python("import pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+    # the unit tests of row coverage, the transport and the store, where vLLM and Ray cannot load;
+    # in this process (-n 0): xdist's workers (pyproject's addopts) would not inherit the hook
+    r = _python("import pytest\nrc = pytest.main(['-q', '-p', 'no:cacheprovider', '-n', '0', "
                 "'-m', 'not slow', '-k', 'not s3', 'tests/engine/test_engine_coverage.py', "
-                "'tests/store/test_store_roundtrip.py']))")
+                "'tests/store/test_store_roundtrip.py'])\n"
+                "print('ran here:', 'tests.engine.test_engine_coverage' in sys.modules)\n"
+                "sys.exit(rc)")
+    assert "ran here: True" in r.stdout, r.stdout[-2000:]  # in this process, under the hook
+    r.stdout = r.stdout.replace("ran here: True", "").rstrip()
     tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in tail and "failed" not in tail and "error" not in tail, tail
