@@ -45,10 +45,9 @@ def test_taps_transport_coverage_writer_and_reader_import_and_work_without_vllm_
     r = _python("import pytest\nrc = pytest.main(['-q', '-p', 'no:cacheprovider', '-n', '0', "
                 "'-m', 'not slow', '-k', 'not s3', 'tests/engine/test_engine_coverage.py', "
                 "'tests/store/test_store_roundtrip.py'])\n"
-                "print('ran here:', 'tests.engine.test_engine_coverage' in sys.modules)\n"
-                "sys.exit(rc)")
-    assert "ran here: True" in r.stdout, r.stdout[-2000:]  # in this process, under the hook
-    r.stdout = r.stdout.replace("ran here: True", "").rstrip()
+                "print('ran here:', 'tests.engine.test_engine_coverage' in sys.modules, "
+                "file=sys.stderr)\nsys.exit(rc)")
+    assert "ran here: True" in r.stderr, r.stderr[-2000:]  # in this process, under the hook
     tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in tail and "failed" not in tail and "error" not in tail, tail
