@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from harvest.engine.addresses import Address, FreezeSet
+from .direct import sink_for
 from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
                      sublayer_value, with_arg)
 from .sites import SITE_POINTS, module_at
@@ -32,7 +33,11 @@ def tap(x: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     rows; w = the point's width, at most the buffer's: one buffer holds points of several widths).
 
     x is `[n, w]` or `[1, n, w]` (Transformers backend): rows are counted after flattening,
-    never from `x.shape[0]`, which is 1 for the batched layout."""
+    never from `x.shape[0]`, which is 1 for the batched layout. On a CPU engine in the middle of
+    a step the rows go straight to the requests' destinations instead (engine/capture/direct.py)."""
+    sink = sink_for(buf)
+    if sink is not None and sink.write(x, None, slot):
+        return
     x = x.reshape(-1, x.shape[-1])
     buf[slot, : x.shape[0], : x.shape[1]].copy_(x)
 
@@ -45,6 +50,9 @@ def _tap_fake(x, buf, slot):
 @torch.library.custom_op("harvest::tap_sum", mutates_args=("buf",))
 def tap_sum(x: torch.Tensor, r: torch.Tensor, buf: torch.Tensor, slot: int) -> None:
     """buf[slot, :n] = x + r, written in place: the fused trunk's stream without a temporary."""
+    sink = sink_for(buf)
+    if sink is not None and sink.write(x, r, slot):
+        return
     x, r = x.reshape(-1, x.shape[-1]), r.reshape(-1, x.shape[-1])
     torch.add(x, r, out=buf[slot, : x.shape[0], : x.shape[1]])
 

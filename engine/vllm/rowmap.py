@@ -4,10 +4,13 @@
 the same process through one worker call; there is no module-level state. Per step:
 
 1. `before_forward`: make the tap buffer safe to overwrite (transport) and, in the NaN check,
-   poison it so a row no tap wrote cannot pass for data.
+   poison it so a row no tap wrote cannot pass for data. On a CPU engine, arm the taps to write
+   this step's rows straight into the destinations (engine/capture/direct.py).
 2. `after_forward`: read the step's layout from the runner (compat.step_layout: request order,
    counts, first positions), plan where each row goes (coverage.plan_step), and submit one
-   ticket of copies straight into the requests' destinations (transport).
+   ticket of copies straight into the requests' destinations (transport); when the taps
+   already delivered the rows, check they used this same plan and that every captured
+   point's tap ran, and submit the ticket with nothing left to copy.
 3. `poll` (capture loop): for each completed ticket, compare the positions and token ids the
    runner fed with the requests' own tokens (coverage.check_fed) and mark the positions covered.
    A request is final when vLLM finished it and no ticket that writes it is outstanding.
@@ -33,6 +36,7 @@ from harvest.engine.addresses import Address, FreezeSet
 from harvest.engine.protocol import CaptureMode
 from harvest.engine.capture.stepring import RingSpec, RingWriter
 from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
+from harvest.engine.capture.direct import ARMED, DIRECT, IDLE, Delivery, Sink
 from harvest.engine.capture.quantize import check_quantize, packed_width
 from harvest.engine.capture.blocks import Trunk
 from harvest.engine.capture.transport import CPUTransport, CudaTransport, check_destination, make_transport
@@ -84,6 +88,8 @@ class HarvestState:
     quantize: bool = False  # this capture's rows leave the engine as packed fp8 (quantize.py)
     geometry: dict = field(default_factory=dict)  # compat.runner_geometry (hooked mode's widths)
     shards: "ShardGather | None" = None  # tensor parallel: sharded slots assembled (tpshards.py)
+    sink: Sink | None = None  # CPU freeze engines: taps deliver rows themselves (direct.py)
+    direct_steps: int = 0  # steps whose rows the taps delivered
 
     # -- capture loop side ------------------------------------------------------------------
     def begin_capture(self, points: tuple[Address, ...], quantize: str | None = None) -> None:
@@ -198,12 +204,47 @@ class HarvestState:
             self.dests[s.rid].coverage.mark(s.start, s.count)
 
     # -- runner side ------------------------------------------------------------------------
-    def before_forward(self) -> None:
+    def before_forward(self, runner=None, scheduler_output=None) -> None:
         self.transport.before_forward()
         if self.poison and self.taps.buf is not None:
             self.taps.buf.fill_(float("nan"))
+        if (self.sink is not None and runner is not None and not self.quantize and not self.poison
+                and self.error is None and (self.dests or self.retired)):
+            self.sink.arm(lambda: self._plan_now(runner, scheduler_output), self.slots)
+
+    def _plan_now(self, runner, scheduler_output):
+        """At the step's first tap (direct.py): the layout vLLM prepared for this forward and
+        where its rows go; raising makes the step fall back to the buffer path."""
+        lay = compat.step_layout(runner, scheduler_output)
+        lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
+        plan = plan_step(lay.req_ids, lay.counts, lay.starts, lengths, self.retired)
+        require_no_stray(plan)
+        return (lay.req_ids, lay.counts, lay.starts), plan, {
+            s.rid: self.dests[s.rid].acts for s in plan.segments}
+
+    def _finish_direct(self, d: Delivery, lay, fed_pos, fed_ids) -> None:
+        """The taps delivered this step's rows: the plan they used must be the step's, and every
+        captured point's tap must have run; then a ticket with nothing left to copy."""
+        req_ids, counts, starts = d.layout if d.layout is not None else ((), (), ())
+        if d.state == ARMED or req_ids != lay.req_ids or not (
+                np.array_equal(counts, lay.counts) and np.array_equal(starts, lay.starts)):
+            what = "no tap ran during the forward" if d.state == ARMED else (
+                "the runner's batch changed between the step's first tap and the end of its forward")
+            raise CoverageError(f"a step's rows were not delivered: {what} (requests {lay.req_ids[:4]}"
+                                f"{' ...' if len(lay.req_ids) > 4 else ''}); refusing rows that may "
+                                "sit at the wrong positions")
+        plan = d.plan
+        missing = [self.taps.reads[s] for s in self.slots if not d.calls.get(s)]
+        if missing and plan.segments:
+            raise CoverageError(f"the taps of {', '.join(map(str, missing[:4]))} did not run in a "
+                                "step's forward: their rows were never written")
+        self.dropped_rows += plan.dropped
+        self.direct_steps += 1
+        if plan.segments:
+            self.enqueue(plan, self.transport.delivered(plan, fed_pos, fed_ids))
 
     def after_forward(self, runner, scheduler_output) -> None:
+        delivery = self.sink.disarm() if self.sink is not None and self.sink.state != IDLE else None
         self.steps += 1
         self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
         while self.lingering and self.lingering[0][0] < self.steps - 4:
@@ -218,7 +259,10 @@ class HarvestState:
         try:
             lay = compat.step_layout(runner, scheduler_output)
             fed_pos, fed_ids = compat.fed_inputs(runner, lay.n)
-            self.submit_step(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf)
+            if delivery is not None and delivery.state in (ARMED, DIRECT):
+                self._finish_direct(delivery, lay, fed_pos, fed_ids)
+            else:
+                self.submit_step(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf)
         except (CoverageError, compat.VLLMIncompatible, KeyError, ValueError) as e:
             self.error = e
 
@@ -286,6 +330,7 @@ class HarvestState:
         return {**self.step_stats(), "mode": self.mode, "rows": self.rows,
                 "rewrites": self.rewrites, "dropped_rows": self.dropped_rows,
                 "transport": type(self.transport).__name__, "staging": self.staging,
+                "direct_steps": self.direct_steps,
                 **(self.shards.summary() if self.shards is not None else {})}
 
 
@@ -314,6 +359,9 @@ def setup(runner, cfg: dict) -> HarvestState:
     st = HarvestState(ts, layers, mode, g["max_tokens"], max(g["width"], ts.width), g["dtype"],
                       g["device"], transport, staging, geometry=g)
     par = compat.parallel_ranks()
+    if (mode == "freeze" and ts.buf is not None and isinstance(transport, CPUTransport)
+            and par["tp_size"] == 1 and not cfg.get("ring")):
+        st.sink = Sink(ts.buf)
     if par["tp_size"] > 1 and mode == "freeze" and ts.buf is not None:
         # Every rank computed the same probe and installed the same taps (so every rank compiles
         # the same graph); a point whose value differs between ranks is a shard, refused here.

@@ -43,7 +43,7 @@ class HarvestRunnerMixin:
         st = self.harvest
         if st is None or not compat.scheduled_tokens(scheduler_output):
             return super().execute_model(scheduler_output, *args, **kwargs)
-        st.before_forward()
+        st.before_forward(self, scheduler_output)
         out = super().execute_model(scheduler_output, *args, **kwargs)
         st.after_forward(self, scheduler_output)
         return out

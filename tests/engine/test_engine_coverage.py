@@ -321,3 +321,145 @@ def test_a_decode_row_past_the_registered_room_or_a_wrong_sample_is_refused():
     runner.step(st, buf, full, [("g-1", 7, 2)])  # position 8 is past the room of 8
     with pytest.raises(CoverageError, match="no captured request.*positions \\[8, 9\\)"):
         st.raise_if_failed()
+
+
+def _direct_step(runner, st, tokens, chunks, skip=(), fused=(), then=None):
+    """A CPU forward whose taps deliver (engine/capture/direct.py): the runner's batch is
+    prepared, the taps run as the compiled graph calls them (`fused` slots through tap_sum, as
+    a fused trunk's stream), `then` may change the runner's batch, then the runner plans."""
+    buf = st.taps.buf
+    row, xs = 0, []
+    for rid, s, c in chunks:
+        runner.positions[row : row + c] = torch.arange(s, s + c)
+        runner.input_ids.gpu[row : row + c] = torch.from_numpy(tokens[rid][s : s + c])
+        xs.append(_rows(tokens[rid][s : s + c], buf.shape[0], buf.shape[2]))
+        row += c
+    runner.input_batch.req_ids = [r for r, _, _ in chunks]
+    runner.input_batch.num_reqs = len(chunks)
+    runner.input_batch.num_computed_tokens_cpu = np.array([s for _, s, _ in chunks])
+    so = SimpleNamespace(num_scheduled_tokens={r: c for r, _, c in chunks},
+                         total_num_scheduled_tokens=row)
+    st.before_forward(runner, so)
+    x = torch.cat(xs, dim=1).contiguous()
+    for slot in range(buf.shape[0]):
+        if slot in fused:
+            torch.ops.harvest.tap_sum(x[slot] - 1, torch.ones_like(x[slot]), buf, slot)
+        elif slot not in skip:
+            torch.ops.harvest.tap(x[slot], buf, slot)
+    if then is not None:
+        then()
+    st.after_forward(runner, so)
+
+
+def _direct_state(fast=True):
+    from harvest.engine.capture import ntcopy
+    from harvest.engine.capture.direct import Sink
+
+    st, buf = _state(CPUTransport(), points=4)
+    st.sink = Sink(buf)
+    assert st.sink.fast == ntcopy.available()
+    st.sink.fast = fast
+    return st, buf
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["non-temporal", "torch-copy"])
+def test_cpu_taps_deliver_rows_straight_into_the_destinations(fast):
+    """The taps write each planned request's rows into its destination during the forward (a
+    subset of the frozen points, reordered; a request split over steps and recomputed; a fused
+    stream through tap_sum), with non-temporal stores (ntcopy.py) or torch's copy: the rows
+    equal the reference, nothing lands outside the requests' slices, and the tap buffer is
+    never written."""
+    st, buf = _direct_state(fast)
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "b-2": np.arange(50, 56, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 2), Address("resid_post", 0)))
+    shard = torch.full((2, 64, 4), float("nan"))
+    st.register("a-1", st.destination(shard[:, 8:28], 20), tokens["a-1"])
+    st.register("b-2", st.destination(None, 6), tokens["b-2"])
+    _direct_step(runner, st, tokens, [("a-1", 0, 12), ("b-2", 0, 4)], fused=(2,))
+    _direct_step(runner, st, tokens, [("a-1", 0, 12)])
+    _direct_step(runner, st, tokens, [("b-2", 4, 2), ("a-1", 12, 8)], fused=(0, 1))
+    st.raise_if_failed()
+    for rid in tokens:
+        st.mark_finished(rid)
+    st.poll()
+    assert st.take("a-1", "request 0").data_ptr() == shard[:, 8].data_ptr()
+    assert torch.equal(shard[:, 8:28], _rows(tokens["a-1"], 4, 4)[[2, 0]])
+    assert torch.isnan(shard[:, :8]).all() and torch.isnan(shard[:, 28:]).all()
+    assert torch.equal(st.take("b-2", "request 1"), _rows(tokens["b-2"], 4, 4)[[2, 0]])
+    assert st.direct_steps == 3 and st.rewrites == 12 and st.rows == 26
+    assert not buf.any()   # every row went straight to its destination
+    # not armed (vLLM's dummy and warm-up runs, no capture): the taps write the buffer
+    torch.ops.harvest.tap(torch.ones(3, 4), buf, 1)
+    assert buf[1, :3].eq(1).all()
+
+
+def test_a_tap_that_did_not_run_is_refused():
+    st, _ = _direct_state()
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 1), Address("resid_post", 3)))
+    st.register("a-1", st.destination(None, 20), tokens["a-1"])
+    _direct_step(runner, st, tokens, [("a-1", 0, 12)], skip=(0,))   # a point not captured: fine
+    st.raise_if_failed()
+    _direct_step(runner, st, tokens, [("a-1", 12, 8)], skip=(3,))
+    with pytest.raises(CoverageError, match=r"resid_post\.3 did not run"):
+        st.raise_if_failed()
+
+
+def test_a_batch_that_changes_during_the_forward_is_refused():
+    st, _ = _direct_state()
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 0),))
+    st.register("a-1", st.destination(None, 20), tokens["a-1"])
+
+    def shift():
+        runner.input_batch.num_computed_tokens_cpu = runner.input_batch.num_computed_tokens_cpu + 1
+
+    _direct_step(runner, st, tokens, [("a-1", 0, 12)], then=shift)
+    with pytest.raises(CoverageError, match="changed between the step's first tap"):
+        st.raise_if_failed()
+
+
+def test_a_step_the_taps_cannot_plan_falls_back_to_the_buffer_and_fails_as_before():
+    """Rows of an unknown request: planning at the first tap fails, so every tap of the step
+    writes the tap buffer (nothing reaches a destination) and the runner's own plan after the
+    forward raises the same error as the buffer path."""
+    st, buf = _direct_state()
+    runner = FakeRunner(16)
+    tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "zz": np.arange(5, dtype=np.int32)}
+    st.begin_capture((Address("resid_post", 0),))
+    shard = torch.full((1, 20, 4), float("nan"))
+    st.register("a-1", st.destination(shard, 20), tokens["a-1"])
+    _direct_step(runner, st, tokens, [("a-1", 0, 12), ("zz", 0, 4)])
+    with pytest.raises(CoverageError, match="no captured request"):
+        st.raise_if_failed()
+    assert torch.isnan(shard).all() and buf[:, :16].any() and st.direct_steps == 0
+
+
+@pytest.mark.parametrize("width,dtype,offset", [(576, torch.bfloat16, 3), (7, torch.bfloat16, 0),
+                                                (4096, torch.float32, 1), (13, torch.float16, 5)])
+def test_non_temporal_row_copies_equal_torch_copies(width, dtype, offset):
+    """ntcopy against torch's copy_: widths whose rows are not whole 16-byte vectors (a tail),
+    destinations at unaligned rows (refused: torch copies them), several segments and points."""
+    from harvest.engine.capture import ntcopy
+
+    x = torch.randn(40, width).to(dtype)
+    block = torch.zeros(3, 64, width, dtype=dtype)
+    segs = [(block[:, offset + 0 : offset + 10], 0, 10, 0, 10),
+            (block[:, offset + 24 : offset + 54], 0, 30, 10, 40)]
+    table = ntcopy.plan(segs, width, x.element_size())
+    aligned = all((d.data_ptr() + d0 * width * x.element_size()) % ntcopy.ALIGN == 0
+                  and d.stride(0) * x.element_size() % ntcopy.ALIGN == 0 for d, d0, *_ in segs)
+    assert (table is not None) == aligned == (offset != 5)   # 5 rows of 26 bytes: unaligned
+    if table is None:
+        return
+    for point in (2, 0):
+        ntcopy.copy_rows(table, point, x.data_ptr())
+    want = torch.zeros_like(block)
+    for point in (2, 0):
+        want[point, offset : offset + 10] = x[:10]
+        want[point, offset + 24 : offset + 54] = x[10:40]
+    assert torch.equal(block, want)
+    assert ntcopy.plan([(block[:, :5, : width - 1], 0, 5, 0, 5)], width - 1, x.element_size()) is None

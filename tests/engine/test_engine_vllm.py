@@ -168,6 +168,29 @@ def test_rows_land_in_caller_memory_from_a_destination_provider(frozen):
     assert torch.isnan(shard[:, 137:]).all()  # nothing written outside the requests' slices
 
 
+def test_cpu_taps_deliver_rows_equal_to_the_tap_buffer_path(frozen):
+    """On a CPU engine the compiled taps write each request's rows straight into its destination
+    (engine/capture/direct.py); the same capture through the tap buffer and the transport's
+    copies gives the same rows, bit for bit (a subset of the frozen points, reordered; requests
+    split over chunked-prefill steps)."""
+    _, _, m = frozen
+    toks = prompts(9, (40, 90, 7, 130))
+    pts = ["resid_post.2", "resid_post.0"]
+    before = m.state.direct_steps
+    direct = run_with_cache(m, toks, pts)
+    assert m.state.direct_steps - before >= sum(map(len, toks)) // MAX_BATCHED
+    sink, m.state.sink = m.state.sink, None
+    try:
+        steps = m.state.direct_steps
+        buffered = run_with_cache(m, toks, pts)
+        assert m.state.direct_steps == steps
+    finally:
+        m.state.sink = sink
+    for a, b in zip(direct, buffered):
+        for p in pts:
+            assert torch.equal(a[Address.parse(p)], b[Address.parse(p)]), p
+
+
 def test_a_wrong_destination_is_refused_before_anything_runs(frozen):
     _, _, m = frozen
     bad = lambda i, n: torch.zeros(1, n, m.width, dtype=torch.float32)
