@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from . import ntcopy
+from .coverage import StepPlan
 
 # tap buffer address -> its engine's Sink (weak: a closed engine's sink goes with its state)
 _SINKS: dict[int, "weakref.ref[Sink]"] = {}
@@ -43,7 +44,7 @@ class Delivery:
 
     state: str
     layout: tuple | None = None
-    plan: object | None = None
+    plan: StepPlan | None = None
     calls: dict[int, int] = field(default_factory=dict)
     error: BaseException | None = None
 

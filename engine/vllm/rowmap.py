@@ -234,6 +234,7 @@ class HarvestState:
                                 f"{' ...' if len(lay.req_ids) > 4 else ''}); refusing rows that may "
                                 "sit at the wrong positions")
         plan = d.plan
+        assert plan is not None and isinstance(self.transport, CPUTransport)  # DIRECT: planned, on CPU
         missing = [self.taps.reads[s] for s in self.slots if not d.calls.get(s)]
         if missing and plan.segments:
             raise CoverageError(f"the taps of {', '.join(map(str, missing[:4]))} did not run in a "
