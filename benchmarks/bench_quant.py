@@ -21,6 +21,10 @@ kind, the standard ReLU SAE with an L1 penalty (SAELens' `standard`, dictionary_
   the SAE's reconstruction replaces the layer's output at every position but BOS (a forward
   hook), against `ce_clean`.
 
+`--point mlp_act` (or mlp_in, mlp_out, z) studies that point instead of resid_post, at its own
+width (mlp_act: the down projection's input, 1,536 wide on SmolLM2, a neuron-basis SAE's rows);
+the splice then replaces that module's input or output (SPLICE).
+
 Verdict per layer: fp8 holds when |fvu_fp8 - fvu_bf16| <= max(2 % of fvu_bf16, 2 x |fvu_bf16 -
 fvu_bf16_seed2|). The store figures of the same run: stored bytes fp8 / bf16 and the per-row
 relative error of the dequantised fp8 rows against the bf16 rows (p50, p99; non-special rows).
@@ -195,22 +199,41 @@ def evaluate(sae, consts, truth_url: str, point: str) -> dict:
     return {"fvu": fvu, "l0": l0 / n, "dead": float(1 - active.float().mean())}
 
 
+# Where each studied point is spliced in a Llama-shaped Hugging Face model (SmolLM2): the module,
+# and whether the point is its input or its output. The SAE's reconstruction replaces it there.
+SPLICE = {"resid_post": ("", "out"), "mlp_out": ("mlp", "out"), "mlp_in": ("mlp", "in"),
+          "mlp_act": ("mlp.down_proj", "in"), "z": ("self_attn.o_proj", "in")}
+
+
 @torch.no_grad()
-def cross_entropy(model, ids: torch.Tensor, layer: int | None = None, sae=None, consts=None) -> float:
-    """Mean next-token CE on `ids`; with `sae`, its reconstruction replaces layer `layer`'s output
-    (resid_post) at every position but the first (BOS: excluded from training)."""
+def cross_entropy(model, ids: torch.Tensor, point: str | None = None, sae=None, consts=None) -> float:
+    """Mean next-token CE on `ids`; with `sae`, its reconstruction replaces `point` (SPLICE: a
+    block's output, or a module's input or output inside it) at every position but the first
+    (BOS: excluded from training)."""
     handle = None
     if sae is not None:
         shift, scale = consts.shift[0].float(), consts.scale[0].float()
+        name, layer = point.split(".")
+        path, side = SPLICE[name]
+        mod = model.model.layers[int(layer)]
+        for part in filter(None, path.split(".")):
+            mod = getattr(mod, part)
 
-        def hook(module, args, out):
-            h = out[0] if isinstance(out, tuple) else out
+        def splice(h):
             x = h[:, 1:].float()
             r = sae((x - shift) * scale) / scale + shift
-            h = torch.cat([h[:, :1], r.to(h.dtype)], dim=1)
-            return (h, *out[1:]) if isinstance(out, tuple) else h
+            return torch.cat([h[:, :1], r.to(h.dtype)], dim=1)
 
-        handle = model.model.layers[layer].register_forward_hook(hook)
+        if side == "out":
+            def hook(module, args, out):
+                if isinstance(out, tuple):
+                    return (splice(out[0]), *out[1:])
+                return splice(out)
+            handle = mod.register_forward_hook(hook)
+        else:
+            def pre_hook(module, args):
+                return (splice(args[0]), *args[1:])
+            handle = mod.register_forward_pre_hook(pre_hook)
     try:
         logits = model(ids).logits.float()
     finally:
@@ -239,7 +262,10 @@ def run(mode: str = "quick", model: str | None = None, root: str | None = None,
     n, n_ce, C = cfg["contexts"], cfg["ce_contexts"], cfg["context"]
     ids, special = contexts(tok, n + n_ce, C)
     train_ids, ce_ids = ids[:n], torch.from_numpy(ids[n:].astype(np.int64))
-    points = [f"resid_post.{L}" for L in cfg["layers"]]
+    point_name = cfg.get("point", "resid_post")
+    if point_name not in SPLICE:
+        raise ValueError(f"point={point_name!r}: the study splices {', '.join(SPLICE)}")
+    points = [f"{point_name}.{L}" for L in cfg["layers"]]
     acts = capture(path, train_ids, points)
     t_cap = time.perf_counter() - t0
     log(f"captured {n * C:,} tokens x {len(points)} points in {t_cap:.0f} s")
@@ -267,7 +293,7 @@ def run(mode: str = "quick", model: str | None = None, root: str | None = None,
             for p in points:
                 sae, consts = train(urls[dt], p, seed, cfg, kind)
                 per[p] = evaluate(sae, consts, urls["bfloat16"], p)
-                per[p]["ce_spliced"] = cross_entropy(lm, ce_ids, int(p.split(".")[1]), sae, consts)
+                per[p]["ce_spliced"] = cross_entropy(lm, ce_ids, p, sae, consts)
                 log(f"{kind:4s} {name:15s} {p}: " + ", ".join(f"{k} {v:.4f}" for k, v in per[p].items()))
             res[name] = {k: float(np.mean([per[p][k] for p in points]))
                          for k in ("fvu", "l0", "dead", "ce_spliced")}
@@ -357,12 +383,15 @@ def main(argv=None) -> None:
     ap.add_argument("--saes", nargs="+", choices=SAE_KINDS, default=list(SAE_KINDS),
                     help="SAE kinds to train (default: both; TopK's figures are the top-level keys)")
     ap.add_argument("--l1", type=float, default=None, help=f"the ReLU SAE's L1 coefficient (default {L1})")
+    ap.add_argument("--point", default=None, choices=list(SPLICE),
+                    help="the point studied at each layer (default resid_post; mlp_act: the MLP's "
+                         "own width, 1,536 on SmolLM2)")
     a = ap.parse_args(argv)
     mode = "quick" if a.quick else "dry" if a.dry else "full"
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else print
     res = run(mode, a.model, a.root, a.threads, log=log,
               saes=tuple(a.saes), layers=tuple(a.layers) if a.layers else None,
-              ce_contexts=a.ce_contexts, l1=a.l1)
+              ce_contexts=a.ce_contexts, l1=a.l1, point=a.point)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1) if a.json else table(res))

@@ -37,3 +37,45 @@ def test_dry_run_reports_every_figure(tiny_llama, tmp_path, capsys):
     assert relu["bfloat16"]["fvu"] != res["bfloat16"]["fvu"]
     assert set(relu["verdict"]) == set(res["points"]) and res["saes"] == ["topk", "relu"]
     assert bench_quant.markdown(res).count("| resid_post.") == 2 * (3 * 3 + 3)
+
+
+@pytest.mark.beside_engines
+def test_every_splice_replaces_the_point_it_names(tiny_llama):
+    """The spliced CE puts the SAE where its rows came from: an identity reconstruction leaves the
+    loss as it is, a zero one changes it, at every point kind the study takes (a hook on the wrong
+    module, or on its output instead of its input, would fail one of the two or the width)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    clean = bench_quant.cross_entropy(lm, ids)
+    widths = {"mlp_act": lm.config.intermediate_size}
+    for name in bench_quant.SPLICE:
+        w = widths.get(name, lm.config.hidden_size)
+        consts = SimpleNamespace(shift=torch.zeros(1, w), scale=torch.ones(1, w))
+        seen = []
+
+        def ident(x, seen=seen, w=w):
+            assert x.shape[-1] == w
+            seen.append(1)
+            return x
+
+        assert abs(bench_quant.cross_entropy(lm, ids, f"{name}.1", ident, consts) - clean) < 1e-5, name
+        assert seen, name
+        zero = bench_quant.cross_entropy(lm, ids, f"{name}.1", torch.zeros_like, consts)
+        assert abs(zero - clean) > 1e-3, name
+
+
+@pytest.mark.beside_engines
+def test_dry_run_at_the_mlp_width(tiny_llama, tmp_path, capsys):
+    """`--point mlp_act`: the study at the MLP's own width (a neuron-basis SAE's rows)."""
+    bench_quant.main(["--dry", "--json", "--model", tiny_llama, "--root", str(tmp_path),
+                      "--point", "mlp_act", "--saes", "topk", "--layers", "1"])
+    res = json.loads(capsys.readouterr().out)
+    assert res["points"] == ["mlp_act.1"] and res["saes"] == ["topk"]
+    for name in ("bfloat16", "bfloat16_seed2", "float8_e4m3fn"):
+        assert 0 < res[name]["fvu"] < 1.5 and res[name]["ce_spliced"] != res["ce_clean"]
+    assert all(e["p99"] < 0.04 for e in res["store"]["row_rel_err"].values())
