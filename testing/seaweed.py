@@ -62,6 +62,9 @@ class SeaweedS3:
     readonly_secret_key: str = ""
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _own_dir: bool = field(default=True, repr=False)
+    # the gRPC unix sockets weed makes in /tmp whatever the flags say (master, volume, filer and
+    # s3, each at its port + 10000) and leaves behind when stopped: removed by stop()
+    _sockets: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def storage_options(self) -> dict:
@@ -89,6 +92,13 @@ class SeaweedS3:
             os.kill(self.pid, signal.SIGKILL)
             self._proc.wait(timeout=10)
         self._proc = None
+        gone = time.time()
+        for path in self._sockets:
+            try:   # one made after this server died is another server's: left alone
+                if os.stat(path).st_mtime <= gone:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -144,7 +154,9 @@ def start(workdir: str | None = None, timeout: float = 60.0, nice: int = 0) -> S
     log.close()
     srv = SeaweedS3(endpoint=f"http://127.0.0.1:{ports['s3']}", access_key=key, secret_key=secret,
                     pid=proc.pid, workdir=workdir, readonly_access_key=ro_key,
-                    readonly_secret_key=ro_secret, _proc=proc, _own_dir=own)
+                    readonly_secret_key=ro_secret, _proc=proc, _own_dir=own,
+                    _sockets=tuple(os.path.join(tempfile.gettempdir(), f"seaweedfs-{n}-grpc-{p + 10000}.sock")
+                                   for n, p in ports.items()))
     try:
         _wait_ready(srv, proc, timeout)
     except BaseException:

@@ -8,6 +8,7 @@ played by a small HTTP server in this process."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import threading
 
@@ -181,3 +182,18 @@ def test_server_errors_are_s3fs_s_cut_answers_and_silence_are_retried():
         assert is_transient(ti.value)
     finally:
         srv.close()
+
+
+def test_the_test_server_leaves_nothing_behind():
+    """weed makes a gRPC unix socket per service in the temp dir whatever its flags say; the
+    test server removes its own at stop (each run left three behind: hundreds a day here)."""
+    from harvest.testing import seaweed
+
+    srv = seaweed.start()
+    try:
+        made = [p for p in srv._sockets if os.path.exists(p)]
+        assert len(made) >= 3, srv._sockets   # master, volume, s3 (and the filer's)
+    finally:
+        srv.stop()
+    assert not [p for p in srv._sockets if os.path.exists(p)]
+    assert not os.path.exists(srv.workdir)
