@@ -138,3 +138,67 @@ def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[st
         except OSError:
             pass
     return removed
+
+
+RPC_DIR_PREFIX = "harvest-vllm-rpc-"
+
+
+def rpc_dir(tmp: str | None = None) -> str:
+    """This process's folder for vLLM's ZMQ IPC sockets (`VLLM_RPC_BASE_PATH`), made on first use.
+
+    vLLM binds its executor's and engine's message queues as `ipc://<base>/<uuid>` (base: the temp
+    dir) and unlinks none of them: a tensor-parallel engine opened and closed cleanly left 8
+    socket files in /tmp, and a killed one the same. One folder per process (named by its pid,
+    inherited by the rank processes it starts) holds them instead; `clear_rpc_dir` empties it
+    when an engine closes, the process's exit removes it, and `remove_stale_rpc_dirs` removes the
+    folders of processes that are gone without exiting (a killed actor's). Per process rather than per engine because vLLM caches its
+    environment after the first engine starts (vllm.envs.enable_envs_cache): a later engine in
+    the same process reads the same base whatever the environment says then."""
+    path = os.path.join(tmp or tempfile.gettempdir(), f"{RPC_DIR_PREFIX}{os.getpid()}")
+    if not os.path.isdir(path):
+        import atexit
+        import shutil
+
+        os.makedirs(path, exist_ok=True)
+        atexit.register(shutil.rmtree, path, True)   # a normal exit leaves nothing
+    return path
+
+
+def clear_rpc_dir(path: str) -> list[str]:
+    """Remove the socket files in `path` (an engine of this process just closed; one engine at
+    a time per process, so none of them is in use). Returns what was removed."""
+    removed = []
+    for name in os.listdir(path) if os.path.isdir(path) else ():
+        p = os.path.join(path, name)
+        try:
+            os.unlink(p)
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def remove_stale_rpc_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the RPC folders of processes that no longer run (on this host: the temp dir is
+    local). Returns the folders removed."""
+    import shutil
+
+    removed = []
+    base = tmp or tempfile.gettempdir()
+    for path in glob.glob(os.path.join(base, glob.escape(RPC_DIR_PREFIX) + "*")):
+        pid = path.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

