@@ -149,8 +149,8 @@ def rpc_dir(tmp: str | None = None) -> str:
     vLLM binds its executor's and engine's message queues as `ipc://<base>/<uuid>` (base: the temp
     dir) and unlinks none of them: a tensor-parallel engine opened and closed cleanly left 8
     socket files in /tmp, and a killed one the same. One folder per process (named by its pid,
-    inherited by the rank processes it starts) holds them instead; `clear_rpc_dir` empties it
-    when an engine closes, the process's exit removes it, and `remove_stale_rpc_dirs` removes the
+    inherited by the rank processes it starts) holds them instead; `clear_rpc_dir` removes it
+    with them when an engine closes, the process's exit too, and `remove_stale_rpc_dirs` removes the
     folders of processes that are gone without exiting (a killed actor's). Per process rather than per engine because vLLM caches its
     environment after the first engine starts (vllm.envs.enable_envs_cache): a later engine in
     the same process reads the same base whatever the environment says then."""
@@ -165,8 +165,9 @@ def rpc_dir(tmp: str | None = None) -> str:
 
 
 def clear_rpc_dir(path: str) -> list[str]:
-    """Remove the socket files in `path` (an engine of this process just closed; one engine at
-    a time per process, so none of them is in use). Returns what was removed."""
+    """Remove the socket files in `path` and the folder (an engine of this process just closed;
+    one engine at a time per process, so none of them is in use; the next engine's start makes
+    the folder again). Returns the files removed."""
     removed = []
     for name in os.listdir(path) if os.path.isdir(path) else ():
         p = os.path.join(path, name)
@@ -175,6 +176,10 @@ def clear_rpc_dir(path: str) -> list[str]:
             removed.append(p)
         except OSError:
             pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
     return removed
 
 

@@ -234,4 +234,4 @@ def test_vllm_socket_folders_are_per_process_and_swept_when_their_process_is_gon
     assert removed == [str(tmp_path / f"{RPC_DIR_PREFIX}{dead}")]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"{RPC_DIR_PREFIX}{os.getpid()}", f"{RPC_DIR_PREFIX}1", f"{RPC_DIR_PREFIX}notapid"])
-    assert clear_rpc_dir(mine) == [os.path.join(mine, "0b1c-uuid")] and not os.listdir(mine)
+    assert clear_rpc_dir(mine) == [os.path.join(mine, "0b1c-uuid")] and not os.path.exists(mine)
