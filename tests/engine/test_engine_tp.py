@@ -100,7 +100,7 @@ def tp_engine(request, references):
 
 def test_vllm_sockets_live_in_the_processs_own_folder(tp_engine):
     """vLLM binds its message queues as files under VLLM_RPC_BASE_PATH and unlinks none: the
-    engine points it at this process's folder (engine/parallel.rpc_dir), emptied at close (the
+    engine points it at this process's folder (rpc_dir in engine/parallel.py), removed at close (the
     fixture checks), instead of leaving ~8 files in /tmp per tensor-parallel engine."""
     assert os.environ["VLLM_RPC_BASE_PATH"] == rpc_dir()
     assert os.listdir(rpc_dir())
