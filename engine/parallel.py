@@ -150,10 +150,11 @@ def rpc_dir(tmp: str | None = None) -> str:
     dir) and unlinks none of them: a tensor-parallel engine opened and closed cleanly left 8
     socket files in /tmp, and a killed one the same. One folder per process (named by its pid,
     inherited by the rank processes it starts) holds them instead; `clear_rpc_dir` removes it
-    with them when an engine closes, the process's exit too, and `remove_stale_rpc_dirs` removes the
-    folders of processes that are gone without exiting (a killed actor's). Per process rather than per engine because vLLM caches its
-    environment after the first engine starts (vllm.envs.enable_envs_cache): a later engine in
-    the same process reads the same base whatever the environment says then."""
+    with them when an engine closes, the process's exit too, and `remove_stale_rpc_dirs` removes
+    the folders of processes that are gone without exiting (a killed actor's). Per process
+    rather than per engine because vLLM caches its environment after the first engine starts
+    (vllm.envs.enable_envs_cache): a later engine in the same process reads the same base
+    whatever the environment says then."""
     path = os.path.join(tmp or tempfile.gettempdir(), f"{RPC_DIR_PREFIX}{os.getpid()}")
     if not os.path.isdir(path):
         import atexit
@@ -188,22 +189,14 @@ def remove_stale_rpc_dirs(tmp: str | None = None) -> list[str]:
     local). Returns the folders removed."""
     import shutil
 
+    import psutil
+
     removed = []
     base = tmp or tempfile.gettempdir()
     for path in glob.glob(os.path.join(base, glob.escape(RPC_DIR_PREFIX) + "*")):
         pid = path.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or psutil.pid_exists(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

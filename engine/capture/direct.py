@@ -46,7 +46,6 @@ class Delivery:
     layout: tuple | None = None
     plan: StepPlan | None = None
     calls: dict[int, int] = field(default_factory=dict)
-    error: BaseException | None = None
 
 
 class Sink:
@@ -59,7 +58,6 @@ class Sink:
         self._segs: list = []
         self._layout: tuple | None = None
         self._plan: Any = None
-        self._error: BaseException | None = None
         self._calls: dict[int, int] = {}
         self._tables: dict[int, object] = {}   # point width -> ntcopy table of this step (or None)
         self.fast = ntcopy.available()   # non-temporal copies (ntcopy.py); False: torch's copy_
@@ -71,19 +69,19 @@ class Sink:
         self.state, self._planner = ARMED, planner
         self._index = {s: i for i, s in enumerate(slots)}
         self._segs, self._calls, self._tables = [], {}, {}
-        self._layout = self._plan = self._error = None
+        self._layout = self._plan = None
 
     def disarm(self) -> Delivery:
         """After the forward: what the taps did; the sink is idle again."""
-        d = Delivery(self.state, self._layout, self._plan, self._calls, self._error)
+        d = Delivery(self.state, self._layout, self._plan, self._calls)
         self.state, self._planner, self._segs, self._tables = IDLE, None, [], {}
         return d
 
     def _make_plan(self) -> None:
         try:
             self._layout, self._plan, dests = self._planner()
-        except Exception as e:   # noqa: BLE001  (the runner plans again after the forward and raises there)
-            self.state, self._error = FALLBACK, e
+        except Exception:   # noqa: BLE001  (the runner plans again after the forward and raises there)
+            self.state = FALLBACK
             return
         self.state = DIRECT
         if self._plan is not None:

@@ -118,9 +118,7 @@ class CPUTransport:
 
     def submit(self, plan: StepPlan, buf: torch.Tensor, slots: Sequence[int], fed_positions,
                fed_ids, dests: Mapping[str, torch.Tensor], quantize: bool = False) -> Ticket:
-        # the runner reuses its fed buffers next step: keep this step's values
-        t = Ticket(plan, fed_positions.clone(), fed_ids.clone(),
-                   rids=tuple(s.rid for s in plan.segments))
+        t = self.delivered(plan, fed_positions, fed_ids)
         if quantize:   # the packed rows of exactly the captured points, in their order
             out = torch.empty(len(slots), plan.n, packed_width(buf.shape[-1]), dtype=torch.uint8)
             buf, slots = quantize_points(buf, slots, plan.n, out), range(len(slots))
@@ -129,7 +127,9 @@ class CPUTransport:
         return t
 
     def delivered(self, plan: StepPlan, fed_positions, fed_ids) -> Ticket:
-        """A step whose rows the taps already wrote into the destinations (direct.py)."""
+        """A step's ticket once its rows are in the destinations (copied by `submit`, or written by
+        the taps themselves: direct.py). The runner reuses its fed buffers next step: keep this
+        step's values."""
         return Ticket(plan, fed_positions.clone(), fed_ids.clone(),
                       rids=tuple(s.rid for s in plan.segments))
 

@@ -216,9 +216,7 @@ class HarvestState:
         """At the step's first tap (direct.py): the layout vLLM prepared for this forward and
         where its rows go; raising makes the step fall back to the buffer path."""
         lay = compat.step_layout(runner, scheduler_output)
-        lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
-        plan = plan_step(lay.req_ids, lay.counts, lay.starts, lengths, self.retired)
-        require_no_stray(plan)
+        plan = self._plan(lay.req_ids, lay.counts, lay.starts)
         return (lay.req_ids, lay.counts, lay.starts), plan, {
             s.rid: self.dests[s.rid].acts for s in plan.segments}
 
@@ -293,11 +291,17 @@ class HarvestState:
     def plan_rows(self, req_ids, counts, starts):
         """A step's row plan, stray rows refused and dropped rows counted; None when the step
         has no row to deliver (only dropped rows: nothing to copy, no ticket to wait for)."""
+        plan = self._plan(req_ids, counts, starts)
+        self.dropped_rows += plan.dropped
+        return plan if plan.segments else None
+
+    def _plan(self, req_ids, counts, starts):
+        """Where a step's rows go (coverage.plan_step over the registered requests), stray rows
+        refused."""
         lengths = {rid: d.coverage.n for rid, d in self.dests.items()}
         plan = plan_step(req_ids, counts, starts, lengths, self.retired)
         require_no_stray(plan)
-        self.dropped_rows += plan.dropped
-        return plan if plan.segments else None
+        return plan
 
     def enqueue(self, plan, ticket) -> None:
         """Hold a planned step's ticket until its copies land: each request it writes to has

@@ -118,19 +118,26 @@ class FakeRunner:
         self.input_ids = SimpleNamespace(gpu=torch.zeros(max_tokens, dtype=torch.int32))
         self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=None)
 
-    def step(self, st, buf, tokens, chunks):
-        """chunks: [(rid, start, count)] in runner order; writes buf rows like the taps would."""
-        row = 0
+    def prepare(self, tokens, chunks, points, width):
+        """chunks: [(rid, start, count)] in runner order: the batch vLLM prepares for a step.
+        Returns the scheduler output and the step's rows [points, n, width] (as the taps see them)."""
+        row, xs = 0, []
         for rid, s, c in chunks:
             self.positions[row : row + c] = torch.arange(s, s + c)
             self.input_ids.gpu[row : row + c] = torch.from_numpy(tokens[rid][s : s + c])
-            buf[:, row : row + c] = _rows(tokens[rid][s : s + c], buf.shape[0], buf.shape[2])
+            xs.append(_rows(tokens[rid][s : s + c], points, width))
             row += c
         self.input_batch.req_ids = [r for r, _, _ in chunks]
         self.input_batch.num_reqs = len(chunks)
         self.input_batch.num_computed_tokens_cpu = np.array([s for _, s, _ in chunks])
         so = SimpleNamespace(num_scheduled_tokens={r: c for r, _, c in chunks},
                              total_num_scheduled_tokens=row)
+        return so, torch.cat([torch.zeros(points, 0, width), *xs], dim=1).contiguous()
+
+    def step(self, st, buf, tokens, chunks):
+        """One step whose taps write buf rows (the tap buffer path)."""
+        so, x = self.prepare(tokens, chunks, buf.shape[0], buf.shape[2])
+        buf[:, : x.shape[1]] = x
         st.before_forward()
         st.after_forward(self, so)
 
@@ -328,19 +335,8 @@ def _direct_step(runner, st, tokens, chunks, skip=(), fused=(), then=None):
     prepared, the taps run as the compiled graph calls them (`fused` slots through tap_sum, as
     a fused trunk's stream), `then` may change the runner's batch, then the runner plans."""
     buf = st.taps.buf
-    row, xs = 0, []
-    for rid, s, c in chunks:
-        runner.positions[row : row + c] = torch.arange(s, s + c)
-        runner.input_ids.gpu[row : row + c] = torch.from_numpy(tokens[rid][s : s + c])
-        xs.append(_rows(tokens[rid][s : s + c], buf.shape[0], buf.shape[2]))
-        row += c
-    runner.input_batch.req_ids = [r for r, _, _ in chunks]
-    runner.input_batch.num_reqs = len(chunks)
-    runner.input_batch.num_computed_tokens_cpu = np.array([s for _, s, _ in chunks])
-    so = SimpleNamespace(num_scheduled_tokens={r: c for r, _, c in chunks},
-                         total_num_scheduled_tokens=row)
+    so, x = runner.prepare(tokens, chunks, buf.shape[0], buf.shape[2])
     st.before_forward(runner, so)
-    x = torch.cat(xs, dim=1).contiguous()
     for slot in range(buf.shape[0]):
         if slot in fused:
             torch.ops.harvest.tap_sum(x[slot] - 1, torch.ones_like(x[slot]), buf, slot)
