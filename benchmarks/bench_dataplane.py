@@ -315,6 +315,9 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     producer = producer_cost(raw, unit_rows, fp8)
     out.update({
         "write_core_s_per_gb": round((statistics.median(cpu_s) - producer) / bf16_gb, 3),
+        # every unit's; the first also pays the process's one-time costs (the writer's block
+        # buffers' first touch: on this VM's lazily backed memory ~0.2 core-s/GB at one unit)
+        "unit_core_s_per_gb": [round((c - producer) / bf16_gb, 3) for c in cpu_s],
         "producer_core_s_per_gb": round(producer / bf16_gb, 3),
         "write_core_s_per_gb_by_stage": _by_stage(stage_s, cpu_s, producer, bf16_gb),
         "data_object_bytes_min": min(data), "data_object_bytes_median": int(statistics.median(data)),
@@ -354,6 +357,114 @@ def _by_stage(stage_s: list, cpu_s: list, producer: float, bf16_gb: float) -> di
     return {k: round(v / bf16_gb, 3) for k, v in sorted(st.items())}
 
 
+def _fixed_heap_thresholds() -> None:
+    """glibc: fixed mmap (32 MiB) and trim (64 MiB) thresholds for the floor's loop. Alone, one
+    chunk's output freed before the next is allocated makes glibc trim its heap and fault the
+    next one in afresh (~250,000 page faults per GB; encode 0.87-0.90 core-s/GB instead of
+    0.55); the writer's process, with its other allocations in flight, does not (its encode
+    stage: 0.68-0.70, and the same with these thresholds), so the floor leaves that out."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
+def floor(storage=("local", "s3"), dtypes=("bfloat16", "float8_e4m3fn"), dry: bool = False,
+          workdir: "str | None" = None) -> dict:
+    """Each stage of the write path alone, in one thread, as the writer runs it (the store's
+    default codec per inner chunk, the statistics kernel per chunk, the raw rows' CRC32C, and on
+    S3 the parts of the encoded bytes sent by the writer's client in 16 MiB parts), in core-s per
+    GB of bf16 input (thread CPU time: user and kernel). Their sum is what the whole path cannot go
+    below on this machine with today's stages: no threads, Python, buffers or commit counted.
+    `without_stats` leaves the statistics out (what a host whose statistics were computed on
+    the GPU would pay). 32 points x 4,096 rows x 4096 wide (1 GiB of bf16: the rows of
+    bench_dataplane's units); `dry`: tiny."""
+    from harvest.store import create_store
+    from harvest.store.format.dtypes import resolve_dtype, row_width
+    from harvest.store.stats.moments import crc32c
+    from harvest.store.stats.unit import chunk_moments
+    from harvest.testing import seaweed, synthetic
+
+    P, W, n = (2, 256, 2048) if dry else (POINTS, WIDTH, 4096)
+    _fixed_heap_thresholds()
+    base = synthetic.activations((P, PIECE, W), seed=3)
+    tmp = workdir or tempfile.mkdtemp(prefix="harvest-bench-floor-")
+    srv = seaweed.start(os.path.join(tmp, "weed")) if "s3" in storage else None
+    out: dict = {"points": P, "width": W, "rows": n, "load_average": None, "dtypes": {}}
+    try:
+        if srv is not None:
+            import s3fs
+
+            s3fs.S3FileSystem(**srv.storage_options).mkdir("floor")
+        for i, dtype in enumerate(dtypes):
+            url, so = os.path.join(tmp, f"probe-{i}"), None
+            if srv is not None:
+                url, so = f"s3://floor/probe-{i}", srv.storage_options
+            s = create_store(url, points=[f"resid_post.{p}" for p in range(P)], width=W, n_rows=n,
+                             shard_rows=n, dtype=dtype, storage_options=so)
+            q = bool(s.quantized)
+            raw = _base_rows(base, s.dtype)
+            data = np.empty((P, n, row_width(s.dtype, W)), raw.dtype)
+            for r in range(0, n, PIECE):
+                _make_piece(raw, r, data[:, r:r + PIECE], q)
+            _warm(raw, q)
+            codec, cr = s.shard_codec(s.points[0]), s.chunk_rows
+            chunks = [data[p, c:c + cr] for p in range(P) for c in range(0, n, cr)]
+            vdt = None if q else resolve_dtype(s.dtype)   # the statistics read values
+            # chunk by chunk in the writer's order (statistics, then the raw CRC while the chunk
+            # is in cache, then the codec), parts sent as they fill and then dropped, so memory
+            # is reused as in the writer (fresh pages would be charged to whichever stage
+            # touches them first)
+            cpu = dict.fromkeys(("encode", "stats", "crc") + (("upload",) if srv else ()), 0.0)
+            loc = s.location
+            h = loc.begin_object("floor-object", "floor-object") if srv is not None else None
+            part: list = []
+            size = stored = 0
+            for j, c in enumerate(chunks):
+                t0 = time.thread_time()
+                chunk_moments(c if vdt is None else c.view(vdt), None, None, None, q)
+                t1 = time.thread_time()
+                crc32c(c)
+                t2 = time.thread_time()
+                e = codec._encode_chunk(c)
+                t3 = time.thread_time()
+                cpu["stats"] += t1 - t0
+                cpu["crc"] += t2 - t1
+                cpu["encode"] += t3 - t2
+                stored += len(e)
+                if h is None:
+                    continue
+                part.append(e)
+                size += len(e)
+                if size >= loc.part_min_bytes or j == len(chunks) - 1:
+                    t = time.thread_time()
+                    loc.write_part(h, part)
+                    cpu["upload"] += time.thread_time() - t
+                    part, size = [], 0
+            if h is not None:
+                loc.abort_object(h)
+            gb = P * n * W * 2 / 1e9
+            st = {k: round(v / gb, 3) for k, v in cpu.items()}
+            total = round(sum(st.values()), 3)
+            out["dtypes"][s.dtype] = {"codec": s.compression.get("codec"),
+                                      "stored_vs_bf16": round(stored / (P * n * W * 2), 3),
+                                      "core_s_per_gb": st, "floor": total,
+                                      "without_stats": round(total - st["stats"], 3),
+                                      "target": {"bfloat16": 1.0, "float8_e4m3fn": 0.6}.get(s.dtype)}
+    finally:
+        if srv is not None:
+            srv.stop()
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
 def check_dtype(dtype: str) -> str:
     """The store dtype's canonical name, or SystemExit naming the ones the store knows."""
     from harvest.store.format.dtypes import SUPPORTED_DTYPES, dtype_name, is_quantized, resolve_dtype
@@ -366,7 +477,7 @@ def check_dtype(dtype: str) -> str:
                          f"{', '.join(SUPPORTED_DTYPES)})") from None
 
 
-def run(units: int = 2, shards_per_unit: int = 1, storage=("local", "s3"),
+def run(units: int = 3, shards_per_unit: int = 1, storage=("local", "s3"),
         workdir: str | None = None, codecs=("default",), dtype="bfloat16", inplace: bool = True,
         dry: bool = False, part_mib=(None,), clients=("direct",), **_ignored) -> list[dict]:
     """One row per (storage, part size on S3, dtype, codec), side by side in this invocation.
@@ -451,7 +562,9 @@ def summary(rows: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--units", type=int, default=2)
+    ap.add_argument("--units", type=int, default=3,
+                    help="units per store; the median unit is reported (3: a unit after the "
+                         "first, whose block buffers are already touched, as in a capture process)")
     ap.add_argument("--shards-per-unit", type=int, default=1)
     ap.add_argument("--storage", nargs="+", default=["local", "s3"])
     ap.add_argument("--workdir", default=None, help="where stores go (default: a temp dir)")
@@ -470,7 +583,12 @@ def main() -> None:
                          "(direct, the default) or through s3fs")
     ap.add_argument("--dry", action="store_true", help="a tiny shape, local only unless --storage")
     ap.add_argument("--json", action="store_true", help="one JSON document: rows and summary")
+    ap.add_argument("--floor", action="store_true",
+                    help="only each stage alone, one thread (the whole path's floor here)")
     a = ap.parse_args()
+    if a.floor:
+        print(json.dumps(floor(a.storage, [check_dtype(d) for d in a.dtype], a.dry, a.workdir)))
+        return
     rows = run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
                codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry,
                part_mib=a.part_mib or (None,), clients=a.client)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from harvest.benchmarks import bench_codec
 from harvest.store import create_store
@@ -99,3 +100,20 @@ def test_bench_dataplane_dry_writes_bf16_and_fp8_side_by_side_by_stage(tmp_path)
     assert f8["stored_vs_bf16"] < 0.5 < bf["stored_vs_bf16"] < 0.8
     s = bench_dataplane.summary(rows)
     assert s["targets"] == {} and len(s["load_average"]) == 3   # targets are S3's
+
+
+def test_bench_dataplane_floor_dry_sums_each_stage_alone(tmp_path):
+    """`--floor`: each write-path stage alone in one thread (codec, statistics, raw CRC; no S3
+    here), in core-s per GB of bf16 input; the floor is their sum, `without_stats` leaves the
+    statistics out, and the stored bytes are the codec's own (fp8 under half of bf16's)."""
+    from harvest.benchmarks import bench_dataplane
+
+    out = bench_dataplane.floor(storage=("local",), dry=True, workdir=str(tmp_path))
+    bf, f8 = out["dtypes"]["bfloat16"], out["dtypes"]["float8_e4m3fn"]
+    for d in (bf, f8):
+        st = d["core_s_per_gb"]
+        assert set(st) == {"encode", "stats", "crc"} and all(v > 0 for v in st.values())
+        assert d["floor"] == pytest.approx(sum(st.values()), abs=0.002)
+        assert d["without_stats"] == pytest.approx(d["floor"] - st["stats"], abs=0.002)
+    assert (bf["target"], f8["target"]) == (1.0, 0.6)
+    assert f8["stored_vs_bf16"] < 0.5 < bf["stored_vs_bf16"] < 0.8
