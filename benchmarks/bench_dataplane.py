@@ -375,14 +375,14 @@ def _fixed_heap_thresholds() -> None:
 
 
 def floor(storage=("local", "s3"), dtypes=("bfloat16", "float8_e4m3fn"), dry: bool = False,
-          workdir: "str | None" = None) -> dict:
+          workdir: "str | None" = None, codecs=("default",)) -> dict:
     """Each stage of the write path alone, in one thread, as the writer runs it (the store's
     default codec per inner chunk, the statistics kernel per chunk, the raw rows' CRC32C, and on
     S3 the parts of the encoded bytes sent by the writer's client in 16 MiB parts), in core-s per
     GB of bf16 input (thread CPU time: user and kernel). Their sum is what the whole path cannot go
     below on this machine with today's stages: no threads, Python, buffers or commit counted.
     `without_stats` leaves the statistics out (what a host whose statistics were computed on
-    the GPU would pay). 32 points x 4,096 rows x 4096 wide (1 GiB of bf16: the rows of
+    the GPU would pay). Keys: the dtype, or `dtype/codec` for a codec other than its default. 32 points x 4,096 rows x 4096 wide (1 GiB of bf16: the rows of
     bench_dataplane's units); `dry`: tiny."""
     from harvest.store import create_store
     from harvest.store.format.dtypes import resolve_dtype, row_width
@@ -401,12 +401,13 @@ def floor(storage=("local", "s3"), dtypes=("bfloat16", "float8_e4m3fn"), dry: bo
             import s3fs
 
             s3fs.S3FileSystem(**srv.storage_options).mkdir("floor")
-        for i, dtype in enumerate(dtypes):
+        for i, (dtype, cname) in enumerate((d, c) for d in dtypes for c in codecs):
             url, so = os.path.join(tmp, f"probe-{i}"), None
             if srv is not None:
                 url, so = f"s3://floor/probe-{i}", srv.storage_options
             s = create_store(url, points=[f"resid_post.{p}" for p in range(P)], width=W, n_rows=n,
-                             shard_rows=n, dtype=dtype, storage_options=so)
+                             shard_rows=n, dtype=dtype, storage_options=so,
+                             compression=None if cname == "default" else cname)
             q = bool(s.quantized)
             raw = _base_rows(base, s.dtype)
             data = np.empty((P, n, row_width(s.dtype, W)), raw.dtype)
@@ -451,7 +452,7 @@ def floor(storage=("local", "s3"), dtypes=("bfloat16", "float8_e4m3fn"), dry: bo
             gb = P * n * W * 2 / 1e9
             st = {k: round(v / gb, 3) for k, v in cpu.items()}
             total = round(sum(st.values()), 3)
-            out["dtypes"][s.dtype] = {"codec": s.compression.get("codec"),
+            out["dtypes"][s.dtype if cname == "default" else f"{s.dtype}/{cname}"] = {"codec": s.compression.get("codec"),
                                       "stored_vs_bf16": round(stored / (P * n * W * 2), 3),
                                       "core_s_per_gb": st, "floor": total,
                                       "without_stats": round(total - st["stats"], 3),
@@ -587,7 +588,8 @@ def main() -> None:
                     help="only each stage alone, one thread (the whole path's floor here)")
     a = ap.parse_args()
     if a.floor:
-        print(json.dumps(floor(a.storage, [check_dtype(d) for d in a.dtype], a.dry, a.workdir)))
+        print(json.dumps(floor(a.storage, [check_dtype(d) for d in a.dtype], a.dry, a.workdir,
+                               a.codec)))
         return
     rows = run(units=a.units, shards_per_unit=a.shards_per_unit, storage=a.storage, workdir=a.workdir,
                codecs=a.codec, dtype=a.dtype, inplace=a.producer == "inplace", dry=a.dry,

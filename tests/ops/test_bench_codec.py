@@ -108,9 +108,12 @@ def test_bench_dataplane_floor_dry_sums_each_stage_alone(tmp_path):
     statistics out, and the stored bytes are the codec's own (fp8 under half of bf16's)."""
     from harvest.benchmarks import bench_dataplane
 
-    out = bench_dataplane.floor(storage=("local",), dry=True, workdir=str(tmp_path))
+    out = bench_dataplane.floor(storage=("local",), dry=True, workdir=str(tmp_path),
+                                codecs=("default", "none"))
+    assert set(out["dtypes"]) == {"bfloat16", "bfloat16/none", "float8_e4m3fn", "float8_e4m3fn/none"}
     bf, f8 = out["dtypes"]["bfloat16"], out["dtypes"]["float8_e4m3fn"]
-    for d in (bf, f8):
+    assert out["dtypes"]["bfloat16/none"]["stored_vs_bf16"] >= 1.0   # raw chunks, as written
+    for d in out["dtypes"].values():
         st = d["core_s_per_gb"]
         assert set(st) == {"encode", "stats", "crc"} and all(v > 0 for v in st.values())
         assert d["floor"] == pytest.approx(sum(st.values()), abs=0.002)
