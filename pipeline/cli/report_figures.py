@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from harvest.store.read.rows import read_meta_checked
+
 DEAD_REL = 1e-6
 OUTLIER_REL = 100.0
 HIST_BINS = 40
@@ -42,7 +44,8 @@ def sample_rows(store, points: list[str], shards: list[int], k: int) -> dict:
     for s in shards:
         a, b = store.shard_range(s)
         tok, doc, pos = store.read_row_meta_checked(a, b)  # an unpublished unit: not fill
-        rows = np.arange(a, b)
+        rows = (read_meta_checked(store, "source_row", a, b) if "source_row" in store.meta_columns
+                else np.arange(a, b))   # a shuffled copy: its rows' source rows (permuted.py)
         meta[s] = (tok, doc, pos, _kept_mask(store, tok, rows))
     top: dict[str, list] = {}
     sink: dict[str, dict | None] = {}

@@ -30,8 +30,11 @@ SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4)
 # generation stores only (create_store(generated=True)); `sample` (int16: which of a prompt's n
 # samples a row belongs to, FORMAT.md "Generation"): stores of n > 1 samples per prompt only
 # (create_store(samples=True)); a generation store without it reads as sample 0 everywhere.
+# `source_row` (int64): a shuffled copy's rows (store/permuted.py, FORMAT.md "Shuffled copies")
+# say which row of the source store they are; a row's context position is then
+# source_row % context_size, not its own index % context_size.
 ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "role": "int8",
-            "gen": "int8", "sample": "int16"}
+            "gen": "int8", "sample": "int16", "source_row": "int64"}
 BASE_META = ("token_id", "doc_id", "position")  # what every store has; read_row_meta returns these
 META_UNWRITTEN = -1   # fill value of every metadata array: the row was never written
 META_INSERTED = -2    # doc_id and position of a BOS the packer inserted (it is from no document)

@@ -80,6 +80,7 @@ class StoreSpec:
     roles: bool = column("role")
     generated: bool = column("gen")
     samples: bool = column("sample")
+    source_rows: bool = column("source_row")   # a shuffled copy (store/permuted.py)
 
     def __post_init__(self):
         set_ = object.__setattr__   # frozen: the resolved values are set once, here

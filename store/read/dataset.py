@@ -143,7 +143,8 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
         self.roles = resolve_roles(st, cfg.roles)  # store/roles.py: None, or the role codes kept
         # a generation store (it has the `gen` column): rows without activations never yielded
         self.filter = RowFilter.build(exclude, self.context_size, cfg.seqpos, cfg.split, cfg.test_fraction,
-                                      cfg.split_seed, self.roles, generated="gen" in st.meta_columns)
+                                      cfg.split_seed, self.roles, generated="gen" in st.meta_columns,
+                                      source_rows="source_row" in st.meta_columns)
         # return_meta only: which of its prompt's samples a row is (FORMAT.md "Generation")
         self._extra_meta = ("sample",) if "sample" in st.meta_columns else ()
 
@@ -270,7 +271,8 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
     def _meta_names(self) -> list[str]:
         if self.return_meta:
             return ["token_id", "doc_id", "position"] + (["role"] if self.filter.needs_roles else []) \
-                + (["gen"] if self.filter.generated else []) + list(self._extra_meta)
+                + (["gen"] if self.filter.generated else []) + list(self._extra_meta) \
+                + (["source_row"] if self.filter.needs_source_rows else [])
         return self.filter.meta_names()
 
     def _fetch_meta(self, piece: tuple[int, int]) -> dict:

@@ -146,11 +146,15 @@ class RowFilter:
     # a generation store: rows whose `gen` says they hold no activations (the last sampled token,
     # dropped prompts, padding; FORMAT.md "Generation") are never yielded, whatever else is asked
     generated: bool = False
+    # a shuffled copy (store/permuted.py): a row's context position is its `source_row` column
+    # % context_size, not its own index
+    source_rows: bool = False
 
     @classmethod
     def build(cls, exclude: Iterable[int] = (), context_size: int | None = None, seqpos=None,
               split: str | None = None, test_fraction: float = 0.01, split_seed: int = 0,
-              roles: "tuple | None" = None, generated: bool = False) -> "RowFilter":
+              roles: "tuple | None" = None, generated: bool = False,
+              source_rows: bool = False) -> "RowFilter":
         check_split(split, test_fraction)
         pos_keep = None
         if seqpos is not None:
@@ -170,7 +174,7 @@ class RowFilter:
         return cls(tuple(sorted({int(t) for t in exclude})), int(context_size) if context_size else None,
                    seqpos, split, float(test_fraction) if split else 0.0, int(split_seed),
                    None if roles is None else tuple(sorted(int(r) for r in roles)), pos_keep,
-                   bool(generated))
+                   bool(generated), bool(source_rows))
 
     @property
     def needs_tokens(self) -> bool:
@@ -185,13 +189,19 @@ class RowFilter:
         return self.roles is not None
 
     @property
+    def needs_source_rows(self) -> bool:
+        return self.source_rows and self._pos_keep is not None
+
+    @property
     def needs_meta(self) -> bool:
-        return self.needs_tokens or self.needs_docs or self.needs_roles or self.generated
+        return (self.needs_tokens or self.needs_docs or self.needs_roles or self.generated
+                or self.needs_source_rows)
 
     def meta_names(self) -> list[str]:
         """The metadata columns `mask` needs."""
         return [n for n, need in (("token_id", self.needs_tokens), ("doc_id", self.needs_docs),
-                                  ("role", self.needs_roles), ("gen", self.generated)) if need]
+                                  ("role", self.needs_roles), ("gen", self.generated),
+                                  ("source_row", self.needs_source_rows)) if need]
 
     def without_sinks(self, n: int) -> "RowFilter":
         """This filter with context positions < n dropped as well (the normalisation sample's
@@ -211,9 +221,15 @@ class RowFilter:
             return None
         return frozenset(np.flatnonzero(self._pos_keep).tolist())
 
+    def mask_of(self, a: int, b: int, cols: dict) -> np.ndarray | None:
+        """`mask` from a dict of the columns `meta_names` names (others may be there too)."""
+        return self.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
+                         cols.get("gen"), cols.get("source_row"))
+
     def mask(self, a: int, b: int, token_id: np.ndarray | None = None,
              doc_id: np.ndarray | None = None, role: np.ndarray | None = None,
-             gen: np.ndarray | None = None) -> np.ndarray | None:
+             gen: np.ndarray | None = None, source_row: np.ndarray | None = None
+             ) -> np.ndarray | None:
         """Boolean keep-mask of rows [a, b), or None when every row is kept."""
         m = None
         if self.generated:
@@ -221,7 +237,14 @@ class RowFilter:
 
             m = np.isin(gen, GEN_HAS_ACTS)
         if self._pos_keep is not None:
-            p = self._pos_keep[np.arange(a, b, dtype=np.int64) % self.context_size]
+            if self.source_rows:
+                if source_row is None:
+                    raise ValueError("RowFilter.mask: this store is a shuffled copy; pass its "
+                                     "source_row column (meta_names() lists it)")
+                rows = np.asarray(source_row, np.int64)
+            else:
+                rows = np.arange(a, b, dtype=np.int64)
+            p = self._pos_keep[rows % self.context_size]
             m = p if m is None else m & p
         if self.exclude:
             t = ~np.isin(token_id, np.asarray(self.exclude, np.int64))
@@ -241,7 +264,8 @@ class RowFilter:
                 "test_fraction": self.test_fraction, "split_seed": self.split_seed,
                 "roles": list(self.roles) if self.roles is not None else None,
                 # only in a generation store: other descriptions stay as they were recorded
-                **({"generated": True} if self.generated else {})}
+                **({"generated": True} if self.generated else {}),
+                **({"source_rows": True} if self.source_rows else {})}
 
 
 def matches_recorded(filt: RowFilter, recorded: tuple[frozenset, int] | None,

@@ -205,8 +205,7 @@ class FollowMode:
             k = f.mask(a, b)
             return b - a if k is None else int(k.sum())
         got = {n: read_meta(self._open(), m, a // self.shard_rows, n) for n in f.meta_names()}
-        return int(f.mask(a, b, got.get("token_id"), got.get("doc_id"), got.get("role"),
-                          got.get("gen")).sum())
+        return int(f.mask_of(a, b, got).sum())
 
     def _unit_kept(self, m: dict) -> int:
         R, a, b = self.shard_rows, int(m["row_start"]), int(m["row_end"])

@@ -244,8 +244,7 @@ def read_sample(store, meta, points, pieces, sources, filt: RowFilter, n_rows: i
         masks = []
         for a, b in spans:
             cols = {n: meta.read(n, a, b) for n in meta_names}
-            masks.append(filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
-                                   cols.get("gen")))
+            masks.append(filt.mask_of(a, b, cols))
         live = [m is None or bool(m.any()) for m in masks]
         out = [np.zeros((b - a if ok else 0, len(points), W), raw)
                for (a, b), ok in zip(spans, live)]

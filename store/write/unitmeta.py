@@ -39,8 +39,16 @@ class UnitMeta:
         self.stored_roles = None if stored_roles is None else np.asarray(stored_roles, np.int8)
 
     def write(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
-              sample=None) -> None:
+              sample=None, source_row=None) -> None:
         cols = {"token_id": token_id, "doc_id": doc_id, "position": position}
+        if "source_row" in self.cols:
+            if source_row is None:
+                raise ValueError(f"write_meta: unit {self.unit_id}'s store is a shuffled copy: "
+                                 "pass source_row (each row's row in the source store)")
+            cols["source_row"] = source_row
+        elif source_row is not None:
+            raise ValueError(f"write_meta: unit {self.unit_id}'s store has no source_row column "
+                             "(only a shuffled copy has: create_store(source_rows=True))")
         for name, given in (("role", role), ("gen", gen), ("sample", sample)):
             if name in self.cols:
                 # a row written without an optional column has its default: plain text
@@ -123,11 +131,18 @@ class UnitMeta:
         special, skip, C = self.filter or (np.zeros(0, np.int64), 0, 1)
         keep = np.ones(end - start, bool)
         if skip:
-            keep &= (np.arange(start, end) % C) >= skip
+            keep &= (self.rows(start, end) % C) >= skip
         if special.size:
             keep &= ~np.isin(self.columns(start, end)["token_id"], special)
         stored = self.stored_mask(start, end)
         return keep if stored is None else keep & stored
+
+    def rows(self, start: int, end: int) -> np.ndarray:
+        """Each row's index in the token stream whose contexts it was captured in: its own, or
+        in a shuffled copy its source row (so its context position is this % context_size)."""
+        if "source_row" in self.cols:
+            return self.columns(start, end)["source_row"]
+        return np.arange(start, end)
 
     def stored_mask(self, start: int, end: int) -> "np.ndarray | None":
         """Rows [start, end) whose activations the store keeps (None: all): capture.roles."""

@@ -77,16 +77,17 @@ class RegionWriter(ShardUploads):
 
     # ---- public ------------------------------------------------------------------------------
     def write_meta(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
-                   sample=None) -> None:
+                   sample=None, source_row=None) -> None:
         """Row metadata of rows [row_start, row_start + n); each row once, before its activations
         (the `kept` statistics of a shard need its token ids when the shard is encoded).
         `role` (chat stores) and `gen` (generation stores, FORMAT.md "Generation"): 0 when
         omitted in a store that has the column; refused in a store without it. Likewise `sample`
-        (stores of n > 1 samples per prompt)."""
+        (stores of n > 1 samples per prompt). `source_row`: required in a shuffled copy
+        (store/permuted.py), refused elsewhere."""
         if self.already_committed:
             return
         self._check_usable()
-        self._meta.write(row_start, token_id, doc_id, position, role, gen, sample)
+        self._meta.write(row_start, token_id, doc_id, position, role, gen, sample, source_row)
 
     def rows_with_activations(self) -> int:
         """Rows of the region that hold activations: all but the rows of roles outside

@@ -147,8 +147,7 @@ class WindowFinisher:
 
     def _local(self, k: int, t: Take, cols: dict, arena: np.ndarray) -> tuple[np.ndarray, int]:
         a, b = self.pieces[t.piece]
-        m = self.filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
-                           cols.get("gen"))
+        m = self.filt.mask_of(a, b, cols)
         kept = np.flatnonzero(m) if m is not None else None
         n_kept = b - a if kept is None else kept.shape[0]
         if self.counts[t.piece] >= 0 and self.counts[t.piece] != n_kept:

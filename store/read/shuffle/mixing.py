@@ -48,7 +48,8 @@ class DocSample:
             tok = read_meta("token_id", a, b) if filt.needs_tokens else None
             role = read_meta("role", a, b) if filt.needs_roles else None
             gen = read_meta("gen", a, b) if filt.generated else None
-            m = filt.mask(a, b, tok, doc, role, gen)
+            src = read_meta("source_row", a, b) if filt.needs_source_rows else None
+            m = filt.mask(a, b, tok, doc, role, gen, src)
             d = doc if m is None else doc[m]
             d = d[d >= 0]
             kept.append(m.sum() if m is not None else b - a)

@@ -182,8 +182,7 @@ class PiecePlanning:
             return b - a if m is None else int(m.sum())
         cols = self.committed_meta()
         got = {n: cols.read(n, a, b) for n in f.meta_names()}
-        return int(f.mask(a, b, got.get("token_id"), got.get("doc_id"), got.get("role"),
-                          got.get("gen")).sum())
+        return int(f.mask_of(a, b, got).sum())
 
     def _ensure_counts(self, which=None) -> np.ndarray:
         todo = [i for i in (range(len(self.pieces)) if which is None else which) if self._counts[i] < 0]

@@ -173,8 +173,7 @@ class GlobalReader:
             i = int(piece[dest[0]])
             a, b = s.pieces[i]
             cols = s.fetch_meta((a, b)) if s.fetch_meta is not None else {}
-            mask = s.filt.mask(a, b, cols.get("token_id"), cols.get("doc_id"), cols.get("role"),
-                               cols.get("gen"))
+            mask = s.filt.mask_of(a, b, cols)
             kept = np.arange(b - a) if mask is None else np.flatnonzero(mask)
             if kept.shape[0] != s.counts[i]:
                 raise StoreError(f"rows [{a}, {b}) keep {kept.shape[0]} rows now but {s.counts[i]} "

@@ -1,0 +1,245 @@
+"""A shuffled copy of a store: every row of the source once, in one keyed random order
+(`harvest shuffle SRC DST`; FORMAT.md "Shuffled copies").
+
+Why: the reader's window shuffle holds a few whole shards at a time, and a shard of a captured
+store is a run of whole documents, so a batch can only hold the documents of its window: with a
+store of k windows about 1/k of them (0.54x a uniform draw's distinct documents at SmolLM2's
+layout, 0.31x at the 8B one; RESULTS.md). No reader that keeps bounded memory and reads each row
+once an epoch can do better on such a store: the rows in memory are all it can draw from.
+`shuffle="global"` reads the store (store / buffer) times an epoch instead. A shuffled copy pays
+one pass over the rows, once, and then every shard is a uniform sample of the whole store: the
+default window shuffle on it draws like a uniform shuffle (bench_shuffle measures both).
+
+The order: source row i goes to row d(i) = Feistel(N, key)(i) of the copy (the global reader's
+keyed bijection, read/shuffle/permute.py), key = (seed, "shuffle"). Each row of the copy records
+its source row (`source_row`), so context positions (source_row % context_size, what `seqpos`
+and the `kept` statistics use) and any link back to the source survive the move.
+
+Two passes, each reading and writing every row once; both restart where a crash left them,
+because every step is a unit committed exactly once by the store's own writer:
+  1. scatter: a spill store (same layout) whose unit b holds the source rows bound for the
+     copy's unit b, in source order. One scan of the source feeds the writers of a group of
+     buckets (as many as `memory_bytes` allows: each holds a few blocks); a rerun writes only the
+     buckets not yet committed, from a new scan.
+  2. gather: the copy's unit b is the spill's unit b read whole, each row put at d(i) - start(b)
+     in memory (one unit: one shard of every point), written in order and committed.
+Then the copy is finalized (statistics merged from its units: the source's values, summed in
+another order) and the spill store deleted. Reads: the source once per group of buckets, the
+spill once; writes: the spill and the copy once. Memory: max(one unit, the group's writers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from .errors import StoreError
+
+log = logging.getLogger(__name__)
+
+KEY_TAG = 0x5A0FF1E   # the key's last word: this order is not an epoch order of the reader
+DEFAULT_MEMORY = 4 << 30
+
+
+def _order(n: int, seed: int):
+    from .read.shuffle.permute import Feistel
+
+    return Feistel(n, (int(seed), KEY_TAG))
+
+
+def _spec_of(src, n_rows: int, unit_rows: int) -> dict:
+    """create_store keywords for a store laid out as `src`, with a source_row column."""
+    cols = src.meta_columns
+    return dict(points=list(src.points), width=src.width, widths=dict(src.widths), n_rows=n_rows,
+                shard_rows=src.shard_rows, chunk_rows=src.chunk_rows, dtype=src.dtype,
+                compression=src.compression, meta_chunk_rows=unit_rows,
+                context_size=src.context_size, special_token_ids=tuple(src.special_token_ids),
+                bos_token_id=src.bos_token_id, tokenizer=src.tokenizer,
+                stats_skip_positions=src.stats_skip_positions, roles="role" in cols,
+                generated="gen" in cols, samples="sample" in cols, source_rows=True)
+
+
+def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, facts: dict,
+                    what: str):
+    """(store, created) for the copy or the spill: an existing one must be this very shuffle."""
+    from . import create_store, open_store
+
+    try:
+        st = open_store(url, storage_options=storage_options)
+    except (StoreError, FileNotFoundError):
+        st = None
+    if st is not None:
+        got = (st.attrs or {}).get("shuffled")
+        if got != facts:
+            raise StoreError(f"shuffle: {url} already holds a store that is not this shuffle's "
+                             f"{what} (it records {got!r}, this shuffle is {facts!r}): choose "
+                             "another URL, or delete it")
+        return st, False
+    st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
+                      storage_options=storage_options, **_spec_of(src, n, unit_rows))
+    plan = [{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
+            for b, a in enumerate(range(0, n, unit_rows))]
+    st.write_plan(plan)
+    return st, True
+
+
+def _read_rows(st, a: int, b: int) -> "tuple[np.ndarray, dict]":
+    """Rows [a, b) of every point, [points, n, row_width] in the store's raw dtype (a narrower
+    point in its first columns), and every metadata column; shard by shard, each checked."""
+    from .read.rows import read_meta_checked
+
+    acts = np.zeros((len(st.points), b - a, st.row_width), st.np_dtype)
+    for s in range(a // st.shard_rows, -(-b // st.shard_rows)):
+        s0, s1 = st.shard_range(s)
+        lo, hi = max(a, s0), min(b, s1)
+        for p, point in enumerate(st.points):
+            x = st.read_shard(point, s)
+            acts[p, lo - a:hi - a, :x.shape[1]] = x[lo - s0:hi - s0]
+    cols = {n: read_meta_checked(st, n, a, b) for n in st.meta_columns}
+    return acts, cols
+
+
+def _write_unit(w, a: int, acts: np.ndarray, cols: dict) -> None:
+    """Every row of a unit, metadata first, in block-sized pieces (the writer's own order)."""
+    meta = {k: v for k, v in cols.items() if k not in ("token_id", "doc_id", "position")}
+    w.write_meta(a, cols["token_id"], cols["doc_id"], cols["position"], **meta)
+    n = acts.shape[1]
+    for r in range(0, n, w.block_rows):
+        w.write(a + r, acts[:, r:r + w.block_rows])
+
+
+def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str | None" = None,
+                  storage_options: "dict | None" = None, memory_bytes: int = DEFAULT_MEMORY,
+                  progress: "Callable[[str], None] | None" = None) -> dict:
+    """Write a shuffled copy of the finished store at `src_url` to `dst_url` (see the module
+    doc); rerun with the same arguments after a crash to finish it. Returns a summary: rows,
+    units, seconds of each pass, the source's scans. `spill_url`: the scatter pass's store
+    (default: `dst_url` + ".spill", deleted at the end)."""
+    from . import open_store
+
+    say = progress or log.info
+    src = open_store(src_url, storage_options=storage_options, read_only=True)
+    if "source_row" in src.meta_columns:
+        raise StoreError(f"shuffle: {src_url} is already a shuffled copy (it has a source_row "
+                         "column); shuffle the store it was made from")
+    v = src.verify()
+    if not v.complete or v.committed_rows != src.n_rows:
+        raise StoreError(f"shuffle: {src_url} is not a finished store ({v.committed_rows:,} of "
+                         f"{src.n_rows:,} rows committed, {len(v.missing_units)} planned units "
+                         "missing): finish its run first (harvest run resumes it)")
+    n, U = src.n_rows, src.shard_rows
+    if n == 0:
+        raise StoreError(f"shuffle: {src_url} holds no rows")
+    facts = {"source": src.url, "seed": int(seed), "rows": int(n), "order": "feistel-4",
+             "key_tag": KEY_TAG}
+    spill_url = spill_url or dst_url.rstrip("/") + ".spill"
+    dst, _ = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy")
+    if dst.summary is not None:
+        say(f"shuffle: {dst_url} is already finished")
+        return {"rows": n, "units": -(-n // U), "already_finished": True}
+    order = _order(n, seed)
+    K = -(-n // U)
+    out = {"rows": n, "units": K, "source_scans": 0, "scatter_s": 0.0, "gather_s": 0.0}
+    todo = [b for b in range(K) if not dst.is_committed(b)]
+    spill = None
+    if todo:
+        spill, _ = _open_or_create(spill_url, storage_options, src, n, U, facts, "spill")
+        t = time.perf_counter()
+        buckets = [b for b in todo if not spill.is_committed(b)]
+        group = max(1, int(memory_bytes // max(1, _writer_bytes(src))))
+        for g0 in range(0, len(buckets), group):
+            _scatter(src, spill, order, U, buckets[g0:g0 + group], say)
+            out["source_scans"] += 1
+        out["scatter_s"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        for b in todo:
+            _gather(spill, dst, order, U, b)
+            say(f"shuffle: unit {b + 1} of {K} written")
+        out["gather_s"] = round(time.perf_counter() - t, 3)
+    dst.finalize({"shuffled": facts})
+    if spill is not None or _exists(spill_url, storage_options):
+        _delete_store(spill_url, storage_options)
+    say(f"shuffle: {dst_url}: {n:,} rows in {K} units, finished")
+    return out
+
+
+def _writer_bytes(st) -> int:
+    """What one open writer holds at most: its open and pending blocks of every point (the
+    writer's defaults: 2 open, 2 pending)."""
+    from .format import layout
+
+    br = layout.block_rows(st.shard_rows, st.chunk_rows, len(st.points), st.row_bytes,
+                           st.context_size)
+    return 4 * br * st.row_set_bytes
+
+
+def _scatter(src, spill, order, U: int, buckets: list, say) -> None:
+    """One scan of the source feeding the spill writers of `buckets`: each gets, in source
+    order, the rows whose place in the copy lies in its unit."""
+    n = src.n_rows
+    want = np.zeros(-(-n // U), bool)
+    want[buckets] = True
+    writers = {b: spill.region_writer(b, b * U, min(n, (b + 1) * U), upload_threads=1)
+               for b in buckets}
+    cursor = {b: b * U for b in buckets}
+    try:
+        for s in range(src.n_shards):
+            a, e = src.shard_range(s)
+            rows = np.arange(a, e, dtype=np.int64)
+            bucket = order(rows) // U
+            hit = want[bucket]
+            if not hit.any():
+                continue
+            acts, cols = _read_rows(src, a, e)
+            cols["source_row"] = rows
+            for b in np.unique(bucket[hit]).tolist():
+                idx = np.flatnonzero(bucket == b)
+                _write_unit(writers[b], cursor[b], acts[:, idx], {k: v[idx] for k, v in cols.items()})
+                cursor[b] += idx.size
+        for w in writers.values():
+            w.commit()
+        say(f"shuffle: scattered into {len(buckets)} spill units")
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+
+
+def _gather(spill, dst, order, U: int, b: int) -> None:
+    """The copy's unit b: the spill's unit b, each row at its place."""
+    n = dst.n_rows
+    a, e = b * U, min(n, (b + 1) * U)
+    acts, cols = _read_rows(spill, a, e)
+    at = order(cols["source_row"]) - a
+    if at.min() < 0 or at.max() >= e - a or np.unique(at).size != e - a:
+        raise StoreError(f"shuffle: spill unit {b} of {spill.url} does not hold exactly the rows of "
+                         "the copy's unit: delete the spill store and run again")
+    place = np.empty_like(at)
+    place[at] = np.arange(e - a)
+    w = dst.region_writer(b, a, e)
+    try:
+        _write_unit(w, a, acts[:, place], {k: v[place] for k, v in cols.items()})
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _exists(url: str, storage_options) -> bool:
+    from .storage.locate import locate
+
+    return locate(url, storage_options).read_bytes("zarr.json") is not None
+
+
+def _delete_store(url: str, storage_options) -> None:
+    from .storage.locate import locate
+
+    loc = locate(url, storage_options)
+    loc.delete_tree("")
+    loc.remove_empty_dirs([], root=True)
+
+
+__all__ = ["shuffle_store"]
