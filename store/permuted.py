@@ -137,7 +137,9 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
              "key_tag": KEY_TAG}
     spill_url = spill_url or dst_url.rstrip("/") + ".spill"
     dst, _ = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy")
-    if dst.summary is not None:
+    if dst.summary is not None:   # a crash after finalize may have left the spill behind
+        if _exists(spill_url, storage_options):
+            _delete_store(spill_url, storage_options)
         say(f"shuffle: {dst_url} is already finished")
         return {"rows": n, "units": -(-n // U), "already_finished": True}
     order = _order(n, seed)
