@@ -375,7 +375,9 @@ _BUFFER_BYTES = 1 << 30    # the reader's default shuffle buffer per process
 def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) -> dict:
     """Distinct documents per batch at the default options (window shuffle) and in global mode,
     by describe() (expected and simulated from the metadata), against the ideal uniform draw
-    measured as above, with 1 and 2 DataLoader workers; memory at the real width."""
+    measured as above, with 1 and 2 DataLoader workers; memory at the real width. Also the
+    default options on a shuffled copy of the store (store/permuted.py, `harvest shuffle`),
+    and the copy's seconds at this 8-wide miniature (`shuffle_s`)."""
     from harvest.store.read.dataset import ActivationDataset
 
     width, shard_rows = SHAPES[shape]
@@ -397,6 +399,17 @@ def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) ->
             d = ds.describe(num_workers=w, batches=batches)
             d["vs_ideal"] = d["simulated"]["distinct_docs"] / ideal_q["distinct_docs"]
             out[f"{'global' if mode == 'global' else 'default'}/{max(1, w)}w"] = d
+    from harvest.store.permuted import shuffle_store
+
+    t = time.perf_counter()
+    shuffle_store(url, url + "-shuffled", seed=0)
+    out["shuffle_s"] = time.perf_counter() - t
+    copy = ActivationDataset(url + "-shuffled", batch_size=BATCH, seed=0, exclude_token_ids=[BOS],
+                             shuffle_buffer_rows=buf)
+    for w in (0, 2):
+        d = copy.describe(num_workers=w, batches=batches)
+        d["vs_ideal"] = d["simulated"]["distinct_docs"] / ideal_q["distinct_docs"]
+        out[f"shuffled_copy/{max(1, w)}w"] = d
     return out
 
 
@@ -552,7 +565,8 @@ def _shape_lines(res: dict) -> list[str]:
         out.append(f"{sh} layout (width {r['width']}, {r['shard_mib']:.0f} MiB shards, {r['shards']} shards = "
                    f"{r['windows']} default windows): documents per batch vs ideal "
                    + ", ".join(f"{k} {r[k]['vs_ideal']:.2f}" for k in ("default/1w", "default/2w", "global/1w",
-                                                                        "global/2w"))
+                                                                        "global/2w", "shuffled_copy/1w",
+                                                                        "shuffled_copy/2w") if k in r)
                    + f"; memory per process window {r['memory_mib']['window']:.0f} MiB, "
                    f"global {r['memory_mib']['global']:.0f} MiB")
     return out

@@ -48,6 +48,10 @@ def test_shape_quality_reports_default_and_global_against_the_ideal(tmp_path, mo
     assert r["global/1w"]["vs_uniform"] == 1.0 and r["global/1w"]["vs_ideal"] > 0.9
     assert r["default/1w"]["vs_ideal"] < r["global/1w"]["vs_ideal"]
     assert r["global/1w"]["shard_reads_vs_window"] > 1 and r["default/1w"]["shard_reads_vs_window"] == 1
+    # the default options on a shuffled copy (harvest shuffle): a uniform draw, one read an epoch
+    for k in ("shuffled_copy/1w", "shuffled_copy/2w"):
+        assert r[k]["vs_ideal"] >= 0.9 and r[k]["shard_reads_vs_window"] == 1
+    assert r["default/1w"]["vs_ideal"] < 0.8 and r["shuffle_s"] > 0
     text = \
         bench_shuffle._shape_lines({"shapes": {"tiny": r}})[0]
     assert "tiny layout (width 4096" in text and "memory per process" in text
