@@ -18,6 +18,7 @@ from harvest.pipeline.config.run import HarvestConfig
 from harvest.pipeline.driver.tally import RunSummary
 from .schedule_cmd import add_parser as add_schedule
 from .card import add_parser as add_card
+from .shuffle_cmd import add_parser as add_shuffle
 from harvest.store.storage.credentials import redact_url
 
 EXIT_BAD_INPUT = 2
@@ -335,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.set_defaults(fn=cmd_check_model)
     add_schedule(sub)
     add_card(sub)
+    add_shuffle(sub)
 
     add_repair(sub)   # finalize, uncommit (cli_repair.py)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`

@@ -166,3 +166,21 @@ def test_refusals_name_the_problem(tmp_path, shuffled):
     with pytest.raises(StoreError, match="not this shuffle"):   # another seed, same place
         permuted.shuffle_store(str(d / "src"), str(d / "dst"), seed=8)
     assert src.n_rows > 0
+
+
+def test_harvest_shuffle_command(tmp_path, shuffled, capsys):
+    """`harvest shuffle SRC DST --json`: the copy and its summary; the same command again
+    finds it finished."""
+    import json
+
+    from harvest.pipeline.cli.main import main
+
+    _, clean, _, d = shuffled
+    dst = str(tmp_path / "copy")
+    assert main(["shuffle", str(d / "src"), dst, "--seed", "7", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == clean.n_rows and out["source_scans"] == 1
+    for p in POINTS:
+        assert np.array_equal(_raw(open_store(dst), p), _raw(clean, p))
+    assert main(["shuffle", str(d / "src"), dst, "--seed", "7", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["already_finished"]
