@@ -39,6 +39,7 @@ def test_eight_of_32_shards_warns_with_the_figures_and_the_buffer_that_reaches_h
     with pytest.warns(UserWarning, match="below half") as rec:
         ds = ActivationDataset(s, batch_size=K, shuffle_buffer_rows=8 * SHARD, return_meta=True, seed=3)
     got, uniform, need = _figures(str(rec[0].message))
+    assert "harvest shuffle SRC DST" in str(rec[0].message)   # the way to uniform mixing
     # independent references: the reader's own batches, and uniform permutations of doc_id
     measured = _distinct([b["doc_id"].numpy() for b in ds])
     rng = np.random.default_rng(0)

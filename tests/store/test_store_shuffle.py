@@ -184,3 +184,31 @@ def test_harvest_shuffle_command(tmp_path, shuffled, capsys):
         assert np.array_equal(_raw(open_store(dst), p), _raw(clean, p))
     assert main(["shuffle", str(d / "src"), dst, "--seed", "7", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["already_finished"]
+
+
+def test_a_shuffled_copy_on_s3_leaves_no_spill_objects(seaweedfs, s3_url):
+    """On the S3 server: the copy equals the local one's rows for the same seed, and the spill
+    store's objects are all gone (the copy's and the source's stay)."""
+    import s3fs
+
+    so = seaweedfs.storage_options
+    n = 3 * SHARD
+    src = create_store(s3_url + "/src", points=POINTS, width=8, n_rows=n, shard_rows=SHARD,
+                       chunk_rows=64, context_size=C, special_token_ids=(BOS,),
+                       stats_skip_positions=2, storage_options=so)
+    tok, doc, pos = packed_meta(n, C, mean_doc=40, seed=2)
+    src.write_plan(src.default_plan(1))
+    synthetic.fill(src, synthetic.activations((len(POINTS), n, 8), seed=3), token_id=tok,
+                   doc_id=doc, position=pos)
+    src.finalize()
+    permuted.shuffle_store(s3_url + "/src", s3_url + "/dst", seed=4, storage_options=so)
+    dst = open_store(s3_url + "/dst", storage_options=so)
+    assert dst.verify(deep=True).complete
+    sr = read_meta_checked(dst, "source_row", 0, n)
+    assert np.array_equal(sr[Feistel(n, (4, permuted.KEY_TAG))(np.arange(n))], np.arange(n))
+    for p in POINTS:
+        assert np.array_equal(_raw(dst, p), _raw(open_store(s3_url + "/src", storage_options=so), p)[sr])
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **so)
+    left = fs.find(s3_url[len("s3://"):])
+    assert not [k for k in left if "/dst.spill/" in k]
+    assert any("/dst/" in k for k in left) and any("/src/" in k for k in left)

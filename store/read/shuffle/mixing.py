@@ -104,7 +104,8 @@ def mixing_warning(sample: DocSample, k: int, window: int, shard_rows: int, buff
            f"{share}: use fewer ranks x workers")   # a window never spans two parts
     return (f"shuffle_buffer_rows={buffer_rows} gives windows of {window} of {n_pieces} shards"
             f"{who}: a {k}-row batch is expected to hold {got:.0f} distinct documents against "
-            f"{uniform:.0f} for a uniform shuffle, below half; {fix}.")
+            f"{uniform:.0f} for a uniform shuffle, below half; {fix}, or read a shuffled copy "
+            "(`harvest shuffle SRC DST`: uniform mixing at one read an epoch).")
 
 
 def check(ds, workers: int = 1, stacklevel: int = 3) -> str | None:
