@@ -25,7 +25,15 @@ because every step is a unit committed exactly once by the store's own writer:
      in memory (one unit: one shard of every point), written in order and committed.
 Then the copy is finalized (statistics merged from its units: the source's values, summed in
 another order) and the spill store deleted. Reads: the source once per group of buckets, the
-spill once; writes: the spill and the copy once. Memory: max(one unit, the group's writers).
+spill once; writes: the spill and the copy once. Memory: one unit (one shard of every point
+copied) plus the group's writers (`memory_bytes`).
+
+Growth: scans of the source = ceil(units / group), group = memory_bytes / (2 blocks of every
+point copied). At the default 4 GiB, all 30 points of SmolLM2 make 17-30 units (~2 M tokens) a
+scan and all 32 of an 8B model 16 (0.26 M tokens); one point (`points=`, what an SAE of one
+layer needs) 256-455 units (~30 M tokens) and 128 (2 M tokens). Past one scan the copy's cost
+grows with the square of the store: a multi-level scatter through smaller spill blocks would
+keep it linear (not built).
 """
 
 from __future__ import annotations
@@ -50,10 +58,12 @@ def _order(n: int, seed: int):
     return Feistel(n, (int(seed), KEY_TAG))
 
 
-def _spec_of(src, n_rows: int, unit_rows: int) -> dict:
-    """create_store keywords for a store laid out as `src`, with a source_row column."""
+def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> dict:
+    """create_store keywords for a store laid out as `src` holding `points`, with a source_row
+    column."""
     cols = src.meta_columns
-    return dict(points=list(src.points), width=src.width, widths=dict(src.widths), n_rows=n_rows,
+    return dict(points=list(points), width=src.width, widths={p: src.widths[p] for p in points},
+                n_rows=n_rows,
                 shard_rows=src.shard_rows, chunk_rows=src.chunk_rows, dtype=src.dtype,
                 compression=src.compression, meta_chunk_rows=unit_rows,
                 context_size=src.context_size, special_token_ids=tuple(src.special_token_ids),
@@ -63,7 +73,7 @@ def _spec_of(src, n_rows: int, unit_rows: int) -> dict:
 
 
 def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, facts: dict,
-                    what: str):
+                    what: str, points: list):
     """(store, created) for the copy or the spill: an existing one must be this very shuffle."""
     from . import create_store, open_store
 
@@ -79,23 +89,24 @@ def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, fact
                              "another URL, or delete it")
         return st, False
     st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
-                      storage_options=storage_options, **_spec_of(src, n, unit_rows))
+                      storage_options=storage_options, **_spec_of(src, n, unit_rows, points))
     plan = [{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
             for b, a in enumerate(range(0, n, unit_rows))]
     st.write_plan(plan)
     return st, True
 
 
-def _read_rows(st, a: int, b: int) -> "tuple[np.ndarray, dict]":
-    """Rows [a, b) of every point, [points, n, row_width] in the store's raw dtype (a narrower
-    point in its first columns), and every metadata column; shard by shard, each checked."""
+def _read_rows(st, a: int, b: int, into) -> "tuple[np.ndarray, dict]":
+    """Rows [a, b) of the points of store `into` (the spill or the copy), [points, n, its
+    row_width] in the raw dtype (a narrower point in its first columns), and every metadata
+    column of `st`; shard by shard, each checked."""
     from .read.rows import read_meta_checked
 
-    acts = np.zeros((len(st.points), b - a, st.row_width), st.np_dtype)
+    acts = np.zeros((len(into.points), b - a, into.row_width), st.np_dtype)
     for s in range(a // st.shard_rows, -(-b // st.shard_rows)):
         s0, s1 = st.shard_range(s)
         lo, hi = max(a, s0), min(b, s1)
-        for p, point in enumerate(st.points):
+        for p, point in enumerate(into.points):
             x = st.read_shard(point, s)
             acts[p, lo - a:hi - a, :x.shape[1]] = x[lo - s0:hi - s0]
     cols = {n: read_meta_checked(st, n, a, b) for n in st.meta_columns}
@@ -113,11 +124,14 @@ def _write_unit(w, a: int, acts: np.ndarray, cols: dict) -> None:
 
 def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str | None" = None,
                   storage_options: "dict | None" = None, memory_bytes: int = DEFAULT_MEMORY,
+                  points: "list[str] | None" = None,
                   progress: "Callable[[str], None] | None" = None) -> dict:
     """Write a shuffled copy of the finished store at `src_url` to `dst_url` (see the module
     doc); rerun with the same arguments after a crash to finish it. Returns a summary: rows,
     units, seconds of each pass, the source's scans. `spill_url`: the scatter pass's store
-    (default: `dst_url` + ".spill", deleted at the end)."""
+    (default: `dst_url` + ".spill", deleted at the end). `points`: copy only these (an SAE
+    trains on one layer: a copy of one point is 1/points of the bytes, and its scatter
+    writers hold one point's blocks, so one scan of the source feeds ~points x more units)."""
     from . import open_store
 
     say = progress or log.info
@@ -133,10 +147,15 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
     n, U = src.n_rows, src.shard_rows
     if n == 0:
         raise StoreError(f"shuffle: {src_url} holds no rows")
+    points = list(src.points) if points is None else list(points)
+    unknown = [p for p in points if p not in src.points]
+    if unknown or not points or len(set(points)) != len(points):
+        raise StoreError(f"shuffle: points {points} must name each of some of {src_url}'s points "
+                         f"once ({', '.join(src.points)}){'; not there: ' + ', '.join(unknown) if unknown else ''}")
     facts = {"source": src.url, "seed": int(seed), "rows": int(n), "order": "feistel-4",
-             "key_tag": KEY_TAG}
+             "key_tag": KEY_TAG, "points": points}
     spill_url = spill_url or dst_url.rstrip("/") + ".spill"
-    dst, _ = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy")
+    dst, _ = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy", points)
     if dst.summary is not None:   # a crash after finalize may have left the spill behind
         if _exists(spill_url, storage_options):
             _delete_store(spill_url, storage_options)
@@ -148,10 +167,10 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
     todo = [b for b in range(K) if not dst.is_committed(b)]
     spill = None
     if todo:
-        spill, _ = _open_or_create(spill_url, storage_options, src, n, U, facts, "spill")
+        spill, _ = _open_or_create(spill_url, storage_options, src, n, U, facts, "spill", points)
         t = time.perf_counter()
         buckets = [b for b in todo if not spill.is_committed(b)]
-        group = max(1, int(memory_bytes // max(1, _writer_bytes(src))))
+        group = max(1, int(memory_bytes // max(1, _writer_bytes(spill))))
         for g0 in range(0, len(buckets), group):
             _scatter(src, spill, order, U, buckets[g0:g0 + group], say)
             out["source_scans"] += 1
@@ -169,13 +188,13 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
 
 
 def _writer_bytes(st) -> int:
-    """What one open writer holds at most: its open and pending blocks of every point (the
-    writer's defaults: 2 open, 2 pending)."""
+    """What one scatter writer holds at most: its open block and the one in flight, of every
+    point (67.5 MiB a block at SmolLM2's 30 points, 128 MiB at an 8B model's 32)."""
     from .format import layout
 
     br = layout.block_rows(st.shard_rows, st.chunk_rows, len(st.points), st.row_bytes,
                            st.context_size)
-    return 4 * br * st.row_set_bytes
+    return 2 * br * st.row_set_bytes
 
 
 def _scatter(src, spill, order, U: int, buckets: list, say) -> None:
@@ -184,7 +203,9 @@ def _scatter(src, spill, order, U: int, buckets: list, say) -> None:
     n = src.n_rows
     want = np.zeros(-(-n // U), bool)
     want[buckets] = True
-    writers = {b: spill.region_writer(b, b * U, min(n, (b + 1) * U), upload_threads=1)
+    # rows reach each writer in order: one block open, one in flight (what _writer_bytes counts)
+    writers = {b: spill.region_writer(b, b * U, min(n, (b + 1) * U), upload_threads=1,
+                                      max_open_shards=1, max_pending_shards=1)
                for b in buckets}
     cursor = {b: b * U for b in buckets}
     try:
@@ -195,7 +216,7 @@ def _scatter(src, spill, order, U: int, buckets: list, say) -> None:
             hit = want[bucket]
             if not hit.any():
                 continue
-            acts, cols = _read_rows(src, a, e)
+            acts, cols = _read_rows(src, a, e, spill)
             cols["source_row"] = rows
             for b in np.unique(bucket[hit]).tolist():
                 idx = np.flatnonzero(bucket == b)
@@ -214,16 +235,18 @@ def _gather(spill, dst, order, U: int, b: int) -> None:
     """The copy's unit b: the spill's unit b, each row at its place."""
     n = dst.n_rows
     a, e = b * U, min(n, (b + 1) * U)
-    acts, cols = _read_rows(spill, a, e)
+    acts, cols = _read_rows(spill, a, e, dst)
     at = order(cols["source_row"]) - a
     if at.min() < 0 or at.max() >= e - a or np.unique(at).size != e - a:
         raise StoreError(f"shuffle: spill unit {b} of {spill.url} does not hold exactly the rows of "
                          "the copy's unit: delete the spill store and run again")
     place = np.empty_like(at)
     place[at] = np.arange(e - a)
+    for p in range(acts.shape[0]):   # point by point: the unit plus one point's rows in memory
+        acts[p] = acts[p, place]
     w = dst.region_writer(b, a, e)
     try:
-        _write_unit(w, a, acts[:, place], {k: v[place] for k, v in cols.items()})
+        _write_unit(w, a, acts, {k: v[place] for k, v in cols.items()})
         w.commit()
     except BaseException:
         w.abort()

@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
                    help="the scatter pass's store (default: DST.spill; deleted at the end)")
     s.add_argument("--memory-gb", type=float, default=4.0,
                    help="memory for the scatter pass's writers (fewer scans of SRC with more)")
+    s.add_argument("--points", nargs="+", default=None,
+                   help="copy only these points (default: all; an SAE of one layer needs one)")
     s.add_argument("--json", action="store_true")
     config_args(s)   # --config: the S3 endpoint and credentials of the run's store section
     s.set_defaults(fn=cmd_shuffle)
@@ -34,6 +36,7 @@ def cmd_shuffle(args) -> int:
     so = load_args_config(args).store.fs_options() if args.config else None
     out = shuffle_store(args.src, args.dst, seed=args.seed, spill_url=args.spill,
                         storage_options=so, memory_bytes=int(args.memory_gb * 2**30),
+                        points=args.points,
                         progress=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print_json(args, out)

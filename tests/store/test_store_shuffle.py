@@ -154,6 +154,21 @@ def test_fp8_rows_of_several_widths_move_as_stored(tmp_path):
         assert np.array_equal(_raw(dst, p), _raw(src, p)[sr])
 
 
+def test_a_copy_of_one_point(tmp_path, shuffled):
+    """`points=`: the copy holds those points only, the same order (same seed) and rows; its
+    scatter writers hold one point's blocks."""
+    src, clean, _, d = shuffled
+    permuted.shuffle_store(str(d / "src"), str(tmp_path / "one"), seed=7, points=["mlp_out.0"])
+    one = open_store(str(tmp_path / "one"))
+    assert one.points == ["mlp_out.0"] and one.attrs["shuffled"]["points"] == ["mlp_out.0"]
+    assert np.array_equal(_raw(one, "mlp_out.0"), _raw(clean, "mlp_out.0"))
+    assert np.array_equal(read_meta_checked(one, "source_row", 0, one.n_rows),
+                          read_meta_checked(clean, "source_row", 0, clean.n_rows))
+    assert one.stats(subset="kept")["mlp_out.0"]["count"] == src.stats(subset="kept")["mlp_out.0"]["count"]
+    with pytest.raises(StoreError, match="not there: attn_out.0"):
+        permuted.shuffle_store(str(d / "src"), str(tmp_path / "two"), points=["attn_out.0"])
+
+
 def test_refusals_name_the_problem(tmp_path, shuffled):
     src, _, _, d = shuffled
     unfinished = create_store(str(tmp_path / "partial"), points=POINTS, width=8, n_rows=4 * SHARD,
