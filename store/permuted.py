@@ -15,25 +15,27 @@ keyed bijection, read/shuffle/permute.py), key = (seed, "shuffle"). Each row of 
 its source row (`source_row`), so context positions (source_row % context_size, what `seqpos`
 and the `kept` statistics use) and any link back to the source survive the move.
 
-Two passes, each reading and writing every row once; both restart where a crash left them,
-because every step is a unit committed exactly once by the store's own writer:
-  1. scatter: a spill store (same layout) whose unit b holds the source rows bound for the
-     copy's unit b, in source order. One scan of the source feeds the writers of a group of
-     buckets (as many as `memory_bytes` allows: each holds a few blocks); a rerun writes only the
-     buckets not yet committed, from a new scan.
-  2. gather: the copy's unit b is the spill's unit b read whole, each row put at d(i) - start(b)
-     in memory (one unit: one shard of every point), written in order and committed.
+Scatter levels, then a gather, each reading and writing every row once; all restart where a
+crash left them, because every step is a unit committed exactly once by the store's own writer:
+  1. scatter: one scan feeds `group` writers at a time (as many as `memory_bytes` holds: each
+     keeps one block of every point open and one in flight). With K units in the copy and
+     L = ceil(log_group K) levels, unit c of level l (a spill store, the copy's layout, under
+     `spill_url`/level-l) holds the rows bound for the copy's units [c g^(L-l), (c+1) g^(L-l)),
+     in the order they came: level 1 from one scan of the source, each unit of level l + 1 from
+     one scan of its parent unit in level l. Level L's unit b holds the copy's unit b's rows.
+     A rerun writes only the units not yet committed that a copy unit still to write needs.
+  2. gather: the copy's unit b is level L's unit b read whole, each row put at d(i) - start(b)
+     in memory (one unit: one shard of every point copied), written in order and committed.
 Then the copy is finalized (statistics merged from its units: the source's values, summed in
-another order) and the spill store deleted. Reads: the source once per group of buckets, the
-spill once; writes: the spill and the copy once. Memory: one unit (one shard of every point
-copied) plus the group's writers (`memory_bytes`).
+another order) and the spill stores deleted. Reads: the source once, each level once; writes:
+each level and the copy once: linear in the store, L + 1 times. Memory: one unit plus the
+group's writers (`memory_bytes`).
 
-Growth: scans of the source = ceil(units / group), group = memory_bytes / (2 blocks of every
-point copied). At the default 4 GiB, all 30 points of SmolLM2 make 17-30 units (~2 M tokens) a
-scan and all 32 of an 8B model 16 (0.26 M tokens); one point (`points=`, what an SAE of one
-layer needs) 256-455 units (~30 M tokens) and 128 (2 M tokens). Past one scan the copy's cost
-grows with the square of the store: a multi-level scatter through smaller spill blocks would
-keep it linear (not built).
+How many levels: group = memory_bytes / (2 blocks of every point copied). At the default
+4 GiB, all 30 points of SmolLM2 make groups of 17-30 units (one level up to ~2 M tokens, two up
+to ~60 M) and all 32 of an 8B model 16 (0.26 M, 4 M, 67 M tokens for 1-3 levels); one point
+(`points=`, what an SAE of one layer needs) 256-455 and 128 (one level up to ~30 M and 2 M
+tokens, two up to billions and ~270 M).
 """
 
 from __future__ import annotations
@@ -157,34 +159,56 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
     spill_url = spill_url or dst_url.rstrip("/") + ".spill"
     dst, _ = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy", points)
     if dst.summary is not None:   # a crash after finalize may have left the spill behind
-        if _exists(spill_url, storage_options):
-            _delete_store(spill_url, storage_options)
+        _delete_store(spill_url, storage_options)
         say(f"shuffle: {dst_url} is already finished")
         return {"rows": n, "units": -(-n // U), "already_finished": True}
     order = _order(n, seed)
     K = -(-n // U)
-    out = {"rows": n, "units": K, "source_scans": 0, "scatter_s": 0.0, "gather_s": 0.0}
+    group = max(2, int(memory_bytes // max(1, _writer_bytes(dst))))
+    L = _levels(K, group)
+    out = {"rows": n, "units": K, "levels": L, "units_per_scan": group, "scans": 0,
+           "scatter_s": 0.0, "gather_s": 0.0}
     todo = [b for b in range(K) if not dst.is_committed(b)]
-    spill = None
     if todo:
-        spill, _ = _open_or_create(spill_url, storage_options, src, n, U, facts, "spill", points)
         t = time.perf_counter()
-        buckets = [b for b in todo if not spill.is_committed(b)]
-        group = max(1, int(memory_bytes // max(1, _writer_bytes(spill))))
-        for g0 in range(0, len(buckets), group):
-            _scatter(src, spill, order, U, buckets[g0:g0 + group], say)
-            out["source_scans"] += 1
+        # level l (1..L) has units of U * group^(L - l) rows: unit c of level l holds the rows
+        # bound for the copy's units [c * group^(L-l), (c+1) * group^(L-l)), in the order they
+        # came; level L's units are the copy's. Level 1 is fed by one scan of the source, each
+        # unit of level l by one scan of its parent in level l - 1.
+        parent, parent_rows = src, n
+        for level in range(1, L + 1):
+            size = U * group ** (L - level)
+            want = sorted({b * U // size for b in todo})   # the units feeding copy units to write
+            st, _ = _open_or_create(f"{spill_url.rstrip('/')}/level-{level}", storage_options, src,
+                                    n, size, {**facts, "level": level}, "spill", points)
+            todo_l = [c for c in want if not st.is_committed(c)]
+            by_parent: dict = {}
+            for c in todo_l:
+                by_parent.setdefault(c * size // parent_rows, []).append(c)
+            for q, children in sorted(by_parent.items()):
+                a = q * parent_rows
+                _scatter(parent, a, min(n, a + parent_rows), st, order, size, children, say)
+                out["scans"] += 1
+            parent, parent_rows = st, size
         out["scatter_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
         for b in todo:
-            _gather(spill, dst, order, U, b)
+            _gather(parent, dst, order, U, b)
             say(f"shuffle: unit {b + 1} of {K} written")
         out["gather_s"] = round(time.perf_counter() - t, 3)
     dst.finalize({"shuffled": facts})
-    if spill is not None or _exists(spill_url, storage_options):
-        _delete_store(spill_url, storage_options)
+    _delete_store(spill_url, storage_options)
     say(f"shuffle: {dst_url}: {n:,} rows in {K} units, finished")
     return out
+
+
+def _levels(units: int, group: int) -> int:
+    """Scatter levels for `units` of the copy when one scan feeds `group` writers: the
+    smallest L with group^L >= units (at least 1)."""
+    L, reach = 1, group
+    while reach < units:
+        L, reach = L + 1, reach * group
+    return L
 
 
 def _writer_bytes(st) -> int:
@@ -197,34 +221,32 @@ def _writer_bytes(st) -> int:
     return 2 * br * st.row_set_bytes
 
 
-def _scatter(src, spill, order, U: int, buckets: list, say) -> None:
-    """One scan of the source feeding the spill writers of `buckets`: each gets, in source
-    order, the rows whose place in the copy lies in its unit."""
-    n = src.n_rows
-    want = np.zeros(-(-n // U), bool)
-    want[buckets] = True
-    # rows reach each writer in order: one block open, one in flight (what _writer_bytes counts)
-    writers = {b: spill.region_writer(b, b * U, min(n, (b + 1) * U), upload_threads=1,
-                                      max_open_shards=1, max_pending_shards=1)
-               for b in buckets}
-    cursor = {b: b * U for b in buckets}
+def _scatter(inp, a: int, e: int, out, order, size: int, children: list, say) -> None:
+    """One scan of rows [a, e) of `inp` (the source, or a spill level) feeding the writers of
+    `out`'s units `children` (of `size` rows each): each gets, in the order they come, the rows
+    whose place in the copy lies in its range."""
+    n = out.n_rows
+    writers = {c: out.region_writer(c, c * size, min(n, (c + 1) * size), upload_threads=1,
+                                    max_open_shards=1, max_pending_shards=1)
+               for c in children}   # rows reach each writer in order: one block open, one in flight
+    cursor = {c: c * size for c in children}
     try:
-        for s in range(src.n_shards):
-            a, e = src.shard_range(s)
-            rows = np.arange(a, e, dtype=np.int64)
-            bucket = order(rows) // U
-            hit = want[bucket]
-            if not hit.any():
-                continue
-            acts, cols = _read_rows(src, a, e, spill)
-            cols["source_row"] = rows
-            for b in np.unique(bucket[hit]).tolist():
-                idx = np.flatnonzero(bucket == b)
-                _write_unit(writers[b], cursor[b], acts[:, idx], {k: v[idx] for k, v in cols.items()})
-                cursor[b] += idx.size
+        for s in range(a // inp.shard_rows, -(-e // inp.shard_rows)):
+            s0, s1 = inp.shard_range(s)
+            s0, s1 = max(a, s0), min(e, s1)
+            acts, cols = _read_rows(inp, s0, s1, out)
+            if "source_row" not in cols:   # the source itself
+                cols["source_row"] = np.arange(s0, s1, dtype=np.int64)
+            bucket = order(cols["source_row"]) // size
+            for c in np.unique(bucket).tolist():
+                if c not in writers:   # committed, or every copy unit it feeds is (a rerun)
+                    continue
+                idx = np.flatnonzero(bucket == c)
+                _write_unit(writers[c], cursor[c], acts[:, idx], {k: v[idx] for k, v in cols.items()})
+                cursor[c] += idx.size
         for w in writers.values():
             w.commit()
-        say(f"shuffle: scattered into {len(buckets)} spill units")
+        say(f"shuffle: {len(children)} units of {out.url} scattered from rows [{a}, {e})")
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -232,7 +254,7 @@ def _scatter(src, spill, order, U: int, buckets: list, say) -> None:
 
 
 def _gather(spill, dst, order, U: int, b: int) -> None:
-    """The copy's unit b: the spill's unit b, each row at its place."""
+    """The copy's unit b: the last spill level's unit b, each row at its place."""
     n = dst.n_rows
     a, e = b * U, min(n, (b + 1) * U)
     acts, cols = _read_rows(spill, a, e, dst)
@@ -251,12 +273,6 @@ def _gather(spill, dst, order, U: int, b: int) -> None:
     except BaseException:
         w.abort()
         raise
-
-
-def _exists(url: str, storage_options) -> bool:
-    from .storage.locate import locate
-
-    return locate(url, storage_options).read_bytes("zarr.json") is not None
 
 
 def _delete_store(url: str, storage_options) -> None:

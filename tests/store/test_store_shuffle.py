@@ -58,7 +58,8 @@ def shuffled(tmp_path_factory):
 def test_every_source_row_once_bit_for_bit_at_the_keyed_place(shuffled):
     src, dst, out, d = shuffled
     n = src.n_rows
-    assert out["rows"] == n and out["units"] == -(-n // SHARD) and out["source_scans"] == 1
+    assert out["rows"] == n and out["units"] == -(-n // SHARD) and out["scans"] == 1
+    assert out["levels"] == 1
     assert dst.n_rows == n and dst.summary is not None and dst.verify(deep=True).complete
     sr = read_meta_checked(dst, "source_row", 0, n)
     assert np.array_equal(np.sort(sr), np.arange(n))
@@ -125,13 +126,13 @@ def test_a_crash_in_either_pass_resumes_to_a_clean_runs_bytes(tmp_path, monkeypa
 
     monkeypatch.setattr(permuted, f"_{where}", dies)
     dst = str(tmp_path / "dst")
-    # a small memory budget: the scatter pass goes in groups of buckets, one scan each
+    # a small memory budget: 3 writers a scan, so 11 units take 3 scatter levels (3, 9, 27)
     kw = dict(seed=7, memory_bytes=3 * permuted._writer_bytes(src))
     with pytest.raises(RuntimeError, match="killed"):
         permuted.shuffle_store(str(d / "src"), dst, **kw)
     monkeypatch.setattr(permuted, f"_{where}", real)
     again = permuted.shuffle_store(str(d / "src"), dst, **kw)
-    assert again["units"] == clean.n_rows // SHARD + 1
+    assert again["units"] == clean.n_rows // SHARD + 1 and again["levels"] == 3
     got = open_store(dst)
     assert got.verify(deep=True).complete
     for p in POINTS:
@@ -194,7 +195,7 @@ def test_harvest_shuffle_command(tmp_path, shuffled, capsys):
     dst = str(tmp_path / "copy")
     assert main(["shuffle", str(d / "src"), dst, "--seed", "7", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["rows"] == clean.n_rows and out["source_scans"] == 1
+    assert out["rows"] == clean.n_rows and out["scans"] == 1
     for p in POINTS:
         assert np.array_equal(_raw(open_store(dst), p), _raw(clean, p))
     assert main(["shuffle", str(d / "src"), dst, "--seed", "7", "--json"]) == 0
