@@ -23,7 +23,9 @@ crash left them, because every step is a unit committed exactly once by the stor
      `spill_url`/level-l) holds the rows bound for the copy's units [c g^(L-l), (c+1) g^(L-l)),
      in the order they came: level 1 from one scan of the source, each unit of level l + 1 from
      one scan of its parent unit in level l. Level L's unit b holds the copy's unit b's rows.
-     A rerun writes only the units not yet committed that a copy unit still to write needs.
+     A rerun writes only the units not yet committed that a copy unit still to write needs,
+     starting below the deepest level that holds them all. A level is deleted once the next
+     holds its rows: besides the source and the copy, at most two levels' rows are stored.
   2. gather: the copy's unit b is level L's unit b read whole, each row put at d(i) - start(b)
      in memory (one unit: one shard of every point copied), written in order and committed.
 Then the copy is finalized (statistics merged from its units: the source's values, summed in
@@ -75,27 +77,31 @@ def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> dict:
 
 
 def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, facts: dict,
-                    what: str, points: list):
-    """(store, created) for the copy or the spill: an existing one must be this very shuffle."""
+                    what: str, points: list, create: bool = True):
+    """(store, created) for the copy or a spill level: an existing one must be this very
+    shuffle's; (None, False) where there is none and not `create`."""
     from . import create_store, open_store
 
     try:
         st = open_store(url, storage_options=storage_options)
     except (StoreError, FileNotFoundError):
         st = None
+    created = st is None
     if st is not None:
         got = (st.attrs or {}).get("shuffled")
         if got != facts:
             raise StoreError(f"shuffle: {url} already holds a store that is not this shuffle's "
                              f"{what} (it records {got!r}, this shuffle is {facts!r}): choose "
                              "another URL, or delete it")
-        return st, False
-    st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
-                      storage_options=storage_options, **_spec_of(src, n, unit_rows, points))
-    plan = [{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
-            for b, a in enumerate(range(0, n, unit_rows))]
-    st.write_plan(plan)
-    return st, True
+    elif not create:
+        return None, False
+    else:
+        st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
+                          storage_options=storage_options, **_spec_of(src, n, unit_rows, points))
+    if not st.plan():   # new, or a crash came between create_store and its plan
+        st.write_plan([{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
+                       for b, a in enumerate(range(0, n, unit_rows))])
+    return st, created
 
 
 def _read_rows(st, a: int, b: int, into) -> "tuple[np.ndarray, dict]":
@@ -175,20 +181,37 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
         # bound for the copy's units [c * group^(L-l), (c+1) * group^(L-l)), in the order they
         # came; level L's units are the copy's. Level 1 is fed by one scan of the source, each
         # unit of level l by one scan of its parent in level l - 1.
-        parent, parent_rows = src, n
-        for level in range(1, L + 1):
-            size = U * group ** (L - level)
-            want = sorted({b * U // size for b in todo})   # the units feeding copy units to write
-            st, _ = _open_or_create(f"{spill_url.rstrip('/')}/level-{level}", storage_options, src,
-                                    n, size, {**facts, "level": level}, "spill", points)
-            todo_l = [c for c in want if not st.is_committed(c)]
+        sizes = {level: U * group ** (L - level) for level in range(1, L + 1)}
+        want = {level: sorted({b * U // sizes[level] for b in todo}) for level in sizes}
+
+        def level_store(level: int, create: bool = True):
+            return _open_or_create(f"{spill_url.rstrip('/')}/level-{level}", storage_options, src,
+                                   n, sizes[level], {**facts, "level": level}, "spill", points,
+                                   create)[0]
+
+        # a rerun starts below the deepest level that already holds every unit still needed
+        # (the levels above it may be deleted already)
+        first = 1
+        for level in range(L, 0, -1):
+            st = level_store(level, create=False)
+            if st is not None and all(st.is_committed(c) for c in want[level]):
+                first = level + 1
+                break
+        parent = src if first == 1 else level_store(first - 1)
+        parent_rows = n if first == 1 else sizes[first - 1]
+        for level in range(first, L + 1):
+            size = sizes[level]
+            st = level_store(level)
             by_parent: dict = {}
-            for c in todo_l:
-                by_parent.setdefault(c * size // parent_rows, []).append(c)
+            for c in want[level]:
+                if not st.is_committed(c):
+                    by_parent.setdefault(c * size // parent_rows, []).append(c)
             for q, children in sorted(by_parent.items()):
                 a = q * parent_rows
                 _scatter(parent, a, min(n, a + parent_rows), st, order, size, children, say)
                 out["scans"] += 1
+            if parent is not src:   # its rows are all in this level now: free the space
+                _delete_store(parent.url, storage_options)
             parent, parent_rows = st, size
         out["scatter_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()

@@ -130,6 +130,11 @@ def test_a_crash_in_either_pass_resumes_to_a_clean_runs_bytes(tmp_path, monkeypa
     kw = dict(seed=7, memory_bytes=3 * permuted._writer_bytes(src))
     with pytest.raises(RuntimeError, match="killed"):
         permuted.shuffle_store(str(d / "src"), dst, **kw)
+    spill = tmp_path / "dst.spill"
+    if where == "gather":   # every level was done: each freed once the next held its rows
+        assert [p.name for p in spill.iterdir()] == ["level-3"]
+    else:                   # killed in level 2's scan: level 1 is still needed
+        assert (spill / "level-1").exists()
     monkeypatch.setattr(permuted, f"_{where}", real)
     again = permuted.shuffle_store(str(d / "src"), dst, **kw)
     assert again["units"] == clean.n_rows // SHARD + 1 and again["levels"] == 3
