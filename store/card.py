@@ -67,6 +67,8 @@ def card_facts(store: Store) -> dict:
         "stats_skip_positions": store.stats_skip_positions,
         "layout_version": store.layout_version,
         "finalized_at": a.get("finalized_at"),
+        # a shuffled copy (permuted.py): rows are not in token order
+        "shuffled": run.get("shuffled"),
     }
 
 
@@ -159,6 +161,9 @@ def card_text(store: Store) -> str:
         f"| filters | BOS id {f['bos_token_id']}, special ids {f['special_token_ids']}; "
         f"statistics `kept` leave out those and the first {f['stats_skip_positions']} "
         "position(s) of each context |",
+        *([f"| row order | shuffled: a copy of `{f['shuffled'].get('source')}` with its rows in one "
+           f"random order (seed {f['shuffled'].get('seed')}); `source_row` says which row of it "
+           "each row is, so contexts are not runs of rows here |"] if f.get("shuffled") else []),
         "",
         "## Statistics (kept rows)\n",
         _stats_table(store),

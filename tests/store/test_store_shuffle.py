@@ -70,6 +70,9 @@ def test_every_source_row_once_bit_for_bit_at_the_keyed_place(shuffled):
     for got, want in zip(dst.read_row_meta_checked(0, n), src.read_row_meta_checked(0, n)):
         assert np.array_equal(got, want[sr])
     assert dst.attrs["model"] == "tiny" and dst.attrs["shuffled"]["seed"] == 7
+    card = (d / "dst" / "README.md").read_text()   # finalize's dataset card says so
+    assert "| row order | shuffled: a copy of" in card and "seed 7" in card
+    assert "row order" not in (d / "src" / "README.md").read_text()
     assert not (d / "dst.spill").exists()   # the spill store is gone
 
 
