@@ -135,8 +135,10 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
                   points: "list[str] | None" = None,
                   progress: "Callable[[str], None] | None" = None) -> dict:
     """Write a shuffled copy of the finished store at `src_url` to `dst_url` (see the module
-    doc); rerun with the same arguments after a crash to finish it. Returns a summary: rows,
-    units, seconds of each pass, the source's scans. `spill_url`: the scatter pass's store
+    doc); rerun with the same arguments after a crash to finish it (a spill level written with
+    another `memory_bytes`, hence other unit sizes, is refused by name). Returns a summary:
+    rows, units, levels, units a scan feeds, scans (of the source and the levels), seconds of
+    the scatter and the gather. `spill_url`: the scatter pass's store
     (default: `dst_url` + ".spill", deleted at the end). `points`: copy only these (an SAE
     trains on one layer: a copy of one point is 1/points of the bytes, and its scatter
     writers hold one point's blocks, so one scan of the source feeds ~points x more units)."""
@@ -186,8 +188,9 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
 
         def level_store(level: int, create: bool = True):
             return _open_or_create(f"{spill_url.rstrip('/')}/level-{level}", storage_options, src,
-                                   n, sizes[level], {**facts, "level": level}, "spill", points,
-                                   create)[0]
+                                   n, sizes[level],
+                                   {**facts, "level": level, "unit_rows": sizes[level]}, "spill",
+                                   points, create)[0]
 
         # a rerun starts below the deepest level that already holds every unit still needed
         # (the levels above it may be deleted already)

@@ -138,6 +138,8 @@ def test_a_crash_in_either_pass_resumes_to_a_clean_runs_bytes(tmp_path, monkeypa
         assert [p.name for p in spill.iterdir()] == ["level-3"]
     else:                   # killed in level 2's scan: level 1 is still needed
         assert (spill / "level-1").exists()
+        with pytest.raises(StoreError, match="not this shuffle's spill"):   # other unit sizes
+            permuted.shuffle_store(str(d / "src"), dst, seed=7)
     monkeypatch.setattr(permuted, f"_{where}", real)
     again = permuted.shuffle_store(str(d / "src"), dst, **kw)
     assert again["units"] == clean.n_rows // SHARD + 1 and again["levels"] == 3
