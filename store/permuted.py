@@ -78,30 +78,30 @@ def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> dict:
 
 def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, facts: dict,
                     what: str, points: list, create: bool = True):
-    """(store, created) for the copy or a spill level: an existing one must be this very
-    shuffle's; (None, False) where there is none and not `create`."""
+    """The copy or a spill level: an existing one must be this very shuffle's; None where there
+    is none and not `create`."""
     from . import create_store, open_store
 
     try:
         st = open_store(url, storage_options=storage_options)
     except (StoreError, FileNotFoundError):
         st = None
-    created = st is None
     if st is not None:
         got = (st.attrs or {}).get("shuffled")
         if got != facts:
+            fix = ("rerun with the --memory-gb and --points it was started with, or give --spill "
+                   "a new place" if what == "spill" else "give the copy a new place")
             raise StoreError(f"shuffle: {url} already holds a store that is not this shuffle's "
-                             f"{what} (it records {got!r}, this shuffle is {facts!r}): choose "
-                             "another URL, or delete it")
+                             f"{what} (it records {got!r}, this shuffle is {facts!r}): {fix}")
     elif not create:
-        return None, False
+        return None
     else:
         st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
                           storage_options=storage_options, **_spec_of(src, n, unit_rows, points))
     if not st.plan():   # new, or a crash came between create_store and its plan
         st.write_plan([{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
                        for b, a in enumerate(range(0, n, unit_rows))])
-    return st, created
+    return st
 
 
 def _read_rows(st, a: int, b: int, into) -> "tuple[np.ndarray, dict]":
@@ -165,7 +165,7 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
     facts = {"source": src.url, "seed": int(seed), "rows": int(n), "order": "feistel-4",
              "key_tag": KEY_TAG, "points": points}
     spill_url = spill_url or dst_url.rstrip("/") + ".spill"
-    dst, _ = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy", points)
+    dst = _open_or_create(dst_url, storage_options, src, n, U, facts, "copy", points)
     if dst.summary is not None:   # a crash after finalize may have left the spill behind
         _delete_store(spill_url, storage_options)
         say(f"shuffle: {dst_url} is already finished")
@@ -190,7 +190,7 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
             return _open_or_create(f"{spill_url.rstrip('/')}/level-{level}", storage_options, src,
                                    n, sizes[level],
                                    {**facts, "level": level, "unit_rows": sizes[level]}, "spill",
-                                   points, create)[0]
+                                   points, create)
 
         # a rerun starts below the deepest level that already holds every unit still needed
         # (the levels above it may be deleted already)
@@ -287,7 +287,7 @@ def _gather(spill, dst, order, U: int, b: int) -> None:
     at = order(cols["source_row"]) - a
     if at.min() < 0 or at.max() >= e - a or np.unique(at).size != e - a:
         raise StoreError(f"shuffle: spill unit {b} of {spill.url} does not hold exactly the rows of "
-                         "the copy's unit: delete the spill store and run again")
+                         "the copy's unit: run again with --spill at a new place")
     place = np.empty_like(at)
     place[at] = np.arange(e - a)
     for p in range(acts.shape[0]):   # point by point: the unit plus one point's rows in memory

@@ -44,12 +44,9 @@ class DocSample:
         self.per_shard, docs, kept = [], [], []
         for i in pick:
             a, b = pieces[i]
-            doc = read_meta("doc_id", a, b)
-            tok = read_meta("token_id", a, b) if filt.needs_tokens else None
-            role = read_meta("role", a, b) if filt.needs_roles else None
-            gen = read_meta("gen", a, b) if filt.generated else None
-            src = read_meta("source_row", a, b) if filt.needs_source_rows else None
-            m = filt.mask(a, b, tok, doc, role, gen, src)
+            cols = {n: read_meta(n, a, b) for n in {"doc_id", *filt.meta_names()}}
+            doc = cols["doc_id"]
+            m = filt.mask_of(a, b, cols)
             d = doc if m is None else doc[m]
             d = d[d >= 0]
             kept.append(m.sum() if m is not None else b - a)
