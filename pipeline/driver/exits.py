@@ -47,6 +47,9 @@ class Terminated(KeyboardInterrupt):
 
 _state = {"installed": 0, "received": None}
 _reaper: dict[str, subprocess.Popen | None] = {}   # "proc": the watcher of the local cluster started here
+_cluster: dict[str, set] = {}   # "roots": the pids the local cluster started here began with
+# how long a driver waits for its local cluster's processes to exit after ray.shutdown()
+SHUTDOWN_GRACE_S = 20.0
 
 
 def _handler(signum, frame) -> None:
@@ -104,9 +107,67 @@ def stop_pids(pids, grace: float = 10.0) -> None:
     procs = []
     for pid in pids:
         try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    stop_procs(procs, grace)
+
+
+def _tree(roots) -> list:
+    """The live processes among `roots` and all their descendants (psutil objects: each one
+    remembers its start time, so a pid reused later is never mistaken for it)."""
+    import psutil
+
+    out: dict = {}
+    for pid in roots:
+        try:
             p = psutil.Process(pid)
+            out[p.pid] = p
+            for k in p.children(recursive=True):
+                out.setdefault(k.pid, k)
+        except psutil.Error:
+            pass
+    return list(out.values())
+
+
+def shutdown_ray(grace: float = SHUTDOWN_GRACE_S) -> None:
+    """`ray.shutdown()`, and a local cluster this process started is gone when this returns.
+
+    `ray.shutdown()` signals the cluster's processes and returns without waiting for them: the
+    raylet's agents and workers exit a moment later, on a loaded machine seconds later, so a
+    driver could exit while processes it started still ran (a test saw one outlive a SIGTERMed
+    driver). So the cluster's whole process tree is recorded before the shutdown, waited for up
+    to `grace` seconds, and whatever is left is stopped (SIGTERM, then SIGKILL) by pid. Its
+    watcher (reaper.py) goes last, once there is nothing left for it to do."""
+    import ray
+
+    procs = _tree(_cluster.pop("roots", ()))
+    try:
+        ray.shutdown()
+    finally:
+        _settle(procs, grace)
+        reaper.stop(_reaper.pop("proc", None))
+
+
+def _settle(procs: list, grace: float) -> None:
+    """Wait up to `grace` for `procs` to exit; SIGTERM the rest, then SIGKILL what still runs."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    if alive:
+        log.warning("%d processes of the local Ray cluster still ran %.0f s after its shutdown: "
+                    "stopping them by pid (%s)", len(alive), grace,
+                    ", ".join(str(p.pid) for p in alive[:8]))
+        stop_procs(alive)
+
+
+def stop_procs(procs: list, grace: float = 10.0) -> None:
+    """SIGTERM these processes (psutil objects), wait up to `grace`, then SIGKILL."""
+    import psutil
+
+    for p in procs:
+        try:
             p.terminate()
-            procs.append(p)
         except psutil.Error:
             pass
     _, alive = psutil.wait_procs(procs, timeout=grace)
@@ -118,15 +179,6 @@ def stop_pids(pids, grace: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-def shutdown_ray() -> None:
-    """`ray.shutdown()`; a local cluster this process started is stopped with it, and its
-    watcher (reaper.py) goes first, its work done."""
-    import ray
-
-    reaper.stop(_reaper.pop("proc", None))
-    ray.shutdown()
-
-
 def init_local_ray(kw: dict[str, Any]) -> None:
     """`ray.init(**kw)` starting a local cluster; if it fails, the processes it started are stopped
     (by pid) and the failure is one clear error, not Ray's traceback."""
@@ -136,8 +188,10 @@ def init_local_ray(kw: dict[str, Any]) -> None:
     t0 = time.monotonic()
     try:
         ray.init(**kw)
+        roots = _children() - before
+        _cluster["roots"] = roots   # shutdown_ray waits for their whole tree
         # a watcher that stops these processes if this driver dies without doing it (SIGKILL)
-        _reaper["proc"] = reaper.start(_children() - before)
+        _reaper["proc"] = reaper.start(roots)
     except BaseException as e:
         leftovers = _children() - before
         try:

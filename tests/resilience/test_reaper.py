@@ -55,3 +55,40 @@ def test_a_sigkilled_driver_leaves_no_process_of_its_cluster():
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_shutdown_ray_returns_only_when_the_local_clusters_processes_are_gone(monkeypatch):
+    """`ray.shutdown()` signals a local cluster and returns before its processes exit (a
+    SIGTERMed driver once exited while one of its cluster's processes still ran). Stand-in: a
+    "cluster" root whose child lingers 3 s after the root ends (as the raylet's agents and
+    workers do), and a ray.shutdown that only ends the root. `shutdown_ray` must return with the
+    child gone, and leave a bystander alone: the verdict depends on no timing (the child would
+    outlive the root by 3 s in every run without the wait)."""
+    import ray
+
+    from harvest.pipeline.driver import exits
+
+    bystander = subprocess.Popen(["sleep", "600"])
+    root = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c",
+            "import os, time\\nppid = os.getppid()\\n"
+            "while os.getppid() == ppid: time.sleep(0.05)\\ntime.sleep(3)"])
+        time.sleep(600)""")])
+    try:
+        wait_until(lambda: len(psutil.Process(root.pid).children()) == 1, 60, "the root's child")
+        child = psutil.Process(root.pid).children()[0]
+        monkeypatch.setitem(exits._cluster, "roots", {root.pid})
+        monkeypatch.setitem(exits._reaper, "proc", None)
+        monkeypatch.setattr(ray, "shutdown", lambda: root.terminate())
+        exits.shutdown_ray(grace=30)
+        assert root.poll() is not None or root.wait(5) is not None
+        assert not (child.is_running() and child.status() != psutil.STATUS_ZOMBIE), \
+            "shutdown_ray returned while a process of the cluster still ran"
+        assert bystander.poll() is None
+        assert "roots" not in exits._cluster
+    finally:
+        for p in (root, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
