@@ -13,6 +13,7 @@ import torch
 from harvest.engine import Address, GenerateParams, load_model
 from harvest.engine.capture.coverage import CoverageError
 from tests.fixtures.models import tiny_model_path
+from tests.support import runners
 from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # vLLM engines: not in `pytest -m 'not slow'`
@@ -22,12 +23,15 @@ MAX_BATCHED = 64
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=("llama", "gpt2"))
+@pytest.fixture(scope="module", params=runners.params(("llama", "gpt2")))
 def frozen(request):
-    path = tiny_model_path(request.param)
-    m = load_model(path, backend="vllm", freeze_points="auto", max_num_batched_tokens=MAX_BATCHED)
-    yield request.param, path, m
-    m.close()
+    """Each family on both of vLLM's model runners (tests/support/runners.py)."""
+    arch, runner = request.param
+    path = tiny_model_path(arch)
+    with runners.model_runner(runner):
+        m = load_model(path, backend="vllm", freeze_points="auto", max_num_batched_tokens=MAX_BATCHED)
+        yield arch, path, m
+        m.close()
 
 
 def _check_against_hf(path, m, out, toks, layers):

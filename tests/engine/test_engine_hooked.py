@@ -16,6 +16,7 @@ import torch
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.model_check import reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
+from tests.support import runners
 from tests.support import hf_points
 from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 
@@ -35,12 +36,15 @@ def family_refs():
 
 @pytest.fixture(scope="module", params=("llama",) + FAMILIES)
 def hooked(request):
-    """One hooked engine at a time (the engine's state slot is per process)."""
-    path = tiny_model_path(request.param)
-    m = load_model(path, backend="vllm", enforce_eager=True, max_num_batched_tokens=64)
-    assert m.mode == "hooked"
-    yield request.param, path, m
-    m.close()
+    """One hooked engine at a time (the engine's state slot is per process); llama also on
+    Model Runner V2 (tests/support/runners.py)."""
+    arch, _, runner = request.param.partition("-")
+    path = tiny_model_path(arch)
+    with runners.model_runner(runner or "v1"):
+        m = load_model(path, backend="vllm", enforce_eager=True, max_num_batched_tokens=64)
+        assert m.mode == "hooked"
+        yield arch, path, m
+        m.close()
 
 
 @pytest.mark.parametrize("hooked", FAMILIES, indirect=True)
@@ -65,7 +69,7 @@ def test_eager_reference_hooks_equal_output_hidden_states():
         torch.testing.assert_close(g[Address("resid_pre", 0)], h[0])  # embeddings
 
 
-@pytest.mark.parametrize("hooked", ["llama"], indirect=True)
+@pytest.mark.parametrize("hooked", ["llama", "llama-v2"], indirect=True)
 def test_hooked_serves_any_point_equal_to_hf(hooked):
     _, path, m = hooked
     toks = prompts(8, (12, 70, 130))
@@ -77,7 +81,7 @@ def test_hooked_serves_any_point_equal_to_hf(hooked):
             assert rel_err(g[a], r[a]) < BF16_REL_TOL, a
 
 
-@pytest.mark.parametrize("hooked", ["llama"], indirect=True)
+@pytest.mark.parametrize("hooked", ["llama", "llama-v2"], indirect=True)
 def test_hooked_points_can_change_between_calls(hooked):
     _, path, m = hooked
     toks = prompts(9, (20,))
@@ -96,7 +100,7 @@ def test_hooked_points_can_change_between_calls(hooked):
         assert rel_err(c[p], ref[0][p]) < 0.05, p
 
 
-@pytest.mark.parametrize("hooked", ["llama"], indirect=True)
+@pytest.mark.parametrize("hooked", ["llama", "llama-v2"], indirect=True)
 def test_hooked_mode_needs_explicit_points(hooked):
     *_, m = hooked
     with pytest.raises(ValueError, match="explicit points"):

@@ -13,6 +13,7 @@ import pytest
 
 from harvest.engine import Address, load_model
 from tests.fixtures.models import tiny_model_path
+from tests.support import runners
 from tests.support.engine_reference import BF16_REL_TOL, hf_hidden_states, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # a vLLM engine under preemption: not in `pytest -m 'not slow'`
@@ -23,14 +24,17 @@ MAX_LEN = 256
 KV_BYTES = 640 << 10
 
 
-@pytest.fixture(scope="module")
-def cramped():
+@pytest.fixture(scope="module", params=runners.RUNNERS)
+def cramped(request):
+    """On both of vLLM's model runners: V2 orders a step's requests its own way (decode first)
+    and rebuilds its batch every step, which preemption exercises."""
     path = tiny_model_path("llama")
-    m = load_model(path, backend="vllm", enforce_eager=True, max_model_len=MAX_LEN,
-                   max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=KV_BYTES,
-                   long_prefill_token_threshold=32, block_size=32)
-    yield path, m
-    m.close()
+    with runners.model_runner(request.param):
+        m = load_model(path, backend="vllm", enforce_eager=True, max_model_len=MAX_LEN,
+                       max_num_batched_tokens=128, max_num_seqs=8, kv_cache_memory_bytes=KV_BYTES,
+                       long_prefill_token_threshold=32, block_size=32)
+        yield path, m
+        m.close()
 
 
 def test_preempted_requests_are_recomputed_and_match_hf_row_for_row(cramped):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from harvest.engine import Address, load_model, run_with_cache
+from tests.support import runners
 from tests.support.engine_reference import rel_err
 
 pytestmark = pytest.mark.slow  # SmolLM2 in vLLM and HF: not in `pytest -m 'not slow'`
@@ -27,15 +28,17 @@ def test_smollm2_checkpoint_is_the_real_model(smol):
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
 
 
-def test_smollm2_vllm_capture_equals_hf(smol):
+@pytest.mark.parametrize("runner", runners.RUNNERS)
+def test_smollm2_vllm_capture_equals_hf(smol, runner):
     tok_ids = [[1] + list(range(1000, 1000 + n)) for n in (12, 40)]
     points = ["resid_post.0", "resid_post.14", "resid_post.29", "mlp_out.7"]
     ref = run_with_cache(load_model(smol, backend="eager", dtype="float32"), tok_ids, points)
-    m = load_model(smol, backend="vllm", enforce_eager=True, max_num_batched_tokens=32)
-    try:
-        got = run_with_cache(m, tok_ids, points)
-    finally:
-        m.close()
+    with runners.model_runner(runner):
+        m = load_model(smol, backend="vllm", enforce_eager=True, max_num_batched_tokens=32)
+        try:
+            got = run_with_cache(m, tok_ids, points)
+        finally:
+            m.close()
     for g, r in zip(got, ref):
         for p in points:
             a = Address.parse(p)

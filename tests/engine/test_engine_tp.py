@@ -32,6 +32,7 @@ from harvest.engine.parallel import rpc_dir
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.model_check import NO_COMPILE, CheckConfig, compare, reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
+from tests.support import runners
 from tests.support import hf_points
 from tests.support.engine_reference import BF16_REL_TOL, prompts
 
@@ -51,6 +52,7 @@ FAMILIES = {
     "gpt2": ("resid_post", "resid_pre"),
 }
 COMPILED = {"llama"}
+V2_FAMILIES = ("llama",)
 # module-site points at their own widths, against tests/support/hf_points.py's hooks: the
 # column-sharded z / mlp_act (heads x head_dim, the MLP width; all-gathered on every rank) and
 # router_logits (one per expert, off the replicated gate; the tiny mixtral's experts are
@@ -87,14 +89,17 @@ def references():
     return toks, dict(zip(FAMILIES, reference_many(jobs))), sites
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=runners.params(list(FAMILIES), v2=V2_FAMILIES))
 def tp_engine(request, references):
-    arch = request.param
-    m = load_model(tiny_model_path(arch), backend="vllm", freeze_points=points_for(arch),
-                   tensor_parallel_size=2, max_num_batched_tokens=MAX_BATCHED,
-                   **({} if arch in COMPILED else NO_COMPILE))
-    yield arch, m, references
-    m.close()
+    """Each family at TP=2 on V1, and llama (compiled, with the sharded z/mlp_act) on Model
+    Runner V2 (tests/support/runners.py): its ranks enable Triton's interpreter themselves."""
+    arch, runner = request.param
+    with runners.model_runner(runner):
+        m = load_model(tiny_model_path(arch), backend="vllm", freeze_points=points_for(arch),
+                       tensor_parallel_size=2, max_num_batched_tokens=MAX_BATCHED,
+                       **({} if arch in COMPILED else NO_COMPILE))
+        yield arch, m, references
+        m.close()
     assert not os.path.exists(os.environ["VLLM_RPC_BASE_PATH"]), "vLLM's sockets outlived the engine"
 
 

@@ -48,7 +48,7 @@ from harvest.engine.model_check import (NO_COMPILE, CheckConfig, check_loaded, c
                                         reference_many, row_errors)
 from harvest.engine.capture.taps import check_supported
 from tests.fixtures.models import tiny_model_path
-from tests.support import hf_points
+from tests.support import hf_points, runners
 from tests.support.engine_reference import BF16_REL_TOL, prompts, rel_err
 
 pytestmark = pytest.mark.slow  # vLLM engines of every model family: not in `pytest -m 'not slow'`
@@ -57,6 +57,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt2
             "phi3", "olmo2", "starcoder2", "granite", "stablelm", "gptj", "falcon", "cohere",
             "exaone4", "mixtral", "qwen3_moe", "falcon_h1")
 FULL = ("llama", "gemma2", "granite", "cohere", "mixtral")
+# also on Model Runner V2: the families issue 50 names (SmolLM2, a llama, in test_engine_smollm2.py)
+V2_FAMILIES = ("llama", "gpt2", "qwen3", "gemma2")
 LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
 MAX_BATCHED = 64
 N_LAYERS = 4
@@ -117,18 +119,20 @@ def references():
     return toks, refs, sites
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[f for f in FAMILIES] + [f"{f}-v2" for f in V2_FAMILIES])
 def family(request, references):
-    """One engine at a time: pytest finalizes one param's engine before the next one starts."""
-    arch = request.param
+    """One engine at a time: pytest finalizes one param's engine before the next one starts.
+    Every family on Model Runner V1; `V2_FAMILIES` on V2 as well (tests/support/runners.py)."""
+    arch, _, runner = request.param.partition("-v")
     toks, refs, sites = references
     pts = points_for(arch) + (site_points(arch) + MODEL_POINTS if arch in FAMILIES and
                               site_points(arch) else [])
-    with poisoned_mamba_buffers(arch == "falcon_h1"):
-        m = load_model(model_path(arch), backend="vllm", freeze_points=pts,
-                       max_num_batched_tokens=MAX_BATCHED, **({} if COMPILED else NO_COMPILE))
-    yield arch, m, toks, refs[arch], sites.get(arch)
-    m.close()
+    with runners.model_runner(f"v{runner}" if runner else "v1"):
+        with poisoned_mamba_buffers(arch == "falcon_h1"):
+            m = load_model(model_path(arch), backend="vllm", freeze_points=pts,
+                           max_num_batched_tokens=MAX_BATCHED, **({} if COMPILED else NO_COMPILE))
+        yield arch, m, toks, refs[arch], sites.get(arch)
+        m.close()
 
 
 @contextlib.contextmanager
