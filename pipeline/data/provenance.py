@@ -215,8 +215,9 @@ def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def run_provenance(cfg, prep) -> dict:
-    """The store's `provenance` attribute (sink.create writes it; FORMAT.md "Provenance")."""
+def run_provenance(cfg, prep, engine: "dict | None" = None) -> dict:
+    """The store's `provenance` attribute (sink.create writes it; FORMAT.md "Provenance");
+    `engine`: the creating actor's engine description (`CaptureEngine.describe()`)."""
     from harvest import __version__
 
     out = {
@@ -225,8 +226,18 @@ def run_provenance(cfg, prep) -> dict:
         "model": model_provenance(prep.model_path, cfg.model.path),  # the model section pins no revision
         "data": data_provenance(cfg.data, prep.sources),
     }
+    if engine:
+        out["engine"] = engine_provenance(engine)
     if prep.token_source is not None:
         out["token_source"] = prep.token_source
+    return out
+
+
+def engine_provenance(describe: dict) -> dict:
+    """What computed the rows: backend and mode, vLLM's model runner (V1 or V2), the versions."""
+    keys = ("backend", "mode", "model_runner", "platform", "dtype", "tensor_parallel_size")
+    out = {k: describe[k] for k in keys if describe.get(k) is not None}
+    out.update({f"{k}_version": v for k, v in (describe.get("versions") or {}).items()})
     return out
 
 

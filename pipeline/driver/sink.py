@@ -89,7 +89,8 @@ class StoreSink:
             "tokenizer": {"bos": cfg.packing.bos, "bos_token_id": prep.bos_token_id,
                           "special_token_ids": prep.special_token_ids, "path": prep.model_path},
             **chat_attrs(cfg.data, cfg.capture.roles),
-            "provenance": run_provenance(cfg, prep),  # model, tokenizer, data, settings hashed
+            # model, tokenizer, data, settings hashed; the engine (and vLLM runner) that captured
+            "provenance": run_provenance(cfg, prep, info0.describe),
         }
         if cfg.capture.generate is not None:
             # the reader skips rows without activations in a store that has this (FORMAT.md)

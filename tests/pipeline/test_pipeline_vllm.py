@@ -13,6 +13,7 @@ import pytest
 
 from harvest.pipeline.driver.run import run
 from harvest.store import open_store
+from tests.support import runners
 from tests.support.pipeline import EAGER_VLLM, check_store, make_cfg
 
 pytestmark = pytest.mark.slow  # Ray + vLLM pipeline runs: not in `pytest -m 'not slow'`
@@ -21,15 +22,22 @@ REL_TOL = 0.03
 
 
 
+@pytest.mark.parametrize("runner", runners.RUNNERS)
 def test_two_vllm_freeze_actors_match_single_process_eager(ray_cluster, tiny_llama, corpus,
-                                                           reference, tmp_path):
+                                                           reference, tmp_path, runner):
+    """On both of vLLM's model runners: HARVEST_MODEL_RUNNER reaches the actors, and the store's
+    provenance says which runner computed its rows."""
     cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "model.backend=vllm",
                    "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
                    capture={"batch_contexts": 64})
     events = []
-    summary = run(cfg, on_event=events.append)
+    with runners.model_runner(runner):
+        summary = run(cfg, on_event=events.append)
     ready = next(e for e in events if e["event"] == "actors_ready")["actors"]
     assert [a["describe"]["mode"] for a in ready] == ["freeze", "freeze"]
+    assert [a["describe"]["model_runner"] for a in ready] == [runner, runner]
+    engine = open_store(cfg.store.resolved_url).attrs["provenance"]["engine"]
+    assert engine["model_runner"] == runner and engine["backend"] == "vllm", engine
     # the engines froze exactly the capture points, not every layer by default
     assert ready[0]["describe"]["frozen_reads"] == reference[0].points
     store = open_store(cfg.store.resolved_url)
