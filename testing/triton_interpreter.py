@@ -76,6 +76,23 @@ def enable() -> None:
     _skip_dummy_sampler_run()
 
 
+def prime() -> None:
+    """Load V2's modules under the interpreter now, then give vLLM its own view back: for a
+    process that will build V1 engines before V2 ones. A V1 engine loads a share of V2's module
+    tree too (`vllm.v1.worker.gpu.buffer_utils`, `.input_batch`, `.sample.*`, ...), bound to
+    vLLM's Triton placeholders when it loads them first, and a V2 engine built later in that
+    process fails on them ("'function' object is not subscriptable")."""
+    if "vllm.v1.worker.gpu.model_runner" in sys.modules:
+        return
+    already = enabled()
+    enable()
+    try:
+        import vllm.v1.worker.cpu.model_runner  # noqa: F401  (V2's CPU runner; pulls the GPU one)
+    finally:
+        if not already:
+            disable()
+
+
 def enabled() -> bool:
     import vllm.triton_utils as tu
 

@@ -1,10 +1,13 @@
 """The first GPU run, prepared: one command, under 8 minutes on one H100/H200.
 
-    HARVEST_GPU=1 bash .ci/install           # once, on the GPU host (installs vllm==0.32.0)
+    HARVEST_GPU=1 bash .ci/install           # once, on the GPU host (installs vllm==0.34.0)
     .venv/bin/python -m harvest.benchmarks.gpu.check  # prints the report, writes benchmarks/results/gpu_check.{json,md}
 
 What it prints, each step in its own process (a GPU engine is never reused after close, and a
-crash in one step is reported, not fatal):
+crash in one step is reported, not fatal). Every step runs on vLLM's Model Runner V2 (the only
+runner of vLLM 0.34; `HARVEST_MODEL_RUNNER=v2` in each step's environment, and in the dry run on
+CPU Triton's interpreter with it); where the installed vLLM still has V1, a last step runs the
+tiny llama on V1 for comparison:
 - engine:<model> for tiny llama, tiny qwen3 and SmolLM2: vLLM's cudagraph mode, capture sizes,
   async scheduling and AOT settings; the tap buffer NaN-poisoned before every step and no NaN
   delivered; resid_post at every layer against Hugging Face fp32 at 64 and 8,192 tokens per step
@@ -13,7 +16,8 @@ crash in one step is reported, not fatal):
 - restart: tiny llama again in a fresh process (warm compile cache): bit-identical rows;
 - plain: SmolLM2 without taps, same prompts: plain vs freeze tok/s;
 - pipeline: a one-actor `harvest run` then `harvest verify --deep`, and host core-seconds (all
-  processes, from /proc/stat) per captured GB.
+  processes, from /proc/stat) per captured GB;
+- v1:tiny-llama: the first step on Model Runner V1, where vLLM has it (0.32, 0.33).
 
 `--dry` (automatic without CUDA) runs the same orchestration on CPU with the tiny llama at 64
 tokens per step and the eager pipeline; the CUDA-only checks report "skipped: no CUDA". The test
@@ -201,7 +205,8 @@ def pipeline_step(dry: bool, timeout: float) -> dict:
            str(REPO / "jobs" / "configs" / "default.yaml"), "--json"]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           **runner_env()}
     j0, t0 = _cpu_jiffies(), time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     wall, j1 = time.perf_counter() - t0, _cpu_jiffies()
@@ -244,6 +249,7 @@ def plan(dry: bool) -> list[dict]:
                       "tok_s": False}},
             {"name": "plain:smollm2", "skip": NO_CUDA},
             {"name": "pipeline", "pipeline": True, "s": 240},
+            _v1_step(dry=True),
         ]
     return [
         {"name": "engine:tiny-llama", "child": "engine", "s": 90,
@@ -259,14 +265,41 @@ def plan(dry: bool) -> list[dict]:
          "args": {"model": "tiny-llama", "sizes": [64, 8192], "dry": False, "compare_hf": False,
                   "tok_s": False}},
         {"name": "plain:smollm2", "child": "plain", "s": 60, "args": {"model": "smollm2"}},
-        {"name": "pipeline", "pipeline": True, "s": 100},
+        {"name": "pipeline", "pipeline": True, "s": 70},
+        _v1_step(dry=False),
     ]
+
+
+def _v1_step(dry: bool) -> dict:
+    """The tiny llama on Model Runner V1, after every V2 step, where vLLM still ships V1."""
+    if not has_v1():
+        return {"name": "v1:tiny-llama", "skip": "skipped: this vLLM has no Model Runner V1"}
+    return {"name": "v1:tiny-llama", "child": "engine", "runner": "v1", "s": 180 if dry else 30,
+            "args": {"model": "tiny-llama", "sizes": [64] if dry else [64, 8192], "dry": dry,
+                     "compare_hf": True, "tok_s": False}}
+
+
+def runner_env(runner: str = "v2") -> dict:
+    """The environment of a step on vLLM's Model Runner `runner`; V2 without CUDA (the dry run)
+    runs its kernels in Triton's interpreter (testing/triton_interpreter.py)."""
+    import torch
+
+    env = {"HARVEST_MODEL_RUNNER": runner}
+    if runner == "v2" and not torch.cuda.is_available():
+        env.update(HARVEST_TRITON_INTERPRET="1", TRITON_INTERPRET="1")
+    return env
+
+
+def has_v1() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
 
 
 def run_child(step: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "harvest.benchmarks.gpu.check", "--child", step["child"],
            "--args", json.dumps(step["args"])]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **runner_env(step.get("runner", "v2"))}
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     except subprocess.TimeoutExpired:

@@ -407,9 +407,10 @@ def v1_runner_classes() -> dict:
 def v2_runner_classes() -> dict:
     """V2's runners. Imported after vLLM's general plugins ran: V2's Triton kernels are
     decorated when their modules load, with whatever Triton vLLM has at that moment."""
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
+    if not triton_usable():   # (runs vLLM's plugins first)
+        raise VLLMIncompatible(
+            "Model Runner V2's classes were asked for in a process where vLLM has no Triton: "
+            "its kernel modules would load bound to vLLM's Triton placeholders")
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
@@ -579,7 +580,7 @@ def engine_settings(llm) -> dict:
         "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
         "fuse_allreduce_rms": getattr(cc.pass_config, "fuse_allreduce_rms", None),
         "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
-        "v2_model_runner": bool(cfg.use_v2_model_runner),
+        "v2_model_runner": bool(getattr(cfg, "use_v2_model_runner", not has_v1_runner())),
         "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
     }
 

@@ -29,6 +29,7 @@ def test_the_gpu_plan_covers_the_issue_and_fits_eight_minutes():
     assert {"restart:tiny-llama", "plain:smollm2", "pipeline"} <= set(names)
     assert all(s["args"]["sizes"] == [64, 8192] for s in steps if s["name"].startswith("engine:"))
     assert sum(s["s"] for s in steps) <= 480
+    assert steps[-1]["name"] == "v1:tiny-llama" and all(s.get("runner", "v2") == "v2" for s in steps[:-1])
     # every CUDA-only step of the dry plan says so instead of vanishing
     dry = gpu_check.plan(dry=True)
     assert {s["name"] for s in dry} >= set(names)
@@ -48,6 +49,10 @@ def test_dry_run_on_cpu(tmp_path):
     eng = rows["engine:tiny-llama"]
     assert eng["status"] == "ok" and eng["settings"]["compilation_mode"] != "0"
     assert {"cudagraph_mode", "cudagraph_capture_sizes", "async_scheduling", "aot_compile"} <= set(eng["settings"])
+    assert eng["settings"]["v2_model_runner"] is True   # V2 first, then V1 where vLLM has it
+    v1 = rows["v1:tiny-llama"]
+    assert v1["status"] == "ok" and v1["settings"]["v2_model_runner"] is False
+    assert v1["per_size"]["64"]["hf_ok"]
     size = eng["per_size"]["64"]
     assert size["hf_ok"] and len(size["worst_rel_err_by_layer"]) == 4
     assert size["tokens_per_step"] == 64.0
