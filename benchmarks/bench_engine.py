@@ -24,6 +24,12 @@ all-reduce, it separates that cost from the taps'.
 `--modes freeze_transcoder` captures mlp_in and mlp_out at every layer (twice the rows of
 freeze's resid_post; a cross-layer transcoder's training pairs). Target: >= 0.9x plain.
 
+`--runners v1 v2` runs the whole schedule on each of vLLM's model runners in turn (ratios paired
+within a runner; default: the one vLLM picks, `auto`). On a CPU build V2 runs its kernels in
+Triton's interpreter (testing/triton_interpreter.py), which costs both plain and freeze the same
+fixed time per step, so the ratio still compares the taps; it needs `TRITON_INTERPRET=1` in the
+environment from the start (the process imports triton early).
+
 `--generate N` measures generation instead (engine/vllm/generate.py): every prompt completed with N
 new tokens (greedy, no stop: the same work in every mode), tok/s = generated tokens per second;
 plain is plain vLLM generating, freeze generates with every layer's rows (prompt and decode)
@@ -182,6 +188,20 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
     return secs, rows, mem, extra
 
 
+VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder")
+
+
+def _runner(runner: str):
+    """The model runner's context (testing/triton_interpreter.model_runner); `auto`: vLLM's pick."""
+    import contextlib
+
+    if runner == "auto":
+        return contextlib.nullcontext()
+    from harvest.testing.triton_interpreter import model_runner
+
+    return model_runner(runner)
+
+
 def _eager_mode(path, prompts, repeats):
     from harvest.engine import load_model
 
@@ -241,14 +261,19 @@ def schedule(modes, rounds: int) -> list[str]:
     return out
 
 
+def _group(r: dict) -> tuple:
+    """Rows whose ratios pair with each other: the same TP size and model runner."""
+    return r.get("tp", 1), r.get("runner", "auto")
+
+
 def _paired_base(rows: list[dict], i: int) -> float | None:
-    """Mean tok/s of the nearest plain runs (same TP size) before and after row i (either one if
-    only one)."""
+    """Mean tok/s of the nearest plain runs (same TP size and runner) before and after row i
+    (either one if only one)."""
     near = []
-    tp = rows[i].get("tp", 1)
+    g = _group(rows[i])
     for rng in (range(i - 1, -1, -1), range(i + 1, len(rows))):
         for j in rng:
-            if rows[j]["mode"] == "plain" and rows[j].get("tp", 1) == tp:
+            if rows[j]["mode"] == "plain" and _group(rows[j]) == g:
                 if rows[j].get("tok_s"):
                     near.append(rows[j]["tok_s"])
                 break
@@ -259,7 +284,7 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
         max_batched: int = 2048, modes=("plain", "freeze", "hooked", "extract_hidden_states",
                                         "hf_eager"),
         prompts: list[list[int]] | None = None, rounds: int = 1, tps=(1,),
-        generate: int = 0) -> list[dict]:
+        generate: int = 0, runners=("auto",)) -> list[dict]:
     from harvest.engine.checkpoint import read_model_info
     from harvest.engine.models import smollm2_path
 
@@ -273,27 +298,37 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
         modes = [m for m in modes if m in ("plain", "freeze", "hooked")]
     rows_out: list[dict] = []
     # --tp 1 2: the whole schedule at each TP size in turn, ratios paired within a size
-    plan = [(mode, tp) for tp in tps for mode in schedule(modes, rounds)
-            if tp == 1 and mode != "plain_nofuse" or tp > 1 and mode in ("plain", "plain_nofuse",
-                                                                         "freeze")]
-    for mode, tp in plan:
+    # --runners v1 v2: and at each model runner; modes that use no capture runner run once
+    plan = [(mode, tp, runner) for runner in runners for tp in tps
+            for mode in schedule(modes, rounds)
+            if (tp == 1 and mode != "plain_nofuse" or tp > 1 and mode in ("plain", "plain_nofuse",
+                                                                          "freeze"))
+            and (runner == runners[0] or mode in VLLM_MODES)]
+    if any(r != "auto" for r in runners):
+        from harvest.testing import triton_interpreter
+
+        if "v2" in runners and triton_interpreter.needs_interpreter():
+            triton_interpreter.prime()   # before any V1 engine (its docstring says why)
+    for mode, tp, runner in plan:
         try:
             mem, extra = None, {}
-            if mode in ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder"):
-                secs, rows, mem, extra = _vllm_mode(path, prompts, repeats, mode, max_batched,
-                                                    tp, generate)
+            if mode in VLLM_MODES:
+                with _runner(runner):
+                    secs, rows, mem, extra = _vllm_mode(path, prompts, repeats, mode, max_batched,
+                                                        tp, generate)
             elif mode == "hf_eager":
                 secs, rows = _eager_mode(path, prompts, repeats)
             elif mode == "extract_hidden_states":
                 secs, rows = _extract_hidden_states(path, prompts, repeats, info.n_layers)
             else:
                 raise ValueError(mode)
-            rows_out.append({"mode": mode, "tp": tp, "tok_s": tokens / secs, "seconds": secs,
+            rows_out.append({"mode": mode, "tp": tp, "runner": runner, "tok_s": tokens / secs,
+                             "seconds": secs,
                              "rows": rows, "layers": 0 if mode == "plain" else info.n_layers,
                              "host_mb": round(mem[0], 1) if mem else None,
                              "ranks_mb": round(mem[1], 1) if mem else None, **extra})
         except Exception as e:  # a mode this build cannot run is reported, not fatal
-            rows_out.append({"mode": mode, "tp": tp, "tok_s": None,
+            rows_out.append({"mode": mode, "tp": tp, "runner": runner, "tok_s": None,
                              "error": f"{type(e).__name__}: {e}"[:300]})
         print(json.dumps(rows_out[-1]), flush=True)
     if generate and "freeze" in modes:
@@ -310,7 +345,7 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
             r.update(model=os.path.basename(path), tokens=tokens, task="generate")
             continue
         plain = [x["tok_s"] for x in rows_out
-                 if x["mode"] == "plain" and x["tok_s"] and x.get("tp", 1) == r.get("tp", 1)]
+                 if x["mode"] == "plain" and x["tok_s"] and _group(x) == _group(r)]
         mean_plain = sum(plain) / len(plain) if plain else None
         base = mean_plain if r["mode"] == "plain" else _paired_base(rows_out, i)
         r["ratio_to_plain"] = (r["tok_s"] / base) if (base and r.get("tok_s")) else None
@@ -319,9 +354,9 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
     return rows_out
 
 
-def median_ratio(rows: list[dict], mode: str, tp: int = 1) -> float | None:
+def median_ratio(rows: list[dict], mode: str, tp: int = 1, runner: str = "auto") -> float | None:
     vals = sorted(r["ratio_to_plain"] for r in rows if r["mode"] == mode
-                  and r.get("tp", 1) == tp and r.get("ratio_to_plain"))
+                  and _group(r) == (tp, runner) and r.get("ratio_to_plain"))
     if not vals:
         return None
     k = len(vals) // 2
@@ -329,14 +364,15 @@ def median_ratio(rows: list[dict], mode: str, tp: int = 1) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | TP | tok/s | × plain | layers captured | host MB (PSS) | rank processes MB "
-             "| note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| mode | runner | TP | tok/s | × plain | layers captured | host MB (PSS) "
+             "| rank processes MB | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         tok = f"{r['tok_s']:.0f}" if r.get("tok_s") else "—"
         ratio = f"{r['ratio_to_plain']:.2f}" if r.get("ratio_to_plain") else "—"
         mem = f"{r['host_mb']:.0f}" if r.get("host_mb") else "—"
         ranks = f"{r['ranks_mb']:.0f}" if r.get("ranks_mb") else "—"
-        lines.append(f"| {r['mode']} | {r.get('tp', 1)} | {tok} | {ratio} | {r.get('layers', '')} "
+        lines.append(f"| {r['mode']} | {r.get('runner', 'auto')} | {r.get('tp', 1)} | {tok} "
+                     f"| {ratio} | {r.get('layers', '')} "
                      f"| {mem} | {ranks} | {r.get('error', '')} |")
     return "\n".join(lines)
 
@@ -355,21 +391,24 @@ def main() -> None:
                     help="tensor-parallel sizes, each running plain and freeze (e.g. --tp 1 2)")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="measure generation of N new tokens per prompt (plain vs freeze)")
+    ap.add_argument("--runners", nargs="+", default=["auto"], choices=("auto", "v1", "v2"),
+                    help="vLLM model runners, the schedule on each (e.g. --runners v1 v2)")
     a = ap.parse_args()
     kw = {"modes": a.modes} if a.modes else {}
     rows = run(a.model, a.prompts, a.len, a.repeats, a.max_batched, rounds=a.rounds,
-               tps=tuple(a.tp), generate=a.generate, **kw)
+               tps=tuple(a.tp), generate=a.generate, runners=tuple(a.runners), **kw)
     print(table(rows))
     target = 0.9 if a.generate else 0.95
     what = f"generation of {a.generate} tokens" if a.generate else "prefill"
-    for tp in a.tp:
-        for mode, want in (("freeze", target), ("freeze_transcoder", 0.9)):
-            ratio = median_ratio(rows, mode, tp)
-            if ratio is not None:
-                n = sum(1 for r in rows if r["mode"] == mode and r.get("tp", 1) == tp
-                        and r.get("ratio_to_plain"))
-                print(f"{what}, TP={tp}: {mode} / plain = {ratio:.3f} (median of {n} paired "
-                      f"runs; target >= {want})")
+    for runner in a.runners:
+        for tp in a.tp:
+            for mode, want in (("freeze", target), ("freeze_transcoder", 0.9)):
+                ratio = median_ratio(rows, mode, tp, runner)
+                if ratio is not None:
+                    n = sum(1 for r in rows if r["mode"] == mode and _group(r) == (tp, runner)
+                            and r.get("ratio_to_plain"))
+                    print(f"{what}, runner {runner}, TP={tp}: {mode} / plain = {ratio:.3f} "
+                          f"(median of {n} paired runs; target >= {want})")
     print(f"load average at the end: {os.getloadavg()}")
     same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
     if same:

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
+
+from harvest.engine.vllm.compat import RUNNER_ENV
 
 ENV = "HARVEST_TRITON_INTERPRET"
 
@@ -129,3 +132,36 @@ def _skip_dummy_sampler_run() -> None:
 
     _dummy_sampler_run._harvest_interpreter = True  # type: ignore[attr-defined]
     GPUModelRunner._dummy_sampler_run = _dummy_sampler_run
+
+
+def needs_interpreter() -> bool:
+    """No CUDA: vLLM's Triton kernels run in Triton's interpreter or not at all."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+@contextmanager
+def model_runner(kind: str):
+    """Engines built (and run) inside this block use vLLM's Model Runner `kind` ("v1"/"v2"):
+    HARVEST_MODEL_RUNNER for this process and the ones it starts; for V2 without CUDA, Triton's
+    interpreter here and (through HARVEST_TRITON_INTERPRET and vLLM's plugin hook) in TP ranks
+    and Ray actors. For a process that builds engines of both runners (tests, benchmarks): call
+    `prime()` before its first engine."""
+    keys = (RUNNER_ENV, ENV)
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ[RUNNER_ENV] = kind
+    interp = kind == "v2" and needs_interpreter()
+    if interp:
+        os.environ[ENV] = "1"
+        enable()
+    try:
+        yield kind
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if interp:
+            disable()

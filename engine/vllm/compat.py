@@ -50,7 +50,8 @@ What the engine relies on, and why:
   `input_size_per_partition`, `tp_rank`, and its weight loader's rank-ordered column split) are
   assembled by `GroupCoordinator.all_gather(x, dim=-1)` on the TP group.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
-  `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`, `use_v2_model_runner`.
+  `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`, `use_v2_model_runner`; and one
+  refused for capture: `ParallelConfig.use_ubatching` (a step's forward in micro-batches).
 """
 
 from __future__ import annotations
@@ -330,6 +331,12 @@ def max_concurrent_batches(llm) -> int:
 
 def scheduled_tokens(scheduler_output) -> int:
     return int(scheduler_output.total_num_scheduled_tokens)
+
+
+def microbatched(vllm_config) -> bool:
+    """vLLM runs a step's forward in micro-batches (`ParallelConfig.use_ubatching`: dual-batch
+    overlap or `ubatch_size` > 1): each slice would overwrite the tap rows of the one before."""
+    return bool(getattr(vllm_config.parallel_config, "use_ubatching", False))
 
 
 def harvest_config(vllm_config) -> dict | None:

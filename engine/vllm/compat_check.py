@@ -131,6 +131,7 @@ NEEDS: tuple[Need, ...] = (
          text="start_idx = self.tp_rank * shard_size"),
     # -- settings read for reports and set for capture -------------------------------------------------
     Need("vllm/config/parallel.py", "ParallelConfig", "worker_cls", "field"),
+    Need("vllm/config/parallel.py", "ParallelConfig", "use_ubatching", "field"),
     Need("vllm/config/compilation.py", "CompilationConfig", "cudagraph_mode", "field"),
     Need("vllm/config/compilation.py", "CompilationConfig", "cudagraph_capture_sizes", "field"),
     Need("vllm/config/scheduler.py", "SchedulerConfig", "async_scheduling", "field"),

@@ -341,6 +341,10 @@ class HarvestState:
 
 def setup(runner, cfg: dict) -> HarvestState:
     """Called from the runner's load_model, after the weights load and before vLLM compiles."""
+    if compat.microbatched(runner.vllm_config) and cfg["mode"] != "plain":
+        raise compat.VLLMIncompatible(
+            "vLLM is set to run each step in micro-batches (enable_dbo / ubatch_size > 1): the "
+            "taps of one slice would overwrite the rows of the one before; turn it off to capture")
     g = compat.runner_geometry(runner)
     mode = cfg["mode"]
     staging = bool(cfg.get("staging", True))
