@@ -74,8 +74,17 @@ def enable() -> None:
     if not _saved:
         _saved.update(imp=imp.HAS_TRITON, tu=tu.HAS_TRITON, cfg=cfg.HAS_TRITON, triton=tu.triton,
                       tl=tu.tl)
+    stale = [n for n, m in list(sys.modules.items()) if n.startswith(V2_PACKAGE) and m is not None
+             and isinstance(getattr(m, "triton", None), imp.TritonPlaceholder)]
+    if stale:
+        raise RuntimeError(
+            f"Model Runner V2's modules were loaded without Triton in this process ({stale[0]}, "
+            f"and {len(stale) - 1} more: a V1 engine loads them); call "
+            "harvest.testing.triton_interpreter.prime() before the process builds its first engine")
     imp.HAS_TRITON = tu.HAS_TRITON = cfg.HAS_TRITON = True
     tu.triton, tu.tl = triton, tl
+    for mod in _flipped:   # shared modules that loaded under the interpreter: their own view
+        mod.HAS_TRITON = True
     _skip_dummy_sampler_run()
 
 
@@ -91,6 +100,7 @@ def prime() -> None:
     enable()
     try:
         import vllm.v1.worker.cpu.model_runner  # noqa: F401  (V2's CPU runner; pulls the GPU one)
+        import vllm.v1.worker.gpu.sample.sampler  # noqa: F401
     finally:
         if not already:
             disable()
@@ -116,9 +126,29 @@ def disable() -> None:
     imp.HAS_TRITON, tu.HAS_TRITON, cfg.HAS_TRITON = _saved["imp"], _saved["tu"], _saved["cfg"]
     tu.triton, tu.tl = _saved["triton"], _saved["tl"]
     _saved.clear()
+    if not imp.HAS_TRITON:
+        _flip_shared_copies()
 
 
+def _flip_shared_copies() -> None:
+    """Modules outside V2's own package that took `HAS_TRITON = True` by value when they loaded
+    under the interpreter (vLLM's V1 sampler, `vllm.v1.sample.ops.topk_topp_sampler`, is one):
+    False again, so a V1 engine takes its CPU paths (the interpreter cannot run V1's top-k/top-p
+    kernel); `enable()` gives them True back."""
+    for name, mod in list(sys.modules.items()):
+        if (mod is None or not name.startswith("vllm.") or name.startswith(V2_PACKAGE)
+                or name in (V2_CPU_RUNNER, "vllm.config.vllm", "vllm.triton_utils",
+                            "vllm.triton_utils.importing")):
+            continue
+        if getattr(mod, "HAS_TRITON", None) is True:
+            mod.HAS_TRITON = False
+            _flipped.add(mod)
+
+
+V2_PACKAGE = "vllm.v1.worker.gpu."
+V2_CPU_RUNNER = "vllm.v1.worker.cpu.model_runner"
 _saved: dict = {}
+_flipped: set = set()
 
 
 def _skip_dummy_sampler_run() -> None:
