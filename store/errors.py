@@ -30,3 +30,14 @@ class RegionConflict(StoreError):
 class DataIntegrityError(StoreError):
     """Committed data is missing or differs from what its writer recorded in the commit marker
     (deleted, truncated, overwritten or corrupt objects, edited metadata). Never read as data."""
+
+
+class RecordError(DataIntegrityError):
+    """A record in the store is not one its layout allows (hostile or corrupt: a name that would
+    leave the store, a size past the layout's bounds, a field of the wrong kind). Names the
+    object and the field; nothing is read, written or moved through it."""
+
+
+class CorruptGzip(RecordError):
+    """Bytes that should be gzip and are not (damaged in storage): for a cache such as the
+    index, a miss."""

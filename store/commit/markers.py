@@ -27,7 +27,6 @@ neither imports the other.
 from __future__ import annotations
 
 import datetime as _dt
-import gzip
 import hashlib
 import json
 import logging
@@ -38,6 +37,7 @@ from typing import Iterable, Iterator
 
 from harvest.store.format import layout
 from . import tables as _tables
+from . import trust
 from harvest.store.storage.locate import Location
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,11 @@ def read_marker(loc: Location, name: MarkerName, fresh: bool = False) -> dict | 
     if raw is None:
         return None
     try:
-        return json.loads(raw)
+        m = json.loads(raw)
     except ValueError:
         log.warning("commit marker %s is not valid JSON; ignored", key)
         return None
+    return trust.marker(m, name, key)
 
 
 def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dict]:
@@ -96,9 +97,11 @@ def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dic
         b = blobs.get(p)
         if b is not None:
             try:
-                out[n] = json.loads(b)
+                m = json.loads(b)
             except ValueError:
                 log.warning("commit marker of unit %d is not valid JSON; ignored", n.unit_id)
+                continue
+            out[n] = trust.marker(m, n, layout.commit_key(*n))
     return out
 
 
@@ -272,23 +275,40 @@ def write_index_segment(loc: Location, markers: "Iterable[dict] | IndexBuilder")
     return seq
 
 
-def _read_index(loc: Location, seqs: list[int] | None = None) -> Iterator[dict]:
+# An index line is one marker: ~1-2 KB from layout 3, a layout-2 marker with its shard records
+# inline up to ~600 KB at an 8B model's shape; a line past this is refused, never held.
+INDEX_LINE_MAX = 16 << 20
+
+
+def _read_index(loc: Location, seqs: list[int] | None = None,
+                max_lines: "int | None" = None) -> Iterator[dict]:
+    """The index's markers, each checked (trust.marker), decompressed a line at a time; at most
+    `max_lines` lines per segment (default: the markers the store lists, plus slack)."""
     seqs = _index_seqs(loc) if seqs is None else seqs
     if not seqs:
         return
+    if max_lines is None:
+        max_lines = len(loc.list_dir(layout.COMMITS_DIR)) + trust.INDEX_SLACK_LINES
     keys = [layout.index_key(s) for s in seqs]
     for key in keys:
         raw = loc.read_bytes(key)
         if raw is None:
             continue
-        try:
-            text = gzip.decompress(raw)
-        except OSError:
-            log.warning("index segment %s is corrupt; its markers are read directly", key)
-            continue
-        for line in text.split(b"\n"):
-            if line:
-                yield json.loads(line)
+        lines = trust.gzip_lines(raw, INDEX_LINE_MAX, max_lines, key)
+        while True:
+            try:
+                line = next(lines, None)
+            except trust.CorruptGzip:
+                # a damaged segment is a cache miss: what it did not give is read directly
+                log.warning("index segment %s is corrupt; its markers are read directly", key)
+                break
+            if line is None:
+                break
+            try:
+                m = json.loads(line)
+            except ValueError:
+                raise trust.fail(key, "(line)", "is not JSON") from None
+            yield trust.marker(m, None, key)
 
 
 def compact_index(loc: Location, markers: "Iterable[dict] | IndexBuilder") -> None:
@@ -307,7 +327,7 @@ def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iter
     present = set(names)
     seen: set = set()
     seqs, voids = _index_listing(loc)
-    for m in _read_index(loc, seqs):
+    for m in _read_index(loc, seqs, max_lines=len(names) + trust.INDEX_SLACK_LINES):
         n = MarkerName(m["unit_id"], m["row_start"], m["row_end"])
         if n in present and n not in seen and \
                 (not voids or (n.unit_id, attempt_token(m.get("attempt"))) not in voids):

@@ -29,6 +29,8 @@ import threading
 from collections import OrderedDict
 
 from harvest.store.errors import DataIntegrityError
+from harvest.store.format import layout
+from . import trust
 
 # Tables one Store object keeps parsed. A 512-shard x 32-point table is ~2 MB parsed; a reader's
 # threads work on a few units at once (a window's pieces), and a miss costs one GET of ~200 KB.
@@ -105,26 +107,33 @@ def _cache(store) -> TableCache:
 
 
 def load(store, m: dict) -> list[dict]:
-    """Read, check and parse a unit's table (no cache)."""
+    """Read, check and parse a unit's table (no cache). Untrusted (trust.py): the marker's table
+    reference is checked against the store's layout first, the read stops past the size the
+    marker records, decompression stops at what the layout allows, and every record is checked
+    before it is used."""
     uid, t = m.get("unit_id"), m.get("table") or {}
     key = t.get("key")
     if not key:
         raise DataIntegrityError(f"unit {uid}: its commit marker names neither shards nor an object "
                                  f"table (a hand-edited or truncated marker); {_repair(uid)}")
-    blob = store.location.read_bytes(key)
+    where = layout.commit_key(uid, m.get("row_start"), m.get("row_end"))
+    trust.marker(m, None, where)
+    trust.marker_for_store(m, where, store.shard_rows, len(store.points))
+    blob = store.location.read_range(key, 0, int(t["nbytes"]) + 1)
     if blob is None:
         raise DataIntegrityError(f"unit {uid}: its object table {key} is missing (deleted?): the "
                                  f"store is damaged; {_repair(uid)}")
-    if t.get("sha256") and hashlib.sha256(blob).hexdigest() != t["sha256"]:
+    if len(blob) != t["nbytes"] or hashlib.sha256(blob).hexdigest() != t["sha256"]:
         raise DataIntegrityError(f"unit {uid}: its object table {key} differs from what its writer "
                                  f"committed (overwritten or corrupt); {_repair(uid)}")
+    want = list(shard_ids(store.shard_rows, m))
     try:
-        body = json.loads(gzip.decompress(blob))
+        body = json.loads(trust.gunzip(blob, trust.table_bound(len(want), len(store.points)), key))
         recs = body["shards"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise DataIntegrityError(f"unit {uid}: its object table {key} cannot be parsed "
                                  f"({type(e).__name__}); {_repair(uid)}") from None
-    want = list(shard_ids(store.shard_rows, m))
+    trust.table_records(recs, key, uid, None, len(store.points))
     got = [r.get("index") for r in recs]
     if body.get("unit_id") != uid or body.get("attempt") != m.get("attempt") or got != want:
         raise DataIntegrityError(
@@ -136,8 +145,9 @@ def load(store, m: dict) -> list[dict]:
 
 def unit_shards(store, m: dict) -> list[dict]:
     """A committed unit's per-shard records (see the module docstring)."""
-    if "shards" in m:   # layout version 2: inline
-        return m["shards"]
+    if "shards" in m:   # layout version 2: inline, checked with the marker (trust.marker)
+        return trust.table_records(m["shards"], layout.commit_key(
+            m["unit_id"], m["row_start"], m["row_end"]), m["unit_id"], None, len(store.points))
     c = _cache(store)
     recs = c.get(m)
     if recs is None:

@@ -84,6 +84,27 @@ TARGET_BLOCK_BYTES = 8 << 20
 MAX_BLOCK_SET_BYTES = 128 << 20
 
 _POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[0-9]+)?$")
+_ARRAY_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(/[0-9]+)?$")
+# An attempt token: what writers make (16 hex digits) or a void record's hash ("h" + 32 hex);
+# letters and digits only, so no key built from one can leave its folder.
+ATTEMPT = re.compile(r"^[0-9A-Za-z]{1,64}$")
+
+
+def check_attempt(attempt) -> str:
+    if not isinstance(attempt, str) or not ATTEMPT.match(attempt):
+        raise ValueError(f"bad attempt token {attempt!r}: 1-64 letters and digits")
+    return attempt
+
+
+def check_rel(rel) -> str:
+    """A key relative to a store's root that stays inside it: no absolute path, no `.`/`..`
+    segment, no backslash, NUL or other control character (Storage.key refuses the rest)."""
+    if not isinstance(rel, str) or rel.startswith("/") or "\\" in rel or any(
+            ord(c) < 32 or ord(c) == 127 for c in rel):
+        raise ValueError(f"refused store key {rel!r}: not a relative key inside the store")
+    if any(part in (".", "..") for part in rel.split("/")):
+        raise ValueError(f"refused store key {rel!r}: a '.' or '..' segment would leave its folder")
+    return rel
 _MARKER = re.compile(r"^unit-(\d{8,})\.(\d+)-(\d+)\.json$")
 _VOID = re.compile(r"^void-(\d{8,})\.([0-9A-Za-z]+)\.json$")
 _PUBLISHED = re.compile(r"^unit-(\d{8,})\.([0-9A-Za-z]+)\.json$")
@@ -118,13 +139,13 @@ def commit_key(unit_id: int, row_start: int, row_end: int) -> str:
 
 
 def stats_key(unit_id: int, attempt: str) -> str:
-    return f"{SIDECAR_DIR}/unit-{int(unit_id):08d}.{attempt}.bin"
+    return f"{SIDECAR_DIR}/unit-{int(unit_id):08d}.{check_attempt(attempt)}.bin"
 
 
 def table_key(unit_id: int, attempt: str) -> str:
     """A unit's object table (layout 3): named by attempt like the stats sidecar, so a rewrite
     after `uncommit` writes a new table and never overwrites the one an old index entry names."""
-    return f"{TABLES_DIR}/unit-{int(unit_id):08d}.{attempt}.json.gz"
+    return f"{TABLES_DIR}/unit-{int(unit_id):08d}.{check_attempt(attempt)}.json.gz"
 
 
 def plan_segment_key(seq: int) -> str:
@@ -146,7 +167,7 @@ def index_key(seq: int) -> str:
 
 def void_name(unit_id: int, attempt: str) -> str:
     """A void record: the index entries of `unit_id` written by `attempt` are stale (uncommit)."""
-    return f"void-{int(unit_id):08d}.{attempt}.json"
+    return f"void-{int(unit_id):08d}.{check_attempt(attempt)}.json"
 
 
 def void_key(unit_id: int, attempt: str) -> str:
@@ -162,7 +183,7 @@ def published_key(unit_id: int, attempt: str) -> str:
     """A unit's publish record: every object of attempt `attempt` (its marker's) is at its zarr
     key at its recorded size (published.py). Named by attempt: a rewrite after uncommit needs
     its own."""
-    return f"{PUBLISHED_DIR}/unit-{int(unit_id):08d}.{attempt}.json"
+    return f"{PUBLISHED_DIR}/unit-{int(unit_id):08d}.{check_attempt(attempt)}.json"
 
 
 def parse_published_name(name: str) -> "tuple[int, str] | None":
@@ -175,13 +196,17 @@ def shard_object_key(point: str, shard: int) -> str:
 
 
 def meta_chunk_key(name: str, shard: int) -> str:
+    if name not in ROW_META:
+        raise ValueError(f"bad metadata column {name!r}: one of {', '.join(ROW_META)}")
     return f"{name}/c/{int(shard)}"
 
 
 def attempt_object_key(array_path: str, shard: int, attempt: str) -> str:
     """Where attempt `attempt` writes shard `shard` of the array at `array_path` (a point's path
     or a metadata array's name) before its marker exists."""
-    return f"{OBJECTS_DIR}/{array_path}/{int(shard)}.{attempt}"
+    if not isinstance(array_path, str) or not _ARRAY_PATH.match(array_path):
+        raise ValueError(f"bad array path {array_path!r}: a point's path or a metadata column")
+    return f"{OBJECTS_DIR}/{array_path}/{int(shard)}.{check_attempt(attempt)}"
 
 
 def parse_attempt_object(name: str) -> "tuple[int, str] | None":
@@ -193,7 +218,8 @@ def parse_attempt_object(name: str) -> "tuple[int, str] | None":
 
 
 def scratch_key(unit_id: int, attempt: str, shard: int, a: int, b: int) -> str:
-    return f"{SCRATCH_DIR}/unit-{int(unit_id):08d}.{attempt}/{int(shard)}.{int(a)}-{int(b)}.bin"
+    return (f"{SCRATCH_DIR}/unit-{int(unit_id):08d}.{check_attempt(attempt)}/{int(shard)}."
+            f"{int(a)}-{int(b)}.bin")
 
 
 # --------------------------------------------------------------------------------------------

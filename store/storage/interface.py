@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, ClassVar, NotRequired, TypedDict
 
 from .credentials import scrub
-from harvest.store.errors import StoreAccessError
+from harvest.store.errors import RecordError, StoreAccessError
+from harvest.store.format.layout import check_rel
 from .retries import RetryBudgetExceeded, with_retries
 
 
@@ -56,6 +57,12 @@ class Storage(abc.ABC):
         """What the store is on, for messages only ("local", "s3", "memory", ...)."""
 
     def key(self, rel: str) -> str:
+        """The full path of `rel`, which must stay inside the root (layout.check_rel: a store's
+        records are untrusted, and a name such as `x/../../etc` must never reach the storage)."""
+        try:
+            check_rel(rel)
+        except ValueError as e:
+            raise RecordError(f"{self.url}: {e}") from None
         return f"{self.root.rstrip('/')}/{rel}"
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .interface import Storage
+from harvest.store.errors import RecordError
 
 
 def _fsync_dir(path: str) -> None:
@@ -66,6 +67,23 @@ class LocalStorage(Storage):
     @property
     def kind(self) -> str:
         return "local"
+
+    def key(self, rel: str) -> str:
+        """As Storage.key, and the path may not resolve outside the root: a store shipped as a
+        directory can hold symlinks, and one to `/etc/passwd` at a shard's key must not be read
+        (or, at a folder, written through)."""
+        path = super().key(rel)
+        real = os.path.realpath(path)
+        if real != path and os.path.commonpath([real, self._real_root()]) != self._real_root():
+            raise RecordError(f"{self.url}: refused store key {rel!r}: it resolves to {real}, "
+                              "outside the store (a symlink inside the store points out of it)")
+        return path
+
+    def _real_root(self) -> str:
+        r = self.__dict__.get("_real")
+        if r is None:
+            r = self.__dict__["_real"] = os.path.realpath(self.root)
+        return r
 
     def write_bytes(self, rel: str, data: bytes, attempts: int = 5) -> None:
         """fsync'ed temp file, atomic rename, fsync'ed directory. Not retried: a local error
