@@ -150,6 +150,10 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
         raise StoreError(f"shuffle: {src_url} is already a shuffled copy (it has a source_row "
                          "column); shuffle the store it was made from")
     v = src.verify()
+    damage = [e for e in v.errors if "planned units are not committed" not in e]
+    if damage:
+        raise StoreError(f"shuffle: {src_url} fails verification: {'; '.join(damage[:3])} "
+                         f"(`harvest verify {src_url}` lists all)")
     if not v.complete or v.committed_rows != src.n_rows:
         raise StoreError(f"shuffle: {src_url} is not a finished store ({v.committed_rows:,} of "
                          f"{src.n_rows:,} rows committed, {len(v.missing_units)} planned units "

@@ -61,11 +61,16 @@ class MarkerName(tuple):
 
 
 def list_markers(loc: Location) -> list[MarkerName]:
-    """Every marker now present, from one listing, sorted by unit id then row range."""
+    """Every marker now present, from one listing, sorted by unit id then row range. A marker's
+    name is a record too: a row range its layout cannot hold is refused (trust.py)."""
     out = []
     for name in loc.list_dir(layout.COMMITS_DIR):
         p = layout.parse_marker_name(name)
         if p is not None:
+            if not p[1] < p[2] <= layout.CAPACITY_ROWS:
+                raise trust.fail(f"{layout.COMMITS_DIR}/{name}", "row_end",
+                                 f"(in the name) makes rows [{p[1]}, {p[2]}), not a range of at "
+                                 f"most {layout.CAPACITY_ROWS} rows")
             out.append(MarkerName(*p))
     out.sort()
     return out

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from harvest.store.format import checksum, layout
-from harvest.store.errors import DataIntegrityError
+from harvest.store.errors import DataIntegrityError, RecordError
 from harvest.store.stats.moments import crc32c
 from .tables import shard_record, unit_shards
 
@@ -120,6 +120,10 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
     for k in keys:
         try:
             blob = loc.read_bytes(k)
+        except RecordError as e:   # a key the store may not use (it leaves the store): say why
+            tried.append(f"{k}: refused ({e})")
+            damaged = True
+            continue
         except Exception as e:  # noqa: BLE001 -- reported with the key, never as zeros
             tried.append(f"{k}: cannot be read ({type(e).__name__})")
             continue

@@ -19,6 +19,7 @@ from typing import Iterable
 
 from harvest.store.format import layout
 from harvest.store.storage.locate import Location
+from . import trust
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,9 @@ class PlanStore:
         final = False
         upto = -1
         if compact:
-            c = json.loads(compact)
-            upto = int(c["upto"])
-            units = [Unit(u[0], u[1], u[2], tuple(tuple(p) for p in u[3])) for u in c["units"]]
+            c = _record(compact, layout.PLAN_COMPACT_KEY)
+            upto = trust.integer(c, "upto", layout.PLAN_COMPACT_KEY, lo=-1)
+            units = _units(c, layout.PLAN_COMPACT_KEY)
             final = bool(c.get("final"))
             if payloads:
                 raw = self._loc.read_bytes(layout.PLAN_COMPACT_PAYLOAD_KEY)
@@ -139,8 +140,8 @@ class PlanStore:
             raw = self._loc.read_bytes(layout.plan_segment_key(s))
             if raw is None:
                 continue
-            seg = json.loads(raw)
-            units += [Unit(u[0], u[1], u[2], tuple(tuple(p) for p in u[3])) for u in seg["units"]]
+            seg = _record(raw, layout.plan_segment_key(s))
+            units += _units(seg, layout.plan_segment_key(s))
             final = final or bool(seg.get("final"))
             if payloads:
                 p = self._loc.read_bytes(layout.plan_payload_key(s))
@@ -165,3 +166,18 @@ class PlanStore:
     def read_sources(self) -> dict | None:
         raw = self._loc.read_bytes(layout.PLAN_SOURCES_KEY)
         return json.loads(raw) if raw else None
+
+
+def _record(raw: bytes, where: str) -> dict:
+    """A plan object's JSON, untrusted (store/commit/trust.py)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise trust.fail(where, "(json)", "is not JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get("units"), list):
+        raise trust.fail(where, "units", "is not a list")
+    return body
+
+
+def _units(body: dict, where: str) -> list[Unit]:
+    return [Unit(*trust.plan_unit(u, where, i)) for i, u in enumerate(body["units"])]

@@ -146,6 +146,28 @@ def marker_bound(n_shards: int) -> int:
     return MARKER_MAX_BYTES + n_shards * MARKER_V2_PER_SHARD
 
 
+# ---- plan ---------------------------------------------------------------------------------------
+
+def plan_unit(u, where: str, i: int) -> tuple:
+    """One unit of a plan segment: `[unit_id, row_start, row_end, pieces]`, every number an
+    integer in range (pieces: `[row_start, row_end]` pairs inside the unit's rows)."""
+    at = f"units[{i}]"
+    if not isinstance(u, list) or len(u) != 4 or not isinstance(u[3], list):
+        raise fail(where, at, "is not [unit_id, row_start, row_end, pieces]")
+    d = {"unit_id": u[0], "row_start": u[1], "row_end": u[2]}
+    uid = integer(d, "unit_id", f"{where} {at}")
+    rs = integer(d, "row_start", f"{where} {at}")
+    re_ = integer(d, "row_end", f"{where} {at}", lo=rs + 1, hi=layout.CAPACITY_ROWS)
+    pieces = []
+    for j, p in enumerate(u[3]):
+        if not (isinstance(p, list) and len(p) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in p) and rs <= p[0] < p[1] <= re_):
+            raise fail(where, f"{at}.pieces[{j}]", f"is {_show(p)}, not [start, end] inside the "
+                       f"unit's rows [{rs}, {re_})")
+        pieces.append(tuple(p))
+    return uid, rs, re_, tuple(pieces)
+
+
 # ---- object tables ------------------------------------------------------------------------------
 
 def table_records(recs, where: str, uid: int, shard_ids, n_points: "int | None") -> list:
@@ -226,6 +248,6 @@ def gzip_lines(blob: bytes, line_limit: int, max_lines: int, where: str) -> Iter
         yield buf
 
 
-__all__ = ["RecordError", "CorruptGzip", "attempt", "integer", "meta_name", "point_name", "marker",
+__all__ = ["plan_unit", "attempt", "integer", "meta_name", "point_name", "marker",
            "marker_for_store", "table_records", "table_bound", "marker_bound", "gunzip",
            "gzip_lines", "shard_range"]

@@ -370,4 +370,50 @@ def check_group(raw: "bytes | None", url: str, what: str) -> dict:
     missing = [k for k in REQUIRED_ATTRS if k not in h]
     if missing:
         raise NotAHarvestStore(f"{what}: {url} harvest attributes lack {', '.join(missing)}")
+    check_geometry(h, f"{url}/zarr.json")
     return meta
+
+
+# A store's geometry is read from its own (untrusted) zarr.json and sizes every allocation a
+# reader makes: bounds far above any real store, low enough that none of them exhausts memory.
+MAX_POINTS = 1 << 16          # 80 layers x ~30 point kinds is ~2,400
+MAX_WIDTH = 1 << 20           # widest real point: an MoE's expert MLP, ~10^5
+MAX_SHARD_BYTES = 4 << 30     # one decoded shard of one point (TARGET_SHARD_BYTES is 128 MiB)
+
+
+def check_geometry(h: dict, where: str) -> None:
+    """Points, widths and row counts within the bounds above, each a field named on refusal."""
+    from harvest.store.errors import RecordError
+
+    def bad(field: str, why: str) -> RecordError:
+        return RecordError(f"{where}: field 'attributes.harvest.{field}' {why}; not a store this "
+                           "harvest reads (damaged, or not written by harvest)")
+
+    def intval(field: str, v, lo: int, hi: int) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise bad(field, f"is {str(v)[:40]!r}, not an integer in [{lo}, {hi}]")
+        return v
+
+    pts = h.get("points")
+    if not isinstance(pts, list) or not 1 <= len(pts) <= MAX_POINTS:
+        raise bad("points", f"is not a list of 1 to {MAX_POINTS} point names")
+    for p in pts:
+        try:
+            point_path(p)
+        except (ValueError, TypeError):
+            raise bad("points", f"holds {str(p)[:40]!r}, not a point name") from None
+    if len(set(pts)) != len(pts):
+        raise bad("points", "names a point twice")
+    width = intval("width", h.get("width"), 1, MAX_WIDTH)
+    widths = h.get("widths") or {}
+    if not isinstance(widths, dict) or set(widths) - set(pts):
+        raise bad("widths", "is not {point: width} over the store's points")
+    top = max([width] + [intval(f"widths.{p}", w, 1, MAX_WIDTH) for p, w in widths.items()])
+    intval("n_rows", h.get("n_rows"), 0, CAPACITY_ROWS)
+    shard_rows = intval("shard_rows", h.get("shard_rows"), 1, CAPACITY_ROWS)
+    chunk_rows = intval("chunk_rows", h.get("chunk_rows"), 1, shard_rows)
+    if shard_rows % chunk_rows:
+        raise bad("chunk_rows", f"({chunk_rows}) does not divide shard_rows ({shard_rows})")
+    if shard_rows * top * 8 > MAX_SHARD_BYTES:
+        raise bad("shard_rows", f"x the widest point ({shard_rows} x {top}) is a shard of over "
+                  f"{MAX_SHARD_BYTES >> 30} GiB")

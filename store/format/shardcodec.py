@@ -135,9 +135,17 @@ class MetaCodec:
         return raw if self._comp is None else bytes(self._comp.encode(raw))
 
     def decode(self, blob: bytes, n: int) -> np.ndarray:
-        raw = blob if self._comp is None else self._comp.decode(blob)
-        if len(raw) != self.chunk * self.dtype.itemsize:
-            raise ValueError(f"chunk decodes to {len(raw)} bytes, expected {self.chunk * self.dtype.itemsize}")
+        """The first `n` values of a chunk. Decompressed into a buffer of exactly one chunk: a
+        blob that claims more (a compression bomb) is refused by its header, never expanded."""
+        want = self.chunk * self.dtype.itemsize
+        if self._comp is None:
+            raw = blob
+        else:
+            out = np.empty(want, np.uint8)
+            raw = self._comp.decode(blob, out=out)
+            raw = out if raw is None else raw
+        if len(memoryview(raw).cast("B")) != want:
+            raise ValueError(f"chunk decodes to {len(memoryview(raw).cast('B'))} bytes, expected {want}")
         return np.frombuffer(raw, self.dtype)[:n].astype(self.dtype.newbyteorder("="))
 
 
