@@ -199,3 +199,7 @@ class ActorFigures:
     """None when the engine took no step."""
     rows_placed: int | None = None
     """Tensor parallel: rows the publishing rank wrote straight into shared destinations."""
+    throttled_requests: int = 0
+    """Storage requests the server throttled (503 SlowDown), each retried after the process's
+    shared backoff (store/storage/retries.Throttle)."""
+    throttle_wait_s: float = 0.0

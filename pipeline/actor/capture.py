@@ -32,6 +32,7 @@ import numpy as np
 from .engine import check_engine, close_engine, gpu_ids, load_engine
 from harvest.pipeline.logs import mark_phase, redirect_actor
 from harvest.store.format.dtypes import torch_dtype, torch_view
+from harvest.store.storage.retries import THROTTLE
 from harvest.pipeline.messages import ActorFigures, ActorInfo, ActorSpec, UnitResult, UnitStatus, UnitTask
 
 log = logging.getLogger("harvest.actor")
@@ -144,7 +145,8 @@ class HarvestActor:
             step_fill=round(sched / (steps * now["max_num_batched_tokens"]), 4) if steps else None,
             # tensor parallel: rows the rank wrote into the shared arena
             rows_placed=(now["rows_placed"] - base.get("rows_placed", 0)
-                         if "rows_placed" in now else None))
+                         if "rows_placed" in now else None),
+            **THROTTLE.figures())
 
     # -- work -------------------------------------------------------------------------------
     def _open_store(self):

@@ -28,6 +28,7 @@ from harvest.store.format.layout import BASE_META, ROW_META, block_rows, choose_
 from harvest.store.format.markersize import marker_size, table_size
 from harvest.store.commit.objects import writes_per_object
 from harvest.store.storage.objectstore import S3Storage
+from harvest.store.storage.retries import THROTTLE_BUDGET_S
 
 # S3's request baseline per prefix (and per second): PUT/COPY/POST/DELETE, and GET/HEAD. A store
 # is one prefix until S3 splits it under sustained load, answering 503 SlowDown meanwhile.
@@ -183,7 +184,10 @@ def layout_warnings(c: dict, *, width: int, itemsize: int, shard_rows: int, unit
             f"start, parts, completion; {parts:,} of them are parts of ~{_size(c['part_min_bytes'])}, "
             "S3's minimum, which the writer uploads as soon as a point's compressed rows reach it) "
             f"is over S3's ~{S3_WRITES_PER_PREFIX:,} writes/s per prefix "
-            "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile): "
+            "(a store is one prefix until S3 splits it, with 503 SlowDown meanwhile; each "
+            "throttled request is retried after a backoff all writers of a process share, for up "
+            f"to {THROTTLE_BUDGET_S / 60:.0f} min, and counted in the run summary's "
+            "throttled_requests: it costs time, never a re-captured unit): "
             + ("run fewer actors per store or capture fewer points (the part size is fixed: "
                f"{KNOWN_LIMIT.replace('issue 24', 'issue 38')})" if parts * 2 > w_unit else
                "raise store.shard_rows (fewer, larger objects), capture fewer points, or run "

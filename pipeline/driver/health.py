@@ -54,6 +54,8 @@ class ActorTally:
             "steps": s.steps if s else None, "streams": s.streams if s else None,
             "rows_in_place": s.rows_in_place if s else None,
             "rows_placed": s.rows_placed if s else None,
+            "throttled_requests": s.throttled_requests if s else None,
+            "throttle_wait_s": s.throttle_wait_s if s else None,
         }
 
 

@@ -38,6 +38,7 @@ from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
 from harvest.store.commit.verify import VerifyReport
 from harvest.store.storage.credentials import redact_url
+from harvest.store.storage.retries import THROTTLE
 from harvest.pipeline.data.tokenpool import TokenPool, env_for_workers
 
 log = logging.getLogger("harvest.pipeline")
@@ -287,6 +288,10 @@ def _summary(name: str, prep: Prepared, store, sched: "Scheduler | None", verify
         "tokens_per_second": round(tokens_run / dispatch_seconds, 1) if dispatch_seconds else None,
         "per_actor": report.per_actor,
         **report.fault_figures(),
+        # storage requests the server throttled, retried after a shared backoff: the actors'
+        # and this driver's (a unit is re-captured only when its data is lost, never for these)
+        "throttled_requests": sum(a.get("throttled_requests") or 0 for a in report.per_actor)
+        + THROTTLE.throttled,
         "blocks": len(prep.sources["blocks"]),
         "tokenised_jobs": report.tokenised_jobs,
         "data": {"source": prep.sources["description"], **{k: stats.get(k, 0) for k in DATA_KEYS}},

@@ -47,6 +47,7 @@ class RunSummary(FaultFigures):
     wall_seconds: float
     tokens_per_second: float | None
     per_actor: list
+    throttled_requests: int
     blocks: int
     tokenised_jobs: int
     data: dict

@@ -157,20 +157,36 @@ class S3Storage(ObjectStorage):
         if not self.honours_if_none_match():
             return super().create_once(rel, data)
         path = self.key(rel)
+        tries = [0]
 
         def put() -> bool:
+            tries[0] += 1
             try:
                 self.fs.pipe_file(path, data, mode="create")
                 return True
             except FileExistsError:
-                return False
+                return self._ours_after_retry(path, data, tries[0])
             except OSError as e:
                 # Some servers answer 412 without naming the condition; s3fs then raises EINVAL.
                 if e.errno in (errno.EINVAL, errno.EEXIST) and self._exists_fresh(path):
-                    return False
+                    return self._ours_after_retry(path, data, tries[0])
                 raise
 
         return with_retries(put, f"commit {rel}", budget_s=self.budget_s)
+
+    def _ours_after_retry(self, path: str, data: bytes, tries: int) -> bool:
+        """The object exists. On the first try another writer made it. After a retry it may be
+        ours: a try whose answer was lost (a timeout, a dropped connection) may have been
+        performed, and the retry then finds our own object; the bytes tell (every marker holds
+        its writer's attempt id and time, so another writer's are never the same bytes). A
+        throttled try (503 SlowDown) was not performed, so it never gets here as ours."""
+        if tries <= 1:
+            return False
+        try:
+            return with_retries(lambda: self.fs.cat_file(path), "read back a commit",
+                                budget_s=self.budget_s) == data
+        except FileNotFoundError:
+            return False
 
     # ---- streamed objects: multipart uploads to the zarr key, completed after the marker ------
     # A point's shard object is one multipart upload to its final zarr key: parts go up as the

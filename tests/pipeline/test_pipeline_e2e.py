@@ -81,3 +81,25 @@ def test_s3_store_two_actors_matches_single_process_then_survives_a_lifecycle_ab
     assert again["units_run"] == len(lost) and again["units_skipped"] == reference[0].n_units - 4
     check_store(open_store(s3_url, storage_options=so), reference)
     assert main(["verify", s3_url]) == 0
+
+
+def test_a_storm_of_503_slowdown_costs_retries_not_units(ray_cluster, tiny_llama, corpus,
+                                                         reference, seaweedfs, s3_url):
+    """A quarter of every write request (commit markers, tables, parts, completions, the lease,
+    the plan) answered 503 SlowDown, as S3 answers many writers on one prefix, by a proxy in
+    front of the S3 server (testing/throttle_proxy.py): the run succeeds with rows equal to the
+    single-process reference, no unit is captured twice (each throttled request was retried
+    after the process's shared backoff), and the summary counts the throttled requests."""
+    from harvest.testing.throttle_proxy import ThrottleProxy
+
+    with ThrottleProxy(seaweedfs.endpoint, share=0.25, seed=1) as proxy:
+        so = {**seaweedfs.storage_options,
+              "client_kwargs": {**seaweedfs.storage_options.get("client_kwargs", {}),
+                                "endpoint_url": proxy.endpoint}}
+        summary = run(make_cfg(tiny_llama, s3_url, corpus, storage_options=so))
+        throttled = proxy.counts["throttled"]
+    assert throttled >= 20, proxy.counts
+    assert summary["unit_retries"] == 0 and summary["units_run"] == reference[0].n_units, summary
+    assert summary["throttled_requests"] >= throttled * 0.5, (summary["throttled_requests"],
+                                                              proxy.counts)
+    check_store(open_store(s3_url, storage_options=seaweedfs.storage_options), reference)
