@@ -23,6 +23,54 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Cod
 WRITES = ("PUT", "POST", "DELETE")
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One request: throttled (a write, by the proxy's draw) or forwarded as it came."""
+
+    protocol_version = "HTTP/1.1"
+    server: "_Server"
+
+    def log_message(self, *a):   # quiet
+        pass
+
+    def _handle(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n) if n else b""
+        proxy = self.server.proxy
+        if self.command in WRITES and proxy.draw():
+            self.send_response(503, "Slow Down")
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(SLOWDOWN)))
+            self.end_headers()
+            self.wfile.write(SLOWDOWN)
+            return
+        up = proxy.upstream
+        conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in ("connection", "transfer-encoding")}
+            conn.request(self.command, self.path, body=body, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+            proxy.count("forwarded")
+            self.send_response(r.status, r.reason)
+            for k, v in r.getheaders():
+                if k.lower() not in ("connection", "transfer-encoding", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        finally:
+            conn.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    proxy: "ThrottleProxy"
+
+
 class ThrottleProxy:
     def __init__(self, upstream: str, share: float, seed: int = 0):
         self.upstream = urlsplit(upstream)
@@ -30,58 +78,21 @@ class ThrottleProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"writes": 0, "throttled": 0, "forwarded": 0}
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):   # quiet
-                pass
-
-            def _body(self) -> bytes:
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
-
-            def _handle(self):
-                body = self._body()
-                if self.command in WRITES:
-                    with proxy.lock:
-                        proxy.counts["writes"] += 1
-                        throttle = proxy.rng.random() < proxy.share
-                        proxy.counts["throttled"] += throttle
-                    if throttle:
-                        self.send_response(503, "Slow Down")
-                        self.send_header("Content-Type", "application/xml")
-                        self.send_header("Content-Length", str(len(SLOWDOWN)))
-                        self.end_headers()
-                        self.wfile.write(SLOWDOWN)
-                        return
-                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port,
-                                                  timeout=60)
-                try:
-                    headers = {k: v for k, v in self.headers.items()
-                               if k.lower() not in ("connection", "transfer-encoding")}
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    r = conn.getresponse()
-                    data = r.read()
-                    with proxy.lock:
-                        proxy.counts["forwarded"] += 1
-                    self.send_response(r.status, r.reason)
-                    for k, v in r.getheaders():
-                        if k.lower() not in ("connection", "transfer-encoding", "content-length"):
-                            self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(data)
-                finally:
-                    conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), _Handler)
+        self.server.proxy = self
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def draw(self) -> bool:
+        """A write arrived: whether to throttle it (counted either way)."""
+        with self.lock:
+            self.counts["writes"] += 1
+            hit = self.rng.random() < self.share
+            self.counts["throttled"] += hit
+            return hit
+
+    def count(self, what: str) -> None:
+        with self.lock:
+            self.counts[what] += 1
 
     @property
     def endpoint(self) -> str:

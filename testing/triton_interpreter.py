@@ -84,7 +84,7 @@ def enable() -> None:
     imp.HAS_TRITON = tu.HAS_TRITON = cfg.HAS_TRITON = True
     tu.triton, tu.tl = triton, tl
     for mod in _flipped:   # shared modules that loaded under the interpreter: their own view
-        mod.HAS_TRITON = True
+        vars(mod)["HAS_TRITON"] = True
     _skip_dummy_sampler_run()
 
 
@@ -141,27 +141,28 @@ def _flip_shared_copies() -> None:
                             "vllm.triton_utils.importing")):
             continue
         if getattr(mod, "HAS_TRITON", None) is True:
-            mod.HAS_TRITON = False
+            vars(mod)["HAS_TRITON"] = False
             _flipped.add(mod)
 
 
 V2_PACKAGE = "vllm.v1.worker.gpu."
 V2_CPU_RUNNER = "vllm.v1.worker.cpu.model_runner"
 _saved: dict = {}
+_patched: dict = {}   # vLLM methods replaced for the interpreter (once per process)
 _flipped: set = set()
 
 
 def _skip_dummy_sampler_run() -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    if getattr(GPUModelRunner._dummy_sampler_run, "_harvest_interpreter", False):
+    if _patched.get("sampler"):
         return
 
-    def _dummy_sampler_run(self, hidden_states) -> None:
+    def skipped(self, hidden_states) -> None:
         return None
 
-    _dummy_sampler_run._harvest_interpreter = True  # type: ignore[attr-defined]
-    GPUModelRunner._dummy_sampler_run = _dummy_sampler_run
+    GPUModelRunner._dummy_sampler_run = skipped  # type: ignore[method-assign]
+    _patched["sampler"] = True
 
 
 def needs_interpreter() -> bool:

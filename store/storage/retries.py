@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import re
 import time
 from typing import Callable, TypeVar
 
@@ -41,12 +42,13 @@ class RetryBudgetExceeded(TimeoutError):
 
 
 # What a server says when it throttles: S3's 503 SlowDown (s3fs raises OSError EBUSY for it, for
-# 503 ServiceUnavailable and for 409 OperationAborted) and the names other S3-compatible servers
-# and botocore use. S3 documents a throttled request as not performed, so retrying it is safe,
-# create-once commit markers included (a conditional PUT that was not performed created nothing).
-_THROTTLE_WORDS = ("slowdown", "slow down", "reduce your request rate", "throttl",
-                   "requestlimitexceeded", "toomanyrequests", "too many requests",
-                   "serviceunavailable", "service unavailable")
+# 503 ServiceUnavailable and for 409 OperationAborted) and the error codes other S3-compatible
+# servers and botocore use. S3 documents a throttled request as not performed, so retrying it is
+# safe, create-once commit markers included (a conditional PUT that was not performed created
+# nothing). Matched on errno and error codes, never on free text: a key can hold any word.
+THROTTLE_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                  "TooManyRequests", "RequestThrottled", "ServiceUnavailable", "503", "429")
+_BOTO_CODE = re.compile(r"^An error occurred \(([A-Za-z0-9]+)\) when calling ")
 # How long one operation keeps retrying throttled requests (the process backing off together)
 # before it fails: a storm that S3 takes minutes to absorb (it splits a hot prefix) must cost
 # waiting, not re-captured units.
@@ -55,10 +57,15 @@ THROTTLE_BUDGET_S = 900.0
 
 def is_throttle(exc: BaseException) -> bool:
     """The server refused the request for its rate (not performed: safe to retry)."""
+    if isinstance(exc, _PERMANENT) or isinstance(exc, StoreAccessError):
+        return False
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:
         return True
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(w in text for w in _THROTTLE_WORDS)
+    code = ((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code")
+    if code is None:
+        m = _BOTO_CODE.match(str(exc))
+        code = m.group(1) if m else None
+    return code in THROTTLE_CODES or type(exc).__name__ in THROTTLE_CODES
 
 
 class Throttle:

