@@ -862,6 +862,8 @@ def test_ray_version_and_image_tag_agree_everywhere():
 def test_launcher_mounts_the_run_config_and_keeps_gpus_off_the_head():
     launcher = yaml.safe_load(v.LAUNCHER_YAMLS[0].read_text())
     for remote, local in launcher["file_mounts"].items():
+        if local.startswith("~/"):   # the operator's own file (the Ray token), never the repo's
+            continue
         assert (REPO / local).exists(), f"file_mounts {remote}: {local} is not in the repo"
     argv = _entrypoint()
     config_path = Path(argv[argv.index("--config") + 1])
@@ -872,6 +874,36 @@ def test_launcher_mounts_the_run_config_and_keeps_gpus_off_the_head():
     head = launcher["available_node_types"][launcher["head_node_type"]]
     assert head["resources"].get("GPU", 0) == 0
     assert any(t["resources"].get("GPU", 0) > 0 for t in launcher["available_node_types"].values())
+
+
+def test_launcher_turns_token_auth_on_from_a_file_outside_the_repo_and_opens_no_port_to_all():
+    """`ray up`'s cluster: every process in the containers runs with RAY_AUTH_MODE=token and
+    reads the token from RAY_AUTH_TOKEN_PATH, a file that file_mounts copies from outside the
+    repository (the operator's, never committed). Every node type names its security group:
+    Ray then creates none (its own would open SSH to 0.0.0.0/0) and the operator's group (the
+    README's recipe) admits SSH from one address and Ray's ports from the group only."""
+    path = v.LAUNCHER_YAMLS[0]
+    text = path.read_text()
+    launcher = yaml.safe_load(text)
+    env = dict(opt.removeprefix("--env ").split("=", 1)
+               for opt in launcher["docker"]["run_options"] if opt.startswith("--env "))
+    assert env.get("RAY_AUTH_MODE") == "token", env
+    token = Path(env["RAY_AUTH_TOKEN_PATH"])
+    assert "RAY_AUTH_TOKEN=" not in text and "RAY_AUTH_MODE=disabled" not in text
+    local = launcher["file_mounts"][str(token.parent)]
+    assert local.startswith("~/") and not (REPO / local).exists(), \
+        f"the token's folder {local} must be the operator's, outside the repository"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert "RAY_AUTH" not in " ".join(launcher.get(key, [])), key
+    groups = {name: tuple(t["node_config"].get("SecurityGroupIds", ()))
+              for name, t in launcher["available_node_types"].items()}
+    assert all(groups.values()) and len(set(groups.values())) == 1, groups
+    assert "0.0.0.0/0" not in json.dumps(launcher) and "security_group" not in launcher["provider"]
+    readme = (REPO / "infra" / "README.md").read_text()
+    recipe = readme.split("## Ray cluster launcher", 1)[1].split("\n## ", 1)[0]
+    rules = [ln for ln in recipe.splitlines() if "authorize-security-group-ingress" in ln]
+    assert len(rules) == 2 and not any("0.0.0.0" in ln for ln in rules), rules
+    assert "RAY_AUTH_TOKEN_PATH" in recipe and "ray-auth/auth_token" in recipe
 
 
 def test_dockerfiles_pass_hadolint():
