@@ -2,11 +2,14 @@
 
 `raycluster.yaml` (interactive cluster), `raycron/raycronjob.yaml` (KubeRay's own schedule) and
 `schedule/rayjob-template.yaml` (the RayJob the scheduled CronJob creates) carry the same pod
-layout as the RayJob: same image, GPU groups, Secret-fed AWS_* variables, config mount, PVCs.
+layout as the RayJob: same image, GPU groups, mounted secrets, config mount, PVCs. Each workload's
+pods carry their own `app.kubernetes.io/instance` label, and each gets a NetworkPolicy built from
+the Ray ports rayjob.yaml pins: `networkpolicy.yaml` beside rayjob.yaml, in schedule/ and in
+raycron/, and a second document in raycluster.yaml.
 The scheduled ones run `harvest schedule extend` (pipeline/cli/schedule.py) instead of a plain run:
 a tick adds the next TICK_TOKENS to the one store of run.yaml until packing.max_tokens.
 Three hand-kept copies drift (a Secret renamed in one, an image bumped in two); so rayjob.yaml
-is the one source, these two are generated from it, and tests/ops/test_infra.py fails when a
+is the one source, the others are generated from it, and tests/ops/test_infra.py fails when a
 generated file is stale.
 
     python infra/render_manifests.py          # rewrite the generated files
@@ -71,6 +74,22 @@ RAYCRON_SCHEDULE = "0 3 * * *"
 RAYCRON_PERIOD_S = 24 * 3600
 
 
+# The label that tells one workload's Ray pods (and its submitter) from another's: a
+# NetworkPolicy cannot say "same RayCluster as me" (KubeRay's `ray.io/cluster` value is generated
+# for RayJobs), so each workload's pod templates carry their own instance value.
+INSTANCE = "app.kubernetes.io/instance"
+# Ray's listening ports, by the `ray start` option that pins each (rayStartParams); the head's
+# GCS, dashboard and client ports are also its containerPorts. The worker range is every worker
+# and driver process's own gRPC port (actors are called there directly).
+PORT_PARAMS = ("port", "dashboard-port", "ray-client-server-port", "node-manager-port",
+               "object-manager-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+               "metrics-export-port", "dashboard-agent-listen-port")
+WORKER_RANGE = ("min-worker-port", "max-worker-port")
+# KubeRay's operator polls the dashboard (job status, RayJob submission in HTTP mode); its Helm
+# chart labels the operator pods so. It reaches the dashboard port only.
+OPERATOR = {"app.kubernetes.io/name": "kuberay-operator"}
+
+
 def tick_entrypoint(tokens: str) -> str:
     return f"harvest schedule extend --config /config/run.yaml --busy-ok --tokens {tokens}"
 
@@ -87,6 +106,65 @@ def _dump(doc: dict) -> str:
                      width=100)
 
 
+def pod_templates(spec: dict) -> list[dict]:
+    """Every pod template of a RayJob spec (cluster and submitter) or a RayCluster spec."""
+    cluster = spec.get("rayClusterSpec", spec)
+    out = [cluster["headGroupSpec"]["template"]]
+    out += [g["template"] for g in cluster.get("workerGroupSpecs", [])]
+    if "submitterPodTemplate" in spec:
+        out.append(spec["submitterPodTemplate"])
+    return out
+
+
+def with_instance(spec: dict, instance: str) -> dict:
+    """A copy of `spec` whose pod templates carry `instance` as their instance label."""
+    spec = copy.deepcopy(spec)
+    for tmpl in pod_templates(spec):
+        tmpl["metadata"]["labels"][INSTANCE] = instance
+    return spec
+
+
+def ray_ports(cluster_spec: dict) -> list[dict]:
+    """NetworkPolicy ports for every port the cluster's Ray processes listen on: the pinned
+    rayStartParams of the head and every worker group (one port each, the worker range as a
+    range), and the head's containerPorts."""
+    single, ranges = set(), set()
+    groups = [cluster_spec["headGroupSpec"], *cluster_spec.get("workerGroupSpecs", [])]
+    for g in groups:
+        params = g.get("rayStartParams") or {}
+        single |= {int(params[k]) for k in PORT_PARAMS if k in params}
+        if all(k in params for k in WORKER_RANGE):
+            ranges.add(tuple(int(params[k]) for k in WORKER_RANGE))
+    for c in cluster_spec["headGroupSpec"]["template"]["spec"]["containers"]:
+        single |= {p["containerPort"] for p in c.get("ports", [])}
+    return ([{"protocol": "TCP", "port": p} for p in sorted(single)]
+            + [{"protocol": "TCP", "port": lo, "endPort": hi} for lo, hi in sorted(ranges)])
+
+
+def network_policy(spec: dict, instance: str, labels: dict) -> dict:
+    """Ingress to one workload's Ray pods: its Ray ports from its own pods (head, workers,
+    submitter), the dashboard port from KubeRay's operator, nothing else. Egress is open (S3, the
+    model hub)."""
+    cluster = spec.get("rayClusterSpec", spec)
+    head = cluster["headGroupSpec"]
+    dashboard = int((head.get("rayStartParams") or {}).get("dashboard-port", 8265))
+    own = {"app.kubernetes.io/name": labels["app.kubernetes.io/name"], INSTANCE: instance}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{instance}-ray", "labels": dict(labels)},
+        "spec": {
+            "podSelector": {"matchLabels": own},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": own}}], "ports": ray_ports(cluster)},
+                {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR}}],
+                 "ports": [{"protocol": "TCP", "port": dashboard}]},
+            ],
+        },
+    }
+
+
 def load_rayjob() -> dict:
     docs = [d for d in yaml.safe_load_all(SOURCE.read_text()) if d]
     if len(docs) != 1 or docs[0].get("kind") != "RayJob":
@@ -94,15 +172,24 @@ def load_rayjob() -> dict:
     return docs[0]
 
 
+POLICY_NOTE = (
+    "# Ray's ports reachable only from this workload's own pods (app.kubernetes.io/instance) and\n"
+    "# KubeRay's operator (dashboard only); infra/README.md, \"Hardening\".\n"
+)
+
+
 def render() -> dict[Path, str]:
     job = load_rayjob()
     labels = dict(job["metadata"].get("labels", {}))
+    base = {"app.kubernetes.io/name": labels["app.kubernetes.io/name"]}
+    own = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]["labels"][INSTANCE]
+    cluster_spec = with_instance(job["spec"]["rayClusterSpec"], "harvest")
     cluster = {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": {"name": "harvest",
                      "labels": {**labels, "app.kubernetes.io/component": "interactive"}},
-        "spec": copy.deepcopy(job["spec"]["rayClusterSpec"]),
+        "spec": cluster_spec,
     }
     cron = {
         "apiVersion": "ray.io/v1",
@@ -112,7 +199,7 @@ def render() -> dict[Path, str]:
         "spec": {
             "schedule": RAYCRON_SCHEDULE,
             "suspend": False,
-            "jobTemplate": {**copy.deepcopy(job["spec"]),
+            "jobTemplate": {**with_instance(job["spec"], "harvest-nightly"),
                             "entrypoint": tick_entrypoint(RAYCRON_TICK_TOKENS),
                             "backoffLimit": 0,
                             "activeDeadlineSeconds": RAYCRON_PERIOD_S - 3600},
@@ -123,12 +210,23 @@ def render() -> dict[Path, str]:
         "kind": "RayJob",
         "metadata": {"name": "harvest-tick",
                      "labels": {**labels, "app.kubernetes.io/component": "scheduled-run"}},
-        "spec": {**copy.deepcopy(job["spec"]), "entrypoint": tick_entrypoint(TICK_TOKENS)},
+        "spec": {**with_instance(job["spec"], "harvest-tick"),
+                 "entrypoint": tick_entrypoint(TICK_TOKENS)},
     }
+
+    def policy(spec: dict, instance: str) -> str:
+        return _dump(network_policy(spec, instance, base))
+
     return {
-        K8S / "raycluster.yaml": HEADER + CLUSTER_NOTE + _dump(cluster),
+        K8S / "raycluster.yaml": (HEADER + CLUSTER_NOTE + _dump(cluster) + "---\n" + POLICY_NOTE
+                                  + policy(cluster_spec, "harvest")),
+        K8S / "networkpolicy.yaml": HEADER + POLICY_NOTE + policy(job["spec"], own),
         K8S / "raycron" / "raycronjob.yaml": HEADER + CRON_NOTE + _dump(cron),
+        K8S / "raycron" / "networkpolicy.yaml": (HEADER + POLICY_NOTE
+                                                 + policy(job["spec"], "harvest-nightly")),
         K8S / "schedule" / "rayjob-template.yaml": HEADER + TEMPLATE_NOTE + _dump(template),
+        K8S / "schedule" / "networkpolicy.yaml": (HEADER + POLICY_NOTE
+                                                  + policy(job["spec"], "harvest-tick")),
     }
 
 

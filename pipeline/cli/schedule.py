@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -353,4 +354,6 @@ def notify(url: str, ticks: list[Tick], timeout: float = 10.0) -> "str | None":
             r.read()
         return None
     except Exception as e:  # noqa: BLE001
-        return f"webhook {url} failed: {type(e).__name__}: {e}"
+        # scheme and host only: the path of a Slack-style URL is its secret
+        where = urllib.parse.urlsplit(url)
+        return f"webhook {where.scheme}://{where.hostname} failed: {type(e).__name__}: {e}"

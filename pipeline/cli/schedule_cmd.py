@@ -7,7 +7,8 @@ like every command: a config that is invalid or differs from the store's). A cro
 running" is not success, except under `--busy-ok`, for schedulers that retry a failed job and
 cannot forbid overlap (KubeRay's RayCronJob): there a busy tick prints BUSY and exits 0, and the
 webhook still gets it. `--webhook` receives every outcome whose own code is not 0, exit 2
-included.
+included; `--webhook-file` reads its URL from a file instead (a mounted Secret: a Slack-style URL
+is a credential, kept off the command line and out of the environment).
 
 A tick that runs is quiet like `harvest run`: vLLM's, Ray's and torch's output goes to a log
 folder per tick (`<cache>/logs/<name>-<time>/`, named on the console and in `--json`);
@@ -16,7 +17,10 @@ folder per tick (`<cache>/logs/<name>-<time>/`, named on the console and in `--j
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .args import config_args, is_user_error, load_args_config, print_json
+from harvest.pipeline.config.fields import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -33,6 +37,8 @@ def add_parser(sub) -> None:
                    help="a previous run alive longer than this is reported stuck (exit 4)")
     s.add_argument("--webhook", help="POST the tick's outcome as JSON here (Slack-compatible "
                    "'text') when it is not 0 (exit 2, a bad or changed config, included)")
+    s.add_argument("--webhook-file", metavar="PATH",
+                   help="read --webhook's URL from this file (e.g. a mounted Kubernetes Secret)")
     s.add_argument("--busy-ok", action="store_true",
                    help="a busy tick (the previous one still running) exits 0 after saying "
                         "BUSY, for schedulers that retry failed jobs (KubeRay RayCronJob)")
@@ -42,19 +48,35 @@ def add_parser(sub) -> None:
     s.set_defaults(fn=cmd_schedule)
 
 
+def webhook_url(args) -> "str | None":
+    """The webhook's URL: `--webhook URL`, or the stripped text of `--webhook-file PATH`."""
+    if args.webhook_file is None:
+        return args.webhook
+    if args.webhook:
+        raise ConfigError("give --webhook or --webhook-file, not both")
+    try:
+        url = Path(args.webhook_file).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"--webhook-file {args.webhook_file}: {e.strerror}") from None
+    if not url:
+        raise ConfigError(f"--webhook-file {args.webhook_file} is empty")
+    return url
+
+
 def cmd_schedule(args) -> int:
     from .schedule import Tick, notify
 
+    webhook = webhook_url(args)
     try:
-        ticks, log_dir = _ticks(args)
+        ticks, log_dir = _ticks(args, webhook)
     except Exception as e:
-        if args.webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
-            hook = notify(args.webhook, [Tick("invalid", "", f"{type(e).__name__}: {e}")])
+        if webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
+            hook = notify(webhook, [Tick("invalid", "", f"{type(e).__name__}: {e}")])
             if hook:
                 print(f"warning: {hook}")
         raise
     code = max(t.exit_code for t in ticks)
-    hook = notify(args.webhook, ticks) if args.webhook and code else None
+    hook = notify(webhook, ticks) if webhook and code else None
     if args.busy_ok and code and all(t.status == "busy" for t in ticks if t.exit_code):
         code = 0
     if args.json:
@@ -69,7 +91,7 @@ def cmd_schedule(args) -> int:
     return code
 
 
-def _ticks(args):
+def _ticks(args, webhook: "str | None"):
     """The tick's outcomes, and the log folder when it ran quiet."""
     from harvest.pipeline.config.paths import cache_dir
     from harvest.pipeline.logs import new_log_dir, quiet_run
@@ -77,7 +99,7 @@ def _ticks(args):
 
     cfg = load_args_config(args)
     sc = ScheduleConfig(args.mode, args.tokens_per_tick, args.checkpoints,
-                        args.stuck_after * 3600.0, args.webhook, args.check).validate(cfg)
+                        args.stuck_after * 3600.0, webhook, args.check).validate(cfg)
 
     def tick():
         return [extend_tick(cfg, sc)] if sc.mode == "extend" else checkpoint_tick(cfg, sc)

@@ -81,9 +81,10 @@ class Storage(abc.ABC):
         hint = ""
         if "NoCredentialsError" in cause or "unable to locate credentials" in low:
             hint = (" -- no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or "
+                    "AWS_SHARED_CREDENTIALS_FILE naming a credentials file, or "
                     "store.storage_options key/secret; on Kubernetes the Secret of "
-                    "infra/k8s/secret-s3.example.yaml), then check the credentials reach the "
-                    "driver and the actors")
+                    "infra/k8s/secret-s3.example.yaml, mounted as that file), then check the "
+                    "credentials reach the driver and the actors")
         elif isinstance(exc, PermissionError) or "AccessDenied" in cause or "signature" in low \
                 or "InvalidAccessKeyId" in cause:
             hint = (" -- check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "

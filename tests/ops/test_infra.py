@@ -26,6 +26,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "infra"))
 
+import lock_requirements  # noqa: E402  (infra/lock_requirements.py)
 import render_manifests  # noqa: E402  (infra/render_manifests.py)
 import validate as v  # noqa: E402  (infra/validate.py)
 
@@ -139,12 +140,18 @@ def test_generated_manifests_share_the_rayjob_pod_layout():
     cluster = one(K8S / "raycluster.yaml", "RayCluster")
     cron = one(K8S / "raycron" / "raycronjob.yaml", "RayCronJob")
     template = one(SCHEDULE / "rayjob-template.yaml", "RayJob")
-    assert cluster["spec"] == job["spec"]["rayClusterSpec"]
+    # the same pods, each workload under its own instance label (its NetworkPolicy selects it)
+    mine = _instance(job["spec"])
+    same = render_manifests.with_instance
+    assert same(cluster["spec"], mine) == job["spec"]["rayClusterSpec"]
     # the scheduled ones differ in the entrypoint (a tick of `harvest schedule extend`) and, for
     # KubeRay's RayCronJob, in the no-overlap settings (test_raycron_ticks_cannot_overlap)
     own = {"entrypoint": None, "backoffLimit": None, "activeDeadlineSeconds": None}
-    assert {**template["spec"], "entrypoint": None} == {**job["spec"], "entrypoint": None}
-    assert {**cron["spec"]["jobTemplate"], **own} == {**job["spec"], **own}
+    assert {**same(template["spec"], mine), "entrypoint": None} == {**job["spec"], "entrypoint": None}
+    assert {**same(cron["spec"]["jobTemplate"], mine), **own} == {**job["spec"], **own}
+    instances = [_instance(s) for s in (job["spec"], cluster["spec"], cron["spec"]["jobTemplate"],
+                                        template["spec"])]
+    assert len(set(instances)) == 4, instances
     for spec in (cron["spec"]["jobTemplate"], template["spec"]):
         assert spec["entrypoint"].startswith("harvest schedule extend --config /config/run.yaml")
 
@@ -232,20 +239,48 @@ def test_a_typo_in_the_run_config_is_caught(tmp_path):
         load_config(bad)
 
 
-def test_job_shuts_down_and_every_pod_reads_s3_credentials_from_the_secret():
+def _mounted_file(pod: dict, container: dict, path: str) -> tuple[dict, str]:
+    """(the Secret volume source, its key) that puts the file `path` into the container."""
+    vols = {vol["name"]: vol for vol in pod.get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        folder = m["mountPath"].rstrip("/") + "/"
+        if path.startswith(folder) and "secret" in vols[m["name"]]:
+            assert m.get("readOnly") is True, f"{m['name']}: mount secrets read-only"
+            src = vols[m["name"]]["secret"]
+            items = {i["path"]: i["key"] for i in src.get("items", [])}
+            return src, items[path[len(folder):]]
+    raise AssertionError(f"{container['name']}: no Secret volume mounted for {path}")
+
+
+def test_job_shuts_down_and_every_pod_reads_s3_keys_from_a_mounted_credentials_file(tmp_path,
+                                                                                 monkeypatch):
+    """S3 keys are an AWS shared-credentials file from the Secret harvest-s3, mounted read-only,
+    named by AWS_SHARED_CREDENTIALS_FILE: as variables every Ray worker, vLLM process and job
+    would inherit them. The example Secret's file is one botocore reads."""
     job = rayjob()
     assert job["spec"]["shutdownAfterJobFinishes"] is True
     secret = one(K8S / "secret-s3.example.yaml", "Secret")
-    for group, tmpl in pod_templates(job["spec"]["rayClusterSpec"]):
-        for c in tmpl["spec"]["containers"]:
-            env = {e["name"]: e for e in c.get("env", [])}
-            for key in AWS_KEYS:
-                assert key in env, f"{group}/{c['name']}: {key} missing"
-                ref = env[key].get("valueFrom", {}).get("secretKeyRef")
-                assert ref, f"{group}/{c['name']}: {key} must come from a Secret, not a literal"
-                assert ref["name"] == secret["metadata"]["name"]
-                if not ref.get("optional"):
-                    assert ref["key"] in secret["stringData"], f"{key} not in the example Secret"
+    for where, pod, c in _s3_containers():
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} & set(env), where
+        path = env["AWS_SHARED_CREDENTIALS_FILE"]["value"]
+        src, key = _mounted_file(pod, c, path)
+        assert src["secretName"] == secret["metadata"]["name"] and not src.get("optional"), where
+        assert key in secret["stringData"], f"{where}: key {key} not in the example Secret"
+        for name in AWS_KEYS[2:]:   # endpoint and region: not secret, optional variables
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == secret["metadata"]["name"] and ref.get("optional"), where
+    import botocore.session
+
+    creds = tmp_path / "credentials"
+    creds.write_text(secret["stringData"]["credentials"])
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    got = botocore.session.Session().get_credentials()
+    assert got is not None and got.method == "shared-credentials-file"
+    assert got.access_key == "REPLACE_ME"
 
 
 def test_gpu_worker_groups_and_a_gpu_free_head():
@@ -271,15 +306,10 @@ def _ray_docs() -> list[tuple[str, dict]]:
             if d.get("kind") in ("RayCluster", "RayJob", "RayCronJob")]
 
 
-def test_every_ray_process_and_submitter_uses_the_token_secret():
-    """Ray 2.60 heads start with token authentication: every Ray container (head, workers) and
-    every RayJob's submitter reads RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from the one Secret the
-    operator fills (secret-ray-auth.example.yaml), not optional, never a literal."""
-    secret = one(K8S / "secret-ray-auth.example.yaml", "Secret")
-    name, keys = secret["metadata"]["name"], set(secret["stringData"])
-    docs = _ray_docs()
-    assert {d["kind"] for _, d in docs} == {"RayCluster", "RayJob", "RayCronJob"}
-    for fname, doc in docs:
+def _ray_pods() -> list[tuple[str, dict, dict]]:
+    """(where, workload spec, pod template) of every Ray pod and submitter we ship."""
+    out = []
+    for fname, doc in _ray_docs():
         spec = doc["spec"].get("jobTemplate", doc["spec"])
         cluster = spec.get("rayClusterSpec", spec)
         templates = pod_templates(cluster)
@@ -290,16 +320,205 @@ def test_every_ray_process_and_submitter_uses_the_token_secret():
             assert sub["spec"]["restartPolicy"] == "Never"
             assert not sub["spec"]["containers"][0].get("command"), "KubeRay fills the command"
             templates.append(("submitter", sub))
-        for group, tmpl in templates:
-            for c in tmpl["spec"]["containers"]:
-                env = {e["name"]: e for e in c.get("env", [])}
-                where = f"{fname}:{doc['kind']}/{group}/{c['name']}"
-                assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", where
-                ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
-                assert ref and ref["name"] == name and ref["key"] in keys, where
-                assert not ref.get("optional"), f"{where}: a missing token Secret must stop the pod"
+        out += [(f"{fname}:{doc['kind']}/{group}", spec, tmpl) for group, tmpl in templates]
+    return out
+
+
+def _s3_containers() -> list[tuple[str, dict, dict]]:
+    """(where, pod spec, container) of everything that opens the store: the Ray head and
+    workers of every workload, and the scheduled tick's decide container."""
+    out = [(f"{where}/{c['name']}", t["spec"], c) for where, _, t in _ray_pods()
+           if not where.endswith("/submitter") for c in t["spec"]["containers"]]
+    _, _, pod = _cron_pod()
+    out += [(f"cronjob-submit.yaml/{c['name']}", pod, c) for c in pod["initContainers"]]
+    assert len(out) >= 12, out
+    return out
+
+
+def test_every_ray_process_and_submitter_reads_the_token_from_a_mounted_file():
+    """Ray 2.60 heads start with token authentication: every Ray container (head, workers) and
+    every RayJob's submitter sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH to the file the
+    one Secret the operator fills (secret-ray-auth.example.yaml) mounts, not optional; the token
+    is never a variable (Ray 2.60 reads RAY_AUTH_TOKEN_PATH: checked with `ray job submit`)."""
+    secret = one(K8S / "secret-ray-auth.example.yaml", "Secret")
+    name, keys = secret["metadata"]["name"], set(secret["stringData"])
+    assert {d["kind"] for _, d in _ray_docs()} == {"RayCluster", "RayJob", "RayCronJob"}
+    for where, _, tmpl in _ray_pods():
+        for c in tmpl["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", where
+            assert "RAY_AUTH_TOKEN" not in env, f"{where}: the token as a variable"
+            src, key = _mounted_file(tmpl["spec"], c, env["RAY_AUTH_TOKEN_PATH"]["value"])
+            assert src["secretName"] == name and key in keys, where
+            assert not src.get("optional"), f"{where}: a missing token Secret must stop the pod"
     readme = (REPO / "infra" / "README.md").read_text()
     assert "secret-ray-auth.example.yaml" in readme and "harvest-ray-auth" in readme
+
+
+def _all_pods() -> list[tuple[str, dict]]:
+    """(where, pod spec) of every pod any manifest under infra/k8s makes, examples included."""
+    pods = [(where, t["spec"]) for where, _, t in _ray_pods()]
+    for p in v.object_manifests() + sorted((K8S / "examples").glob("*.yaml")):
+        for d in v.load_docs(p):
+            if "kind" not in d:   # a harvest run config (examples/run-*.yaml)
+                continue
+            if d["kind"] == "CronJob":
+                pods.append((f"{p.name}:CronJob", d["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
+            assert d["kind"] not in ("Pod", "Deployment", "Job", "StatefulSet", "DaemonSet"), \
+                f"{p.name}: a {d['kind']}: add it to this walk"
+    return pods
+
+
+# environment variables that may come from a Secret: neither is a credential
+NOT_SECRET_ENV = {"AWS_ENDPOINT_URL", "AWS_REGION"}
+
+
+def test_no_secret_is_an_environment_variable():
+    """Secrets are files (secret volumes) wherever Ray, vLLM and the CLI can read them from one:
+    no container takes a Secret's value into its environment (every child process inherits it
+    and it shows in /proc/<pid>/environ, Ray's job info and crash dumps), and no variable
+    holds a credential literally."""
+    secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "RAY_AUTH_TOKEN",
+               "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WEBHOOK_URL"}
+    for where, pod in _all_pods():
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            assert not any("secretRef" in e for e in c.get("envFrom", [])), (where, c["name"])
+            for e in c.get("env", []):
+                assert e["name"] not in secrets and "WEBHOOK" not in e["name"], (where, e["name"])
+                if "secretKeyRef" in e.get("valueFrom", {}):
+                    assert e["name"] in NOT_SECRET_ENV, f"{where}/{c['name']}: {e['name']} " \
+                        "from a Secret: mount it as a file"
+    for where, pod in _all_pods():
+        for c in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            if "HF_TOKEN_PATH" in env:   # the gated-model token: an optional Secret's file
+                src, key = _mounted_file(pod, c, env["HF_TOKEN_PATH"])
+                assert src["secretName"] == "harvest-hf" and src.get("optional"), where
+
+
+def _instance(spec: dict) -> str:
+    spec = spec.get("rayClusterSpec", spec)
+    return spec["headGroupSpec"]["template"]["metadata"]["labels"][render_manifests.INSTANCE]
+
+
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]}}
+
+
+def test_every_pod_and_container_runs_restricted():
+    """Pod Security Standards "restricted", and more: non-root as uid 1000 (the images' user
+    `ray`), no privilege escalation, every capability dropped, the runtime's default seccomp
+    profile, no host namespaces or host paths, no API token unless the pod talks to the API
+    (only the scheduled tick's submit container, which mounts one itself), and a read-only root
+    filesystem with /tmp (and $HOME of the harvest image: Ray's session dir, Triton's and
+    Inductor's caches) on emptyDirs."""
+    users = set()
+    for name in ("Dockerfile.gpu", "Dockerfile.cpu"):
+        instrs = dockerfile(DOCKER / name)
+        users.add(next(rest for instr, rest in reversed(instrs) if instr == "USER"))
+        assert re.search(r"useradd [^&]*--uid 1000 [^&]*ray", " ".join(
+            rest for instr, rest in instrs if instr == "RUN")), name
+    assert users == {"1000"}, users
+    pods = _all_pods()
+    assert len(pods) >= 17, len(pods)
+    for where, pod in pods:
+        sc = pod.get("securityContext", {})
+        assert sc.get("runAsNonRoot") is True and sc.get("runAsUser") == 1000, where
+        assert sc.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        assert pod.get("automountServiceAccountToken") is False, where
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), where
+        vols = {vol["name"]: vol for vol in pod.get("volumes", [])}
+        assert not any("hostPath" in vol for vol in vols.values()), where
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            csc = c.get("securityContext", {})
+            assert csc == RESTRICTED_CONTAINER, f"{where}/{c['name']}: {csc}"
+            mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", [])}
+            assert "emptyDir" in mounts.get("/tmp", {}), f"{where}/{c['name']}: /tmp not writable"
+            if c["image"].startswith("harvest:"):
+                assert "emptyDir" in mounts.get("/home/ray", {}), f"{where}/{c['name']}: $HOME"
+            token = [m for m, vol in mounts.items() if "serviceaccount" in m]
+            assert not token or c["name"] == "submit", f"{where}/{c['name']}: an API token"
+
+
+def _ports_of(rule: dict) -> set[int]:
+    out = set()
+    for p in rule["ports"]:
+        assert p.get("protocol", "TCP") == "TCP"
+        out |= set(range(p["port"], p.get("endPort", p["port"]) + 1))
+    return out
+
+
+def _start_port_options() -> set[str]:
+    """The `ray start` options that set a listening port, read from the installed Ray."""
+    import warnings
+
+    with warnings.catch_warnings():   # Ray Serve's pydantic deprecations, on import
+        warnings.simplefilter("ignore")
+        from ray.scripts.scripts import start
+    names = {o.name.replace("_", "-") for o in start.params}
+    return {n for n in names if "port" in n.split("-")}
+
+
+def test_ray_ports_are_pinned_and_reachable_only_from_their_own_cluster():
+    """Every Ray workload we ship (the RayJob, the interactive RayCluster, the two scheduled
+    ones, the 70B example) pins every port its Ray processes listen on, and ships a
+    NetworkPolicy (in its kustomization, or beside it in the same file) that selects all of its
+    pods, admits those ports only from pods of the same workload (same namespace, same instance
+    label; the submitter carries it too) and the dashboard port from KubeRay's operator, and
+    nothing from an ipBlock or any other peer."""
+    options = _start_port_options()
+    head_only = {"port", "dashboard-port", "ray-client-server-port"}
+    assert head_only | {"node-manager-port", "object-manager-port", "min-worker-port",
+                        "max-worker-port", "worker-port-list"} <= options, options
+    units = {K8S / "rayjob.yaml": K8S, K8S / "raycron" / "raycronjob.yaml": K8S / "raycron",
+             SCHEDULE / "rayjob-template.yaml": SCHEDULE, K8S / "raycluster.yaml": None,
+             K8S / "examples" / "raycluster-70b-tp8.yaml": None}
+    for path, folder in units.items():
+        doc = next(d for d in v.load_docs(path) if d["kind"] in ("RayJob", "RayCluster", "RayCronJob"))
+        spec = doc["spec"].get("jobTemplate", doc["spec"])
+        cluster = spec.get("rayClusterSpec", spec)
+        files = [folder / r for r in _kustomize(folder)["resources"]] if folder else [path]
+        policies = [d for f in files for d in v.load_docs(f) if d["kind"] == "NetworkPolicy"]
+        assert len(policies) == 1, f"{path.name}: {len(policies)} NetworkPolicies"
+        pol = policies[0]["spec"]
+        selector = pol["podSelector"]["matchLabels"]
+        assert selector[render_manifests.INSTANCE] == _instance(spec), path.name
+        templates = [t for g, t in pod_templates(cluster)]
+        templates += [spec["submitterPodTemplate"]] if "submitterPodTemplate" in spec else []
+        for tmpl in templates:
+            labels = tmpl["metadata"]["labels"]
+            assert selector.items() <= labels.items(), f"{path.name}: {labels} not selected"
+        assert pol["policyTypes"] == ["Ingress"]
+        head = cluster["headGroupSpec"]
+        pinned, worker_ports = set(), set()
+        for g in [head, *cluster["workerGroupSpecs"]]:
+            params = g["rayStartParams"]
+            need = options - {"worker-port-list"} - (set() if g is head else head_only)
+            assert need <= set(params), f"{path.name}: {sorted(need - set(params))} not pinned"
+            assert "worker-port-list" not in params
+            pinned |= {int(params[k]) for k in need - {"min-worker-port", "max-worker-port"}}
+            worker_ports |= set(range(int(params["min-worker-port"]),
+                                      int(params["max-worker-port"]) + 1))
+        pinned |= {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+        dashboard = int(head["rayStartParams"]["dashboard-port"])
+        # KubeRay's liveness and readiness probes call these two numbers
+        assert dashboard == 8265, path.name
+        assert {g["rayStartParams"]["dashboard-agent-listen-port"]
+                for g in [head, *cluster["workerGroupSpecs"]]} == {"52365"}, path.name
+        own, operator = set(), set()
+        for rule in pol["ingress"]:
+            assert rule.get("from") and rule.get("ports"), f"{path.name}: a rule open to all"
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer, path.name
+                if peer.get("podSelector", {}).get("matchLabels") == selector \
+                        and "namespaceSelector" not in peer:
+                    own |= _ports_of(rule)
+                elif peer.get("podSelector", {}).get("matchLabels") == render_manifests.OPERATOR:
+                    operator |= _ports_of(rule)
+                else:
+                    raise AssertionError(f"{path.name}: an ingress peer {peer}")
+        assert pinned | worker_ports <= own, f"{path.name}: {sorted(pinned - own)} unreachable"
+        assert operator == {dashboard}, path.name
 
 
 def _cron_period_s(schedule: str) -> int:
@@ -407,6 +626,63 @@ def test_cron_submitter_alerts_on_busy_stuck_and_failed_ticks():
     assert "exit 0 ;;" in script and "complete)" in script  # budget reached: nothing created
     decide = pod["initContainers"][0]["args"][0]
     assert "harvest schedule extend" in decide and "--check" in decide
+
+
+def test_the_scheduled_ticks_webhook_is_a_mounted_secret():
+    """The webhook URL (a Slack-style URL is a credential) comes from the optional Secret
+    harvest-webhook as a file that `decide` passes to `harvest schedule extend --webhook-file`:
+    no environment value, no command-line argument (`ps` shows those)."""
+    _, _, pod = _cron_pod()
+    decide = next(c for c in pod["initContainers"] if c["name"] == "decide")
+    script = decide["args"][0]
+    path = re.search(r"--webhook-file (\S+)\)", script).group(1)
+    assert f"[ -s {path} ]" in script, "the flag is passed only when the Secret has a URL"
+    assert "--webhook " not in script and "WEBHOOK" not in json.dumps(pod)
+    src, key = _mounted_file(pod, decide, path)
+    secret = one(K8S / "secret-webhook.example.yaml", "Secret")
+    assert src["secretName"] == secret["metadata"]["name"] and key in secret["stringData"]
+    assert src.get("optional") is True, "no webhook configured must not stop the tick"
+
+
+def test_the_scheduled_submitter_has_least_privilege():
+    """The CronJob's ServiceAccount: one namespaced Role, no ClusterRole or wildcard, verbs on
+    RayJobs within create/get/list/watch/delete and a read of pods, and exactly what the submit
+    script's kubectl calls need. RBAC cannot narrow `create` by name (the RayJobs are
+    generateName'd, and resourceNames never applies to create) nor by content: the README's
+    Hardening section says so and what an admission policy adds. The API token reaches only the
+    submit container; decide (which holds the S3 keys) has none."""
+    docs, _, pod = _cron_pod()
+    kinds = {d["kind"] for p in v.object_manifests() for d in v.load_docs(p)}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, kinds
+    role = next(d for d in docs if d["kind"] == "Role")
+    allowed = {("rayjobs", "ray.io"): {"create", "get", "list", "watch", "delete"},
+               ("pods", ""): {"get"}}
+    granted = set()
+    for rule in role["rules"]:
+        assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"], rule
+        assert not rule.get("resourceNames") and not rule.get("nonResourceURLs"), rule
+        for res in rule["resources"]:
+            for group in rule["apiGroups"]:
+                assert set(rule["verbs"]) <= allowed[(res, group)], rule
+                granted |= {(res, verb) for verb in rule["verbs"]}
+    script = pod["containers"][0]["args"][0]
+    used = {("rayjobs" if r.startswith("rayjob") else "pods", "list" if sel else verb)
+            for verb, r, sel in re.findall(r"kubectl (get|delete)(?: --wait=false)? (rayjobs?|pod)( -l)?",
+                                         script)}
+    used |= {("rayjobs", "create")} if "kubectl create -f -" in script else set()
+    assert used == granted, (sorted(used), sorted(granted))
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["roleRef"]["kind"] == "Role"
+    assert [s["kind"] for s in binding["subjects"]] == ["ServiceAccount"]
+    vols = {vol["name"]: vol for vol in pod["volumes"]}
+    for c in pod["initContainers"] + pod["containers"]:
+        token = [m for m in c.get("volumeMounts", [])
+                 if any("serviceAccountToken" in s for s in vols[m["name"]].get("projected", {}).get("sources", []))]
+        assert bool(token) == (c["name"] == "submit"), c["name"]
+        if token:
+            assert token[0]["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    readme = (REPO / "infra" / "README.md").read_text()
+    assert "ValidatingAdmissionPolicy" in readme and "resourceNames" in readme
 
 
 def _kustomize(folder: Path) -> dict:
@@ -584,9 +860,141 @@ def test_ray_version_and_image_tag_agree_everywhere():
     assert launcher["docker"]["image"].endswith(f"/harvest:{version}-gpu")
 
 
+def stages(instrs) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(stage name, FROM argument, its instructions) of a multi-stage Dockerfile."""
+    out: list[tuple[str, str, list[tuple[str, str]]]] = []
+    for instr, rest in instrs:
+        if instr == "FROM":
+            words = rest.split()
+            out.append((words[2] if len(words) == 3 and words[1].upper() == "AS" else "",
+                        words[0], []))
+        elif out:
+            out[-1][2].append((instr, rest))
+    return out
+
+
+DIGEST_PINNED = re.compile(r"^[\w./-]+(:[\w.-]+)?@sha256:[0-9a-f]{64}$")
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_every_base_image_is_pinned_by_digest(name):
+    """Each FROM names an earlier stage or `${BASE_IMAGE}`, a global ARG whose default is
+    `image:tag@sha256:<64 hex>`: a tag is moved by every rebuild upstream, a digest names one
+    image (infra/README.md, "Images", says how to verify and refresh it)."""
+    instrs = dockerfile(DOCKER / name)
+    first = next(i for i, (instr, _) in enumerate(instrs) if instr == "FROM")
+    global_args = docker_args(instrs[:first])
+    seen = []
+    for stage, base, _ in stages(instrs):
+        ref = re.sub(r"\$\{?(\w+)\}?", lambda m: global_args[m.group(1)], base)
+        assert ref in seen or DIGEST_PINNED.match(ref), f"{name}: FROM {base} -> {ref}"
+        seen.append(stage)
+    readme = (REPO / "infra" / "README.md").read_text()
+    assert "docker buildx imagetools inspect" in readme
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_no_pip_call_sees_two_indexes(name):
+    """No --extra-index-url (pip takes the highest version of a name from any index: a package
+    on the second index can shadow PyPI's). The one other index, the PyTorch CPU index, gets a
+    pip call of its own that installs torch alone."""
+    instrs = dockerfile(DOCKER / name)
+    text = " ".join(rest for _, rest in instrs)
+    assert "extra-index-url" not in text and "PIP_EXTRA_INDEX_URL" not in text, name
+    runs = " ".join(rest for instr, rest in instrs if instr == "RUN")
+    for cmd in re.split(r"\s(?:&&|;)\s", runs):
+        if "pip install" in cmd and "--index-url" in cmd:
+            assert re.search(r'"torch==|requirements-cpu-torch\.lock', cmd), cmd
+            assert "/src" not in cmd.replace("/src/infra/docker/", "") and "vllm" not in cmd, cmd
+    for lock in DOCKER.glob("requirements-*.lock"):
+        assert not re.search(r"^\s*-", lock.read_text(), re.M), f"{lock.name}: options in a lock"
+
+
+LOCK_LINE = re.compile(r"^([a-z0-9-]+)==(\S+)((?: --hash=sha256:[0-9a-f]{64})+)$")
+
+
+def _lock(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = LOCK_LINE.match(line)
+        assert m, f"{path.name}: not `name==version --hash=sha256:...`: {line}"
+        assert m.group(1) not in pins, f"{path.name}: {m.group(1)} twice"
+        pins[m.group(1)] = m.group(2)
+    return pins
+
+
+@pytest.mark.parametrize("image", ["cpu", "gpu"])
+def test_images_install_hashed_lock_files(image):
+    """Each image installs its lock file(s) with `--require-hashes --no-deps --only-binary` when
+    present (infra/lock_requirements.py writes them); every line is pinned and hashed, and the
+    locks hold what the image asks for: the Dockerfile's pins, every requirement of the package
+    and its extra, the build backend (the package is installed --no-build-isolation). The CPU
+    lock exists; the GPU one cannot be resolved here yet (the README says why)."""
+    from packaging.requirements import Requirement
+
+    instrs = dockerfile(DOCKER / f"Dockerfile.{image}")
+    runs = " ".join(rest for instr, rest in instrs if instr == "RUN")
+    copied = {rest.split()[0].rstrip("/") for instr, rest in instrs if instr == "COPY"}
+    assert "infra/docker" in copied, "the lock files must be in the build context's copy"
+    paths = lock_requirements.lock_paths(image)
+    for path in paths.values():
+        cmd = next((c for c in re.split(r"\s(?:&&|;)\s", runs) if f"/{path.name}" in c), "")
+        for flag in ("--require-hashes", "--no-deps", "--only-binary=:all:"):
+            assert flag in cmd, f"Dockerfile.{image}: {path.name} installed without {flag}"
+    assert "pip install --no-deps --no-build-isolation /src" in runs
+    if not paths["pypi"].exists():
+        assert image == "gpu", f"{paths['pypi'].name} is missing: python infra/lock_requirements.py {image}"
+        readme = (REPO / "infra" / "README.md").read_text()
+        assert paths["pypi"].name in readme and "flashinfer-python" in readme
+        return
+    pins = {}
+    for path in paths.values():
+        pins.update(_lock(path))
+    env = {"python_version": "3.11", "python_full_version": "3.11.0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    for spec in lock_requirements.requested(image):
+        req = Requirement(spec)
+        if req.marker and not req.marker.evaluate(env):
+            continue
+        name = lock_requirements.canonical(req.name)
+        assert name in pins, f"{path.name}: {spec} is not locked"
+        assert req.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
+    assert not set(pins) & lock_requirements.LEFT_OUT[image], "torchvision & co. break the CPU torch"
+    if image == "cpu":
+        assert list(_lock(paths["torch"])) == ["torch"] and pins["torch"].endswith("+cpu")
+
+
+def test_runtime_stage_carries_no_build_tooling():
+    """Two stages: `build` makes the virtualenv (pip, compilers for any source build, git, the
+    PPA tooling), the final `runtime` stage copies it and installs only what the workload runs
+    with. It keeps one compiler because the workload compiles at run time: g++ on CPU (vLLM's
+    torch.compile, Inductor's C++ kernels), gcc and Python's headers on GPU (Triton's launcher
+    stubs)."""
+    tooling = {"build-essential", "make", "git", "software-properties-common", "gpg-agent",
+               "curl"}
+    needs = {"Dockerfile.cpu": {"g++"}, "Dockerfile.gpu": {"gcc", "libc6-dev",
+                                                           '"python${PYTHON_VERSION}-dev"'}}
+    for name, compilers in needs.items():
+        all_stages = stages(dockerfile(DOCKER / name))
+        assert [s for s, _, _ in all_stages] == ["build", "runtime"], name
+        runtime = all_stages[-1][2]
+        assert ("COPY", "--from=build /opt/venv /opt/venv") in runtime, name
+        runs = " ".join(rest for instr, rest in runtime if instr == "RUN")
+        apt = re.search(r"apt-get install -y --no-install-recommends (.*?) &&", runs).group(1)
+        packages = set(apt.split())
+        assert not packages & tooling, f"{name}: {sorted(packages & tooling)} in the runtime"
+        assert compilers <= packages, f"{name}: the runtime compiler is gone"
+        assert "pip install" not in runs, f"{name}: install in the build stage"
+        assert "wget" in packages and "tini" in packages, "KubeRay's probes, PID 1"
+
+
 def test_launcher_mounts_the_run_config_and_keeps_gpus_off_the_head():
     launcher = yaml.safe_load(v.LAUNCHER_YAMLS[0].read_text())
     for remote, local in launcher["file_mounts"].items():
+        if local.startswith("~/"):   # the operator's own file (the Ray token), never the repo's
+            continue
         assert (REPO / local).exists(), f"file_mounts {remote}: {local} is not in the repo"
     argv = _entrypoint()
     config_path = Path(argv[argv.index("--config") + 1])
@@ -597,6 +1005,36 @@ def test_launcher_mounts_the_run_config_and_keeps_gpus_off_the_head():
     head = launcher["available_node_types"][launcher["head_node_type"]]
     assert head["resources"].get("GPU", 0) == 0
     assert any(t["resources"].get("GPU", 0) > 0 for t in launcher["available_node_types"].values())
+
+
+def test_launcher_turns_token_auth_on_from_a_file_outside_the_repo_and_opens_no_port_to_all():
+    """`ray up`'s cluster: every process in the containers runs with RAY_AUTH_MODE=token and
+    reads the token from RAY_AUTH_TOKEN_PATH, a file that file_mounts copies from outside the
+    repository (the operator's, never committed). Every node type names its security group:
+    Ray then creates none (its own would open SSH to 0.0.0.0/0) and the operator's group (the
+    README's recipe) admits SSH from one address and Ray's ports from the group only."""
+    path = v.LAUNCHER_YAMLS[0]
+    text = path.read_text()
+    launcher = yaml.safe_load(text)
+    env = dict(opt.removeprefix("--env ").split("=", 1)
+               for opt in launcher["docker"]["run_options"] if opt.startswith("--env "))
+    assert env.get("RAY_AUTH_MODE") == "token", env
+    token = Path(env["RAY_AUTH_TOKEN_PATH"])
+    assert "RAY_AUTH_TOKEN=" not in text and "RAY_AUTH_MODE=disabled" not in text
+    local = launcher["file_mounts"][str(token.parent)]
+    assert local.startswith("~/") and not (REPO / local).exists(), \
+        f"the token's folder {local} must be the operator's, outside the repository"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert "RAY_AUTH" not in " ".join(launcher.get(key, [])), key
+    groups = {name: tuple(t["node_config"].get("SecurityGroupIds", ()))
+              for name, t in launcher["available_node_types"].items()}
+    assert all(groups.values()) and len(set(groups.values())) == 1, groups
+    assert "0.0.0.0/0" not in json.dumps(launcher) and "security_group" not in launcher["provider"]
+    readme = (REPO / "infra" / "README.md").read_text()
+    recipe = readme.split("## Ray cluster launcher", 1)[1].split("\n## ", 1)[0]
+    rules = [ln for ln in recipe.splitlines() if "authorize-security-group-ingress" in ln]
+    assert len(rules) == 2 and not any("0.0.0.0" in ln for ln in rules), rules
+    assert "RAY_AUTH_TOKEN_PATH" in recipe and "ray-auth/auth_token" in recipe
 
 
 def test_dockerfiles_pass_hadolint():

@@ -128,6 +128,29 @@ def test_busy_ok_exits_0_and_still_posts_and_exit_2_is_posted(tmp_path, capsys):
         assert "packing.max_tokens" in got[0]["text"]
 
 
+def test_webhook_file_reads_the_url_and_a_failing_webhook_never_prints_its_path(tmp_path, capsys):
+    """--webhook-file (a mounted Secret) posts like --webhook; an empty or missing file, or both
+    flags, is a bad invocation (exit 2). A webhook that fails is reported by scheme and host
+    only: the path of a Slack-style URL is its secret."""
+    from harvest.pipeline.cli.schedule import Tick, notify
+
+    argv = ["schedule", "extend", "--tokens", "512", "--set", f"store.url={tmp_path / 's'}",
+            "--set", "packing.max_tokens=null"]
+    url_file = tmp_path / "url"
+    with _webhook() as (url, got):
+        url_file.write_text(url + "\n")
+        assert main(argv + ["--webhook-file", str(url_file)]) == 2
+        assert len(got) == 1 and got[0]["ticks"][0]["status"] == "invalid"
+        assert main(argv + ["--webhook-file", str(url_file), "--webhook", url]) == 2
+        assert "not both" in capsys.readouterr().err
+        url_file.write_text("\n")
+        assert main(argv + ["--webhook-file", str(url_file)]) == 2
+        assert main(argv + ["--webhook-file", str(tmp_path / "missing")]) == 2
+        assert len(got) == 1
+    err = notify("http://127.0.0.1:9/T000/B000/s3cr3t", [Tick("busy", "", "x")], timeout=2)
+    assert err and "127.0.0.1" in err and "s3cr3t" not in err, err
+
+
 def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, reference, tmp_path):
     """Tick 1 dies half way (its driver raised after committing half its tokens; a SIGKILLed
     tick leaves the same: a start record and no tick record): the failed tick reports what is

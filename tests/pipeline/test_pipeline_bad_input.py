@@ -281,4 +281,4 @@ def test_missing_credentials_name_the_variables_and_the_secret(tiny_llama, docs,
     so = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
     _fails(make_cfg(tiny_llama, "s3://bucket/run", docs, storage_options=so), StoreAccessError,
            r"NoCredentialsError.* -- no S3 credentials: set AWS_ACCESS_KEY_ID/"
-           r"AWS_SECRET_ACCESS_KEY .*infra/k8s/secret-s3.example.yaml")
+           r"AWS_SECRET_ACCESS_KEY .*AWS_SHARED_CREDENTIALS_FILE.*infra/k8s/secret-s3.example.yaml")
