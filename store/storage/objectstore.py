@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from harvest.store.errors import StoreAccessError
-from .retries import with_retries
+from .retries import is_throttle, with_retries
 from .interface import Storage, UploadRecord
 
 log = logging.getLogger(__name__)
@@ -312,12 +312,27 @@ class S3Storage(ObjectStorage):
 
             path = self.key(f"{PROBE_DIR}/{uuid.uuid4().hex}")
             honoured = False
-            try:
-                self.fs.pipe_file(path, b"1", mode="create")
+
+            def first() -> None:
+                try:
+                    self.fs.pipe_file(path, b"1", mode="create")
+                except FileExistsError:   # a retry after a lost answer: ours is there
+                    pass
+
+            def second() -> bool:
                 try:
                     self.fs.pipe_file(path, b"2", mode="create")
-                except (FileExistsError, OSError):
-                    honoured = True
+                    return False
+                except FileExistsError:
+                    return True
+                except OSError as e:
+                    if is_throttle(e):   # not an answer to the question: retried
+                        raise
+                    return True          # a 412 s3fs could not name
+
+            try:
+                with_retries(first, "probe conditional PUT", budget_s=self.budget_s)
+                honoured = with_retries(second, "probe conditional PUT", budget_s=self.budget_s)
             except (NotImplementedError, TypeError, ValueError):
                 honoured = False
             finally:

@@ -110,13 +110,22 @@ class DeferredTransport(CPUTransport):
             self.release()
 
 
-class FakeRunner:
-    """The runner state compat.step_layout/fed_inputs read, for one step at a time."""
+@pytest.fixture(params=["v1", "v2"])
+def runner_kind(request) -> str:
+    """The row map's tests on both of vLLM's runners' step state (engine/vllm/compat.py)."""
+    return request.param
 
-    def __init__(self, max_tokens):
+
+class FakeRunner:
+    """The runner state compat.step_layout/fed_inputs read, for one step at a time: V1's
+    persistent batch, or the per-step InputBatch V2 builds in prepare_inputs (`kind`)."""
+
+    def __init__(self, max_tokens, kind: str = "v1"):
+        self.harvest_runner = kind
         self.positions = torch.zeros(max_tokens, dtype=torch.int64)
         self.input_ids = SimpleNamespace(gpu=torch.zeros(max_tokens, dtype=torch.int32))
         self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=None)
+        self.harvest_step_batch = None
 
     def prepare(self, tokens, chunks, points, width):
         """chunks: [(rid, start, count)] in runner order: the batch vLLM prepares for a step.
@@ -130,6 +139,17 @@ class FakeRunner:
         self.input_batch.req_ids = [r for r, _, _ in chunks]
         self.input_batch.num_reqs = len(chunks)
         self.input_batch.num_computed_tokens_cpu = np.array([s for _, s, _ in chunks])
+        if self.harvest_runner == "v2":   # V2: a fresh batch each step, padded like V2's
+            counts = np.array([c for _, _, c in chunks], dtype=np.int32)
+            qsl = np.zeros(len(chunks) + 3, dtype=np.int32)
+            qsl[1:len(chunks) + 1] = np.cumsum(counts)
+            qsl[len(chunks) + 1:] = row
+            self.harvest_step_batch = SimpleNamespace(
+                req_ids=[r for r, _, _ in chunks], num_reqs=len(chunks),
+                num_scheduled_tokens=counts, num_tokens=row, query_start_loc_np=qsl,
+                num_computed_tokens_np=np.array([s for _, s, _ in chunks], dtype=np.int32),
+                positions=self.positions, input_ids=self.input_ids.gpu)
+            self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=None)
         so = SimpleNamespace(num_scheduled_tokens={r: c for r, _, c in chunks},
                              total_num_scheduled_tokens=row)
         return so, torch.cat([torch.zeros(points, 0, width), *xs], dim=1).contiguous()
@@ -157,10 +177,10 @@ def _state(transport, points=3, max_tokens=16, width=4):
     return st, buf
 
 
-def test_rows_are_handed_over_only_when_their_copies_complete_and_land_in_caller_memory():
+def test_rows_are_handed_over_only_when_their_copies_complete_and_land_in_caller_memory(runner_kind):
     tr = DeferredTransport()
     st, buf = _state(tr)
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "b-2": np.arange(50, 56, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 2), Address("resid_post", 0)))  # a subset, reordered
     shard = torch.zeros(2, 64, 4)  # the caller's memory, e.g. a writer's shard buffer
@@ -185,14 +205,14 @@ def test_rows_are_handed_over_only_when_their_copies_complete_and_land_in_caller
     assert st.rewrites == 12 and st.rows == 26 and not st.dests
 
 
-def test_a_quantised_capture_hands_over_packed_fp8_rows_in_caller_memory():
+def test_a_quantised_capture_hands_over_packed_fp8_rows_in_caller_memory(runner_kind):
     """quantize="float8_e4m3fn": the step's rows are quantised before the copy (the transport's
     own path, points reordered, a request split over steps and recomputed) and land as packed
     rows (uint8 [points, n, width + 4]) equal to the store's numpy quantiser bit for bit."""
     from harvest.store.format import fp8
 
     st, buf = _state(CPUTransport(), width=6)
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "b-2": np.arange(50, 56, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 2), Address("resid_post", 0)), "float8_e4m3fn")
     shard = torch.zeros(2, 64, 10, dtype=torch.uint8)   # a writer's packed block buffer
@@ -215,9 +235,9 @@ def test_a_quantised_capture_hands_over_packed_fp8_rows_in_caller_memory():
         st.begin_capture((Address("resid_post", 0),), "int8")
 
 
-def test_a_request_missing_a_chunk_is_refused_at_handover():
+def test_a_request_missing_a_chunk_is_refused_at_handover(runner_kind):
     st, buf = _state(CPUTransport())
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 0),))
     st.register("a-1", st.destination(None, 20), tokens["a-1"])
@@ -228,9 +248,9 @@ def test_a_request_missing_a_chunk_is_refused_at_handover():
         st.take("a-1", "request 0")
 
 
-def test_a_row_map_error_inside_the_runner_surfaces_in_the_capture_loop():
+def test_a_row_map_error_inside_the_runner_surfaces_in_the_capture_loop(runner_kind):
     st, buf = _state(CPUTransport())
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "zz": np.arange(5, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 0),))
     st.register("a-1", st.destination(None, 20), tokens["a-1"])
@@ -274,12 +294,12 @@ def test_platform_profiles_keep_cpu_defaults_out_of_gpu_runs():
     assert plat.cpu_share(3) == 3 and plat.cpu_share() >= 1
 
 
-def test_decode_rows_wait_for_their_sampled_tokens_and_end_where_the_generation_ends():
+def test_decode_rows_wait_for_their_sampled_tokens_and_end_where_the_generation_ends(runner_kind):
     """A generation registers room for prompt + max_new_tokens; each decode row is checked against
     the token vLLM reports (a ticket waits for it), the handover stops at prompt + generated - 1,
     and a row vLLM still runs for it after the handover (async scheduling) is dropped."""
     st, buf = _state(CPUTransport())
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     prompt, sampled = np.arange(10, 16, dtype=np.int32), np.array([70, 71, 72], dtype=np.int32)
     full = {"g-1": np.concatenate([prompt, sampled])}
     st.begin_capture((Address("resid_post", 1),))
@@ -310,9 +330,9 @@ def test_decode_rows_wait_for_their_sampled_tokens_and_end_where_the_generation_
     assert "g-1" not in st.retired
 
 
-def test_a_decode_row_past_the_registered_room_or_a_wrong_sample_is_refused():
+def test_a_decode_row_past_the_registered_room_or_a_wrong_sample_is_refused(runner_kind):
     st, buf = _state(CPUTransport())
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     full = {"g-1": np.arange(10, 20, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 0),))
     room = np.zeros(8, dtype=np.int32)
@@ -359,14 +379,14 @@ def _direct_state(fast=True):
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["non-temporal", "torch-copy"])
-def test_cpu_taps_deliver_rows_straight_into_the_destinations(fast):
+def test_cpu_taps_deliver_rows_straight_into_the_destinations(fast, runner_kind):
     """The taps write each planned request's rows into its destination during the forward (a
     subset of the frozen points, reordered; a request split over steps and recomputed; a fused
     stream through tap_sum), with non-temporal stores (ntcopy.py) or torch's copy: the rows
     equal the reference, nothing lands outside the requests' slices, and the tap buffer is
     never written."""
     st, buf = _direct_state(fast)
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "b-2": np.arange(50, 56, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 2), Address("resid_post", 0)))
     shard = torch.full((2, 64, 4), float("nan"))
@@ -390,9 +410,9 @@ def test_cpu_taps_deliver_rows_straight_into_the_destinations(fast):
     assert buf[1, :3].eq(1).all()
 
 
-def test_a_tap_that_did_not_run_is_refused():
+def test_a_tap_that_did_not_run_is_refused(runner_kind):
     st, _ = _direct_state()
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 1), Address("resid_post", 3)))
     st.register("a-1", st.destination(None, 20), tokens["a-1"])
@@ -403,27 +423,31 @@ def test_a_tap_that_did_not_run_is_refused():
         st.raise_if_failed()
 
 
-def test_a_batch_that_changes_during_the_forward_is_refused():
+def test_a_batch_that_changes_during_the_forward_is_refused(runner_kind):
     st, _ = _direct_state()
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 0),))
     st.register("a-1", st.destination(None, 20), tokens["a-1"])
 
-    def shift():
-        runner.input_batch.num_computed_tokens_cpu = runner.input_batch.num_computed_tokens_cpu + 1
+    def shift():   # the batch the runner describes moves under the taps' feet
+        if runner_kind == "v2":
+            b = runner.harvest_step_batch
+            b.num_computed_tokens_np = b.num_computed_tokens_np + 1
+        else:
+            runner.input_batch.num_computed_tokens_cpu = runner.input_batch.num_computed_tokens_cpu + 1
 
     _direct_step(runner, st, tokens, [("a-1", 0, 12)], then=shift)
     with pytest.raises(CoverageError, match="changed between the step's first tap"):
         st.raise_if_failed()
 
 
-def test_a_step_the_taps_cannot_plan_falls_back_to_the_buffer_and_fails_as_before():
+def test_a_step_the_taps_cannot_plan_falls_back_to_the_buffer_and_fails_as_before(runner_kind):
     """Rows of an unknown request: planning at the first tap fails, so every tap of the step
     writes the tap buffer (nothing reaches a destination) and the runner's own plan after the
     forward raises the same error as the buffer path."""
     st, buf = _direct_state()
-    runner = FakeRunner(16)
+    runner = FakeRunner(16, runner_kind)
     tokens = {"a-1": np.arange(10, 30, dtype=np.int32), "zz": np.arange(5, dtype=np.int32)}
     st.begin_capture((Address("resid_post", 0),))
     shard = torch.full((1, 20, 4), float("nan"))
@@ -459,3 +483,20 @@ def test_non_temporal_row_copies_equal_torch_copies(width, dtype, offset):
         want[point, offset + 24 : offset + 54] = x[10:40]
     assert torch.equal(block, want)
     assert ntcopy.plan([(block[:, :5, : width - 1], 0, 5, 0, 5)], width - 1, x.element_size()) is None
+
+
+def test_a_v2_batch_whose_query_starts_disagree_with_its_counts_is_refused():
+    """V2's rows of request i are [query_start_loc[i], query_start_loc[i+1]): a batch whose
+    starts do not follow its counts (a V2 that reorders or pads differently) fails loudly."""
+    from harvest.engine.vllm import compat
+
+    runner = FakeRunner(16, "v2")
+    so, _ = runner.prepare({"a": np.arange(8), "b": np.arange(8)}, [("a", 0, 5), ("b", 2, 3)], 1, 4)
+    lay = compat.step_layout(runner, so)
+    assert lay.req_ids == ("a", "b") and lay.counts.tolist() == [5, 3] and lay.starts.tolist() == [0, 2]
+    runner.harvest_step_batch.query_start_loc_np[1] = 4
+    with pytest.raises(compat.VLLMIncompatible, match="query starts"):
+        compat.step_layout(runner, so)
+    runner.harvest_step_batch = None
+    with pytest.raises(compat.VLLMIncompatible, match="without calling prepare_inputs"):
+        compat.step_layout(runner, so)

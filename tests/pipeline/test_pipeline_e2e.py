@@ -98,6 +98,8 @@ def test_a_storm_of_503_slowdown_costs_retries_not_units(ray_cluster, tiny_llama
                                 "endpoint_url": proxy.endpoint}}
         summary = run(make_cfg(tiny_llama, s3_url, corpus, storage_options=so))
         throttled = proxy.counts["throttled"]
+    print("storm:", proxy.counts, "throttled_requests", summary["throttled_requests"],
+          "wall_seconds", summary["wall_seconds"])
     assert throttled >= 20, proxy.counts
     assert summary["unit_retries"] == 0 and summary["units_run"] == reference[0].n_units, summary
     assert summary["throttled_requests"] >= throttled * 0.5, (summary["throttled_requests"],
