@@ -56,6 +56,27 @@ def new_log_dir(cache: Path, name: str) -> Path:
     return d
 
 
+class Redact(logging.Filter):
+    """Masks URL credentials (userinfo, presigned or SAS query credentials) and the AWS
+    credentials of the environment in every record a harvest handler writes, the console's and
+    the log files' (store/storage/credentials.py: `scrub`), traceback text included. The store
+    package is imported on the first record that could hold one (a `://`, `@` or `=`), not
+    before: a command that logs nothing of the kind does not pay for zarr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        exc = record.exc_text or (logging.Formatter().formatException(record.exc_info)
+                                  if record.exc_info else None)
+        if not any(c in text for text in (msg, exc or "") for c in ("://", "@", "=")):
+            return True
+        from harvest.store.storage.credentials import scrub
+
+        record.msg, record.args = scrub(msg), None
+        if exc is not None:
+            record.exc_text = scrub(exc)
+        return True
+
+
 class ConsoleHandler(logging.StreamHandler):
     """Log lines above a tqdm bar instead of through it, on the terminal we were started on."""
 
@@ -75,6 +96,7 @@ def setup_console(verbose: bool, stream=None) -> None:
     h = ConsoleHandler(stream or sys.stderr)
     h.setFormatter(logging.Formatter(CONSOLE_FORMAT, "%H:%M:%S"))
     h.addFilter(_ConsoleLevels(verbose))
+    h.addFilter(Redact())
     for name in ("harvest", "pipeline"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [h]
@@ -118,6 +140,7 @@ def quiet_run(log_dir: Path):
     streams = [h.stream for h in consoles]
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    file_handler.addFilter(Redact())
     root = logging.getLogger()
     os.environ[LOG_DIR_ENV] = str(log_dir)
     try:

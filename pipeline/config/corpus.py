@@ -9,7 +9,7 @@ fields, every error naming the field as written in YAML and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 from .fields import ConfigError, check_bool, check_choice, check_int, check_str
@@ -90,6 +90,47 @@ class DataConfig:
                     "arrow, json/jsonl); drop data.format or data.tokens_column")
         check_bool("data.streaming", self.streaming)
         check_int("data.max_docs", self.max_docs, 1, optional=True)
+
+    def content_key(self) -> dict:
+        """This section's part of the run's content key (HarvestConfig.content_key): every field,
+        with these exceptions.
+
+        - `source` and `data_files` by their secret-free identity (credentials.url_identity):
+          userinfo and the credential and signing parameters of a presigned or SAS URL dropped.
+          The key is recorded in the store and compared by every resume; a URL signed again for
+          the next run (new signature, date, expiry) names the same data and must resume.
+        - `messages_column` only with chat input, `tokens_column` only when set: stores made
+          before those fields existed keep their key."""
+        out = {k: v for k, v in asdict(self).items()
+               if (k != "messages_column" or self.format == "chat")
+               and (k != "tokens_column" or v is not None)}
+        if _has_query_or_userinfo(out["source"], out["data_files"]):
+            # here, not at import: the store package loads zarr (config loads must not)
+            from harvest.store.storage.credentials import url_identity
+
+            out["source"] = url_identity(out["source"])
+            out["data_files"] = _map_strings(out["data_files"], url_identity)
+        return out
+
+
+def _has_query_or_userinfo(*values: Any) -> bool:
+    """Whether any string in `values` (nested lists and dicts included) has a query or a `@`:
+    only those can carry credentials that url_identity drops."""
+    found: list[bool] = []
+    for v in values:
+        _map_strings(v, lambda s: found.append("?" in s or "@" in s))
+    return any(found)
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """`value` with `fn` applied to every string in it (data_files: a path, a list, {split: ...})."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    return value
 
 
 BosMode = Literal["context", "document", "none"]

@@ -26,7 +26,7 @@ import os
 from typing import Any, Callable, Iterator
 
 from harvest.pipeline.config.run import DataConfig
-from .documents import DataError, open_dataset, resolve_source
+from .documents import DataError, open_dataset, resolve_source, shown_source
 
 LINE_FORMATS = {"json": "json", "text": "text"}
 
@@ -41,14 +41,14 @@ def plan_blocks(cfg: DataConfig) -> dict:
     local = src.kind == "files" and all("://" not in f and os.path.isfile(f) for f in src.files)
     if local and src.files and all(os.path.getsize(f) == 0 for f in src.files):
         raise DataError(
-            f"data.source={cfg.source!r} is empty ({len(src.files)} file(s) of 0 bytes): the "
+            f"data.source={shown_source(cfg)!r} is empty ({len(src.files)} file(s) of 0 bytes): the "
             "dataset has no rows; point data.source at the data")
     out: dict = {"kind": src.kind, "description": src.description}
     if cfg.max_docs is not None or cfg.streaming or not local and src.kind != "disk" \
             or (local and src.builder not in ("json", "text", "parquet")) \
             or (src.kind == "files" and isinstance(cfg.data_files, dict)):
         if local and src.builder in ("json", "text", "csv"):
-            check_utf8(src.files, cfg.source)
+            check_utf8(src.files, shown_source(cfg))
         out["blocks"] = _dataset_blocks(cfg, src)
         return out
     if src.kind == "disk":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from harvest.pipeline.config.corpus import DataConfig, PackingConfig
-from .documents import DataError, resolve_source
+from .documents import DataError, resolve_source, shown_source
 from .packing import PackingError
 from .blocks import load_disk, open_dataset, read_block
 
@@ -75,12 +75,12 @@ def _jsonl_probe(path: str, cfg, rows: int) -> None:
     if not keys and undecodable:
         lineno, at, byte = first_bad
         raise DataError(
-            f"data.source={cfg.source!r}: {path} is not UTF-8 (byte 0x{byte:02x} at line "
+            f"data.source={shown_source(cfg)!r}: {path} is not UTF-8 (byte 0x{byte:02x} at line "
             f"{lineno}, offset {at}; {undecodable} of the first {seen} lines cannot be decoded): "
             "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
     if not keys:
         raise DataError(
-            f"data.source={cfg.source!r}: none of the first {seen} lines of {path} is a JSON "
+            f"data.source={shown_source(cfg)!r}: none of the first {seen} lines of {path} is a JSON "
             f"object ({not_json} are not JSON): give JSON lines, one object per line with a "
             f"{col!r} field, or set data.format: text for plain text")
     raise _no_column(col, path, sorted(keys), _field(cfg))
@@ -195,7 +195,7 @@ def check_fills_context(data: DataConfig, packing: PackingConfig, blocks: list[l
     read = "all of them read" if len(scan) == len(blocks) else \
         f"the first of {len(blocks)} blocks read"
     raise PackingError(
-        f"no complete context: data.source={data.source!r} had {rows} rows ({read}), "
+        f"no complete context: data.source={shown_source(data)!r} had {rows} rows ({read}), "
         f"{skipped} without usable text ({reasons or 'none'}), {tokens} tokens; one context needs "
         f"packing.context_size={packing.context_size} tokens (from one block): add text, "
         "check data.source/data.text_column, or lower packing.context_size")
