@@ -45,15 +45,44 @@ PHASES = (
 )
 
 
+# Log folders and files are private to the user running harvest (0700, 0600): they hold
+# vLLM's, Ray's and datasets' own output, which no redaction reaches (a library may print a URL
+# it was given), and the host may be shared.
+LOG_DIR_MODE = 0o700
+LOG_FILE_MODE = 0o600
+
+
 def new_log_dir(cache: Path, name: str) -> Path:
+    """A fresh folder `<cache>/logs/<name>-<time>/`, mode 0700 (`<cache>/logs` too when this
+    creates it)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    d = Path(cache) / "logs" / f"{name}-{stamp}"
+    root = Path(cache) / "logs"
+    if not root.is_dir():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=LOG_DIR_MODE, exist_ok=True)
+    d = root / f"{name}-{stamp}"
     n = 1
-    while d.exists():  # two runs in one second
-        n += 1
-        d = Path(cache) / "logs" / f"{name}-{stamp}-{n}"
-    d.mkdir(parents=True)
+    while True:
+        try:
+            d.mkdir(mode=LOG_DIR_MODE)   # never an existing folder: two runs in one second
+            break
+        except FileExistsError:
+            n += 1
+            d = root / f"{name}-{stamp}-{n}"
+    os.chmod(d, LOG_DIR_MODE)  # the umask cannot widen it, but may narrow it below 0700
     return d
+
+
+def open_log(path: Path) -> int:
+    """A log file opened for appending, mode 0600 whoever created it, never through a
+    symlink (a link planted at the name is refused: OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, LOG_FILE_MODE)
+    try:
+        os.fchmod(fd, LOG_FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Redact(logging.Filter):
@@ -133,7 +162,7 @@ def quiet_run(log_dir: Path):
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
     console = os.fdopen(os.dup(2), "w", buffering=1)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_log(path)
     loggers = [logging.getLogger(n) for n in ("harvest", "pipeline")]
     consoles = list({id(h): h for lg in loggers for h in lg.handlers
                      if isinstance(h, ConsoleHandler)}.values())
@@ -216,9 +245,9 @@ def redirect_actor(index: int) -> "Path | None":
     if not d:
         return None
     try:
-        Path(d).mkdir(parents=True, exist_ok=True)
+        Path(d).mkdir(mode=LOG_DIR_MODE, parents=True, exist_ok=True)
         path = Path(d) / f"actor-{index}.log"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = open_log(path)
     except OSError:
         return None
     sys.stdout.flush()
