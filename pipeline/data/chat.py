@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from .documents import DataError
+from harvest.pipeline.config.corpus import MAX_CONVERSATION_CHARS_DEFAULT, MAX_MESSAGES_DEFAULT
 from harvest.store.format import roles as R
 
 
@@ -43,17 +44,26 @@ class ChatLabelError(ValueError):
         self.reason = reason
 
 
-def conversation_problem(value) -> "str | None":
-    """Why a `messages` value is not a usable conversation (a skip reason), or None."""
+def conversation_problem(value, max_messages: int = MAX_MESSAGES_DEFAULT,
+                         max_chars: int = MAX_CONVERSATION_CHARS_DEFAULT) -> "str | None":
+    """Why a `messages` value is not a usable conversation (a skip reason), or None. The limits
+    are data.max_messages and data.max_conversation_chars (the sum of the contents' lengths);
+    the message count is checked before any message is looked at."""
     if value is None:
         return "null"
     if not isinstance(value, (list, tuple)) or not value:
         return "not_messages"
+    if len(value) > max_messages:
+        return "too_many_messages"
+    chars = 0
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             return "not_messages"
         if m.get("role") not in R.MESSAGE_ROLES:
             return "unknown_role"
+        chars += len(m["content"])
+    if chars > max_chars:
+        return "too_many_chars"
     if not any(m["content"].strip() for m in value):
         return "empty"
     return None

@@ -17,7 +17,7 @@ import json
 from harvest.pipeline.config.corpus import DataConfig, PackingConfig
 from .documents import DataError, resolve_source, shown_source
 from .packing import PackingError
-from .blocks import load_disk, open_dataset, read_block
+from .blocks import bounded_lines, load_disk, open_dataset, read_block
 
 # A local source up to this size is read whole by the context check; larger ones by first block.
 SMALL_SOURCE_BYTES = 64 << 20
@@ -41,18 +41,18 @@ def _no_column(col: str, where: str, names, field: str = "data.text_column") -> 
 
 def _jsonl_probe(path: str, cfg, rows: int) -> None:
     """The first `rows` lines of a json-lines file: is `col` a key of any of them? A file that is
-    not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead."""
+    not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead.
+    Lines over data.max_line_bytes are passed over unread (the run skips them as
+    `line_too_long`)."""
     col = cfg.value_column
     keys: set = set()
     seen = undecodable = not_json = 0
     first_bad = None  # (line number, file offset, byte)
-    off = 0
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            here, off = off, off + len(line)
+        for lineno, (here, line) in enumerate(bounded_lines(f, cfg.max_line_bytes), 1):
             if seen >= rows:
                 break
-            if not line.strip():
+            if line is None or not line.strip():
                 continue
             seen += 1
             try:

@@ -226,9 +226,28 @@ def test_every_skip_reason_is_documented():
     reasons = {conversation_problem(v) for v in (
         None, "text", [], [{"role": "user"}], [{"role": "robot", "content": "beep"}],
         [{"role": "user", "content": "  "}])}
+    reasons |= {conversation_problem([{"role": "user", "content": "a"}] * 3, max_messages=2),
+                conversation_problem([{"role": "user", "content": "abc"}], max_chars=2)}
     reasons |= {_classify(v) for v in (None, 3, " \n")}
     reasons |= {"role_unlabelled", "role_straddle", "prompt_too_long"}  # raised where labelled
+    reasons |= {"line_too_long"}  # the line readers' (blocks.bounded_lines)
     assert reasons == {"null", "not_messages", "unknown_role", "empty", "not_text",
-                       "role_unlabelled", "role_straddle", "prompt_too_long"}
+                       "role_unlabelled", "role_straddle", "prompt_too_long",
+                       "too_many_messages", "too_many_chars", "line_too_long"}
     table = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
     assert [r for r in sorted(reasons) if f"| `{r}` |" not in table] == []
+
+
+def test_conversations_over_the_limits_are_skipped_and_counted(tok, tmp_path):
+    convs = [CONVERSATION[:2], [{"role": "user", "content": "hi"}] * 9,
+             [{"role": "user", "content": "x" * 500}], CONVERSATION[:3]]
+    cfg = from_dict({"data": {"source": _write(tmp_path, convs), "format": "chat",
+                              "max_messages": 8, "max_conversation_chars": 400},
+                     "packing": {"context_size": C, "bos": "none", "overflow": "truncate"}})
+    chunks = _pack(cfg, tok)
+    assert chunks[-1].stats["skipped_reasons"] == {"too_many_messages": 1, "too_many_chars": 1}
+    doc = np.concatenate([c.doc_id for c in chunks]).reshape(-1, C)
+    assert [int(d[0]) for d in doc] == [0, 3]
+    # the limits are part of the run's identity only when set (older stores keep their key)
+    key = cfg.content_key()["data"]
+    assert key["max_messages"] == 8 and "max_line_bytes" not in key
