@@ -19,7 +19,8 @@ from .fields import ConfigError, check_bool, check_choice, check_int, check_str
 TEXT_ONLY_FORMATS = ("text", "csv", "chat")
 DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub", "chat")
 # Defaults of the per-row limits (DataConfig): far above any ordinary row, low enough that one
-# row cannot exhaust a worker. 64 MiB lines; 4,096 messages; 16 Mi characters of conversation (a conversation's tokens past
+# row cannot exhaust a worker. 64 MiB lines; 4,096 messages (rendering is linear in them:
+# pipeline/data/chat.py); 16 Mi characters of conversation (a conversation's tokens past
 # packing.max_doc_tokens are cut anyway, but its render and character labels are built whole).
 MAX_LINE_BYTES_DEFAULT = 1 << 26
 MAX_MESSAGES_DEFAULT = 1 << 12
