@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from .fields import ConfigError, check_bool, check_choice, check_int, check_str
+from .fields import ConfigError, check_bool, check_choice, check_int, check_str, redacted_repr
 
 # `chat`: the rows are conversations (see DataConfig); the file format is then found as for null.
 # formats whose rows cannot hold a list of token ids (data.tokens_column refuses them)
@@ -78,6 +78,9 @@ class DataConfig:
     max_line_bytes: int = MAX_LINE_BYTES_DEFAULT
     max_messages: int = MAX_MESSAGES_DEFAULT
     max_conversation_chars: int = MAX_CONVERSATION_CHARS_DEFAULT
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)   # a presigned data.source prints masked
 
     @property
     def value_column(self) -> str:

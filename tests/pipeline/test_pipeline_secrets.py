@@ -57,6 +57,9 @@ def test_config_dump_and_content_key_hold_no_secret(tmp_path):
                    data={"data_files": [url]})
     dumped = json.dumps(cfg.to_dict(redact=True))
     assert not _clean(dumped), dumped
+    for shown in (repr(cfg), str(cfg.data), repr(cfg.store), f"{cfg}"):   # logged or in errors
+        assert not _clean(shown), shown
+    assert "bucket.s3.amazonaws.com/d/docs.jsonl" in repr(cfg.data)
     assert "X-Amz-Date=20250101T000000Z" in dumped and "bucket.s3.amazonaws.com/d/docs.jsonl" in dumped
     key = cfg.content_key()
     assert key["data"]["source"] == "https://bucket.s3.amazonaws.com/d/docs.jsonl"
