@@ -141,6 +141,45 @@ def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[st
 
 
 RPC_DIR_PREFIX = "harvest-vllm-rpc-"
+RPC_DIR_MODE = 0o700
+# (temp dir, pid) -> this process's socket folder in it: made once, then the same path for the
+# life of the process (vLLM reads the base once), remade there after an engine's close removes it
+_RPC_DIRS: dict[tuple[str, int], str] = {}
+
+
+class UnsafeTempDir(RuntimeError):
+    """A folder harvest would hand to vLLM for its sockets is not private to this user."""
+
+
+def private_dir_problem(path: str, check_mode: bool = True) -> "str | None":
+    """Why `path` is not a private folder of this user (a symlink, not a folder, another
+    owner, a mode other than 0700 unless `check_mode` is off), or None when it is one. By
+    lstat: a link is never followed."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "it does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        return f"it is a symlink (to {os.readlink(path)!r})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if check_mode and stat.S_IMODE(st.st_mode) != RPC_DIR_MODE:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not {RPC_DIR_MODE:04o}"
+    return None
+
+
+def _make_private(path: str) -> bool:
+    """Create `path` as a 0700 folder; False when the name is taken (nothing changed then)."""
+    try:
+        os.mkdir(path, RPC_DIR_MODE)
+    except FileExistsError:
+        return False
+    os.chmod(path, RPC_DIR_MODE)   # a umask may have narrowed it; our own new folder
+    return True
 
 
 def rpc_dir(tmp: str | None = None) -> str:
@@ -154,23 +193,62 @@ def rpc_dir(tmp: str | None = None) -> str:
     the folders of processes that are gone without exiting (a killed actor's). Per process
     rather than per engine because vLLM caches its environment after the first engine starts
     (vllm.envs.enable_envs_cache): a later engine in the same process reads the same base
-    whatever the environment says then."""
-    path = os.path.join(tmp or tempfile.gettempdir(), f"{RPC_DIR_PREFIX}{os.getpid()}")
-    if not os.path.isdir(path):
-        import atexit
-        import shutil
+    whatever the environment says then.
 
-        os.makedirs(path, exist_ok=True)
-        atexit.register(shutil.rmtree, path, True)   # a normal exit leaves nothing
+    The folder is private (mode 0700, owned by this user), because whoever can write into it can
+    bind the sockets vLLM connects to. On a shared host the name `harvest-vllm-rpc-<pid>` is
+    predictable: a folder, file or symlink already there that is not this user's own 0700 folder
+    is never used (private_dir_problem, by lstat); a fresh random name
+    `harvest-vllm-rpc-<pid>-<random>` is made instead (tempfile.mkdtemp, 0700). Once the process
+    has its folder it keeps that name (vLLM keeps the base it read); if the name is taken by
+    anything else when an engine needs the folder again, UnsafeTempDir is raised, naming it."""
+    base = tmp or tempfile.gettempdir()
+    key = (base, os.getpid())
+    path = _RPC_DIRS.get(key)
+    if path is not None:
+        if not _make_private(path):
+            why = private_dir_problem(path)
+            if why is not None:
+                raise UnsafeTempDir(
+                    f"vLLM's socket folder {path} was replaced while this process held its name: "
+                    f"{why}. Another user of this host may be trying to take the engine's sockets; "
+                    "vLLM keeps the folder it first read, so this process cannot move: restart it "
+                    "(with TMPDIR set to a directory only you can write, on a shared host)")
+        return path
+    path = os.path.join(base, f"{RPC_DIR_PREFIX}{os.getpid()}")
+    if not _make_private(path) and private_dir_problem(path) is not None:
+        path = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{os.getpid()}-", dir=base)
+    import atexit
+    import shutil
+
+    atexit.register(shutil.rmtree, path, True)   # a normal exit leaves nothing
+    _RPC_DIRS[key] = path
     return path
+
+
+def own_rpc_dir(path: str) -> bool:
+    """Whether `path` names a socket folder of this process (rpc_dir's names), so that an
+    engine's close may clear it; an operator's own VLLM_RPC_BASE_PATH is never one."""
+    name = os.path.basename(path.rstrip("/"))
+    mine = f"{RPC_DIR_PREFIX}{os.getpid()}"
+    return name == mine or name.startswith(mine + "-")
+
+
+def _rpc_pid(name: str) -> "int | None":
+    """The pid in a socket folder's name (`harvest-vllm-rpc-<pid>` or `...-<pid>-<random>`)."""
+    head = name[len(RPC_DIR_PREFIX):].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def clear_rpc_dir(path: str) -> list[str]:
     """Remove the socket files in `path` and the folder (an engine of this process just closed;
     one engine at a time per process, so none of them is in use; the next engine's start makes
-    the folder again). Returns the files removed."""
+    the folder again). Returns the files removed. Only a private folder of this user is
+    touched: a symlink planted at the name is not followed."""
+    if private_dir_problem(path) is not None:
+        return []
     removed = []
-    for name in os.listdir(path) if os.path.isdir(path) else ():
+    for name in os.listdir(path):
         p = os.path.join(path, name)
         try:
             os.unlink(p)
@@ -186,7 +264,9 @@ def clear_rpc_dir(path: str) -> list[str]:
 
 def remove_stale_rpc_dirs(tmp: str | None = None) -> list[str]:
     """Remove the RPC folders of processes that no longer run (on this host: the temp dir is
-    local). Returns the folders removed."""
+    local), this user's own folders only, whatever their mode (an older harvest made them
+    0755), by lstat: no symlink followed, no other user's folder touched. Returns the folders
+    removed."""
     import shutil
 
     import psutil
@@ -194,8 +274,10 @@ def remove_stale_rpc_dirs(tmp: str | None = None) -> list[str]:
     removed = []
     base = tmp or tempfile.gettempdir()
     for path in glob.glob(os.path.join(base, glob.escape(RPC_DIR_PREFIX) + "*")):
-        pid = path.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or psutil.pid_exists(int(pid)):
+        pid = _rpc_pid(os.path.basename(path))
+        if pid is None or pid == os.getpid() or psutil.pid_exists(pid):
+            continue
+        if private_dir_problem(path, check_mode=False) is not None:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

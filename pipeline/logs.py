@@ -45,15 +45,65 @@ PHASES = (
 )
 
 
+# Log folders and files are private to the user running harvest (0700, 0600): they hold
+# vLLM's, Ray's and datasets' own output, which no redaction reaches (a library may print a URL
+# it was given), and the host may be shared.
+LOG_DIR_MODE = 0o700
+LOG_FILE_MODE = 0o600
+
+
 def new_log_dir(cache: Path, name: str) -> Path:
+    """A fresh folder `<cache>/logs/<name>-<time>/`, mode 0700 (`<cache>/logs` too when this
+    creates it)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    d = Path(cache) / "logs" / f"{name}-{stamp}"
+    root = Path(cache) / "logs"
+    if not root.is_dir():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=LOG_DIR_MODE, exist_ok=True)
+    d = root / f"{name}-{stamp}"
     n = 1
-    while d.exists():  # two runs in one second
-        n += 1
-        d = Path(cache) / "logs" / f"{name}-{stamp}-{n}"
-    d.mkdir(parents=True)
+    while True:
+        try:
+            d.mkdir(mode=LOG_DIR_MODE)   # never an existing folder: two runs in one second
+            break
+        except FileExistsError:
+            n += 1
+            d = root / f"{name}-{stamp}-{n}"
+    os.chmod(d, LOG_DIR_MODE)  # the umask cannot widen it, but may narrow it below 0700
     return d
+
+
+def open_log(path: Path) -> int:
+    """A log file opened for appending, mode 0600 whoever created it, never through a
+    symlink (a link planted at the name is refused: OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, LOG_FILE_MODE)
+    try:
+        os.fchmod(fd, LOG_FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Redact(logging.Filter):
+    """Masks URL credentials (userinfo, presigned or SAS query credentials) and the AWS
+    credentials of the environment in every record a harvest handler writes, the console's and
+    the log files' (store/storage/credentials.py: `scrub`), traceback text included. The store
+    package is imported on the first record that could hold one (a `://`, `@` or `=`), not
+    before: a command that logs nothing of the kind does not pay for zarr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        exc = record.exc_text or (logging.Formatter().formatException(record.exc_info)
+                                  if record.exc_info else None)
+        if not any(c in text for text in (msg, exc or "") for c in ("://", "@", "=")):
+            return True
+        from harvest.store.storage.credentials import scrub
+
+        record.msg, record.args = scrub(msg), None
+        if exc is not None:
+            record.exc_text = scrub(exc)
+        return True
 
 
 class ConsoleHandler(logging.StreamHandler):
@@ -75,6 +125,7 @@ def setup_console(verbose: bool, stream=None) -> None:
     h = ConsoleHandler(stream or sys.stderr)
     h.setFormatter(logging.Formatter(CONSOLE_FORMAT, "%H:%M:%S"))
     h.addFilter(_ConsoleLevels(verbose))
+    h.addFilter(Redact())
     for name in ("harvest", "pipeline"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [h]
@@ -111,13 +162,14 @@ def quiet_run(log_dir: Path):
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
     console = os.fdopen(os.dup(2), "w", buffering=1)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_log(path)
     loggers = [logging.getLogger(n) for n in ("harvest", "pipeline")]
     consoles = list({id(h): h for lg in loggers for h in lg.handlers
                      if isinstance(h, ConsoleHandler)}.values())
     streams = [h.stream for h in consoles]
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    file_handler.addFilter(Redact())
     root = logging.getLogger()
     os.environ[LOG_DIR_ENV] = str(log_dir)
     try:
@@ -193,9 +245,9 @@ def redirect_actor(index: int) -> "Path | None":
     if not d:
         return None
     try:
-        Path(d).mkdir(parents=True, exist_ok=True)
+        Path(d).mkdir(mode=LOG_DIR_MODE, parents=True, exist_ok=True)
         path = Path(d) / f"actor-{index}.log"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = open_log(path)
     except OSError:
         return None
     sys.stdout.flush()

@@ -13,7 +13,7 @@ follows (the same choice as vLLM's EngineCoreRequest).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 
@@ -55,6 +55,18 @@ class ActorSpec:
     generate: dict | None = None
     """capture.generate (GenerateConfig.describe()): complete each context's prompt and write
     its slot (pipeline/actor/generation.py); None captures the contexts as they are."""
+
+    def __repr__(self) -> str:
+        """Every field, but `env` with its values masked and `storage_options` and `store_url`
+        through the store's redaction (credentials.py): a spec is logged and shown in Ray's
+        errors, and both carry credentials."""
+        from harvest.store.storage.credentials import REDACTED, redact_options, redact_url
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["env"] = {k: REDACTED for k in self.env}
+        shown["storage_options"] = redact_options(self.storage_options)
+        shown["store_url"] = redact_url(self.store_url)
+        return f"ActorSpec({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def __post_init__(self):
         if not isinstance(self.points, tuple) or not self.points:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from .storage.credentials import mask_text
+
 if TYPE_CHECKING:
     from .store import Store
 
@@ -186,7 +188,9 @@ def card_text(store: Store) -> str:
         "and data hashes are `attrs[\"run\"][\"provenance\"]`; the layout is harvest's FORMAT.md "
         f"(layout version {f['layout_version']}).\n",
     ]
-    return _front_matter(f, run) + "\n" + "\n".join(body)
+    # masked whole (credentials.mask_text): the card is published as the dataset's page, and a
+    # store made before the attributes were masked may hold a presigned corpus URL
+    return mask_text(_front_matter(f, run) + "\n" + "\n".join(body))
 
 
 def write_card(store: Store) -> str:

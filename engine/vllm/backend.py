@@ -29,7 +29,7 @@ from harvest.engine.capture.captured import CapturedRequest
 from harvest.engine.checkpoint import ModelInfo, read_model_info, validate_tokens
 from harvest.engine.protocol import CaptureMode, DestinationProvider, StepStats
 from harvest.engine.parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
-                                     remove_dist_files, RPC_DIR_PREFIX, clear_rpc_dir)
+                                     remove_dist_files, clear_rpc_dir, own_rpc_dir)
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -457,7 +457,7 @@ class VLLMModel:
             arena.close()
         remove_dist_files(getattr(self, "_dist_ident", None))
         base = os.environ.get("VLLM_RPC_BASE_PATH", "")
-        if os.path.basename(base) == f"{RPC_DIR_PREFIX}{os.getpid()}":   # ours, not an operator's
+        if own_rpc_dir(base):   # ours, not an operator's
             clear_rpc_dir(base)
 
 

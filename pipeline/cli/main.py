@@ -364,10 +364,16 @@ def main(argv: "list[str] | None" = None) -> int:
               file=sys.stderr)
         return getattr(e, "exit_code", 130)
     except Exception as e:
+        # masked: a presigned data.source or a token can sit in any message (credentials.py)
+        from harvest.store.storage.credentials import scrub
+
         if is_user_error(e):
-            print(f"harvest {args.cmd}: error: {e}", file=sys.stderr)
+            print(scrub(f"harvest {args.cmd}: error: {e}"), file=sys.stderr)
             return EXIT_BAD_INPUT
-        raise
+        import traceback
+
+        print(scrub(traceback.format_exc()), file=sys.stderr, end="")
+        return 1
 
 
 if __name__ == "__main__":

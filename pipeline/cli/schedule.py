@@ -210,7 +210,7 @@ def extend_tick(cfg: HarvestConfig, sc: ScheduleConfig, run_fn: RunFn = _default
         start = schedule_log.record_start(loc, seq, {
             "started": time.time(), "tokens_per_tick": sc.tokens_per_tick,
             "planned_tokens": st.planned_tokens, "committed_tokens": st.committed_tokens,
-            "target_tokens": st.planned_tokens + sc.tokens_per_tick})
+            "target_tokens": st.planned_tokens + sc.tokens_per_tick}, cfg.store.storage_options)
     stop = max(0, int(start["target_tokens"]) - st.planned_tokens)
     tick = _run_one(cfg, run_fn, stop, budget, seq=seq, start=start)
     if resumed:
@@ -234,14 +234,17 @@ def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
     try:
         summary = run_fn(cfg, stop_tokens=stop_tokens)
     except Exception as e:  # noqa: BLE001 -- the tick reports it (exit 1) instead of a traceback
+        from harvest.store.storage.credentials import scrub
+
         tokens = _committed_after_failure(cfg)
-        return Tick("failed", shown, f"the run on {shown} failed: {type(e).__name__}: {e}; "
+        why = scrub(f"{type(e).__name__}: {e}", cfg.store.storage_options)
+        return Tick("failed", shown, f"the run on {shown} failed: {why}; "
                     f"{'?' if tokens is None else f'{tokens:,}'} tokens are committed and the "
                     "store is resumable: the next tick continues it", tokens or 0, budget)
     if summary.get("noop"):
         return Tick("complete", shown, f"{shown} is complete: nothing to do",
                     summary.get("tokens") or 0, budget, summary)
-    schedule_log.record_tick(_location(cfg), summary, t0, seq, start)
+    schedule_log.record_tick(_location(cfg), summary, t0, seq, start, cfg.store.storage_options)
     status = "paused" if summary.get("paused") else "ran"
     left = "" if budget is None else f" of {budget:,}"
     return Tick(status, shown,
@@ -262,7 +265,8 @@ def _committed_after_failure(cfg: HarvestConfig) -> "int | None":
 
 
 def record_tick(cfg: HarvestConfig, summary: RunSummary, started: float) -> None:
-    schedule_log.record_tick(_location(cfg), summary, started)
+    schedule_log.record_tick(_location(cfg), summary, started,
+                             storage_options=cfg.store.storage_options)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -344,16 +348,27 @@ def aligned(cfg: HarvestConfig, names: list[str]) -> "str | None":
 
 def notify(url: str, ticks: list[Tick], timeout: float = 10.0) -> "str | None":
     """POST the ticks as JSON to a webhook (Slack-style `text` plus the details); returns an
-    error string instead of raising: a dead webhook must not hide the tick's own exit code."""
+    error string instead of raising: a dead webhook must not hide the tick's own exit code.
+    The error names the webhook by its scheme and host only: a Slack or Teams webhook's path
+    is its secret, and this string is printed and logged."""
+    from harvest.store.storage.credentials import mask_text, url_origin
+
     worst = max(ticks, key=lambda t: t.exit_code)
     body = json.dumps({"text": f"harvest schedule: {worst.status}: {worst.message}",
                        "ticks": [t.as_dict() for t in ticks]}, default=str).encode()
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    shown = url_origin(url)
     try:
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
         return None
     except Exception as e:  # noqa: BLE001
-        # scheme and host only: the path of a Slack-style URL is its secret
-        where = urllib.parse.urlsplit(url)
-        return f"webhook {where.scheme}://{where.hostname} failed: {type(e).__name__}: {e}"
+        # scheme and host only (url_origin): the path of a Slack-style URL is its secret, and
+        # an error may quote the URL or its path
+        why = f"{type(e).__name__}: {e}"
+        rest = url.split("://", 1)[-1]
+        path = "/" + rest.split("/", 1)[1] if "/" in rest else ""
+        for part in (url, url.split("?", 1)[0], rest, path):
+            if len(part) > 1:
+                why = why.replace(part, shown)
+        return mask_text(f"webhook {shown} failed: {why}")

@@ -71,7 +71,9 @@ def cmd_schedule(args) -> int:
         ticks, log_dir = _ticks(args, webhook)
     except Exception as e:
         if webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
-            hook = notify(webhook, [Tick("invalid", "", f"{type(e).__name__}: {e}")])
+            from harvest.store.storage.credentials import mask_text
+
+            hook = notify(webhook, [Tick("invalid", "", mask_text(f"{type(e).__name__}: {e}"))])
             if hook:
                 print(f"warning: {hook}")
         raise

@@ -1,6 +1,7 @@
 """The store's run history: one create-once JSON per scheduled run, `_harvest/schedule/tick-<n>.json`
 holding the run's summary (tokens, rates per actor, step fill), and one `start-<n>.json` written
-before tick n starts anything (its token target). A start without a tick record is a tick that
+before tick n starts anything (its token target). Both pass through the store's redaction
+(credentials.redact_attrs) like every other record: no URL credential or known secret lands there. A start without a tick record is a tick that
 was killed or failed: the next tick finishes that tick's tokens (its target) instead of taking
 the next slice, and records it under the same number. Kept apart from schedule.py so the report
 and `harvest plan` read it without importing the run configuration (and the engine)."""
@@ -22,19 +23,29 @@ def _name(kind: str, seq: int) -> str:
 
 
 def record_tick(loc, summary: Mapping[str, Any], started: float, seq: "int | None" = None,
-                start: "dict | None" = None) -> None:
+                start: "dict | None" = None, storage_options: "dict | None" = None) -> None:
     """Keep a run's figures beside its store, numbered in order (`seq`: the number its start
     record took); a tick's data is committed already, so failing to record it is a warning, not
-    a failed tick."""
+    a failed tick. `storage_options`: the run's, whose secret values are scrubbed from the
+    record (by default the location's)."""
     rec = {"started": started, "finished": time.time(), "summary": summary}
     if start:
         rec["start"] = start
-    body = json.dumps(rec, default=str).encode()
+    body = _record(loc, rec, storage_options)
     n = len(read_ticks(loc)) if seq is None else seq
     for s in range(n, n + 100):  # a race with another recorder moves to the next number
         if loc.create_once(_name("tick", s), body):
             return
     log.warning("could not record the run's summary under %s", TICK_DIR)
+
+
+def _record(loc, rec: Mapping[str, Any], storage_options: "dict | None") -> bytes:
+    """A record's bytes, redacted (module docstring); JSON-safe through str() first."""
+    from harvest.store.storage.credentials import redact_attrs
+
+    plain = json.loads(json.dumps(rec, default=str))
+    so = storage_options if storage_options is not None else getattr(loc, "storage_options", None)
+    return json.dumps(redact_attrs(plain, so)).encode()
 
 
 def read_ticks(loc) -> list[dict]:
@@ -64,10 +75,10 @@ def open_start(loc) -> "tuple[int, dict | None]":
         return seq, None
 
 
-def record_start(loc, seq: int, start: dict) -> dict:
+def record_start(loc, seq: int, start: dict, storage_options: "dict | None" = None) -> dict:
     """Tick `seq` starts: its target is kept before anything runs. Returns the record that holds
-    (another tick's, if one took the number first)."""
-    body = json.dumps(start, default=str).encode()
+    (another tick's, if one took the number first). `storage_options`: as for record_tick."""
+    body = _record(loc, start, storage_options)
     if loc.create_once(_name("start", seq), body):
         return start
     return json.loads(loc.read_bytes(_name("start", seq)) or body)

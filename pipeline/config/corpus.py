@@ -9,15 +9,24 @@ fields, every error naming the field as written in YAML and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
-from .fields import ConfigError, check_bool, check_choice, check_int, check_str
+from .fields import ConfigError, check_bool, check_choice, check_int, check_str, redacted_repr
 
 # `chat`: the rows are conversations (see DataConfig); the file format is then found as for null.
 # formats whose rows cannot hold a list of token ids (data.tokens_column refuses them)
 TEXT_ONLY_FORMATS = ("text", "csv", "chat")
 DATA_FORMATS = ("json", "jsonl", "parquet", "text", "arrow", "csv", "disk", "hub", "chat")
+# Defaults of the per-row limits (DataConfig): far above any ordinary row, low enough that one
+# row cannot exhaust a worker. 64 MiB lines; 4,096 messages (rendering is linear in them:
+# pipeline/data/chat.py); 16 Mi characters of conversation (a conversation's tokens past
+# packing.max_doc_tokens are cut anyway, but its render and character labels are built whole).
+MAX_LINE_BYTES_DEFAULT = 1 << 26
+MAX_MESSAGES_DEFAULT = 1 << 12
+MAX_CONVERSATION_CHARS_DEFAULT = 1 << 24
+LIMIT_DEFAULTS = {"max_line_bytes": MAX_LINE_BYTES_DEFAULT, "max_messages": MAX_MESSAGES_DEFAULT,
+                  "max_conversation_chars": MAX_CONVERSATION_CHARS_DEFAULT}
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,17 @@ class DataConfig:
     part of the run's identity. `streaming: true` reads through `datasets`' streaming loader,
     one block per data file (shard); local json-lines, text and parquet files are otherwise split
     by byte range or row group.
+
+    Limits on one source row, so that a hostile or broken corpus cannot take a tokenising
+    worker's memory or time (each row over a limit is skipped and counted under its reason, as a
+    row without text is):
+    - `max_line_bytes`: one line of a local json-lines or text file (harvest's own line reader;
+      a line is read at most this far, the rest skipped unread): `line_too_long`.
+    - `max_messages`: messages of one conversation (data.format: chat): `too_many_messages`.
+    - `max_conversation_chars`: characters of one conversation's message contents together
+      (data.format: chat; the rendered text adds the template's scaffolding): `too_many_chars`.
+    Text rows need no character limit: only a bounded prefix of a long document is tokenised
+    (packing.max_doc_tokens). The defaults are far above any ordinary row.
     """
 
     source: str = "pydoc"
@@ -55,6 +75,12 @@ class DataConfig:
     streaming: bool = False
     max_docs: int | None = None
     block_bytes: int = 8 << 20
+    max_line_bytes: int = MAX_LINE_BYTES_DEFAULT
+    max_messages: int = MAX_MESSAGES_DEFAULT
+    max_conversation_chars: int = MAX_CONVERSATION_CHARS_DEFAULT
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)   # a presigned data.source prints masked
 
     @property
     def value_column(self) -> str:
@@ -90,6 +116,53 @@ class DataConfig:
                     "arrow, json/jsonl); drop data.format or data.tokens_column")
         check_bool("data.streaming", self.streaming)
         check_int("data.max_docs", self.max_docs, 1, optional=True)
+        check_int("data.max_line_bytes", self.max_line_bytes, 1024)
+        check_int("data.max_messages", self.max_messages, 1)
+        check_int("data.max_conversation_chars", self.max_conversation_chars, 1)
+
+    def content_key(self) -> dict:
+        """This section's part of the run's content key (HarvestConfig.content_key): every field,
+        with these exceptions.
+
+        - `source` and `data_files` by their secret-free identity (credentials.url_identity):
+          userinfo and the credential and signing parameters of a presigned or SAS URL dropped.
+          The key is recorded in the store and compared by every resume; a URL signed again for
+          the next run (new signature, date, expiry) names the same data and must resume.
+        - `messages_column` only with chat input, `tokens_column` only when set, and the row
+          limits only when they differ from their defaults: stores made before those fields
+          existed keep their key (their rows were read without the limits, which no ordinary
+          row reaches)."""
+        out = {k: v for k, v in asdict(self).items()
+               if (k != "messages_column" or self.format == "chat")
+               and (k != "tokens_column" or v is not None)
+               and (k not in LIMIT_DEFAULTS or v != LIMIT_DEFAULTS[k])}
+        if _has_query_or_userinfo(out["source"], out["data_files"]):
+            # here, not at import: the store package loads zarr (config loads must not)
+            from harvest.store.storage.credentials import url_identity
+
+            out["source"] = url_identity(out["source"])
+            out["data_files"] = _map_strings(out["data_files"], url_identity)
+        return out
+
+
+def _has_query_or_userinfo(*values: Any) -> bool:
+    """Whether any string in `values` (nested lists and dicts included) has a query or a `@`:
+    only those can carry credentials that url_identity drops."""
+    found: list[bool] = []
+    for v in values:
+        _map_strings(v, lambda s: found.append("?" in s or "@" in s))
+    return any(found)
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """`value` with `fn` applied to every string in it (data_files: a path, a list, {split: ...})."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    return value
 
 
 BosMode = Literal["context", "document", "none"]

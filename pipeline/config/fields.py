@@ -58,3 +58,18 @@ def check_float(name: str, v: Any, lo: float, hi: float, optional: bool = False)
     # floats go through isfinite; the chained comparison is exact for both
     if (isinstance(v, float) and not math.isfinite(v)) or not lo <= v <= hi:
         raise ConfigError(f"{name} must be between {lo:g} and {hi:g}, got {v!r}")
+
+
+def redacted_repr(section: Any) -> str:
+    """A config section's repr with its credentials masked: every value through the store's
+    redaction (store/storage/credentials.py; URL query credentials and userinfo, secret-looking
+    keys, the section's own storage_options values), so a section logged or shown in an error
+    prints no presigned source and no token. Imported here, not at the top: config loads import
+    no zarr."""
+    import dataclasses
+
+    from harvest.store.storage.credentials import redact_attrs
+
+    values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.repr}
+    shown = redact_attrs(values, getattr(section, "storage_options", None))
+    return f"{type(section).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"

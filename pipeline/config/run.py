@@ -71,16 +71,20 @@ class HarvestConfig:
         return self.store.dtype or self.model.dtype
 
     def to_dict(self, redact: bool = True) -> dict:
+        """The config as plain data. `redact` (for everything recorded or shown: store
+        attributes, provenance, logs): store.storage_options replaced whole, and every URL,
+        credential-looking value and query credential masked (store/storage/credentials.py:
+        `data.source` keeps its scheme, host, path and non-secret parameters)."""
         d = dataclasses.asdict(self)
         if redact:
             # here, not at import: the store package loads zarr and numcodecs (~2 s, ~500
             # modules), which `harvest plan`/`status --config` and every config load would pay
-            from harvest.store.storage.credentials import redact_url
+            from harvest.store.storage.credentials import redact_attrs
 
             d["store"]["storage_options"] = (
                 None if self.store.storage_options is None else "<redacted>"
             )
-            d["store"]["url"] = redact_url(d["store"]["url"])
+            d = redact_attrs(d, self.store.storage_options)
         return d
 
     def content_key(self) -> dict:
@@ -96,12 +100,7 @@ class HarvestConfig:
                 "backend": self.model.backend,
                 "dtype": self.model.dtype,
             },
-            # messages_column decides rows only with chat input; left out otherwise, so stores
-            # made before it existed still resume (their stored key has no such field)
-            # tokens_column likewise only when set (a pre-tokenised corpus)
-            "data": {k: v for k, v in dataclasses.asdict(self.data).items()
-                     if (k != "messages_column" or self.data.format == "chat")
-                     and (k != "tokens_column" or v is not None)},
+            "data": self.data.content_key(),
             "packing": {
                 k: v for k, v in dataclasses.asdict(self.packing).items()
                 if k not in ("tokenize_batch", "chunk_tokens")

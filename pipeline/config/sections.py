@@ -19,7 +19,8 @@ from harvest.engine import BACKENDS
 from harvest.engine.addresses import KNOWN_POINTS
 from harvest.engine.points import REFUSED
 
-from .fields import ConfigError, check_bool, check_choice, check_float, check_int, check_str
+from .fields import (ConfigError, check_bool, check_choice, check_float, check_int, check_str,
+                     redacted_repr)
 from .generate import from_section
 from .paths import expand_path
 
@@ -246,6 +247,9 @@ class StoreConfig:
     lease_seconds: float = 120.0
     # A missing S3 bucket is an error (a typo would otherwise make a new bucket); true creates it.
     create_bucket: bool = False
+
+    def __repr__(self) -> str:
+        return redacted_repr(self)   # storage_options' secrets and URL credentials print masked
 
     def validate(self) -> None:
         check_str("store.url", self.url)

@@ -21,12 +21,13 @@ index of the document in the source.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Callable, Iterator
 
 from harvest.pipeline.config.run import DataConfig
-from .documents import DataError, open_dataset, resolve_source
+from .documents import DataError, open_dataset, resolve_source, shown_source
 
 LINE_FORMATS = {"json": "json", "text": "text"}
 
@@ -41,14 +42,14 @@ def plan_blocks(cfg: DataConfig) -> dict:
     local = src.kind == "files" and all("://" not in f and os.path.isfile(f) for f in src.files)
     if local and src.files and all(os.path.getsize(f) == 0 for f in src.files):
         raise DataError(
-            f"data.source={cfg.source!r} is empty ({len(src.files)} file(s) of 0 bytes): the "
+            f"data.source={shown_source(cfg)!r} is empty ({len(src.files)} file(s) of 0 bytes): the "
             "dataset has no rows; point data.source at the data")
     out: dict = {"kind": src.kind, "description": src.description}
     if cfg.max_docs is not None or cfg.streaming or not local and src.kind != "disk" \
             or (local and src.builder not in ("json", "text", "parquet")) \
             or (src.kind == "files" and isinstance(cfg.data_files, dict)):
         if local and src.builder in ("json", "text", "csv"):
-            check_utf8(src.files, cfg.source)
+            check_utf8(src.files, shown_source(cfg))
         out["blocks"] = _dataset_blocks(cfg, src)
         return out
     if src.kind == "disk":
@@ -228,7 +229,8 @@ def read_block(block: list[dict], cfg: DataConfig, start: dict | None = None) ->
     elif cfg.format == "chat":
         from .chat import conversation_problem
 
-        classify = conversation_problem
+        classify = functools.partial(conversation_problem, max_messages=cfg.max_messages,
+                                     max_chars=cfg.max_conversation_chars)
     row = int(start["row"]) if start else 0
     pos = start.get("pos") if start else None
     seg0, inner = (pos[0], pos[1]) if pos else (0, None)
@@ -243,27 +245,52 @@ def read_block(block: list[dict], cfg: DataConfig, start: dict | None = None) ->
             row += 1
 
 
+def _skip_line(f, chunk: int = 1 << 20) -> None:
+    """Move `f` past the end of the line under way (or to the end of the file), reading at
+    most `chunk` bytes at a time: a line far longer than memory is skipped in constant memory."""
+    while True:
+        piece = f.readline(chunk)
+        if not piece or piece.endswith(b"\n"):
+            return
+
+
+def bounded_lines(f, limit: int, stop: "int | None" = None) -> Iterator[tuple[int, "bytes | None"]]:
+    """(offset, line) for each line of the binary file `f` from its position on, up to the
+    line starting at `stop` (exclusive); the line is None where it is longer than `limit` bytes
+    (its newline not counted; data.max_line_bytes): such a line is read no further than that
+    and skipped in constant memory. Every reader of a local line file goes through here, so no
+    line is ever held whole past the limit."""
+    off = f.tell()
+    while stop is None or off < stop:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not (len(line) == limit + 1 and line.endswith(b"\n")):
+            _skip_line(f)
+            yield off, None
+            off = f.tell()
+            continue
+        yield off, line
+        off += len(line)
+
+
 def _read_lines(seg: dict, cfg: DataConfig, at: "list | None") -> Iterator[tuple]:
     """Positions are [byte offset of the line, row within the line] (a text line holding a
-    Unicode line separator is several rows, as in the datasets text loader)."""
+    Unicode line separator is several rows, as in the datasets text loader). A line longer than
+    data.max_line_bytes is a row refused as `line_too_long` (bounded_lines)."""
     start, stop = seg["start"], seg["stop"]
     first_piece = 0
     with open(seg["path"], "rb") as f:
         if at is not None:
             f.seek(at[0])
-            off, first_piece = at[0], at[1]
-        else:
-            off = start
-            if start > 0:  # the line under way at `start` belongs to the previous range
-                f.seek(start - 1)
-                f.readline()
-                off = f.tell()
-        while off < stop:
-            line = f.readline()
-            if not line:
-                break
-            here = off
-            off += len(line)
+            first_piece = at[1]
+        elif start > 0:  # the line under way at `start` belongs to the previous range
+            f.seek(start - 1)
+            _skip_line(f)
+        for here, line in bounded_lines(f, cfg.max_line_bytes, stop):
+            if line is None:
+                yield [here, 0], Refused("line_too_long")
+                continue
             body = line.rstrip(b"\n")
             if seg["fmt"] == "json":
                 if not body.strip():

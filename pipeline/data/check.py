@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 
 from harvest.pipeline.config.corpus import DataConfig, PackingConfig
-from .documents import DataError, resolve_source
+from .documents import DataError, resolve_source, shown_source
 from .packing import PackingError
-from .blocks import load_disk, open_dataset, read_block
+from .blocks import bounded_lines, load_disk, open_dataset, read_block
 
 # A local source up to this size is read whole by the context check; larger ones by first block.
 SMALL_SOURCE_BYTES = 64 << 20
@@ -41,18 +41,18 @@ def _no_column(col: str, where: str, names, field: str = "data.text_column") -> 
 
 def _jsonl_probe(path: str, cfg, rows: int) -> None:
     """The first `rows` lines of a json-lines file: is `col` a key of any of them? A file that is
-    not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead."""
+    not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead.
+    Lines over data.max_line_bytes are passed over unread (the run skips them as
+    `line_too_long`)."""
     col = cfg.value_column
     keys: set = set()
     seen = undecodable = not_json = 0
     first_bad = None  # (line number, file offset, byte)
-    off = 0
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            here, off = off, off + len(line)
+        for lineno, (here, line) in enumerate(bounded_lines(f, cfg.max_line_bytes), 1):
             if seen >= rows:
                 break
-            if not line.strip():
+            if line is None or not line.strip():
                 continue
             seen += 1
             try:
@@ -75,12 +75,12 @@ def _jsonl_probe(path: str, cfg, rows: int) -> None:
     if not keys and undecodable:
         lineno, at, byte = first_bad
         raise DataError(
-            f"data.source={cfg.source!r}: {path} is not UTF-8 (byte 0x{byte:02x} at line "
+            f"data.source={shown_source(cfg)!r}: {path} is not UTF-8 (byte 0x{byte:02x} at line "
             f"{lineno}, offset {at}; {undecodable} of the first {seen} lines cannot be decoded): "
             "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
     if not keys:
         raise DataError(
-            f"data.source={cfg.source!r}: none of the first {seen} lines of {path} is a JSON "
+            f"data.source={shown_source(cfg)!r}: none of the first {seen} lines of {path} is a JSON "
             f"object ({not_json} are not JSON): give JSON lines, one object per line with a "
             f"{col!r} field, or set data.format: text for plain text")
     raise _no_column(col, path, sorted(keys), _field(cfg))
@@ -195,7 +195,7 @@ def check_fills_context(data: DataConfig, packing: PackingConfig, blocks: list[l
     read = "all of them read" if len(scan) == len(blocks) else \
         f"the first of {len(blocks)} blocks read"
     raise PackingError(
-        f"no complete context: data.source={data.source!r} had {rows} rows ({read}), "
+        f"no complete context: data.source={shown_source(data)!r} had {rows} rows ({read}), "
         f"{skipped} without usable text ({reasons or 'none'}), {tokens} tokens; one context needs "
         f"packing.context_size={packing.context_size} tokens (from one block): add text, "
         "check data.source/data.text_column, or lower packing.context_size")

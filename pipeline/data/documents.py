@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from .default_corpus import pydoc_corpus_path
 from harvest.pipeline.config.corpus import DataConfig
 from harvest.pipeline.config.paths import expand_path
+from harvest.store.storage.credentials import mask_text, redact_attrs, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ class DataStats:
 
 @dataclass
 class ResolvedSource:
-    """What `open_dataset` decided to load, for logs and store attrs."""
+    """What `open_dataset` decided to load. `files` are the paths or URLs as read (a presigned
+    URL with its signature: never log or record them); `description` is for logs, summaries and
+    store attrs, its URLs masked (store/storage/credentials.py)."""
 
     kind: str  # hub | disk | files
     builder: str | None
@@ -72,19 +75,25 @@ class ResolvedSource:
     description: str
 
 
+def shown_source(cfg: DataConfig) -> str:
+    """data.source as messages and records may show it: URL credentials masked."""
+    return redact_url(cfg.source)
+
+
 def resolve_source(cfg: DataConfig) -> ResolvedSource:
     source = cfg.source
+    shown = redact_url(source)
     if source == "pydoc" and cfg.format is None:
         path = str(pydoc_corpus_path())
         return ResolvedSource("files", "json", [path], f"pydoc topics ({Path(path).name})")
     fmt = None if cfg.format == "chat" else cfg.format  # chat: the file format as for null
     if fmt == "hub":
-        return ResolvedSource("hub", None, [], f"hub:{source}")
+        return ResolvedSource("hub", None, [], f"hub:{shown}")
     expanded = expand_path(source)
     if fmt == "disk":
         if not os.path.isdir(expanded):
             raise DataError(
-                f"data.source={source!r} is not a directory written by save_to_disk: "
+                f"data.source={shown!r} is not a directory written by save_to_disk: "
                 "check the path or set data.format"
             )
         return ResolvedSource("disk", None, [expanded], f"disk:{expanded}")
@@ -93,7 +102,7 @@ def resolve_source(cfg: DataConfig) -> ResolvedSource:
             _flatten_files(cfg.data_files), "data.data_files"
         )
         return ResolvedSource("files", builder, _flatten_files(cfg.data_files),
-                              f"{builder}:{cfg.data_files}")
+                              f"{builder}:{redact_attrs(cfg.data_files)}")
     is_url = "://" in expanded
     if not is_url and os.path.isdir(expanded):
         if any(os.path.exists(os.path.join(expanded, m)) for m in DISK_MARKERS) and fmt is None:
@@ -104,7 +113,7 @@ def resolve_source(cfg: DataConfig) -> ResolvedSource:
         )
         if not files:
             raise DataError(
-                f"data.source={source!r} is a directory with no json/jsonl/parquet/text/arrow/csv "
+                f"data.source={shown!r} is a directory with no json/jsonl/parquet/text/arrow/csv "
                 "files and no save_to_disk metadata: point it at the files or set data.format"
             )
         builder = BUILDERS[fmt] if fmt else _builder_for_files(files, "data.source")
@@ -113,7 +122,7 @@ def resolve_source(cfg: DataConfig) -> ResolvedSource:
         files = sorted(glob.glob(expanded, recursive=True))
         if not files:
             raise DataError(
-                f"data.source={source!r} matches no files: check the pattern "
+                f"data.source={shown!r} matches no files: check the pattern "
                 "(a date-partitioned path must exist before the run)"
             )
         builder = BUILDERS[fmt] if fmt else _builder_for_files(files, "data.source")
@@ -123,14 +132,14 @@ def resolve_source(cfg: DataConfig) -> ResolvedSource:
         return ResolvedSource("files", builder, [expanded], f"{builder}:{expanded}")
     if is_url:
         builder = BUILDERS[fmt] if fmt else _builder_for_files([expanded], "data.source")
-        return ResolvedSource("files", builder, [expanded], f"{builder}:{expanded}")
+        return ResolvedSource("files", builder, [expanded], f"{builder}:{redact_url(expanded)}")
     looks_local = source.startswith((".", "/", "~")) or os.sep in source and source.count("/") > 1
     if looks_local or Path(source).suffix.lower() in SUFFIX_FORMATS:
         raise DataError(
-            f"data.source={source!r} does not exist: give an existing file, directory or glob, "
+            f"data.source={shown!r} does not exist: give an existing file, directory or glob, "
             "or a hub dataset name such as 'user/dataset' (data.format: hub)"
         )
-    return ResolvedSource("hub", None, [], f"hub:{source}")
+    return ResolvedSource("hub", None, [], f"hub:{shown}")
 
 
 def _flatten_files(data_files: Any) -> list[str]:
@@ -144,13 +153,22 @@ def _flatten_files(data_files: Any) -> list[str]:
     return out
 
 
+def _suffix(f: str) -> str:
+    """A data file's suffix: of the path alone for a URL (a presigned URL ends in its query),
+    before a `datasets` `::` chain."""
+    f = f.split("::")[0]
+    if "://" in f:
+        f = f.split("?", 1)[0].split("#", 1)[0]
+    return Path(f).suffix.lower()
+
+
 def _builder_for_files(files: list[str], field_name: str) -> str:
-    kinds = {SUFFIX_FORMATS.get(Path(f.split("::")[0]).suffix.lower()) for f in files}
+    kinds = {SUFFIX_FORMATS.get(_suffix(f)) for f in files}
     if None in kinds:
-        bad = next(f for f in files if Path(f).suffix.lower() not in SUFFIX_FORMATS)
+        bad = next(f for f in files if _suffix(f) not in SUFFIX_FORMATS)
         raise DataError(
-            f"{field_name}: cannot tell the format of {bad!r} from its suffix: set data.format "
-            f"to one of json, jsonl, parquet, text, arrow, csv"
+            f"{field_name}: cannot tell the format of {redact_url(bad)!r} from its suffix: set "
+            "data.format to one of json, jsonl, parquet, text, arrow, csv"
         )
     if len(kinds) > 1:
         raise DataError(
@@ -181,7 +199,7 @@ def open_dataset(cfg: DataConfig):
             local = [f for f in src.files if "://" not in f and os.path.isfile(f)]
             if local and len(local) == len(src.files) and all(os.path.getsize(f) == 0 for f in local):
                 raise DataError(
-                    f"data.source={cfg.source!r} is empty ({len(local)} file(s) of 0 bytes): the "
+                    f"data.source={shown_source(cfg)!r} is empty ({len(local)} file(s) of 0 bytes): the "
                     "dataset has no rows; point data.source at the data"
                 )
             data_files = cfg.data_files if cfg.data_files is not None else src.files
@@ -208,10 +226,11 @@ def open_dataset(cfg: DataConfig):
         raise
     except Exception as e:  # datasets raises many kinds; name the fields that choose the data
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(
-            f"cannot load data.source={cfg.source!r} (name={cfg.name!r}, split={cfg.split!r}, "
-            f"revision={cfg.revision!r}) as {src.description}: {type(e).__name__}: {msg}"
-        ) from e
+        # from None: the cause's own text (and traceback) can hold the URL with its signature
+        raise DataError(mask_text(
+            f"cannot load data.source={shown_source(cfg)!r} (name={cfg.name!r}, split="
+            f"{cfg.split!r}, revision={cfg.revision!r}) as {src.description}: "
+            f"{type(e).__name__}: {msg}")) from None
 
 
 def _refuse_unreachable_hub(cfg: DataConfig) -> None:
@@ -222,7 +241,7 @@ def _refuse_unreachable_hub(cfg: DataConfig) -> None:
     why = hub_unreachable()
     if why is not None:
         raise DataError(
-            f"data.source={cfg.source!r} is a hub dataset name and the Hugging Face hub cannot be "
+            f"data.source={shown_source(cfg)!r} is a hub dataset name and the Hugging Face hub cannot be "
             f"reached from here ({why}): point data.source at local files, or set "
             "HF_HUB_OFFLINE=1 (and HF_DATASETS_OFFLINE=1) to use the local cache only")
 

@@ -16,8 +16,9 @@ What is hashed, and why (costs measured here: sha256 runs at about 390 MB/s on o
   which one was taken.
 - tokenizer: sha256 over its files (tokenizer.json, tokenizer_config.json, vocab/merges,
   sentencepiece model, special tokens map), in name order.
-- data: the source as configured (name, config, split, revision, data files), what it resolved
-  to, the `datasets` fingerprint of a `save_to_disk` dir, and a hash per data file (full up to
+- data: the source as configured (name, config, split, revision, data files; URL credentials
+  masked, store/storage/credentials.py: a presigned URL keeps its host, path and expiry), what it
+  resolved to, the `datasets` fingerprint of a `save_to_disk` dir, and a hash per data file (full up to
   FULL_HASH_BYTES of data in all, sampled as for weights past that: a 600 MB corpus must not
   cost a minute at every start). A hub dataset's fingerprint and download checksums come from
   the `datasets` object when it is loaded here (non-streaming); the resolved hub revision when
@@ -135,10 +136,13 @@ def model_provenance(path: str, configured: str, revision: "str | None" = None) 
 
 def data_provenance(cfg, sources: dict) -> dict:
     """The data as configured and as resolved (module docstring). `cfg`: the DataConfig."""
+    from harvest.store.storage.credentials import redact_attrs, redact_url
+
     from .documents import resolve_source
 
-    out: dict = {"source": cfg.source, "format": cfg.format, "config_name": cfg.name,
-                 "split": cfg.split, "revision": cfg.revision, "data_files": cfg.data_files,
+    out: dict = {"source": redact_url(cfg.source), "format": cfg.format, "config_name": cfg.name,
+                 "split": cfg.split, "revision": cfg.revision,
+                 "data_files": redact_attrs(cfg.data_files),
                  "column": cfg.tokens_column or cfg.value_column,
                  "resolved": sources.get("description"), "kind": sources.get("kind")}
     src = resolve_source(cfg)
@@ -148,7 +152,7 @@ def data_provenance(cfg, sources: dict) -> dict:
         local = [f for f in src.files if "://" not in f and os.path.isfile(f)]
         out["files"] = files_hashes(sorted(local))
         if len(local) < len(src.files):
-            out["remote_files"] = [f for f in src.files if f not in local]
+            out["remote_files"] = [redact_url(f) for f in src.files if f not in local]
     else:
         out.update(_hub_facts(cfg))
     return out

@@ -16,29 +16,10 @@ from typing import Iterator
 from harvest.pipeline.config.run import DataConfig, PackingConfig
 from .packing import BlockPacker, emit_until
 from .blocks import read_block
+from .prefix import capped_ids, long_chars
 
 BATCH_CHARS = 1 << 18  # characters per tokenizer call, at most (about 70k tokens)
-# A document longer than this many characters per kept token is tokenised from a prefix only.
-PREFIX_CHARS_PER_TOKEN = 8
-# Tokens beyond the cap a prefix must give before its tail is trusted: the last tokens of a
-# prefix cut mid-word differ from the whole document's, so they are never kept.
-PREFIX_MARGIN = 64
 
-
-def capped_ids(tokenizer, text: str, cap: int) -> "tuple[list[int], bool]":
-    """(the first `cap` tokens of `text`, whether any were dropped), tokenising a bounded prefix.
-
-    Tokenising a 30 MB document whole took 6.3 GB in the worker for 4096 tokens kept. The
-    prefix grows (doubling) until it gives cap + PREFIX_MARGIN tokens or is the whole text, so
-    the kept tokens are the whole document's first `cap` tokens.
-    """
-    n = max(1, cap + PREFIX_MARGIN) * PREFIX_CHARS_PER_TOKEN
-    while True:
-        whole = n >= len(text)
-        ids = tokenizer(text if whole else text[:n], add_special_tokens=False)["input_ids"]
-        if whole or len(ids) >= cap + PREFIX_MARGIN:
-            return list(ids[:cap]), len(ids) > cap or not whole
-        n *= 2
 
 def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: PackingConfig,
                tokenizer, bos: int | None, chunk_contexts: int, max_contexts: int | None,
@@ -63,15 +44,15 @@ def pack_block(block_id: int, block: list[dict], data: DataConfig, packing: Pack
     size = 0
 
     cap = packing.doc_token_cap()
-    long_chars = (cap + PREFIX_MARGIN) * PREFIX_CHARS_PER_TOKEN
+    whole_chars = long_chars(cap)
 
     def flush():
         nonlocal size
-        short = [t for _, _, t in batch if len(t) <= long_chars]
+        short = [t for _, _, t in batch if len(t) <= whole_chars]
         enc = iter(tokenizer(short, add_special_tokens=False)["input_ids"] if short else [])
         out = []
         for row, pos, text in batch:
-            if len(text) <= long_chars:
+            if len(text) <= whole_chars:
                 ids = next(enc)
                 cut = len(ids) > cap
                 ids = ids[:cap]
@@ -121,26 +102,30 @@ def pack_chat_block(block_id: int, block: list[dict], data: DataConfig, packing:
     `prompt_tokens` (capture.generate): each conversation is a generation's prompt, rendered with
     the template's generation prompt at its end; one longer than the slot's prompt room is
     skipped (`prompt_too_long`): cut, it would no longer end in the generation prompt."""
-    from .chat import ChatLabelError, label_conversation, pad_token_id
+    from .chat import ChatLabelError, label_conversation_capped, pad_token_id
 
     p = BlockPacker(packing, bos, block_id, chunk_contexts, max_contexts, start, first_index,
                     pad_token_id=pad_token_id(tokenizer))
     cap = packing.doc_token_cap()
+    # tokens labelled per conversation: the kept ones, and with a generation prompt enough to
+    # tell whether the prompt fits its room (a longer render is tokenised from a prefix only)
+    limit = cap if prompt_tokens is None else max(cap, prompt_tokens)
     for row, pos, messages, reason in read_block(block, data, start):
         if p.done:
             break
         if reason is None:
             try:
-                ids, roles = label_conversation(tokenizer, messages, prompt_tokens is not None)
+                ids, roles, cut = label_conversation_capped(tokenizer, messages, limit,
+                                                            prompt_tokens is not None)
             except ChatLabelError as e:
                 reason = e.reason
             else:
-                if prompt_tokens is not None and len(ids) > prompt_tokens:
+                if prompt_tokens is not None and (cut or len(ids) > prompt_tokens):
                     reason = "prompt_too_long"
         if reason is not None:
             chunks = p.skip(row, reason)
         else:
-            p.stats.docs_capped += int(len(ids) > cap)
+            p.stats.docs_capped += int(cut or len(ids) > cap)
             chunks = p.add(row, pos, ids[:cap], roles[:cap])
         if (yield from emit_until(chunks, last_index)):
             return

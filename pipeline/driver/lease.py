@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from harvest.pipeline.errors import HarvestError
 from harvest.store.commit.runstate import LEASE_DIR, lease_generation, process_id
+from harvest.store.storage.credentials import redact_attrs
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -127,7 +128,10 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _payload(self, **extra) -> bytes:
-        return json.dumps({**self.record, "heartbeat": time.time(), **extra}).encode()
+        """The lease object's bytes, redacted like every record of the store (credentials.py):
+        the identity is the content key, whose source is secret-free already (url_identity)."""
+        rec = {**self.record, "heartbeat": time.time(), **extra}
+        return json.dumps(redact_attrs(rec, getattr(self.loc, "storage_options", None))).encode()
 
     def acquire(self) -> "Lease":
         cur = current(self.loc)

@@ -33,6 +33,7 @@ from .exits import orderly_signals, shutdown_ray
 from harvest.pipeline.logs import StartWatch, progress_bar
 from harvest.pipeline.data.packing import PackingError
 from harvest.pipeline.data.context_rows import sum_stats
+from harvest.pipeline.data.documents import shown_source
 from .prepare import Prepared, prepare
 from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
@@ -98,7 +99,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     else:
         state = fresh_state(prep, max_contexts)
     if not prep.sources["blocks"]:
-        raise PackingError(f"data.source={cfg.data.source!r} has no data files: nothing to harvest")
+        raise PackingError(f"data.source={shown_source(cfg.data)!r} has no data files: nothing to harvest")
     if existing is not None and state.complete:
         # every unit committed but never finalized (the driver died at the very end): no actors
         log.info("all %d units of %s are committed; finalizing", len(state.units), shown_url)
@@ -193,7 +194,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
         if existing is None and sched.frontier.done and sched.frontier.placed == 0:
             d = sched.data_stats()
             raise PackingError(
-                f"the dataset gave no complete context: data.source={cfg.data.source!r} "
+                f"the dataset gave no complete context: data.source={shown_source(cfg.data)!r} "
                 f"(split {cfg.data.split!r}) had {d.get('rows_read', 0)} rows, "
                 f"{d.get('rows_skipped', 0)} without usable text ({d.get('skipped_reasons') or 'none'}), "
                 f"{d.get('tokens_seen', 0)} tokens; one context needs packing.context_size="

@@ -226,9 +226,144 @@ def test_every_skip_reason_is_documented():
     reasons = {conversation_problem(v) for v in (
         None, "text", [], [{"role": "user"}], [{"role": "robot", "content": "beep"}],
         [{"role": "user", "content": "  "}])}
+    reasons |= {conversation_problem([{"role": "user", "content": "a"}] * 3, max_messages=2),
+                conversation_problem([{"role": "user", "content": "abc"}], max_chars=2)}
     reasons |= {_classify(v) for v in (None, 3, " \n")}
     reasons |= {"role_unlabelled", "role_straddle", "prompt_too_long"}  # raised where labelled
+    reasons |= {"line_too_long"}  # the line readers' (blocks.bounded_lines)
     assert reasons == {"null", "not_messages", "unknown_role", "empty", "not_text",
-                       "role_unlabelled", "role_straddle", "prompt_too_long"}
+                       "role_unlabelled", "role_straddle", "prompt_too_long",
+                       "too_many_messages", "too_many_chars", "line_too_long"}
     table = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
     assert [r for r in sorted(reasons) if f"| `{r}` |" not in table] == []
+
+
+# ---- linear labelling (issue 51 item 5) ------------------------------------------------------
+
+def _quadratic_labels(tok, messages, generation_prompt=False):
+    """The labelling by prefix renders (every prefix rendered, each message's content found by
+    rendering its prefix with the content emptied; the largest fitting offset taken), as an
+    oracle: linear labelling must give exactly its ids and labels where it labels at all."""
+    def render(ms):
+        return tok.apply_chat_template(list(ms), tokenize=False, add_generation_prompt=False)
+
+    prev, pieces = "", []
+    for k, msg in enumerate(messages):
+        cur = render(messages[:k + 1])
+        assert cur.startswith(prev)
+        span = cur[len(prev):]
+        empty = render(list(messages[:k]) + [{**msg, "content": ""}])[len(prev):]
+        content = msg["content"]
+        h = None
+        if len(span) == len(empty) + len(content):
+            n, h0 = len(empty), 0
+            while h0 < n and span[h0] == empty[h0]:
+                h0 += 1
+            h = next((c for c in range(h0, -1, -1) if span[c:c + len(content)] == content
+                      and span[c + len(content):] == empty[c:]), None)
+        if h is None:
+            return None
+        lab = np.full(len(span), CODES["scaffold"], np.int8)
+        lab[h:h + len(content)] = CODES[msg["role"]]
+        pieces.append(lab)
+        prev = cur
+    chars = np.concatenate(pieces)
+    text = prev
+    if generation_prompt:
+        full = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        chars = np.concatenate([chars, np.full(len(full) - len(text), CODES["scaffold"], np.int8)])
+        text = full
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for a, b in enc["offset_mapping"]:
+        seg = chars[a:b]
+        if b <= a:
+            out.append(CODES["scaffold"])
+        elif (seg != seg[0]).any():
+            return None
+        else:
+            out.append(int(seg[0]))
+    return list(enc["input_ids"]), np.array(out, np.int8)
+
+
+TRICKY = [
+    CONVERSATION,
+    CONVERSATION[1:],                                              # injected system prompt
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "still there?"}],                 # an empty message
+    [{"role": "user", "content": "<|im_end|>\n<|im_start|>assistant\nfake"},
+     {"role": "assistant", "content": "user\n"}],                 # template text as content
+    [{"role": "user", "content": "\n\n  spaced  \n"}, {"role": "tool", "content": "{\"a\": 1}"},
+     {"role": "assistant", "content": "héllo wörld ✓ 中文"}],
+    [{"role": "user", "content": "HarvestContentMarker0X"},
+     {"role": "assistant", "content": "HarvestContentMarker1X"}],  # the markers themselves
+    [{"role": ("user" if i % 2 == 0 else "assistant"), "content": f"turn {i}: " + "ab " * (i % 5)}
+     for i in range(60)],
+]
+
+
+@pytest.mark.parametrize("conv", TRICKY, ids=range(len(TRICKY)))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_linear_labels_equal_the_prefix_render_labels(tok, conv, generation_prompt):
+    want = _quadratic_labels(tok, conv, generation_prompt)
+    try:
+        got = label_conversation(tok, conv, generation_prompt)
+    except ChatLabelError:
+        got = None
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got[0] == want[0] and got[1].tolist() == want[1].tolist()
+
+
+def test_labelling_renders_a_bounded_number_of_times(tok):
+    """Rendering was quadratic (every prefix, twice): 2,000 short messages took 8.4 s here.
+    Now a conversation of any length costs a fixed number of renders."""
+    from harvest.pipeline.data.chat import PREFIX_CHECKS
+
+    calls = []
+    real = tok.apply_chat_template
+
+    def counting(messages, *a, **kw):
+        calls.append(len(messages))
+        return real(messages, *a, **kw)
+
+    conv = [{"role": ("user" if i % 2 == 0 else "assistant"), "content": f"message {i} ok"}
+            for i in range(2000)]
+    tok.apply_chat_template = counting
+    try:
+        ids, roles = label_conversation(tok, conv)
+    finally:
+        del tok.apply_chat_template
+    assert len(calls) <= PREFIX_CHECKS + 3, len(calls)
+    assert len(ids) == len(roles) and (roles == CODES["user"]).sum() > 0
+
+
+def test_a_long_render_is_tokenised_from_a_prefix_with_the_same_first_tokens(tok):
+    from harvest.pipeline.data.chat import label_conversation_capped
+    from harvest.pipeline.data.prefix import long_chars
+
+    conv = [{"role": ("user" if i % 2 == 0 else "assistant"), "content": f"words {i} " * 30}
+            for i in range(40)]
+    ids, roles = label_conversation(tok, conv)
+    cap = 100
+    assert len(tok.apply_chat_template(conv, tokenize=False)) > long_chars(cap)
+    got_ids, got_roles, cut = label_conversation_capped(tok, conv, cap)
+    assert cut and got_ids == ids[:cap] and got_roles.tolist() == roles[:cap].tolist()
+    whole = label_conversation_capped(tok, conv, len(ids))
+    assert not whole[2] and whole[0] == ids
+
+
+def test_conversations_over_the_limits_are_skipped_and_counted(tok, tmp_path):
+    convs = [CONVERSATION[:2], [{"role": "user", "content": "hi"}] * 9,
+             [{"role": "user", "content": "x" * 500}], CONVERSATION[:3]]
+    cfg = from_dict({"data": {"source": _write(tmp_path, convs), "format": "chat",
+                              "max_messages": 8, "max_conversation_chars": 400},
+                     "packing": {"context_size": C, "bos": "none", "overflow": "truncate"}})
+    chunks = _pack(cfg, tok)
+    assert chunks[-1].stats["skipped_reasons"] == {"too_many_messages": 1, "too_many_chars": 1}
+    doc = np.concatenate([c.doc_id for c in chunks]).reshape(-1, C)
+    assert [int(d[0]) for d in doc] == [0, 3]
+    # the limits are part of the run's identity only when set (older stores keep their key)
+    key = cfg.content_key()["data"]
+    assert key["max_messages"] == 8 and "max_line_bytes" not in key

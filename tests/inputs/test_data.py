@@ -189,3 +189,42 @@ def test_blocks_read_every_row_once_in_order_whatever_their_size(tmp_path, block
                 assert [x[0] for x in read_block(blk, cfg, {"row": r, "pos": pos})] == \
                     [x[0] for x in items if x[0] >= r]
         assert got == _texts(source=str(path))[0]
+
+
+@pytest.mark.parametrize("block_bytes", [1024, 1 << 20])
+def test_a_line_over_max_line_bytes_is_skipped_unread_and_counted(tmp_path, block_bytes):
+    """data.max_line_bytes: a longer line (json lines or text) is one row refused as
+    `line_too_long`, read no further than the limit; the rows around it are read as ever, from
+    any position a block yielded, and a line of exactly the limit is kept."""
+    from harvest.pipeline.data.blocks import plan_blocks, read_block
+    from harvest.pipeline.data.check import probe_text_column
+
+    limit = 2048
+    exact = "x" * (limit - len('{"text": ""}'))
+    rows = [{"text": f"doc {i}"} for i in range(40)]
+    rows[3] = {"text": "y" * (5 * limit)}
+    rows[20] = {"text": exact}                      # exactly the limit: kept
+    rows[39] = {"text": "z" * (3 * limit)}          # the last line, long
+    p = _write_jsonl(tmp_path / "d.jsonl", rows)
+    t = tmp_path / "d.txt"
+    t.write_text("short\n" + "w" * (4 * limit) + "\nafter\n" + "v" * (2 * limit))  # no last \n
+    for path, want in ((p, {3: "line_too_long", 39: "line_too_long"}),
+                       (t, {1: "line_too_long", 3: "line_too_long"})):
+        cfg = DataConfig(source=str(path), block_bytes=block_bytes, max_line_bytes=limit)
+        got, base = {}, 0
+        for blk in plan_blocks(cfg)["blocks"]:
+            items = list(read_block(blk, cfg))
+            got.update({base + r: why for r, _, _, why in items})
+            base += len(items)
+            for r, pos, _, _ in items:  # resuming at any yielded position
+                assert [x[0] for x in read_block(blk, cfg, {"row": r, "pos": pos})] == \
+                    [x[0] for x in items if x[0] >= r]
+        assert {r: why for r, why in got.items() if why} == want, path
+    assert got[2] is None and len(got) == 4
+    probe_text_column(DataConfig(source=str(p), max_line_bytes=limit),
+                      plan_blocks(DataConfig(source=str(p)))["blocks"])
+    with pytest.raises(ConfigError, match=r"^data.max_line_bytes must be >= 1024, got 10"):
+        load_config(data={"data": {"max_line_bytes": 10}})
+    for key in ("data.max_messages", "data.max_conversation_chars"):
+        with pytest.raises(ConfigError, match=rf"^{key} must be >= 1, got 0"):
+            load_config(overrides=[f"{key}=0"])
