@@ -110,8 +110,12 @@ def test_runner_choice(monkeypatch):
 
 def test_importing_the_engine_patches_nothing_in_vllm():
     """The runners are subclasses named to vLLM explicitly; vLLM's own classes stay vLLM's."""
+    from harvest.testing import triton_interpreter
+    from tests.support.runners import model_runner, needs_interpreter
+
+    if needs_interpreter():   # before vLLM's worker modules load (triton_interpreter.prime)
+        triton_interpreter.prime()
     from harvest.engine.vllm import runner  # defines the workers
-    from tests.support.runners import model_runner
 
     with model_runner("v2"):   # V2's modules load only where vLLM has Triton
         v2 = compat.v2_runner_classes()
