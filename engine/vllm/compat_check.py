@@ -95,6 +95,18 @@ NEEDS: tuple[Need, ...] = (
     *(Need(_IB2, "InputBatch", f, "field", runners=_V2)
       for f in ("req_ids", "num_reqs", "num_scheduled_tokens", "num_tokens", "query_start_loc_np",
                 "num_computed_tokens_np", "positions", "input_ids")),
+    # what a tap may assume under V2's CUDA graphs and async scheduling (docs/engine.md): graphs
+    # replay the forward as recorded (FULL and piecewise), padding follows the real tokens, and
+    # the fed positions/ids are device buffers written on the stream
+    Need("vllm/v1/worker/gpu/cudagraph_utils.py", "CudaGraphManager", "run_fullgraph", "method",
+         runners=_V2),
+    Need("vllm/v1/worker/gpu/cudagraph_utils.py", "CudaGraphManager", "run_pw_graph", "method",
+         runners=_V2),
+    Need(_GMR2, "GPUModelRunner", "prepare_inputs", "text",
+         text="query_start_loc_np[num_reqs + 1 :] = num_tokens", runners=_V2),
+    Need(_IB2, "InputBuffers", "__init__", "text",
+         text="self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)",
+         runners=_V2),
     Need("vllm/v1/worker/cpu/model_runner.py", "CPUModelRunner", None, "class",
          bases=("GPUModelRunner",), runners=_V2),
     Need("vllm/v1/worker/cpu_worker.py", None, None, "text",
