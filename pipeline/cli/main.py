@@ -20,6 +20,7 @@ from .schedule_cmd import add_parser as add_schedule
 from .card import add_parser as add_card
 from .shuffle_cmd import add_parser as add_shuffle
 from harvest.store.storage.credentials import redact_url
+from harvest.store.escape import terminal
 
 EXIT_BAD_INPUT = 2
 
@@ -365,7 +366,8 @@ def main(argv: "list[str] | None" = None) -> int:
         return getattr(e, "exit_code", 130)
     except Exception as e:
         if is_user_error(e):
-            print(f"harvest {args.cmd}: error: {e}", file=sys.stderr)
+            # the message may quote a store's text (store/escape.py): no controls reach the terminal
+            print(f"harvest {args.cmd}: error: {terminal(e, newlines=True)}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
 
