@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .escape import json_value, md_code, md_text, writable
+from .read.filters import sink_positions, store_facts, store_special_ids
 
 if TYPE_CHECKING:
     from .store import Store
@@ -137,6 +138,19 @@ def _stats_table(store: Store) -> str:
     return "\n".join(lines) + tail
 
 
+def _row_filter_lines(store: Store) -> list[str]:
+    """The reader options of the card's example: the store's kept rows where it records its
+    special ids (`exclude_special=True` drops the sink positions too), else the sink positions."""
+    facts = store_facts(store)
+    sinks = sink_positions(facts)
+    pad = " " * 23
+    if store_special_ids(facts):
+        return [f"{pad}exclude_special=True,   # the kept rows: no special token"
+                + (f", no attention-sink position 0-{sinks - 1}" if sinks else "")]
+    return [f"{pad}seqpos=slice({sinks}, None),   # no attention-sink position 0-{sinks - 1}"] \
+        if sinks else []
+
+
 def _short(x, n: int = 16) -> str:
     """The first n characters of an attribute (a hash), whatever its type."""
     return str(x or "")[:n]
@@ -197,13 +211,15 @@ def card_text(store: Store) -> str:
         picture,
         "## Read it\n",
         "Full install (`pip install harvest`) or the light one (`pip install "
-        "harvest-store[torch]`): the same three lines.\n",
+        "harvest-store[torch]`): the same lines.\n",
         "```python",
         "from harvest.store import open_store",
         "from harvest.store.read.dataset import ActivationDataset",
         # a JSON string is a Python string literal, on one line: the fence cannot end in it
         f"ds = ActivationDataset(open_store(\"<this folder or s3://...>\"), "
-        f"points={json_value(pts[0] if pts else '')}, batch_size=4096, exclude_special=True)",
+        f"points={json_value(pts[0] if pts else '')}, batch_size=4096,",
+        *_row_filter_lines(store),
+        "                       normalize=\"norm_scale\")  # E||x||^2 = width over the rows yielded",
         "```\n",
         "## How it was made\n",
         f"`harvest run` (config sha256 {md_code(_short(hv.get('config_sha256')))}, content key "
