@@ -52,10 +52,12 @@ def recipe_kwargs(store, seed: int, test_fraction: float = 0.05) -> dict:
     # `store.special_token_ids` reads); the run attributes keep them under `tokenizer`, never at
     # the top level, so reading `attrs["special_token_ids"]` missed every pipeline store and the
     # recipe trained on attention-sink BOS rows (|x|^2 ~ 1e4 x the median).
+    # exclude_special=True also drops the attention-sink positions 0 and 1 (the store's kept
+    # rows); a store without special ids drops them by position
     if store.special_token_ids:
         kw["exclude_special"] = True
     elif packing.get("bos", "context") == "context":
-        kw["seqpos"] = slice(1, None)
+        kw["seqpos"] = slice(2, None)
     return kw
 
 

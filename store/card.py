@@ -10,14 +10,20 @@ attributes at any time (after `harvest report`, to show the report's picture).
 
 The front matter is written as JSON values, which YAML reads as they are: this module needs no
 YAML library, so the light install (`harvest-store`) can write and refresh cards too.
+
+The attributes are the store maker's text, so hostile input (store/escape.py): every string from
+them is escaped for where it lands (ASCII JSON in the front matter, `md_text` / `md_code` in the
+body), and a store attribute holding a lone surrogate or a `|` neither fails finalize nor breaks
+the card's tables.
 """
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from .storage.credentials import mask_text
+from .escape import json_value, md_code, md_text, writable
+from .read.filters import sink_positions, store_facts, store_special_ids
 
 if TYPE_CHECKING:
     from .store import Store
@@ -40,18 +46,29 @@ def size_category(rows: int) -> str:
     return "n>1T"
 
 
+def _dict(x) -> dict:
+    """`x` where it is a dict, else {}: an attribute of another shape is read as absent."""
+    return x if isinstance(x, dict) else {}
+
+
+def _count(x) -> int:
+    """A row count from the attributes: an int, else 0 (a count of another type is absent)."""
+    return x if isinstance(x, int) and not isinstance(x, bool) else 0
+
+
 def card_facts(store: Store) -> dict:
     """The figures the card shows, from the store's attributes only (the `harvest:` block)."""
     a = store.attributes
     run = store.attrs
-    rows = int(a.get("committed_rows") or 0)
+    rows = _count(a.get("committed_rows"))
     C = store.context_size
-    model = run.get("model") if isinstance(run.get("model"), dict) else {}
-    prov = run.get("provenance") or {}
+    model = _dict(run.get("model"))
+    prov = _dict(run.get("provenance"))
+    ratio = _dict(a.get("compression_ratio"))
     return {
-        "model": run.get("config", {}).get("model", {}).get("path") or store.tokenizer,
-        "model_revision": (prov.get("model") or {}).get("revision") or model.get("revision"),
-        "model_weights_sha256": (prov.get("model") or {}).get("weights_sha256"),
+        "model": _dict(_dict(run.get("config")).get("model")).get("path") or store.tokenizer,
+        "model_revision": _dict(prov.get("model")).get("revision") or model.get("revision"),
+        "model_weights_sha256": _dict(prov.get("model")).get("weights_sha256"),
         "n_layers": model.get("n_layers"),
         "engine": model.get("backend"),
         "points": list(store.points),
@@ -62,22 +79,22 @@ def card_facts(store: Store) -> dict:
         "tokens": rows,
         "contexts": rows // C if C else None,
         "context_size": C,
-        "stored_bytes": (a.get("compression_ratio") or {}).get("stored_bytes"),
-        "compression_ratio": (a.get("compression_ratio") or {}).get("overall"),
+        "stored_bytes": ratio.get("stored_bytes"),
+        "compression_ratio": ratio.get("overall"),
         "bos_token_id": store.bos_token_id,
         "special_token_ids": store.special_token_ids,
         "stats_skip_positions": store.stats_skip_positions,
         "layout_version": store.layout_version,
         "finalized_at": a.get("finalized_at"),
         # a shuffled copy (permuted.py): rows are not in token order
-        "shuffled": run.get("shuffled"),
+        "shuffled": run.get("shuffled") if isinstance(run.get("shuffled"), dict) else None,
     }
 
 
 def _front_matter(facts: dict, run: dict) -> str:
-    prov = run.get("provenance") or {}
-    data = prov.get("data") or {}
-    info = data.get("dataset_info") or {}
+    prov = _dict(run.get("provenance"))
+    data = _dict(prov.get("data"))
+    info = _dict(data.get("dataset_info"))
     meta: dict = {}
     if info.get("license"):
         meta["license"] = info["license"]
@@ -86,7 +103,7 @@ def _front_matter(facts: dict, run: dict) -> str:
     meta["task_categories"] = ["feature-extraction"]
     meta["tags"] = ["activations", "interpretability", "sparse-autoencoder", "harvest", "zarr"]
     sources = [data.get("source")] if data.get("kind") == "hub" else []
-    original = (prov.get("token_source") or {}).get("original_dataset")
+    original = _dict(prov.get("token_source")).get("original_dataset")
     original = str(original or "")
     if original.count("/") == 1 and not original.startswith(("/", ".", "~")):
         # a hub dataset name the ids were made from (SAELens's record), not a local path
@@ -94,27 +111,27 @@ def _front_matter(facts: dict, run: dict) -> str:
     if sources:
         meta["source_datasets"] = sources
     meta["harvest"] = facts
-    return "---\n" + "".join(f"{k}: {json.dumps(v, ensure_ascii=False)}\n"
-                             for k, v in meta.items()) + "---\n"
+    return "---\n" + "".join(f"{k}: {json_value(v)}\n" for k, v in meta.items()) + "---\n"
 
 
 def _fmt(x) -> str:
+    """A figure as Markdown text (a non-number from the attributes escaped as text)."""
     if isinstance(x, float):
         return f"{x:.4g}"
-    return f"{x:,}" if isinstance(x, int) else str(x)
+    return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else md_text(x)
 
 
 def _stats_table(store: Store) -> str:
     a = store.attributes
-    kept = a.get("stats_kept") or {}
-    every = a.get("stats") or {}
+    kept = _dict(a.get("stats_kept"))
+    every = _dict(a.get("stats"))
     if not every:
         return "No statistics (the store is not finalized).\n"
     lines = ["| point | rows kept | mean ‖x‖ | E‖x‖² (kept) | mean variance | non-finite |",
              "|---|---|---|---|---|---|"]
     for p in store.points[:STAT_POINTS]:
-        s = kept.get(p) or every.get(p) or {}
-        lines.append(f"| `{p}` | {_fmt(s.get('count'))} | {_fmt(s.get('mean_norm'))} | "
+        s = _dict(kept.get(p) or every.get(p))
+        lines.append(f"| {md_code(p)} | {_fmt(s.get('count'))} | {_fmt(s.get('mean_norm'))} | "
                      f"{_fmt(s.get('mean_sq_norm'))} | {_fmt(s.get('mean_var'))} | "
                      f"{_fmt(s.get('nonfinite_rows'))} |")
     more = len(store.points) - STAT_POINTS
@@ -122,71 +139,97 @@ def _stats_table(store: Store) -> str:
     return "\n".join(lines) + tail
 
 
+def _row_filter_lines(store: Store) -> list[str]:
+    """The reader options of the card's example: the store's kept rows where it records its
+    special ids (`exclude_special=True` drops the sink positions too), else the sink positions."""
+    facts = store_facts(store)
+    sinks = sink_positions(facts)
+    pad = " " * 23
+    if store_special_ids(facts):
+        return [f"{pad}exclude_special=True,   # the kept rows: no special token"
+                + (f", no attention-sink position 0-{sinks - 1}" if sinks else "")]
+    return [f"{pad}seqpos=slice({sinks}, None),   # no attention-sink position 0-{sinks - 1}"] \
+        if sinks else []
+
+
+def _short(x, n: int = 16) -> str:
+    """The first n characters of an attribute (a hash), whatever its type."""
+    return str(x or "")[:n]
+
+
 def card_text(store: Store) -> str:
-    """The card: front matter, then the body (module docstring)."""
+    """The card: front matter, then the body (module docstring). Every string from the
+    attributes is escaped (md_text as text, md_code as monospace)."""
     run = store.attrs
     f = card_facts(store)
-    prov = run.get("provenance") or {}
-    data, mprov, hv = prov.get("data") or {}, prov.get("model") or {}, prov.get("harvest") or {}
-    cfg = run.get("config") or {}
+    prov = _dict(run.get("provenance"))
+    data, mprov, hv = _dict(prov.get("data")), _dict(prov.get("model")), _dict(prov.get("harvest"))
+    cfg = _dict(run.get("config"))
     pts = f["points"]
     name = f["model"] or "an unnamed model"
-    shown = ", ".join(f"`{p}`" for p in pts[:6]) + (f" and {len(pts) - 6} more" if len(pts) > 6 else "")
-    corpus = data.get("resolved") or (run.get("data") or {}).get("source") or "unknown"
-    ident = mprov.get("revision") or (mprov.get("weights_sha256") or "")[:16] or "not recorded"
-    token_src = prov.get("token_source")
+    shown = ", ".join(md_code(p) for p in pts[:6]) + (
+        f" and {len(pts) - 6} more" if len(pts) > 6 else "")
+    corpus = data.get("resolved") or _dict(run.get("data")).get("source") or "unknown"
+    ident = mprov.get("revision") or _short(mprov.get("weights_sha256")) or "not recorded"
+    token_src = _dict(prov.get("token_source"))
+    shuffled = f.get("shuffled")
+    version = hv.get("version") or _dict(store.harvest_attrs.get("created_by")).get("harvest", "")
     picture = (f"![harvest report]({REPORT_PNG})\n\n" if store.location.exists(REPORT_PNG)
                else "No picture yet: `harvest report URL` then `harvest card URL` adds one.\n\n")
-    ratio = f"{f['compression_ratio']}×" if f["compression_ratio"] else "not recorded"
+    ratio = f"{md_text(f['compression_ratio'])}×" if f["compression_ratio"] else "not recorded"
     body = [
-        f"# Activations of {name}\n",
-        f"Residual-stream and other activations captured by harvest "
-        f"{hv.get('version') or (store.harvest_attrs.get('created_by') or {}).get('harvest', '')}: one row "
+        f"# Activations of {md_text(name)}\n",
+        f"Residual-stream and other activations captured by harvest {md_text(version)}: one row "
         "per token, every point's row i the same token, with `token_id`, `doc_id` and `position` "
         "columns saying which.\n",
         "| | |", "|---|---|",
-        f"| model | `{name}` (revision or weights sha256: `{ident}`) |",
+        f"| model | {md_code(name)} (revision or weights sha256: "
+        f"{md_code(ident)}) |",
         f"| points | {len(pts)}: {shown} |",
-        f"| width, dtype | {f['width']}, {f['dtype']} |",
-        *(["| widths | " + ", ".join(f"{p} {w}" for p, w in f["widths"].items()) + " |"]
+        f"| width, dtype | {_fmt(f['width'])}, {md_text(f['dtype'])} |",
+        *(["| widths | " + ", ".join(f"{md_text(p)} {_fmt(w)}" for p, w in f["widths"].items()) + " |"]
           if f.get("widths") else []),
         f"| rows (tokens) | {_fmt(f['rows'])}" + (f" in {_fmt(f['contexts'])} contexts of "
-                                                  f"{f['context_size']}" if f["context_size"]
+                                                  f"{_fmt(f['context_size'])}" if f["context_size"]
                                                   else "") + " |",
         f"| stored | {_fmt(f['stored_bytes'])} bytes, compression {ratio} |",
-        f"| corpus | {corpus}, split `{data.get('split', '')}`, column "
-        f"`{data.get('column', '')}`" + (f", fingerprint `{data['fingerprint']}`"
-                                         if data.get("fingerprint") else "") + " |",
-        "| tokens from | " + (f"pre-tokenised ids (`{token_src.get('column')}`, tokenizer "
-                               f"{token_src.get('tokenizer_name') or 'not recorded'})"
+        f"| corpus | {md_text(corpus)}, split {md_code(data.get('split', ''))}, column "
+        f"{md_code(data.get('column', ''))}"
+        + (f", fingerprint {md_code(data['fingerprint'])}" if data.get("fingerprint")
+           else "") + " |",
+        "| tokens from | " + (f"pre-tokenised ids ({md_code(token_src.get('column'))}, "
+                               f"tokenizer {md_text(token_src.get('tokenizer_name') or 'not recorded')})"
                                if token_src else "text tokenised by the model's tokenizer") + " |",
-        f"| filters | BOS id {f['bos_token_id']}, special ids {f['special_token_ids']}; "
-        f"statistics `kept` leave out those and the first {f['stats_skip_positions']} "
-        "position(s) of each context |",
-        *([f"| row order | shuffled: a copy of `{f['shuffled'].get('source')}` with its rows in one "
-           f"random order (seed {f['shuffled'].get('seed')}); `source_row` says which row of it "
-           "each row is, so contexts are not runs of rows here |"] if f.get("shuffled") else []),
+        f"| filters | BOS id {md_text(f['bos_token_id'])}, special ids "
+        f"{md_text(f['special_token_ids'])}; statistics `kept` leave out those and the first "
+        f"{md_text(f['stats_skip_positions'])} position(s) of each context |",
+        *([f"| row order | shuffled: a copy of {md_code(shuffled.get('source'))} with its "
+           f"rows in one random order (seed {md_text(shuffled.get('seed'))}); `source_row` says which "
+           "row of it each row is, so contexts are not runs of rows here |"] if shuffled else []),
         "",
         "## Statistics (kept rows)\n",
         _stats_table(store),
         picture,
         "## Read it\n",
         "Full install (`pip install harvest`) or the light one (`pip install "
-        "harvest-store[torch]`): the same three lines.\n",
+        "harvest-store[torch]`): the same lines.\n",
         "```python",
         "from harvest.store import open_store",
         "from harvest.store.read.dataset import ActivationDataset",
-        f"ds = ActivationDataset(open_store(\"<this folder or s3://...>\"), points=\"{pts[0] if pts else ''}\", "
-        "batch_size=4096, exclude_special=True)",
+        # a JSON string is a Python string literal, on one line: the fence cannot end in it
+        f"ds = ActivationDataset(open_store(\"<this folder or s3://...>\"), "
+        f"points={json_value(pts[0] if pts else '')}, batch_size=4096,",
+        *_row_filter_lines(store),
+        "                       normalize=\"norm_scale\")  # E||x||^2 = width over the rows yielded",
         "```\n",
         "## How it was made\n",
-        f"`harvest run` (config sha256 `{(hv.get('config_sha256') or '')[:16]}`, content key "
-        f"sha256 `{(hv.get('content_key_sha256') or '')[:16]}`), backend "
-        f"`{(cfg.get('model') or {}).get('backend', '')}`, packing "
-        f"`{json.dumps(cfg.get('packing') or {})}`. Finalized {f['finalized_at']}. The full "
-        "configuration is `attrs[\"run\"][\"config\"]` of the root `zarr.json`; model, tokenizer "
-        "and data hashes are `attrs[\"run\"][\"provenance\"]`; the layout is harvest's FORMAT.md "
-        f"(layout version {f['layout_version']}).\n",
+        f"`harvest run` (config sha256 {md_code(_short(hv.get('config_sha256')))}, content key "
+        f"sha256 {md_code(_short(hv.get('content_key_sha256')))}), backend "
+        f"{md_code(_dict(cfg.get('model')).get('backend', ''))}, packing "
+        f"{md_code(json_value(_dict(cfg.get('packing'))))}. Finalized {md_text(f['finalized_at'])}. "
+        "The full configuration is `attrs[\"run\"][\"config\"]` of the root `zarr.json`; model, "
+        "tokenizer and data hashes are `attrs[\"run\"][\"provenance\"]`; the layout is harvest's "
+        f"FORMAT.md (layout version {md_text(f['layout_version'])}).\n",
     ]
     # masked whole (credentials.mask_text): the card is published as the dataset's page, and a
     # store made before the attributes were masked may hold a presigned corpus URL
@@ -195,6 +238,6 @@ def card_text(store: Store) -> str:
 
 def write_card(store: Store) -> str:
     """Write (or refresh) README.md at the store's root; returns its text."""
-    text = card_text(store)
+    text = writable(card_text(store))   # (every attribute string is escaped already)
     store.location.write_bytes(CARD, text.encode("utf-8"))
     return text

@@ -15,6 +15,7 @@ import sys
 
 from harvest.store.storage.credentials import redact_url
 from .errors import StoreError
+from .escape import terminal
 
 
 def _options(args) -> dict | None:
@@ -37,11 +38,11 @@ def cmd_verify(args) -> int:
         print(json.dumps(v.as_dict(), default=str))
         return 0 if complete else 1
     state = "OK" if complete else ("INCOMPLETE" if v.missing_units else "FAILED")
-    print(f"{redact_url(args.url)}: {state}: {v.committed_units:,} of {v.planned_units:,} "
+    print(f"{terminal(redact_url(args.url))}: {state}: {v.committed_units:,} of {v.planned_units:,} "
           f"units, {v.committed_rows:,} of {v.planned_rows:,} rows committed"
           f"{' (deep: every byte read)' if v.deep_checked else ''}")
-    for e in v.errors[:20]:
-        print(f"  {e}")
+    for e in v.errors[:20]:   # messages quote the store: escaped (store/escape.py)
+        print(f"  {terminal(e)}")
     return 0 if complete else 1
 
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except StoreError as e:
-        print(f"harvest-store {args.cmd}: {e}", file=sys.stderr)
+        print(f"harvest-store {args.cmd}: {terminal(e, newlines=True)}", file=sys.stderr)
         return 2
 
 

@@ -20,6 +20,7 @@ from .schedule_cmd import add_parser as add_schedule
 from .card import add_parser as add_card
 from .shuffle_cmd import add_parser as add_shuffle
 from harvest.store.storage.credentials import redact_url
+from harvest.store.escape import terminal
 
 EXIT_BAD_INPUT = 2
 
@@ -368,7 +369,9 @@ def main(argv: "list[str] | None" = None) -> int:
         from harvest.store.storage.credentials import scrub
 
         if is_user_error(e):
-            print(scrub(f"harvest {args.cmd}: error: {e}"), file=sys.stderr)
+            # the message may quote a store's text (store/escape.py) or a secret: neither reaches
+            # the terminal
+            print(scrub(f"harvest {args.cmd}: error: {terminal(e, newlines=True)}"), file=sys.stderr)
             return EXIT_BAD_INPUT
         import traceback
 

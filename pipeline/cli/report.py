@@ -20,20 +20,32 @@ labelled "all rows":
   rates with step fill.
 - Compression per point (logical / stored bytes, from the sizes the writers recorded).
 - Throughput over time from commit times: a run that slowed down or stalled shows as a bend.
+
+The store is someone else's text (store/escape.py): every string from it is escaped in the HTML
+(`html_text`) and in the picture (`plot_text`: matplotlib reads `$...$` as math), numbers from its
+records are taken only where they are numbers (report_figures.run_figures), and the three files
+are written through a temporary file and an atomic rename inside a directory opened without
+following links: a `_report` (or `report.html`) shipped in a store as a symbolic link is
+refused, never written through.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as _dt
-import html
+import io
 import json
 import logging
+import os
+import secrets
+import stat
 from pathlib import Path
 
 import numpy as np
 
+from harvest.pipeline.errors import HarvestError
 from harvest.store.commit.tables import shard_ids
+from harvest.store.escape import html_text, plot_text, terminal
 
 log = logging.getLogger("harvest.report")
 
@@ -97,7 +109,8 @@ def _decoder(store, tokenizer_path: str | None):
         tok = AutoTokenizer.from_pretrained(path)
         return lambda i: tok.decode([int(i)])
     except Exception as e:  # noqa: BLE001 -- a report without decoded text is still a report
-        log.info("report: tokens shown as ids (tokenizer %s not loadable: %s)", path, type(e).__name__)
+        log.info("report: tokens shown as ids (tokenizer %s not loadable: %s)", terminal(path),
+                 type(e).__name__)
         return None
 
 
@@ -168,7 +181,8 @@ def _fmt(e: dict) -> str:
     return f"{e.get('text', e['token_id'])!r:.14} @{e['position']} |x|={e['norm']:.3g}"
 
 
-def _plot(data: dict, path: Path) -> None:
+def _plot(data: dict) -> bytes:
+    """The report's PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on clusters; never pick a GUI backend
@@ -185,14 +199,15 @@ def _plot(data: dict, path: Path) -> None:
         pts = sorted((p for p in data["points"] if p["name"] == name and p["count"]),
                      key=lambda p: p["layer"])
         layers = [p["layer"] for p in pts]
-        ax[0, 0].plot(layers, [p["rms_norm"] for p in pts], "o-", label=f"{name}, {kept}")
+        label = plot_text(name)
+        ax[0, 0].plot(layers, [p["rms_norm"] for p in pts], "o-", label=f"{label}, {kept}")
         ax[0, 0].plot(layers, [p["rms_norm_all"] for p in pts], "x:", color="grey",
-                      label=f"{name}, all rows (with BOS/special)")
-        ax[0, 1].semilogy(layers, [p["var_median"] for p in pts], "o-", label=f"{name} median")
-        ax[0, 1].semilogy(layers, [p["var_max"] for p in pts], "x--", label=f"{name} max")
+                      label=f"{label}, all rows (with BOS/special)")
+        ax[0, 1].semilogy(layers, [p["var_median"] for p in pts], "o-", label=f"{label} median")
+        ax[0, 1].semilogy(layers, [p["var_max"] for p in pts], "x--", label=f"{label} max")
         comp = [(p["layer"], p["compression"]) for p in pts if p["compression"]]
         if comp:
-            ax[1, 1].bar([c[0] for c in comp], [c[1] for c in comp], label=name, alpha=0.7)
+            ax[1, 1].bar([c[0] for c in comp], [c[1] for c in comp], label=label, alpha=0.7)
     ax[0, 0].set(title="RMS norm per layer (sqrt E||x||^2)", xlabel="layer")
     ax[0, 1].set(title=f"per-dimension variance ({kept})", xlabel="layer")
     ax[1, 1].set(title="compression (logical / stored)", xlabel="layer")
@@ -200,7 +215,8 @@ def _plot(data: dict, path: Path) -> None:
     hists = [(p, h) for p, h in hists if h.get("counts")]
     for p, h in hists[:: max(1, -(-len(hists) // 6))]:  # at most ~6 layers, spread over depth
         e = np.asarray(h["edges"])
-        ax[1, 0].step(np.sqrt(e[:-1] * e[1:]), h["counts"], where="mid", label=p["point"])
+        ax[1, 0].step(np.sqrt(e[:-1] * e[1:]), h["counts"], where="mid",
+                      label=plot_text(p["point"]))
     ax[1, 0].set(title=f"norm histogram ({kept}, sampled shards)", xlabel="|x|", xscale="log")
     for a in (ax[0, 0], ax[0, 1], ax[1, 0], ax[1, 1]):
         a.legend(fontsize=7)
@@ -222,13 +238,15 @@ def _plot(data: dict, path: Path) -> None:
         cells = "   ".join(_fmt(e) for e in data["top_rows"].get(p["point"], [])[:3])
         sink = data["excluded_top"].get(p["point"])
         lines.append(f"{p['point']:>16}  {cells}" + (f"  | {_fmt(sink)}" if sink else ""))
-    tab.text(0.0, 1.0, "\n".join(lines) or "(nothing committed)", family="monospace", fontsize=7,
-             va="top", transform=tab.transAxes)
-    fig.suptitle(f"{data['url']}: {data['committed_rows']:,} tokens committed, width {data['width']}"
-                 f" {data.get('dtype', '')}")
+    tab.text(0.0, 1.0, "\n".join(plot_text(ln) for ln in lines) or "(nothing committed)",
+             family="monospace", fontsize=7, va="top", transform=tab.transAxes)
+    fig.suptitle(plot_text(f"{data['url']}: {data['committed_rows']:,} tokens committed, width "
+                           f"{data['width']} {data.get('dtype', '')}"))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    return png.getvalue()
 
 
 def _runs_panel(a, run: dict) -> None:
@@ -240,50 +258,55 @@ def _runs_panel(a, run: dict) -> None:
         a.scatter([i], [r["tokens_per_second"] or 0], marker="_", s=200, color="k")
     a.set(title="tok/s per run (black: run, dots: actors)", xlabel="run / tick", ylabel="tok/s")
     fills = [act["step_fill"] for r in runs for act in r["per_actor"] if act.get("step_fill")]
-    reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(run.get("skipped_reasons", {}).items()))
+    reasons = ", ".join(f"{plot_text(k)} {v:,}"
+                        for k, v in sorted(run.get("skipped_reasons", {}).items()))
     a.text(0.01, 0.98, (f"step fill {min(fills):.2f}-{max(fills):.2f}\n" if fills else "")
            + f"source rows {run.get('rows_read', 0):,}; skipped: {reasons or 'none'}",
            transform=a.transAxes, va="top", fontsize=7)
 
 
 def _run_row(i: int, r: dict) -> str:
-    actors = ", ".join(f"#{a['index']}: {a['tokens_per_second']} tok/s" for a in r["per_actor"])
-    fill = ", ".join(str(a["step_fill"]) for a in r["per_actor"])
-    return (f"<tr><td>{i}</td><td>{r['status']}</td><td>{r['tokens']}</td>"
-            f"<td>{r['tokens_per_second']}</td><td>{actors}</td><td>{fill}</td></tr>")
+    """One run's row of the HTML table; every value escaped (tick records are the store's)."""
+    h = html_text
+    actors = ", ".join(f"#{h(a['index'])}: {h(a['tokens_per_second'])} tok/s" for a in r["per_actor"])
+    fill = ", ".join(h(a["step_fill"]) for a in r["per_actor"])
+    return (f"<tr><td>{i}</td><td>{h(r['status'])}</td><td>{h(r['tokens'])}</td>"
+            f"<td>{h(r['tokens_per_second'])}</td><td>{actors}</td><td>{fill}</td></tr>")
 
 
-def _html(data: dict, png: Path) -> str:
-    img = base64.b64encode(png.read_bytes()).decode()
+def _html(data: dict, png: bytes) -> str:
+    """The HTML page: the picture inline, the tables; every string escaped (html_text)."""
+    h = html_text
+    img = base64.b64encode(png).decode()
     nan = float("nan")
     rows = []
     for p in data["points"]:
         cells = ", ".join(
-            f"{html.escape(repr(e.get('text', e['token_id'])))} (row {e['row']}, pos {e['position']}, "
+            f"{h(repr(e.get('text', e['token_id'])))} (row {e['row']}, pos {e['position']}, "
             f"|x| {e['norm']:.3g})" for e in data["top_rows"].get(p["point"], []))
         sink = data["excluded_top"].get(p["point"])
         outl = ", ".join(f"{o['dim']} ({o['x_median']}x)" for o in p.get("outliers", []))
         rows.append(
-            f"<tr><td>{html.escape(p['point'])}</td><td>{p['rms_norm'] or nan:.4g}</td>"
+            f"<tr><td>{h(p['point'])}</td><td>{p['rms_norm'] or nan:.4g}</td>"
             f"<td>{p['rms_norm_all'] or nan:.4g}</td>"
             f"<td>{p['var_max'] or nan:.3g} (dim {p['var_argmax']})</td>"
             f"<td>{p.get('dead_dims', '')}</td><td>{p.get('outlier_dims', '')}: {outl}</td>"
             f"<td>{p['compression'] or ''}</td><td>{cells}</td>"
-            f"<td>{html.escape(_fmt(sink)) if sink else ''}</td></tr>")
+            f"<td>{h(_fmt(sink)) if sink else ''}</td></tr>")
     run = data["run"]
     runs = "".join(_run_row(i, r) for i, r in enumerate(run["runs"]))
-    reasons = ", ".join(f"{html.escape(str(k))}: {v:,}" for k, v in run["skipped_reasons"].items())
+    reasons = ", ".join(f"{h(k)}: {v:,}" for k, v in run["skipped_reasons"].items())
     return (
         "<!doctype html><meta charset='utf-8'><title>harvest report</title>"
-        f"<h1>{html.escape(data['url'])}</h1>"
+        f"<h1>{h(data['url'])}</h1>"
         f"<p>{data['committed_rows']:,} tokens committed in {data['committed_units']} units; "
-        f"statistics of {data['subset']} rows (special tokens and skipped positions left out; "
-        f"'all rows' columns include them); generated {data['generated_at']}.</p>"
+        f"statistics of {h(data['subset'])} rows (special tokens and skipped positions left out; "
+        f"'all rows' columns include them); generated {h(data['generated_at'])}.</p>"
         f"<img src='data:image/png;base64,{img}' style='max-width:100%'>"
         "<h2>Per point</h2><table border=1 cellpadding=3><tr><th>point</th><th>RMS norm</th>"
         "<th>RMS norm, all rows</th><th>max dim variance</th><th>dead dims</th>"
         "<th>outlier dims (x median variance)</th><th>compression</th><th>largest-norm tokens "
-        f"(sampled shards {data['sampled_shards']})</th><th>largest excluded row</th></tr>"
+        f"(sampled shards {h(data['sampled_shards'])})</th><th>largest excluded row</th></tr>"
         + "".join(rows) + "</table>"
         f"<h2>Source rows</h2><p>{run['rows_read']:,} read; skipped: {reasons or 'none'}</p>"
         "<h2>Runs (ticks)</h2><table border=1 cellpadding=3><tr><th>#</th><th>status</th>"
@@ -292,12 +315,69 @@ def _html(data: dict, png: Path) -> str:
     )
 
 
+REPORT_FILES = ("report.png", "report.html", "report.json")
+
+
+def _open_report_dir(out: Path) -> int:
+    """A descriptor of the report directory `out` (made when missing), never through a link:
+    `lstat` first, then an O_NOFOLLOW open, so a link swapped in between fails too."""
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        out.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(out)
+    if stat.S_ISLNK(st.st_mode):
+        raise HarvestError(
+            f"harvest report: {terminal(out)} is a symbolic link (to {terminal(os.readlink(out))}); "
+            "a report is never written through a link, which a store made elsewhere can ship "
+            "pointing anywhere: remove the link, or write the report elsewhere with --out DIR")
+    if not stat.S_ISDIR(st.st_mode):
+        raise HarvestError(f"harvest report: {terminal(out)} is not a directory; remove it, or "
+                           "write the report elsewhere with --out DIR")
+    return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
+def _refuse_links(dfd: int, out: Path) -> None:
+    """Refuse, before anything is written, a report file in `out` that is a link or not a
+    regular file (a rename would replace a link rather than write through it, but a link there
+    says the directory is not what it seems)."""
+    for name in REPORT_FILES:
+        try:
+            st = os.lstat(name, dir_fd=dfd)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise HarvestError(f"harvest report: {terminal(out / name)} is {what}; a report is "
+                               "never written through one: remove it, or write the report "
+                               "elsewhere with --out DIR")
+
+
+def _write_replacing(dfd: int, name: str, data: bytes) -> None:
+    """`name` in the directory `dfd` holds `data`: a new temporary file (O_EXCL, O_NOFOLLOW)
+    renamed over it, so a reader sees the old file or the new one, and no link is followed."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        raise
+
+
 def write_report(url: str, storage_options: dict | None = None, out_dir: "str | Path | None" = None,
                  tokenizer_path: str | None = None) -> dict:
     """Write report.png, report.html and report.json; returns their paths and the data.
 
     `out_dir` defaults to `<store>/_report` for a local store (beside the data it describes) and to
-    `./harvest-report` for a remote one (a PNG on S3 is no use to a person at a terminal).
+    `./harvest-report` for a remote one (a PNG on S3 is no use to a person at a terminal). A link
+    at `out_dir` or at one of the three files is refused (HarvestError naming it) before anything
+    is written.
     """
     from harvest.store import open_store
 
@@ -305,10 +385,18 @@ def write_report(url: str, storage_options: dict | None = None, out_dir: "str | 
     if out_dir is None:
         out_dir = store.location.report_dir()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data = collect(store, tokenizer_path)
-    png, page, js = out / "report.png", out / "report.html", out / "report.json"
-    _plot(data, png)
-    page.write_text(_html(data, png), encoding="utf-8")
-    js.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    return {"png": str(png), "html": str(page), "json": str(js), "data": data}
+    dfd = _open_report_dir(out)
+    try:
+        _refuse_links(dfd, out)
+        data = collect(store, tokenizer_path)
+        png = _plot(data)
+        files = {"report.png": png, "report.html": _html(data, png).encode("utf-8"),
+                 # ASCII JSON: the store's strings as escapes, lone surrogates included
+                 "report.json": json.dumps(data, indent=1).encode("ascii")}
+        _refuse_links(dfd, out)
+        for name, body in files.items():
+            _write_replacing(dfd, name, body)
+    finally:
+        os.close(dfd)
+    return {"png": str(out / "report.png"), "html": str(out / "report.html"),
+            "json": str(out / "report.json"), "data": data}

@@ -104,8 +104,19 @@ def dimensions(var: np.ndarray) -> dict:
                          for d in order[:LIST_DIMS]]}
 
 
+def _number(x) -> "int | float | None":
+    """A figure from a run record: the number, or None for anything else (the records are the
+    store maker's JSON: a string there must not reach a format spec or a plot as a number)."""
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _dict(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
 def run_figures(store) -> dict:
-    """Skipped rows by reason over the whole store, and each run's rates (ticks, or the one run)."""
+    """Skipped rows by reason over the whole store, and each run's rates (ticks, or the one run);
+    numbers only where the records hold numbers, `status` and `finished_at` as text."""
     from harvest.pipeline.data.context_rows import sum_stats
     from .schedule_log import read_ticks
 
@@ -119,11 +130,19 @@ def run_figures(store) -> dict:
         skipped, rows_read = st.get("skipped_reasons") or {}, st.get("rows_read", 0)
     except Exception:  # noqa: BLE001 -- a store written without the driver has no plan payloads
         pass
-    runs = [t.get("summary") or {} for t in read_ticks(store.location)]
+    runs = [_dict(_dict(t).get("summary")) for t in read_ticks(store.location)]
     if not runs and store.summary:
-        runs = [store.summary]
-    return {"rows_read": rows_read, "skipped_reasons": skipped, "runs": [
-        {"tokens": r.get("tokens_this_run"), "tokens_per_second": r.get("tokens_per_second"),
-         "status": r.get("status"), "finished_at": r.get("finished_at"),
-         "per_actor": [{k: a.get(k) for k in ("index", "tokens", "tokens_per_second", "step_fill")}
-                       for a in r.get("per_actor") or []]} for r in runs]}
+        runs = [_dict(store.summary)]
+    actors = [[_dict(a) for a in (r.get("per_actor") if isinstance(r.get("per_actor"), list) else [])]
+              for r in runs]
+    return {"rows_read": _number(rows_read) or 0,
+            "skipped_reasons": {str(k): _number(v) or 0 for k, v in _dict(skipped).items()},
+            "runs": [
+                {"tokens": _number(r.get("tokens_this_run")),
+                 "tokens_per_second": _number(r.get("tokens_per_second")),
+                 "status": None if r.get("status") is None else str(r.get("status")),
+                 "finished_at": None if r.get("finished_at") is None else str(r.get("finished_at")),
+                 "per_actor": [{"index": a["index"] if type(a.get("index")) is int else 0,
+                                **{k: _number(a.get(k)) for k in ("tokens", "tokens_per_second",
+                                                                  "step_fill")}}
+                               for a in acts]} for r, acts in zip(runs, actors)]}

@@ -3,6 +3,11 @@
 Only formatting: each function takes the dict the command prints with `--json` (the machine
 form, unchanged) and returns text, so the two forms cannot disagree and views/verify stay free to
 change what they compute.
+
+`status`, `verify` and `inspect` show a store's own text (its attributes, marker fields, error
+messages that quote them), and a store may come from anyone: their strings pass through
+store/escape.py's `terminal` first (escape sequences, `\r` and other controls shown as escapes,
+never sent to the terminal), and figures print only when they are numbers.
 """
 
 from __future__ import annotations
@@ -10,13 +15,19 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from harvest.store.escape import terminal, terminal_data
+
 if TYPE_CHECKING:
     from harvest.store.commit.verify import VerifyReport
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def size(n: "float | None") -> str:
-    if n is None:
-        return "?"
+    if not _is_number(n) or not math.isfinite(n):
+        return "?" if n is None or not _is_number(n) else str(n)
     for unit, k in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= k:
             return f"{n / k:.1f} {unit}"
@@ -135,6 +146,7 @@ def status_state(s: dict) -> str:
 
 
 def status_text(s: dict) -> str:
+    s = terminal_data(s)
     if s.get("missing_store"):
         d = s.get("driver") or {}
         who = (f"driver pid {d.get('pid')} on {d.get('host')} holds the lease (heartbeat "
@@ -150,11 +162,12 @@ def status_text(s: dict) -> str:
     if s.get("paused") and s.get("budget_rows"):
         lines.append(f"  {s['committed_rows']:,} of the {s['budget_rows']:,}-token budget "
                      f"(packing.max_tokens): {100 * s['committed_rows'] / s['budget_rows']:.1f}%")
-    if s.get("finalized") and s.get("summary"):
+    if s.get("finalized") and isinstance(s.get("summary"), dict):
         sm = s["summary"]
+        rate = sm.get("tokens_per_second")
         lines.append(f"  {size(sm.get('bytes_stored'))} stored, compression "
                      f"{sm.get('compression_ratio')}x, "
-                     f"{sm.get('tokens_per_second') or 0:.0f} tok/s, "
+                     + (f"{rate:.0f}" if _is_number(rate) else "?") + " tok/s, "
                      f"finished {sm.get('finished_at')}")
     elif s.get("active") and s.get("recent_tokens_per_second"):
         lines.append(f"  {s['recent_tokens_per_second']:.0f} tok/s from commit times"
@@ -183,6 +196,8 @@ def status_text(s: dict) -> str:
 
 
 def verify_text(v: VerifyReport, complete: bool) -> str:
+    """The report in lines; its messages quote the store (unit names, recorded values), so
+    each is escaped whole (`terminal`, its own newlines too)."""
     state = "OK" if complete else ("INCOMPLETE" if v.missing_units else "FAILED")
     lines = [f"{state}: {v.committed_units}/{v.planned_units} units, "
              f"{v.committed_rows:,}/{v.planned_rows:,} rows committed"]
@@ -203,14 +218,15 @@ def verify_text(v: VerifyReport, complete: bool) -> str:
                      "was published); objects not listed now: --objects lists them, --deep reads "
                      "every byte")
     if v.missing_units:
-        lines.append(f"  uncommitted units: {v.missing_units[:20]}")
-    lines += [f"  {e}" for e in v.errors[:20]]
+        lines.append(f"  uncommitted units: {terminal(v.missing_units[:20])}")
+    lines += [f"  {terminal(e)}" for e in v.errors[:20]]
     return "\n".join(lines)
 
 
 def inspect_text(i: dict) -> str:
-    attrs = i.get("attrs") or {}
-    model = attrs.get("model") or {}
+    i = terminal_data(i)
+    attrs = i.get("attrs") if isinstance(i.get("attrs"), dict) else {}
+    model = attrs.get("model") if isinstance(attrs.get("model"), dict) else {}
     lines = [f"{i['url']}  (layout v{i['layout_version']}, "
              + ("finalized" if i["finalized"] else "not finalized") + ")",
              f"  model      {model.get('model') or attrs.get('model_path') or '?'} "

@@ -63,10 +63,14 @@ class ReaderConfig:
         rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
     Rows kept:
         exclude_token_ids: rows whose token_id is in this set are dropped.
-        exclude_special: also drop the special token ids (BOS included) the store records.
+        exclude_special: also drop the special token ids (BOS included) the store records, and,
+            unless `seqpos` is given, the leading context positions that hold attention sinks
+            (the store's `stats_skip_positions`, at least 2; FORMAT.md "Statistics"): the
+            store's kept rows, which its kept statistics describe exactly.
         seqpos: slice of context positions kept (context position = row % context_size), e.g.
-            slice(1, None) drops each context's first token; `context_size` from the store's
-            attributes, or this option for stores that lack it.
+            slice(2, None) drops each context's first two tokens; `context_size` from the
+            store's attributes, or this option for stores that lack it. Given, it decides the
+            positions alone (exclude_special then drops token ids only).
         max_norm_ratio: drop rows whose norm exceeds this multiple of the median row norm (per
             point, median from the start-up sample; a row goes if any point exceeds): attention
             sinks that are not special tokens (SmolLM2: ~100 rows at positions 1-5).
@@ -77,10 +81,13 @@ class ReaderConfig:
             others; a store without roles refuses roles= (FORMAT.md, "Chat").
     Normalisation:
         normalize: None | "standardize" ((x-mean)/std per dim) | "norm_scale" (E||x||^2 = width)
-            | "center_norm_scale" (subtract mean, then E||x-mean||^2 = width), with statistics
-            of the rows this dataset yields: the store's kept-row statistics when the filters
-            select exactly that class, else a seeded start-up sample of `norm_sample_rows`
-            filtered rows. `norm_constants` shows which; pass a train split's constants as
+            | "center_norm_scale" (subtract mean, then E||x-mean||^2 = width), over the rows
+            this dataset yields, with statistics of exactly those rows: the store's kept-row
+            statistics when the filters select that class (exact; `split=` aside: train and
+            test share the whole class's constants), else a seeded start-up sample of
+            `norm_sample_rows` of the filtered rows (exact when there are no more). A reader
+            that yields the attention-sink positions is normalised over them too, with a
+            warning. `norm_constants` shows which; pass a train split's constants as
             `norm_constants=` to normalise its held-out split identically.
         eps: added to the variance before dividing by its root (standardize).
     Length:

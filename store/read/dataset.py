@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -141,8 +142,13 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
                                  "with the tokenizer's BOS/EOS/pad ids instead")
             exclude |= set(self.special_token_ids)
         self.roles = resolve_roles(st, cfg.roles)  # store/roles.py: None, or the role codes kept
+        seqpos, sinks = cfg.seqpos, sink_positions(attrs)
+        if seqpos is None and cfg.exclude_special and 0 < sinks < (self.context_size or 0):
+            # the store's kept rows: special ids and the attention-sink positions out (FORMAT.md,
+            # "Statistics"), which its kept statistics describe exactly; seqpos= says otherwise
+            seqpos = slice(sinks, None)
         # a generation store (it has the `gen` column): rows without activations never yielded
-        self.filter = RowFilter.build(exclude, self.context_size, cfg.seqpos, cfg.split, cfg.test_fraction,
+        self.filter = RowFilter.build(exclude, self.context_size, seqpos, cfg.split, cfg.test_fraction,
                                       cfg.split_seed, self.roles, generated="gen" in st.meta_columns,
                                       source_rows="source_row" in st.meta_columns)
         # return_meta only: which of its prompt's samples a row is (FORMAT.md "Generation")
@@ -201,9 +207,7 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
                                  "take statistics from; wait until units commit, or pass "
                                  "norm_constants=")
             sample = _norm.read_sample(st, self.committed_meta(), self.points, self.pieces,
-                                       self._sources,
-                                       self.filter.without_sinks(sink_positions(store_facts(st))),
-                                       int(sample_rows), self.seed,
+                                       self._sources, self.filter, int(sample_rows), self.seed,
                                        self.max_norm_ratio, self.io_threads)
             self.norm_limit = sample.norm_limit
             if sample.outlier_rows:
@@ -217,10 +221,33 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
                 moments, source = _norm.sample_moments(sample, self._vdtype), "sample"
             self.norm_constants = _norm.constants(self.normalize, self.points, moments, self.width, source,
                                                   self.eps)
+        if given is None and self.normalize and self.max_norm_ratio is None:
+            self._warn_sinks(st)
         if self.norm_constants is not None:
             c = self.norm_constants
             log.info("normalize=%s: constants from %s (%d rows; E||x||^2 %s)", c.mode, c.source, c.rows,
                      ", ".join(f"{v:.4g}" for v in c.mean_sq_norm[:4]) + (" ..." if len(c.points) > 4 else ""))
+
+    def _warn_sinks(self, st: Store) -> None:
+        """Say so when the rows normalised include the attention-sink positions: the constants
+        describe the rows yielded, as always, so a few sink rows then set the scale of all."""
+        n = sink_positions(store_facts(st))
+        kept = self.filter.kept_positions()
+        sinks = sorted(set(range(n)) if kept is None else {p for p in kept if p < n})
+        if not sinks:
+            return
+        c = self.norm_constants
+        how = (f"the store's kept statistics ({c.rows:,} rows)" if c.source == "store:kept" else
+               f"a sample of {c.rows:,} of them (an estimate: sink rows are few and huge, so it "
+               "varies with the sample)")
+        warnings.warn(
+            f"normalize={self.normalize!r}: this reader keeps context position(s) "
+            f"{', '.join(map(str, sinks))} (where its token filters pass them), which hold attention "
+            f"sinks (||x||^2 up to ~1e4 x the median; FORMAT.md, \"Statistics\"); the constants "
+            f"describe the rows yielded, taken from "
+            f"{how}, so those rows set the scale and typical rows end far below E||x||^2 = width. "
+            f"Leave them out: exclude_special=True without seqpos= (the store's kept rows), "
+            f"seqpos=slice({n}, None), or max_norm_ratio=", UserWarning, stacklevel=4)
 
     def _open(self) -> Store:
         if self._store is None or self._store_pid != os.getpid():

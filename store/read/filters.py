@@ -11,7 +11,7 @@ the reader; see `normalize.sq_norms`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterable
 
 
@@ -95,14 +95,16 @@ def recorded_stats_filter(attrs: dict) -> tuple[frozenset, int] | None:
 # is a sink just the same), and the second one is a sink in 1.5-2 % of contexts (a newline or a
 # word, ~400x the median), which alone raised E||x||^2 of the other rows 1.2-4x. Positions 2-5:
 # one row above 10x the median in 400 contexts. The pipeline's `kept` statistics leave positions
-# 0 and 1 out, and so does every reader's normalisation sample.
+# 0 and 1 out, and so does a reader's `exclude_special=True` unless `seqpos=` says otherwise.
 SINK_POSITIONS = 2
 
 
 def sink_positions(facts: dict) -> int:
-    """Leading context positions the normalisation sample leaves out: the store's recorded
+    """Leading context positions that hold attention sinks: the store's recorded
     `stats_skip_positions`, and never fewer than SINK_POSITIONS (stores written before the rule,
-    whose `bos: none` runs recorded 0, included). 0 when the store records no context size."""
+    whose `bos: none` runs recorded 0, included). `exclude_special=True` drops them by default,
+    and a normalising reader that yields them is warned. 0 when the store records no context
+    size."""
     if not store_context_size(facts):
         return 0
     return max(SINK_POSITIONS, int((facts or {}).get("stats_skip_positions") or 0))
@@ -202,18 +204,6 @@ class RowFilter:
         return [n for n, need in (("token_id", self.needs_tokens), ("doc_id", self.needs_docs),
                                   ("role", self.needs_roles), ("gen", self.generated),
                                   ("source_row", self.needs_source_rows)) if need]
-
-    def without_sinks(self, n: int) -> "RowFilter":
-        """This filter with context positions < n dropped as well (the normalisation sample's
-        filter, see sink_positions), or itself when that would keep no position at all (a reader
-        asked for the sink positions alone) or nothing is dropped."""
-        if n <= 0 or not self.context_size:
-            return self
-        keep = np.ones(self.context_size, bool) if self._pos_keep is None else self._pos_keep.copy()
-        if not keep[n:].any() or not keep[:n].any():
-            return self
-        keep[:n] = False
-        return replace(self, _pos_keep=keep)
 
     def kept_positions(self) -> frozenset | None:
         """Context positions kept, or None for all of them."""

@@ -1,18 +1,25 @@
-"""Normalisation constants that describe the rows a reader yields, and where they came from.
+"""Normalisation constants of exactly the rows a reader yields, and where they came from.
 
-Constants taken from statistics over *all* rows are wrong as soon as a reader drops rows: one
-BOS attention sink at layer 20 of SmolLM2 has ||x||^2 ~ 6e8 against a median of 6e4, so stats
-over all rows scaled the kept rows to E||x||^2 = 6.5 instead of 576. Two sources are right:
+The contract: `norm_scale` gives E||x||^2 = width (and `standardize`, `center_norm_scale` their
+targets) over the rows the reader yields, whatever its filters. Constants from any other rows
+are wrong by as much as those rows differ: one BOS attention sink at layer 20 of SmolLM2 has
+||x||^2 ~ 6e8 against a median of 6e4, so statistics over all rows scaled the kept rows to
+E||x||^2 = 6.5 instead of 576; and constants of the rows from context position 2 on (the
+store's `kept` class) applied to a reader that also yields position 1, where sinks sit in 1.5-2 %
+of contexts, gave 732.9 there (400 contexts of Python's docs). Two sources:
 
 - "store:kept": the statistics the writer records for the kept row class (special tokens and
-  the first `stats_skip_positions` context positions left out), used only when the reader's
-  filters select exactly that class and that class leaves the sinks out; exact, and free.
-- "sample": a seeded sample of the filtered stream, read at start as SAELens does; chunk-sized
-  blocks from random places so the sample spans many documents for the bytes it reads. The
-  sample never holds the attention sinks at the first context positions (filters.sink_positions):
-  a reader that yields them still gets constants that describe its other rows (7 sink rows in
-  3,200 of a chat store set E||x||^2 51x too high, and norm_scale then left the median row at
-  ||x||^2 ~ 11 instead of the width).
+  the first `stats_skip_positions` context positions left out), used exactly when the reader's
+  filters select that class (`exclude_special=True` without `seqpos=` does, on a store that
+  recorded them); exact, and free.
+- "sample": a seeded sample of the reader's own filtered stream, read at start as SAELens does;
+  chunk-sized blocks from random places so the sample spans many documents for the bytes it
+  reads. Every rank and worker gets the constants the dataset computed when it was built (they
+  travel with it), and a resumed run rebuilds the same sample from the same seed. The whole
+  filtered stream when it has no more than `norm_sample_rows` rows, so then exact too.
+
+A reader whose rows include the attention-sink positions is normalised over them like any other
+row, and warned (dataset.py): those few huge rows then set the scale of all.
 
 The norm-outlier filter's threshold (k x the median row norm per point) comes from the same
 sample, so the constants describe the rows that survive it.
@@ -29,7 +36,7 @@ import torch
 
 from harvest.store.format import fp8 as _fp8
 from harvest.store.format.dtypes import BF16, FP8_NAME
-from harvest.store.read.filters import RowFilter, matches_recorded, recorded_stats_filter, sink_positions, store_facts
+from harvest.store.read.filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
 from harvest.store.commit.objects import read_point
 from harvest.store.format.roles import captured_codes
 from harvest.store.stats.moments import Moments
@@ -155,13 +162,11 @@ def sq_norms(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 # ---- store kept stats ---------------------------------------------------------------------------
 def store_kept_moments(store, points, filt: RowFilter) -> list[Moments] | None:
-    """The store's kept-row statistics when `filt` selects exactly that row class, else None.
-    Also None when that class holds attention sinks (a store written before the sink rule
-    recorded fewer skipped positions: 0 with `bos: none`, 1 with a BOS): a sample without them
-    is right, those statistics are not."""
+    """The store's kept-row statistics when `filt` selects exactly that row class, else None
+    (the held-out split aside: filters.matches_recorded)."""
     facts = store_facts(store)
     recorded = recorded_stats_filter(facts)
-    if recorded is None or recorded[1] < sink_positions(facts):
+    if recorded is None:
         return None
     if not matches_recorded(filt, recorded, captured_codes(store)):
         return None

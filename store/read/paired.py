@@ -144,6 +144,12 @@ class PairedDataset(torch.utils.data.IterableDataset):
                                        "when the runs are finished")
             if d.window_shards != lead.window_shards:
                 raise AssertionError("paired members disagree on their shuffle window")
+            if d.filter != lead.filter:   # exclude_special=True follows each store's sink positions
+                raise StoresNotAligned(
+                    f"{name!r} keeps other rows than {self.names[0]!r} under the same options "
+                    f"(filters {d.filter.describe()} and {lead.filter.describe()}: the stores "
+                    "record different stats_skip_positions, which exclude_special=True follows); "
+                    "pass seqpos= to choose the context positions for every store")
 
         same = all(d.points == lead.points and d.stack == lead.stack for d in self.datasets)
         stackable = all(len(d.points) == len(lead.points) and d.stack == lead.stack and

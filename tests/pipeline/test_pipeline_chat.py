@@ -4,7 +4,8 @@ be exactly the assistant tokens, recounted from an independent ChatML parse of t
 render, with the activations of a single-process capture of the same contexts. Conversations
 longer than a context continue in the next one (`overflow: split`); three continuations start
 with an assistant token, an attention sink that the `kept` statistics and the reader's
-normalisation sample must leave out (FORMAT.md, "Statistics": positions 0 and 1)."""
+`exclude_special=True` leave out (FORMAT.md, "Statistics": positions 0 and 1), and that a reader
+keeping position 0 is normalised over (and warned)."""
 
 from __future__ import annotations
 
@@ -138,19 +139,26 @@ def test_role_masked_chat_run_stores_exactly_the_assistant_tokens(ray_cluster, s
     sq = (got.astype(np.float64) ** 2).sum(1)
     assert sq[sinks].min() > 20 * np.median(sq[keep]), (sq[sinks], np.median(sq[keep]))
     check_kept_stats(st, got, tok_ids, keep)
-    # the reader yields the sinks (its filters keep position 0), its normalisation sample does not
-    ds = ActivationDataset(st, POINT, batch_size=64, normalize="norm_scale", norm_sample_rows=st.n_rows,
-                           return_meta=True)
-    sample = keep & (rows % C >= 2)
-    msq = sq[sample].mean()
-    assert ds.norm_constants.source == "sample" and ds.norm_constants.rows == sample.sum()
-    np.testing.assert_allclose(ds.norm_constants.mean_sq_norm[0], msq, rtol=1e-9)
-    assert sq[keep].mean() > 1.5 * msq   # with the sinks the constants would be that far off
+    # a reader that keeps position 0 yields the sinks, and is normalised over every row it
+    # yields (warned: the sinks then set the scale)
+    with pytest.warns(UserWarning, match="attention"):
+        ds = ActivationDataset(st, POINT, batch_size=64, normalize="norm_scale",
+                               norm_sample_rows=st.n_rows, return_meta=True)
+    assert ds.norm_constants.source == "sample" and ds.norm_constants.rows == keep.sum()
+    np.testing.assert_allclose(ds.norm_constants.mean_sq_norm[0], sq[keep].mean(), rtol=1e-9)
+    assert sq[keep].mean() > 1.5 * sq[keep & (rows % C >= 2)].mean()   # the sinks' weight
     out = list(ds)
     y = torch.cat([b["acts"] for b in out]).double()
     got_rows = np.concatenate([b["row"].numpy() for b in out])
     assert np.array_equal(np.sort(got_rows), np.flatnonzero(keep))   # the sinks are yielded
-    y = y[torch.from_numpy(got_rows % C >= 2)]
+    np.testing.assert_allclose(float((y * y).sum(1).mean()), st.width, rtol=1e-3)
+    # exclude_special=True: the store's kept rows (sink positions out), E||x||^2 = width on them
+    out = list(ActivationDataset(st, POINT, batch_size=64, normalize="norm_scale",
+                                 exclude_special=True, return_meta=True))
+    y = torch.cat([b["acts"] for b in out]).double()
+    got_rows = np.concatenate([b["row"].numpy() for b in out])
+    assert np.array_equal(np.sort(got_rows), np.flatnonzero(keep & (rows % C >= 2)
+                                                            & ~np.isin(tok_ids, st.special_token_ids)))
     np.testing.assert_allclose(float((y * y).sum(1).mean()), st.width, rtol=1e-3)
 
 

@@ -48,7 +48,13 @@ def test_store_records_its_tokens_and_exclude_special_uses_them(sinky):
     ds = ActivationDataset(s, batch_size=256, exclude_special=True, return_meta=True)
     assert ds.special_token_ids == [BOS, 2] and ds.tokenizer == "toy-tokenizer" and ds.context_size == C
     rows = _all(ds)[1]
-    assert np.array_equal(np.sort(rows), np.flatnonzero(~np.isin(tok, [BOS, 2])))
+    # the store's kept rows: special ids out, and the attention-sink positions 0 and 1
+    kept = ~np.isin(tok, [BOS, 2]) & (np.arange(N) % C >= 2)
+    assert np.array_equal(np.sort(rows), np.flatnonzero(kept))
+    # seqpos= given decides the positions alone: the special ids only are dropped
+    ds = ActivationDataset(s, batch_size=256, exclude_special=True, seqpos=slice(0, None),
+                           return_meta=True)
+    assert np.array_equal(np.sort(_all(ds)[1]), np.flatnonzero(~np.isin(tok, [BOS, 2])))
 
 
 def test_seqpos_keeps_only_the_chosen_context_positions(sinky):
@@ -76,16 +82,17 @@ def test_held_out_split_is_by_document(sinky):
 
 @pytest.mark.parametrize("mode", ["norm_scale", "standardize", "center_norm_scale"])
 def test_normalisation_uses_the_yielded_rows(sinky, mode, caplog):
-    """BOS excluded: constants from the kept rows (the sample covers this small store) but the
-    sink positions 0 and 1 (FORMAT.md, "Statistics") give exactly the target moments on those
-    rows; constants over all rows (the old behaviour) do not."""
+    """BOS excluded, every other position yielded, the sinks at positions 1-3 included: the
+    constants (a sample that covers this small store) give exactly the target moments over every
+    row yielded, and the reader warns that sink positions set the scale; constants over all rows
+    do not."""
     s, data, tok, _, _ = sinky
-    with caplog.at_level(logging.INFO, logger="harvest.store.read.dataset"):
+    with caplog.at_level(logging.INFO, logger="harvest.store.read.dataset"), \
+            pytest.warns(UserWarning, match=r"keeps context position\(s\) 0, 1 \(where"):
         ds = ActivationDataset(s, batch_size=500, exclude_token_ids=[BOS], normalize=mode, return_meta=True)
     assert ds.norm_constants.source == "sample" and "constants from sample" in caplog.text
     y, rows = _all(ds)
-    assert (rows % C == 1).any()            # yielded, though not in the sample
-    y, rows = y[rows % C >= 2], rows[rows % C >= 2]
+    assert (rows % C == 1).any() and len(rows) == ds.norm_constants.rows
     mean, var, msq = _recount(data, rows)
     for p in range(2):
         yp = y[:, p]
@@ -121,8 +128,7 @@ def test_norm_outlier_filter_drops_the_sinks_and_only_them(sinky):
     y, rows = _all(ds)
     want = np.setdiff1d(np.flatnonzero(tok != BOS), sinks)
     assert np.array_equal(np.sort(rows), want) and ds.tally.dropped == len(np.setdiff1d(sinks, np.flatnonzero(tok == BOS)))
-    y = y[rows % C >= 2]   # the rows the constants come from: not the sink positions
-    for p in range(2):
+    for p in range(2):   # the constants describe exactly the rows that survive the filter
         np.testing.assert_allclose((y[:, p] ** 2).sum(1).mean(), W, rtol=1e-4)
 
 
@@ -181,9 +187,9 @@ def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path
     lost = store.commit_manifest(gone[0])
     zarr_view = np.asarray(store.array(point)[lost["row_start"]:lost["row_end"]])
     assert not zarr_view.view(np.uint16).any()      # what plain zarr sees: fill zeros
-    ds = ActivationDataset(store, point, batch_size=256, seqpos=slice(1, None),
+    ds = ActivationDataset(store, point, batch_size=256, seqpos=slice(2, None),
                            normalize="norm_scale", norm_sample_rows=n)  # sample: every kept row
-    keep = np.arange(n) % C >= 2   # ...but the sink positions (FORMAT.md, "Statistics")
+    keep = np.arange(n) % C >= 2
     msq = (data[0, keep].astype(np.float64) ** 2).sum(1).mean()
     c = ds.norm_constants
     assert c.source == "sample" and c.rows == keep.sum()
@@ -194,10 +200,10 @@ def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path
     y = torch.cat(out).double().numpy()   # the rows the constants describe: E||y||^2 = width
     np.testing.assert_allclose((y * y).sum(1).mean(), W, rtol=1e-4)
     # a held-out split: blocks whose every row is filtered out; the reference is the rows it yields
-    test = ActivationDataset(store, point, batch_size=256, split="test", test_fraction=0.2,
-                             normalize="norm_scale", norm_sample_rows=n, return_meta=True)
+    with pytest.warns(UserWarning, match="attention sinks"):   # positions 0 and 1 yielded
+        test = ActivationDataset(store, point, batch_size=256, split="test", test_fraction=0.2,
+                                 normalize="norm_scale", norm_sample_rows=n, return_meta=True)
     rows = np.concatenate([b["row"].numpy() for b in test])
-    rows = rows[rows % C >= 2]   # the sample's rows: the yielded ones but the sink positions
     assert 0 < len(rows) < n // 2 and test.norm_constants.rows == len(rows)
     msq = (data[0, rows].astype(np.float64) ** 2).sum(1).mean()
     np.testing.assert_allclose(test.norm_constants.mean_sq_norm[0], msq, rtol=1e-9)

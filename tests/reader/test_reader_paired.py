@@ -27,12 +27,13 @@ W, SHARD, C, N = 8, 256, 64, 7 * 256 - 64    # 7 shards, the last one partial
 POINTS = ["resid_post.0", "resid_post.1"]
 
 
-def _store(path, n=N, seed=0, tok_edit=None, plan=None, width=W, points=POINTS):
+def _store(path, n=N, seed=0, tok_edit=None, plan=None, width=W, points=POINTS, attrs=None):
     """A committed store with packed_meta(seed=0) rows (the shared corpus) and activations of
-    `seed`; `tok_edit=(row, new id)` changes one token; `plan`: units of that many shards."""
+    `seed`; `tok_edit=(row, new id)` changes one token; `plan`: units of that many shards;
+    `attrs`: more run attributes."""
     s = create_store(str(path), points=points, width=width, n_rows=n, shard_rows=SHARD, chunk_rows=128,
                      attrs={"config": {"packing": {"context_size": C}}, "special_token_ids": [BOS],
-                            "bos_token_id": BOS})
+                            "bos_token_id": BOS, **(attrs or {})})
     tok, doc, pos = packed_meta(n, C, seed=0)
     if tok_edit is not None:
         tok = tok.copy()
@@ -149,6 +150,19 @@ def test_a_different_plan_or_row_count_is_refused_naming_the_field(tmp_path, pai
         ActivationDataset([a, _store(tmp_path / "short", n=N - 128, seed=2)], "resid_post.0", batch_size=100)
     with pytest.raises(ValueError, match="max_norm_ratio: paired reading"):
         ActivationDataset([a, a], "resid_post.0", batch_size=100, max_norm_ratio=10.0)
+
+
+def test_stores_whose_sink_positions_differ_keep_one_filter_or_are_refused(tmp_path, pair):
+    """exclude_special=True drops each store's recorded sink positions: stores that record
+    different ones would keep different rows under one config, which is refused by name;
+    seqpos= given is one filter for both."""
+    a, _ = pair
+    b = _store(tmp_path / "skip4", seed=2, attrs={"stats_skip_positions": 4})
+    with pytest.raises(StoresNotAligned, match="record different stats_skip_positions"):
+        ActivationDataset([a, b], "resid_post.0", batch_size=100, exclude_special=True)
+    ds = ActivationDataset([a, b], "resid_post.0", batch_size=100, exclude_special=True,
+                           seqpos=slice(4, None), return_meta=True)
+    assert (_rows(list(ds)) % C >= 4).all()
 
 
 def test_a_unit_committed_in_one_store_only_is_refused(tmp_path):

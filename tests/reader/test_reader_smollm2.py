@@ -78,9 +78,8 @@ def test_store_has_attention_sinks(smol_store):
 
 def test_norm_scale_with_bos_excluded_gives_width_on_every_layer(smol_store):
     """E||x||^2 of the yielded rows within 2 % of the width on all 30 layers, and the constants
-    equal to a direct recount over the rows they describe read back from the store: BOS rows
-    out, and context positions 0 and 1 (attention sinks whatever the token) out of the
-    normalisation sample, so the yielded rows here skip them too (seqpos)."""
+    equal to a direct recount over the rows yielded, read back from the store: BOS rows out,
+    and context positions 0 and 1 (attention sinks whatever the token) out by seqpos."""
     s, token_id, bos = smol_store
     ds = ActivationDataset(s, batch_size=512, exclude_token_ids=[bos], normalize="norm_scale",
                            seqpos=slice(2, None))
