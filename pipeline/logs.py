@@ -1,8 +1,8 @@
 """Console versus log file: what an operator sees during `harvest run`.
 
-A default run used to print ~135 lines, 116 of them vLLM's, Ray's and torch's, among them a
-15-line "Chat template warmup failed" traceback per actor that looks like an error and is not,
-while the minute of engine start showed nothing but "waiting for 2 of 2 actors". Quiet mode
+Left alone, a default run prints ~135 lines, 116 of them vLLM's, Ray's and torch's, among them
+a 15-line "Chat template warmup failed" traceback per actor that looks like an error and is not,
+while the minute of engine start shows nothing but "waiting for 2 of 2 actors". Quiet mode
 (the default; `--verbose` turns it off) sends all of that to files in one folder per run,
 `<cache>/logs/<name>-<time>/` (driver.log, actor-<i>.log), and keeps the console for harvest's
 own lines, the engines' start phases read from those files, progress, and real errors.

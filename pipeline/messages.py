@@ -1,13 +1,12 @@
 """The messages between the driver and the capture actors, as typed records.
 
 Five messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
-it, actor.py reads it), what the actor loaded (ActorInfo: actor.py builds it, cluster.py,
-health.py, dispatch.py and sink.py read it), a unit of work (dispatch.py builds it, actor.py and
-rows.py read it), the unit's result (actor.py builds it, dispatch.py reads it) and the actor's
-figures at the end of a run (ActorFigures: actor.py builds it, health.py reads it). As dicts, a misspelt or missing key
-failed only where it was read, in another process and often minutes into a run (a benchmark's
-dispatch section raised KeyError for a month). Frozen dataclasses fail at construction, in the
-process that builds the message, naming the field; readers use attributes a type checker
+it, pipeline/actor/capture.py reads it), what the actor loaded (ActorInfo: pipeline/actor/capture.py builds it, cluster.py,
+health.py, dispatch.py and sink.py read it), a unit of work (dispatch.py builds it, pipeline/actor/capture.py and
+rows.py read it), the unit's result (pipeline/actor/capture.py builds it, dispatch.py reads it) and the actor's
+figures at the end of a run (ActorFigures: pipeline/actor/capture.py builds it, health.py reads it). As dicts, a misspelt or missing key
+would fail only where it is read, in another process and often minutes into a run. Frozen
+dataclasses fail at construction, in the process that builds the message, naming the field; readers use attributes a type checker
 follows (the same choice as vLLM's EngineCoreRequest).
 """
 

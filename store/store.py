@@ -5,7 +5,7 @@ pre-sized and is the only process that ever writes a `zarr.json`; writers only p
 objects inside their own shard-aligned region, its row metadata, and then one create-once commit
 marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
 data. Creation is in create.py, finalize and verify in their own modules; checked reads by
-row range in reads.py, info() in info.py, attribute JSON helpers in jsonattrs.py.
+row range in read/rows.py, info() in info.py, attribute JSON helpers in jsonattrs.py.
 
 Imports run one way: this module imports the operations its methods delegate to (finalize,
 verify, reads, writer, ...), and none of them imports it at run time (they name `Store` in
@@ -303,7 +303,7 @@ class Store:
         """token_id, doc_id, position (layout.BASE_META, what every store has) of rows
         [start, stop). doc_id and position are -2 (layout.META_INSERTED) for an inserted BOS, -3
         (META_PAD) on a generation slot's padding, and -1 for a row never written. The optional
-        columns have their own accessors (read_gen; store/roles.py for `role`).
+        columns have their own accessors (read_gen; store/format/roles.py for `role`).
 
         Plain zarr, unchecked: a committed unit not yet published (its objects still under its
         attempt's name) reads as -1 here; read_row_meta_checked reads it as written."""

@@ -9,10 +9,10 @@ Four parts, each in its own process (a CUDA error or a crash in one is reported,
 others), within one budget (default 480 s on one H200):
 
 1. taps: harvest's freeze taps in a compiled 1.4 B Llama trunk replayed as CUDA graphs, every
-   tapped row against an eager reference, and the taps' step-time overhead (gpu_torch_taps.py);
+   tapped row against an eager reference, and the taps' step-time overhead (torch_taps.py);
 2. transport: the real CudaTransport on an 8B-shaped step loop: no torn or stale row, D2H GB/s
-   against the pinned peak, main-stream stall per step (gpu_torch_transport.py);
-3. writer: host core-seconds per captured GB, the rate the node's cores sustain (gpu_torch_store.py);
+   against the pinned peak, main-stream stall per step (torch_transport.py);
+3. writer: host core-seconds per captured GB, the rate the node's cores sustain (torch_store.py);
 4. reader: the SAE reader feeding a TopK SAE trained on the GPU, against the SAE's demand.
 
 `--dry` (automatic without CUDA) runs every part on CPU at tiny shapes through the same code;

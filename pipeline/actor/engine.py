@@ -1,5 +1,5 @@
 """A capture actor's engine: its threads and cores on this host, the engine built on them, and
-the checks it passes before the actor takes a unit (actor.py hosts it).
+the checks it passes before the actor takes a unit (capture.py hosts it).
 
 Kept apart from the actor's unit handling: what is decided here (OpenMP threads, core binding,
 the compression pool's size, which factory builds the engine) happens once, before the engine

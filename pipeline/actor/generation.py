@@ -44,7 +44,7 @@ import numpy as np
 # module (this one imports chat -> data -> config: importing it from the section was a cycle)
 from harvest.pipeline.config.generate import GenerateConfig
 
-# The `gen` values and META_PAD live in store/layout.py (the store's format); imported where
+# The `gen` values and META_PAD live in store/format/layout.py (the store's format); imported where
 # used, so importing this module (the actor does at start) never loads the store package
 # (zarr, numcodecs: ~2 s) before it is needed.
 

@@ -3,7 +3,7 @@
 Rough by design (text bytes per token; tok/s measured where a figure exists, else from model
 size), and labelled so; what they
 prevent is the surprise: a budget the corpus cannot fill (`packing.max_tokens=5000000` on a
-220k-token corpus used to say nothing until the summary), or a store that will not fit.
+220k-token corpus is said before the run, not in its summary), or a store that will not fit.
 """
 
 from __future__ import annotations

@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_card(sub)
     add_shuffle(sub)
 
-    add_repair(sub)   # finalize, uncommit (cli_repair.py)
+    add_repair(sub)   # finalize, uncommit (repair.py)
     for sp in sub.choices.values():  # `harvest run --verbose` as well as `harvest --verbose run`
         sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS)
     return p

@@ -1,7 +1,7 @@
 """`harvest finalize URL` and `harvest uncommit URL --unit N`: the operator's store repairs.
 
 `finalize` publishes what is committed (completes pending uploads, checks every object of each
-unit without a publish record, records it; store/published.py), uncommits units whose data is
+unit without a publish record, records it; store/commit/published.py), uncommits units whose data is
 gone or damaged so that the next run re-captures them, and finalizes the store only when its plan
 is fully committed: a store whose plan is not is never shrunk (the resume could not write the
 rest). `uncommit` drops units' commit markers so that the same harvest, run again, re-captures

@@ -106,7 +106,7 @@ def status(url: str, storage_options: dict | None = None,
     missing = sorted(set(rows_of) - committed_ids)
     from harvest.store.commit.published import unpublished
 
-    # committed units whose objects are not known to be at their zarr keys (store/published.py)
+    # committed units whose objects are not known to be at their zarr keys (store/commit/published.py)
     unpub = unpublished(store, done)
     finalized = store.summary is not None
     paused = _paused_tick(store, finalized, active, missing, planned_rows)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .fields import ConfigError, check_bool, check_float, check_int
 from .yamltext import unknown_msg
 
-# The `sample` column is int16 (store/layout.py): more samples per prompt would not fit it.
+# The `sample` column is int16 (store/format/layout.py): more samples per prompt would not fit it.
 MAX_SAMPLES = (1 << 15) - 1
 
 

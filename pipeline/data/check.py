@@ -1,6 +1,6 @@
 """Checks of the corpus before Ray starts: from a few rows, or a small source read whole.
 
-Each one turns a failure that used to come after Ray, the tokenising workers and the engines had
+Each one turns a failure that would come after Ray, the tokenising workers and the engines have
 started (minutes, and a message about symptoms) into one line about the input: the text column
 is missing, the file is not UTF-8, the column holds chat messages (or, for chat input, holds
 none), or the corpus cannot fill a
@@ -41,7 +41,7 @@ def _no_column(col: str, where: str, names, field: str = "data.text_column") -> 
 
 def _jsonl_probe(path: str, cfg, rows: int) -> None:
     """The first `rows` lines of a json-lines file: is `col` a key of any of them? A file that is
-    not UTF-8 used to read as an object without keys ("columns are []"): name the byte instead.
+    not UTF-8 would read as an object without keys ("columns are []"): name the byte instead.
     Lines over data.max_line_bytes are passed over unread (the run skips them as
     `line_too_long`)."""
     col = cfg.value_column
@@ -120,7 +120,7 @@ def _is_chat(value) -> bool:
 
 def _probe_values(cfg, block: list[dict], rows: int) -> None:
     """Refuse a text column whose first rows hold no string at all: every row would be skipped
-    as `not_text`, and the run used to stop only once the engines were up."""
+    as `not_text`, and the run would stop only once the engines were up."""
     if cfg.tokens_column is not None:
         return  # token ids: token_input.check_token_source reads and checks them
     values = []

@@ -86,7 +86,7 @@ class Chunk:
     rows: int             # source rows read so far in the block (all of them once final)
     stats: dict = field(default_factory=dict)
     capped: bool = False  # stopped at the run's context budget, not at the block's end
-    role: "np.ndarray | None" = None  # int8 role codes (chat input only, store/roles.py)
+    role: "np.ndarray | None" = None  # int8 role codes (chat input only, store/format/roles.py)
 
     def digest(self) -> list[int]:
         from .rows import chunk_digest

@@ -4,7 +4,7 @@ The SAE world keeps training text pre-tokenised (SAELens's pretokenize runner wr
 `save_to_disk` dataset with an `input_ids` column of fixed-length contexts, and a `sae_lens.json`
 of its settings beside it; published SAEs name such datasets on the Hub). Reading those ids as
 they are is how two runs see the same tokens. Any source the text path reads (hub, disk,
-parquet, arrow, json-lines) can hold them; the readers (sources.py) hand over the column's value
+parquet, arrow, json-lines) can hold them; the readers (blocks.py: read_block) hand over the column's value
 per row and this module packs it:
 
 - a row of exactly `packing.context_size` ids that arrives at a context boundary (always, when

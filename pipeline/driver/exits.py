@@ -1,9 +1,8 @@
 """Every way out of the driver is orderly: exit, exception, SIGINT and SIGTERM.
 
-A driver ended by SIGTERM (`kill`, a timeout, Kubernetes deleting the pod) used to die where it
-stood before Ray started, leaving its lease for the next run to wait out; after `ray.init` Ray's
-own handler turned it into `sys.exit(15)`. Now SIGTERM (and SIGHUP) raise `Terminated`, a
-KeyboardInterrupt, in the main thread, so the driver's `finally` blocks run as for Ctrl-C: the
+A driver ended by SIGTERM (`kill`, a timeout, Kubernetes deleting the pod) must not die where it
+stands (its lease left for the next run to wait out; after `ray.init`, Ray's own handler would
+turn it into `sys.exit(15)`). SIGTERM (and SIGHUP) raise `Terminated`, a KeyboardInterrupt, in the main thread, so the driver's `finally` blocks run as for Ctrl-C: the
 actors are killed, the Ray this driver started is shut down, the lease is released. The CLI exits
 with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports it.
 

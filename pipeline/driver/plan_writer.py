@@ -1,5 +1,5 @@
 """The driver's side of the store's plan: units placed by the frontier, written as plan segments
-before any of them is dispatched, and compacted now and then (store/plans.py, FORMAT.md).
+before any of them is dispatched, and compacted now and then (store/commit/plan.py, FORMAT.md).
 
 A unit is planned before it is dispatched, so a resumed run knows every unit an earlier run may
 have started. Segments are batched (one per flush, not one per unit) but never held back while

@@ -4,7 +4,7 @@ points, tokenizer facts, the layout and the corpus's blocks (from metadata only)
 Everything here is cheap and checks input, so a bad config fails in seconds and before anything
 is written: the model's config and tokenizer, context size against the model's limit, capture
 addresses against its layers, the data source's existence and text column, and that the corpus
-can fill one context (datacheck.py).
+can fill one context (pipeline/data/check.py).
 """
 
 from __future__ import annotations

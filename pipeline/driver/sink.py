@@ -1,5 +1,5 @@
 """The run's write to its store, in the shape of Ray Data's `Datasink`: start, write, complete,
-failed. The driver (driver.py) reads as that sequence; this module owns what each step does to
+failed. The driver (run.py) reads as that sequence; this module owns what each step does to
 the store and the lease, so no step can be skipped on some path out of the driver.
 
 - `on_write_start`: probe the store URL (credentials, endpoint), refuse a store another driver
@@ -7,7 +7,7 @@ the store and the lease, so no step can be skipped on some path out of the drive
   the first write, before the data is read or Ray starts: a read-only place fails here.
 - `create` / `reopen`: the store itself, once the actors know the model (its width and dtype
   come from the loaded engine), or the existing one on resume.
-- the writes: each unit is written and committed by an actor (actor.py, store/writer.py); the
+- the writes: each unit is written and committed by an actor (pipeline/actor/capture.py, store/write/writer.py); the
   driver's scheduler (dispatch.py) only hands them out. Nothing here.
 - `on_resume`: a resumed store's committed units without a publish record are published, or
   uncommitted when their data is gone (re-captured by this run); a store shrunk by an early
@@ -131,7 +131,7 @@ class StoreSink:
         """Before a resume decides what is left: a store an old `Store.finalize` shrank while
         its plan was not fully committed gets its capacity back, and committed units without a
         publish record are published, or uncommitted (loudly) when their data is gone, so the
-        resume re-captures them (store/published.py)."""
+        resume re-captures them (store/commit/published.py)."""
         from harvest.store.commit.finalize import plan_gap, unfinalize
 
         self.lease.assert_held("checking the committed units")
@@ -190,7 +190,7 @@ class StoreSink:
 
 
 def settle(store, shown_url: str, repair: bool) -> dict:
-    """store.settle, its findings logged (store/published.py)."""
+    """store.settle, its findings logged (store/commit/published.py)."""
     from harvest.store.commit.published import settle_text
 
     report = store.settle(repair=repair)

@@ -6,8 +6,8 @@ sees a unit once its objects are at their zarr keys: on S3 its multipart uploads
 other storage its attempt objects moved. A writer publishes right after its marker; one that dies
 in between leaves its uploads pending, and a bucket lifecycle rule that aborts incomplete uploads
 (AWS recommends one) then removes the unit's data for good while its marker still says committed.
-Finalize used to complete only the uploads it found pending, so such a store was certified
-complete with the unit missing.
+A finalize that completed only the uploads it found pending would certify such a store complete
+with the unit missing.
 
 So publishing ends with a record, `_harvest/published/unit-<id>.<attempt>.json`, written once
 every object of the unit (point shards and row metadata chunks) is known to be at its key at the

@@ -24,7 +24,7 @@ LAYOUT_VERSION_WIDTHS = 4
 SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4)
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
-# `role` (int8, codes in store/roles.py) and `gen` (int8, FORMAT.md "Generation") were added
+# `role` (int8, codes in store/format/roles.py) and `gen` (int8, FORMAT.md "Generation") were added
 # later: a store records the columns it has in its `row_meta` attribute (Store.meta_columns), and
 # one without them reads as before. `role`: chat stores only (create_store(roles=True)); `gen`:
 # generation stores only (create_store(generated=True)); `sample` (int16: which of a prompt's n
@@ -54,7 +54,7 @@ PLAN_DIR = f"{CONTROL_DIR}/plan"  # seg-<seq>.json create-once segments, compact
 COMMITS_DIR = f"{CONTROL_DIR}/commits"   # one create-once marker per committed unit, nothing else
 SIDECAR_DIR = f"{CONTROL_DIR}/stats"     # per-unit stats partials, written before their marker
 TABLES_DIR = f"{CONTROL_DIR}/tables"     # per-unit object tables (v3), written before their marker
-# compacted copies of markers (a cache, see commits.py) and void records of stale copies
+# compacted copies of markers (a cache, see store/commit/markers.py) and void records of stale copies
 INDEX_DIR = f"{CONTROL_DIR}/index"
 # one record per unit whose objects are all at their zarr keys at their recorded sizes (published.py)
 PUBLISHED_DIR = f"{CONTROL_DIR}/published"
@@ -274,7 +274,7 @@ def choose_sizes(width: int, itemsize: int, n_points: int, *, multiple: int = 1,
       shard_rows is one; gcd() alone could give 4-row chunks for shard_rows=7812 and per-chunk
       overhead would dominate decoding).
     Explicit values are kept, and the result (explicit and derived values together) is checked
-    once, by check_sizes. `n_points` no longer matters (kept for callers).
+    once, by check_sizes. `n_points` does not enter the sizes.
     """
     row_bytes = max(1, width * itemsize)
     m = max(1, int(multiple))

@@ -1,7 +1,7 @@
 """Sizes of a unit's commit marker and object table for a given shape, for `harvest plan`.
 
 Built by the writer's own code (`commits.prepare`) from records shaped like a writer's, so the
-estimate follows the format when it changes. Apart from commits.py, which it uses, so the marker
+estimate follows the format when it changes. Apart from store/commit/markers.py, which it uses, so the marker
 code stays one concern.
 """
 

@@ -76,7 +76,7 @@ class ReaderConfig:
             sinks that are not special tokens (SmolLM2: ~100 rows at positions 1-5).
         split, test_fraction, split_seed: None (all rows), "train" or "test": a held-out split by
             a hash of doc_id, `test_fraction` of the documents in "test".
-        roles: chat stores only: role names kept, e.g. ["assistant"] (store/roles.py). A
+        roles: chat stores only: role names kept, e.g. ["assistant"] (store/format/roles.py). A
             role-masked store (capture.roles) yields its stored roles by default and refuses
             others; a store without roles refuses roles= (FORMAT.md, "Chat").
     Normalisation:

@@ -1,9 +1,9 @@
 """SAE-training reader: shuffled batches of the committed, filtered rows of a store, local or S3.
 
-The options and their checks (readerconfig.py), how rows are chosen (filters.py), split over
+The options and their checks (config.py), how rows are chosen (filters.py), split over
 ranks x workers (sampling.py), decoded and mixed (readahead.py), cut into batches (batching.py)
 and normalised (normalize.py) each live in their own module; this one holds the dataset object
-and its per-process state, and readorder.py which pieces each worker reads in an epoch.
+and its per-process state, and shuffle/order.py which pieces each worker reads in an epoch.
 `loader.py` adds a DataLoader that counts what it delivers, for resume with workers.
 
 Guarantees, per epoch: every kept row (committed, passing the filters) is yielded exactly once,
@@ -69,7 +69,7 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
     width_p]}` in the order given, rows aligned (row i of every point is the same token).
 
     `store`: a Store or a URL (then `storage_options` apply). What to read and how is one
-    ReaderConfig (readerconfig.py, every option documented there): pass `config=ReaderConfig(...)`,
+    ReaderConfig (config.py, every option documented there): pass `config=ReaderConfig(...)`,
     or the options as keywords as before (`ActivationDataset(store, "resid_post.10",
     batch_size=4096, seed=0)`), which build the same config; `self.config` holds it.
 
@@ -141,7 +141,7 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
                                  "written before they were recorded); pass exclude_token_ids=[...] "
                                  "with the tokenizer's BOS/EOS/pad ids instead")
             exclude |= set(self.special_token_ids)
-        self.roles = resolve_roles(st, cfg.roles)  # store/roles.py: None, or the role codes kept
+        self.roles = resolve_roles(st, cfg.roles)  # store/format/roles.py: None, or the role codes kept
         seqpos, sinks = cfg.seqpos, sink_positions(attrs)
         if seqpos is None and cfg.exclude_special and 0 < sinks < (self.context_size or 0):
             # the store's kept rows: special ids and the attention-sink positions out (FORMAT.md,

@@ -143,7 +143,7 @@ class RowFilter:
     split: str | None = None
     test_fraction: float = 0.0
     split_seed: int = 0
-    roles: tuple | None = None         # role codes kept (store/roles.py); None: every role
+    roles: tuple | None = None         # role codes kept (store/format/roles.py); None: every role
     _pos_keep: np.ndarray | None = field(default=None, compare=False, repr=False)
     # a generation store: rows whose `gen` says they hold no activations (the last sampled token,
     # dropped prompts, padding; FORMAT.md "Generation") are never yielded, whatever else is asked

@@ -44,7 +44,7 @@ from harvest.store.read.config import NORMALIZE_MODES
 
 log = logging.getLogger(__name__)
 
-MODES = NORMALIZE_MODES   # defined with the option (readerconfig.py), which must not import torch
+MODES = NORMALIZE_MODES   # defined with the option (config.py), which must not import torch
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def _fsync_dir(path: str) -> None:
 
 def _write_temp(path: str, data: bytes) -> str:
     """`data` in a fsync'ed temp file beside `path`; the temp file is removed if anything fails
-    (a full disk used to leave `.tmp-*` files behind on every failed write)."""
+    (a full disk would otherwise leave a `.tmp-*` file behind on every failed write)."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "wb") as f:

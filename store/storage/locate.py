@@ -1,5 +1,5 @@
 """Where a store lives: `locate` parses a local path or fsspec URL into the `Storage` of its
-backend (storage.py: the interface; localstorage.py, objectstorage.py: one class per backend).
+backend (interface.py: the interface; local.py, objectstore.py: one class per backend).
 
 `Location` is the name the rest of the package uses for a located `Storage`.
 """

@@ -1,9 +1,8 @@
 """A region writer's block buffers: one block of every point, filled in any row order.
 
 `Shard` is the state of one buffer; since the writer streams shard objects (streams.py) it holds
-a block (`layout.block_rows` rows), not a whole shard: the class name stayed with the machinery.
-(The module was `shards.py`; renamed so it is not read as a twin of shardcodec.py, which encodes
-and decodes whole shard objects.)"""
+a block (`layout.block_rows` rows), not a whole shard. Whole shard objects are encoded and
+decoded by store/format/shardcodec.py."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def create_store(url, points: Sequence[str] | None = None, width: int | None = N
                  create_bucket: bool = False, **spec_fields) -> Store:
     """Create the group and every array pre-sized (driver only). See FORMAT.md for the layout.
 
-    What the store is: `spec=StoreSpec(...)` (storespec.py documents each field), or the same
+    What the store is: `spec=StoreSpec(...)` (store/format/spec.py documents each field), or the same
     fields as keywords (`points=..., width=..., n_rows=..., shard_rows=..., roles=True`), which
     build it. `attrs` are the run's free-form attributes. A missing S3 bucket is an error unless
     `create_bucket` (a typo in the URL would otherwise create a bucket).

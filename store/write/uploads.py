@@ -20,9 +20,9 @@ read back when the block completes, so no object a reader may trust is ever half
 never wrong, and rare with max_open_shards >= 2.
 
 Every object is written under this attempt's name or as an upload only its commit completes
-(streams.py, storage.py), and recorded, so a failed or conflicting attempt removes exactly what it
+(streams.py, store/storage/interface.py), and recorded, so a failed or conflicting attempt removes exactly what it
 wrote. writer.py holds the API (write, reserve, commit, abort) on top of this class; the unit's
-statistics merge in blockstats.py, an evicted block's scratch objects are writeblocks.py's
+statistics merge in store/stats/unit.py, an evicted block's scratch objects are blocks.py's
 (flush_partial, unflush), and removing an attempt's objects is streams.discard.
 """
 
@@ -268,7 +268,7 @@ class ShardUploads:
             if self._meta.complete(sh.start, sh.end) else None
         if sh.scratch:
             self._unflush(sh)  # the slow path: the evicted rows come back, then as any block
-        self._meta.zero_unstored(sh.data, sh.start, sh.end)  # capture.roles (store/roles.py)
+        self._meta.zero_unstored(sh.data, sh.start, sh.end)  # capture.roles (store/format/roles.py)
         futs = [self._pool.submit(self._upload_point, sh, p) for p in range(self._P)]
         self._blocks_done[si] = self._blocks_done.get(si, 0) + 1
         if self._meta_rows == self._store.shard_rows and \
@@ -375,7 +375,7 @@ class ShardUploads:
                 self._upload.setdefault(si, [None] * self._P)[p] = rec["upload"]
 
     def merged_stats(self) -> dict:
-        """subset -> per-point Moments of the whole unit, in block order (blockstats.py)."""
+        """subset -> per-point Moments of the whole unit, in block order (store/stats/unit.py)."""
         with self._lock:
             return self._stats.merged()
 

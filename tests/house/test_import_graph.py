@@ -24,7 +24,7 @@ from tests.support.source_tree import modules
 # (engine<->check, store<->finalize<->verify, store<->create, cli<->schedule_cli and
 # actor<->cluster<->logs went in issue 23 item 7; so did shmdest<->stepring: the registration
 # log's layout moved to shmdest, which stepring imports one way; and config -> sections ->
-# generation -> chat -> data -> config: capture.generate's section moved to generate_section.py.)
+# generation -> chat -> data -> config: capture.generate's section moved to pipeline/config/generate.py.)
 ALLOWED_CYCLES: list[set[str]] = []
 
 

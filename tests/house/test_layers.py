@@ -8,7 +8,7 @@
   messages.py, logs.py and the package itself) are the base layer below config: errors and the
   cross-process messages are facts every layer names, and they import nothing of the pipeline.
 
-The graph is the import-graph test's (tests/test_import_graph.py): imports anywhere in a module
+The graph is the import-graph test's (tests/house/test_import_graph.py): imports anywhere in a module
 count, imports under `if TYPE_CHECKING:` (annotations only, never run) do not.
 """
 

@@ -1,4 +1,4 @@
-"""Committed means readable by every reader, or the store says it is not (store/published.py).
+"""Committed means readable by every reader, or the store says it is not (store/commit/published.py).
 
 On the real SeaweedFS S3 server (and a local directory where the storage matters): a writer that
 dies between its marker and completing its uploads, then a lifecycle rule that aborts every

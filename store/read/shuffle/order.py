@@ -2,7 +2,7 @@
 
 The pieces (one per committed shard) are fixed when the dataset is built, so every worker and rank
 agrees on them; how they are ordered and dealt out per epoch is sampling.py's, applied here to the
-dataset's pieces and filter. reader.py holds the dataset object, its I/O and per-process state.
+dataset's pieces and filter. dataset.py holds the dataset object, its I/O and per-process state.
 """
 
 from __future__ import annotations
