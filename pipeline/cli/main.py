@@ -9,6 +9,7 @@ exits 130, SIGTERM 143 and SIGHUP 129 (128 + the signal), after the same cleanup
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .args import (config_args, is_user_error, load_args_config, print_json, store_args,
@@ -23,6 +24,7 @@ from harvest.store.storage.credentials import redact_url
 from harvest.store.escape import terminal
 
 EXIT_BAD_INPUT = 2
+log = logging.getLogger("harvest.pipeline")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -135,9 +137,16 @@ def _run_report(cfg, summary: RunSummary):
     try:
         r = write_report(summary["store"], cfg.store.fs_options(),
                          tokenizer_path=resolve_model_path(cfg.model.path))
-        return {k: r[k] for k in ("png", "html", "json")}
     except Exception as e:  # noqa: BLE001 -- see the docstring
         return f"{type(e).__name__}: {e}"
+    try:   # the card finalize wrote has no picture yet: the report made just now is its picture
+        from harvest.store import open_store
+        from harvest.store.card import write_card
+
+        write_card(open_store(cfg.store.resolved_url, cfg.store.fs_options()))
+    except Exception as e:  # noqa: BLE001 -- the card is derived: a warning, like the report
+        log.warning("the dataset card was not refreshed with the report: %s", e)
+    return {k: r[k] for k in ("png", "html", "json")}
 
 
 def cmd_plan(args) -> int:

@@ -55,6 +55,9 @@ def test_quiet_run_prints_a_short_console_and_keeps_the_rest_in_a_log_folder(
     # the run ends with its report written beside the data, and says where
     png = Path(cfg.store.resolved_url) / "_report" / "report.png"
     assert f"report: {png} (and " in console and png.stat().st_size > 10_000
+    # ...and the dataset card written at finalize shows that picture (it said "No picture yet")
+    card = (Path(cfg.store.resolved_url) / "README.md").read_text()
+    assert "![harvest report](_report/report.png)" in card and "No picture yet" not in card
     log_dir = tmp_path / "cache" / "logs"
     (run_dir,) = list(log_dir.iterdir())
     assert str(run_dir) in lines[0]
