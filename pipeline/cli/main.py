@@ -40,7 +40,7 @@ def format_summary(s: RunSummary) -> str:
     lines = [
         f"harvest {s['name']}: {s['tokens']} tokens in {s['units']} units "
         f"({s['units_run']} run, {s['units_skipped']} already committed) -> {s['store']}",
-        f"  captured {s['tokens_this_run']} tokens in {s['dispatch_seconds']:.1f} s: "
+        f"  captured {s['tokens_this_run']} tokens in {s['dispatch_seconds']:.1f} s of dispatch: "
         f"{s['tokens_per_second'] or 0:.0f} tok/s ({s['points']} points x width {s['width']})"
         + _held(s),
         f"  bytes: {s['bytes_logical'] / 1e6:.1f} MB logical, {s['bytes_stored'] / 1e6:.1f} MB stored, "
@@ -52,9 +52,18 @@ def format_summary(s: RunSummary) -> str:
     skipped = _skipped(s)
     if skipped:
         lines.append(skipped)
+    if s.get("throttled_requests"):
+        lines.append(f"  storage throttled {s['throttled_requests']} requests (503 SlowDown): each "
+                     "retried after a shared backoff, no unit captured again for it")
+    # each rate says what it divides by: the actors' tokens over the run's dispatch time add up
+    # to the run's rate; over each actor's own time in its engine they do not
+    d = s["dispatch_seconds"] or 0.0
     for a in s["per_actor"]:
-        lines.append(f"  actor {a['index']}: {a['units']} units, {a['tokens']} tokens, "
-                     f"{a['tokens_per_second'] or 0:.0f} tok/s while capturing, pids {a['pids']}")
+        share = f"{a['tokens'] / d:.0f} tok/s over the run's {d:.1f} s" if d else "no dispatch time"
+        own = (f"{a['tokens_per_second']:.0f} tok/s over its {a['engine_seconds']:.1f} s in the "
+               "engine" if a.get("tokens_per_second") else "no engine time")
+        lines.append(f"  actor {a['index']}: {a['units']} units, {a['tokens']} tokens: {share} "
+                     f"({own}), pids {a['pids']}")
     return "\n".join(lines)
 
 
