@@ -41,7 +41,7 @@ def _router(family: str):
         raise ValueError(family)
     r = R(cfg).float().eval()
     with torch.no_grad():
-        for name, p in r.named_parameters():
+        for p in r.parameters():
             p.normal_(0, 0.5)
         bias = getattr(r, "e_score_correction_bias", None)
         if bias is not None:
