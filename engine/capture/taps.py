@@ -213,12 +213,23 @@ def _wrap_site(mod: nn.Module, site, read) -> None:
     s_i, s_n = site.stream
     r_i, r_n = site.residual if (site.reading == "in+res" and site.residual) else (None, None)
     use_res = r_i is not None or r_n is not None
+    # plain values for dynamo (see _reader): the column block of a part, heads to flatten
+    part_i, part_k = site.part if site.part is not None else (0, 1)
+    flat = site.arg is not None
 
     if site.reading == "out":
         def forward(*args, **kwargs):
             out = orig(*args, **kwargs)
-            read(sublayer_value(out))
+            v = sublayer_value(out)
+            if part_k > 1:
+                w = v.shape[-1] // part_k
+                v = v[..., part_i * w:(part_i + 1) * w]
+            read(v)
             return out
+    elif flat:
+        def forward(*args, **kwargs):
+            read(arg_value(args, kwargs, s_i, s_n).flatten(1))
+            return orig(*args, **kwargs)
     else:
         def forward(*args, **kwargs):
             read(arg_value(args, kwargs, s_i, s_n),
@@ -289,9 +300,10 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
             site = sem.sites[a.name]
             mod = module_at(trunk[a.layer], site.path)
             if site.reading == "out":
-                def hook(mod, args, out, slot=slot):
-                    _copy_rows(taps.buf, slot, sublayer_value(out))
-                handles.append(mod.register_forward_hook(hook))
+                def site_hook(mod, args, out, slot=slot, site=site):
+                    from .probe_sites import read_output
+                    _copy_rows(taps.buf, slot, read_output(site, out))
+                handles.append(mod.register_forward_hook(site_hook))
             else:
                 def site_pre_hook(mod, args, kwargs, slot=slot, site=site):
                     from .probe_sites import read_input
