@@ -173,8 +173,10 @@ def check(rec: SiteRecorder, li: int, pre: torch.Tensor, post: torch.Tensor, sub
                                                                      "resid_mid") else \
             point_width(p, rec.widths)
         if calls != 1 or value is None:
-            notes[p] = f"{site.path} ran {calls} times in one block forward" if calls != 1 else \
-                f"no {want or ''}-wide tensor at {site.path} ({site.reading})"
+            notes[p] = (f"{site.path} ran {calls} times in one block forward" if calls != 1 else
+                        f"{site.path} was called without a `{site.arg}` tensor argument"
+                        if site.arg else f"no {want or ''}-wide tensor at {site.path} "
+                                         f"({site.reading})")
             continue
         r = blocks.rows(value)
         if r.shape[0] != n_rows or (want is not None and r.shape[1] != want):

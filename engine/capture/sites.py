@@ -5,7 +5,8 @@ A site is a module path under the block (`self_attn.o_proj`) and a reading of th
   with `arg`, the argument of that parameter name instead, heads flattened (`[tokens, heads,
   head_dim]` -> `[tokens, heads x head_dim]`): q, k, v are the `query`, `key`, `value` inputs of
   vLLM's attention module (`self_attn.attn`), whose model code applies the rotary embedding (and
-  QK-norm) before calling it;
+  QK-norm) before calling it (vLLM's Transformers backend attaches its Attention there too and
+  calls it from transformers' attention interface, after the Hugging Face module's own rotary);
 - "in+res": its stream argument plus its `residual` argument when one is passed (vLLM's fused
   add-norm `norm(x, residual)` adds them before normalising: the sum is the stream);
 - "out": its output (a tensor, `(output, bias)` of a vLLM linear, or the first of a tuple); with
@@ -128,8 +129,7 @@ def candidates(layer: nn.Module) -> tuple[dict[str, Site], dict[str, str]]:
             for p in QKV_ARGS:
                 why[p] = (f"{cls}.{attn} has no attention kernel module ({attn}.{ATTN_KERNEL}, "
                           "vLLM's Attention) whose query/key/value inputs are the post-rotary "
-                          "q, k and v, so they are never a module's input (vLLM's Transformers "
-                          "backend calls its attention from inside the Hugging Face module)")
+                          "q, k and v, so they are never a module's input")
         o = child(getattr(layer, attn), O_PROJ)
         if o is None:
             why["z"] = (f"{cls}.{attn} has none of the output projections {', '.join(O_PROJ)}, "

@@ -289,7 +289,8 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
     points: hooked mode serves any point, freeze mode only the set it froze.
     """
     check_supported(trunk, taps.reads)
-    handles = []
+    handles: list = []
+    by_arg: dict[nn.Module, list] = {}  # attention kernel -> [(slot, site)] of q/k/v
     for a in taps.reads:
         sem, slot = trunk.semantics[a.layer], taps.slot(a)
         if a.name == "final_norm":
@@ -299,7 +300,9 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
         elif a.name in SITE_POINTS:
             site = sem.sites[a.name]
             mod = module_at(trunk[a.layer], site.path)
-            if site.reading == "out":
+            if site.arg is not None:
+                by_arg.setdefault(mod, []).append((slot, site))
+            elif site.reading == "out":
                 def site_hook(mod, args, out, slot=slot, site=site):
                     from .probe_sites import read_output
                     _copy_rows(taps.buf, slot, read_output(site, out))
@@ -321,7 +324,36 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
             def pre_hook(mod, args, kwargs, slot=slot, sem=sem):
                 _copy_rows(taps.buf, slot, pre_value(sem, args, kwargs))
             handles.append(trunk[a.layer].register_forward_pre_hook(pre_hook, with_kwargs=True))
+    handles += [ForwardSwap(mod, _arg_reader(mod.forward, reads, taps.buf))
+                for mod, reads in by_arg.items()]
     return handles
+
+
+def _arg_reader(orig, reads, buf):
+    """The hooked reading of q/k/v: vLLM's Transformers backend calls its attention kernel's
+    `forward` directly, which runs no hooks, so the kernel's forward is wrapped instead (one
+    wrapper per module for all its points)."""
+    def forward(*args, **kwargs):
+        from .probe_sites import read_input
+        for slot, site in reads:
+            _copy_rows(buf, slot, read_input(site, args, kwargs))
+        return orig(*args, **kwargs)
+    return forward
+
+
+class ForwardSwap:
+    """A module's forward replaced until `remove()` (a hook handle's protocol), which puts back
+    what the instance had."""
+
+    def __init__(self, mod: nn.Module, forward):
+        self.mod, self.before = mod, mod.__dict__.get("forward")
+        mod.forward = forward
+
+    def remove(self) -> None:
+        if self.before is None:
+            del self.mod.forward
+        else:
+            self.mod.forward = self.before
 
 
 def _copy_rows(buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:

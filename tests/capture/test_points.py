@@ -179,7 +179,8 @@ class QKVAttn(nn.Module):
         q, k = q * 1.5, k.flip(-1)  # "the rotary embedding": q and k change after the split
         for name, t in (("q", q), ("k", k), ("v", v)):
             self.truth[(name, self.li)] = t.detach().clone()
-        return self.o_proj(self.attn(q.reshape(-1, 2, H // 2), k, v))
+        # `.forward` called directly, as vLLM's Transformers backend calls its kernel: no hooks run
+        return self.o_proj(self.attn.forward(q.reshape(-1, 2, H // 2), k, v))
 
 
 class GatedMLP(nn.Module):
