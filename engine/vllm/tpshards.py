@@ -66,17 +66,18 @@ class ShardGather:
 
 
 def split(trunk, a, site) -> tuple[str, dict | None]:
-    """(what the point's columns are, how vLLM split them on this rank) for sharded point `a`
-    read at `site`: see the module docstring; None when the module is not one that splits
-    them as the gather assumes."""
+    """(what the point's columns are, how vLLM split them on this rank) for sharded point `a`,
+    by how its site reads (engine/capture/sites.py): a named input of the attention kernel
+    (q, k, v), a projection's output (mlp_pre, mlp_pre_linear), a projection's input (z,
+    mlp_act); None when the module is not one that splits them as the gather assumes."""
     layer = trunk[a.layer]
     mod = module_at(layer, site.path)
-    if a.name in ("q", "k", "v"):
+    if site.arg is not None:
         block = module_at(layer, site.path.rpartition(".")[0]) if "." in site.path else layer
         return (f"the {site.arg} input of {type(layer).__name__}.{site.path} "
                 f"({type(mod).__name__}), split by its block's QKVParallelLinear",
                 compat.qkv_split(block, site.arg))
-    if a.name in ("mlp_pre", "mlp_pre_linear"):
+    if site.reading == "out":
         which = "" if site.part is None else f" (column block {site.part[0]} of {site.part[1]})"
         return (f"the output{which} of {type(layer).__name__}.{site.path} "
                 f"({type(mod).__name__})", compat.column_parallel_output(mod, site.part))
