@@ -17,7 +17,9 @@ from .addresses import Address, parse_addresses
 from harvest.engine.capture.captured import CapturedRequest
 from .checkpoint import read_model_info, validate_tokens
 from .protocol import CaptureOnly, DestinationProvider, StepStats
-from harvest.engine.capture.sites import SITE_POINTS, candidates, module_at
+from harvest.engine.capture.probe_sites import read_output
+from harvest.engine.capture.sites import (ATTN_NAMES, QKV_ARGS, SITE_POINTS, Site, candidates,
+                                          child, module_at)
 from harvest.engine.capture.taps import check_supported, find_layers
 
 
@@ -30,16 +32,79 @@ def _input_of(args, kwargs, width: int):
     raise RuntimeError(f"no {width}-wide floating input in this module call")
 
 
-def hf_sites(sem: blocks.BlockSemantics, layer, parallel: bool) -> blocks.BlockSemantics:
+def hf_sites(sem: blocks.BlockSemantics, layer, parallel: bool) -> tuple[blocks.BlockSemantics,
+                                                                          dict]:
     """The reference's module sites: the candidates by Hugging Face's module names (the eager
-    backend has no probe); a parallel-residual config has no stream between attention and MLP."""
+    backend has no probe), and the reasons of the points it refuses; a parallel-residual config
+    has no stream between attention and MLP. q, k and v are read where Hugging Face has them
+    after the rotary embedding: the inputs of the attention function (`attn_fn`, see
+    `QKVRecording`)."""
     import dataclasses
 
-    sites, _ = candidates(layer)
+    sites, why = candidates(layer)
     if parallel:
         for p in ("resid_mid", "attn_out_post", "mlp_out_post"):
             sites.pop(p, None)
-    return dataclasses.replace(sem, sites=sites)
+            why[p] = "a parallel-residual block has no stream between attention and the MLP"
+    attn = child(layer, ATTN_NAMES)
+    if attn is not None:
+        for p, arg in QKV_ARGS.items():
+            sites[p] = Site(attn, "attn_fn", arg=arg)
+            why.pop(p, None)
+    return dataclasses.replace(sem, sites=sites), why
+
+
+QKV_ATTENTION = "harvest_qkv"  # the attention function registered while q/k/v are captured
+
+
+def _qkv_attention(module, query, key, value, *args, **kwargs):
+    """transformers' attention function while q, k or v are captured (`QKVRecording`): hands
+    the module's query/key/value (`[batch, heads, tokens, head_dim]`, after the rotary
+    embedding and any QK-norm, KV heads before grouped-query repetition) to its recorder, then
+    runs the implementation the model had."""
+    module.harvest_qkv_record(query, key, value)
+    return module.harvest_qkv_inner(module, query, key, value, *args, **kwargs)
+
+
+class QKVRecording:
+    """q, k, v on the eager backend. Hugging Face computes them inside the attention module's
+    forward (projections, QK-norm, the family's rotary function) and passes them to the attention
+    function the config names through transformers' AttentionInterface; no module outputs
+    them. While this is in place the model's attention implementation is `harvest_qkv`
+    (`model.set_attn_implementation`, the documented way to swap it), which records each
+    module's inputs for the points asked and calls the implementation the model had (its
+    family's `eager_attention_forward` when that was "eager"), so the forward is unchanged.
+    `remove()` puts the implementation back."""
+
+    def __init__(self, model, attn_modules: dict, want: dict, store: dict):
+        """attn_modules: {layer: its attention module}; want: {layer: {arg: Address}}."""
+        import sys
+
+        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.model, self.modules = model, list(attn_modules.values())
+        self.before = model.config._attn_implementation
+        AttentionInterface.register(QKV_ATTENTION, _qkv_attention)
+        for li, mod in attn_modules.items():
+            eager = getattr(sys.modules[type(mod).__module__], "eager_attention_forward", None)
+            mod.harvest_qkv_inner = ALL_ATTENTION_FUNCTIONS.get_interface(self.before, eager)
+            mod.harvest_qkv_record = self._recorder(want.get(li, {}), store)
+        model.set_attn_implementation(QKV_ATTENTION)
+
+    @staticmethod
+    def _recorder(points: dict, store: dict):
+        """points: {"query"|"key"|"value": Address}."""
+        def record(query, key, value):
+            for arg, t in (("query", query), ("key", key), ("value", value)):
+                if arg in points:  # [batch, heads, tokens, head_dim] -> [batch, tokens, width]
+                    store[points[arg]] = t.transpose(1, 2).flatten(2)
+        return record
+
+    def remove(self) -> None:
+        self.model.set_attn_implementation(self.before)
+        for mod in self.modules:
+            del mod.harvest_qkv_inner, mod.harvest_qkv_record
 
 
 class HFModel(CaptureOnly):
@@ -67,8 +132,10 @@ class HFModel(CaptureOnly):
         layers = find_layers(self.model, self.n_layers)
         parallel = bool(getattr(self.model.config, "use_parallel_residual", False)
                         or getattr(self.model.config, "parallel_attn", False))
-        self.trunk = blocks.Trunk(layers, [hf_sites(blocks.hf_semantics(layer), layer, parallel)
-                                           for layer in layers])
+        sems, notes = zip(*(hf_sites(blocks.hf_semantics(layer), layer, parallel)
+                            for layer in layers))
+        self.trunk = blocks.Trunk(layers, list(sems),
+                                  {"blocks": [{"submodule_notes": n} for n in notes]})
         # final_norm.0: HF's base model applies the final norm to its output (no probe here)
         self.trunk.final_norm = self.model.base_model
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -95,7 +162,8 @@ class HFModel(CaptureOnly):
         """Same stream and sub-module rules as the vLLM taps (engine/capture/blocks.py), so a point one
         backend refuses the other refuses too."""
         check_supported(self.trunk, pts)
-        handles = []
+        handles: list = []
+        qkv: dict[int, dict] = {}  # layer -> {"query"|"key"|"value": Address}
         for a in pts:
             layer, sem = self.trunk[a.layer], self.trunk.semantics[a.layer]
             if a.name == "final_norm":  # the base model's output: HF applies the final norm
@@ -110,9 +178,11 @@ class HFModel(CaptureOnly):
                 site = sem.sites[a.name]
                 mod = module_at(layer, site.path)
                 width = self.info.point_width(a.name)
-                if site.reading == "out":
-                    def out_hook(mod, args, out, a=a):
-                        store[a] = blocks.sublayer_value(out)
+                if site.reading == "attn_fn":
+                    qkv.setdefault(a.layer, {})[site.arg] = a
+                elif site.reading == "out":
+                    def out_hook(mod, args, out, a=a, site=site):
+                        store[a] = read_output(site, out)
                     handles.append(mod.register_forward_hook(out_hook))
                 else:
                     def in_hook(mod, args, kwargs, a=a, width=width):
@@ -126,6 +196,10 @@ class HFModel(CaptureOnly):
                 def sub(mod, args, out, a=a):
                     store[a] = blocks.sublayer_value(out)
                 handles.append(self.trunk.sublayer(a).register_forward_hook(sub))
+        if qkv:
+            attn = {li: getattr(layer, name) for li, layer in enumerate(self.trunk.layers)
+                    if (name := child(layer, ATTN_NAMES)) is not None}
+            handles.append(QKVRecording(self.model, attn, qkv, store))
         return handles
 
     def _batches(self, source):
@@ -175,10 +249,17 @@ class HFModel(CaptureOnly):
                 for j, (_, t) in enumerate(mb):
                     ids[j, : len(t)] = torch.from_numpy(t.astype(np.int64))
                     mask[j, : len(t)] = 1
+                store.clear()
                 self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                            use_cache=False)
                 self.steps += 1
                 self.scheduled_tokens += sum(len(t) for _, t in mb)
+                missing = [str(a) for a in pts if a not in store]
+                if missing:
+                    raise ValueError(
+                        f"{', '.join(missing)}: the Hugging Face model never handed these to "
+                        "their hook (q/k/v: its attention module does not call transformers' "
+                        "AttentionInterface, so they are not observable on the eager backend)")
                 widths = tuple(store[a].shape[-1] for a in pts)
                 wide = max(widths, default=self.width)
                 stacked = torch.stack([torch.nn.functional.pad(store[a], (0, wide - store[a].shape[-1]))

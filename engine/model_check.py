@@ -141,6 +141,9 @@ def reference_many(jobs: list[dict], hidden_states: bool = False) -> list[list[d
         proc = subprocess.run([sys.executable, "-m", "harvest.engine.model_check", str(spec),
                                str(out)], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or [""])[-1]
+            if last.startswith("ValueError: "):  # a point the model does not have, by name
+                raise ValueError(f"the Hugging Face reference refused: {last[12:]}")
             raise RuntimeError(f"the Hugging Face reference failed:\n{proc.stderr[-4000:]}")
         return torch.load(out)
 
@@ -325,6 +328,9 @@ def run_command(path: str, args) -> int:
         result = check_model(path, points=args.points or None, cfg=cfg, **engine_args)
     except TrunkRefused as e:
         print(f"harvest check-model: REFUSED at load: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # a point this model does not have (named, with the reason)
+        print(f"harvest check-model: REFUSED: {e}", file=sys.stderr)
         return 1
     if args.json:  # only the JSON on stdout (pipeline/logs.py json_stdout)
         print(json.dumps(result, indent=2, default=str),

@@ -43,9 +43,10 @@ class EngineLost(RuntimeError):
 
 
 # Points no tensor-parallel engine serves, and why (asking for one at TP > 1 names it); none at
-# present. Sharded points (z, mlp_act) are assembled on every rank (engine/vllm/tpshards.py) and
-# replicated ones, router_logits off the replicated MoE gate included, are proven equal on every
-# rank at load (engine/vllm/probe.require_replicated, each read measured on its own columns).
+# present. Sharded points (q, k, v, z, mlp_pre, mlp_pre_linear, mlp_act) are assembled on every
+# rank (engine/vllm/tpshards.py) and replicated ones, router_logits off the replicated MoE gate
+# included, are proven equal on every rank at load (engine/vllm/probe.require_replicated, each
+# read measured on its own columns).
 TP_REFUSED: dict[str, str] = {}
 
 

@@ -4,10 +4,13 @@ Every consumer reads this one table: the address grammar (engine/addresses.py), 
 probe (engine/capture/sites.py: where a point's tensor is inside a block), config checks
 (pipeline/config/sections.py), the store and `harvest plan` (widths), and docs/engine.md's point table.
 
-Width kinds: `d_model` (the stream), `heads` (n_heads x head_dim: o_proj's input), `neurons`
-(the MLP width: down_proj's input), `experts` (one router logit per expert). Under tensor
-parallelism `heads` and `neurons` are column-sharded across ranks (a rank holds a slice);
-`experts` comes off a replicated gate and `d_model` points are all-reduced.
+Width kinds: `d_model` (the stream), `heads` (n_heads x head_dim: o_proj's input, the query),
+`kv_heads` (n_kv_heads x head_dim: the key and value, KV heads as they are under grouped-query
+attention), `neurons` (the MLP width: down_proj's input, each of the gate and up projections),
+`experts` (one router logit per expert). Under tensor parallelism `heads`, `kv_heads` and
+`neurons` are column-sharded across ranks (a rank holds a slice; with fewer KV heads than ranks
+vLLM gives each rank one KV head, the same on `tp / n_kv_heads` ranks: `shard_width`,
+`kv_replicas`); `experts` comes off a replicated gate and `d_model` points are all-reduced.
 
 Block layouts (measured per block by the probe; see engine/capture/sites.py):
 - `sequential`: pre-norm blocks, attention then MLP on the updated stream (Llama, GPT-2, Qwen);
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WIDTH_KINDS = ("d_model", "heads", "neurons", "experts")
+WIDTH_KINDS = ("d_model", "heads", "kv_heads", "neurons", "experts")
 LAYOUTS = ("sequential", "sandwich", "parallel")
 
 
@@ -32,7 +35,8 @@ class Point:
     `layouts`: the block layouts that have the point (a block of another layout refuses it by
     name); `moe`: True = MoE blocks only, False = dense MLPs only, None = both; `level`: "layer"
     (one per block, `name.L`) or "model" (one per model, addressed `name.0`); `tp`: "replicated"
-    (every rank holds the whole row) or "sharded" (each rank a column slice).
+    (every rank holds the whole row) or "sharded" (each rank a column slice); `gated`: True =
+    gated MLPs only (a gate and an up projection whose product the down projection reads).
     """
 
     name: str
@@ -42,6 +46,7 @@ class Point:
     meaning: str
     level: str = "layer"
     moe: bool | None = None
+    gated: bool = False
 
     def __post_init__(self):
         assert self.width in WIDTH_KINDS and self.tp in ("replicated", "sharded")
@@ -57,6 +62,15 @@ TABLE: tuple[Point, ...] = (
     Point("resid_pre", "d_model", "replicated", _ALL, "the stream entering block L"),
     Point("attn_in", "d_model", "replicated", _ALL,
           "attention's normalised input (input_layernorm / ln_1 output)"),
+    Point("q", "heads", "sharded", _ALL,
+          "attention's queries, heads concatenated in the model's order, after the rotary "
+          "embedding (and QK-norm where the family has one): the attention kernel's query input"),
+    Point("k", "kv_heads", "sharded", _ALL,
+          "attention's keys (KV heads as under grouped-query attention), after the rotary "
+          "embedding (and QK-norm): the attention kernel's key input"),
+    Point("v", "kv_heads", "sharded", _ALL,
+          "attention's values (KV heads as under grouped-query attention): the value "
+          "projection's output, the attention kernel's value input"),
     Point("z", "heads", "sharded", _ALL,
           "the per-head attention outputs before the output projection (o_proj's input)"),
     Point("attn_out", "d_model", "replicated", _ALL,
@@ -67,6 +81,13 @@ TABLE: tuple[Point, ...] = (
           "the stream between attention and MLP (after attention's residual add)"),
     Point("mlp_in", "d_model", "replicated", _ALL,
           "the MLP's input (post_attention_layernorm / pre_feedforward_layernorm / ln_2 output)"),
+    Point("mlp_pre", "neurons", "sharded", _ALL,
+          "the MLP's pre-activation: the gate projection's output (gated MLPs; the first half "
+          "of a fused gate_up_proj), else the up projection's (c_fc); TransformerLens hook_pre",
+          moe=False),
+    Point("mlp_pre_linear", "neurons", "sharded", _ALL,
+          "the gated MLP's linear branch: the up projection's output (the second half of a "
+          "fused gate_up_proj); TransformerLens hook_pre_linear", moe=False, gated=True),
     Point("mlp_act", "neurons", "sharded", _ALL,
           "the MLP's hidden activations (down_proj's input)", moe=False),
     Point("router_logits", "experts", "replicated", _ALL,
@@ -81,13 +102,12 @@ TABLE: tuple[Point, ...] = (
           level="model"),
 )
 BY_NAME = {p.name: p for p in TABLE}
+SHARDED_KINDS = frozenset(p.width for p in TABLE if p.tp == "sharded")
 NAMES = tuple(BY_NAME)
 MODEL_LEVEL = tuple(p.name for p in TABLE if p.level == "model")
 
 # Points the seed system serves that no table row stands for, and why; asking for one names it.
 REFUSED = {
-    "mlp_pre": "a fused gate_up_proj computes the gate and up projections in one matmul, so the "
-               "pre-activation is never a tensor of its own; capture mlp_act (down_proj's input)",
     "expert_weights": "the fused MoE kernel computes routing weights inside the kernel; capture "
                       "router_logits and apply the family's softmax/top-k",
     "expert_indices": "the fused MoE kernel picks experts inside the kernel; capture "
@@ -105,20 +125,44 @@ def point(name: str) -> Point:
     raise ValueError(f"unknown point {name!r}: known points are {', '.join(NAMES)}")
 
 
-def config_width(cfg, kind: str) -> int | None:
-    """A width kind from a Hugging Face config (a transformers config or its dict); None where
-    the config does not say (e.g. `experts` on a dense model)."""
+def _getter(cfg):
     get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
     text = get("text_config")
     if text is not None:  # multimodal wrappers: the language model's config
-        return config_width(text, kind)
+        return _getter(text)
+    return get
+
+
+def attention_shape(cfg) -> tuple[int, int, int] | None:
+    """(n_heads, n_kv_heads, head_dim) from a Hugging Face config, or None where it does not
+    say. KV heads: `num_key_value_heads` (and its other spellings), one for a multi-query model
+    (Falcon's old layout, GPTBigCode), else as many as the heads."""
+    get = _getter(cfg)
+    d = get("hidden_size") or get("n_embd") or get("d_model")
+    heads = get("num_attention_heads") or get("n_head")
+    head_dim = get("head_dim") or (d // heads if d and heads else None)
+    if not heads or not head_dim:
+        return None
+    if get("multi_query") and not get("new_decoder_architecture"):
+        kv = 1
+    else:
+        kv = get("num_key_value_heads") or get("num_kv_heads") or get("n_head_kv") or heads
+    return int(heads), int(kv), int(head_dim)
+
+
+def config_width(cfg, kind: str) -> int | None:
+    """A width kind from a Hugging Face config (a transformers config or its dict); None where
+    the config does not say (e.g. `experts` on a dense model)."""
+    get = _getter(cfg)
     d = get("hidden_size") or get("n_embd") or get("d_model")
     if kind == "d_model":
         return d
-    if kind == "heads":
-        heads = get("num_attention_heads") or get("n_head")
-        head_dim = get("head_dim") or (d // heads if d and heads else None)
-        return heads * head_dim if heads and head_dim else None
+    if kind in ("heads", "kv_heads"):
+        shape = attention_shape(cfg)
+        if shape is None:
+            return None
+        heads, kv, head_dim = shape
+        return (heads if kind == "heads" else kv) * head_dim
     if kind == "neurons":
         n = get("intermediate_size") or get("n_inner") or get("ffn_hidden_size")
         if n is None and get("model_type") in ("gpt2", "gptj", "falcon") and d:
@@ -127,6 +171,26 @@ def config_width(cfg, kind: str) -> int | None:
     if kind == "experts":
         return get("num_experts") or get("num_local_experts") or get("n_routed_experts")
     raise ValueError(f"unknown width kind {kind!r}: use one of {', '.join(WIDTH_KINDS)}")
+
+
+def kv_replicas(cfg, tp: int) -> int:
+    """How many tensor-parallel ranks hold each KV head: vLLM's QKVParallelLinear gives every
+    rank one KV head when there are fewer KV heads than ranks (rank r holds head
+    r // replicas), else splits the heads over the ranks (1)."""
+    shape = attention_shape(cfg)
+    if shape is None or shape[1] >= tp:
+        return 1
+    return tp // shape[1]
+
+
+def shard_width(cfg, kind: str, tp: int) -> int | None:
+    """One tensor-parallel rank's width of a width kind: the whole width for the replicated
+    kinds, a 1/tp slice for the sharded ones (`kv_heads`: one KV head per rank when there are
+    fewer KV heads than ranks, as vLLM splits them)."""
+    w = config_width(cfg, kind)
+    if not w or kind not in SHARDED_KINDS or tp <= 1:
+        return w
+    return w * kv_replicas(cfg, tp) // tp if kind == "kv_heads" else w // tp
 
 
 def point_width(cfg, name: str) -> int:
@@ -147,6 +211,7 @@ def table_markdown() -> str:
     for p in TABLE:
         where = ", ".join(p.layouts) + {True: " (MoE only)", False: " (dense MLP only)",
                                         None: ""}[p.moe]
+        where = where.replace("dense MLP only", "gated dense MLP only") if p.gated else where
         name = f"`{p.name}.0` (model)" if p.level == "model" else f"`{p.name}.L`"
         lines.append(f"| {name} | {p.width} | {p.tp} | {where} | {p.meaning} |")
     return "\n".join(lines)

@@ -133,7 +133,7 @@ def post_candidates(out, width: int) -> list[str]:
     return []
 
 
-def _positional_names(fn) -> tuple[list[str], set[str]]:
+def positional_names(fn) -> tuple[list[str], set[str]]:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -151,7 +151,7 @@ def locate_inputs(fn, args: tuple, kwargs: dict, width: int) -> tuple[Slot | Non
     parameter named like RESIDUAL_NAMES (None on the first layer), else another stream-shaped
     tensor of the call. Whether it is part of the stream is for the probe to measure.
     """
-    pos_names, all_names = _positional_names(fn)
+    pos_names, all_names = positional_names(fn)
     found: list[tuple[Slot, object]] = []
     for i, v in enumerate(args):
         found.append((Slot(i, pos_names[i] if i < len(pos_names) else None), v))
@@ -196,7 +196,7 @@ def sublayer_value(out) -> torch.Tensor | None:
 def guess(layer: nn.Module) -> BlockSemantics:
     """Semantics from the signature alone: the rule before the probe existed, right for Llama-style
     fused trunks and wrong for Cohere/EXAONE-4. Used only when a user opts out of the probe."""
-    pos_names, all_names = _positional_names(layer.forward)
+    pos_names, all_names = positional_names(layer.forward)
     name = next((n for n in STREAM_NAMES if n in all_names), pos_names[0] if pos_names else None)
     stream = Slot(pos_names.index(name) if name in pos_names else None, name)
     res = next((n for n in RESIDUAL_NAMES if n in all_names), None)
@@ -211,7 +211,7 @@ def hf_semantics(layer: nn.Module) -> BlockSemantics:
     """A Hugging Face decoder layer: the stream in as `hidden_states`, the stream out (a tensor;
     older layers return it first in a tuple, read with `first_or_tensor`). HF's own
     `output_hidden_states` is built from exactly these, which the eager backend's tests check."""
-    pos_names, all_names = _positional_names(layer.forward)
+    pos_names, all_names = positional_names(layer.forward)
     name = next((n for n in STREAM_NAMES if n in all_names), pos_names[0] if pos_names else None)
     stream = Slot(pos_names.index(name) if name in pos_names else None, name)
     subs = {p: n for p in SUBMODULE_NAMES if (n := sublayer_name(layer, p))}

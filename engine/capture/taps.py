@@ -213,12 +213,23 @@ def _wrap_site(mod: nn.Module, site, read) -> None:
     s_i, s_n = site.stream
     r_i, r_n = site.residual if (site.reading == "in+res" and site.residual) else (None, None)
     use_res = r_i is not None or r_n is not None
+    # plain values for dynamo (see _reader): the column block of a part, heads to flatten
+    part_i, part_k = site.part if site.part is not None else (0, 1)
+    flat = site.arg is not None
 
     if site.reading == "out":
         def forward(*args, **kwargs):
             out = orig(*args, **kwargs)
-            read(sublayer_value(out))
+            v = sublayer_value(out)
+            if part_k > 1:
+                w = v.shape[-1] // part_k
+                v = v[..., part_i * w:(part_i + 1) * w]
+            read(v)
             return out
+    elif flat:
+        def forward(*args, **kwargs):
+            read(arg_value(args, kwargs, s_i, s_n).flatten(1))
+            return orig(*args, **kwargs)
     else:
         def forward(*args, **kwargs):
             read(arg_value(args, kwargs, s_i, s_n),
@@ -278,7 +289,8 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
     points: hooked mode serves any point, freeze mode only the set it froze.
     """
     check_supported(trunk, taps.reads)
-    handles = []
+    handles: list = []
+    by_arg: dict[nn.Module, list] = {}  # attention kernel -> [(slot, site)] of q/k/v
     for a in taps.reads:
         sem, slot = trunk.semantics[a.layer], taps.slot(a)
         if a.name == "final_norm":
@@ -288,10 +300,13 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
         elif a.name in SITE_POINTS:
             site = sem.sites[a.name]
             mod = module_at(trunk[a.layer], site.path)
-            if site.reading == "out":
-                def hook(mod, args, out, slot=slot):
-                    _copy_rows(taps.buf, slot, sublayer_value(out))
-                handles.append(mod.register_forward_hook(hook))
+            if site.arg is not None:
+                by_arg.setdefault(mod, []).append((slot, site))
+            elif site.reading == "out":
+                def site_hook(mod, args, out, slot=slot, site=site):
+                    from .probe_sites import read_output
+                    _copy_rows(taps.buf, slot, read_output(site, out))
+                handles.append(mod.register_forward_hook(site_hook))
             else:
                 def site_pre_hook(mod, args, kwargs, slot=slot, site=site):
                     from .probe_sites import read_input
@@ -309,7 +324,36 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
             def pre_hook(mod, args, kwargs, slot=slot, sem=sem):
                 _copy_rows(taps.buf, slot, pre_value(sem, args, kwargs))
             handles.append(trunk[a.layer].register_forward_pre_hook(pre_hook, with_kwargs=True))
+    handles += [ForwardSwap(mod, _arg_reader(mod.forward, reads, taps.buf))
+                for mod, reads in by_arg.items()]
     return handles
+
+
+def _arg_reader(orig, reads, buf):
+    """The hooked reading of q/k/v: vLLM's Transformers backend calls its attention kernel's
+    `forward` directly, which runs no hooks, so the kernel's forward is wrapped instead (one
+    wrapper per module for all its points)."""
+    def forward(*args, **kwargs):
+        from .probe_sites import read_input
+        for slot, site in reads:
+            _copy_rows(buf, slot, read_input(site, args, kwargs))
+        return orig(*args, **kwargs)
+    return forward
+
+
+class ForwardSwap:
+    """A module's forward replaced until `remove()` (a hook handle's protocol), which puts back
+    what the instance had."""
+
+    def __init__(self, mod: nn.Module, forward):
+        self.mod, self.before = mod, mod.__dict__.get("forward")
+        mod.forward = forward
+
+    def remove(self) -> None:
+        if self.before is None:
+            del self.mod.forward
+        else:
+            self.mod.forward = self.before
 
 
 def _copy_rows(buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:

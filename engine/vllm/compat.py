@@ -46,9 +46,14 @@ What the engine relies on, and why:
   fence). The mp executor spawns the ranks inside `vllm.LLM()`, so they inherit the environment
   set around that call (the step ring's spec: `VllmConfig.compute_hash` hashes
   `additional_config` into the compile-cache key, so per-engine file names must stay out of it).
-- Sharded points (z, mlp_act: a `RowParallelLinear`'s input, `input_is_parallel`,
-  `input_size_per_partition`, `tp_rank`, and its weight loader's rank-ordered column split) are
-  assembled by `GroupCoordinator.all_gather(x, dim=-1)` on the TP group.
+- Sharded points are assembled by `GroupCoordinator.all_gather(x, dim=-1)` on the TP group;
+  which columns a rank holds is read off the module that split them: z, mlp_act from a
+  `RowParallelLinear`'s input (`input_is_parallel`, `input_size_per_partition`, `tp_rank`, and
+  its weight loader's rank-ordered column split); mlp_pre, mlp_pre_linear from a
+  `MergedColumnParallelLinear`'s (`output_sizes`, `gather_output`, `tp_rank`, `tp_size`) or a
+  plain `ColumnParallelLinear`'s (`output_size_per_partition`) output; q, k, v from the block's
+  `QKVParallelLinear` (`num_heads`, `num_kv_heads`, `head_size`, `v_head_size`,
+  `num_kv_head_replicas`), read at the inputs of vLLM's `Attention.forward(query, key, value)`.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`, `use_v2_model_runner`; and one
   refused for capture: `ParallelConfig.use_ubatching` (a step's forward in micro-batches).
@@ -354,15 +359,15 @@ def runner_geometry(runner) -> dict:
 
 
 def kind_widths(hf_config, tp_size: int = 1) -> dict:
-    """{width kind: this rank's width} (engine/points.py): sharded kinds are a 1/tp slice."""
-    from harvest.engine.points import TABLE, WIDTH_KINDS, config_width
+    """{width kind: this rank's width} (engine/points.py `shard_width`): sharded kinds are a
+    1/tp slice (one KV head per rank where there are fewer KV heads than ranks)."""
+    from harvest.engine.points import WIDTH_KINDS, shard_width
 
-    sharded = {p.width for p in TABLE if p.tp == "sharded"}
     out = {}
     for kind in WIDTH_KINDS:
-        w = config_width(hf_config, kind)
+        w = shard_width(hf_config, kind, tp_size)
         if w:
-            out[kind] = w // tp_size if kind in sharded else w
+            out[kind] = w
     return out
 
 
@@ -506,7 +511,59 @@ def row_parallel_input(mod) -> dict | None:
             "width": int(mod.input_size_per_partition)}
 
 
-def tp_gather_columns(buf, slots: "list[int]", shards: "list[int]", n: int) -> None:
+def column_parallel_output(mod, part) -> dict | None:
+    """A sharded point read off a column-parallel projection's output (mlp_pre, mlp_pre_linear)
+    as vLLM splits it: {"tp_rank", "tp_size", "width", "replicas": 1} where this rank's reading
+    is columns [tp_rank * width, (tp_rank + 1) * width) of the full tensor. `part` = (i, k): the
+    i-th of k equal column blocks of a `MergedColumnParallelLinear` whose k `output_sizes` are
+    equal (rank r's output is [block 0 shard r | block 1 shard r | ...]: its weight loader
+    narrows each block at `tp_rank * block / tp`, checked 0.32.0); None: a plain
+    `ColumnParallelLinear` (not merged, not QKV) whose whole output is the reading. Both without
+    `gather_output`. None for any other module."""
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear,
+                                                   MergedColumnParallelLinear,
+                                                   QKVParallelLinear)
+
+    if not isinstance(mod, ColumnParallelLinear) or isinstance(mod, QKVParallelLinear) or \
+            getattr(mod, "gather_output", True):
+        return None
+    if part is None:
+        if isinstance(mod, MergedColumnParallelLinear):
+            return None
+        width = int(mod.output_size_per_partition)
+    else:
+        sizes = list(getattr(mod, "output_sizes", []))
+        if not isinstance(mod, MergedColumnParallelLinear) or len(sizes) != part[1] or \
+                len(set(sizes)) != 1:
+            return None
+        width = int(sizes[part[0]]) // int(mod.tp_size)
+    return {"tp_rank": int(mod.tp_rank), "tp_size": int(mod.tp_size), "width": width,
+            "replicas": 1}
+
+
+def qkv_split(attn_block, arg: str) -> dict | None:
+    """A sharded point read at vLLM's attention kernel (q, k, v: its `query`/`key`/`value`
+    input), split as the block's `QKVParallelLinear` splits it (`num_heads`, `num_kv_heads`,
+    `head_size`, `v_head_size`, `num_kv_head_replicas`, `tp_rank`, `tp_size`; its weight loader
+    gives rank r query heads [r * num_heads, ...) and KV heads from `tp_rank //
+    num_kv_head_replicas`, checked 0.32.0): {"tp_rank", "tp_size", "width": this rank's
+    columns, "replicas": how many ranks hold the same KV columns}. None when the block has no
+    single QKVParallelLinear (the columns a rank holds are then unknown)."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    found = [m for m in attn_block.children() if isinstance(m, QKVParallelLinear)]
+    if len(found) != 1:
+        return None
+    m = found[0]
+    kv = arg != "query"
+    width = (m.num_kv_heads if kv else m.num_heads) * (m.v_head_size if arg == "value"
+                                                        else m.head_size)
+    return {"tp_rank": int(m.tp_rank), "tp_size": int(m.tp_size), "width": int(width),
+            "replicas": int(m.num_kv_head_replicas) if kv else 1}
+
+
+def tp_gather_columns(buf, slots: "list[int]", shards: "list[int]", n: int,
+                      replicas: "list[int] | None" = None) -> None:
     """Assemble column-sharded tap slots on every rank: each rank's rows [:n] of columns
     [:shards[j]] of `buf[slots[j]]` are gathered, and `buf[slots[j], :n, :shards[j] * tp]` gets
     the rank-ordered concatenation (the full row: rank r's columns at r * shard). One
@@ -516,16 +573,19 @@ def tp_gather_columns(buf, slots: "list[int]", shards: "list[int]", n: int) -> N
     `GroupCoordinator.gather` to one rank would move half the bytes, but on the CPU build its
     non-destination ranks return before the destination has read their slice, and the next
     collective in flight hung the engine (measured: a tiny qwen3 at TP=2, step 1); every rank
-    must call this in the same order."""
+    must call this in the same order. `replicas[j]` > 1: slot j's columns are held by that
+    many consecutive ranks alike (KV heads when there are fewer than ranks), so the full row is
+    every replicas-th rank's slice."""
     from vllm.distributed import parallel_state as ps
 
     g = ps.get_tp_group()
     w = max(shards)
+    replicas = replicas or [1] * len(slots)
     piece = buf[slots, :n, :w]  # [k, n, w]: advanced index = one contiguous copy
     full = g.all_gather(piece, dim=-1).view(len(slots), n, g.world_size, w)  # [k, n, tp * w]
-    for j, (s, shard) in enumerate(zip(slots, shards)):
-        buf[s, :n, :shard * g.world_size].view(n, g.world_size, shard).copy_(
-            full[j, :, :, :shard])
+    for j, (s, shard, rep) in enumerate(zip(slots, shards, replicas)):
+        ranks = g.world_size // rep
+        buf[s, :n, :shard * ranks].view(n, ranks, shard).copy_(full[j, :, ::rep, :shard])
 
 
 def tp_compilation_config(given: dict | None) -> dict:

@@ -141,6 +141,22 @@ NEEDS: tuple[Need, ...] = (
          text="self.input_size_per_partition = "),
     Need("vllm/model_executor/layers/linear.py", "RowParallelLinear", None, "text",
          text="start_idx = self.tp_rank * shard_size"),
+    # mlp_pre / mlp_pre_linear (compat.column_parallel_output): [gate shard | up shard] per rank
+    Need("vllm/model_executor/layers/linear.py", "ColumnParallelLinear", "gather_output", "attr"),
+    Need("vllm/model_executor/layers/linear.py", "ColumnParallelLinear",
+         "output_size_per_partition", "attr"),
+    Need("vllm/model_executor/layers/linear.py", "MergedColumnParallelLinear", "output_sizes",
+         "attr"),
+    Need("vllm/model_executor/layers/linear.py", "MergedColumnParallelLinear", None, "text",
+         text="shard_offset = sum(self.output_sizes[:loaded_shard_id])"),
+    # q / k / v (compat.qkv_split): the attention kernel's inputs, split as QKVParallelLinear
+    # splits the heads (KV heads replicated when fewer than ranks)
+    *(Need("vllm/model_executor/layers/linear.py", "QKVParallelLinear", a, "attr")
+      for a in ("num_heads", "num_kv_heads", "head_size", "v_head_size", "num_kv_head_replicas")),
+    Need("vllm/model_executor/layers/linear.py", "QKVParallelLinear", None, "text",
+         text="shard_rank = self.tp_rank // self.num_kv_head_replicas"),
+    Need("vllm/model_executor/layers/attention/attention.py", "Attention", "forward", "method",
+         ("query", "key", "value")),
     # -- settings read for reports and set for capture -------------------------------------------------
     Need("vllm/config/parallel.py", "ParallelConfig", "worker_cls", "field"),
     Need("vllm/config/parallel.py", "ParallelConfig", "use_ubatching", "field"),

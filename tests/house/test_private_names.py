@@ -26,6 +26,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "Ray's ActorHandle has no public id outside the actor; the id names the actor in logs",
     ("harvest.pipeline.driver.health", "_actor_id"):
         "Ray's ActorHandle has no public id outside the actor; the id matches the dead-actor list",
+    ("harvest.engine.hf_backend", "_attn_implementation"):
+        "transformers names the attention implementation a loaded model uses only by this config "
+        "attribute (its documented way to read it); the eager backend's q/k/v recording "
+        "(QKVRecording) delegates to it and puts it back",
     ("harvest.store.format.dtypes", "_zarr_v3_name"):
         "zarr's ZDType protocol names a data type by this class attribute (our class's own)",
     ("harvest.benchmarks.bench_dataplane", "_s3"):

@@ -125,13 +125,14 @@ def test_shard_rows_and_points_errors_say_the_fix(capsys, config):
     msg = _refused_line(capsys, config, "store.shard_rows=100")
     assert "packing.context_size=64" in msg and "use 128 or 64" in msg
     msg = _refused_line(capsys, config, "capture.points=[resid_post.1, resid_poop.3]")
-    assert "'resid_poop.3'" in msg and "resid_pre, attn_in, z, attn_out" in msg
+    assert "'resid_poop.3'" in msg and "resid_pre, attn_in, q, k, v, z, attn_out" in msg
     # points of other widths load (the store holds each at its own width) ...
-    msg = _refused_line(capsys, config, "capture.points=[mlp_in.1, mlp_act.1, z.*, router_logits.*]")
+    msg = _refused_line(capsys, config, "capture.points=[mlp_in.1, mlp_act.1, z.*, router_logits.*, "
+                                        "q.1, k.*, v.0, mlp_pre.1, mlp_pre_linear.*]")
     assert msg.startswith("model.path="), msg
     # ... and the points no engine serves are refused by name
-    msg = _refused_line(capsys, config, "capture.points=[mlp_pre.1]")
-    assert "fused gate_up_proj" in msg
+    msg = _refused_line(capsys, config, "capture.points=[lm_head.1]")
+    assert "vocab-wide" in msg
 
 
 def test_points_parsed_once_and_checked_against_the_model():

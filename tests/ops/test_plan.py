@@ -609,3 +609,26 @@ def test_plan_prices_points_of_several_widths_each_at_its_own(tmp_path, capsys):
                  "--set", "capture.points=[router_logits.*]"]) == 2
     err = capsys.readouterr().err
     assert "router_logits" in err and "needs a MoE model" in err, err
+
+
+def test_plan_prices_attention_heads_and_mlp_pre_at_their_widths(tmp_path, capsys):
+    """q (every head), k and v (the KV heads: 1 of 4 here, grouped-query attention) and the
+    gated MLP's two pre-activations, each at its own width from the table's width kinds; a MoE
+    model refuses the MLP's pre-activations by name before anything runs."""
+    import json
+
+    from harvest.pipeline.cli.main import main
+
+    model = _model_dir(tmp_path, 2, 512, vocab=49152)  # 4 heads of 128, 1 KV head, MLP 1536
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                   "capture.points=[q.*, k.1, v.1, mlp_pre.0, mlp_pre_linear.0]")
+    assert p["widths"] == {"q.0": 512, "q.1": 512, "k.1": 128, "v.1": 128, "mlp_pre.0": 1536,
+                           "mlp_pre_linear.0": 1536}
+    assert p["bytes_per_token"] == (2 * 512 + 2 * 128 + 2 * 1536) * 2
+    cfg = json.loads((tmp_path / "llama-2x512" / "config.json").read_text())
+    (tmp_path / "llama-2x512" / "config.json").write_text(json.dumps(
+        {**cfg, "num_local_experts": 8, "architectures": ["MixtralForCausalLM"]}))
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"),
+                 "--set", "capture.points=[mlp_pre_linear.*]"]) == 2
+    err = capsys.readouterr().err
+    assert "mlp_pre_linear is a dense MLP's point" in err and "MoE blocks" in err, err

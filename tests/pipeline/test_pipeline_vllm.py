@@ -57,11 +57,12 @@ def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_l
     (an 8 B model, all layers). Units were one shard, so each capture() call held one context and
     filled 32 of a 256-token step. Units now span many shards and one capture stream runs across
     units: the steps stay full. The run also stores a transcoder's pair and the MLP's hidden
-    units (mlp_act, wider than the stream) beside resid_post: points of several widths go
-    straight from the engine's tap buffer into the writers' buffers, each stored at its own."""
+    units (mlp_act, wider than the stream) beside resid_post, and attention's keys (one KV
+    head: narrower than the stream) with the gated MLP's linear branch: points of several widths
+    go straight from the engine's tap buffer into the writers' buffers, each stored at its own."""
     from tests.support.pipeline import reference_capture
 
-    extra = ["mlp_in.1", "mlp_act.1", "mlp_out.1"]
+    extra = ["mlp_in.1", "mlp_act.1", "mlp_out.1", "k.2", "mlp_pre_linear.0"]
     cfg = make_cfg(tiny_llama, str(tmp_path / "store"), corpus, "model.backend=vllm",
                    "model.max_num_batched_tokens=256", "model.gpu_memory_utilization=0.1",
                    "ray.num_actors=1", "store.shard_rows=32", "store.unit_shards=null", EAGER_VLLM,
@@ -74,10 +75,17 @@ def test_engine_steps_stay_full_where_units_were_one_context(ray_cluster, tiny_l
     assert actor["steps"] >= 6144 // 256 and actor["step_fill"] >= 0.9, actor
     assert actor["rows_in_place"] == summary["tokens"]   # one host copy, mixed widths too
     assert store.mixed_widths and store.widths["mlp_act.1"] > store.width == store.widths["mlp_in.1"]
+    assert store.widths["k.2"] == 64 and store.widths["mlp_pre_linear.0"] == 256
     ref, acts = reference
     more = reference_capture(tiny_llama, ref.packed.token_ids, ref.packed.context_size,
                              ref.unit_rows, 4, extra)
     check_store(store, (ref, {**acts, **more}), rel_tol=REL_TOL)
+    # the training reader serves the new points at their own widths, from the stored rows
+    from harvest.store.read.dataset import ActivationDataset
+
+    both = next(iter(ActivationDataset(cfg.store.resolved_url, ["k.2", "mlp_pre_linear.0"],
+                                       batch_size=32, shuffle=False)))
+    assert both["k.2"].shape == (32, 64) and both["mlp_pre_linear.0"].shape == (32, 256)
     # the load-time check compared every stored point, the wider one included, with HF fp32
     check = store.attrs["model_check"]
     assert check["ok"] and set(check["points"]) == set(store.points), check
