@@ -94,7 +94,7 @@ def test_pretokenised_dataset_captured_row_for_row(ray_cluster, tiny_llama, tmp_
     assert front["width"] == store.width and front["dtype"] == store.dtype
     assert front["context_size"] == C and front["contexts"] == CONTEXTS
     assert front["model_weights_sha256"] == prov["model"]["weights_sha256"]
-    assert "pre-tokenised ids (`input_ids`" in text
+    assert "pre-tokenised ids (<code>input_ids</code>" in text
 
 
 def _meta(store, name: str, n: int) -> np.ndarray:
