@@ -60,10 +60,16 @@ class Scheduler:
     `waits` (no silent waits). The driver reads `frontier`, `has_work()`, `data_stats()` and, for
     the summary, `report()`; it touches none of those objects."""
 
-    def __init__(self, ray_cfg, prep, state, pool, emit, lease=None):
+    def __init__(self, ray_cfg, prep, state, pool, emit, lease=None, deal=None,
+                 plan_in_store: bool = True):
+        """`deal` (a streamed run, pipeline/stream/deal.py): stamps each unit's task with the
+        trainer rank of each of its rows before it is sent, and may hold a unit back until it
+        can (`stamp` returns None). `plan_in_store=False`: no store holds the plan (a stream
+        without a tee), units are dispatchable as soon as they are placed."""
         self.ray_cfg, self.pool, self.emit = ray_cfg, pool, emit
+        self.deal = deal
         self.units = Holdings(state, prep.context_size, prep.layout.unit_rows)
-        self.plan = PlanWriter(state, lease)
+        self.plan = PlanWriter(state, lease, in_store=plan_in_store)
         self.health = ActorHealth(ray_cfg, emit)
         self.inflight = InFlight(ray_cfg.max_in_flight)
         self.counts = UnitCounts()
@@ -134,12 +140,20 @@ class Scheduler:
         """One unit at a time to the least loaded actor: small runs still spread over actors."""
         usable = self.health.usable()
         load = self.inflight.load
+        if self.deal is not None:
+            self.deal.count(self.units.ready, self.units.task, self.placed_all())
         while self.units.ready and usable:
             a = min(usable, key=lambda i: load[i])
             if load[a] >= self.inflight.slots:
                 return
-            unit, attempt = self.units.ready.popleft()
-            ref = self.health.actors[a].run_unit.remote(self.units.task(unit), attempt)
+            unit, attempt = self.units.ready[0]
+            task = self.units.task(unit)
+            if self.deal is not None:
+                task = self.deal.stamp(task, self.placed_all())
+                if task is None:   # its trainer ranks are not known yet (deal.py)
+                    return
+            self.units.ready.popleft()
+            ref = self.health.actors[a].run_unit.remote(task, attempt)
             self.inflight.add(ref, unit, a, attempt, self.health.pid.get(a))
             self.emit({"event": "unit_sent", "unit": unit.unit_id, "actor": a, "attempt": attempt})
 
@@ -199,7 +213,7 @@ class Scheduler:
         if res.status == "already_committed":
             f.already_committed += 1
             self.counts.found_committed += 1
-        if res.status == "committed":
+        if res.status in ("committed", "streamed"):
             self.health.unit_took(res.seconds)
             f.units += 1
             f.tokens += res.tokens
@@ -211,6 +225,8 @@ class Scheduler:
             if res.marker is not None:
                 self.index.add(res.marker)
         self.units.committed(unit)
+        if self.deal is not None:
+            self.deal.delivered(unit.unit_id)
         bar.update(unit.n_rows)
         log.debug("unit %d rows [%d, %d) %s by actor %d pid %d in %.2f s (attempt %d)", unit.unit_id,
                   unit.row_start, unit.row_end, res.status, a, res.pid, res.seconds, attempt)
@@ -237,6 +253,13 @@ class Scheduler:
                               " (ray.unit_timeout_s sets the deadline)")
             self.health.kill_hung(a, stalled)
         self.health.check_probes()
+
+    def placed_all(self) -> "int | None":
+        """Units of the run once every one is placed and planned (the frontier is done), else
+        None."""
+        if not self.frontier.done or self.plan.unplanned:
+            return None
+        return len(self.plan.units)
 
     # ---- the loop ----------------------------------------------------------------------------
     def finished(self) -> bool:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from harvest.store.commit.plan import Unit
+
 
 @dataclass(frozen=True)
 class Sent:
-    unit: object
+    unit: Unit
     actor: int
     attempt: int
     at: float                # time.monotonic() when it was sent
@@ -33,7 +35,7 @@ class InFlight:
         self.load = [0] * n_actors
         self.slots = slots
 
-    def add(self, ref, unit, actor: int, attempt: int, pid: "int | None") -> None:
+    def add(self, ref, unit: Unit, actor: int, attempt: int, pid: "int | None") -> None:
         self.sent[ref] = Sent(unit, actor, attempt, time.monotonic(), pid)
         self.load[actor] += 1
 
