@@ -108,7 +108,10 @@ class StreamCoordinator:
                     break
             time.sleep(0.2)
         time.sleep(0.5)   # the last leave's reply
-        os._exit(0)   # detached: nothing else ends it (the run's actors went with the run)
+        import ray
+
+        # detached: nothing else ends it (the run's actors went with the run)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ---- what the trainers call ------------------------------------------------------------
     def join(self, rank: int, world_size: int, key: str, pid: int,
