@@ -15,11 +15,11 @@ half the bytes (its wire bytes price it).
 
 from __future__ import annotations
 
-# bench_stream, 2026-12-06, SmolLM2's shape (30 x 576) and the 8B row (32 x 4096): the larger
-# of the two shapes' figures, after start-up (RESULTS.md, "Streaming to trainers")
-STREAM_CAPTURE_CORE_S_PER_GB = 3.0    # capture actors: deal, queue, serialise into Ray's store
-STREAM_TRAINER_CORE_S_PER_GB = 6.0    # trainer: receive, window copy, batch gather
-STORE_READ_CORE_S_PER_GB = 4.6        # the store reader: fetch, decode, gather, one epoch
+# bench_stream, 2026-12-06 (results/stream.json), SmolLM2's shape (30 x 576) and the 8B row
+# (32 x 4096): the larger of the two shapes' figures, after start-up, rounded up
+STREAM_CAPTURE_CORE_S_PER_GB = 1.9    # capture actors: deal, queue, serialise into Ray's store
+STREAM_TRAINER_CORE_S_PER_GB = 2.6    # trainer: receive, window copy, batch gather
+STORE_READ_CORE_S_PER_GB = 2.9        # the store reader: fetch, decode, gather, one epoch
 SOURCE = ("measured by bench_stream (both paths in one run, stub engine, after start-up) on 2 "
           "shared cores: an upper bound")
 
