@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .engine import check_engine, close_engine, gpu_ids, load_engine
-from .outbox import Outbox, StreamClosed, UnitParts
+from .outbox import Outbox, StreamClosed, UnitParts, rss_bytes
 from harvest.pipeline.logs import mark_phase, redirect_actor
 from harvest.store.format.dtypes import torch_dtype, torch_view
 from harvest.store.storage.retries import THROTTLE
@@ -280,7 +280,7 @@ class HarvestActor:
         return {"actor": self.index, "pid": os.getpid(), "held_rows": held,
                 "held_bytes": held_bytes, "peak_held_bytes": self.outbox.peak_held_bytes,
                 "rows_sent": self.outbox.rows_sent, "bytes_sent": self.outbox.bytes_sent,
-                "put_wait_s": round(self.outbox.put_wait_s, 3), "rss_bytes": _rss_bytes()}
+                "put_wait_s": round(self.outbox.put_wait_s, 3), "rss_bytes": rss_bytes()}
 
     # -- the engine stream ------------------------------------------------------------------
     def _engine_loop(self) -> None:
@@ -481,15 +481,6 @@ def _pinned_empty(shape, dtype) -> np.ndarray:
 
     t = torch.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=torch.uint8, pin_memory=True)
     return t.numpy().view(dtype).reshape(shape)
-
-
-def _rss_bytes() -> int:
-    """This process's resident set size (Linux /proc; 0 where it cannot be read)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _is_conflict(e: BaseException) -> bool:

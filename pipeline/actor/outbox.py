@@ -220,3 +220,15 @@ def _pack(parts: list, actor: int, pid: int, held: int) -> StreamRows:
         doc_id=cat([p.meta[1] for p in parts], np.int64),
         position=cat([p.meta[2] for p in parts], np.int32),
         acts=tuple(p.acts for p in parts), held_rows=held)
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where it cannot be read): the stream's
+    memory figures on both sides (HarvestActor.stream_figures, StreamDataset.figures)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

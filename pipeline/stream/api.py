@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from harvest.pipeline.config.run import HarvestConfig, load_config
+from harvest.pipeline.actor.outbox import rss_bytes
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.messages import StreamInfo
 from harvest.store.format.dtypes import FP8_NAME, is_quantized, raw_dtype, resolve_dtype, row_width, torch_dtype
@@ -280,7 +281,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
                 "rows_per_second": round(self.rows_yielded / wall, 1) if wall else None,
                 "window_rows": getattr(self, "window_rows", None),
                 "buffer_bytes": self.windows.arena_bytes if self.windows is not None else None,
-                "rss_bytes": _rss()}
+                "rss_bytes": rss_bytes()}
 
     def describe(self) -> dict:
         """How well this stream mixes documents, the store reader's `describe()` keys where they
@@ -323,12 +324,19 @@ class StreamDataset(torch.utils.data.IterableDataset):
                 else self.norm_constants.as_dict()}
 
 
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    def load_state_dict(self, state: dict) -> None:
+        """A rank cannot resume a stream: say why. The rows it took and had not trained on
+        were in its own process only (no store holds them), and the stream it belonged to
+        stopped when the rank went silent (coordinator.py, stream.rank_timeout_s)."""
+        tee = self.run_config.stream.tee
+        raise HarvestError(
+            f"stream {state.get('stream', self.name)!r} rank {state.get('rank')}: a stream cannot "
+            f"be resumed from a saved position: the rows a rank had taken and not trained on "
+            f"existed only in its process, and the stream stopped when the rank went silent. "
+            + ("This run writes a tee: read the rows after your checkpoint from its store "
+               "(ActivationDataset on store.url)." if tee else
+               "Run with stream.tee: true to keep a store that a restarted rank reads the rest "
+               "from, or start a new stream."))
 
 
 def stream(config, points=None, batch_size: int | None = None, *, rank: int | None = None,

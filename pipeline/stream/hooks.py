@@ -96,6 +96,10 @@ class StreamHooks:
 
     def actor_section(self, prep) -> StreamSpec:
         cfg = self.cfg
+        if cfg.capture.generate is not None:
+            raise HarvestError("capture.generate with a stream: a generated slot's rows are known "
+                               "only once generated, after the ranks must be dealt them; capture "
+                               "prompts, or write a store and read it")
         pts = stream_points(self.reader.points, prep.points)
         widths = tuple(int((prep.widths or {}).get(p, prep.width)) for p in pts)
         filt = stream_filter(self.reader, cfg, prep)

@@ -113,9 +113,9 @@ def run1(ray_cluster, tiny_llama, corpus, tmp_path_factory):
     return t
 
 
-def _spawn(ray_cluster, cfg, rank: int, out: str) -> subprocess.Popen:
+def _spawn(ray_cluster, cfg, rank: int, out: str, **extra) -> subprocess.Popen:
     spec = {"address": ray_cluster.address, "config": cfg.to_dict(redact=False), "rank": rank,
-            "world": 2, "opts": {**OPTS, "normalize": "norm_scale"}, "out": out}
+            "world": 2, "opts": {**OPTS, "normalize": "norm_scale"}, "out": out, **extra}
     env = {**os.environ, **ray_cluster.env}
     return subprocess.Popen([sys.executable, "-m", "tests.support.stream_rank", json.dumps(spec)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -239,3 +239,26 @@ def test_external_ranks_with_a_tee_get_the_same_rows_and_the_tee_store_matches(
     assert out[0]["state"]["norm_constants"] == out[1]["state"]["norm_constants"]
     store = open_store(load_config(data=cfg.to_dict(redact=False)).store.resolved_url)
     check_store(store, reference)
+
+
+def test_a_killed_trainer_rank_stops_the_stream_saying_why(ray_cluster, tiny_llama, corpus,
+                                                          tmp_path):
+    """Rank 1 (an external process) dies by SIGKILL after 2 batches. A stream has no store to
+    give a restarted rank its rows back from, so it stops within stream.rank_timeout_s and the
+    other rank's iteration raises that reason; a saved state cannot be loaded, saying why."""
+    import harvest
+    from harvest.pipeline.errors import HarvestError
+    from tests.support.stream_rank import options
+
+    cfg = _cfg(tiny_llama, corpus, tmp_path, "stream.rank_timeout_s=5")
+    p = _spawn(ray_cluster, cfg, 1, str(tmp_path / "rank1"), die_after=2,
+               opts={**OPTS, "normalize": None})
+    ds = harvest.stream(cfg, rank=0, world_size=2, **options(OPTS))
+    t0 = time.monotonic()
+    with pytest.raises(HarvestError, match="trainer rank 1 has not been heard from") as e:
+        for _ in ds:
+            pass
+    assert "rows it took" in str(e.value) and time.monotonic() - t0 < 300
+    assert p.wait(60) == -signal.SIGKILL
+    with pytest.raises(HarvestError, match="cannot be resumed from a saved position.*stream.tee"):
+        ds.load_state_dict(ds.state_dict())

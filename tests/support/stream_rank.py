@@ -54,7 +54,15 @@ def main(argv: list[str]) -> int:
     ray.init(address=spec["address"], log_to_driver=False)
     cfg = load_config(data=spec["config"])
     t0 = time.time()
-    got = read_rank(cfg, spec["rank"], spec["world"], spec["opts"])
+    die = spec.get("die_after")
+
+    def on_batch(i, ds):
+        if die is not None and i + 1 >= die:   # a trainer that crashes: no leave, no cleanup
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+    got = read_rank(cfg, spec["rank"], spec["world"], spec["opts"], on_batch)
     arrays = {k: v for k, v in got.items() if isinstance(v, np.ndarray)}
     np.savez(spec["out"] + ".npz", **arrays)
     report = {k: v for k, v in got.items() if not isinstance(v, np.ndarray)}
