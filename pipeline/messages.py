@@ -303,7 +303,8 @@ class StreamRows:
     actor: int
     pid: int
     parts: "np.ndarray"
-    """int64 [n_parts, 4]: unit_id, context index in the unit, contexts in the unit, rows."""
+    """int64 [n_parts, 5]: unit_id, context index in the unit, contexts in the unit, rows, and
+    the context's global index (its first row // context size)."""
     rows: "np.ndarray"
     """int64 [m]: each row's global row (the store's row number)."""
     token_id: "np.ndarray"

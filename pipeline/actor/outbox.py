@@ -209,8 +209,9 @@ class Outbox:
 def _pack(parts: list, actor: int, pid: int, held: int) -> StreamRows:
     """The parts as one message; each part's acts stay their own array (Ray's serialiser copies
     each once into its object store, a concatenation here would be a second copy)."""
-    table = np.array([(p.unit.unit_id, p.ctx, p.unit.n_ctx, p.rows.shape[0]) for p in parts],
-                     np.int64).reshape(-1, 4)
+    table = np.array([(p.unit.unit_id, p.ctx, p.unit.n_ctx, p.rows.shape[0],
+                       p.unit.row_start // p.unit.C + p.ctx) for p in parts],
+                     np.int64).reshape(-1, 5)
 
     def cat(vals, dtype, shape=()):
         return np.concatenate(vals) if vals else np.empty((0, *shape), dtype)

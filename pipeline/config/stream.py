@@ -33,7 +33,11 @@ class StreamConfig:
     join_timeout_s: how long the capture waits for every trainer rank to join before it stops.
     rank_timeout_s: a rank that joined and has not been heard from for this long (its process
         died: a trainer's receiver thread reports every second, paused or not) stops the
-        stream, saying so; its rows cannot be handed to anyone else.
+        stream, saying so. A rank that comes back sooner with its saved state
+        (`load_state_dict`) resumes: the units it had not finished are captured again for it.
+    replay_units: how many of the latest units the stream can capture again for a resuming
+        rank (their token references are kept: 16 bytes a token in Ray's object store); a rank
+        whose saved position is older is refused, saying so.
     linger_s: after the last row is taken, how long the stream waits for its ranks to say they
         are done (or for a rank to rejoin from a saved state) before it goes away.
     """
@@ -45,6 +49,7 @@ class StreamConfig:
     name: str | None = None
     join_timeout_s: float = 900.0
     rank_timeout_s: float = 60.0
+    replay_units: int = 64
     linger_s: float = 120.0
 
     def validate(self) -> None:
@@ -60,6 +65,7 @@ class StreamConfig:
                                   "'smollm2-l15'")
         check_float("stream.join_timeout_s", self.join_timeout_s, 0.1, MAX_SECONDS)
         check_float("stream.rank_timeout_s", self.rank_timeout_s, 1.0, MAX_SECONDS)
+        check_int("stream.replay_units", self.replay_units, 1)
         check_float("stream.linger_s", self.linger_s, 0.0, MAX_SECONDS)
 
 

@@ -21,6 +21,7 @@ class Sent:
     attempt: int
     at: float                # time.monotonic() when it was sent
     pid: "int | None"        # the actor's process id when it was sent
+    replay: object = None    # a streamed run's replay for one rank: the task to send again
 
 
 class InFlight:
@@ -35,8 +36,9 @@ class InFlight:
         self.load = [0] * n_actors
         self.slots = slots
 
-    def add(self, ref, unit: Unit, actor: int, attempt: int, pid: "int | None") -> None:
-        self.sent[ref] = Sent(unit, actor, attempt, time.monotonic(), pid)
+    def add(self, ref, unit: Unit, actor: int, attempt: int, pid: "int | None",
+            replay=None) -> None:
+        self.sent[ref] = Sent(unit, actor, attempt, time.monotonic(), pid, replay)
         self.load[actor] += 1
 
     def pop(self, ref) -> Sent:

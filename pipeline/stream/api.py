@@ -44,6 +44,7 @@ from harvest.store.read.shuffle.order import rank_world
 from harvest.store.read.tensors import RowForm, emit_rows
 
 from .coordinator import NAMESPACE, StreamCoordinator, coordinator_name
+from .progress import Progress, from_ranges
 from .receiver import Receiver
 from .windows import Windows
 
@@ -120,6 +121,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
         self.t_last: float | None = None
         self._measured: list[np.ndarray] = []
         self._handle = None
+        self._resume: dict | None = None     # a saved state to resume from (load_state_dict)
+        self.progress: Progress | None = None
 
     # ---- joining ---------------------------------------------------------------------------
     @property
@@ -143,6 +146,15 @@ class StreamDataset(torch.utils.data.IterableDataset):
         if not ray.is_initialized():
             raise HarvestError("harvest.stream: connect to the Ray cluster first "
                                "(ray.init(address=...)); a stream's ranks share its capture")
+        if self._resume is not None:   # a resume joins its own stream, never starts a new one
+            try:
+                return ray.get_actor(coordinator_name(self.run_config), namespace=NAMESPACE)
+            except ValueError:
+                raise HarvestError(
+                    f"stream {self.name!r} is gone (it ended, or stopped when rank {self.rank} "
+                    "went silent for stream.rank_timeout_s): a saved position cannot be resumed "
+                    "without it; the rows after it exist nowhere else (write a tee to read them "
+                    "back from its store)") from None
         Remote = ray.remote(StreamCoordinator)
         return Remote.options(
             name=coordinator_name(self.run_config), namespace=NAMESPACE, get_if_exists=True,
@@ -154,8 +166,10 @@ class StreamDataset(torch.utils.data.IterableDataset):
         import ray
 
         deadline = time.monotonic() + self.run_config.stream.join_timeout_s
+        resume = None if self._resume is None else self._resume["consumed"]
         while True:
-            got = ray.get(handle.join.remote(self.rank, self.world_size, self.key(), os.getpid()))
+            got = ray.get(handle.join.remote(self.rank, self.world_size, self.key(), os.getpid(),
+                                             resume=resume))
             if isinstance(got, str):
                 raise HarvestError(f"stream {self.name!r}, rank {self.rank}: {got}")
             if got is not None:
@@ -183,8 +197,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
             self.batch_size * 4, _DEFAULT_BUFFER_BYTES // (rw * raw.itemsize * P))
         self.window_rows = W
         self.windows = Windows(W, P, rw, raw, self.seed, self.rank, bool(self.shuffle))
+        r = self._resume or {}
+        self.progress = Progress(info.context_size, from_ranges(r.get("consumed")),
+                                 {int(g): v for g, v in (r.get("partial") or {}).items()})
         self.receiver = Receiver(info, self.rank, self.windows, self.run_config.stream.take_rows,
-                                 handle).start()
+                                 handle, self.progress).start()
         out_dtype = self.config.out_dtype or (torch.float32 if self.normalize or quantized
                                               else torch_dtype(wire))
         form = RowForm(tuple(info.points), cols, wire, quantized, self.config.dequantize, None,
@@ -213,6 +230,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
             if len(self._measured) < _MEASURED_BATCHES:
                 self._measured.append(meta["doc_id"].copy())
             self.rows_yielded += rows.shape[0]
+            self.progress.yielded(rows)
             shown = meta if self.return_meta else {}
             f = form if self.norm_constants is None or form.norm is not None else \
                 RowForm(form.points, form.cols, form.store_dtype, form.quantized, form.dequantize,
@@ -313,30 +331,36 @@ class StreamDataset(torch.utils.data.IterableDataset):
         return res
 
     def state_dict(self) -> dict:
-        """Where this rank stands: batches yielded, the normalisation constants used, the stream
-        it belongs to. A stream has no store to read back from, so a rank that restarts cannot
-        get back the rows it already took (see docs/store.md, "Streaming to trainers": with a
-        tee, resume from the store instead)."""
+        """Where this rank stands (progress.py): the contexts it yielded whole and the rows it
+        yielded of the others, batches and rows so far, the normalisation constants. Save it
+        with the trainer's checkpoint; a restarted rank gives it to `load_state_dict`."""
+        pos = self.progress.state() if self.progress is not None else \
+            {k: (self._resume or {}).get(k) for k in ("consumed", "partial")}
         return {"version": 1, "stream": self.name, "key": self.key(), "rank": self.rank,
                 "world_size": self.world_size, "batches": self.batches_yielded,
-                "rows": self.rows_yielded,
+                "rows": self.rows_yielded, **pos,
                 "norm_constants": None if self.norm_constants is None
                 else self.norm_constants.as_dict()}
 
-
     def load_state_dict(self, state: dict) -> None:
-        """A rank cannot resume a stream: say why. The rows it took and had not trained on
-        were in its own process only (no store holds them), and the stream it belonged to
-        stopped when the rank went silent (coordinator.py, stream.rank_timeout_s)."""
-        tee = self.run_config.stream.tee
-        raise HarvestError(
-            f"stream {state.get('stream', self.name)!r} rank {state.get('rank')}: a stream cannot "
-            f"be resumed from a saved position: the rows a rank had taken and not trained on "
-            f"existed only in its process, and the stream stopped when the rank went silent. "
-            + ("This run writes a tee: read the rows after your checkpoint from its store "
-               "(ActivationDataset on store.url)." if tee else
-               "Run with stream.tee: true to keep a store that a restarted rank reads the rest "
-               "from, or start a new stream."))
+        """Resume rank `rank` from a saved position, before iterating: the stream captures
+        again, for this rank only, every unit it had not yielded whole (within the last
+        stream.replay_units units), and the rows it had yielded are dropped, so each of its
+        rows is yielded once across the restart. Possible while the stream runs: a rank must
+        come back within stream.rank_timeout_s of its death (the others wait for it meanwhile);
+        after the stream ended, or past the replay horizon, joining says why it cannot."""
+        if state.get("version") != 1:
+            raise ValueError(f"stream state version {state.get('version')!r} is not 1")
+        mine = {"stream": self.name, "key": self.key(), "rank": self.rank,
+                "world_size": self.world_size}
+        for k, v in mine.items():
+            if state.get(k) != v:
+                raise ValueError(f"stream state was saved with {k}={state.get(k)!r}, this stream "
+                                 f"has {k}={v!r}; resume with the same config, options and rank")
+        self._resume = state
+        self.batches_yielded, self.rows_yielded = int(state["batches"]), int(state["rows"])
+        if state.get("norm_constants") is not None:
+            self.norm_constants = _norm.NormConstants.from_dict(state["norm_constants"])
 
 
 def stream(config, points=None, batch_size: int | None = None, *, rank: int | None = None,

@@ -5,8 +5,10 @@ coordinator (a named, detached Ray actor, so it outlives the process that create
 that dies takes no capture with it), the others find it by name. It runs the driver's run
 (`driver.run` with hooks.StreamHooks) on a thread: tokenising workers and capture actors are its
 own, and go with it. Trainers ask it four things: to join (the capture actors' handles and the
-stream's facts, once the actors exist), where the stream stands, the normalisation constants
-(built once from every rank's first window: all ranks normalise alike), and to leave.
+stream's facts, once the actors exist; a restarted rank with its saved position, which queues
+again for it alone the units it had not finished: deal.Deal.replay), where the stream stands,
+the normalisation constants (built once from every rank's first window: all ranks normalise
+alike), and to leave.
 
 It stops the run when not every rank joined within `stream.join_timeout_s`, and goes away once
 every rank that joined has left after the run ended, or `stream.linger_s` after that at the
@@ -27,6 +29,7 @@ from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.messages import StreamInfo, StreamStatus
 
 from .hooks import StreamHooks
+from .progress import from_ranges
 
 if TYPE_CHECKING:
     from harvest.store.read.normalize import NormConstants
@@ -53,6 +56,7 @@ class StreamCoordinator:
         self.joined: dict[int, int] = {}    # rank -> its process id
         self.left: set[int] = set()
         self.heard: dict[int, float] = {}   # rank -> when it last reported (heartbeat)
+        self.resumed: dict[int, int] = {}   # rank -> the process whose resume was replayed
         self.moments: dict[int, list] = {}  # rank -> its first window's Moments per point
         self.constants: "NormConstants | None" = None
         self.error: str | None = None
@@ -114,10 +118,12 @@ class StreamCoordinator:
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ---- what the trainers call ------------------------------------------------------------
-    def join(self, rank: int, world_size: int, key: str, pid: int,
-             wait_s: float = 5.0) -> "StreamInfo | str | None":
+    def join(self, rank: int, world_size: int, key: str, pid: int, wait_s: float = 5.0,
+             resume: "list | None" = None) -> "StreamInfo | str | None":
         """The stream's facts for rank `rank` once its actors exist (None: not yet, ask again),
-        or why it may not join (a str)."""
+        or why it may not join (a str). `resume` (a restarted rank's saved position: the
+        contexts it had yielded whole, as ranges) queues again, for it alone, every unit it had
+        not finished (deal.Deal.replay)."""
         if key != self.key:
             return (f"a stream named {self.cfg.stream.name or self.cfg.name!r} is running with "
                     "another config or other reader options; give this one its own "
@@ -126,19 +132,33 @@ class StreamCoordinator:
             return (f"this stream has {self.G} ranks (0..{self.G - 1}); rank {rank} of "
                     f"{world_size} cannot join it")
         with self._lock:
-            if rank in self.joined and rank not in self.left and self.joined[rank] != pid:
+            if rank in self.joined and rank not in self.left and self.joined[rank] != pid \
+                    and resume is None:
                 return (f"rank {rank} is already in this stream (process {self.joined[rank]}); "
-                        "a rank that restarts must leave first or come back with its saved "
-                        "state (StreamDataset.load_state_dict)")
-            if self.finished.is_set() and rank not in self.joined:
+                        "a rank that restarts must come back with its saved state "
+                        "(StreamDataset.load_state_dict)")
+            if self.finished.is_set() and (rank not in self.joined or resume is not None):
                 return (f"the stream ended ({self.error or 'every row was delivered'}) before "
-                        f"rank {rank} joined")
+                        f"rank {rank} joined; the rows after a saved position exist nowhere else "
+                        "(write a tee to read them back from its store)")
             self.joined[rank] = pid
             self.heard[rank] = time.monotonic()
             self.left.discard(rank)
+            replay = resume is not None and self.resumed.get(rank) != pid
         self.hooks.ready.wait(wait_s)
         if self.error is not None:
             return f"the capture stopped: {self.error}"
+        if replay:
+            if self.hooks.deal is None:
+                return None   # the run is still preparing: ask again
+            why = self.hooks.deal.replay(rank, from_ranges(resume))
+            if why is not None:
+                return why
+            with self._lock:
+                self.resumed[rank] = pid
+            log.info("stream %s: rank %d resumed (process %d); %d units captured again for it",
+                     self.cfg.stream.name or self.cfg.name, rank, pid,
+                     len(self.hooks.deal.replays))
         return self.hooks.info
 
     def heartbeat(self, rank: int) -> None:

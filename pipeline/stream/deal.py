@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import OrderedDict, deque
 from typing import Callable
+
+import numpy as np
 
 from harvest.pipeline.data.rows import unit_rows
 from harvest.pipeline.messages import UnitDeal, UnitTask
@@ -32,10 +35,16 @@ class Deal:
 
     def __init__(self, filt, context_size: int, world_size: int,
                  guard: "Callable[[], None] | None" = None,
-                 counter: "Callable[[UnitTask], int] | None" = None):
+                 counter: "Callable[[UnitTask], int] | None" = None, replay_units: int = 64):
         self.filter, self.C, self.G = filt, context_size, world_size
         self.guard = guard
         self.counter = counter or self.count_task
+        # the latest stamped units (Unit, UnitTask), for a resuming rank's replay; older ones
+        # let go of their token references
+        self.sent: "OrderedDict[int, tuple]" = OrderedDict()
+        self.replay_units = replay_units
+        self.evicted_upto = -1              # every unit id <= this may be gone from `sent`
+        self.replays: deque = deque()       # (Unit, UnitTask, attempt) to capture for one rank
         self.kept: dict[int, int] = {}      # unit id -> kept rows
         self.before: dict[int, int] = {}    # unit id -> kept rows of the units before it
         self._next = 0                      # units 0.._next-1 have `before`
@@ -43,6 +52,7 @@ class Deal:
         self.total: int | None = None       # N, once every unit is counted
         self.units: int | None = None       # the run's units, once placed
         self.done: set[int] = set()         # units every rank took
+        self.unit_rows: dict[int, tuple[int, int]] = {}   # unit id -> its rows, once counted
         self._lock = threading.Lock()       # the figures are read from other threads
 
     def count(self, ready, task_of, n_units: "int | None") -> None:
@@ -53,6 +63,7 @@ class Deal:
         for unit, _ in ready:
             if unit.unit_id not in self.kept:
                 self.kept[unit.unit_id] = self.counter(task_of(unit))
+                self.unit_rows[unit.unit_id] = (unit.row_start, unit.row_end)
         with self._lock:
             while self._next in self.kept:
                 self.before[self._next] = self._sum
@@ -83,6 +94,48 @@ class Deal:
         else:
             return None
         return dataclasses.replace(task, deal=deal)
+
+    def sent_unit(self, unit, task: UnitTask) -> None:
+        """A stamped unit went to an actor: kept for a replay (the latest replay_units)."""
+        with self._lock:
+            self.sent[unit.unit_id] = (unit, task)
+            self.sent.move_to_end(unit.unit_id)
+            while len(self.sent) > self.replay_units:
+                uid, _ = self.sent.popitem(last=False)
+                self.evicted_upto = max(self.evicted_upto, uid)
+
+    def replay(self, rank: int, consumed: np.ndarray) -> "str | None":
+        """Queue again, for `rank` only, every unit sent so far of which the rank has not
+        yielded every row (`consumed`: sorted global contexts it yielded whole, empty ones
+        included); returns why it cannot (a unit it needs is past the replay horizon), or None."""
+        def whole(uid: int) -> bool:
+            a, b = self.unit_rows[uid]
+            return bool(np.isin(np.arange(a // self.C, b // self.C), consumed).all())
+        with self._lock:
+            gone = [uid for uid in self.unit_rows
+                    if uid <= self.evicted_upto and uid not in self.sent and not whole(uid)]
+            if gone:
+                return (f"rank {rank}'s saved position is older than the stream can capture "
+                        f"again: unit {min(gone)} (and {len(gone) - 1} more) went past "
+                        f"stream.replay_units={self.replay_units}; save the rank's state more "
+                        "often, raise stream.replay_units, or write a tee")
+            for uid, (unit, task) in self.sent.items():
+                if not whole(uid):
+                    d = dataclasses.replace(task.deal, ranks=(rank,), replay=True)
+                    self.replays.append((unit, dataclasses.replace(task, deal=d), 1))
+            return None
+
+    def next_replay(self):
+        with self._lock:
+            return self.replays.popleft() if self.replays else None
+
+    def requeue_replay(self, unit, task: UnitTask, attempt: int) -> None:
+        with self._lock:
+            self.replays.appendleft((unit, task, attempt))
+
+    def replays_pending(self) -> bool:
+        with self._lock:
+            return bool(self.replays)
 
     def delivered(self, unit_id: int) -> None:
         with self._lock:

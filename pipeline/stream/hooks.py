@@ -103,7 +103,8 @@ class StreamHooks:
         pts = stream_points(self.reader.points, prep.points)
         widths = tuple(int((prep.widths or {}).get(p, prep.width)) for p in pts)
         filt = stream_filter(self.reader, cfg, prep)
-        self.deal = Deal(filt, prep.context_size, self.world_size, self.guard)
+        self.deal = Deal(filt, prep.context_size, self.world_size, self.guard,
+                         replay_units=cfg.stream.replay_units)
         self._facts = (tuple(pts), widths, cfg.stream_dtype(), prep.context_size,
                        sink_positions({"context_size": prep.context_size,
                                        "stats_skip_positions": prep.stats_skip_positions}),

@@ -23,6 +23,7 @@ import time
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.messages import StreamInfo, StreamRows
 
+from .progress import Progress
 from .windows import Windows
 
 log = logging.getLogger("harvest.pipeline")
@@ -36,9 +37,12 @@ STATUS_EVERY_S = 0.5   # the coordinator is asked where the run stands at most t
 class Receiver:
     """Takes rank `rank`'s rows from the capture actors into `windows` on its own thread."""
 
-    def __init__(self, info: StreamInfo, rank: int, windows: Windows, take_rows: int, handle):
+    def __init__(self, info: StreamInfo, rank: int, windows: Windows, take_rows: int, handle,
+                 progress: "Progress | None" = None):
         self.info, self.rank, self.windows, self.take_rows = info, rank, windows, take_rows
         self.handle = handle            # the coordinator's
+        self.progress = progress or Progress(info.context_size)
+        self.resumed_parts = 0          # parts a resumed rank had yielded before (dropped)
         self.stopping = threading.Event()
         self.seen: dict[int, set] = {}  # unit -> contexts received, until all are
         self.complete: set[int] = set()
@@ -136,7 +140,7 @@ class Receiver:
     def add(self, got: StreamRows) -> None:
         """Keep the parts not received before; drop the others (exactly once)."""
         off = 0
-        for (unit, ctx, n_ctx, m), acts in zip(got.parts.tolist(), got.acts):
+        for (unit, ctx, n_ctx, m, g), acts in zip(got.parts.tolist(), got.acts):
             lo, off = off, off + m
             if unit in self.complete or ctx in self.seen.get(unit, ()):
                 self.duplicates += 1
@@ -146,15 +150,24 @@ class Receiver:
             if len(have) == n_ctx:
                 self.complete.add(unit)
                 del self.seen[unit]
-            if m:
-                self.windows.add(got.rows[lo:off], (got.token_id[lo:off], got.doc_id[lo:off],
-                                                    got.position[lo:off]), acts)
-                self.rows += m
+            rows = got.rows[lo:off]
+            meta = (got.token_id[lo:off], got.doc_id[lo:off], got.position[lo:off])
+            keep = self.progress.keep(g, rows)
+            if keep is None:   # yielded whole before this rank resumed
+                self.resumed_parts += 1
+                continue
+            if not keep.all():
+                rows, acts, meta = rows[keep], acts[keep], tuple(c[keep] for c in meta)
+            self.progress.received(g, rows.shape[0])
+            if rows.shape[0]:
+                self.windows.add(rows, meta, acts)
+                self.rows += rows.shape[0]
                 self.bytes += acts.nbytes
 
     def figures(self) -> dict:
         return {"rows": self.rows, "bytes": self.bytes, "takes": self.takes,
                 "take_errors": self.take_errors, "duplicate_parts": self.duplicates,
+                "resumed_parts": self.resumed_parts,
                 "units_complete": len(self.complete)}
 
 

@@ -128,13 +128,13 @@ def test_stream_messages_round_trip_and_check_their_shapes(pickler):
     assert back == spec and back.filter.kept_positions() == spec.filter.kept_positions()
     with pytest.raises(ValueError, match="one width per streamed point"):
         StreamSpec(2, (0, 2), (576,), "bfloat16", spec.filter, 1)
-    rows = StreamRows(actor=0, pid=1, parts=np.array([[3, 0, 2, 2], [3, 1, 2, 0]]),
+    rows = StreamRows(actor=0, pid=1, parts=np.array([[3, 0, 2, 2, 6], [3, 1, 2, 0, 7]]),
                       rows=np.array([5, 7]), token_id=np.array([1, 2], np.int32),
                       doc_id=np.array([9, 9]), position=np.array([5, 7], np.int32),
                       acts=(np.zeros((2, 1, 8), np.uint16), np.zeros((0, 1, 8), np.uint16)))
     got = pickler.loads(pickler.dumps(rows))
     assert np.array_equal(got.rows, rows.rows) and got.acts[0].shape == (2, 1, 8)
     with pytest.raises(ValueError, match="parts count 3 rows, 2 given"):
-        StreamRows(actor=0, pid=1, parts=np.array([[3, 0, 2, 3]]), rows=rows.rows,
+        StreamRows(actor=0, pid=1, parts=np.array([[3, 0, 2, 3, 6]]), rows=rows.rows,
                    token_id=rows.token_id, doc_id=rows.doc_id, position=rows.position,
                    acts=rows.acts)

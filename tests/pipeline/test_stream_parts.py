@@ -131,6 +131,7 @@ def test_outbox_backpressure_pauses_the_producer_until_a_rank_takes():
     parts = np.concatenate([x.parts for x in got[0] + got[1]])
     assert len(parts) == 6 and set(map(tuple, parts[:, :3].tolist())) == \
         {(3, i, 3) for i in range(3)}
+    assert set(parts[:, 4].tolist()) == {9, 10, 11}       # unit 3's contexts, globally
 
 
 def test_outbox_fp8_rows_are_the_stores_quantiser_bit_for_bit():
@@ -160,7 +161,7 @@ def test_receiver_keeps_the_first_copy_of_each_part_and_windows_hold_every_row_o
         again.deliver(up2, i, again.context_rows(_acts(C)))
     second = again.take(0, 1000, 0.05, pid=2)
     w = _windows(W=64)
-    info = SimpleNamespace(actors=(), name="t")
+    info = SimpleNamespace(actors=(), name="t", context_size=C)
     rec = Receiver(info, 0, w, 100, handle=None)
     rec.add(first)
     rec.add(second)
@@ -191,3 +192,41 @@ def test_windows_wait_when_both_arenas_are_taken():
     w.release(arena)
     t.join(5)
     assert not t.is_alive() and w.rows_in == 12
+
+
+def test_progress_records_what_a_rank_yielded_and_a_resume_drops_exactly_that():
+    from harvest.pipeline.stream.progress import Progress, from_ranges, to_ranges
+
+    assert to_ranges(np.array([1, 2, 3, 7, 9, 10])) == [[1, 4], [7, 8], [9, 11]]
+    assert from_ranges([[1, 4], [7, 8]]).tolist() == [1, 2, 3, 7]
+    p = Progress(C)
+    for g in (0, 1, 2):
+        p.received(g, 4 if g < 2 else 0)          # context 2 holds no row for this rank
+    p.yielded(np.array([0, 1, 2, 3, 8, 9]))      # context 0 whole, two rows of context 1
+    st = p.state()
+    assert st["consumed"] == [[0, 1], [2, 3]] and st["partial"] == {"1": [8, 9]}
+    again = Progress(C, from_ranges(st["consumed"]), {int(g): v for g, v in st["partial"].items()})
+    assert again.keep(0, np.array([0, 1, 2, 3])) is None
+    assert again.keep(1, np.array([8, 9, 10, 11])).tolist() == [False, False, True, True]
+    assert again.keep(3, np.array([24])).tolist() == [True]
+    again.received(1, 2)
+    again.yielded(np.array([10, 11]))
+    assert again.state() == {"consumed": [[0, 3]], "partial": {}}
+
+
+def test_deal_replays_unfinished_units_for_one_rank_within_its_horizon():
+    kept = [8, 8, 8, 8]
+    units, tasks, counter = _units(kept)
+    deal = Deal(None, C, 2, counter=counter, replay_units=2)
+    deal.count(deque((u, 1) for u in units), lambda u: tasks[u.unit_id], len(units))
+    for u in units[:3]:
+        deal.sent_unit(u, deal.stamp(tasks[u.unit_id], len(units)))
+    # units 1 and 2 are kept for replays, unit 0 went past the horizon
+    assert deal.replay(1, np.array([0, 1], np.int64)) is None     # unit 0 yielded whole: fine
+    got = []
+    while (item := deal.next_replay()) is not None:
+        got.append(item)
+    assert [u.unit_id for u, _, _ in got] == [2] and got[0][1].deal.ranks == (1,) \
+        and got[0][1].deal.replay
+    why = deal.replay(1, np.array([1], np.int64))
+    assert why is not None and "unit 0" in why and "stream.replay_units=2" in why

@@ -71,10 +71,10 @@ class Trainers:
         except BaseException as e:  # noqa: BLE001 -- asserted by the tests
             self.errors.append(e)
 
-    def _keep_rank0(self, i, ds) -> None:
+    def _keep_rank0(self, i, ds, rows) -> None:
         self.rank0 = ds
 
-    def _on_batch(self, i: int, ds) -> None:
+    def _on_batch(self, i: int, ds, rows) -> None:
         import ray
 
         if i == 1:
@@ -241,11 +241,11 @@ def test_external_ranks_with_a_tee_get_the_same_rows_and_the_tee_store_matches(
     check_store(store, reference)
 
 
-def test_a_killed_trainer_rank_stops_the_stream_saying_why(ray_cluster, tiny_llama, corpus,
-                                                          tmp_path):
-    """Rank 1 (an external process) dies by SIGKILL after 2 batches. A stream has no store to
-    give a restarted rank its rows back from, so it stops within stream.rank_timeout_s and the
-    other rank's iteration raises that reason; a saved state cannot be loaded, saying why."""
+def test_a_killed_trainer_rank_that_does_not_come_back_stops_the_stream_saying_why(
+        ray_cluster, tiny_llama, corpus, tmp_path):
+    """Rank 1 (an external process) dies by SIGKILL after 2 batches and nobody restarts it:
+    the stream stops within stream.rank_timeout_s and the other rank's iteration raises that
+    reason; a rank that then tries to resume is told the stream ended."""
     import harvest
     from harvest.pipeline.errors import HarvestError
     from tests.support.stream_rank import options
@@ -260,5 +260,44 @@ def test_a_killed_trainer_rank_stops_the_stream_saying_why(ray_cluster, tiny_lla
             pass
     assert "rows it took" in str(e.value) and time.monotonic() - t0 < 300
     assert p.wait(60) == -signal.SIGKILL
-    with pytest.raises(HarvestError, match="cannot be resumed from a saved position.*stream.tee"):
-        ds.load_state_dict(ds.state_dict())
+    late = harvest.stream(cfg, rank=1, world_size=2, **options(OPTS))
+    late.load_state_dict({**late.state_dict(), "consumed": [], "partial": {}})
+    with pytest.raises(HarvestError, match="stream ended|capture stopped|is gone"):
+        next(iter(late))
+
+
+def test_a_killed_trainer_rank_resumes_from_its_saved_state_and_yields_each_row_once(
+        ray_cluster, tiny_llama, corpus, reference, tmp_path):
+    """Rank 1 (an external process) saves its stream state after 4 batches (a checkpoint),
+    reads 3 more, and dies by SIGKILL. A new process for rank 1 loads the saved state: the
+    stream captures again, for rank 1 alone, the units it had not finished, and the new process
+    drops what the first had yielded before the checkpoint. Rank 1's rows before the checkpoint
+    and after the resume are its share exactly once (the 3 batches after the checkpoint are
+    yielded again, as the model's own state rolls back to the checkpoint too); rank 0 is
+    untouched."""
+
+    cfg = _cfg(tiny_llama, corpus, tmp_path, "stream.rank_timeout_s=120")
+    first = _spawn(ray_cluster, cfg, 1, str(tmp_path / "a"), checkpoint_at=4, die_after=7,
+                   opts=OPTS)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.__setitem__(0, read_rank(cfg, 0, 2, OPTS)),
+                         daemon=True)
+    t.start()
+    assert first.wait(300) == -signal.SIGKILL, first.communicate()[0][-3000:]
+    second = _spawn(ray_cluster, cfg, 1, str(tmp_path / "b"), opts=OPTS,
+                    resume=str(tmp_path / "a.state.json"))
+    log = second.communicate(timeout=600)[0]
+    assert second.returncode == 0, log[-4000:]
+    t.join(300)
+    assert 0 in out
+    before = np.load(tmp_path / "a.ckpt_rows.npy")
+    with np.load(tmp_path / "b.npz") as z:
+        after = {k: z[k] for k in z.files}
+    kept = _kept_rows(reference)
+    share = kept[1::2][:len(kept) // 2]
+    both = np.concatenate([before, after["rows"]])
+    assert len(both) == len(share) and np.array_equal(np.sort(both), share)
+    assert np.array_equal(np.sort(out[0]["rows"]), kept[0::2][:len(kept) // 2])
+    _check_rows(after, reference)
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["figures"]["resumed_parts"] > 0

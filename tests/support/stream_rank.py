@@ -19,14 +19,17 @@ def options(opts: dict) -> dict:
     return out
 
 
-def read_rank(cfg, rank: int, world: int, opts: dict, on_batch=None) -> dict:
+def read_rank(cfg, rank: int, world: int, opts: dict, on_batch=None, state=None) -> dict:
     """Every batch of rank `rank`: rows, metadata and acts' raw bits (float32 when normalised),
-    with the stream's figures, description, state and constants."""
+    with the stream's figures, description, state and constants. `state`: resume from it.
+    `on_batch(i, ds, rows)`: after batch i, with the rows yielded so far."""
     import torch
 
     import harvest
 
     ds = harvest.stream(cfg, rank=rank, world_size=world, **options(opts))
+    if state is not None:
+        ds.load_state_dict(state)
     rows, tok, doc, pos, acts = [], [], [], [], []
     for i, b in enumerate(ds):
         rows.append(b["row"].numpy().copy())
@@ -36,7 +39,7 @@ def read_rank(cfg, rank: int, world: int, opts: dict, on_batch=None) -> dict:
         a = b["acts"]
         acts.append((a.view(torch.int16) if a.dtype == torch.bfloat16 else a).numpy().copy())
         if on_batch is not None:
-            on_batch(i, ds)
+            on_batch(i, ds, rows)
     st = ds.receiver.last_status if ds.receiver is not None else None
     return {"rows": np.concatenate(rows), "token_id": np.concatenate(tok),
             "doc_id": np.concatenate(doc), "position": np.concatenate(pos),
@@ -54,15 +57,23 @@ def main(argv: list[str]) -> int:
     ray.init(address=spec["address"], log_to_driver=False)
     cfg = load_config(data=spec["config"])
     t0 = time.time()
-    die = spec.get("die_after")
+    die, ckpt = spec.get("die_after"), spec.get("checkpoint_at")
+    state = None
+    if spec.get("resume"):
+        with open(spec["resume"]) as f:
+            state = json.load(f)
 
-    def on_batch(i, ds):
+    def on_batch(i, ds, rows):
+        if ckpt is not None and i + 1 == ckpt:   # a trainer's checkpoint: its stream state
+            with open(spec["out"] + ".state.json", "w") as f:
+                json.dump(ds.state_dict(), f)
+            np.save(spec["out"] + ".ckpt_rows.npy", np.concatenate(rows))
         if die is not None and i + 1 >= die:   # a trainer that crashes: no leave, no cleanup
             import os
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
-    got = read_rank(cfg, spec["rank"], spec["world"], spec["opts"], on_batch)
+    got = read_rank(cfg, spec["rank"], spec["world"], spec["opts"], on_batch, state)
     arrays = {k: v for k, v in got.items() if isinstance(v, np.ndarray)}
     np.savez(spec["out"] + ".npz", **arrays)
     report = {k: v for k, v in got.items() if not isinstance(v, np.ndarray)}
