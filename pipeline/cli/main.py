@@ -219,7 +219,7 @@ def _stream_price(cfg, prep, est: dict, dataplane: "dict | None") -> "dict | Non
         * stored_itemsize(dt)
     units = round(est["tokens_per_second"] / max(1, dataplane["tokens_per_second_per"]))
     return stream_cost(est["tokens_per_second"], max(1, units), est.get("tokens"), bf16, wire,
-                       est.get("bytes_stored"), dataplane["write_core_s_per_gb"], dataplane["per"])
+                       est.get("bytes_stored"), dataplane["per"])
 
 
 def cmd_status(args) -> int:

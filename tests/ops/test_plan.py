@@ -630,7 +630,9 @@ def test_plan_prices_a_stream_beside_the_store_at_the_8b_shape(tmp_path, capsys)
     assert s["network_bytes"] == tokens * 32 * 4096 * 2
     assert s["capture_cores_per"] == pytest.approx(gb_s * cost.STREAM_CAPTURE_CORE_S_PER_GB, abs=0.01)
     assert s["trainer_cores_total"] == pytest.approx(64 * gb_s * cost.STREAM_TRAINER_CORE_S_PER_GB, rel=0.01)
-    assert s["store_write_cores_per"] == pytest.approx(d["cores_needed_per"], abs=0.01)
+    assert s["store_write_cores_per"] == pytest.approx(gb_s * cost.STORE_WRITE_CORE_S_PER_GB, abs=0.01)
+    assert s["store_read_cores_total_per_epoch"] == pytest.approx(
+        64 * gb_s * cost.STORE_READ_CORE_S_PER_GB, rel=0.01)
     assert s["bytes_stored"] == p["estimate"]["bytes_stored"]
     q = _plan_json(tmp_path, capsys, model, *sets, "stream.dtype=float8_e4m3fn")["stream"]
     assert q["network_bytes"] == tokens * 32 * 4100
