@@ -315,6 +315,9 @@ class StreamRows:
     (fp8: packed rows with their scales), one array per part in `parts` order."""
     held_rows: int = 0
     """Rows still held for this rank at this actor after this take."""
+    token: int = 0
+    """This take's number at its actor (0: no part): the trainer names it in its next take
+    (`ack`), and only then do the parts count as delivered (pipeline/actor/outbox.py)."""
 
     def __post_init__(self):
         m = int(self.rows.shape[0])

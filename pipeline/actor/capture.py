@@ -265,11 +265,17 @@ class HarvestActor:
                 raise StreamClosed(f"actor {self.index} closed before the trainers took unit "
                                    f"{parts.unit_id}'s rows")
 
-    def take(self, rank: int, max_rows: int, wait_s: float = 0.5) -> StreamRows:
-        """Trainer rank `rank`'s rows queued here, up to `max_rows` (outbox.Outbox.take)."""
+    def take(self, rank: int, max_rows: int, wait_s: float = 0.5, ack=()) -> StreamRows:
+        """Trainer rank `rank`'s rows queued here, up to `max_rows`; `ack`: the tokens of the
+        takes it received since (outbox.Outbox.take)."""
         if self.outbox is None:
             raise RuntimeError(f"actor {self.index} streams nothing (no stream section)")
-        return self.outbox.take(rank, max_rows, wait_s, os.getpid())
+        return self.outbox.take(rank, max_rows, wait_s, os.getpid(), ack)
+
+    def release_rank(self, rank: int) -> int:
+        """A trainer rank restarted from its saved state: what its old process took and never
+        acknowledged counts as delivered (outbox.Outbox.release)."""
+        return 0 if self.outbox is None else self.outbox.release(rank)
 
     def stream_figures(self) -> dict:
         """The stream's memory and flow here: rows held per rank, bytes held now and at the

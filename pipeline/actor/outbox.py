@@ -10,8 +10,10 @@ rank k % world_size (UnitDeal), so ranks get disjoint rows in equal numbers with
 each other. Every context of a unit is one part per rank, sent even when it holds no row for that
 rank, so the trainer knows which contexts of the unit it has: a unit re-captured after its actor
 died sends its parts again and the trainer keeps the first copy of each (exactly once). The unit
-is done (its `run_unit` returns) only once every part was taken: rows still queued here when the
-actor dies are sent again by the re-capture, never lost.
+is done (its `run_unit` returns) only once the trainer acknowledged every part: a take's parts
+count as delivered when the trainer's next take names the take's token (`ack`), never when they
+leave the queue, so rows still queued here, or on their way, when the actor dies are sent again
+by the re-capture, never lost.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class Outbox:
         self.rows_sent = 0
         self.bytes_sent = 0
         self.closed = False
+        self._unacked: dict[int, tuple] = {}   # take token -> (rank, its parts' units)
+        self._token = 0
         self.wire = resolve_dtype(spec.dtype)
         self.raw = raw_dtype(self.wire)
         self.quantized = is_quantized(spec.dtype)
@@ -166,11 +170,17 @@ class Outbox:
             self._cond.notify_all()
 
     # ---- the trainers' side ----------------------------------------------------------------
-    def take(self, r: int, max_rows: int, wait_s: float, pid: int) -> StreamRows:
+    def take(self, r: int, max_rows: int, wait_s: float, pid: int, ack=()) -> StreamRows:
         """Rank r's queued parts, up to `max_rows` rows (at least one part when any is queued
-        within `wait_s` seconds), as one StreamRows."""
+        within `wait_s` seconds), as one StreamRows; `ack`: the tokens of the earlier takes the
+        trainer received (their parts are delivered now)."""
         if not 0 <= r < self.spec.world_size:
             raise ValueError(f"rank {r}: this stream has ranks 0..{self.spec.world_size - 1}")
+        for t in ack:
+            with self._cond:
+                _, units = self._unacked.pop(int(t), (r, []))
+            for u in units:
+                u.taken()
         got: list[_Part] = []
         with self._cond:
             deadline = time.monotonic() + wait_s
@@ -187,13 +197,27 @@ class Outbox:
                 self._held[r] -= p.rows.shape[0]
                 self._held_bytes -= p.acts.nbytes
             held = self._held[r]
+            token = 0
+            if got:
+                self._token += 1
+                token = self._token
+                self._unacked[token] = (r, [p.unit for p in got])
             self._cond.notify_all()
-        out = _pack(got, self.actor, pid, held)
+        out = _pack(got, self.actor, pid, held, token)
         self.rows_sent += out.rows.shape[0]
         self.bytes_sent += sum(a.nbytes for a in out.acts)
-        for p in got:   # after the copy above: a unit is done only once its rows left here
-            p.unit.taken()
         return out
+
+    def release(self, r: int) -> int:
+        """Rank r restarted: the takes its old process never acknowledged count as delivered
+        (the stream captures those units again for the new process, deal.Deal.replay), so the
+        units waiting on them finish. Returns how many takes were released."""
+        with self._cond:
+            mine = [t for t, (rank, _) in self._unacked.items() if rank == r]
+            units = [u for t in mine for u in self._unacked.pop(t)[1]]
+        for u in units:
+            u.taken()
+        return len(mine)
 
     def held(self) -> tuple[list[int], int]:
         """(rows held per rank, bytes held)."""
@@ -206,7 +230,7 @@ class Outbox:
             self._cond.notify_all()
 
 
-def _pack(parts: list, actor: int, pid: int, held: int) -> StreamRows:
+def _pack(parts: list, actor: int, pid: int, held: int, token: int) -> StreamRows:
     """The parts as one message; each part's acts stay their own array (Ray's serialiser copies
     each once into its object store, a concatenation here would be a second copy)."""
     table = np.array([(p.unit.unit_id, p.ctx, p.unit.n_ctx, p.rows.shape[0],
@@ -220,7 +244,7 @@ def _pack(parts: list, actor: int, pid: int, held: int) -> StreamRows:
         token_id=cat([p.meta[0] for p in parts], np.int32),
         doc_id=cat([p.meta[1] for p in parts], np.int64),
         position=cat([p.meta[2] for p in parts], np.int32),
-        acts=tuple(p.acts for p in parts), held_rows=held)
+        acts=tuple(p.acts for p in parts), held_rows=held, token=token)
 
 
 def rss_bytes() -> int:

@@ -154,6 +154,7 @@ class StreamCoordinator:
             why = self.hooks.deal.replay(rank, from_ranges(resume))
             if why is not None:
                 return why
+            self._release(rank)
             with self._lock:
                 self.resumed[rank] = pid
             log.info("stream %s: rank %d resumed (process %d); %d units captured again for it",
@@ -165,6 +166,18 @@ class StreamCoordinator:
         with self._lock:
             if rank in self.joined:
                 self.heard[int(rank)] = time.monotonic()
+
+    def _release(self, rank: int) -> None:
+        """The dead process's unacknowledged takes count as delivered at every actor: the
+        units waiting on them finish (their rows for this rank come again by the replay)."""
+        import ray
+
+        refs = [a.release_rank.options(max_task_retries=-1).remote(rank)
+                for a in self.hooks.info.actors]
+        try:
+            ray.get(refs, timeout=60)
+        except Exception as e:  # noqa: BLE001 -- an actor restarting has nothing unacknowledged
+            log.warning("stream: releasing rank %d's takes: %s", rank, e)
 
     def status(self) -> StreamStatus:
         d = self.hooks.deal.figures() if self.hooks.deal is not None else {}

@@ -3,7 +3,9 @@ actor and puts them into its shuffle windows (windows.py).
 
 One take is outstanding per actor at a time (`HarvestActor.take`: up to `take_rows` rows, or
 whatever is queued within half a second); the rows come back through Ray's object store, and
-are copied once into the current window. Parts already received are dropped: a unit re-captured
+are copied once into the current window. Each take acknowledges the one before it from the same
+actor (its token): only then are those rows delivered in the actor's eyes, so rows lost on the
+way (the actor died while replying) are captured again, not dropped. Parts already received are dropped: a unit re-captured
 after its actor died sends its parts again (outbox.py), and the first copy of each (unit,
 context) is the one kept, so every row reaches the trainer exactly once. An actor that fails a
 take (killed, restarting) is asked again after a pause; Ray brings it back or the run moves its
@@ -43,6 +45,7 @@ class Receiver:
         self.handle = handle            # the coordinator's
         self.progress = progress or Progress(info.context_size)
         self.resumed_parts = 0          # parts a resumed rank had yielded before (dropped)
+        self.acks: dict[int, list] = {}   # actor -> tokens of takes received, to acknowledge
         self.stopping = threading.Event()
         self.seen: dict[int, set] = {}  # unit -> contexts received, until all are
         self.complete: set[int] = set()
@@ -101,7 +104,7 @@ class Receiver:
                 if a not in busy and retry.get(a, 0.0) <= now:
                     # no retry by Ray: a failed take is asked again here, of the restarted actor
                     out[h.take.options(max_task_retries=0).remote(
-                        self.rank, self.take_rows, TAKE_WAIT_S)] = a
+                        self.rank, self.take_rows, TAKE_WAIT_S, self.acks.pop(a, []))] = a
             ready, _ = ray.wait(list(out), num_returns=1, timeout=1.0)
             got_rows = 0
             for ref in ready:
@@ -129,12 +132,15 @@ class Receiver:
         try:
             got = ray.get(ref)
         except RayError as e:   # the actor died or restarts: its units are captured again
+            self.acks.pop(a, None)   # a new process: these tokens mean nothing to it
             self.take_errors += 1
             retry[a] = time.monotonic() + RETRY_S
             log.debug("rank %d: take from actor %d failed (%s); asking again", self.rank, a,
                       type(e).__name__)
             return None
         self.takes += 1
+        if got.token:
+            self.acks.setdefault(a, []).append(got.token)
         return got
 
     def add(self, got: StreamRows) -> None:

@@ -118,20 +118,45 @@ def test_outbox_backpressure_pauses_the_producer_until_a_rank_takes():
     assert not done.is_set()             # the second context's rows do not fit: it waits
     held, _ = box.held()
     assert max(held) <= 4
-    got = {0: [], 1: []}
+    got: dict = {0: [], 1: []}
+    acks: dict = {0: [], 1: []}
     while not done.is_set() or any(box.held()[0]):
         for r in (0, 1):
-            rows = box.take(r, 100, 0.05, pid=1)
+            rows = box.take(r, 100, 0.05, pid=1, ack=acks[r])
+            acks[r] = [rows.token] if rows.token else []
             got[r].append(rows)
     t.join(5)
     assert box.put_wait_s > 0.3
-    assert up.done.is_set()              # every part taken: the unit may finish
+    for r in (0, 1):
+        box.take(r, 100, 0.01, pid=1, ack=acks[r])
+    assert up.done.is_set()              # every part acknowledged: the unit may finish
     rows = {r: np.concatenate([x.rows for x in got[r]]) for r in (0, 1)}
     assert len(rows[0]) + len(rows[1]) == 3 * 7 and not set(rows[0]) & set(rows[1])
     parts = np.concatenate([x.parts for x in got[0] + got[1]])
     assert len(parts) == 6 and set(map(tuple, parts[:, :3].tolist())) == \
         {(3, i, 3) for i in range(3)}
     assert set(parts[:, 4].tolist()) == {9, 10, 11}       # unit 3's contexts, globally
+
+
+def test_a_unit_is_delivered_only_once_its_trainers_acknowledged_its_rows():
+    spec = _spec(send=100)
+    box = Outbox(spec, actor=0)
+    up = _unit_parts(spec, n_ctx=1)
+    box.deliver(up, 0, box.context_rows(_acts(C)))
+    first = [box.take(r, 100, 0.05, pid=1) for r in (0, 1)]
+    assert all(f.token for f in first) and not up.done.is_set()   # taken, maybe lost on the way
+    box.take(0, 100, 0.01, pid=1, ack=[first[0].token])
+    assert not up.done.is_set()
+    box.take(1, 100, 0.01, pid=1, ack=[first[1].token])
+    assert up.done.is_set()
+    # a rank whose process died with a take unacknowledged: released when it comes back
+    up2 = _unit_parts(spec, unit_id=4, n_ctx=1)
+    box.deliver(up2, 0, box.context_rows(_acts(C)))
+    box.take(0, 100, 0.05, pid=1, ack=[])
+    lost = box.take(1, 100, 0.05, pid=1, ack=[])
+    assert lost.token and box.take(0, 100, 0.01, pid=1, ack=[]).token == 0
+    assert not up2.done.is_set() and box.release(1) == 1 and not up2.done.is_set()
+    assert box.release(0) == 1 and up2.done.is_set()
 
 
 def test_outbox_fp8_rows_are_the_stores_quantiser_bit_for_bit():
