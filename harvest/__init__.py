@@ -14,6 +14,7 @@ only when this file sits in a checkout (a `pyproject.toml` naming the project be
 an installed copy in site-packages never searches site-packages as `harvest.*`.
 """
 
+import importlib as _importlib
 import os as _os
 
 __version__ = "0.1.0"   # the one version: the package, the light package and created_by in stores
@@ -23,3 +24,12 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
         _os.path.join(_root, "engine")) and _root not in __path__:
     __path__.append(_root)
 del _os, _root
+
+
+def __getattr__(name: str):
+    """`harvest.stream(config, points=..., batch_size=..., rank=..., world_size=...)`: a trainer
+    rank's batches straight from a capture run (harvest.pipeline.stream.api.stream), imported on
+    first use so `import harvest` stays light (the store's light install has no pipeline)."""
+    if name == "stream":
+        return getattr(_importlib.import_module(".pipeline.stream.api", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,14 @@
-"""The messages between the driver and the capture actors, as typed records.
+"""The messages between the driver, the capture actors and the trainers, as typed records.
 
 Five messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
 it, pipeline/actor/capture.py reads it), what the actor loaded (ActorInfo: pipeline/actor/capture.py builds it, cluster.py,
 health.py, dispatch.py and sink.py read it), a unit of work (dispatch.py builds it, pipeline/actor/capture.py and
 rows.py read it), the unit's result (pipeline/actor/capture.py builds it, dispatch.py reads it) and the actor's
-figures at the end of a run (ActorFigures: pipeline/actor/capture.py builds it, health.py reads it). As dicts, a misspelt or missing key
+figures at the end of a run (ActorFigures: pipeline/actor/capture.py builds it, health.py reads it). A streamed
+run (pipeline/stream/) adds its own: the actor's stream section (StreamSpec, on the ActorSpec),
+which rank gets which row of a unit (UnitDeal, on the UnitTask), a trainer rank's rows
+(StreamRows: actor -> trainer), what a joining trainer learns (StreamInfo) and where the stream
+stands (StreamStatus: coordinator -> trainer). As dicts, a misspelt or missing key
 would fail only where it is read, in another process and often minutes into a run. Frozen
 dataclasses fail at construction, in the process that builds the message, naming the field; readers use attributes a type checker
 follows (the same choice as vLLM's EngineCoreRequest).
@@ -13,7 +17,12 @@ follows (the same choice as vLLM's EngineCoreRequest).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from harvest.store.read.filters import RowFilter
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +40,9 @@ class ActorSpec:
     (prepare.resolve_points); `str(a)` is the store's point name."""
     context_size: int
     """Tokens per context: a unit's rows are cut into contexts of this many."""
-    store_url: str
-    """The store the actor writes its units into."""
+    store_url: str | None
+    """The store the actor writes its units into; None: a streamed run without a tee writes no
+    store (the rows go to the trainers only: `stream`)."""
     storage_options: dict | None = None
     """fsspec options for `store_url` (credentials, endpoint); None for a local store."""
     threads: int = 1
@@ -54,6 +64,8 @@ class ActorSpec:
     generate: dict | None = None
     """capture.generate (GenerateConfig.describe()): complete each context's prompt and write
     its slot (pipeline/actor/generation.py); None captures the contexts as they are."""
+    stream: "StreamSpec | None" = None
+    """A streamed run: what the actor hands the trainer ranks (pipeline/actor/outbox.py)."""
 
     def __repr__(self) -> str:
         """Every field, but `env` with its values masked and `storage_options` and `store_url`
@@ -64,7 +76,7 @@ class ActorSpec:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["env"] = {k: REDACTED for k in self.env}
         shown["storage_options"] = redact_options(self.storage_options)
-        shown["store_url"] = redact_url(self.store_url)
+        shown["store_url"] = None if self.store_url is None else redact_url(self.store_url)
         return f"ActorSpec({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def __post_init__(self):
@@ -73,6 +85,8 @@ class ActorSpec:
                              f"{self.points!r}")
         if self.context_size <= 0:
             raise ValueError(f"ActorSpec.context_size must be positive, got {self.context_size}")
+        if self.store_url is None and self.stream is None:
+            raise ValueError("ActorSpec: no store_url and no stream: the rows would go nowhere")
         if self.engine_factory is not None and ":" not in self.engine_factory:
             raise ValueError(f"ActorSpec.engine_factory must be 'module:callable', got "
                              f"{self.engine_factory!r}")
@@ -95,6 +109,8 @@ class UnitTask:
     """Ray object references to those chunks' arrays, one per piece."""
     digests: tuple[tuple[int, ...], ...] = ()
     """Each chunk's digest as its tokeniser recorded it (rows.chunk_digest), one per piece."""
+    deal: "UnitDeal | None" = None
+    """A streamed run: which trainer rank gets each of the unit's kept rows."""
 
     def __post_init__(self):
         if self.row_end < self.row_start:
@@ -110,7 +126,7 @@ class UnitTask:
         return self.row_end - self.row_start
 
 
-UnitStatus = Literal["committed", "already_committed"]
+UnitStatus = Literal["committed", "already_committed", "streamed"]
 UNIT_STATUSES: tuple[str, ...] = get_args(UnitStatus)
 
 
@@ -128,8 +144,9 @@ class UnitResult:
     attempt: int
     """The driver's attempt number for this unit, 1 for the first."""
     status: UnitStatus
-    """"committed" (this call wrote and committed it) or "already_committed" (a marker was
-    there: an earlier attempt's, or a racing one's)."""
+    """"committed" (this call wrote and committed it), "already_committed" (a marker was
+    there: an earlier attempt's, or a racing one's) or "streamed" (no store: every trainer rank
+    took the unit's rows)."""
     tokens: int
     """Rows this call committed: 0 when already committed."""
     seconds: float
@@ -214,3 +231,137 @@ class ActorFigures:
     """Storage requests the server throttled (503 SlowDown), each retried after the process's
     shared backoff (store/storage/retries.Throttle)."""
     throttle_wait_s: float = 0.0
+
+
+# ---- a streamed run (pipeline/stream/) ---------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """A capture actor's part of a streamed run: which rows it hands which trainer rank, in
+    what form, and how many it may hold for one rank before its capture pauses."""
+
+    world_size: int
+    """Trainer ranks: kept row k of the run (in row order) goes to rank k % world_size."""
+    points: tuple[int, ...]
+    """Indices into the captured points (ActorSpec.points) of the points streamed, in order."""
+    widths: tuple[int, ...]
+    """Each streamed point's width."""
+    dtype: str
+    """The rows on the wire: the model's dtype name, or "float8_e4m3fn" (packed with a
+    float32 scale per row, store/format/fp8.py)."""
+    filter: "RowFilter"
+    """The rows kept (store/read/filters.RowFilter): the same rule the store's reader applies."""
+    send_buffer_rows: int
+    """Rows held for one rank before the capture pauses (at least one context's share)."""
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"StreamSpec.world_size must be >= 1, got {self.world_size}")
+        if not self.points or len(self.points) != len(self.widths):
+            raise ValueError(f"StreamSpec: {len(self.points)} points and {len(self.widths)} "
+                             "widths; one width per streamed point, at least one point")
+        if self.send_buffer_rows < 1:
+            raise ValueError(f"StreamSpec.send_buffer_rows must be >= 1, got "
+                             f"{self.send_buffer_rows}")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitDeal:
+    """Which trainer rank gets each kept row of one unit (driver -> actor, on UnitTask.deal).
+
+    The unit's k-th kept row is the run's (kept_before + k)-th, and goes to rank
+    (kept_before + k) % world_size, unless it is at or past `cut` (the run's last N mod
+    world_size kept rows, dropped so that every rank gets N // world_size rows)."""
+
+    kept_before: int
+    """Kept rows of the units before this one (the run's row order)."""
+    kept: int
+    """Kept rows of this unit, as the driver counted them from its metadata."""
+    cut: int | None = None
+    """Rows with ordinal >= cut go to no rank; None when the cut cannot reach this unit."""
+    ranks: tuple[int, ...] | None = None
+    """Only these ranks get their rows (a rejoining rank's replay); None: every rank."""
+    replay: bool = False
+    """A replay for rejoining ranks: stream the rows, never write them to a store."""
+
+    def __post_init__(self):
+        if self.kept_before < 0 or self.kept < 0:
+            raise ValueError(f"UnitDeal: kept_before={self.kept_before} and kept={self.kept} "
+                             "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRows:
+    """One trainer rank's rows from one capture actor (HarvestActor.take), actor -> trainer.
+
+    Rows come in parts, one per (unit, context): a part may hold no row (the context's kept
+    rows all went to other ranks) and is sent all the same, so the trainer can tell which
+    contexts of a unit it has (a unit re-captured after its actor died sends them again; the
+    trainer keeps the first copy)."""
+
+    actor: int
+    pid: int
+    parts: "np.ndarray"
+    """int64 [n_parts, 5]: unit_id, context index in the unit, contexts in the unit, rows, and
+    the context's global index (its first row // context size)."""
+    rows: "np.ndarray"
+    """int64 [m]: each row's global row (the store's row number)."""
+    token_id: "np.ndarray"
+    doc_id: "np.ndarray"
+    position: "np.ndarray"
+    acts: tuple
+    """Each part's rows, [rows of the part, n_points, row width] raw bits of the stream dtype
+    (fp8: packed rows with their scales), one array per part in `parts` order."""
+    held_rows: int = 0
+    """Rows still held for this rank at this actor after this take."""
+    token: int = 0
+    """This take's number at its actor (0: no part): the trainer names it in its next take
+    (`ack`), and only then do the parts count as delivered (pipeline/actor/outbox.py)."""
+
+    def __post_init__(self):
+        m = int(self.rows.shape[0])
+        counted = int(self.parts[:, 3].sum()) if len(self.parts) else 0
+        if counted != m:
+            raise ValueError(f"StreamRows: parts count {counted} rows, {m} given")
+        if not self.token_id.shape[0] == self.doc_id.shape[0] == self.position.shape[0] == m:
+            raise ValueError("StreamRows: rows, token_id, doc_id and position must have one "
+                             "entry per row")
+        if len(self.acts) != len(self.parts) or any(
+                a.shape[0] != n for a, n in zip(self.acts, self.parts[:, 3].tolist())):
+            raise ValueError("StreamRows: acts must hold one array per part, of its rows")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    """What a trainer rank learns when it joins a stream (coordinator -> trainer)."""
+
+    name: str
+    world_size: int
+    actors: tuple
+    """The capture actors' Ray handles: the trainer takes its rows from each."""
+    points: tuple[str, ...]
+    widths: tuple[int, ...]
+    dtype: str
+    context_size: int
+    sink_positions: int
+    """Leading context positions left out of the normalisation window (filters.sink_positions)."""
+    filter: dict
+    """The rows kept (RowFilter.describe()), for the trainer's state and its checks."""
+    tee: str | None = None
+    """The store the run also writes (its URL, credentials masked), None without a tee."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """Where a stream stands (coordinator -> trainer)."""
+
+    units_planned: int
+    units_done: int
+    done: bool
+    """Every unit's rows were taken by every rank: nothing more will come."""
+    kept_rows: int | None = None
+    """Kept rows of the whole run, once known (then each rank gets kept_rows // world_size)."""
+    error: str | None = None
+    """Why the capture stopped, when it failed."""
+    summary: dict | None = None
+    """The run's summary, once it ended."""

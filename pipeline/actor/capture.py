@@ -30,10 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .engine import check_engine, close_engine, gpu_ids, load_engine
+from .outbox import Outbox, StreamClosed, UnitParts, rss_bytes
 from harvest.pipeline.logs import mark_phase, redirect_actor
 from harvest.store.format.dtypes import torch_dtype, torch_view
 from harvest.store.storage.retries import THROTTLE
-from harvest.pipeline.messages import ActorFigures, ActorInfo, ActorSpec, UnitResult, UnitStatus, UnitTask
+from harvest.pipeline.messages import (ActorFigures, ActorInfo, ActorSpec, StreamRows, UnitResult,
+                                       UnitStatus, UnitTask)
 
 log = logging.getLogger("harvest.actor")
 
@@ -48,11 +50,14 @@ STREAM_GAP_WAIT = 0.01    # seconds a running stream waits for the next unit bef
 class _Job:
     """A unit queued for the engine stream."""
 
-    __slots__ = ("unit_id", "row_start", "contexts", "writer", "received", "error", "done", "meta")
+    __slots__ = ("unit_id", "row_start", "contexts", "writer", "received", "error", "done", "meta",
+                 "parts")
 
-    def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer, meta=None):
+    def __init__(self, unit_id: int, row_start: int, contexts: np.ndarray, writer, meta=None,
+                 parts=None):
         self.unit_id, self.row_start, self.contexts, self.writer = unit_id, row_start, contexts, writer
         self.meta = meta  # generation: (doc_id, position, role) per context, per slot
+        self.parts = parts  # a streamed run: the unit's rows per trainer rank (outbox.UnitParts)
         self.received = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -101,6 +106,8 @@ class HarvestActor:
             self.slots = Slots(spec.generate, spec.context_size)
         self._store = None
         self._store_lock = threading.Lock()
+        # a streamed run: each trainer rank's rows wait here until it takes them (outbox.py)
+        self.outbox = None if spec.stream is None else Outbox(spec.stream, self.index)
         self._queue: "queue.Queue[_Job | None]" = queue.Queue()
         self._steps0 = self.engine.step_stats()
         self._step_tokens = int(self.engine.max_num_batched_tokens)
@@ -176,6 +183,8 @@ class HarvestActor:
                               pid=os.getpid(), attempt=attempt, status=status, tokens=tokens,
                               seconds=seconds, **kw)
 
+        if unit.deal is not None and (self.spec.store_url is None or unit.deal.replay):
+            return self._stream_unit(unit, result)
         store = self._open_store()
         t0 = time.perf_counter()
         writer = store.region_writer(uid, rs, re_)
@@ -190,12 +199,15 @@ class HarvestActor:
             else:  # a slot's metadata is known once it is generated: written on delivery
                 meta = (doc.reshape(-1, C), pos.reshape(-1, C),
                         None if role is None else role.reshape(-1, C))
-            job = _Job(uid, rs, tok.reshape(-1, C), writer, meta)
+            parts = self._deal(unit, tok, doc, pos, role)
+            job = _Job(uid, rs, tok.reshape(-1, C), writer, meta, parts)
             self._queue.put(job)
             job.done.wait()
             if job.error is not None:
                 raise job.error
             t_cap = time.perf_counter() - t0
+            if parts is not None:   # a tee: the trainers took every row before the commit, so
+                self._wait_taken(parts)   # a committed unit is one the stream delivered too
             held = writer.rows_with_activations()
             # the commit runs here, while the engine thread goes on with the next units
             marker = writer.commit(extra={"actor": self.index, "pid": os.getpid(),
@@ -214,6 +226,67 @@ class HarvestActor:
         self.tokens_done += n
         return result("committed", n, round(time.perf_counter() - t0, 4),
                       capture_seconds=round(t_cap, 4), marker=marker, rows_with_activations=held)
+
+    # -- a streamed run ----------------------------------------------------------------------
+    def _deal(self, unit: UnitTask, tok, doc, pos, role) -> "UnitParts | None":
+        """The unit's rows per trainer rank (outbox.py), None when the run streams nothing."""
+        if unit.deal is None or self.outbox is None:
+            return None
+        return UnitParts(unit.unit_id, unit.row_start, unit.n_rows, self.context_size, unit.deal,
+                         self.outbox.spec, tok, doc, pos, role)
+
+    def _stream_unit(self, unit: UnitTask, result) -> UnitResult:
+        """A unit whose rows go to the trainers only (no store, or a rank's replay): captured,
+        dealt to the ranks' queues, done once every rank took its rows."""
+        from harvest.pipeline.data.rows import unit_rows
+
+        if self.outbox is None:
+            raise RuntimeError(f"unit {unit.unit_id} carries a deal, but actor {self.index} was "
+                               "started without a stream section")
+        t0 = time.perf_counter()
+        tok, doc, pos, role = unit_rows(unit, self.context_size)
+        parts = self._deal(unit, tok, doc, pos, role)
+        job = _Job(unit.unit_id, unit.row_start, tok.reshape(-1, self.context_size), None, None,
+                   parts)
+        self._queue.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        t_cap = time.perf_counter() - t0
+        self._wait_taken(parts)
+        self.units_done += 1
+        self.tokens_done += unit.n_rows
+        return result("streamed", unit.n_rows, round(time.perf_counter() - t0, 4),
+                      capture_seconds=round(t_cap, 4), rows_with_activations=parts.rows)
+
+    def _wait_taken(self, parts: UnitParts) -> None:
+        while not parts.done.wait(1.0):
+            if self.outbox is None or self.outbox.closed:
+                raise StreamClosed(f"actor {self.index} closed before the trainers took unit "
+                                   f"{parts.unit_id}'s rows")
+
+    def take(self, rank: int, max_rows: int, wait_s: float = 0.5, ack=()) -> StreamRows:
+        """Trainer rank `rank`'s rows queued here, up to `max_rows`; `ack`: the tokens of the
+        takes it received since (outbox.Outbox.take)."""
+        if self.outbox is None:
+            raise RuntimeError(f"actor {self.index} streams nothing (no stream section)")
+        return self.outbox.take(rank, max_rows, wait_s, os.getpid(), ack)
+
+    def release_rank(self, rank: int) -> int:
+        """A trainer rank restarted from its saved state: what its old process took and never
+        acknowledged counts as delivered (outbox.Outbox.release)."""
+        return 0 if self.outbox is None else self.outbox.release(rank)
+
+    def stream_figures(self) -> dict:
+        """The stream's memory and flow here: rows held per rank, bytes held now and at the
+        peak, rows and bytes sent, seconds the engine waited for trainers, this process's RSS."""
+        if self.outbox is None:
+            return {}
+        held, held_bytes = self.outbox.held()
+        return {"actor": self.index, "pid": os.getpid(), "held_rows": held,
+                "held_bytes": held_bytes, "peak_held_bytes": self.outbox.peak_held_bytes,
+                "rows_sent": self.outbox.rows_sent, "bytes_sent": self.outbox.bytes_sent,
+                "put_wait_s": round(self.outbox.put_wait_s, 3), "rss_bytes": rss_bytes()}
 
     # -- the engine stream ------------------------------------------------------------------
     def _engine_loop(self) -> None:
@@ -241,7 +314,7 @@ class HarvestActor:
         if self._in_place():
             def destination(index: int, n: int):
                 job, i = routes[index]
-                if job.error is not None:
+                if job.error is not None or job.writer is None:
                     return None
                 view = job.writer.reserve(job.row_start + i * self.context_size, n)
                 if view is None:
@@ -333,11 +406,16 @@ class HarvestActor:
                 "submitted; refusing to write rows that do not match their metadata")
         else:
             row = job.row_start + i * self.context_size
-            if in_place:
+            if job.writer is None:
+                pass   # a streamed run without a store: the rows go to the trainers only
+            elif in_place:
                 job.writer.fill_reserved(row, len(req))
                 self.rows_in_place += len(req)
             else:
                 job.writer.write(row, req.acts)
+            if job.parts is not None and self.outbox is not None:
+                # waits while a trainer rank's queue is full: the capture pauses here
+                self.outbox.deliver(job.parts, i, self.outbox.context_rows(req.acts, view))
         job.received += 1
         if job.received == len(job.contexts):
             job.done.set()
@@ -352,6 +430,8 @@ class HarvestActor:
         (`quantizes`: not tensor parallel) for prompt captures; otherwise the writer quantises
         the engine's rows on the host, bit for bit the same."""
         ok = getattr(self, "_in_place_ok", None)
+        if ok is None and self.spec.store_url is None:
+            ok = self._in_place_ok = False   # no store: no shard buffers to write into
         if ok is None:
             import torch
 
@@ -389,6 +469,8 @@ class HarvestActor:
         step ring in /dev/shm). The driver calls it before killing the actor (cluster.kill_all):
         a killed process closes nothing."""
         self._queue.put(None)
+        if self.outbox is not None:
+            self.outbox.close()
         self._close_engine(CLOSE_TIMEOUT_S)
 
     def _close_engine(self, timeout: float, here: bool = False) -> None:

@@ -206,6 +206,7 @@ def cmd_plan(args) -> int:
     out["dataplane"], warn = dataplane(cfg, est, sum((prep.widths or {}).values()) * 2
                                        or len(prep.points) * prep.width * 2, codec, out["store_dtype"])
     out["warnings"] += warn
+    out["stream"] = _stream_price(cfg, prep, est, out["dataplane"])
     out["layout"] = layout_cost(
         points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
@@ -220,6 +221,24 @@ def cmd_plan(args) -> int:
     else:
         print(plan_text(out))
     return 0
+
+
+def _stream_price(cfg, prep, est: dict, dataplane: "dict | None") -> "dict | None":
+    """The stream beside the store at the planned rate (pipeline/stream/cost.py), or None
+    without a rate."""
+    from harvest.pipeline.driver.prepare import stored_itemsize
+    from harvest.pipeline.stream.cost import stream_cost
+    from harvest.store.format.dtypes import row_width
+
+    if not est.get("tokens_per_second") or dataplane is None:
+        return None
+    bf16 = sum((prep.widths or {}).values()) * 2 or len(prep.points) * prep.width * 2
+    dt = cfg.stream_dtype()
+    wire = sum(row_width(dt, (prep.widths or {}).get(p, prep.width)) for p in prep.points) \
+        * stored_itemsize(dt)
+    units = round(est["tokens_per_second"] / max(1, dataplane["tokens_per_second_per"]))
+    return stream_cost(est["tokens_per_second"], max(1, units), est.get("tokens"), bf16, wire,
+                       est.get("bytes_stored"), dataplane["per"])
 
 
 def cmd_status(args) -> int:

@@ -90,6 +90,16 @@ def plan_text(p: dict) -> str:
                      f"{d['tokens_per_second_per']:,} tok/s per {d['per']} ({d['gb_per_second_per']:g} GB/s "
                      f"of rows x {d['write_core_s_per_gb']:g} core-s/GB); the actors reserve "
                      f"{d['cores_reserved_per']:g} per {d['per']} ({d['source']})")
+    st = p.get("stream")
+    if st:
+        net = f", {size(st['network_bytes'])} over the run" if st.get("network_bytes") else ""
+        stored = f", {size(st['bytes_stored'])} stored" if st.get("bytes_stored") else ""
+        lines.append(f"stream    no store: ~{st['capture_cores_per']:g} host cores per {st['per']} on the "
+                     f"capture side and ~{st['trainer_cores_total']:g} on the trainers' side for "
+                     f"{st['network_gb_per_second_per']:g} GB/s per {st['per']} to the trainers{net}; "
+                     f"a store: ~{st['store_write_cores_per']:g} per {st['per']} to write{stored}, then "
+                     f"~{st['store_read_cores_total_per_epoch']:g} on the trainers' side to read each "
+                     f"epoch ({st['source']})")
     if p.get("planned_units") is not None:
         lines.append(f"stored    plan of {p['planned_units']} units, {p['planned_tokens']:,} tokens"
                      + ("" if p.get("plan_complete") else " so far (the plan grows as the corpus "

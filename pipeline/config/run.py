@@ -26,6 +26,7 @@ from .fields import ConfigError, check_bool, check_str
 from harvest.engine.models import REPO_ROOT
 from .corpus import DataConfig, PackingConfig
 from .sections import CaptureConfig, ModelConfig, RayConfig, StoreConfig
+from .stream import StreamConfig
 from .yamltext import deep_merge, load_yaml_unique, parse_override, read_text, unknown_msg
 
 
@@ -42,6 +43,7 @@ class HarvestConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     progress: bool = True
 
     def validate(self) -> "HarvestConfig":
@@ -57,6 +59,11 @@ class HarvestConfig:
                 f"store.dtype={self.store.dtype!r} differs from model.dtype={self.model.dtype!r}: a "
                 "store holds the model's rows bit for bit, or quantised (float8_e4m3fn); set "
                 f"model.dtype: {self.store.dtype}, store.dtype: float8_e4m3fn, or leave store.dtype out")
+        if self.stream.tee and self.stream.dtype not in (None, self.store_dtype()):
+            raise ConfigError(
+                f"stream.dtype={self.stream.dtype!r} with stream.tee: the stream hands trainers the "
+                f"rows the store holds ({self.store_dtype()}); set stream.dtype to it, or leave it "
+                "out")
         if self.ray.num_gpus_per_actor is not None and self.model.tensor_parallel_size > 1:
             if self.ray.num_gpus_per_actor < self.model.tensor_parallel_size:
                 raise ConfigError(
@@ -69,6 +76,10 @@ class HarvestConfig:
     def store_dtype(self) -> str:
         """The point arrays' dtype: store.dtype, else the model's."""
         return self.store.dtype or self.model.dtype
+
+    def stream_dtype(self) -> str:
+        """The dtype of streamed rows: stream.dtype, else the store's."""
+        return self.stream.dtype or self.store_dtype()
 
     def to_dict(self, redact: bool = True) -> dict:
         """The config as plain data. `redact` (for everything recorded or shown: store
@@ -173,6 +184,7 @@ SECTIONS = {
     "capture": CaptureConfig,
     "store": StoreConfig,
     "ray": RayConfig,
+    "stream": StreamConfig,
 }
 TOP_LEVEL = ("name", "progress")
 

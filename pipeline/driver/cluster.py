@@ -18,7 +18,7 @@ from harvest.pipeline.config.run import HarvestConfig
 from harvest.pipeline.config.sections import ModelConfig, RayConfig
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.logs import quiet
-from harvest.pipeline.messages import ActorInfo, ActorSpec
+from harvest.pipeline.messages import ActorInfo, ActorSpec, StreamSpec
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -55,11 +55,13 @@ def ensure_ray(ray_cfg: RayConfig) -> bool:
     return True
 
 
-def actor_spec(cfg: HarvestConfig, prep, index: int,
-               engine_factory: str | None = None) -> ActorSpec:
+def actor_spec(cfg: HarvestConfig, prep, index: int, engine_factory: str | None = None,
+               stream: "StreamSpec | None" = None, writes_store: bool = True) -> ActorSpec:
     """Actor `index`'s part of the run: the one place the config is cut into what a capture
     actor reads (its engine from `model`, its points and generation from `capture`, where it
-    writes from `store`, its threads from `ray`); the actor never sees the config itself."""
+    writes from `store`, its threads from `ray`); the actor never sees the config itself.
+    A streamed run adds its `stream` section (pipeline/stream/hooks.py); without a tee
+    (`writes_store` False) the actor gets no store."""
     threads = cfg.ray.threads_per_actor or max(1, multiprocessing.cpu_count() // cfg.ray.num_actors)
     return ActorSpec(
         index=index,
@@ -68,7 +70,7 @@ def actor_spec(cfg: HarvestConfig, prep, index: int,
         engine_factory=engine_factory,
         points=tuple(prep.addresses or prep.points),   # parsed once (prepare.resolve_points)
         context_size=cfg.packing.context_size,
-        store_url=cfg.store.resolved_url,
+        store_url=cfg.store.resolved_url if writes_store else None,
         storage_options=cfg.store.fs_options(),
         threads=threads,  # the CPU build's default: this node's cores over its actors
         threads_requested=cfg.ray.threads_per_actor,  # GPU actors size from their own share
@@ -76,6 +78,7 @@ def actor_spec(cfg: HarvestConfig, prep, index: int,
         env=forwarded_env(),
         generate=generation.actor_section(cfg.capture.generate, cfg.data.format == "chat",
                                           prep.model_path),
+        stream=stream,
     )
 
 

@@ -60,10 +60,16 @@ class Scheduler:
     `waits` (no silent waits). The driver reads `frontier`, `has_work()`, `data_stats()` and, for
     the summary, `report()`; it touches none of those objects."""
 
-    def __init__(self, ray_cfg, prep, state, pool, emit, lease=None):
+    def __init__(self, ray_cfg, prep, state, pool, emit, lease=None, deal=None,
+                 plan_in_store: bool = True):
+        """`deal` (a streamed run, pipeline/stream/deal.py): stamps each unit's task with the
+        trainer rank of each of its rows before it is sent, and may hold a unit back until it
+        can (`stamp` returns None). `plan_in_store=False`: no store holds the plan (a stream
+        without a tee), units are dispatchable as soon as they are placed."""
         self.ray_cfg, self.pool, self.emit = ray_cfg, pool, emit
+        self.deal = deal
         self.units = Holdings(state, prep.context_size, prep.layout.unit_rows)
-        self.plan = PlanWriter(state, lease)
+        self.plan = PlanWriter(state, lease, in_store=plan_in_store)
         self.health = ActorHealth(ray_cfg, emit)
         self.inflight = InFlight(ray_cfg.max_in_flight)
         self.counts = UnitCounts()
@@ -134,14 +140,65 @@ class Scheduler:
         """One unit at a time to the least loaded actor: small runs still spread over actors."""
         usable = self.health.usable()
         load = self.inflight.load
+        if self.deal is not None:
+            self.deal.count(self.units.ready, self.units.task, self.placed_all())
+            self._dispatch_replays(usable)
         while self.units.ready and usable:
             a = min(usable, key=lambda i: load[i])
             if load[a] >= self.inflight.slots:
                 return
-            unit, attempt = self.units.ready.popleft()
-            ref = self.health.actors[a].run_unit.remote(self.units.task(unit), attempt)
+            unit, attempt = self.units.ready[0]
+            task = self.units.task(unit)
+            if self.deal is not None:
+                task = self.deal.stamp(task, self.placed_all())
+                if task is None:   # its trainer ranks are not known yet (deal.py)
+                    return
+            self.units.ready.popleft()
+            if self.deal is not None:
+                self.deal.sent_unit(unit, task)
+            ref = self.health.actors[a].run_unit.remote(task, attempt)
             self.inflight.add(ref, unit, a, attempt, self.health.pid.get(a))
             self.emit({"event": "unit_sent", "unit": unit.unit_id, "actor": a, "attempt": attempt})
+
+    def _dispatch_replays(self, usable: list) -> None:
+        """A streamed run's units captured again for a rank that resumed (deal.py), ahead of
+        the others; they touch neither the plan nor the units' bookkeeping."""
+        load = self.inflight.load
+        while usable:
+            a = min(usable, key=lambda i: load[i])
+            if load[a] >= self.inflight.slots:
+                return
+            item = self.deal.next_replay()
+            if item is None:
+                return
+            unit, task, attempt = item
+            ref = self.health.actors[a].run_unit.remote(task, attempt)
+            self.inflight.add(ref, unit, a, attempt, self.health.pid.get(a), replay=task)
+            self.emit({"event": "unit_replay", "unit": unit.unit_id, "actor": a,
+                       "ranks": list(task.deal.ranks or ())})
+
+    def _on_replay(self, ref, sent, res) -> None:
+        """A replay came back: done, or sent again (the rank still needs its rows)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        self.health.finished_unit(sent.actor)
+        self.waits.event()
+        try:
+            if res is None:
+                res = ray.get(ref)
+        except (RayActorError, RayTaskError) as e:
+            why = root_cause(e)
+            if sent.attempt >= self.ray_cfg.unit_attempts:
+                raise HarvestError(f"unit {sent.unit.unit_id}'s replay for a resumed rank failed "
+                                   f"{sent.attempt} times, last on actor {sent.actor}: {why}") from None
+            log.warning("replay of unit %d failed on actor %d (%s); sent again", sent.unit.unit_id,
+                        sent.actor, why)
+            self.deal.requeue_replay(sent.unit, sent.replay, sent.attempt + 1)
+            if isinstance(e, RayActorError):
+                self.health.probe_once(sent.actor)
+            return
+        self.emit({"event": "unit_replayed", **res.event()})
 
     def _requeue(self, unit, a: int, attempt: int, why: str, fix: str = "") -> None:
         """A unit failed on actor `a` (an error, the actor's death, the deadline): it goes back
@@ -173,6 +230,9 @@ class Scheduler:
         from ray.exceptions import RayActorError, RayTaskError
 
         sent = self.inflight.pop(ref)
+        if sent.replay is not None:
+            self._on_replay(ref, sent, res)
+            return
         unit, a, attempt = sent.unit, sent.actor, sent.attempt
         self.health.finished_unit(a)
         self.waits.event()
@@ -199,7 +259,7 @@ class Scheduler:
         if res.status == "already_committed":
             f.already_committed += 1
             self.counts.found_committed += 1
-        if res.status == "committed":
+        if res.status in ("committed", "streamed"):
             self.health.unit_took(res.seconds)
             f.units += 1
             f.tokens += res.tokens
@@ -211,6 +271,8 @@ class Scheduler:
             if res.marker is not None:
                 self.index.add(res.marker)
         self.units.committed(unit)
+        if self.deal is not None:
+            self.deal.delivered(unit.unit_id)
         bar.update(unit.n_rows)
         log.debug("unit %d rows [%d, %d) %s by actor %d pid %d in %.2f s (attempt %d)", unit.unit_id,
                   unit.row_start, unit.row_end, res.status, a, res.pid, res.seconds, attempt)
@@ -232,16 +294,27 @@ class Scheduler:
                     ray.cancel(ref)
                 except Exception:  # noqa: BLE001
                     pass
+                if sent.replay is not None:   # a resumed rank's replay: sent again as one
+                    self.deal.requeue_replay(sent.unit, sent.replay, sent.attempt + 1)
+                    continue
                 self._requeue(sent.unit, a, sent.attempt,
                               f"no result within the unit deadline of {limit:.0f} s",
                               " (ray.unit_timeout_s sets the deadline)")
             self.health.kill_hung(a, stalled)
         self.health.check_probes()
 
+    def placed_all(self) -> "int | None":
+        """Units of the run once every one is placed and planned (the frontier is done), else
+        None."""
+        if not self.frontier.done or self.plan.unplanned:
+            return None
+        return len(self.plan.units)
+
     # ---- the loop ----------------------------------------------------------------------------
     def finished(self) -> bool:
         return self.frontier.done and not self.plan.unplanned and not self.units.ready \
-            and not self.units.waiting and not self.inflight
+            and not self.units.waiting and not self.inflight \
+            and not (self.deal is not None and self.deal.replays_pending())
 
     def step(self, bar, extra: Sequence = (), timeout: float = 5.0) -> list:
         """One round: start tokenising, dispatch, wait for something. Returns the `extra` refs

@@ -11,14 +11,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from harvest.store.commit.plan import Unit
+
 
 @dataclass(frozen=True)
 class Sent:
-    unit: object
+    unit: Unit
     actor: int
     attempt: int
     at: float                # time.monotonic() when it was sent
     pid: "int | None"        # the actor's process id when it was sent
+    replay: object = None    # a streamed run's replay for one rank: the task to send again
 
 
 class InFlight:
@@ -33,8 +36,9 @@ class InFlight:
         self.load = [0] * n_actors
         self.slots = slots
 
-    def add(self, ref, unit, actor: int, attempt: int, pid: "int | None") -> None:
-        self.sent[ref] = Sent(unit, actor, attempt, time.monotonic(), pid)
+    def add(self, ref, unit: Unit, actor: int, attempt: int, pid: "int | None",
+            replay=None) -> None:
+        self.sent[ref] = Sent(unit, actor, attempt, time.monotonic(), pid, replay)
         self.load[actor] += 1
 
     def pop(self, ref) -> Sent:

@@ -20,8 +20,11 @@ PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units
 class PlanWriter:
     """Units emitted and not yet planned, and the plan so far (units, chunk descriptors)."""
 
-    def __init__(self, state, lease=None):
+    def __init__(self, state, lease=None, in_store: bool = True):
+        """`in_store=False`: no store holds the plan (a streamed run without a tee): a flush
+        hands the units on without writing a segment."""
         self.lease = lease
+        self.in_store = in_store
         self.store = None                       # set once the store exists (Scheduler.attach)
         self.unplanned: list[Emitted] = []
         self.chunks: dict = dict(state.chunks)  # chunk key -> descriptor, every run's
@@ -48,6 +51,13 @@ class PlanWriter:
     def flush(self, force: bool, ready: int, free: int, frontier_done: bool) -> list:
         """Write the units waiting for the plan as one segment when due; returns them (now
         dispatchable), or [] when nothing was written."""
+        if not self.in_store and self.unplanned:
+            batch, self.unplanned = self.unplanned, []
+            units = [e.unit for e in batch if e.unit.n_rows]
+            self.units += units
+            for e in batch:
+                self.chunks.update(e.chunks)
+            return units
         if not self.unplanned or self.store is None:
             return []
         due = (force or ready < max(1, free) or len(self.unplanned) >= 256 or frontier_done

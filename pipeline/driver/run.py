@@ -48,26 +48,31 @@ DATA_KEYS = ("rows_read", "rows_skipped", "skipped_reasons")
 
 
 def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
-        engine_factory: str | None = None, stop_tokens: int | None = None) -> RunSummary:
+        engine_factory: str | None = None, stop_tokens: int | None = None,
+        stream=None) -> RunSummary:
     """Run (or resume) the harvest described by `cfg`; returns the summary written to the store.
 
     `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
     bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/cli/schedule.py)
     pauses the run once that many more tokens are placed, rounded up to whole units: the store
     stays unfinalized and the next run resumes where this one paused (summary `"paused": True`).
+    `stream` (a streamed run, pipeline/stream/hooks.py): the trainers' deal, each actor's stream
+    section, the actors' handles for the trainers, and the sink (the store's with a tee, one
+    that writes nothing without).
     """
     # SIGTERM/SIGHUP unwind like Ctrl-C from here on (exits.py): the finally blocks below release
     # the lease and stop the Ray this driver started on every way out
     with orderly_signals():
-        return _run_leased(cfg, on_event, engine_factory, stop_tokens)
+        return _run_leased(cfg, on_event, engine_factory, stop_tokens, stream)
 
 
-def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) -> RunSummary:
+def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None,
+                stream=None) -> RunSummary:
     t_start = time.perf_counter()
-    sink = StoreSink(cfg)
+    sink = StoreSink(cfg) if stream is None else stream.sink(cfg)
     sink.on_write_start()
     try:
-        summary = _run(cfg, on_event, engine_factory, sink, t_start, stop_tokens)
+        summary = _run(cfg, on_event, engine_factory, sink, t_start, stop_tokens, stream)
     except BaseException:
         sink.on_write_failed()
         raise
@@ -76,7 +81,7 @@ def _run_leased(cfg: HarvestConfig, on_event, engine_factory, stop_tokens=None) 
 
 
 def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start: float,
-         stop_tokens: "int | None" = None) -> RunSummary:
+         stop_tokens: "int | None" = None, stream=None) -> RunSummary:
     """Prepare, then write: tokenising workers and capture actors run the units into the sink's
     store; then the sink completes (verify, finalize)."""
     emit = on_event or (lambda e: None)
@@ -120,10 +125,16 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
             chunk_contexts = int((existing.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
         pool = TokenPool.start(cfg.data, cfg.packing, cfg.ray, prep, list(state.jobs),
                                state.fresh_from, chunk_contexts, max_contexts, env_for_workers())
-        specs = [actor_spec(cfg, prep, i, engine_factory) for i in range(cfg.ray.num_actors)]
+        section = None if stream is None else stream.actor_section(prep)
+        specs = [actor_spec(cfg, prep, i, engine_factory, section, sink.writes_store)
+                 for i in range(cfg.ray.num_actors)]
         actors = start_actors(cfg.ray, cfg.model.tensor_parallel_size, specs,
                               local=started_ray and not remote)
-        sched = Scheduler(cfg.ray, prep, state, pool, emit, lease)
+        if stream is not None:
+            stream.on_actors(actors, prep)   # the trainers take their rows from these
+        sched = Scheduler(cfg.ray, prep, state, pool, emit, lease,
+                          deal=None if stream is None else stream.deal,
+                          plan_in_store=sink.writes_store)
         bar = progress_bar(cfg.progress, None if max_contexts is None else max_contexts * C,
                            cfg.name)
         try:
@@ -213,7 +224,7 @@ def _start(cfg, prep: Prepared, sched: Scheduler, actors: list, sink: StoreSink,
     else:
         store = sink.reopen(prep, chunk_contexts)
     limit = cfg.ray.unit_timeout_s or cfg.ray.unit_timeout_min_s
-    for i, ref in enumerate([a.open_store.remote() for a in actors]):
+    for i, ref in enumerate([a.open_store.remote() for a in actors] if store is not None else []):
         try:  # bounded: a hung actor is the dispatch loop's to handle (its unit deadline)
             ray.get(ref, timeout=limit)
         except Exception as e:  # the dispatch loop handles a dead actor
@@ -262,6 +273,8 @@ def _summary(name: str, prep: Prepared, store, sched: "Scheduler | None", verify
     to the caller."""
     report = sched.report() if sched is not None else DispatchReport()
     tokens_run = report.tokens_run
+    if store is None:   # a streamed run without a store (pipeline/stream/): nothing to verify
+        return _streamed_summary(name, prep, report, t_start, dispatch_seconds)
     stats = report.data if report.data is not None else _plan_stats(store)
     stored = verify.stored_bytes or 0
     logical = verify.committed_rows * len(store.points) * store.row_bytes
@@ -299,6 +312,33 @@ def _summary(name: str, prep: Prepared, store, sched: "Scheduler | None", verify
         "packing": {k: v for k, v in stats.items() if k not in DATA_KEYS},
         "verified": {"ok": verify.ok, "planned_units": verify.planned_units,
                      "committed_units": verify.committed_units, "committed_rows": verify.committed_rows},
+        "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return summary
+
+
+def _streamed_summary(name: str, prep: Prepared, report: DispatchReport, t_start: float,
+                      dispatch_seconds: float) -> RunSummary:
+    """A streamed run's summary when no store was written: what was captured and handed to the
+    trainers (the trainers' own figures are theirs: pipeline/stream/)."""
+    stats = report.data or {}
+    tokens = report.tokens_run
+    summary: RunSummary = {
+        "name": name, "store": None, "status": "complete", "model": {"path": prep.model_path},
+        "points": len(prep.points), "width": prep.width, "context_size": prep.context_size,
+        "tokens": tokens, "tokens_this_run": tokens,
+        "rows_with_activations_this_run": report.rows_with_activations_run,
+        "units": report.units_run, "units_run": report.units_run, "units_skipped": 0,
+        "bytes_logical": tokens * sum(prep.point_bytes().values()),
+        "bytes_stored": 0, "compression_ratio": None,
+        "dispatch_seconds": round(dispatch_seconds, 3),
+        "wall_seconds": round(time.perf_counter() - t_start, 3),
+        "tokens_per_second": round(tokens / dispatch_seconds, 1) if dispatch_seconds else None,
+        "per_actor": report.per_actor, **report.fault_figures(), "throttled_requests": 0,
+        "blocks": len(prep.sources["blocks"]), "tokenised_jobs": report.tokenised_jobs,
+        "data": {"source": prep.sources["description"], **{k: stats.get(k, 0) for k in DATA_KEYS}},
+        "packing": {k: v for k, v in stats.items() if k not in DATA_KEYS},
+        "verified": None,
         "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     return summary

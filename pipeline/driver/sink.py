@@ -45,6 +45,8 @@ class StoreSink:
     """One run's store and lease. `existing` is the store found at start (a resume), `store`
     the one being written (existing or created), `lease` this driver's lease."""
 
+    writes_store = True   # (the stream's sink without a tee writes none: pipeline/stream/sink.py)
+
     def __init__(self, cfg: HarvestConfig):
         self.cfg = cfg
         self.shown_url = redact_url(cfg.store.resolved_url)

@@ -66,6 +66,17 @@ def quantize(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def quantize_points(a: np.ndarray, widths, row_width: int) -> np.ndarray:
+    """Float rows [P, n, max width] -> packed rows [P, n, max width + 4]: each point's row
+    quantised over its own width (its scale from its own values), in its first columns."""
+    if all(w == a.shape[2] for w in widths):
+        return quantize(a)
+    out = np.zeros((a.shape[0], a.shape[1], row_width), np.uint8)
+    for p, w in enumerate(widths):
+        out[p, :, :w + 4] = quantize(a[p, :, :w])
+    return out
+
+
 def split(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Packed rows `[..., width + 4]` -> (e4m3fn values `[..., width]`, float32 scales `[...]`)."""
     q = packed[..., :-SCALE_BYTES].view(FP8)

@@ -52,7 +52,7 @@ from harvest.store.read.shuffle.sampling import lane, worker_share
 from harvest.store.format.shardcodec import codec_pool
 from harvest.store.store import Store, open_store
 from harvest.store.read.feed.workermem import cap_malloc_arenas
-from harvest.store.read.tensors import emit_points, fp8_split, to_torch
+from harvest.store.read.tensors import RowForm, emit_rows
 
 log = logging.getLogger(__name__)
 
@@ -393,34 +393,10 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
         return [int(v) for v in self._decoded]
 
     def _emit(self, x: np.ndarray, rows: np.ndarray, meta: dict):
-        """x is [n, n_points, row width] raw bits of the store dtype."""
-        if self.mixed:
-            return emit_points(x, rows, meta, self.points, self._cols, self.store_dtype,
-                               self.quantized, self.dequantize, self.norm_constants,
-                               self.out_dtype, self.return_meta)
-        t = to_torch(x, self.store_dtype)
-        scale = None
-        if self.quantized:
-            t, scale = fp8_split(t)
-            if self.dequantize:
-                t, scale = t.float() * scale[..., None], None
-        if scale is not None:   # the stored form, for a GPU trainer (ReaderConfig.dequantize)
-            if not self.stack:
-                t, scale = t[:, 0, :], scale[:, 0]
-            if not self.return_meta:
-                return t, scale
-            return {"acts": t, "scale": scale, "row": torch.from_numpy(np.ascontiguousarray(rows)),
-                    **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
-        if self.norm_constants is not None:
-            c = self.norm_constants
-            t = (t.float() - c.shift) * c.scale
-        t = t.to(self.out_dtype)
-        if not self.stack:
-            t = t[:, 0, :]
-        if not self.return_meta:
-            return t
-        return {"acts": t, "row": torch.from_numpy(np.ascontiguousarray(rows)),
-                **{m: torch.from_numpy(np.ascontiguousarray(v)) for m, v in meta.items()}}
+        """x is [n, n_points, row width] raw bits of the store dtype (tensors.emit_rows)."""
+        return emit_rows(x, rows, meta, RowForm(
+            tuple(self.points), tuple(self._cols), self.store_dtype, self.quantized, self.dequantize,
+            self.norm_constants, self.out_dtype, self.return_meta, self.stack))
 
     # ---- resume ------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:

@@ -89,6 +89,13 @@ class NormConstants:
                 "mean_sq_norm": list(self.mean_sq_norm), "shift": self.shift.tolist(),
                 "scale": self.scale.tolist()}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "NormConstants":
+        """The constants `as_dict` recorded (a stream's state, a trainer's checkpoint)."""
+        return cls(d["mode"], tuple(d["points"]), torch.tensor(d["shift"], dtype=torch.float32),
+                   torch.tensor(d["scale"], dtype=torch.float32), d["source"], int(d["rows"]),
+                   tuple(float(v) for v in d["mean_sq_norm"]))
+
 
 def constants(mode: str, points, moments: list[Moments], width: int, source: str,
               eps: float = 1e-6) -> NormConstants:

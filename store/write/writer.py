@@ -40,17 +40,6 @@ from .uploads import ShardUploads
 log = logging.getLogger(__name__)
 
 
-def _quantize_points(a: np.ndarray, widths: list[int], row_width: int) -> np.ndarray:
-    """Float rows [P, n, max width] -> packed fp8 rows [P, n, max width + 4]: each point's row
-    quantised over its own width (its scale from its own values), in its first columns."""
-    if all(w == a.shape[2] for w in widths):
-        return _fp8.quantize(a)
-    out = np.zeros((a.shape[0], a.shape[1], row_width), np.uint8)
-    for p, w in enumerate(widths):
-        out[p, :, :w + 4] = _fp8.quantize(a[p, :, :w])
-    return out
-
-
 class RegionWriter(ShardUploads):
     """Write rows of one region in any order; `commit()` makes them visible, exactly once.
 
@@ -110,7 +99,7 @@ class RegionWriter(ShardUploads):
         if a.ndim == 2 and self._P == 1:
             a = a[None]
         if self._store.quantized and a.dtype != np.uint8 and a.ndim == 3 and a.shape[2] == self._W:
-            a = _quantize_points(a, self._widths, self._RW)
+            a = _fp8.quantize_points(a, self._widths, self._RW)
         if a.ndim != 3 or a.shape[0] != self._P or a.shape[2] != self._RW:
             raise ValueError(f"write: acts must be [n_points={self._P}, n, width={self._RW}], got "
                              f"{tuple(a.shape)}")

@@ -3,7 +3,7 @@
 - `harvest.store` and `harvest.engine` import nothing else of harvest (but `harvest` itself, for
   the version): SAE trainers install the store alone, and the engine runs inside vLLM workers that
   know nothing of the pipeline.
-- Within the pipeline the layers run cli > driver > actor > data > config, and an import only
+- Within the pipeline the layers run cli > stream > driver > actor > data > config, and an import only
   ever points down (or within its own layer). The pipeline's top-level modules (errors.py,
   messages.py, logs.py and the package itself) are the base layer below config: errors and the
   cross-process messages are facts every layer names, and they import nothing of the pipeline.
@@ -18,7 +18,7 @@ from tests.support.source_tree import modules
 from tests.support.import_graph import import_graph
 
 # lowest first; the pipeline's top-level modules are the base layer
-PIPELINE_LAYERS = ("base", "config", "data", "actor", "driver", "cli")
+PIPELINE_LAYERS = ("base", "config", "data", "actor", "driver", "stream", "cli")
 SELF_CONTAINED = ("harvest.store", "harvest.engine")
 
 

@@ -179,7 +179,7 @@ def test_real_cli_process_refuses_a_nan_lease(config):
 # Where 0 or -1 is a documented setting, not a mistake (-1: Ray's "retry for ever").
 ZERO_OK = {"packing.bos_token_id", "store.stats_skip_positions", "ray.max_restarts",
            "ray.max_task_retries", "ray.num_cpus_per_actor", "ray.num_gpus_per_actor",
-           "ray.tokenize_cpus"}
+           "ray.tokenize_cpus", "stream.linger_s"}
 MINUS_ONE_OK = {"ray.max_restarts", "ray.max_task_retries"}
 NOT_NUMBERS = ["abc", "", "12", True, False, [1], {"a": 1}]
 NON_FINITE = [math.nan, math.inf, -math.inf]

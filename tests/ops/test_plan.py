@@ -632,3 +632,34 @@ def test_plan_prices_attention_heads_and_mlp_pre_at_their_widths(tmp_path, capsy
                  "--set", "capture.points=[mlp_pre_linear.*]"]) == 2
     err = capsys.readouterr().err
     assert "mlp_pre_linear is a dense MLP's point" in err and "MoE blocks" in err, err
+
+
+def test_plan_prices_a_stream_beside_the_store_at_the_8b_shape(tmp_path, capsys):
+    """Issue 49: `harvest plan` prices streaming the run to trainers beside writing and reading
+    the store: per GPU the capture side's host cores and the network bytes (each row once to
+    its trainer), the trainers' cores, against the store's write cores, stored bytes and the
+    reader's cores per epoch, from bench_stream's measured core-s per GB; an fp8 stream moves
+    (and is priced by) half the bytes."""
+    from harvest.pipeline.cli.main import main
+    from harvest.pipeline.stream import cost
+
+    model = _model_dir(tmp_path, 32, 4096)
+    sets = ("packing.max_tokens=1000000000", "ray.num_actors=64", "ray.num_gpus_per_actor=1")
+    p = _plan_json(tmp_path, capsys, model, *sets)
+    s, d = p["stream"], p["dataplane"]
+    gb_s = d["gb_per_second_per"]
+    tokens = p["estimate"]["tokens"]
+    assert s["per"] == "GPU" and s["gb_per_second_per"] == pytest.approx(gb_s, rel=1e-3)
+    assert s["network_bytes"] == tokens * 32 * 4096 * 2
+    assert s["capture_cores_per"] == pytest.approx(gb_s * cost.STREAM_CAPTURE_CORE_S_PER_GB, abs=0.01)
+    assert s["trainer_cores_total"] == pytest.approx(64 * gb_s * cost.STREAM_TRAINER_CORE_S_PER_GB, rel=0.01)
+    assert s["store_write_cores_per"] == pytest.approx(gb_s * cost.STORE_WRITE_CORE_S_PER_GB, abs=0.01)
+    assert s["store_read_cores_total_per_epoch"] == pytest.approx(
+        64 * gb_s * cost.STORE_READ_CORE_S_PER_GB, rel=0.01)
+    assert s["bytes_stored"] == p["estimate"]["bytes_stored"]
+    q = _plan_json(tmp_path, capsys, model, *sets, "stream.dtype=float8_e4m3fn")["stream"]
+    assert q["network_bytes"] == tokens * 32 * 4100
+    assert q["capture_cores_per"] < 0.55 * s["capture_cores_per"]
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), *[x for v in sets for x in ("--set", v)]]) == 0
+    text = capsys.readouterr().out
+    assert "stream    no store: ~" in text and "to write" in text and "each epoch" in text

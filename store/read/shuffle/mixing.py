@@ -34,6 +34,18 @@ from harvest.store.read.feed.readahead import WindowFinisher
 SAMPLE_RUNS, RUN_SHARDS = 4, 4   # doc_id columns read: 16 shards x 8 B x shard rows
 
 
+def expected_distinct(doc_rows: np.ndarray, k: int, n: "float | None" = None) -> float:
+    """Expected distinct documents in a uniform k-row draw from N rows of which document d holds
+    doc_rows[d] (the module's formula); `n`: N when the rows given are a sample of a larger set
+    (the count is then scaled by N / rows given)."""
+    c = np.asarray(doc_rows, np.float64)
+    got = float(c.sum())
+    if not got:
+        return 0.0
+    n = got if n is None else float(n)
+    return (n / got) * float(np.sum(1 - (1 - c / n) ** min(k, n)))
+
+
 class DocSample:
     """Document row counts of a seeded sample of shards (runs of consecutive ones)."""
 
@@ -123,7 +135,9 @@ def check(ds, workers: int = 1, stacklevel: int = 3) -> str | None:
 
 # ---- describe(): the figures above, and a simulation, for the user's own store -----------
 
-def _doc_stats(docs: list[np.ndarray], k: int) -> dict:
+def doc_stats(docs: list[np.ndarray], k: int) -> dict:
+    """Measured mixing of batches given as their rows' doc_ids: distinct documents per batch,
+    lag-1 same-document rate and lag-1 doc-id autocorrelation (full batches only, when any)."""
     full = [d for d in docs if d.shape[0] == k] or docs
     distinct = [np.unique(d[d >= 0]).size for d in full]
     same = [float((d[1:] == d[:-1]).mean()) if d.shape[0] > 1 else 0.0 for d in full]
@@ -210,7 +224,7 @@ def describe(ds, num_workers: int = 0, batches: int = 16) -> dict:
     res["uniform_distinct_docs"] = uniform
     exp = res["expected_distinct_docs"]
     res["vs_uniform"] = exp / uniform if exp is not None and uniform else None
-    sim = _doc_stats(simulated_docs(ds, num_workers, batches), k)
+    sim = doc_stats(simulated_docs(ds, num_workers, batches), k)
     sim["vs_uniform"] = sim["distinct_docs"] / uniform if uniform else None
     res["simulated"] = sim
     if ds.max_norm_ratio is not None:
