@@ -27,7 +27,7 @@ def main():
     opt = torch.optim.Adam(sae.parameters(), lr=args.lr)
     fired = torch.zeros(sae.num_latents, dtype=torch.long, device=args.device)
     losses, t = [], time.perf_counter()
-    for step, x in enumerate(on_device(train, args.device)):
+    for x in on_device(train, args.device):
         out = sae(x, dead_mask=fired > 100)
         loss = out.fvu + out.auxk_loss / 32
         opt.zero_grad(set_to_none=True)

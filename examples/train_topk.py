@@ -52,7 +52,7 @@ def main():
     sae = TopKSAE(d, args.expansion * d, args.k).to(args.device)
     opt = torch.optim.Adam(sae.parameters(), lr=args.lr)
     losses, t = [], time.perf_counter()
-    for step, x in enumerate(on_device(train, args.device)):
+    for x in on_device(train, args.device):
         loss = ((sae(x) - x) ** 2).sum(-1).mean() / d
         opt.zero_grad(set_to_none=True)
         loss.backward()

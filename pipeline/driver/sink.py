@@ -45,7 +45,7 @@ class StoreSink:
     """One run's store and lease. `existing` is the store found at start (a resume), `store`
     the one being written (existing or created), `lease` this driver's lease."""
 
-    writes_store = True   # (the stream's sink without a tee writes none: pipeline/stream/sink.py)
+    writes_store = True   # (a stream without a store writes none: NullSink, pipeline/stream/hooks.py)
 
     def __init__(self, cfg: HarvestConfig):
         self.cfg = cfg
