@@ -172,14 +172,15 @@ class SourceTree:
 
     def __init__(self, root: "str | Path"):
         self.root = Path(root)
+        # parsed once per tree; the tree (and its ~10^5 AST nodes) goes with the check that made it
+        self._modules: "dict[str, tuple[str, ast.Module] | None]" = {}
 
-    @cache  # noqa: B019 -- one tree per check, a few dozen files
     def module(self, rel: str) -> "tuple[str, ast.Module] | None":
-        path = self.root / rel
-        if not path.is_file():
-            return None
-        src = path.read_text(encoding="utf-8")
-        return src, ast.parse(src)
+        if rel not in self._modules:
+            path = self.root / rel
+            src = path.read_text(encoding="utf-8") if path.is_file() else None
+            self._modules[rel] = None if src is None else (src, ast.parse(src))
+        return self._modules[rel]
 
     def find(self, rel: str, cls: str | None, member: str | None):
         """(source, node) of the class, or of the member (a def anywhere in the class, or at
@@ -274,8 +275,14 @@ def installed_root() -> Path:
 
 
 def check(runner: "str | None" = None) -> list[str]:
-    """The installed vLLM against what `runner` ("v1"/"v2"; default both) relies on."""
-    return check_source(installed_root(), BOTH if runner is None else runner)
+    """The installed vLLM against what `runner` ("v1"/"v2"; default both) relies on: read once
+    per process (every engine start asks; the installed source does not change under it)."""
+    return list(_check_installed(installed_root(), BOTH if runner is None else (runner,)))
+
+
+@cache
+def _check_installed(root: Path, runners: "tuple[str, ...]") -> "tuple[str, ...]":
+    return tuple(check_source(root, runners))
 
 
 def require(runner: "str | None" = None) -> None:

@@ -25,6 +25,24 @@ def test_installed_vllm_has_every_internal_the_engine_needs():
     compat_check.require("v2")
 
 
+def test_every_engine_start_checks_without_keeping_vllms_source_in_memory():
+    """require() runs at every engine start: it keeps no parsed vLLM module alive (~1.5e5
+    objects per check), or a process that starts many engines grows and every full garbage
+    collection in it (vLLM runs several per engine start and stop) slows in proportion."""
+    import gc
+
+    compat_check.require("v1")
+    compat_check.require("v2")
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(3):
+        compat_check.require("v1")
+        compat_check.require("v2")
+        assert compat_check.check() == []
+    gc.collect()
+    assert len(gc.get_objects()) - before < 5_000
+
+
 def test_the_version_checked_is_the_installed_one():
     # A different vLLM may still pass check(); this says which version the notes describe.
     assert compat.installed_version() == compat.VLLM_CHECKED
