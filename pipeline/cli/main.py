@@ -211,7 +211,7 @@ def cmd_plan(args) -> int:
         points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
-        object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).request_limited,
+        object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).object_store,
         roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
         samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
         point_widths={p: b // prep.itemsize for p, b in prep.point_bytes().items()}

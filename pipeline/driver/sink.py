@@ -2,9 +2,10 @@
 failed. The driver (run.py) reads as that sequence; this module owns what each step does to
 the store and the lease, so no step can be skipped on some path out of the driver.
 
-- `on_write_start`: probe the store URL (credentials, endpoint), refuse a store another driver
-  holds, check a resume against the store's recorded run, take this driver's lease. The lease is
-  the first write, before the data is read or Ray starts: a read-only place fails here.
+- `on_write_start`: probe the store URL (credentials, endpoint), refuse a store the actors'
+  processes cannot share (memory://) or another driver holds, check a resume against the
+  store's recorded run, take this driver's lease. The lease is the first write, before the
+  data is read or Ray starts: a read-only place fails here.
 - `create` / `reopen`: the store itself, once the actors know the model (its width and dtype
   come from the loaded engine), or the existing one on resume.
 - the writes: each unit is written and committed by an actor (pipeline/actor/capture.py, store/write/writer.py); the
@@ -66,6 +67,7 @@ class StoreSink:
         self.existing = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
         loc = (self.existing.location if self.existing is not None
                else locate(cfg.store.resolved_url, cfg.store.fs_options()))
+        loc.require("shared", "a run's capture actors write the store from their own processes")
         refuse_if_held(loc, cfg.store.lease_seconds, self.shown_url)
         if self.existing is not None:
             check_resume(self.existing, cfg)

@@ -1,5 +1,5 @@
-"""A store on an object store through fsspec: `ObjectStorage` for any fsspec filesystem
-(memory://, gcs://, ...), `S3Storage` for S3 and S3-compatible servers (s3fs).
+"""A store on an object store through fsspec: `ObjectStorage` for any fsspec filesystem with no
+backend of its own (gcs://, az://, ...), `S3Storage` for S3 and S3-compatible servers (s3fs).
 
 An object store has no rename and no O_EXCL: publishing is a server-side copy then a delete,
 and create-once is a conditional PUT (S3's If-None-Match: *) where the server honours it. A PUT
@@ -20,18 +20,46 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import fsspec
+
 from harvest.store.errors import StoreAccessError
+from .credentials import scrub
 from .retries import is_throttle, with_retries
-from .interface import Storage, UploadRecord
+from .interface import RequestLimits, Storage, UploadRecord
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ObjectStorage(Storage):
-    """Any fsspec filesystem that is not a local directory."""
+    """Any fsspec filesystem that is not a local directory. Its create-once is check-then-write
+    (no conditional PUT that works on every filesystem), so it declares no conditional create
+    and warns once per root when it commits that way."""
 
-    request_limited: ClassVar[bool] = True
+    supports_conditional_create: ClassVar[bool] = False
+    object_store: ClassVar[bool] = True
+
+    @classmethod
+    def open(cls, url: str, display: str, storage_options: dict) -> "ObjectStorage":
+        so = cls.fsspec_options(storage_options)
+        budget = so.pop("retry_budget_s", None)  # ours (StoreConfig.fs_options), not fsspec's
+        try:
+            fs, root = fsspec.url_to_fs(url, **so)
+        except Exception as e:  # noqa: BLE001 -- reported without secrets
+            raise StoreAccessError(f"cannot open filesystem for {display}: "
+                                   f"{scrub(f'{type(e).__name__}: {e}', so)}") from None
+        cls.bound_retries(fs, budget)
+        return cls(url=display, protocol=url.split("://", 1)[0].lower(), root=root.rstrip("/"),
+                   storage_options=so, fs=fs, budget_s=budget)
+
+    @classmethod
+    def fsspec_options(cls, storage_options: dict) -> dict:
+        """The filesystem's options from the caller's (S3Storage adds the AWS environment)."""
+        return dict(storage_options)
+
+    @classmethod
+    def bound_retries(cls, fs: Any, budget_s: "float | None") -> None:
+        """Make the filesystem's own retries fit `budget_s` (nothing to do by default)."""
 
     @property
     def kind(self) -> str:
@@ -50,9 +78,14 @@ class ObjectStorage(Storage):
             self.fs.pipe(dict(items[i:i + batch]))
 
     def create_once(self, rel: str, data: bytes) -> bool:
+        """Check-then-write (`_check_then_write`), said once per root in a warning."""
+        _warn_check_then_write(self)
+        return self._check_then_write(rel, data)
+
+    def _check_then_write(self, rel: str, data: bytes) -> bool:
         """Check, then write, then read back. The race window between the HEAD and the PUT (a
         few ms) is documented in FORMAT.md; the read-back closes it only for the loser that
-        reads after the winner's PUT. `S3Storage` uses a conditional PUT instead."""
+        reads after the winner's PUT."""
         path = self.key(rel)
         if self._exists_fresh(path):
             return False
@@ -137,6 +170,18 @@ class ObjectStorage(Storage):
         get_loop().call_soon_threadsafe(lower_priority)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_check_then_write(storage: Storage) -> None:
+    """Say once per root that its commit markers are created by check-then-write."""
+    if storage.url not in _WARNED:
+        _WARNED.add(storage.url)
+        log.warning("%s storage at %s has no conditional create: commit markers are created by "
+                    "check-then-write (a race window of milliseconds, store/FORMAT.md)",
+                    storage.kind, storage.url)
+
+
 # Whether a server honours If-None-Match on PUT, per (endpoint, bucket); probed once per process.
 _CREATE_ONCE_PROBES: dict[tuple, bool] = {}
 # Part senders (s3parts.PartSender or None), per set of storage options; not on the instance,
@@ -151,11 +196,48 @@ class S3Storage(ObjectStorage):
     streamed objects: those go from the writer's buffers (s3parts.PartSender) where the store
     names an endpoint (see `direct_parts`)."""
 
+    protocols: ClassVar[tuple[str, ...]] = ("s3", "s3a")
+    supports_conditional_create: ClassVar[bool] = True   # If-None-Match, probed per endpoint
+    supports_multipart: ClassVar[bool] = True
+    # S3's request baseline per prefix: PUT/COPY/POST/DELETE, and GET/HEAD, per second. A store
+    # is one prefix until S3 splits it under sustained load, answering 503 SlowDown meanwhile.
+    # A LIST page is 1,000 keys.
+    request_limits: ClassVar[RequestLimits] = RequestLimits(
+        writes_per_second_per_prefix=3500, reads_per_second_per_prefix=5500, list_page_keys=1000)
+    # A request's connect timeout is store.timeout_s but at most this: a connection that is not
+    # made in seconds is not coming.
+    connect_timeout_max_s: ClassVar[float] = 10.0
+
+    @classmethod
+    def fsspec_options(cls, storage_options: dict) -> dict:
+        return s3_options(storage_options)
+
+    @classmethod
+    def bound_retries(cls, fs: Any, budget_s: "float | None") -> None:
+        """s3fs retries timeouts 5 times itself, outside any budget: with_retries does it."""
+        if budget_s is not None:
+            fs.retries = 1
+
+    @classmethod
+    def deadline_options(cls, storage_options: dict, timeout_s: float,
+                         retry_budget_s: float) -> dict:
+        """botocore's connect and read timeouts, and one try per request: with_retries retries
+        within the budget (botocore's and s3fs's own retries multiply with ours and ignore it).
+        Without a timeout botocore and s3fs retry inside their own: an endpoint that accepts and
+        never answers took 14 min to fail."""
+        so = super().deadline_options(storage_options, timeout_s, retry_budget_s)
+        ck = dict(so.get("config_kwargs") or {})
+        ck.setdefault("connect_timeout", min(timeout_s, cls.connect_timeout_max_s))
+        ck.setdefault("read_timeout", timeout_s)
+        ck.setdefault("retries", {"total_max_attempts": 1})
+        so["config_kwargs"] = ck
+        return so
+
     def create_once(self, rel: str, data: bytes) -> bool:
         """PUT with If-None-Match: * where the server honours it (probed once per endpoint and
         bucket): the server decides, no race. Otherwise check-then-write (ObjectStorage)."""
         if not self.honours_if_none_match():
-            return super().create_once(rel, data)
+            return self._check_then_write(rel, data)
         path = self.key(rel)
         tries = [0]
 
