@@ -1,9 +1,9 @@
 """What every `harvest` command shares: the config arguments, the config they load, the store a
 command reads, and the one JSON document `--json` prints.
 
-Its own module so the command modules (main.py, schedule_cmd.py) both import it at the top: in
-main.py, schedule_cmd.py could reach them only through a function-level import, an import cycle
-hidden from the reader.
+Its own module so that main.py and every command module (commands/) import it at the top: in
+main.py, a command could reach them only through a function-level import, an import cycle hidden
+from the reader.
 """
 
 from __future__ import annotations
@@ -37,6 +37,26 @@ def store_target(args) -> tuple[str, dict | None]:
         return args.url, None
     cfg = load_args_config(args)
     return cfg.store.resolved_url, cfg.store.fs_options()
+
+
+def open_for_repair(args, what: str):
+    """(store, URL shown) of the store `finalize` or `uncommit` repairs: it must exist, and no
+    driver may hold its lease (a running job writes there)."""
+    from harvest.store import open_store
+    from harvest.store.storage.credentials import redact_url
+
+    from harvest.pipeline.config.run import StoreConfig
+    from harvest.pipeline.errors import HarvestError
+    from harvest.pipeline.driver.lease import refuse_if_held
+    from .views import store_missing
+
+    url, so = store_target(args)
+    shown = redact_url(url)
+    if store_missing(url, so):
+        raise HarvestError(f"no store at {shown}: nothing to {what}")
+    store = open_store(url, storage_options=so)
+    refuse_if_held(store.location, StoreConfig.lease_seconds, shown)
+    return store, shown
 
 
 def print_json(args, obj) -> None:

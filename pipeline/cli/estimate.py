@@ -126,7 +126,7 @@ def store_rate(cfg, store) -> "dict | None":
     """The store's own measured rate: its newest run (a scheduled tick's record, else the final
     summary) per actor, times this config's actors. The best figure there is: this model, this
     corpus, this cluster's kind, measured end to end."""
-    from .schedule_log import read_ticks
+    from harvest.pipeline.driver.schedule_log import read_ticks
 
     runs = [t.get("summary") or {} for t in read_ticks(store.location)]
     runs += [store.summary] if store.summary else []

@@ -118,7 +118,7 @@ def run_figures(store) -> dict:
     """Skipped rows by reason over the whole store, and each run's rates (ticks, or the one run);
     numbers only where the records hold numbers, `status` and `finished_at` as text."""
     from harvest.pipeline.data.context_rows import sum_stats
-    from .schedule_log import read_ticks
+    from harvest.pipeline.driver.schedule_log import read_ticks
 
     skipped: dict = {}
     rows_read = 0

@@ -145,7 +145,7 @@ def _paused_tick(store, finalized: bool, active: bool, missing: list, planned_ro
     """{budget_rows} when the store is paused by a scheduled tick (the newest tick record says
     paused at exactly the planned rows, every planned unit is committed, no driver holds it);
     else None. Such a store is healthy, not interrupted."""
-    from .schedule_log import last_paused
+    from harvest.pipeline.driver.schedule_log import last_paused
 
     if finalized or active or missing:
         return None

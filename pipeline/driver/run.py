@@ -53,7 +53,7 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     """Run (or resume) the harvest described by `cfg`; returns the summary written to the store.
 
     `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
-    bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/cli/schedule.py)
+    bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/driver/schedule.py)
     pauses the run once that many more tokens are placed, rounded up to whole units: the store
     stays unfinalized and the next run resumes where this one paused (summary `"paused": True`).
     `stream` (a streamed run, pipeline/stream/hooks.py): the trainers' deal, each actor's stream

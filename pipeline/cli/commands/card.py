@@ -6,7 +6,7 @@ report` wrote the picture it shows, or for a store finalized before cards existe
 
 from __future__ import annotations
 
-from .args import print_json, store_args, store_target
+from ..args import print_json, store_args, store_target
 
 
 def add_parser(sub) -> None:

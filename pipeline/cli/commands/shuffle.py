@@ -8,7 +8,7 @@ rerun the same command after a crash to finish it.
 
 from __future__ import annotations
 
-from .args import config_args, load_args_config, print_json
+from ..args import config_args, load_args_config, print_json
 
 
 def add_parser(sub) -> None:
