@@ -43,7 +43,7 @@ def open_for_repair(args, what: str):
     """(store, URL shown) of the store `finalize` or `uncommit` repairs: it must exist, and no
     driver may hold its lease (a running job writes there)."""
     from harvest.store import open_store
-    from harvest.store.storage.credentials import redact_url
+    from harvest.store import redact_url
 
     from harvest.pipeline.config.run import StoreConfig
     from harvest.pipeline.errors import HarvestError

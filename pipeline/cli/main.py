@@ -14,7 +14,7 @@ import sys
 from .args import is_user_error
 from .commands import (card, check_model, finalize, inspect, plan, report, run, schedule,
                        shuffle, status, uncommit, verify)
-from harvest.store.escape import terminal
+from harvest.store import terminal
 
 EXIT_BAD_INPUT = 2
 
@@ -62,7 +62,7 @@ def main(argv: "list[str] | None" = None) -> int:
         return getattr(e, "exit_code", 130)
     except Exception as e:
         # masked: a presigned data.source or a token can sit in any message (credentials.py)
-        from harvest.store.storage.credentials import scrub
+        from harvest.store import scrub
 
         if is_user_error(e):
             # the message may quote a store's text (store/escape.py) or a secret: neither reaches

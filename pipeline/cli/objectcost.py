@@ -23,12 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from harvest.store.commit.markers import index_batch
-from harvest.store.format.layout import BASE_META, ROW_META, block_rows, choose_sizes
-from harvest.store.format.markersize import marker_size, table_size
-from harvest.store.commit.objects import writes_per_object
-from harvest.store.storage.locate import backend_for
-from harvest.store.storage.retries import THROTTLE_BUDGET_S
+from harvest.store import (backend_for, BASE_META, block_rows, choose_sizes, index_batch,
+                           marker_size, ROW_META, table_size, THROTTLE_BUDGET_S, writes_per_object)
 
 # Every layout is priced as it would be on S3, the object store whose request limits and part
 # sizes are stated (its backend class holds them): a local store may move there, and the plan

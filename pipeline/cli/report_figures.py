@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.store.read.rows import read_meta_checked
+from harvest.store import read_meta_checked
 
 DEAD_REL = 1e-6
 OUTLIER_REL = 100.0

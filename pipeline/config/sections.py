@@ -178,10 +178,10 @@ class CaptureConfig:
         check_bool("capture.check_model", self.check_model)
         if self.roles is not None:
             # lazy: the store package loads zarr (~2 s), which a config load must not pay
-            from harvest.store.format.roles import codes_of
+            from harvest.store import roles
 
             try:
-                codes_of(self.roles, "capture.roles")
+                roles.codes_of(self.roles, "capture.roles")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.generate is not None:
@@ -213,7 +213,7 @@ def parse_point(p: Any) -> "tuple[str, int | None]":
 
 def _storage_default(name: str) -> float:
     """A deadline's default: a fact of the storage backends (store/storage/interface.py)."""
-    from harvest.store.storage.interface import Storage
+    from harvest.store import Storage
 
     return getattr(Storage, name)
 
@@ -279,17 +279,17 @@ class StoreConfig:
             raise ConfigError(
                 "store.compression must be a codec name, a mapping of codec settings, or null"
             )
-        from harvest.store.format.compression import normalize
+        from harvest.store import compression
 
         try:  # here, not when the store is created after the actors started
-            normalize(self.compression)
+            compression.normalize(self.compression)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"store.{e}") from None
 
     def fs_options(self) -> "dict | None":
         """storage_options plus the deadlines (see timeout_s) in the terms of the store's
         backend (`Storage.deadline_options`); explicit settings win."""
-        from harvest.store.storage.locate import backend_for
+        from harvest.store import backend_for
 
         return backend_for(self.resolved_url).deadline_options(
             self.storage_options or {}, self.timeout_s, self.retry_budget_s)

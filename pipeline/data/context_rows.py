@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harvest.store.commit.plan import Unit
+from harvest.store import Unit
 
 
 def chunk_key(block: int, chunk: int) -> str:

@@ -37,9 +37,7 @@ from harvest.pipeline.data.documents import shown_source
 from .prepare import Prepared, prepare
 from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
-from harvest.store.commit.verify import VerifyReport
-from harvest.store.storage.credentials import redact_url
-from harvest.store.storage.retries import THROTTLE
+from harvest.store import redact_url, THROTTLE, VerifyReport
 from harvest.pipeline.data.tokenpool import TokenPool, env_for_workers
 
 log = logging.getLogger("harvest.pipeline")

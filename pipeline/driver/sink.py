@@ -34,10 +34,7 @@ from .lease import Lease, refuse_if_held
 from .prepare import Prepared
 from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
-from harvest.store.storage.locate import locate
-from harvest.store import Store
-from harvest.store.commit.verify import VerifyReport
-from harvest.store.storage.credentials import redact_url
+from harvest.store import locate, redact_url, Store, VerifyReport
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -136,7 +133,7 @@ class StoreSink:
         its plan was not fully committed gets its capacity back, and committed units without a
         publish record are published, or uncommitted (loudly) when their data is gone, so the
         resume re-captures them (store/commit/published.py)."""
-        from harvest.store.commit.finalize import plan_gap, unfinalize
+        from harvest.store import plan_gap, unfinalize
 
         self.lease.assert_held("checking the committed units")
         gap = plan_gap(store)
@@ -195,7 +192,7 @@ class StoreSink:
 
 def settle(store, shown_url: str, repair: bool) -> dict:
     """store.settle, its findings logged (store/commit/published.py)."""
-    from harvest.store.commit.published import settle_text
+    from harvest.store import settle_text
 
     report = store.settle(repair=repair)
     if report["published"]:
@@ -211,7 +208,7 @@ def settle_or_fail(store, shown_url: str) -> None:
     """Before a run certifies its store (finalize, or a paused tick's verify): every committed
     unit published, or those whose data is gone uncommitted and the run failed, naming them (a
     re-run re-captures them)."""
-    from harvest.store.commit.published import settle_text
+    from harvest.store import settle_text
 
     report = settle(store, shown_url, repair=True)
     if report["uncommitted"]:

@@ -3,15 +3,14 @@ requests of a run, from metadata alone: nothing is tokenised or written."""
 
 from __future__ import annotations
 
-from harvest.store.storage.credentials import redact_url
+from harvest.store import redact_url
 
 from ..args import config_args, load_args_config, print_json
 
 
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
-    from harvest.store.storage.locate import locate
-    from harvest.store.format.fp8 import expected_ratio
+    from harvest.store import fp8, locate
 
     from ..estimate import corpus_bytes, dataplane, plan_estimate
     from ..objectcost import layout_cost
@@ -50,7 +49,7 @@ def cmd_plan(args) -> int:
         out["plan_complete"] = plan["final"]
     # a resumed store keeps the codec it was created with
     codec = existing.compression if existing is not None else cfg.store.compression
-    ratio = expected_ratio(codec, out["store_dtype"])
+    ratio = fp8.expected_ratio(codec, out["store_dtype"])
     out["estimate"], out["warnings"] = plan_estimate(cfg, prep, out, args.rate, ratio, existing)
     est = out["estimate"]
     out["dataplane"], warn = dataplane(cfg, est, sum((prep.widths or {}).values()) * 2
@@ -78,7 +77,7 @@ def _stream_price(cfg, prep, est: dict, dataplane: "dict | None") -> "dict | Non
     without a rate."""
     from harvest.pipeline.driver.prepare import stored_itemsize
     from harvest.pipeline.stream.cost import stream_cost
-    from harvest.store.format.dtypes import row_width
+    from harvest.store import row_width
 
     if not est.get("tokens_per_second") or dataplane is None:
         return None

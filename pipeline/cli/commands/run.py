@@ -130,7 +130,7 @@ def _run_report(cfg, summary: RunSummary):
         return f"{type(e).__name__}: {e}"
     try:   # the card finalize wrote has no picture yet: the report made just now is its picture
         from harvest.store import open_store
-        from harvest.store.card import write_card
+        from harvest.store import write_card
 
         write_card(open_store(cfg.store.resolved_url, cfg.store.fs_options()))
     except Exception as e:  # noqa: BLE001 -- the card is derived: a warning, like the report

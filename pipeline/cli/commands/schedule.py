@@ -71,7 +71,7 @@ def cmd_schedule(args) -> int:
         ticks, log_dir = _ticks(args, webhook)
     except Exception as e:
         if webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
-            from harvest.store.storage.credentials import mask_text
+            from harvest.store import mask_text
 
             hook = notify(webhook, [Tick("invalid", "", mask_text(f"{type(e).__name__}: {e}"))])
             if hook:

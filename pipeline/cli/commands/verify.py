@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from harvest.store.storage.credentials import redact_url
+from harvest.store import redact_url
 
 from ..args import print_json, store_args, store_target
 
