@@ -14,7 +14,7 @@ training job, or the light install without torch, can `from harvest.store import
 machine without the engine. See FORMAT.md for the layout.
 """
 
-import importlib
+from harvest import lazy_name
 
 from .format import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
 
@@ -80,11 +80,7 @@ _LAZY = {"ActivationDataset": "read.dataset", "NormConstants": "read.normalize",
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+    return lazy_name(__name__, _LAZY, name)
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any, Callable
 
 from harvest.pipeline.config.run import ConfigError, HarvestConfig, default_config_path, load_config
 
@@ -63,6 +64,15 @@ def print_json(args, obj) -> None:
     """The command's one JSON document, on the stream `main` keeps for it (logs.json_stdout:
     nothing else reaches stdout under --json)."""
     print(json.dumps(obj, indent=2, default=str), file=getattr(args, "json_out", None) or sys.stdout)
+
+
+def show(args, obj, text: "Callable[[Any], str]") -> int:
+    """A command's result: `obj` as its JSON document under --json, else `text(obj)`; exit 0."""
+    if args.json:
+        print_json(args, obj)
+    else:
+        print(text(obj))
+    return 0
 
 
 def is_user_error(e: BaseException) -> bool:

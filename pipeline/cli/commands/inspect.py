@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..args import print_json, store_args, store_target
+from ..args import show, store_args, store_target
 
 
 def cmd_inspect(args) -> int:
@@ -14,12 +14,7 @@ def cmd_inspect(args) -> int:
     if args.rows:
         a, _, b = args.rows.partition(":")
         rows = (int(a), int(b) if b else int(a) + 8)
-    info = inspect(url, so, rows)
-    if args.json:
-        print_json(args, info)
-    else:
-        print(inspect_text(info))
-    return 0
+    return show(args, inspect(url, so, rows), inspect_text)
 
 
 def add_parser(sub) -> None:

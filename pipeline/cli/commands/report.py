@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..args import print_json, store_args, store_target
+from ..args import show, store_args, store_target
 
 
 def cmd_report(args) -> int:
@@ -10,11 +10,8 @@ def cmd_report(args) -> int:
 
     url, so = store_target(args)
     r = write_report(url, so, out_dir=args.out, tokenizer_path=args.tokenizer)
-    if args.json:
-        print_json(args, {k: v for k, v in r.items() if k != "data"})
-    else:
-        print(f"report: {r['png']} (and {r['html']})")
-    return 0
+    return show(args, {k: v for k, v in r.items() if k != "data"},
+                lambda w: f"report: {w['png']} (and {w['html']})")
 
 
 def add_parser(sub) -> None:

@@ -3,7 +3,7 @@ elsewhere, or on a machine without the engine)."""
 
 from __future__ import annotations
 
-from ..args import print_json, store_args, store_target
+from ..args import show, store_args, store_target
 
 
 def cmd_status(args) -> int:
@@ -11,12 +11,7 @@ def cmd_status(args) -> int:
     from ..views import status
 
     url, so = store_target(args)
-    s = status(url, so)
-    if args.json:
-        print_json(args, s)
-    else:
-        print(status_text(s))
-    return 0
+    return show(args, status(url, so), status_text)
 
 
 def add_parser(sub) -> None:
