@@ -21,9 +21,12 @@ from harvest.store import StoreAccessError
 from harvest.store.errors import RecordError
 from harvest.store.storage.interface import CAPABILITIES, Storage
 from harvest.store.storage.locate import BACKENDS, backend_for, locate
-from harvest.store.storage.objectstore import ObjectStorage
+from harvest.store.storage.local import LocalStorage
+from harvest.store.storage.memory import MemoryStorage
+from harvest.store.storage.objectstore import ObjectStorage, S3Storage
 
-BACKEND_IDS = ("local", "s3", "memory", "fsspec")
+SUITE = {"local": LocalStorage, "s3": S3Storage, "memory": MemoryStorage, "fsspec": ObjectStorage}
+BACKEND_IDS = tuple(SUITE)
 
 
 @pytest.fixture(params=BACKEND_IDS)
@@ -38,6 +41,15 @@ def storage(request, tmp_path) -> Storage:
         return locate(f"memory://conformance-{uuid.uuid4().hex[:12]}/store")
     url = f"file://{tmp_path}/store"
     return ObjectStorage.open(url, url, {"auto_mkdir": True})
+
+
+def test_every_registered_backend_runs_the_suite():
+    """A backend registered without a line in `storage` would never prove itself."""
+    assert set(BACKENDS.values()) | {ObjectStorage} == set(SUITE.values())
+
+
+def test_the_fixture_gives_each_backend_its_class(storage, request):
+    assert type(storage) is SUITE[request.node.callspec.params["storage"]]
 
 
 def test_capabilities_are_declared_and_the_registry_serves_the_backend(storage):
