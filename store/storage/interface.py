@@ -1,5 +1,5 @@
 """The storage interface: every plain (non-zarr) object operation a store needs, one class per
-backend (`local.LocalStorage`, `objectstore.ObjectStorage` and `S3Storage`,
+backend (`local.LocalStorage`, `objectstore.ObjectStorage`, `s3.S3Storage`,
 `memory.MemoryStorage`; `locate.locate` picks from its registry by URL protocol).
 
 Commit markers, the plan, leases and stats partials are small objects we write ourselves beside

@@ -1,6 +1,6 @@
 """Where a store lives: `locate` parses a local path or fsspec URL into the `Storage` of its
 backend, chosen from a registry by URL protocol (interface.py: the interface; local.py,
-objectstore.py, memory.py: one class per backend; `register_backend` adds one).
+objectstore.py, s3.py, memory.py: one class per backend; `register_backend` adds one).
 
 `Location` is the name the rest of the package uses for a located `Storage`.
 """
@@ -14,7 +14,8 @@ from harvest.store.errors import StoreAccessError
 from .interface import Storage
 from .local import LocalStorage
 from .memory import MemoryStorage
-from .objectstore import ObjectStorage, S3Storage
+from .objectstore import ObjectStorage
+from .s3 import S3Storage
 
 Location = Storage
 

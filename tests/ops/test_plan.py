@@ -303,7 +303,7 @@ def _recount(p: dict, ratio: float) -> dict:
     block = min(S, 1 << (cap.bit_length() - 1))
     data = int(S * row / ratio)
     stored_block = int(block * row / ratio)
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
 
     part = stored_block * -(-S3Storage.part_min_bytes // stored_block)  # whole blocks, >= a part
     parts = -(-data // part)

@@ -23,7 +23,8 @@ from harvest.store.storage.interface import CAPABILITIES, Storage
 from harvest.store.storage.locate import BACKENDS, backend_for, locate
 from harvest.store.storage.local import LocalStorage
 from harvest.store.storage.memory import MemoryStorage
-from harvest.store.storage.objectstore import ObjectStorage, S3Storage
+from harvest.store.storage.objectstore import ObjectStorage
+from harvest.store.storage.s3 import S3Storage
 
 SUITE = {"local": LocalStorage, "s3": S3Storage, "memory": MemoryStorage, "fsspec": ObjectStorage}
 BACKEND_IDS = tuple(SUITE)

@@ -13,7 +13,8 @@ import pytest
 from harvest.store.storage.locate import BACKENDS as REGISTRY, locate, register_backend
 from harvest.store.storage.local import LocalStorage
 from harvest.store.storage.memory import MemoryStorage
-from harvest.store.storage.objectstore import ObjectStorage, S3Storage
+from harvest.store.storage.objectstore import ObjectStorage
+from harvest.store.storage.s3 import S3Storage
 from harvest.store.storage.interface import Storage
 
 REPO = Path(__file__).resolve().parents[2]
