@@ -95,6 +95,9 @@ class Storage(abc.ABC):
     # them (S3); None: no stated limit.
     request_limits: ClassVar["RequestLimits | None"] = None
 
+    # Requests go to a named endpoint (S3's endpoint_url): error messages name it.
+    has_endpoint: ClassVar[bool] = False
+
     # URL protocols this class serves in locate's registry (`register_backend`).
     protocols: ClassVar[tuple[str, ...]] = ()
 
@@ -153,8 +156,7 @@ class Storage(abc.ABC):
         every secret scrubbed."""
         cause = scrub(f"{type(exc).__name__}: {exc}", self.storage_options)
         low = cause.lower()
-        s3 = self.protocol in ("s3", "s3a")
-        where = f" (endpoint {self.endpoint})" if s3 else ""
+        where = f" (endpoint {self.endpoint})" if self.has_endpoint else ""
         hint = ""
         if "NoCredentialsError" in cause or "unable to locate credentials" in low:
             hint = (" -- no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or "
@@ -176,12 +178,13 @@ class Storage(abc.ABC):
         elif "connect" in low or isinstance(exc, (ConnectionError, TimeoutError)):
             hint = (f" -- cannot connect to endpoint {self.endpoint}: check the endpoint "
                     "(store.storage_options.client_kwargs.endpoint_url or AWS_ENDPOINT_URL)")
-        elif s3 and isinstance(exc, FileNotFoundError):
-            hint = (f" -- endpoint {self.endpoint} answered Not Found: the bucket "
-                    f"{self.root.split('/', 1)[0]!r} does not exist there (create it, or set "
-                    "store.create_bucket: true), or the endpoint is not an S3 server (check "
-                    "store.storage_options.client_kwargs.endpoint_url)")
+        elif isinstance(exc, FileNotFoundError):
+            hint = self.not_found_hint()
         return StoreAccessError(f"{what} at {self.url}{where} failed: {cause}{hint}")
+
+    def not_found_hint(self) -> str:
+        """What `error` adds to a Not Found from the storage itself (nothing by default)."""
+        return ""
 
     # ---- the same on every backend ----------------------------------------------------------
     def read_bytes(self, rel: str, attempts: int = 5) -> bytes | None:

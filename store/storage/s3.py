@@ -37,6 +37,7 @@ class S3Storage(ObjectStorage):
     names an endpoint (see `direct_parts`)."""
 
     protocols: ClassVar[tuple[str, ...]] = ("s3", "s3a")
+    has_endpoint: ClassVar[bool] = True
     supports_conditional_create: ClassVar[bool] = True   # If-None-Match, probed per endpoint
     supports_multipart: ClassVar[bool] = True
     # S3's request baseline per prefix: PUT/COPY/POST/DELETE, and GET/HEAD, per second. A store
@@ -72,6 +73,12 @@ class S3Storage(ObjectStorage):
         ck.setdefault("retries", {"total_max_attempts": 1})
         so["config_kwargs"] = ck
         return so
+
+    def not_found_hint(self) -> str:
+        return (f" -- endpoint {self.endpoint} answered Not Found: the bucket "
+                f"{self.root.split('/', 1)[0]!r} does not exist there (create it, or set "
+                "store.create_bucket: true), or the endpoint is not an S3 server (check "
+                "store.storage_options.client_kwargs.endpoint_url)")
 
     def create_once(self, rel: str, data: bytes) -> bool:
         """PUT with If-None-Match: * where the server honours it (probed once per endpoint and
