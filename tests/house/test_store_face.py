@@ -1,7 +1,7 @@
-"""The store's one face (store/__init__.py): pipeline/ and examples/ import the store only from
-`harvest.store`, and only names its `__all__` declares. An import of a store submodule
-(`harvest.store.<submodule>`, function-level imports included) is an exception listed below with
-its reason; the list only shrinks (an exception no longer used fails too), so the face, not a
+"""The store's one face (store/__init__.py): pipeline/, examples/, jobs/ and packages/ import the
+store only from `harvest.store`, and only names its `__all__` declares. An import of a store
+submodule (`harvest.store.<submodule>`, function-level imports included) is an exception listed
+below with its reason; the list only shrinks (an exception no longer used fails too), so the face, not a
 path into the store's insides, is what the pipeline and the examples depend on.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-HELD = ("pipeline", "examples")
+HELD = ("pipeline", "examples", "jobs", "packages")
 
 STREAM_IS_THE_READER = (
     "the stream is the reader fed by actors instead of shards: it runs the reader's own "
