@@ -1,8 +1,8 @@
 """The store's one face (store/__init__.py): pipeline/, examples/, jobs/ and packages/ import the
 store only from `harvest.store`, and only names its `__all__` declares. An import of a store
 submodule (`harvest.store.<submodule>`, function-level imports included) is an exception listed
-below with its reason; the list only shrinks (an exception no longer used fails too), so the face, not a
-path into the store's insides, is what the pipeline and the examples depend on.
+below with its reason; the list only shrinks (an exception no longer used fails too), so the
+face, not a path into the store's insides, is what everything outside the store depends on.
 """
 
 from __future__ import annotations
