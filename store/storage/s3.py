@@ -130,6 +130,7 @@ class S3Storage(ObjectStorage):
     # ones and half the write requests (benchmarks/results/RESULTS.md, "Whole write path"), for
     # ~11 MiB more held per open shard object (uploads.py's memory bound).
     part_min_bytes: ClassVar[int] = 16 << 20
+    max_parts: ClassVar[int] = 10_000   # S3's most parts per upload (and per ListParts page)
 
     def _bucket_key(self, rel: str) -> tuple[str, str]:
         bucket, _, key = self.key(rel).partition("/")
@@ -204,7 +205,7 @@ class S3Storage(ObjectStorage):
             etags = upload.get("_etags")
             if etags is None:
                 got = self._s3(f"list parts of {final_rel}", "list_parts", Bucket=b, Key=k,
-                               UploadId=uid, MaxParts=10000).get("Parts", [])
+                               UploadId=uid, MaxParts=self.max_parts).get("Parts", [])
                 etags = [p["ETag"] for p in sorted(got, key=lambda p: p["PartNumber"])]
             if len(etags) != want:
                 raise StoreAccessError(f"upload {uid} of {final_rel} holds {len(etags)} parts, its "
