@@ -97,7 +97,7 @@ class StageCPU:
         self._wrap(blockstats, "chunk_moments", "stats")
         self._wrap(moments, "crc32c", "crc")
         self._wrap(streams.ObjectStream, "append", "stream")
-        from harvest.store.storage.objectstore import S3Storage
+        from harvest.store.storage.s3 import S3Storage
 
         # inside `stream` (appends send full parts): an S3 part's request, on this thread where
         # the PartSender sends it (s3fs only waits for its event loop here)
@@ -487,7 +487,7 @@ def run(units: int = 3, shards_per_unit: int = 1, storage=("local", "s3"),
     s3parts.PartSender from the writer's buffers; "s3fs": through s3fs). `dry`: a tiny shape (4 points x 256, 2,048-row shards) in
     seconds, for the test suite: the same code path, no figure worth reporting."""
     from harvest.store.format import compression
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
     from harvest.testing import seaweed, synthetic
 
     dtypes = [check_dtype(d) for d in ([dtype] if isinstance(dtype, str) else dtype)]

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import importlib
+from harvest import lazy_name
 
 from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
 from .load import BACKENDS, load_model
@@ -27,11 +27,7 @@ _LAZY = {"ActivationCache": "capture.captured", "CapturedRequest": "capture.capt
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+    return lazy_name(__name__, _LAZY, name)
 
 
 __all__ = ["ActivationCache", "Address", "BACKENDS", "CapturedRequest", "CheckConfig", "FreezePlan",

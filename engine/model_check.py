@@ -316,8 +316,9 @@ def format_check(result: dict) -> str:
 
 
 def run_command(path: str, args) -> int:
-    """`harvest check-model` (pipeline/cli/main.py parses the arguments): print the per-point table,
-    return 0 on pass, 1 above tolerance or when the trunk is refused at load."""
+    """`harvest check-model` (pipeline/cli/commands/check_model.py parses the arguments): print
+    the per-point table, return 0 on pass, 1 above tolerance or when the trunk is refused at
+    load."""
     cfg = CheckConfig(tol_p50=args.tol_p50, tol_p99=args.tol_p99,
                       lengths=tuple(int(n) for n in args.lengths.split(",")),
                       reference_device=args.reference_device)

@@ -18,8 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path and not os.environ.get("HARVEST_LIGHT"):
     sys.path.insert(0, str(REPO))   # run from a checkout; with the light package installed, not needed
 
-from harvest.store import open_store  # noqa: E402
-from harvest.store.read.dataset import ActivationDataset  # noqa: E402
+from harvest.store import ActivationDataset, open_store
 
 
 def default_store() -> str:

@@ -38,9 +38,7 @@ import numpy as np
 import torch  # noqa: E402
 from common import REPO, parser, recipe_kwargs, report
 
-from harvest.store import open_store
-from harvest.store.read.adapters import heldout_fvu
-from harvest.store.read.dataset import ActivationDataset
+from harvest.store import ActivationDataset, heldout_fvu, open_store
 
 
 def store_tokens(store) -> np.ndarray:

@@ -27,9 +27,7 @@ from common import parser, recipe_kwargs, report
 from dictionary_learning.trainers.top_k import AutoEncoderTopK, TopKTrainer
 from dictionary_learning.training import trainSAE
 
-from harvest.store import open_store
-from harvest.store.read.adapters import crosscoder_data
-from harvest.store.read.dataset import ActivationDataset
+from harvest.store import ActivationDataset, crosscoder_data, open_store
 
 
 @torch.no_grad()

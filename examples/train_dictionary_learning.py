@@ -19,7 +19,7 @@ from common import datasets, parser, report
 from dictionary_learning.trainers.top_k import AutoEncoderTopK, TopKTrainer
 from dictionary_learning.training import trainSAE
 
-from harvest.store.read.adapters import dictionary_learning_data, heldout_fvu
+from harvest.store import dictionary_learning_data, heldout_fvu
 
 
 def main():

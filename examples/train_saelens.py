@@ -17,7 +17,7 @@ from common import datasets, parser, report
 from sae_lens import SAETrainer, TopKTrainingSAE, TopKTrainingSAEConfig
 from sae_lens.config import SAETrainerConfig
 
-from harvest.store.read.adapters import heldout_fvu, saelens_data_provider
+from harvest.store import heldout_fvu, saelens_data_provider
 
 
 def main():

@@ -19,9 +19,7 @@ from sae_lens import TopKTrainingSAE, TopKTrainingSAEConfig
 from sae_lens.config import SAETrainerConfig
 from sae_lens.training.multi_sae_trainer import MultiSAETrainer
 
-from harvest.store import open_store
-from harvest.store.read.adapters import saelens_multi_data_provider
-from harvest.store.read.dataset import ActivationDataset
+from harvest.store import ActivationDataset, open_store, saelens_multi_data_provider
 
 
 def main():

@@ -15,7 +15,7 @@ import torch
 from common import datasets, parser, report
 from sparsify import SparseCoder, SparseCoderConfig
 
-from harvest.store.read.adapters import heldout_fvu, on_device
+from harvest.store import heldout_fvu, on_device
 
 
 def main():

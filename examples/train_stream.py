@@ -34,7 +34,7 @@ def train(config: str, point: str, rank: int, world: int, batch: int, k: int, ex
 
     import harvest
     from harvest.pipeline.config.run import load_config
-    from harvest.store.read.adapters import on_device
+    from harvest.store import on_device
     from train_topk import TopKSAE
 
     cfg = load_config(config, overrides=[f"stream.name={name}"])

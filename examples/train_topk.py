@@ -17,7 +17,7 @@ from torch import nn
 
 from common import datasets, parser, report
 
-from harvest.store.read.adapters import heldout_fvu, on_device
+from harvest.store import heldout_fvu, on_device
 
 
 class TopKSAE(nn.Module):

@@ -17,9 +17,7 @@ import torch
 from common import parser, recipe_kwargs, report
 from sparsify import SparseCoder, TranscoderConfig
 
-from harvest.store import open_store
-from harvest.store.read.adapters import transcoder_batches
-from harvest.store.read.dataset import ActivationDataset
+from harvest.store import ActivationDataset, open_store, transcoder_batches
 
 
 def main():

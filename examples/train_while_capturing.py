@@ -36,10 +36,7 @@ import torch
 from common import REPO, recipe_kwargs
 from train_topk import TopKSAE
 
-from harvest.store import open_store
-from harvest.store.errors import StoreError
-from harvest.store.read.adapters import heldout_fvu, on_device
-from harvest.store.read.dataset import ActivationDataset
+from harvest.store import ActivationDataset, heldout_fvu, on_device, open_store, StoreError
 
 
 def start_capture(config: str, url: str, sets: list[str], log: Path) -> subprocess.Popen:

@@ -16,6 +16,7 @@ an installed copy in site-packages never searches site-packages as `harvest.*`.
 
 import importlib as _importlib
 import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"   # the one version: the package, the light package and created_by in stores
 
@@ -24,6 +25,17 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
         _os.path.join(_root, "engine")) and _root not in __path__:
     __path__.append(_root)
 del _os, _root
+
+
+def lazy_name(package: str, names: "dict[str, str]", name: str):
+    """PEP 562 for a package of ours (harvest.engine, harvest.store): `name`, one of `names`
+    ({name: module relative to `package`}), imported from its module on first use and kept on the
+    package, so names whose modules import torch cost nothing until asked for."""
+    if name not in names:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{names[name]}", package), name)
+    setattr(_sys.modules[package], name, value)
+    return value
 
 
 def __getattr__(name: str):

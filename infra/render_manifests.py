@@ -6,7 +6,7 @@ layout as the RayJob: same image, GPU groups, mounted secrets, config mount, PVC
 pods carry their own `app.kubernetes.io/instance` label, and each gets a NetworkPolicy built from
 the Ray ports rayjob.yaml pins: `networkpolicy.yaml` beside rayjob.yaml, in schedule/ and in
 raycron/, and a second document in raycluster.yaml.
-The scheduled ones run `harvest schedule extend` (pipeline/cli/schedule.py) instead of a plain run:
+The scheduled ones run `harvest schedule extend` (pipeline/driver/schedule.py) instead of a plain run:
 a tick adds the next TICK_TOKENS to the one store of run.yaml until packing.max_tokens.
 Three hand-kept copies drift (a Secret renamed in one, an image bumped in two); so rayjob.yaml
 is the one source, the others are generated from it, and tests/ops/test_infra.py fails when a

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     import numpy as np
 
-    from harvest.store.read.filters import RowFilter
+    from harvest.store import RowFilter
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ class ActorSpec:
         """Every field, but `env` with its values masked and `storage_options` and `store_url`
         through the store's redaction (credentials.py): a spec is logged and shown in Ray's
         errors, and both carry credentials."""
-        from harvest.store.storage.credentials import REDACTED, redact_options, redact_url
+        from harvest.store import REDACTED, redact_options, redact_url
 
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["env"] = {k: REDACTED for k in self.env}

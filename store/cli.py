@@ -1,5 +1,10 @@
 """`harvest-store verify|inspect URL`: check and look at a store with the light install alone.
 
+Scope: the light install's own CLI, two read-only commands and no more. Every command of a full
+install, these two included, is the `harvest` CLI (one module per command in
+pipeline/cli/commands/); this one exists because the light install has no pipeline to run that
+CLI with. New commands go there, not here.
+
 An SAE trainer's environment installs `harvest-store` (no engine, Ray or torch); it must still be
 able to answer "is this store complete and intact?" before hours of training on it, with the same
 checks as `harvest verify` (store.verify: markers against the plan; `--objects` lists every

@@ -12,7 +12,7 @@ import numpy as np
 def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int] | None" = None,
             tokenizer_path: str | None = None) -> dict:
     """Layout, run attributes and (optionally) some rows with their metadata and norms."""
-    from . import open_store
+    from .store import open_store
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     out = {k: v for k, v in store.info().items() if k != "stats"}

@@ -80,7 +80,8 @@ def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, fact
                     what: str, points: list, create: bool = True):
     """The copy or a spill level: an existing one must be this very shuffle's; None where there
     is none and not `create`."""
-    from . import create_store, open_store
+    from .store import open_store
+    from .write.create import create_store
 
     try:
         st = open_store(url, storage_options=storage_options)
@@ -142,7 +143,7 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
     (default: `dst_url` + ".spill", deleted at the end). `points`: copy only these (an SAE
     trains on one layer: a copy of one point is 1/points of the bytes, and its scatter
     writers hold one point's blocks, so one scan of the source feeds ~points x more units)."""
-    from . import open_store
+    from .store import open_store
 
     say = progress or log.info
     src = open_store(src_url, storage_options=storage_options, read_only=True)

@@ -18,12 +18,11 @@ import sys
 import numpy as np
 
 from harvest.store import open_store
-from harvest.store.commit.verify import verify
 
 
 def main(url: str, rows: int = 4096) -> int:
     s = open_store(url, read_only=True)
-    v = verify(s, deep=True)
+    v = s.verify(deep=True)
     h = hashlib.sha256()
     for p in s.points[:4]:
         h.update(np.ascontiguousarray(s.read(p, 0, min(rows, s.n_rows))).view(np.uint16).tobytes())

@@ -32,8 +32,7 @@ import numpy as np
 from .engine import check_engine, close_engine, gpu_ids, load_engine
 from .outbox import Outbox, StreamClosed, UnitParts, rss_bytes
 from harvest.pipeline.logs import mark_phase, redirect_actor
-from harvest.store.format.dtypes import torch_dtype, torch_view
-from harvest.store.storage.retries import THROTTLE
+from harvest.store import THROTTLE, torch_dtype, torch_view
 from harvest.pipeline.messages import (ActorFigures, ActorInfo, ActorSpec, StreamRows, UnitResult,
                                        UnitStatus, UnitTask)
 
@@ -83,7 +82,7 @@ class HarvestActor:
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
         # Named at the OS level before the engine loads, so its OpenMP team (spawned from this
         # thread) carries the name too: per-thread CPU in /proc then splits engine from writer.
-        from harvest.store.format.shardcodec import name_native_thread
+        from harvest.store import name_native_thread
 
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine",
                                                  initializer=name_native_thread)
@@ -448,11 +447,11 @@ class HarvestActor:
             if shared is not None:
                 # tensor parallel: block buffers in the engine's shared arena, so the rank
                 # that computes the rows writes them in place (engine/capture/shmdest.py)
-                from harvest.store.write.blocks import use_allocator
+                from harvest.store import use_allocator
 
                 use_allocator(store, shared)
             elif ok and torch.cuda.is_available():
-                from harvest.store.write.blocks import use_allocator
+                from harvest.store import use_allocator
 
                 use_allocator(store, _pinned_empty)
             self._in_place_ok = ok
@@ -491,7 +490,7 @@ def _pinned_empty(shape, dtype) -> np.ndarray:
 
 def _is_conflict(e: BaseException) -> bool:
     try:
-        from harvest.store.errors import RegionConflict
+        from harvest.store import RegionConflict
 
         return isinstance(e, RegionConflict)
     except Exception:

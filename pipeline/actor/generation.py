@@ -74,8 +74,8 @@ def slot_meta(gc: GenerateConfig, C: int, doc: np.ndarray, pos: np.ndarray, reqs
     a GeneratedRequest: fed tokens, prompt_len, generated), sample s at reqs[s]. `doc`/`pos`
     (and `role`, chat input) are the context's planned columns; generated rows continue the
     prompt's last document and its positions, and are the assistant's in a chat store."""
-    from harvest.store.format import roles as R
-    from harvest.store.format.layout import GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD
+    from harvest.store import roles as R
+    from harvest.store import GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD
 
     L, M = reqs[0].prompt_len, gc.max_new_tokens
     tok = np.full(C, META_PAD, np.int32)
@@ -113,7 +113,7 @@ def zero_rows_without_activations(acts, gen: np.ndarray) -> None:
     """Rows that hold no activations are zeros in the store: the engine never wrote the padding
     (a destination's rows past the generation are left as they were) and wrote a dropped
     prompt's rows. `acts` is [points, C, width] (a torch tensor or a numpy view)."""
-    from harvest.store.format.layout import GEN_HAS_ACTS
+    from harvest.store import GEN_HAS_ACTS
 
     none = np.flatnonzero(~np.isin(gen, GEN_HAS_ACTS))
     if none.size:
@@ -153,11 +153,11 @@ class Slots:
         template's generation prompt), then pad rows: the prompt stops at the first of them."""
         if role is None:
             return self.P
-        from harvest.store.format.roles import PAD
+        from harvest.store import roles
 
-        pad = np.flatnonzero(role == PAD)
+        pad = np.flatnonzero(role == roles.PAD)
         L = int(pad[0]) if pad.size else len(role)
-        if not 0 < L <= self.P or (role[L:] != PAD).any():
+        if not 0 < L <= self.P or (role[L:] != roles.PAD).any():
             # the tokenisers skip conversations longer than P (prompt_too_long): never a guess
             raise RuntimeError(f"a chat context's conversation has {L} tokens, outside 1..{self.P} "
                                "(the prompt room of a slot), or is followed by more than padding")

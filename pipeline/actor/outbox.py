@@ -26,9 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harvest.pipeline.messages import StreamRows, StreamSpec, UnitDeal
-from harvest.store.format import fp8 as _fp8
-from harvest.store.format.dtypes import is_quantized, raw_dtype, resolve_dtype
-from harvest.store.write.blocks import to_numpy
+from harvest.store import fp8 as _fp8, is_quantized, raw_dtype, resolve_dtype, to_numpy
 
 
 class StreamClosed(RuntimeError):

@@ -1,9 +1,9 @@
 """What every `harvest` command shares: the config arguments, the config they load, the store a
 command reads, and the one JSON document `--json` prints.
 
-Its own module so the command modules (main.py, schedule_cmd.py) both import it at the top: in
-main.py, schedule_cmd.py could reach them only through a function-level import, an import cycle
-hidden from the reader.
+Its own module so that main.py and every command module (commands/) import it at the top: in
+main.py, a command could reach them only through a function-level import, an import cycle hidden
+from the reader.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any, Callable
 
 from harvest.pipeline.config.run import ConfigError, HarvestConfig, default_config_path, load_config
 
@@ -39,10 +40,39 @@ def store_target(args) -> tuple[str, dict | None]:
     return cfg.store.resolved_url, cfg.store.fs_options()
 
 
+def open_for_repair(args, what: str):
+    """(store, URL shown) of the store `finalize` or `uncommit` repairs: it must exist, and no
+    driver may hold its lease (a running job writes there)."""
+    from harvest.store import open_store
+    from harvest.store import redact_url
+
+    from harvest.pipeline.config.run import StoreConfig
+    from harvest.pipeline.errors import HarvestError
+    from harvest.pipeline.driver.lease import refuse_if_held
+    from .views import store_missing
+
+    url, so = store_target(args)
+    shown = redact_url(url)
+    if store_missing(url, so):
+        raise HarvestError(f"no store at {shown}: nothing to {what}")
+    store = open_store(url, storage_options=so)
+    refuse_if_held(store.location, StoreConfig.lease_seconds, shown)
+    return store, shown
+
+
 def print_json(args, obj) -> None:
     """The command's one JSON document, on the stream `main` keeps for it (logs.json_stdout:
     nothing else reaches stdout under --json)."""
     print(json.dumps(obj, indent=2, default=str), file=getattr(args, "json_out", None) or sys.stdout)
+
+
+def show(args, obj, text: "Callable[[Any], str]") -> int:
+    """A command's result: `obj` as its JSON document under --json, else `text(obj)`; exit 0."""
+    if args.json:
+        print_json(args, obj)
+    else:
+        print(text(obj))
+    return 0
 
 
 def is_user_error(e: BaseException) -> bool:

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from harvest.store.format.fp8 import expected_ratio
+from harvest.store import fp8 as _fp8
 
 # Text bytes per token. Measured: SmolLM2's tokenizer on the pydoc corpus (jsonl, 488 kB) gave
 # ~220k tokens, ~2.2 bytes per token (code and JSON escapes); English prose is ~4. 3 is between.
@@ -126,7 +126,7 @@ def store_rate(cfg, store) -> "dict | None":
     """The store's own measured rate: its newest run (a scheduled tick's record, else the final
     summary) per actor, times this config's actors. The best figure there is: this model, this
     corpus, this cluster's kind, measured end to end."""
-    from .schedule_log import read_ticks
+    from harvest.pipeline.driver.schedule_log import read_ticks
 
     runs = [t.get("summary") or {} for t in read_ticks(store.location)]
     runs += [store.summary] if store.summary else []
@@ -225,7 +225,7 @@ def plan_estimate(cfg, prep, out: dict, rate: "float | None" = None,
                  f"~{r['tokens_per_second']:,} tok/s, the {r['rate_source']}")
     if ratio is None:
         # None is the dtype's default codec, not "none"
-        ratio = expected_ratio(cfg.store.compression, cfg.store_dtype())
+        ratio = _fp8.expected_ratio(cfg.store.compression, cfg.store_dtype())
     logical = tokens * out["bytes_per_token"]
     return {
         "tokens": int(tokens), "tokens_source": source, "bytes_logical": int(logical),
@@ -242,8 +242,7 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec,
     path's core-seconds per GB are compression.write_core_s_per_gb (measured, bench_dataplane);
     bytes are the rows as captured, at 2 bytes a number (what the figure is per), whatever the
     store's `dtype` (an fp8 store's write path moves half of them: its own measured figure)."""
-    from harvest.store.format.compression import WRITE_CORE_S_SOURCE, write_core_s_per_gb
-    from harvest.store.format.fp8 import compression_for
+    from harvest.store import compression
 
     rate = est.get("tokens_per_second")
     if not rate:
@@ -255,13 +254,13 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec,
     per = "GPU" if plat == "gpu" else "actor"
     units = actors * gpus_per_actor if plat == "gpu" else actors
     gb_s = rate * bytes_per_token / 1e9 / units   # per GPU (or actor)
-    core_s = write_core_s_per_gb(compression_for(codec, dtype), dtype)
+    core_s = compression.write_core_s_per_gb(_fp8.compression_for(codec, dtype), dtype)
     need = gb_s * core_s
     cpus, _ = cfg.ray.actor_resources({"GPU": 1} if plat == "gpu" else {})
     have = cpus / gpus_per_actor if plat == "gpu" else cpus
     out = {"per": per, "gb_per_second_per": round(gb_s, 3), "write_core_s_per_gb": core_s,
            "cores_needed_per": round(need, 2), "cores_reserved_per": round(have, 2),
-           "tokens_per_second_per": round(rate / units), "source": WRITE_CORE_S_SOURCE}
+           "tokens_per_second_per": round(rate / units), "source": compression.WRITE_CORE_S_SOURCE}
     warnings = []
     if plat == "gpu" and need > have:
         want = -(-need * gpus_per_actor // 1)
@@ -276,11 +275,10 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec,
 
 def _fp8_hint(dtype: str) -> str:
     """The cheaper dtype, where the store is not fp8 already (its measured write-path CPU)."""
-    from harvest.store.format.compression import write_core_s_per_gb
-    from harvest.store.format.fp8 import compression_for
+    from harvest.store import compression
 
     if dtype == "float8_e4m3fn":
         return ""
     fp8 = "float8_e4m3fn"
-    return (f", or store.dtype={fp8} ({write_core_s_per_gb(compression_for(None, fp8), fp8):g} "
-            "core-s/GB, half the bytes; see docs/store.md)")
+    core_s = compression.write_core_s_per_gb(_fp8.compression_for(None, fp8), fp8)
+    return (f", or store.dtype={fp8} ({core_s:g} core-s/GB, half the bytes; see docs/store.md)")

@@ -23,18 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from harvest.store.commit.markers import index_batch
-from harvest.store.format.layout import BASE_META, ROW_META, block_rows, choose_sizes
-from harvest.store.format.markersize import marker_size, table_size
-from harvest.store.commit.objects import writes_per_object
-from harvest.store.storage.objectstore import S3Storage
-from harvest.store.storage.retries import THROTTLE_BUDGET_S
+from harvest.store import (backend_for, BASE_META, block_rows, choose_sizes, index_batch,
+                           marker_size, ROW_META, table_size, THROTTLE_BUDGET_S, writes_per_object)
 
-# S3's request baseline per prefix (and per second): PUT/COPY/POST/DELETE, and GET/HEAD. A store
-# is one prefix until S3 splits it under sustained load, answering 503 SlowDown meanwhile.
-S3_WRITES_PER_PREFIX = 3500
-S3_READS_PER_PREFIX = 5500
-LIST_PAGE_KEYS = 1000  # keys per LIST page
+# Every layout is priced as it would be on S3, the object store whose request limits and part
+# sizes are stated (its backend class holds them): a local store may move there, and the plan
+# names those limits.
+PRICED_ON = backend_for("s3://")
+_LIMITS = PRICED_ON.request_limits
+if _LIMITS is None:
+    raise ImportError(f"{PRICED_ON.__name__} states no request limits to price a layout at")
+S3_WRITES_PER_PREFIX = _LIMITS.writes_per_second_per_prefix
+S3_READS_PER_PREFIX = _LIMITS.reads_per_second_per_prefix
+LIST_PAGE_KEYS = _LIMITS.list_page_keys
 # Below ~8 MB an object's PUT/GET is dominated by per-request latency, not bytes (S3's own advice
 # is 8-16 MB parts). Only said when a run writes this many of them: a small run's few small
 # objects cost seconds in all.
@@ -89,9 +90,9 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     meta_by_column = {c: unit_rows * np.dtype(dt).itemsize for c, dt in columns.items()}
     meta_stored = round(sum(meta_by_column.values()) / M)
     # requests per streamed object: start + parts + completion on object storage (parts are
-    # compressed blocks gathered to S3Storage.part_min_bytes, 16 MiB); a local store renames (0 requests, but
+    # compressed blocks gathered to the S3 backend's part_min_bytes, 16 MiB); a local store renames (0 requests, but
     # the figure stays the object store's, what the layout would cost there)
-    part_min = S3Storage.part_min_bytes
+    part_min = PRICED_ON.part_min_bytes
     chunk = choose_sizes(width, itemsize, P, shard_rows=shard_rows)[1]
     block_stored = int(block_rows(shard_rows, chunk, P, row_bytes) * row_bytes / ratio)
     per_data = writes_per_object(data_stored, part_min, block_stored)

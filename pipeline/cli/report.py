@@ -44,8 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from harvest.pipeline.errors import HarvestError
-from harvest.store.commit.tables import shard_ids
-from harvest.store.escape import html_text, plot_text, terminal
+from harvest.store import html_text, plot_text, shard_ids, terminal
 
 log = logging.getLogger("harvest.report")
 

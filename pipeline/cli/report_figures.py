@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.store.read.rows import read_meta_checked
+from harvest.store import read_meta_checked
 
 DEAD_REL = 1e-6
 OUTLIER_REL = 100.0
@@ -118,7 +118,7 @@ def run_figures(store) -> dict:
     """Skipped rows by reason over the whole store, and each run's rates (ticks, or the one run);
     numbers only where the records hold numbers, `status` and `finished_at` as text."""
     from harvest.pipeline.data.context_rows import sum_stats
-    from .schedule_log import read_ticks
+    from harvest.pipeline.driver.schedule_log import read_ticks
 
     skipped: dict = {}
     rows_read = 0

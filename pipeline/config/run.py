@@ -90,7 +90,7 @@ class HarvestConfig:
         if redact:
             # here, not at import: the store package loads zarr and numcodecs (~2 s, ~500
             # modules), which `harvest plan`/`status --config` and every config load would pay
-            from harvest.store.storage.credentials import redact_attrs
+            from harvest.store import redact_attrs
 
             d["store"]["storage_options"] = (
                 None if self.store.storage_options is None else "<redacted>"
@@ -132,7 +132,7 @@ def check_store_sizes(cfg: "HarvestConfig") -> None:
     need the check."""
     if cfg.store.shard_rows is None and cfg.store.chunk_rows is None:
         return
-    from harvest.store.format.layout import check_sizes
+    from harvest.store import check_sizes
 
     try:
         check_sizes(cfg.store.shard_rows, cfg.store.chunk_rows, cfg.packing.context_size,

@@ -178,10 +178,10 @@ class CaptureConfig:
         check_bool("capture.check_model", self.check_model)
         if self.roles is not None:
             # lazy: the store package loads zarr (~2 s), which a config load must not pay
-            from harvest.store.format.roles import codes_of
+            from harvest.store import roles
 
             try:
-                codes_of(self.roles, "capture.roles")
+                roles.codes_of(self.roles, "capture.roles")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.generate is not None:
@@ -211,6 +211,13 @@ def parse_point(p: Any) -> "tuple[str, int | None]":
 
 
 
+def _storage_default(name: str) -> float:
+    """A deadline's default: a fact of the storage backends (store/storage/interface.py)."""
+    from harvest.store import Storage
+
+    return getattr(Storage, name)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """The Zarr store: a local dir or an fsspec URL (s3:// reads AWS_* env vars).
@@ -237,11 +244,12 @@ class StoreConfig:
     # BOS, a document's first token with `bos: none`, a conversation's continuation after a
     # split, and the token after them); see store/FORMAT.md, "Statistics".
     stats_skip_positions: int | None = None
-    # Deadlines on object storage. timeout_s: one request's connect/read timeout (botocore and
-    # s3fs retry inside it otherwise: an endpoint that accepts and never answers took 14 min to
-    # fail). retry_budget_s: one operation's total time over its retries.
-    timeout_s: float = 30.0
-    retry_budget_s: float = 120.0
+    # Deadlines on object storage. timeout_s: one request's connect/read timeout;
+    # retry_budget_s: one operation's total time over its retries. Defaults and their meaning
+    # per backend: the backend class (Storage.request_timeout_s, retry_budget_s,
+    # deadline_options).
+    timeout_s: float = field(default_factory=lambda: _storage_default("request_timeout_s"))
+    retry_budget_s: float = field(default_factory=lambda: _storage_default("retry_budget_s"))
     # The driver's lease on the store (pipeline/driver/lease.py): a lease younger than this is another
     # driver's live run, and a second driver is refused before it writes anything.
     lease_seconds: float = 120.0
@@ -271,27 +279,20 @@ class StoreConfig:
             raise ConfigError(
                 "store.compression must be a codec name, a mapping of codec settings, or null"
             )
-        from harvest.store.format.compression import normalize
+        from harvest.store import compression
 
         try:  # here, not when the store is created after the actors started
-            normalize(self.compression)
+            compression.normalize(self.compression)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"store.{e}") from None
 
     def fs_options(self) -> "dict | None":
-        """storage_options plus the deadlines (see timeout_s); explicit settings win."""
-        url = self.resolved_url
-        so = dict(self.storage_options or {})
-        if url.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in url:
-            ck = dict(so.get("config_kwargs") or {})
-            ck.setdefault("connect_timeout", min(self.timeout_s, 10.0))
-            ck.setdefault("read_timeout", self.timeout_s)
-            # one try per request: with_retries retries within retry_budget_s (botocore's and
-            # s3fs's own retries multiply with ours and ignore the budget)
-            ck.setdefault("retries", {"total_max_attempts": 1})
-            so["config_kwargs"] = ck
-        so.setdefault("retry_budget_s", self.retry_budget_s)
-        return so
+        """storage_options plus the deadlines (see timeout_s) in the terms of the store's
+        backend (`Storage.deadline_options`); explicit settings win."""
+        from harvest.store import backend_for
+
+        return backend_for(self.resolved_url).deadline_options(
+            self.storage_options or {}, self.timeout_s, self.retry_budget_s)
 
     @property
     def resolved_url(self) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harvest.store.commit.plan import Unit
+from harvest.store import Unit
 
 
 def chunk_key(block: int, chunk: int) -> str:
@@ -38,7 +38,7 @@ class Frontier:
     unit_contexts: int
     n_blocks: int
     max_contexts: int | None = None
-    # A scheduled tick's stop (pipeline/cli/schedule.py): placing pauses once `placed` reaches it at a
+    # A scheduled tick's stop (pipeline/driver/schedule.py): placing pauses once `placed` reaches it at a
     # unit's end. Unlike max_contexts it is not the run's end: the saved state stays `done: False`
     # and the plan not final, so the next run resumes from here exactly as after a crash, and
     # the rows of N such runs are those of one long run. A multiple of unit_contexts (a unit never

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from .default_corpus import pydoc_corpus_path
 from harvest.pipeline.config.corpus import DataConfig
 from harvest.pipeline.config.paths import expand_path
-from harvest.store.storage.credentials import mask_text, redact_attrs, redact_url
+from harvest.store import mask_text, redact_attrs, redact_url
 
 log = logging.getLogger(__name__)
 

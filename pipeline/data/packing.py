@@ -40,8 +40,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from harvest.pipeline.config.run import PackingConfig
-from harvest.store.format.layout import META_INSERTED
-from harvest.store.format.roles import PAD
+from harvest.store import META_INSERTED, roles as _roles
 
 
 class PackingError(ValueError):
@@ -265,7 +264,7 @@ class BlockPacker:
         self.tok.extend(np.full(n, self.pad, np.int32))
         self.doc.extend(np.full(n, META_INSERTED, np.int64))
         self.pos.extend(np.full(n, META_INSERTED, np.int32))
-        self.rol.extend(np.full(n, PAD, np.int8))
+        self.rol.extend(np.full(n, _roles.PAD, np.int8))
         self.stats.tokens_padded += n
         self._context_done()
 

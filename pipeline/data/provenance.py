@@ -136,7 +136,7 @@ def model_provenance(path: str, configured: str, revision: "str | None" = None) 
 
 def data_provenance(cfg, sources: dict) -> dict:
     """The data as configured and as resolved (module docstring). `cfg`: the DataConfig."""
-    from harvest.store.storage.credentials import redact_attrs, redact_url
+    from harvest.store import redact_attrs, redact_url
 
     from .documents import resolve_source
 

@@ -26,7 +26,7 @@ from .holdings import Holdings
 from .inflight import InFlight
 from harvest.pipeline.messages import ActorInfo, UnitResult
 from .plan_writer import PlanWriter
-from harvest.store.commit.markers import IndexBuilder, index_batch
+from harvest.store import IndexBuilder, index_batch
 
 log = logging.getLogger("harvest.pipeline")
 

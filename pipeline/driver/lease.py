@@ -39,8 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 from harvest.pipeline.errors import HarvestError
-from harvest.store.commit.runstate import LEASE_DIR, lease_generation, process_id
-from harvest.store.storage.credentials import redact_attrs
+from harvest.store import LEASE_DIR, lease_generation, process_id, redact_attrs
 
 log = logging.getLogger("harvest.pipeline")
 

@@ -22,7 +22,7 @@ from harvest.pipeline.config.sections import CaptureConfig
 from harvest.pipeline.data.check import check_fills_context, probe_text_column
 from harvest.pipeline.data.blocks import plan_blocks
 from harvest.pipeline.data.tokenize import chat_prompt_tokens
-from harvest.store.read.filters import SINK_POSITIONS
+from harvest.store import SINK_POSITIONS
 
 if TYPE_CHECKING:
     from harvest.engine.addresses import Address
@@ -154,7 +154,7 @@ class Prepared:
 
     def point_bytes(self) -> dict:
         """point -> bytes of one stored row of it (its own width; fp8: + the scale)."""
-        from harvest.store.format.dtypes import row_width
+        from harvest.store import row_width
 
         return {p: row_width(self.store_dtype, (self.widths or {}).get(p, self.width))
                 * self.itemsize for p in self.points}
@@ -167,7 +167,7 @@ class Prepared:
     @property
     def row_width(self) -> int:
         """Stored columns per buffer row of a point (the widest point's; fp8: + 4 scale bytes)."""
-        from harvest.store.format.dtypes import row_width
+        from harvest.store import row_width
 
         return row_width(self.store_dtype, self.max_width)
 
@@ -225,7 +225,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         stored_sources = existing.plans.read_sources()
         if stored_sources is not None:
             stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
-    from harvest.store.format.dtypes import row_width
+    from harvest.store import row_width
 
     # one shard size for every point (units are shard-aligned), sized for the widest
     layout = choose_layout(cfg.store, cfg.packing, cfg.ray.num_actors,

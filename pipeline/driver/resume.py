@@ -21,8 +21,7 @@ from harvest.pipeline.errors import HarvestError, ResumeMismatch
 from harvest.pipeline.data.context_rows import Frontier, chunk_key
 from harvest.pipeline.data.blocks import check_sizes
 from harvest.pipeline.data.provenance import fingerprint_changed
-from harvest.store.storage.credentials import redact_url
-from harvest.store.commit.plan import Unit
+from harvest.store import redact_url, Unit
 from harvest.pipeline.data.tokenpool import Job
 
 RUN_ATTR = "harvest_run"
@@ -36,7 +35,7 @@ def probe_store(st: StoreConfig, create_bucket: bool = False):
     nothing), and refuses a location that holds something that is not a harvest store.
     """
     from harvest.store import NotAHarvestStore, open_store
-    from harvest.store.storage.locate import locate
+    from harvest.store import locate
 
     url = st.resolved_url
     try:

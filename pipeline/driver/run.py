@@ -37,9 +37,7 @@ from harvest.pipeline.data.documents import shown_source
 from .prepare import Prepared, prepare
 from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
-from harvest.store.commit.verify import VerifyReport
-from harvest.store.storage.credentials import redact_url
-from harvest.store.storage.retries import THROTTLE
+from harvest.store import redact_url, THROTTLE, VerifyReport
 from harvest.pipeline.data.tokenpool import TokenPool, env_for_workers
 
 log = logging.getLogger("harvest.pipeline")
@@ -53,7 +51,7 @@ def run(cfg: HarvestConfig, on_event: "Callable[[dict], None] | None" = None,
     """Run (or resume) the harvest described by `cfg`; returns the summary written to the store.
 
     `engine_factory` ("module:callable") replaces the capture engine (benchmarks of the
-    bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/cli/schedule.py)
+    bookkeeping alone); runs never set it. `stop_tokens` (a scheduled tick, pipeline/driver/schedule.py)
     pauses the run once that many more tokens are placed, rounded up to whole units: the store
     stays unfinalized and the next run resumes where this one paused (summary `"paused": True`).
     `stream` (a streamed run, pipeline/stream/hooks.py): the trainers' deal, each actor's stream

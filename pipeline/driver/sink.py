@@ -2,9 +2,10 @@
 failed. The driver (run.py) reads as that sequence; this module owns what each step does to
 the store and the lease, so no step can be skipped on some path out of the driver.
 
-- `on_write_start`: probe the store URL (credentials, endpoint), refuse a store another driver
-  holds, check a resume against the store's recorded run, take this driver's lease. The lease is
-  the first write, before the data is read or Ray starts: a read-only place fails here.
+- `on_write_start`: probe the store URL (credentials, endpoint), refuse a store the actors'
+  processes cannot share (memory://) or another driver holds, check a resume against the
+  store's recorded run, take this driver's lease. The lease is the first write, before the
+  data is read or Ray starts: a read-only place fails here.
 - `create` / `reopen`: the store itself, once the actors know the model (its width and dtype
   come from the loaded engine), or the existing one on resume.
 - the writes: each unit is written and committed by an actor (pipeline/actor/capture.py, store/write/writer.py); the
@@ -33,10 +34,7 @@ from .lease import Lease, refuse_if_held
 from .prepare import Prepared
 from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
-from harvest.store.storage.locate import locate
-from harvest.store import Store
-from harvest.store.commit.verify import VerifyReport
-from harvest.store.storage.credentials import redact_url
+from harvest.store import locate, redact_url, Store, VerifyReport
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -66,6 +64,7 @@ class StoreSink:
         self.existing = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
         loc = (self.existing.location if self.existing is not None
                else locate(cfg.store.resolved_url, cfg.store.fs_options()))
+        loc.require("shared", "a run's capture actors write the store from their own processes")
         refuse_if_held(loc, cfg.store.lease_seconds, self.shown_url)
         if self.existing is not None:
             check_resume(self.existing, cfg)
@@ -134,7 +133,7 @@ class StoreSink:
         its plan was not fully committed gets its capacity back, and committed units without a
         publish record are published, or uncommitted (loudly) when their data is gone, so the
         resume re-captures them (store/commit/published.py)."""
-        from harvest.store.commit.finalize import plan_gap, unfinalize
+        from harvest.store import plan_gap, unfinalize
 
         self.lease.assert_held("checking the committed units")
         gap = plan_gap(store)
@@ -193,7 +192,7 @@ class StoreSink:
 
 def settle(store, shown_url: str, repair: bool) -> dict:
     """store.settle, its findings logged (store/commit/published.py)."""
-    from harvest.store.commit.published import settle_text
+    from harvest.store import settle_text
 
     report = store.settle(repair=repair)
     if report["published"]:
@@ -209,7 +208,7 @@ def settle_or_fail(store, shown_url: str) -> None:
     """Before a run certifies its store (finalize, or a paused tick's verify): every committed
     unit published, or those whose data is gone uncommitted and the run failed, naming them (a
     re-run re-captures them)."""
-    from harvest.store.commit.published import settle_text
+    from harvest.store import settle_text
 
     report = settle(store, shown_url, repair=True)
     if report["uncommitted"]:

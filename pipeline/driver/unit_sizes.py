@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from harvest.pipeline.config.corpus import PackingConfig
 from harvest.pipeline.config.sections import StoreConfig
-from harvest.store.format.layout import CAPACITY_ROWS, choose_sizes
+from harvest.store import CAPACITY_ROWS, choose_sizes
 
 UNITS_PER_ACTOR = 4
 

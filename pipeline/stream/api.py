@@ -34,10 +34,9 @@ from harvest.pipeline.config.run import HarvestConfig, load_config
 from harvest.pipeline.actor.outbox import rss_bytes
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.messages import StreamInfo
-from harvest.store.format.dtypes import FP8_NAME, is_quantized, raw_dtype, resolve_dtype, row_width, torch_dtype
-from harvest.store.format.shardcodec import codec_pool
+from harvest.store import (codec_pool, FP8_NAME, is_quantized, raw_dtype, ReaderConfig,
+                           resolve_dtype, row_width, torch_dtype)
 from harvest.store.read import normalize as _norm
-from harvest.store.read.config import ReaderConfig
 from harvest.store.read.feed.batching import BatchBuffers, Tally, batches
 from harvest.store.read.shuffle.mixing import doc_stats, expected_distinct
 from harvest.store.read.shuffle.order import rank_world

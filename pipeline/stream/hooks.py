@@ -15,9 +15,7 @@ from harvest.pipeline.config.run import HarvestConfig
 from harvest.pipeline.driver.sink import StoreSink
 from harvest.pipeline.errors import HarvestError
 from harvest.pipeline.messages import StreamInfo, StreamSpec
-from harvest.store.format.roles import codes_of
-from harvest.store.read.filters import RowFilter, sink_positions
-from harvest.store.storage.credentials import redact_url
+from harvest.store import redact_url, roles as _roles, RowFilter, sink_positions
 
 from .deal import Deal
 
@@ -75,7 +73,7 @@ def stream_filter(reader, cfg: HarvestConfig, prep) -> RowFilter:
         if cfg.data.format != "chat":
             raise HarvestError(f"roles={list(reader.roles)}: this run's data has no roles "
                                "(data.format is not chat)")
-        roles = codes_of(reader.roles)
+        roles = _roles.codes_of(reader.roles)
     return RowFilter.build(exclude, prep.context_size, reader.seqpos, reader.split,
                            reader.test_fraction, reader.split_seed, roles)
 

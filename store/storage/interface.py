@@ -1,5 +1,6 @@
 """The storage interface: every plain (non-zarr) object operation a store needs, one class per
-backend (`localstorage.LocalStorage`, `objectstorage.ObjectStorage`; `backend.locate` picks).
+backend (`local.LocalStorage`, `objectstore.ObjectStorage`, `s3.S3Storage`,
+`memory.MemoryStorage`; `locate.locate` picks from its registry by URL protocol).
 
 Commit markers, the plan, leases and stats partials are small objects we write ourselves beside
 the zarr hierarchy. They need what zarr's store API does not give (see `create_once`), and the
@@ -9,7 +10,12 @@ costs a round trip per request, so its batch operations overlap them. Callers sa
 want (create once, publish, forget cached listings); they never ask which backend they are on.
 
 Operations that fsspec does the same way on every backend (stat, list, read, delete) live here;
-everything that differs is an abstract method.
+everything that differs is an abstract method. What differs in kind is stated as capability flags
+on the class (`supports_*`, `shared`, `object_store`, as zarr-python 3's `Store.supports_*`), and
+the numbers a backend lives by (request timeouts, part sizes, request limits) are class
+attributes too: the config and `harvest plan` read them from the backend class. A backend that
+cannot keep a promise declares its flag false and refuses loudly (`require`);
+tests/store/test_storage_conformance.py holds every registered backend to its flags.
 """
 
 from __future__ import annotations
@@ -24,6 +30,25 @@ from harvest.store.errors import RecordError, StoreAccessError
 from harvest.store.format.layout import check_rel
 from .retries import RetryBudgetExceeded, with_retries
 
+
+
+CAPABILITIES = ("supports_conditional_create", "supports_multipart", "shared", "object_store")
+CAPABILITY_MEANS = {
+    "supports_conditional_create": "create-once with exactly one winner among racing writers",
+    "supports_multipart": "streamed objects published by completing an upload, without a copy",
+    "shared": "the same objects seen by every process that opens the URL",
+    "object_store": "a flat key space, one request per operation",
+}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a backend states of its request rates: per second and key prefix, and keys per
+    listing page. `harvest plan` warns when a layout would exceed them."""
+
+    writes_per_second_per_prefix: int
+    reads_per_second_per_prefix: int
+    list_page_keys: int
 
 
 class UploadRecord(TypedDict):
@@ -47,9 +72,64 @@ class Storage(abc.ABC):
     fs: Any = field(repr=False)
     budget_s: float | None = None  # total time of one operation's retries (store.retry_budget_s)
 
-    # Whether the backend limits request rates per key prefix (S3: about 3,500 writes and 5,500
-    # reads per second): `harvest plan` warns when a run's layout would exceed them.
-    request_limited: ClassVar[bool] = False
+    # ---- capabilities (class facts; tests/store/test_storage_conformance.py checks them) ------
+    # create_once has exactly one winner among racing writers, every process included. False:
+    # check-then-write with a race window (FORMAT.md, "Create-once"), said in a warning.
+    supports_conditional_create: ClassVar[bool] = True
+    # finish_object records an upload that complete_upload publishes without a copy (S3's
+    # multipart upload); False: streamed objects are written under the attempt's name and moved.
+    supports_multipart: ClassVar[bool] = False
+    # Every process and host that opens `reopen_url` sees the same objects (capture actors,
+    # reader workers and the driver are separate processes). False: one process's memory.
+    shared: ClassVar[bool] = True
+    # A flat key space where every operation is a request (no rename, no directories):
+    # `harvest plan` counts and prices the layout's requests on it.
+    object_store: ClassVar[bool] = False
+
+    # ---- numbers the backend lives by ---------------------------------------------------------
+    # Deadlines of one request and of one operation over its retries: the defaults of
+    # store.timeout_s and store.retry_budget_s (`deadline_options` turns them into options).
+    request_timeout_s: ClassVar[float] = 30.0
+    retry_budget_s: ClassVar[float] = 120.0
+    # Requests per second per key prefix and keys per listing page, where the backend states
+    # them (S3); None: no stated limit.
+    request_limits: ClassVar["RequestLimits | None"] = None
+
+    # Requests go to a named endpoint (S3's endpoint_url): error messages name it.
+    has_endpoint: ClassVar[bool] = False
+
+    # URL protocols this class serves in locate's registry (`register_backend`).
+    protocols: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def capabilities(cls) -> dict[str, bool]:
+        """The capability flags by name."""
+        return {name: bool(getattr(cls, name)) for name in CAPABILITIES}
+
+    def require(self, capability: str, why: str) -> None:
+        """Refuse, naming the backend and the reason, when this backend lacks `capability`
+        (a name in CAPABILITIES): the caller needs a promise the backend cannot keep."""
+        if capability not in CAPABILITIES:
+            raise ValueError(f"unknown storage capability {capability!r}: one of {CAPABILITIES}")
+        if not getattr(self, capability):
+            raise StoreAccessError(
+                f"{self.kind} storage at {self.url} cannot be used here: it lacks "
+                f"{capability} ({CAPABILITY_MEANS[capability]}), and {why}")
+
+    @classmethod
+    def open(cls, url: str, display: str, storage_options: dict) -> "Storage":
+        """The Storage of `url` (`display`: the URL without secrets), its filesystem built and
+        nothing contacted; `storage_options` may carry `retry_budget_s` (ours, not fsspec's)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be located from a URL")
+
+    @classmethod
+    def deadline_options(cls, storage_options: dict, timeout_s: float,
+                         retry_budget_s: float) -> dict:
+        """`storage_options` plus the deadlines (store.timeout_s, store.retry_budget_s) in this
+        backend's terms; explicit settings win. Every backend takes the retry budget."""
+        so = dict(storage_options)
+        so.setdefault("retry_budget_s", retry_budget_s)
+        return so
 
     @property
     @abc.abstractmethod
@@ -76,8 +156,7 @@ class Storage(abc.ABC):
         every secret scrubbed."""
         cause = scrub(f"{type(exc).__name__}: {exc}", self.storage_options)
         low = cause.lower()
-        s3 = self.protocol in ("s3", "s3a")
-        where = f" (endpoint {self.endpoint})" if s3 else ""
+        where = f" (endpoint {self.endpoint})" if self.has_endpoint else ""
         hint = ""
         if "NoCredentialsError" in cause or "unable to locate credentials" in low:
             hint = (" -- no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or "
@@ -99,12 +178,13 @@ class Storage(abc.ABC):
         elif "connect" in low or isinstance(exc, (ConnectionError, TimeoutError)):
             hint = (f" -- cannot connect to endpoint {self.endpoint}: check the endpoint "
                     "(store.storage_options.client_kwargs.endpoint_url or AWS_ENDPOINT_URL)")
-        elif s3 and isinstance(exc, FileNotFoundError):
-            hint = (f" -- endpoint {self.endpoint} answered Not Found: the bucket "
-                    f"{self.root.split('/', 1)[0]!r} does not exist there (create it, or set "
-                    "store.create_bucket: true), or the endpoint is not an S3 server (check "
-                    "store.storage_options.client_kwargs.endpoint_url)")
+        elif isinstance(exc, FileNotFoundError):
+            hint = self.not_found_hint()
         return StoreAccessError(f"{what} at {self.url}{where} failed: {cause}{hint}")
+
+    def not_found_hint(self) -> str:
+        """What `error` adds to a Not Found from the storage itself (nothing by default)."""
+        return ""
 
     # ---- the same on every backend ----------------------------------------------------------
     def read_bytes(self, rel: str, attempts: int = 5) -> bytes | None:
@@ -324,4 +404,4 @@ class Storage(abc.ABC):
         `shardcodec.lower_priority`); the writer's own threads lower themselves."""
 
 
-__all__ = ["Storage"]
+__all__ = ["CAPABILITIES", "RequestLimits", "Storage", "UploadRecord"]

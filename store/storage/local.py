@@ -13,6 +13,9 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
+
+import fsspec
 
 from .interface import Storage
 from harvest.store.errors import RecordError
@@ -63,6 +66,15 @@ def _unlink_quietly(path: str) -> None:
 @dataclass
 class LocalStorage(Storage):
     """A directory; `root` is its absolute path and `url` the same (no secrets to hide)."""
+
+    protocols: ClassVar[tuple[str, ...]] = ("file",)
+
+    @classmethod
+    def open(cls, url: str, display: str, storage_options: dict) -> "LocalStorage":
+        """A local path or file:// URL; storage options do not apply to a directory."""
+        root = os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
+        return cls(url=root, protocol="file", root=root, storage_options={},
+                   fs=fsspec.filesystem("file"))
 
     @property
     def kind(self) -> str:

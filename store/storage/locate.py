@@ -1,5 +1,6 @@
 """Where a store lives: `locate` parses a local path or fsspec URL into the `Storage` of its
-backend (interface.py: the interface; local.py, objectstore.py: one class per backend).
+backend, chosen from a registry by URL protocol (interface.py: the interface; local.py,
+objectstore.py, s3.py, memory.py: one class per backend; `register_backend` adds one).
 
 `Location` is the name the rest of the package uses for a located `Storage`.
 """
@@ -8,17 +9,42 @@ from __future__ import annotations
 
 import os
 
-import fsspec
-
 from .credentials import scrub, userinfo
 from harvest.store.errors import StoreAccessError
-from .local import LocalStorage
-from .objectstore import ObjectStorage, S3Storage, s3_options
 from .interface import Storage
+from .local import LocalStorage
+from .memory import MemoryStorage
+from .objectstore import ObjectStorage
+from .s3 import S3Storage
 
 Location = Storage
 
-_S3 = ("s3", "s3a")
+# URL protocol -> backend class; a protocol not named here is served by ObjectStorage (fsspec).
+BACKENDS: dict[str, type[Storage]] = {}
+
+
+def register_backend(cls: type[Storage]) -> type[Storage]:
+    """Serve `cls.protocols` with `cls` (a class decorator too); a later registration of a
+    protocol replaces the earlier one."""
+    if not cls.protocols:
+        raise ValueError(f"{cls.__name__} names no protocols to serve")
+    for p in cls.protocols:
+        BACKENDS[p.lower()] = cls
+    return cls
+
+
+for _cls in (LocalStorage, S3Storage, MemoryStorage):
+    register_backend(_cls)
+
+
+def protocol_of(url: str) -> str:
+    """"file" for a local path, else the URL's scheme, lowercased."""
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def backend_for(url: str) -> type[Storage]:
+    """The backend class that serves `url`, a local path or URL ("s3://" names S3's)."""
+    return BACKENDS.get(protocol_of(url), ObjectStorage)
 
 
 def locate(url: str, storage_options: dict | None = None) -> Storage:
@@ -33,24 +59,7 @@ def locate(url: str, storage_options: dict | None = None) -> Storage:
             f"store url {display} carries credentials (user:secret@ before the bucket): they "
             "would end up in logs and error messages; pass them in AWS_ACCESS_KEY_ID/"
             "AWS_SECRET_ACCESS_KEY or storage_options key/secret instead")
-    if "://" not in url or url.startswith("file://"):
-        root = os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
-        return LocalStorage(url=root, protocol="file", root=root, storage_options={},
-                            fs=fsspec.filesystem("file"))
-    protocol = url.split("://", 1)[0].lower()
-    so = s3_options(storage_options) if protocol in _S3 else dict(storage_options or {})
-    budget = so.pop("retry_budget_s", None)  # ours (StoreConfig.fs_options), not fsspec's
-    try:
-        fs, root = fsspec.url_to_fs(url, **so)
-    except Exception as e:  # noqa: BLE001 -- reported without secrets
-        raise StoreAccessError(f"cannot open filesystem for {display}: "
-                               f"{scrub(f'{type(e).__name__}: {e}', so)}") from None
-    if budget is not None and protocol in _S3:
-        # s3fs retries timeouts 5 times itself, outside any budget: with_retries does it
-        fs.retries = 1
-    cls = S3Storage if protocol in _S3 else ObjectStorage
-    return cls(url=display, protocol=protocol, root=root.rstrip("/"), storage_options=so, fs=fs,
-               budget_s=budget)
+    return backend_for(url).open(url, display, dict(storage_options or {}))
 
 
-__all__ = ["Location", "locate"]
+__all__ = ["BACKENDS", "Location", "backend_for", "locate", "protocol_of", "register_backend"]

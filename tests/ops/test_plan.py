@@ -303,7 +303,7 @@ def _recount(p: dict, ratio: float) -> dict:
     block = min(S, 1 << (cap.bit_length() - 1))
     data = int(S * row / ratio)
     stored_block = int(block * row / ratio)
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
 
     part = stored_block * -(-S3Storage.part_min_bytes // stored_block)  # whole blocks, >= a part
     parts = -(-data // part)
@@ -489,7 +489,7 @@ def test_plan_prices_an_existing_store_at_its_own_last_run(tmp_path):
     """A store with history (a scheduled tick's record) is priced at its measured pace, per
     actor, scaled to the config's actors; a store without any falls through (None)."""
     from harvest.pipeline.cli.estimate import store_rate
-    from harvest.pipeline.cli.schedule_log import record_tick
+    from harvest.pipeline.driver.schedule_log import record_tick
     from harvest.store import create_store
 
     s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.0"], width=8, n_rows=512,

@@ -1,4 +1,4 @@
-"""Scheduled ticks (pipeline/cli/schedule.py): decisions from the store alone, and three extend ticks
+"""Scheduled ticks (pipeline/driver/schedule.py): decisions from the store alone, and three extend ticks
 on a real local Ray cluster whose store equals one long run row for row."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from harvest.pipeline.config.fields import ConfigError
 from harvest.pipeline.cli.main import main
 from harvest.pipeline.driver.lease import Lease
-from harvest.pipeline.cli.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
+from harvest.pipeline.driver.schedule import (EXIT_BUSY, EXIT_STUCK, ScheduleConfig, extend_tick,
                                        store_state)
-from harvest.pipeline.cli.schedule_log import read_ticks
+from harvest.pipeline.driver.schedule_log import read_ticks
 from harvest.store import open_store
 from harvest.store.storage.locate import locate
 from tests.support.pipeline import MAX_TOKENS, check_store, make_cfg
@@ -132,7 +132,7 @@ def test_webhook_file_reads_the_url_and_a_failing_webhook_never_prints_its_path(
     """--webhook-file (a mounted Secret) posts like --webhook; an empty or missing file, or both
     flags, is a bad invocation (exit 2). A webhook that fails is reported by scheme and host
     only: the path of a Slack-style URL is its secret."""
-    from harvest.pipeline.cli.schedule import Tick, notify
+    from harvest.pipeline.driver.schedule import Tick, notify
 
     argv = ["schedule", "extend", "--tokens", "512", "--set", f"store.url={tmp_path / 's'}",
             "--set", "packing.max_tokens=null"]
@@ -222,7 +222,7 @@ def _cli_tick(cfg, tokens: int, tmp_path):
     `harvest run` (third-party output in a log folder, named in the JSON); returns its Tick."""
     import yaml
 
-    from harvest.pipeline.cli.schedule import Tick
+    from harvest.pipeline.driver.schedule import Tick
 
     path = tmp_path / "tick.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict(redact=False)))
@@ -246,7 +246,7 @@ def test_a_checkpoint_tick_makes_row_aligned_stores(ray_cluster, tiny_llama, cor
     tick makes a store for each, the same token/document/position in every row, each store's
     rows its own model's (eager reference); the next tick finds both finished and runs nothing."""
     from harvest.engine.models import build_tiny_model
-    from harvest.pipeline.cli.schedule import checkpoint_tick
+    from harvest.pipeline.driver.schedule import checkpoint_tick
     from tests.support.pipeline import SHARD_ROWS, reference_capture
 
     ckpts = tmp_path / "ckpts"
@@ -293,7 +293,7 @@ def test_alignment_check_finds_one_differing_token(tmp_path):
     """Checkpoint stores are compared unit by unit by their markers' row-metadata digests: one
     token different in one store is reported, naming both checkpoints, the unit and the row."""
     from harvest.pipeline.config.run import load_config
-    from harvest.pipeline.cli.schedule import aligned
+    from harvest.pipeline.driver.schedule import aligned
     from harvest.store import create_store
     from harvest.testing import synthetic
 

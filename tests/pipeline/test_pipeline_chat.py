@@ -117,7 +117,7 @@ def test_role_masked_chat_run_stores_exactly_the_assistant_tokens(ray_cluster, s
     assert not got[~keep].view(np.uint16).any()
     assert keep.sum() > 100
     # the console says how many rows hold activations, and which source row was skipped why
-    from harvest.pipeline.cli.main import format_summary
+    from harvest.pipeline.cli.commands.run import format_summary
 
     assert summary["tokens_this_run"] == st.n_rows
     assert summary["rows_with_activations_this_run"] == keep.sum()

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from harvest.engine.models import REPO_ROOT
-from harvest.pipeline.cli.schedule import ScheduleConfig, extend_tick, notify, Tick
-from harvest.pipeline.cli.schedule_log import read_ticks
+from harvest.pipeline.driver.schedule import ScheduleConfig, extend_tick, notify, Tick
+from harvest.pipeline.driver.schedule_log import read_ticks
 from harvest.pipeline.data.documents import DataError, open_dataset
 from harvest.pipeline.data.provenance import data_provenance
 from harvest.pipeline.driver.lease import Lease

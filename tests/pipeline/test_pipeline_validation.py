@@ -137,3 +137,17 @@ def test_huge_document_is_tokenised_from_a_bounded_prefix(tiny_llama, tmp_path):
     assert max(seen) < 200_000  # never more than a bounded prefix of the 30 MB text
     assert sum(c.describe()["stats"].get("docs_capped", 0) for c in chunks) == 1
     assert took < 20, took
+
+
+def test_a_run_refuses_a_store_its_actors_cannot_share(tmp_path):
+    """memory:// lives in one process; the actors are others: refused before anything is
+    written, naming the backend and why (Storage.require)."""
+    from harvest.pipeline.driver.sink import StoreSink
+    from harvest.store import StoreAccessError
+    from tests.support.pipeline import make_cfg
+
+    cfg = make_cfg(str(tmp_path / "model"), f"memory://refuse-{tmp_path.name}/s", tmp_path)
+    sink = StoreSink(cfg)
+    with pytest.raises(StoreAccessError, match=r"memory storage .* lacks shared .* actors"):
+        sink.on_write_start()
+    assert sink.lease is None

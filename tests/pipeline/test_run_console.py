@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harvest.pipeline.cli.main import budget_shortfall
+from harvest.pipeline.cli.commands.run import budget_shortfall
 from harvest.engine.models import REPO_ROOT
 from harvest.store import open_store
 from tests.support.pipeline import make_cfg, shared_corpus

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from harvest.store.storage.locate import locate
-from harvest.store.storage.objectstore import S3Storage
+from harvest.store.storage.s3 import S3Storage
 from harvest.store.storage.retries import is_transient
 from harvest.store.storage.s3parts import PartSender, part_sender
 

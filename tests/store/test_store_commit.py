@@ -14,7 +14,7 @@ import pytest
 
 from harvest.store import RegionConflict, RegionWriteFailed, create_store, open_store
 from harvest.store.storage import locate as backend
-from harvest.store.storage import objectstore, retries
+from harvest.store.storage import retries, s3
 from harvest.store.format import layout
 from harvest.store.read.dataset import ActivationDataset
 from harvest.store.commit.tables import unit_shards
@@ -308,14 +308,14 @@ def test_s3_if_none_match_probe_and_check_then_write_fallback(seaweedfs, s3_url)
         server_honours = True
     assert loc.honours_if_none_match() is server_honours  # the probe reports what the server does
     key = (seaweedfs.endpoint, loc.root.split("/", 1)[0])
-    saved = objectstore._CREATE_ONCE_PROBES.get(key)
-    objectstore._CREATE_ONCE_PROBES[key] = False  # force the documented check-then-write path
+    saved = s3._CREATE_ONCE_PROBES.get(key)
+    s3._CREATE_ONCE_PROBES[key] = False  # force the documented check-then-write path
     try:
         assert loc.create_once("fb/unit.json", b"a") is True
         assert loc.create_once("fb/unit.json", b"b") is False
         assert loc.read_bytes("fb/unit.json") == b"a"
     finally:
-        objectstore._CREATE_ONCE_PROBES[key] = saved
+        s3._CREATE_ONCE_PROBES[key] = saved
 
 
 def test_permanent_upload_failure_leaves_region_uncommitted(seaweedfs, s3_url):

@@ -304,12 +304,12 @@ def test_writer_memory_stays_within_its_documented_bound(tmp_path):
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "s3fs"])
 def test_s3_parts_go_up_unsigned_and_round_trip(seaweedfs, s3_url, monkeypatch, direct):
     """Shard parts are sent with UNSIGNED-PAYLOAD (no SHA-256 of every body on the writer's
-    cores, storage/objectstore.py s3_options), from the writer's buffers (s3parts.py) or through
+    cores, storage/s3.py s3_options), from the writer's buffers (s3parts.py) or through
     s3fs: the server takes them, and the bytes are still checked end to end against the
     writer's CRC32Cs (deep verify, every read)."""
     import http.client
 
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
 
     monkeypatch.setattr(S3Storage, "direct_parts", direct)
     x = synthetic.activations((P, N, W), seed=6)

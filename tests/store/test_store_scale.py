@@ -79,7 +79,7 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
     url, so = target
     # S3's minimum part (the writer gathers 16 MiB): these 16 MiB shard objects then go up in
     # several parts, which is what is tested
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
 
     monkeypatch.setattr(S3Storage, "part_min_bytes", 5 << 20)
     s = create_store(url, points=POINTS, width=W, n_rows=N, shard_rows=SHARD, storage_options=so,
@@ -197,7 +197,7 @@ def test_attempt_named_objects_of_older_s3_stores_still_read_and_finalize(seawee
     """Stores written before streamed uploads hold committed objects under the attempt's name on
     S3 too (PUT, then copy + delete to publish). A unit left that way (its writer died before
     the move) still reads exactly and finalize still publishes it."""
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
     from harvest.store.storage.interface import Storage
     from harvest.store.write.writer import RegionWriter
 

@@ -140,7 +140,7 @@ class _FakeFS:
 
 @pytest.mark.parametrize("first", ["lost", "throttled"])
 def test_a_commit_marker_retried_after_a_lost_or_throttled_answer_is_ours(first, monkeypatch):
-    from harvest.store.storage.objectstore import S3Storage
+    from harvest.store.storage.s3 import S3Storage
 
     st = S3Storage.__new__(S3Storage)
     st.url, st.protocol, st.root, st.storage_options = "s3://b/s", "s3", "b/s", {}

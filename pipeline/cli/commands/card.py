@@ -6,7 +6,7 @@ report` wrote the picture it shows, or for a store finalized before cards existe
 
 from __future__ import annotations
 
-from .args import print_json, store_args, store_target
+from ..args import print_json, store_args, store_target
 
 
 def add_parser(sub) -> None:
@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
 
 def cmd_card(args) -> int:
     from harvest.store import open_store
-    from harvest.store.card import CARD, card_facts, write_card
-    from harvest.store.errors import StoreError
+    from harvest.store import CARD, card_facts, write_card
+    from harvest.store import StoreError
 
     url, so = store_target(args)
     store = open_store(url, storage_options=so)

@@ -130,8 +130,8 @@ class StoreState:
 def store_state(cfg: HarvestConfig) -> StoreState:
     from harvest.pipeline.driver.lease import current
     from harvest.pipeline.driver.resume import check_resume, probe_store
-    from harvest.store.storage.locate import locate
-    from harvest.store.storage.credentials import redact_url
+    from harvest.store import locate
+    from harvest.store import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
     store = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
@@ -220,21 +220,21 @@ def extend_tick(cfg: HarvestConfig, sc: ScheduleConfig, run_fn: RunFn = _default
 
 
 def _location(cfg: HarvestConfig):
-    from harvest.store.storage.locate import locate
+    from harvest.store import locate
 
     return locate(cfg.store.resolved_url, cfg.store.fs_options())
 
 
 def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
              budget: "int | None", seq: "int | None" = None, start: "dict | None" = None) -> Tick:
-    from harvest.store.storage.credentials import redact_url
+    from harvest.store import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
     t0 = time.time()
     try:
         summary = run_fn(cfg, stop_tokens=stop_tokens)
     except Exception as e:  # noqa: BLE001 -- the tick reports it (exit 1) instead of a traceback
-        from harvest.store.storage.credentials import scrub
+        from harvest.store import scrub
 
         tokens = _committed_after_failure(cfg)
         why = scrub(f"{type(e).__name__}: {e}", cfg.store.storage_options)
@@ -324,7 +324,7 @@ def aligned(cfg: HarvestConfig, names: list[str]) -> "str | None":
     row, for the price of reading the markers; harvest.store.commit.alignment). Else what differs,
     naming the unit and the first differing row (a tokenizer or data change between checkpoints)."""
     from harvest.store import open_store
-    from harvest.store.commit.alignment import StoresNotAligned, check_aligned
+    from harvest.store import StoresNotAligned, check_aligned
 
     finished = []
     for name in names:
@@ -351,7 +351,7 @@ def notify(url: str, ticks: list[Tick], timeout: float = 10.0) -> "str | None":
     error string instead of raising: a dead webhook must not hide the tick's own exit code.
     The error names the webhook by its scheme and host only: a Slack or Teams webhook's path
     is its secret, and this string is printed and logged."""
-    from harvest.store.storage.credentials import mask_text, url_origin
+    from harvest.store import mask_text, url_origin
 
     worst = max(ticks, key=lambda t: t.exit_code)
     body = json.dumps({"text": f"harvest schedule: {worst.status}: {worst.message}",

@@ -1,4 +1,4 @@
-"""`harvest schedule extend|checkpoints`: one cron tick (pipeline/cli/schedule.py does the work).
+"""`harvest schedule extend|checkpoints`: one cron tick (pipeline/driver/schedule.py does the work).
 
 Exit codes are the alert: 0 (ran, paused, complete, would run), 1 (a run failed, or checkpoint
 stores are not row-aligned), 3 (the previous run is still alive), 4 (it is stuck), 2 (bad input,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .args import config_args, is_user_error, load_args_config, print_json
+from ..args import config_args, is_user_error, load_args_config, print_json
 from harvest.pipeline.config.fields import ConfigError
 
 
@@ -64,14 +64,14 @@ def webhook_url(args) -> "str | None":
 
 
 def cmd_schedule(args) -> int:
-    from .schedule import Tick, notify
+    from harvest.pipeline.driver.schedule import Tick, notify
 
     webhook = webhook_url(args)
     try:
         ticks, log_dir = _ticks(args, webhook)
     except Exception as e:
         if webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
-            from harvest.store.storage.credentials import mask_text
+            from harvest.store import mask_text
 
             hook = notify(webhook, [Tick("invalid", "", mask_text(f"{type(e).__name__}: {e}"))])
             if hook:
@@ -97,7 +97,7 @@ def _ticks(args, webhook: "str | None"):
     """The tick's outcomes, and the log folder when it ran quiet."""
     from harvest.pipeline.config.paths import cache_dir
     from harvest.pipeline.logs import new_log_dir, quiet_run
-    from .schedule import ScheduleConfig, checkpoint_tick, extend_tick
+    from harvest.pipeline.driver.schedule import ScheduleConfig, checkpoint_tick, extend_tick
 
     cfg = load_args_config(args)
     sc = ScheduleConfig(args.mode, args.tokens_per_tick, args.checkpoints,

@@ -8,7 +8,7 @@ rerun the same command after a crash to finish it.
 
 from __future__ import annotations
 
-from .args import config_args, load_args_config, print_json
+from ..args import config_args, load_args_config, print_json
 
 
 def add_parser(sub) -> None:
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 def cmd_shuffle(args) -> int:
     import sys
 
-    from harvest.store.permuted import shuffle_store
+    from harvest.store import shuffle_store
 
     so = load_args_config(args).store.fs_options() if args.config else None
     out = shuffle_store(args.src, args.dst, seed=args.seed, spill_url=args.spill,
