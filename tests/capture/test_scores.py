@@ -1,0 +1,77 @@
+"""logprob / entropy (engine/capture/scores.py) without an engine: the chunked computation
+against a whole-vocabulary log_softmax, the next-token map of a step's rows, and the float32
+values surviving a bf16 tap buffer bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.engine.capture import scores
+from harvest.engine.points import BY_NAME, LOGIT_POINTS, point_width
+
+
+def test_points_are_model_level_float32_scalars():
+    assert LOGIT_POINTS == ("logprob", "entropy")
+    for name in LOGIT_POINTS:
+        p = BY_NAME[name]
+        assert (p.width, p.level, p.tp, p.logits) == ("scalar", "model", "replicated", True)
+        assert point_width({"hidden_size": 64}, name) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pack_keeps_float32_bits(dtype):
+    v = torch.tensor([-1e-7, -3.14159274, float("nan"), 12.5, -88.0], dtype=torch.float32)
+    packed = scores.pack(v, dtype)
+    assert packed.dtype == dtype and packed.shape == (5, scores.slot_width(dtype))
+    # through a strided slot of a wider buffer, as the taps write it
+    buf = torch.zeros(3, 8, 6, dtype=dtype)
+    buf[1, :5, :packed.shape[1]].copy_(packed)
+    back = scores.unpack(buf[1, :5, :packed.shape[1]])
+    assert back.dtype == torch.float32
+    assert torch.equal(back.view(torch.int32), v.view(torch.int32))
+
+
+def test_next_token_ids_follow_chunks_and_end_with_none():
+    prompts = {"a": np.arange(10, 20), "b": np.arange(100, 104)}
+    # a: positions 4..7 (a middle chunk: row 7's next token is from the prompt, not this step);
+    # b: positions 2..3 (its last chunk: position 3 has no next token); c: unknown prompt
+    got = scores.next_token_ids(("a", "b", "c"), [4, 2, 1], [4, 2, 0], prompts)
+    assert got.tolist() == [15, 16, 17, 18, 103, -1, -1]
+
+
+def test_scores_match_a_whole_vocab_log_softmax_in_chunks(monkeypatch):
+    torch.manual_seed(0)
+    n, d, vocab = 37, 16, 50
+    hidden = torch.randn(n, d)
+    head = torch.randn(vocab, d)
+    calls = []
+
+    def compute_logits(h):
+        calls.append(h.shape[0])
+        return 30.0 * torch.tanh(h @ head.T / 30.0)   # a softcapped head
+
+    monkeypatch.setattr(scores, "CHUNK_BYTES", 4 * vocab * 3 * 8)   # 8 rows per chunk
+    nxt = torch.randint(0, vocab, (n,))
+    nxt[[5, 36]] = -1
+    lp, ent = scores.scores(hidden, nxt, compute_logits, vocab)
+    assert calls == [8, 8, 8, 8, 5]
+    logp = torch.log_softmax(compute_logits(hidden), -1)
+    want_lp = logp[torch.arange(n), nxt.clamp(min=0)]
+    assert torch.isnan(lp[[5, 36]]).all() and not torch.isnan(lp[:5]).any()
+    keep = nxt >= 0
+    torch.testing.assert_close(lp[keep], want_lp[keep])
+    torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1))
+
+
+def test_entropy_is_finite_with_minus_inf_logits():
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
+    lp, ent = scores.scores(torch.zeros(1, 2), torch.tensor([1]), lambda h: logits, 4)
+    torch.testing.assert_close(ent, torch.tensor([np.log(2.0)], dtype=torch.float32))
+    torch.testing.assert_close(lp, torch.tensor([-np.log(2.0)], dtype=torch.float32))
+
+
+def test_a_rank_without_the_gathered_logits_gets_none():
+    assert scores.scores(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long),
+                         lambda h: None, 10) is None
