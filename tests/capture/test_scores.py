@@ -75,3 +75,27 @@ def test_entropy_is_finite_with_minus_inf_logits():
 def test_a_rank_without_the_gathered_logits_gets_none():
     assert scores.scores(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long),
                          lambda h: None, 10) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_eager_backend_serves_the_scores(arch):
+    """The Hugging Face backend (the pipeline's reference engine) yields the same two columns,
+    batched and padded, as the independent per-prompt reference (gemma2: softcapped logits)."""
+    from harvest.engine import load_model, run_with_cache
+    from tests.fixtures.models import tiny_model_path
+    from tests.support.engine_reference import prompts
+    from tests.support.hf_logits import scores_of
+
+    toks = prompts(3, (9, 1, 30, 4))
+    m = load_model(tiny_model_path(arch), backend="eager", dtype="float32")
+    try:
+        got = run_with_cache(m, toks, ["entropy.0", "logprob.0"])
+        for g, t in zip(got, toks):
+            want = scores_of(m.model, t)
+            for name in ("logprob", "entropy"):
+                assert g[f"{name}.0"].dtype == torch.float32
+                torch.testing.assert_close(g[f"{name}.0"], want[name], equal_nan=True,
+                                           atol=1e-4, rtol=1e-4)
+            assert torch.isnan(g["logprob.0"][-1])
+    finally:
+        m.close()
