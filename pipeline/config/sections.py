@@ -173,7 +173,8 @@ class CaptureConfig:
             )
         # parsed once, here: (point name, layer or None for `name.*`) per entry, in order;
         # prepare.resolve_points expands them against the model's depth into Addresses
-        object.__setattr__(self, "parsed", tuple(parse_point(p) for p in self.points))
+        parsed = tuple(parse_point(p) for p in self.points)
+        object.__setattr__(self, "parsed", parsed)
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
         if self.roles is not None:
@@ -190,7 +191,7 @@ class CaptureConfig:
             self.generate.validate()
             from harvest.engine.points import LOGIT_POINTS
 
-            scored = [n for n, _ in self.parsed if n in LOGIT_POINTS]
+            scored = [n for n, _ in parsed if n in LOGIT_POINTS]
             if scored:
                 raise ConfigError(
                     f"capture.points {scored} with capture.generate: the model's next-token "
