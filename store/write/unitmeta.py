@@ -73,17 +73,7 @@ class UnitMeta:
                 raise ValueError(f"write_meta: token_id, doc_id, position (and role, gen, sample) must have the same "
                                  f"length, got {n} and {a.shape[0]} for {name}")
             arrs[name] = a
-        lo = int(row_start) - self.row_start
-        hi = lo + n
-        if lo < 0 or hi > self.set.shape[0]:
-            raise ValueError(f"write_meta: rows [{row_start}, {row_start + n}) fall outside unit "
-                             f"{self.unit_id}'s region [{self.row_start}, {self.row_end})")
-        if self.set[lo:hi].any():
-            raise ValueError(f"write_meta: metadata of rows in [{row_start}, {row_start + n}) "
-                             f"was already written to unit {self.unit_id}")
-        for name, a in arrs.items():
-            self.cols[name][lo:hi] = a
-        self.set[lo:hi] = True
+        self._put("write_meta", "metadata", self.set, row_start, n, arrs)
 
     def write_scores(self, row_start: int, **scores) -> None:
         """The model's next-token scores of rows [row_start, row_start + n): float32 `logprob`
@@ -98,17 +88,22 @@ class UnitMeta:
         if len(n) != 1 or any(a.ndim != 1 or a.dtype != np.float32 for a in arrs.values()):
             raise ValueError(f"write_scores: {want} must be 1-D float32 arrays of one length, got "
                              f"{[(a.dtype, a.shape) for a in arrs.values()]}")
+        self._put("write_scores", "scores", self.scored, row_start, next(iter(n))[0], arrs)
+
+    def _put(self, what: str, kind: str, done: np.ndarray, row_start: int, n: int,
+             arrs: dict) -> None:
+        """Columns `arrs` of rows [row_start, row_start + n), each row once (`done` marks them)."""
         lo = int(row_start) - self.row_start
-        hi = lo + next(iter(n))[0]
-        if lo < 0 or hi > self.scored.shape[0]:
-            raise ValueError(f"write_scores: rows [{row_start}, {row_start + hi - lo}) fall outside "
-                             f"unit {self.unit_id}'s region [{self.row_start}, {self.row_end})")
-        if self.scored[lo:hi].any():
-            raise ValueError(f"write_scores: scores of rows in [{row_start}, {row_start + hi - lo}) "
-                             f"were already written to unit {self.unit_id}")
-        for k, a in arrs.items():
-            self.cols[k][lo:hi] = a
-        self.scored[lo:hi] = True
+        hi = lo + n
+        if lo < 0 or hi > done.shape[0]:
+            raise ValueError(f"{what}: rows [{row_start}, {row_start + n}) fall outside unit "
+                             f"{self.unit_id}'s region [{self.row_start}, {self.row_end})")
+        if done[lo:hi].any():
+            raise ValueError(f"{what}: {kind} of rows in [{row_start}, {row_start + n}) "
+                             f"was already written to unit {self.unit_id}")
+        for name, a in arrs.items():
+            self.cols[name][lo:hi] = a
+        done[lo:hi] = True
 
     def complete(self, start: int, end: int) -> bool:
         return bool(self.set[start - self.row_start:end - self.row_start].all())
