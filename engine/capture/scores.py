@@ -3,8 +3,10 @@
 Both come from the final logits as the model computes them for sampling (its `compute_logits`:
 the LM head, then vLLM's logits processor with the model's scale and final softcapping, vocab
 shards gathered under tensor parallelism), over every row of a step rather than only the rows
-vLLM samples from. The logits are computed in chunks of rows so the `[rows, vocab]` block stays
-under `CHUNK_BYTES`; only two float32 values per row leave the chunk.
+vLLM samples from. The logits are computed in chunks of rows so the `[rows, vocab]` float32 block
+and its temporaries stay under `CHUNK_BYTES` (a GPU's bound is larger: each chunk reads the whole
+LM head, so chunks of a few dozen rows would make the weight reads cost more than the matmul);
+only two float32 values per row leave the chunk.
 
 - `logprob` of row i: log_softmax(logits_i)[next_i], `next_i` being the token at the following
   position of the same context; a context's last position has no next token and holds NaN.
@@ -21,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# bound on one chunk's [rows, vocab] float32 block (and its softmax temporaries)
+# bound on one chunk's [rows, vocab] float32 block and its softmax temporaries, per device type
 CHUNK_BYTES = 64 << 20
+CHUNK_BYTES_GPU = 1 << 30
 
 
 def slot_width(dtype: torch.dtype) -> int:
@@ -61,8 +64,9 @@ def next_token_ids(req_ids, counts, starts, prompts: dict) -> np.ndarray:
     return out
 
 
-def chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * max(int(vocab), 1) * 3))
+def chunk_rows(vocab: int, device: torch.device) -> int:
+    bound = CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES_GPU
+    return max(1, bound // (4 * max(int(vocab), 1) * 3))
 
 
 def scores(hidden: torch.Tensor, next_ids: torch.Tensor, compute_logits, vocab: int):
@@ -73,7 +77,7 @@ def scores(hidden: torch.Tensor, next_ids: torch.Tensor, compute_logits, vocab: 
     n = hidden.shape[0]
     lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    step = chunk_rows(vocab)
+    step = chunk_rows(vocab, hidden.device)
     got = True
     for a in range(0, n, step):
         logits = compute_logits(hidden[a:a + step])
