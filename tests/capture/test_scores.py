@@ -99,3 +99,24 @@ def test_eager_backend_serves_the_scores(arch):
             assert torch.isnan(g["logprob.0"][-1])
     finally:
         m.close()
+
+
+def test_check_model_measures_the_scores_per_row():
+    """check_loaded's per-row figures on one value per row (nats, relative above 1 nat), with
+    the last position's NaN matched by the reference's; an eager bf16 engine passes its own gap."""
+    from harvest.engine import check_loaded, load_model
+    from harvest.engine.model_check import CheckConfig, row_errors
+    from tests.fixtures.models import tiny_model_path
+
+    nan = float("nan")
+    errs = row_errors(torch.tensor([-2.0, -0.5, nan]), torch.tensor([-1.0, -0.25, nan]))
+    assert errs.tolist() == [1.0, 0.25, 0.0]
+    assert np.isnan(row_errors(torch.tensor([nan]), torch.tensor([-1.0]))).all()
+    m = load_model(tiny_model_path("llama"), backend="eager")
+    try:
+        out = check_loaded(m, points=["logprob.0", "entropy.0"],
+                           cfg=CheckConfig(lengths=(5, 40, 17)))
+    finally:
+        m.close()
+    assert out["ok"], out["points"] if "points" in out else out
+    assert set(out["points"]) == {"logprob.0", "entropy.0"}
