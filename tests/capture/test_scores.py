@@ -120,3 +120,34 @@ def test_check_model_measures_the_scores_per_row():
         m.close()
     assert out["ok"], out["points"] if "points" in out else out
     assert set(out["points"]) == {"logprob.0", "entropy.0"}
+
+
+def test_runner_step_scores_each_request_from_its_own_prompt():
+    """ScoreStep over a step of two requests (one mid-prefill, one finishing), with the
+    runner's final hidden states and compute_logits stood in: prompts tracked from the
+    scheduler's new requests and forgotten when finished; values written through `write`."""
+    from types import SimpleNamespace as NS
+
+    from harvest.engine.vllm.compat import StepLayout
+    from harvest.engine.vllm.scorestep import ScoreStep
+
+    torch.manual_seed(1)
+    vocab, d = 11, 4
+    head = torch.randn(vocab, d)
+    hidden = torch.randn(9, d)   # 7 real rows and padding
+    model = NS(compute_logits=lambda h: h @ head.T)
+    runner = NS(execute_model_state=NS(hidden_states=hidden), get_model=lambda: model)
+    st = ScoreStep({"logprob": 0, "entropy": 1}, vocab, torch.bfloat16)
+    st.track(NS(finished_req_ids=set(), scheduled_new_reqs=[
+        NS(req_id="a", prompt_token_ids=[1, 2, 3, 4, 5, 6]), NS(req_id="b", prompt_token_ids=[7, 8, 9])]))
+    lay = StepLayout(("a", "b"), np.array([4, 3]), np.array([0, 0]), 7)
+    out = {}
+    st.run(runner, lay, lambda x, slot: out.__setitem__(slot, scores.unpack(x)))
+    logp = torch.log_softmax(hidden[:7] @ head.T, -1)
+    nxt = [2, 3, 4, 5, 8, 9]
+    rows = [0, 1, 2, 3, 4, 5]
+    torch.testing.assert_close(out[0][rows], logp[rows, nxt])
+    assert torch.isnan(out[0][6])   # b's last prompt position
+    torch.testing.assert_close(out[1], -(logp.exp() * logp).sum(-1))
+    st.track(NS(finished_req_ids={"a"}, scheduled_new_reqs=[]))
+    assert set(st.prompts) == {"b"}
