@@ -283,7 +283,10 @@ class HarvestState:
             lay = compat.step_layout(runner, scheduler_output)
             self.scores.run(runner, lay, lambda x, slot: torch.ops.harvest.tap(x, buf, slot))
         except (compat.VLLMIncompatible, KeyError, ValueError) as e:
-            self.error = e
+            if self.ring is not None:   # the capture loop is in another process: it must know
+                self.ring.fail(f"{type(e).__name__}: {e}")
+            else:
+                self.error = e
 
     def _publish(self, runner, scheduler_output) -> None:
         """Tensor parallel, the output rank: every step goes to the step ring, whatever the
