@@ -80,3 +80,24 @@ def test_a_unit_without_its_scores_does_not_commit(tmp_path):
 def test_stores_without_scores_have_no_columns(tmp_path):
     st = _store(tmp_path)
     assert "logprob" not in st.meta_columns and "entropy" not in st.meta_columns
+
+
+def test_a_shuffled_copy_moves_the_scores_with_their_rows(tmp_path):
+    from harvest.store.permuted import shuffle_store
+    from harvest.store import open_store
+
+    st = _store(tmp_path, logprob=True, entropy=True)
+    n = st.n_rows
+    lp, ent = _scores(n)
+    w = st.region_writer(0, 0, n)
+    z = np.zeros(n, np.int32)
+    w.write_meta(0, z, z.astype(np.int64), z)
+    w.write_scores(0, logprob=lp, entropy=ent)
+    w.write(0, np.arange(n * 4, dtype=np.float32).reshape(1, n, 4))
+    w.commit()
+    st.finalize({"status": "complete"})
+    shuffle_store(st.url, str(tmp_path / "copy.zarr"), seed=3)
+    cp = open_store(str(tmp_path / "copy.zarr"))
+    src = np.asarray(cp.meta_array("source_row")[:])
+    assert np.array_equal(np.asarray(cp.meta_array("logprob")[:]), lp[src], equal_nan=True)
+    assert np.array_equal(np.asarray(cp.meta_array("entropy")[:]), ent[src])
