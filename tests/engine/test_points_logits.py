@@ -59,6 +59,7 @@ def engine(request, references):
     with runners.model_runner(runner):
         m = load_model(tiny_model_path(arch), backend="vllm", freeze_points=POINTS,
                        tensor_parallel_size=tp, max_num_batched_tokens=MAX_BATCHED, **NO_COMPILE)
+        assert m.describe()["model_runner"] == runner and m.tp == tp
         yield arch, m, references
         m.close()
 
