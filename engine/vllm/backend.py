@@ -144,17 +144,17 @@ class VLLMModel:
             # checked against it, and a stray row fails the capture.
             eng["async_scheduling"] = async_scheduling
         ring = self.arena = None
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
             ring, self.arena = open_rows_path(
                 len(self.frozen.reads), self.max_num_batched_tokens, self.rows_width(),
-                getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                self.dtype,
                 eng.get("max_num_seqs") or DEFAULT_MAX_SEQS, shared_destination_bytes)
             # a fixed marker: the spec (per-engine file names) travels in the workers'
             # environment, out of vLLM's compile-cache key (stepring.RING_ENV)
             extra["harvest"]["ring"] = True
             os.environ[stepring.RING_ENV] = json.dumps(ring.spec.as_dict())
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
             self.llm = LLM(
                 model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
