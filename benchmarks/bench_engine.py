@@ -414,6 +414,11 @@ def main() -> None:
                             and r.get("ratio_to_plain"))
                     print(f"{what}, runner {runner}, TP={tp}: {mode} / plain = {ratio:.3f} "
                           f"(median of {n} paired runs; target >= {want})")
+            scored, frozen = (median_ratio(rows, "freeze_scores", tp, runner),
+                              median_ratio(rows, "freeze", tp, runner))
+            if scored is not None and frozen:
+                print(f"{what}, runner {runner}, TP={tp}: freeze_scores / plain = {scored:.3f}, "
+                      f"freeze_scores / freeze = {scored / frozen:.3f} (logprob + entropy's cost)")
     print(f"load average at the end: {os.getloadavg()}")
     same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
     if same:
