@@ -14,7 +14,7 @@ identical experts, docs/engine.md "MoE routing") at TP=1 and TP=2, on Model Runn
 llama, qwen3, gemma2 (TP=1) and llama (TP=2). Compilation is off (NO_COMPILE): the scores are
 computed after the forward, outside the compiled graph, so compiling changes only the hidden
 states they read, which the other engine tests cover compiled.
-Last run 2026-12-06: 16 passed (12 engines), logprob p50 0.006-0.009 nats against bounds of
+Last run 2026-12-06: 12 engines, 15 passed (10 one-engine refusals skipped), logprob p50 0.006-0.009 nats against bounds of
 0.010-0.011, worst p99 0.035 (qwen3 TP=1) against 0.061; entropy p99 at most 0.012 (gemma2).
 """
 
