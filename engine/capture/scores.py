@@ -88,9 +88,10 @@ def scores(hidden: torch.Tensor, next_ids: torch.Tensor, compute_logits, vocab: 
         if logits is None:
             got = False
             continue
-        for b in range(0, logits.shape[0], sub):
-            r = slice(a + b, a + b + sub)
-            lp[r], ent[r] = _row_scores(logits[b:b + sub], next_ids[r])
+        rows = logits.shape[0]
+        for b in range(0, rows, sub):
+            e = min(b + sub, rows)
+            lp[a + b:a + e], ent[a + b:a + e] = _row_scores(logits[b:e], next_ids[a + b:a + e])
     return (lp, ent) if got else None
 
 
