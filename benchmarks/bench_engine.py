@@ -23,6 +23,8 @@ all-reduce, it separates that cost from the taps'.
 
 `--modes freeze_transcoder` captures mlp_in and mlp_out at every layer (twice the rows of
 freeze's resid_post; a cross-layer transcoder's training pairs). Target: >= 0.9x plain.
+`--modes freeze freeze_scores` adds logprob.0 and entropy.0 to freeze's points (the final logits of
+every row, engine/capture/scores.py); its cost is freeze_scores' ratio against freeze's.
 
 `--runners v1 v2` runs the whole schedule on each of vLLM's model runners in turn (ratios paired
 within a runner; default: the one vLLM picks, `auto`). On a CPU build V2 runs its kernels in
@@ -158,13 +160,16 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             kw["compilation_config"] = compat.tp_compilation_config(None)
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
-    elif mode in ("freeze", "freeze_transcoder"):
+    elif mode in ("freeze", "freeze_transcoder", "freeze_scores"):
         freeze: str | list[str] = "auto"
-        if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
+        if mode != "freeze":
             from harvest.engine.checkpoint import read_model_info
 
             n = read_model_info(path).n_layers
+        if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
             freeze = [f"{p}.{i}" for i in range(n) for p in ("mlp_in", "mlp_out")]
+        elif mode == "freeze_scores":   # freeze's rows plus the model's next-token scores
+            freeze = [f"resid_post.{i}" for i in range(n)] + ["logprob.0", "entropy.0"]
         m = load_model(path, backend="vllm", freeze_points=freeze, freeze_writes=[], **kw)
         points = None
         if not generate:
@@ -188,7 +193,7 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
     return secs, rows, mem, extra
 
 
-VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder")
+VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder", "freeze_scores")
 
 
 def _runner(runner: str):
@@ -409,6 +414,11 @@ def main() -> None:
                             and r.get("ratio_to_plain"))
                     print(f"{what}, runner {runner}, TP={tp}: {mode} / plain = {ratio:.3f} "
                           f"(median of {n} paired runs; target >= {want})")
+            scored, frozen = (median_ratio(rows, "freeze_scores", tp, runner),
+                              median_ratio(rows, "freeze", tp, runner))
+            if scored is not None and frozen:
+                print(f"{what}, runner {runner}, TP={tp}: freeze_scores / plain = {scored:.3f}, "
+                      f"freeze_scores / freeze = {scored / frozen:.3f} (logprob + entropy's cost)")
     print(f"load average at the end: {os.getloadavg()}")
     same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
     if same:

@@ -14,7 +14,9 @@ import torch
 
 from .capture import blocks
 from .addresses import Address, parse_addresses
+from harvest.engine.capture import scores
 from harvest.engine.capture.captured import CapturedRequest
+from .points import LOGIT_POINTS
 from .checkpoint import read_model_info, validate_tokens
 from .protocol import CaptureOnly, DestinationProvider, StepStats
 from harvest.engine.capture.probe_sites import read_output
@@ -166,6 +168,8 @@ class HFModel(CaptureOnly):
         qkv: dict[int, dict] = {}  # layer -> {"query"|"key"|"value": Address}
         for a in pts:
             layer, sem = self.trunk[a.layer], self.trunk.semantics[a.layer]
+            if a.name in LOGIT_POINTS:   # from the forward's logits (_scores), no hook
+                continue
             if a.name == "final_norm":  # the base model's output: HF applies the final norm
                 def final(mod, args, out, a=a):
                     store[a] = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
@@ -250,8 +254,9 @@ class HFModel(CaptureOnly):
                     ids[j, : len(t)] = torch.from_numpy(t.astype(np.int64))
                     mask[j, : len(t)] = 1
                 store.clear()
-                self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                           use_cache=False)
+                out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                 use_cache=False)
+                self._scores(pts, out.logits, ids.to(self.device), mask.to(self.device), store)
                 self.steps += 1
                 self.scheduled_tokens += sum(len(t) for _, t in mb)
                 missing = [str(a) for a in pts if a not in store]
@@ -271,6 +276,22 @@ class HFModel(CaptureOnly):
         finally:
             for h in handles:
                 h.remove()
+
+    def _scores(self, pts, logits, ids, mask, store) -> None:
+        """logprob.0 / entropy.0 from the forward's logits (Hugging Face applies the final
+        softcapping in its forward), packed like the vLLM engine's (engine/capture/scores.py)."""
+        want = [a for a in pts if a.name in LOGIT_POINTS]
+        if not want:
+            return
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        ent = -(logp.exp() * logp).nan_to_num(nan=0.0).sum(-1)
+        nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        has = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1).bool()
+        lp = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        lp = torch.where(has, lp, torch.full_like(lp, float("nan")))
+        for a in want:
+            v = lp if a.name == "logprob" else ent
+            store[a] = scores.pack(v.reshape(-1), self.dtype).reshape(*v.shape, -1)
 
     def close(self) -> None:
         self.model = None

@@ -168,6 +168,10 @@ def _reference_main(spec_path: str, out_path: str) -> None:
 
 
 def row_errors(got: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
+    if ref.dim() == 1:   # one value per row (logprob.0, entropy.0): nats, relative above 1 nat
+        got, ref = got.float().reshape(-1), ref.float()
+        err = (got - ref).abs() / ref.abs().clamp_min(1.0)
+        return torch.where(torch.isnan(got) & torch.isnan(ref), 0.0, err).numpy()
     got, ref = got.float().reshape(-1, ref.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
     return ((got - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).numpy()
 

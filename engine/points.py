@@ -7,7 +7,8 @@ probe (engine/capture/sites.py: where a point's tensor is inside a block), confi
 Width kinds: `d_model` (the stream), `heads` (n_heads x head_dim: o_proj's input, the query),
 `kv_heads` (n_kv_heads x head_dim: the key and value, KV heads as they are under grouped-query
 attention), `neurons` (the MLP width: down_proj's input, each of the gate and up projections),
-`experts` (one router logit per expert). Under tensor parallelism `heads`, `kv_heads` and
+`experts` (one router logit per expert), `scalar` (one float32 per row: the model's own next-token
+scores, computed from its final logits after the forward, engine/capture/scores.py). Under tensor parallelism `heads`, `kv_heads` and
 `neurons` are column-sharded across ranks (a rank holds a slice; with fewer KV heads than ranks
 vLLM gives each rank one KV head, the same on `tp / n_kv_heads` ranks: `shard_width`,
 `kv_replicas`); `experts` comes off a replicated gate and `d_model` points are all-reduced.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WIDTH_KINDS = ("d_model", "heads", "kv_heads", "neurons", "experts")
+WIDTH_KINDS = ("d_model", "heads", "kv_heads", "neurons", "experts", "scalar")
 LAYOUTS = ("sequential", "sandwich", "parallel")
 
 
@@ -36,7 +37,8 @@ class Point:
     name); `moe`: True = MoE blocks only, False = dense MLPs only, None = both; `level`: "layer"
     (one per block, `name.L`) or "model" (one per model, addressed `name.0`); `tp`: "replicated"
     (every rank holds the whole row) or "sharded" (each rank a column slice); `gated`: True =
-    gated MLPs only (a gate and an up projection whose product the down projection reads).
+    gated MLPs only (a gate and an up projection whose product the down projection reads);
+    `logits`: True = computed from the model's final logits after the forward (no tap site).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Point:
     level: str = "layer"
     moe: bool | None = None
     gated: bool = False
+    logits: bool = False
 
     def __post_init__(self):
         assert self.width in WIDTH_KINDS and self.tp in ("replicated", "sharded")
@@ -100,11 +103,19 @@ TABLE: tuple[Point, ...] = (
     Point("final_norm", "d_model", "replicated", _ALL,
           "the model's final norm applied to the last block's stream (the LM head's input)",
           level="model"),
+    Point("logprob", "scalar", "replicated", _ALL,
+          "float32: the log-probability the model gives the context's actual next token "
+          "(log_softmax of its own final logits, scaling and softcapping included); NaN at a "
+          "context's last position (no next token)", level="model", logits=True),
+    Point("entropy", "scalar", "replicated", _ALL,
+          "float32: the entropy (nats) of the model's next-token distribution (softmax of its "
+          "final logits) at every position", level="model", logits=True),
 )
 BY_NAME = {p.name: p for p in TABLE}
 SHARDED_KINDS = frozenset(p.width for p in TABLE if p.tp == "sharded")
 NAMES = tuple(BY_NAME)
 MODEL_LEVEL = tuple(p.name for p in TABLE if p.level == "model")
+LOGIT_POINTS = tuple(p.name for p in TABLE if p.logits)  # no tap: computed after the forward
 
 # Points the seed system serves that no table row stands for, and why; asking for one names it.
 REFUSED = {
@@ -170,6 +181,8 @@ def config_width(cfg, kind: str) -> int | None:
         return n
     if kind == "experts":
         return get("num_experts") or get("num_local_experts") or get("n_routed_experts")
+    if kind == "scalar":
+        return 1
     raise ValueError(f"unknown width kind {kind!r}: use one of {', '.join(WIDTH_KINDS)}")
 
 

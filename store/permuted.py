@@ -49,6 +49,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import StoreError
+from .format import layout
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> dict:
                 context_size=src.context_size, special_token_ids=tuple(src.special_token_ids),
                 bos_token_id=src.bos_token_id, tokenizer=src.tokenizer,
                 stats_skip_positions=src.stats_skip_positions, roles="role" in cols,
-                generated="gen" in cols, samples="sample" in cols, source_rows=True)
+                generated="gen" in cols, samples="sample" in cols, source_rows=True,
+                logprob="logprob" in cols, entropy="entropy" in cols)
 
 
 def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, facts: dict,
@@ -124,8 +126,12 @@ def _read_rows(st, a: int, b: int, into) -> "tuple[np.ndarray, dict]":
 
 def _write_unit(w, a: int, acts: np.ndarray, cols: dict) -> None:
     """Every row of a unit, metadata first, in block-sized pieces (the writer's own order)."""
-    meta = {k: v for k, v in cols.items() if k not in ("token_id", "doc_id", "position")}
+    meta = {k: v for k, v in cols.items() if k not in ("token_id", "doc_id", "position")
+            and k not in layout.SCORE_META}
     w.write_meta(a, cols["token_id"], cols["doc_id"], cols["position"], **meta)
+    scores = {k: v for k, v in cols.items() if k in layout.SCORE_META}
+    if scores:
+        w.write_scores(a, **scores)
     n = acts.shape[1]
     for r in range(0, n, w.block_rows):
         w.write(a + r, acts[:, r:r + w.block_rows])

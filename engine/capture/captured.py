@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from harvest.engine.addresses import Address
+from harvest.engine.points import LOGIT_POINTS
+from .scores import unpack
 
 
 class ActivationCache(dict):
@@ -57,9 +59,12 @@ class CapturedRequest:
         return int(self.token_ids.shape[0])
 
     def point(self, addr: "Address | str") -> torch.Tensor:
-        """`[n, width of that point]`: z is n_heads x head_dim wide, mlp_act the MLP's width."""
-        i = self.points.index(Address.parse(addr))
-        return self.acts[i] if self.widths is None else self.acts[i, :, : self.widths[i]]
+        """`[n, width of that point]`: z is n_heads x head_dim wide, mlp_act the MLP's width;
+        logprob.0 and entropy.0 are float32 `[n]` (engine/capture/scores.py)."""
+        a = Address.parse(addr)
+        i = self.points.index(a)
+        rows = self.acts[i] if self.widths is None else self.acts[i, :, : self.widths[i]]
+        return unpack(rows) if a.name in LOGIT_POINTS else rows
 
     def as_dict(self) -> ActivationCache:
         """`{Address: [n, width]}` at each point's own width; string keys work too

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from harvest.engine.addresses import Address, FreezeSet
+from harvest.engine.points import LOGIT_POINTS
 from .direct import sink_for
 from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
                      sublayer_value, with_arg)
@@ -293,6 +294,8 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
     by_arg: dict[nn.Module, list] = {}  # attention kernel -> [(slot, site)] of q/k/v
     for a in taps.reads:
         sem, slot = trunk.semantics[a.layer], taps.slot(a)
+        if a.name in LOGIT_POINTS:   # no hook: computed after the forward (capture/scores.py)
+            continue
         if a.name == "final_norm":
             def hook(mod, args, out, slot=slot):
                 _copy_rows(taps.buf, slot, sublayer_value(out))

@@ -27,6 +27,7 @@ from harvest.engine.capture import stepring
 from harvest.engine.addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from harvest.engine.capture.captured import CapturedRequest
 from harvest.engine.checkpoint import ModelInfo, read_model_info, validate_tokens
+from harvest.engine.points import LOGIT_POINTS
 from harvest.engine.protocol import CaptureMode, DestinationProvider, StepStats
 from harvest.engine.parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
                                      remove_dist_files, clear_rpc_dir, own_rpc_dir)
@@ -143,17 +144,17 @@ class VLLMModel:
             # checked against it, and a stray row fails the capture.
             eng["async_scheduling"] = async_scheduling
         ring = self.arena = None
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if self.tp > 1 and self.mode == "freeze" and self.frozen.reads:
             ring, self.arena = open_rows_path(
                 len(self.frozen.reads), self.max_num_batched_tokens, self.rows_width(),
-                getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                self.dtype,
                 eng.get("max_num_seqs") or DEFAULT_MAX_SEQS, shared_destination_bytes)
             # a fixed marker: the spec (per-engine file names) travels in the workers'
             # environment, out of vLLM's compile-cache key (stepring.RING_ENV)
             extra["harvest"]["ring"] = True
             os.environ[stepring.RING_ENV] = json.dumps(ring.spec.as_dict())
         worker = compat.HARVEST_CPU_WORKER if self.profile.name == "cpu" else compat.HARVEST_GPU_WORKER
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
             self.llm = LLM(
                 model=name_or_path, revision=revision, tokenizer_revision=revision, dtype=dtype,
@@ -432,8 +433,13 @@ class VLLMModel:
         return max([self.width, *self.point_widths(reads)])
 
     def point_widths(self, pts) -> tuple[int, ...]:
-        """Each point's own width (engine/points.py): rows of `acts` are cut to it."""
-        return tuple(self.info.point_width(Address.parse(a).name) for a in pts)
+        """Each point's own width (engine/points.py): rows of `acts` are cut to it; logprob and
+        entropy occupy one float32's worth of the engine dtype (engine/capture/scores.py)."""
+        from harvest.engine.capture.scores import slot_width
+
+        names = [Address.parse(a).name for a in pts]
+        return tuple(slot_width(self.dtype) if n in LOGIT_POINTS else self.info.point_width(n)
+                     for n in names)
 
     def _abort(self, engine, reqs: dict[str, _Req], capturing: bool) -> None:
         try:

@@ -54,6 +54,12 @@ What the engine relies on, and why:
   plain `ColumnParallelLinear`'s (`output_size_per_partition`) output; q, k, v from the block's
   `QKVParallelLinear` (`num_heads`, `num_kv_heads`, `head_size`, `v_head_size`,
   `num_kv_head_replicas`), read at the inputs of vLLM's `Attention.forward(query, key, value)`.
+- logprob.0 / entropy.0 (engine/vllm/scorestep.py): after `execute_model` both runners keep the
+  step's final hidden states for `sample_tokens` (`execute_model_state.hidden_states`, a
+  NamedTuple field); each model's `compute_logits` (its LM head, then `LogitsProcessor`: scale,
+  final softcap, the vocab shards all-gathered, or gathered to TP rank 0 where the platform says
+  so) turns them into logits; a request's prompt ids arrive once in
+  `SchedulerOutput.scheduled_new_reqs` (`NewRequestData.req_id`, `.prompt_token_ids`).
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`, `use_v2_model_runner`; and one
   refused for capture: `ParallelConfig.use_ubatching` (a step's forward in micro-batches).
@@ -322,6 +328,37 @@ def fed_inputs(runner, n: int):
     return runner.positions[:n], runner.input_ids.gpu[:n]
 
 
+def new_requests(scheduler_output) -> list:
+    """Requests the scheduler sends this runner for the first time (or again, resumed after a
+    preemption): `SchedulerOutput.scheduled_new_reqs`, `NewRequestData` each (checked 0.32.0,
+    0.34.0)."""
+    return list(getattr(scheduler_output, "scheduled_new_reqs", None) or ())
+
+
+def request_id(new_req) -> str:
+    return new_req.req_id
+
+
+def prompt_token_ids(new_req):
+    """`NewRequestData.prompt_token_ids`: the prompt's ids (None for a prompt given as embeds)."""
+    return new_req.prompt_token_ids
+
+
+def step_hidden_states(runner):
+    """The final hidden states of every row of the forward that just ran (the input of the
+    model's `compute_logits`): `execute_model_state.hidden_states`, which `execute_model` leaves
+    for `sample_tokens` on V1 and V2 (checked 0.32.0; V2 also 0.34.0). Rows past the step's
+    count are padding."""
+    state = getattr(runner, "execute_model_state", None)
+    hidden = getattr(state, "hidden_states", None)
+    if hidden is None:
+        raise VLLMIncompatible(
+            "the runner kept no final hidden states after its forward (execute_model_state."
+            f"hidden_states, vLLM {installed_version()} vs checked {VLLM_CHECKED}): logprob and "
+            "entropy cannot be computed")
+    return hidden
+
+
 def finished_req_ids(scheduler_output) -> frozenset:
     """Requests vLLM finished or aborted since the previous step (SchedulerOutput, checked
     0.32.0): none of them is in this step's batch, and none is scheduled again."""
@@ -353,7 +390,7 @@ def runner_geometry(runner) -> dict:
     mc = runner.model_config
     return {"n_layers": mc.get_total_num_hidden_layers(), "width": mc.get_hidden_size(),
             "dtype": mc.dtype, "max_tokens": runner.scheduler_config.max_num_batched_tokens,
-            "device": runner.device, "kinds": kind_widths(mc.hf_text_config,
+            "device": runner.device, "vocab": mc.get_vocab_size(), "kinds": kind_widths(mc.hf_text_config,
                                                           parallel_ranks()["tp_size"]),
             "full_kinds": kind_widths(mc.hf_text_config)}
 

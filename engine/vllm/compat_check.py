@@ -157,6 +157,22 @@ NEEDS: tuple[Need, ...] = (
          text="shard_rank = self.tp_rank // self.num_kv_head_replicas"),
     Need("vllm/model_executor/layers/attention/attention.py", "Attention", "forward", "method",
          ("query", "key", "value")),
+    # logprob.0 / entropy.0 (engine/vllm/scorestep.py): the step's final hidden states that
+    # execute_model leaves for sample_tokens, the prompts the scheduler sends once, and the
+    # logits processor's softcap and vocab gather behind every model's compute_logits
+    Need(_GMR1, "ExecuteModelState", "hidden_states", "field", runners=_V1),
+    Need(_GMR1, "GPUModelRunner", "execute_model", "text",
+         text="self.execute_model_state = ExecuteModelState(", runners=_V1),
+    Need(_GMR2, "ExecuteModelState", "hidden_states", "field", runners=_V2),
+    Need(_GMR2, "GPUModelRunner", "execute_model", "text",
+         text="self.execute_model_state = ExecuteModelState(", runners=_V2),
+    Need("vllm/v1/core/sched/output.py", "SchedulerOutput", "scheduled_new_reqs", "field"),
+    *(Need("vllm/v1/core/sched/output.py", "NewRequestData", f, "field")
+      for f in ("req_id", "prompt_token_ids")),
+    Need("vllm/model_executor/layers/logits_processor.py", "LogitsProcessor", "forward", "text",
+         text="self.soft_cap"),
+    Need("vllm/model_executor/layers/logits_processor.py", "LogitsProcessor", "_gather_logits",
+         "text", text="tensor_model_parallel_all_gather"),
     # -- settings read for reports and set for capture -------------------------------------------------
     Need("vllm/config/parallel.py", "ParallelConfig", "worker_cls", "field"),
     Need("vllm/config/parallel.py", "ParallelConfig", "use_ubatching", "field"),

@@ -36,6 +36,7 @@ import torch
 from . import compat
 from harvest.engine.capture.captured import CapturedRequest
 from harvest.engine.checkpoint import validate_tokens
+from harvest.engine.points import LOGIT_POINTS
 from harvest.engine.protocol import DestinationProvider
 
 
@@ -157,6 +158,12 @@ def generate(model, batches: Iterable[Sequence[Sequence[int]]], points=None,
     """
     gp = sampling or GenerateParams()
     pts = model.resolve_points(points)
+    scored = [str(a) for a in pts if a.name in LOGIT_POINTS]
+    if scored:
+        raise ValueError(
+            f"{', '.join(scored)}: not served in generation: a generated position's next token "
+            "is sampled after its row is captured (vLLM's own sample logprobs are the place for "
+            "them); capture the prompts with logprob/entropy, or generate without them")
     st = model.state
     capturing = bool(pts)
     if capturing:

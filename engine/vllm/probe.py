@@ -146,7 +146,12 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
     from vllm.forward_context import set_forward_context
 
     from harvest.engine.capture import taps as tapmod
+    from harvest.engine.points import LOGIT_POINTS
 
+    # logprob/entropy are computed from the gathered logits after the forward, on no tap
+    reads = [a for a in reads if a.name not in LOGIT_POINTS]
+    if not reads:
+        return
     ids, positions = _probe_inputs(runner)
     g = compat.runner_geometry(runner)
     widths = read_widths(reads, g)
@@ -201,6 +206,9 @@ def read_widths(reads, geometry: dict, full: bool = False) -> tuple[int, ...]:
     for a in reads:
         kind = BY_NAME[a.name].width if a.name in BY_NAME else "d_model"
         w = kinds.get(kind) if kind != "d_model" else geometry["width"]
+        if kind == "scalar":   # a float32 in the engine dtype's elements (capture/scores.py)
+            from harvest.engine.capture.scores import slot_width
+            w = slot_width(geometry["dtype"])
         if not w:
             raise ValueError(f"{a}: this model's config gives no {kind} width")
         out.append(int(w))

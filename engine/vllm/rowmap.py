@@ -31,8 +31,10 @@ import torch
 from . import compat
 from harvest.engine.capture import taps as tapmod
 from . import probe as vllm_probe
+from .scorestep import ScoreStep
 from .tpshards import ShardGather, plan as shard_plan
 from harvest.engine.addresses import Address, FreezeSet
+from harvest.engine.points import LOGIT_POINTS
 from harvest.engine.protocol import CaptureMode
 from harvest.engine.capture.stepring import RingSpec, RingWriter
 from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
@@ -90,6 +92,7 @@ class HarvestState:
     shards: "ShardGather | None" = None  # tensor parallel: sharded slots assembled (tpshards.py)
     sink: Sink | None = None  # CPU freeze engines: taps deliver rows themselves (direct.py)
     direct_steps: int = 0  # steps whose rows the taps delivered
+    scores: "ScoreStep | None" = None  # logprob.0 / entropy.0 read: computed after each forward
 
     # -- capture loop side ------------------------------------------------------------------
     def begin_capture(self, points: tuple[Address, ...], quantize: str | None = None) -> None:
@@ -99,6 +102,9 @@ class HarvestState:
             raise RuntimeError("a capture is already running on this engine; finish or close it "
                                "first (one capture at a time per engine)")
         self.quantize = check_quantize(quantize) is not None
+        if self.quantize and any(a.name in LOGIT_POINTS for a in points):
+            raise ValueError(f"{', '.join(LOGIT_POINTS)} are float32 values, not activations: "
+                             "capture them without quantize")
         self.error = None
         if self.mode == "hooked":
             self._set_hooked_points(points)
@@ -206,6 +212,8 @@ class HarvestState:
     # -- runner side ------------------------------------------------------------------------
     def before_forward(self, runner=None, scheduler_output=None) -> None:
         self.transport.before_forward()
+        if self.scores is not None and scheduler_output is not None:
+            self.scores.track(scheduler_output)
         if self.poison and self.taps.buf is not None:
             self.taps.buf.fill_(float("nan"))
         if (self.sink is not None and runner is not None and not self.quantize and not self.poison
@@ -243,6 +251,8 @@ class HarvestState:
             self.enqueue(plan, self.transport.delivered(plan, fed_pos, fed_ids))
 
     def after_forward(self, runner, scheduler_output) -> None:
+        if self.scores is not None:   # every rank alike (a collective), before any row moves
+            self._write_scores(runner, scheduler_output)
         delivery = self.sink.disarm() if self.sink is not None and self.sink.state != IDLE else None
         self.steps += 1
         self.scheduled_tokens += compat.scheduled_tokens(scheduler_output)
@@ -264,6 +274,19 @@ class HarvestState:
                 self.submit_step(lay.req_ids, lay.counts, lay.starts, fed_pos, fed_ids, self.taps.buf)
         except (CoverageError, compat.VLLMIncompatible, KeyError, ValueError) as e:
             self.error = e
+
+    def _write_scores(self, runner, scheduler_output) -> None:
+        """logprob.0 / entropy.0 of this step's rows into their tap slots, through the tap op
+        (so an armed CPU sink delivers them straight to the destinations, like every tap)."""
+        buf = self.taps.buf
+        try:
+            lay = compat.step_layout(runner, scheduler_output)
+            self.scores.run(runner, lay, lambda x, slot: torch.ops.harvest.tap(x, buf, slot))
+        except (compat.VLLMIncompatible, KeyError, ValueError) as e:
+            if self.ring is not None:   # the capture loop is in another process: it must know
+                self.ring.fail(f"{type(e).__name__}: {e}")
+            else:
+                self.error = e
 
     def _publish(self, runner, scheduler_output) -> None:
         """Tensor parallel, the output rank: every step goes to the step ring, whatever the
@@ -323,6 +346,7 @@ class HarvestState:
                               device=self.device)
         self.taps = tapmod.TapSet(tuple(points), (), buf, {}, self.width, widths)
         self.transport = make_transport(buf, self.max_tokens, staging=False)
+        self.scores = score_step(self.taps, self.geometry)
         if points:
             assert isinstance(self.layers, Trunk), "hooked mode taps the probed trunk"
             self.hook_handles = tapmod.install_hooks(self.layers, self.taps)
@@ -337,6 +361,12 @@ class HarvestState:
                 "transport": type(self.transport).__name__, "staging": self.staging,
                 "direct_steps": self.direct_steps,
                 **(self.shards.summary() if self.shards is not None else {})}
+
+
+def score_step(taps: tapmod.TapSet, geometry: dict) -> "ScoreStep | None":
+    """The runner's score computation when `taps` reads logprob.0 or entropy.0, else None."""
+    slots = {a.name: taps.slot(a) for a in taps.reads if a.name in LOGIT_POINTS}
+    return ScoreStep(slots, geometry["vocab"], geometry["dtype"]) if slots else None
 
 
 def setup(runner, cfg: dict) -> HarvestState:
@@ -366,7 +396,7 @@ def setup(runner, cfg: dict) -> HarvestState:
         ts = tapmod.TapSet((), (), None, {}, g["width"])
     transport = make_transport(ts.buf, g["max_tokens"], staging=staging)
     st = HarvestState(ts, layers, mode, g["max_tokens"], max(g["width"], ts.width), g["dtype"],
-                      g["device"], transport, staging, geometry=g)
+                      g["device"], transport, staging, geometry=g, scores=score_step(ts, g))
     par = compat.parallel_ranks()
     if (mode == "freeze" and ts.buf is not None and isinstance(transport, CPUTransport)
             and par["tp_size"] == 1 and not cfg.get("ring")):

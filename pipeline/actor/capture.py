@@ -96,7 +96,11 @@ class HarvestActor:
             self.check = self._engine_thread.submit(check_engine, self.engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
         self.addresses = tuple(spec.points)   # Addresses, parsed once (prepare.resolve_points)
-        self.points = [str(a) for a in self.addresses]   # the store's point names
+        from harvest.engine.points import LOGIT_POINTS
+
+        # logprob.0 / entropy.0 (last, prepare.split_scores): the store's row columns
+        self.scores = tuple(a for a in self.addresses if a.name in LOGIT_POINTS)
+        self.points = [str(a) for a in self.addresses if a.name not in LOGIT_POINTS]   # the store's
         self.context_size = spec.context_size
         self.slots = None
         if spec.generate is not None:
@@ -405,16 +409,20 @@ class HarvestActor:
                 "submitted; refusing to write rows that do not match their metadata")
         else:
             row = job.row_start + i * self.context_size
+            acts = req.acts[:len(self.points)] if self.scores else req.acts
             if job.writer is None:
                 pass   # a streamed run without a store: the rows go to the trainers only
             elif in_place:
                 job.writer.fill_reserved(row, len(req))
                 self.rows_in_place += len(req)
             else:
-                job.writer.write(row, req.acts)
+                if self.scores:   # before the rows: a shard's metadata may go up with it
+                    job.writer.write_scores(row, **{a.name: req.point(a).numpy()
+                                                    for a in self.scores})
+                job.writer.write(row, acts)
             if job.parts is not None and self.outbox is not None:
                 # waits while a trainer rank's queue is full: the capture pauses here
-                self.outbox.deliver(job.parts, i, self.outbox.context_rows(req.acts, view))
+                self.outbox.deliver(job.parts, i, self.outbox.context_rows(acts, view))
         job.received += 1
         if job.received == len(job.contexts):
             job.done.set()
@@ -442,7 +450,9 @@ class HarvestActor:
                 same = e.quantizes and self.slots is None and not store.mixed_widths
             else:
                 same = e.dtype == torch_dtype(store.np_dtype)
-            ok = bool(e.accepts_destinations) and list(store.points) == list(self.points) and same
+            # scores (self.scores) go to row columns from the request's own tensor: not in place
+            ok = (bool(e.accepts_destinations) and list(store.points) == list(self.points)
+                  and same and not self.scores)
             shared = e.shared_allocator() if ok else None
             if shared is not None:
                 # tensor parallel: block buffers in the engine's shared arena, so the rank

@@ -68,7 +68,8 @@ def index_requests(units: int) -> int:
 def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, unit_rows: int,
                 tokens: "int | None", ratio: float, rate: "float | None",
                 object_store: bool, roles: bool = False, generated: bool = False,
-                samples: bool = False, point_widths: "dict | None" = None) -> dict:
+                samples: bool = False, point_widths: "dict | None" = None,
+                scores: tuple = ()) -> dict:
     """The `layout` block of `harvest plan --json` (see the module docstring); `tokens` is the
     whole budget (None: per-unit figures only), `rate` the aggregate tok/s to price requests at.
     `width` is the widest point's stored columns (what sizes shards and blocks); `point_widths`
@@ -77,7 +78,7 @@ def layout_cost(*, points: list, width: int, itemsize: int, shard_rows: int, uni
     # `roles`: a chat store's `role` column; `generated`: a generation store's `gen` column;
     # `samples`: the `sample` column of n > 1 samples per prompt
     extra = (("role",) if roles else ()) + (("gen",) if generated else ()) + \
-        (("sample",) if samples else ())
+        (("sample",) if samples else ()) + tuple(scores)   # scores: logprob / entropy columns
     columns = {c: ROW_META[c] for c in BASE_META + extra}
     P, M = len(points), len(columns)
     row_bytes = width * itemsize

@@ -173,7 +173,8 @@ class CaptureConfig:
             )
         # parsed once, here: (point name, layer or None for `name.*`) per entry, in order;
         # prepare.resolve_points expands them against the model's depth into Addresses
-        object.__setattr__(self, "parsed", tuple(parse_point(p) for p in self.points))
+        parsed = tuple(parse_point(p) for p in self.points)
+        object.__setattr__(self, "parsed", parsed)
         check_int("capture.batch_contexts", self.batch_contexts, 1)
         check_bool("capture.check_model", self.check_model)
         if self.roles is not None:
@@ -188,12 +189,25 @@ class CaptureConfig:
             # the section as given (a mapping from YAML) becomes its dataclass, once, here
             object.__setattr__(self, "generate", from_section(self.generate))
             self.generate.validate()
+            from harvest.engine.points import LOGIT_POINTS
+
+            scored = [n for n, _ in parsed if n in LOGIT_POINTS]
+            if scored:
+                raise ConfigError(
+                    f"capture.points {scored} with capture.generate: the model's next-token "
+                    "scores are captured for prompts only (a generated row's next token is "
+                    "sampled after it); drop them or capture.generate")
 
 
 def parse_point(p: Any) -> "tuple[str, int | None]":
     """One capture.points entry -> (point name, layer; None for `name.*`): the address grammar
     and a known point kind. The layer range and whether the model has the point (router_logits
-    needs a MoE model) need its config: prepare.resolve_points checks them once it is read."""
+    needs a MoE model) need its config: prepare.resolve_points checks them once it is read.
+    A model-level point may be named bare (`logprob`, `entropy`, `final_norm`): its one address."""
+    from harvest.engine.points import MODEL_LEVEL
+
+    if isinstance(p, str) and p in MODEL_LEVEL:
+        return p, 0
     if not isinstance(p, str) or not re.fullmatch(r"[A-Za-z_]+\.(\d+|\*)", p):
         raise ConfigError(
             f"capture.points entry {p!r} is not an address: write '<point>.<layer>' "

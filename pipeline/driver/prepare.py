@@ -146,6 +146,7 @@ class Prepared:
     addresses: tuple = ()   # the capture points as parsed Addresses (engine.addresses), in order
     widths: "dict | None" = None   # point -> its width in this model (engine/points.py)
     prompt_tokens: "int | None" = None  # chat input with capture.generate: tokenize.chat_prompt_tokens
+    scores: tuple = ()   # logprob / entropy asked: store row columns, not points (split_scores)
 
     @property
     def max_width(self) -> int:
@@ -187,9 +188,9 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     layout and recorded blocks win over what the config would choose now)."""
     t0 = time.perf_counter()
     model_path, info = model_facts(cfg.model)
-    addresses = resolve_points(cfg.capture, info.n_layers, info)
-    points = [str(a) for a in addresses]
-    widths = {p: info.point_width(a.name) for p, a in zip(points, addresses)}
+    addresses, scores = split_scores(resolve_points(cfg.capture, info.n_layers, info))
+    points = [str(a) for a in addresses if a.name not in scores]
+    widths = {str(a): info.point_width(a.name) for a in addresses if a.name not in scores}
     limit = context_limit(cfg.model, info)
     C = cfg.packing.context_size
     if C > limit:
@@ -252,4 +253,20 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
                             prompt_tokens)
     return Prepared(C, cfg.store_dtype(), cfg.content_key(), model_path, info.n_layers, info.width,
                     info.vocab_size, limit, points, bos, special, sources, layout, skip,
-                    time.perf_counter() - t0, token_source, addresses, widths, prompt_tokens)
+                    time.perf_counter() - t0, token_source, addresses, widths, prompt_tokens,
+                    scores)
+
+
+def split_scores(addresses) -> "tuple[tuple, tuple[str, ...]]":
+    """(the addresses with logprob.0 / entropy.0 last, the names of those asked): the engine
+    captures them all, the store keeps the scores as row columns beside the points' arrays
+    (FORMAT.md "The model's next-token scores"), so they need a point to sit beside."""
+    from harvest.engine.points import LOGIT_POINTS
+
+    scored = tuple(a for a in addresses if a.name in LOGIT_POINTS)
+    rest = tuple(a for a in addresses if a.name not in LOGIT_POINTS)
+    if scored and not rest:
+        raise ConfigError(f"capture.points: {', '.join(a.name for a in scored)} are stored as "
+                          "columns of the rows of a point: name at least one point besides them "
+                          "(e.g. resid_post.*)")
+    return rest + scored, tuple(a.name for a in scored)

@@ -108,6 +108,7 @@ class StoreSink:
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,
             stats_skip_positions=prep.stats_skip_positions, roles=cfg.data.format == "chat",
             generated=cfg.capture.generate is not None,
+            logprob="logprob" in prep.scores, entropy="entropy" in prep.scores,
             samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
             meta_chunk_rows=L.unit_rows)
         self.store = store

@@ -33,8 +33,21 @@ SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4)
 # `source_row` (int64): a shuffled copy's rows (store/permuted.py, FORMAT.md "Shuffled copies")
 # say which row of the source store they are; a row's context position is then
 # source_row % context_size, not its own index % context_size.
+# `logprob`, `entropy` (float32): the model's own next-token scores of each row (FORMAT.md "The
+# model's next-token scores"), stores whose capture asked for them only (create_store(logprob=True,
+# entropy=True)); `logprob` is NaN at a context's last position.
 ROW_META = {"token_id": "int32", "doc_id": "int64", "position": "int32", "role": "int8",
-            "gen": "int8", "sample": "int16", "source_row": "int64"}
+            "gen": "int8", "sample": "int16", "source_row": "int64", "logprob": "float32",
+            "entropy": "float32"}
+SCORE_META = ("logprob", "entropy")   # written after the capture (write_scores), not from the corpus
+
+
+def meta_batch_dtype(name: str):
+    """The dtype a reader's batches carry metadata column `name` in: int64 for the integer
+    columns, float32 for the scores (never cast to an integer)."""
+    import numpy as np
+
+    return np.float32 if name in SCORE_META else np.int64
 BASE_META = ("token_id", "doc_id", "position")  # what every store has; read_row_meta returns these
 META_UNWRITTEN = -1   # fill value of every metadata array: the row was never written
 META_INSERTED = -2    # doc_id and position of a BOS the packer inserted (it is from no document)

@@ -107,8 +107,8 @@ def _compressor(codecs: list):
 
 
 class MetaCodec:
-    """Encode/decode one chunk of a row metadata array (1-D ints, one chunk per shard, not
-    sharded), byte-compatible with zarr: the writer puts it under its attempt's name and moves
+    """Encode/decode one chunk of a row metadata array (1-D ints, or float32 scores; one chunk
+    per shard, not sharded), byte-compatible with zarr: the writer puts it under its attempt's name and moves
     it to the zarr key once its marker exists, which zarr's own write cannot do."""
 
     def __init__(self, meta: dict):
@@ -120,9 +120,9 @@ class MetaCodec:
                 raise Unsupported("chunk key encoding")
             self.chunk = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
             self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
-            if self.dtype.kind not in "iu":
-                raise Unsupported("not an integer array")
-            self.fill = int(meta.get("fill_value", 0))
+            if self.dtype.kind not in "iuf":
+                raise Unsupported("not an integer or float array")
+            self.fill = (float if self.dtype.kind == "f" else int)(meta.get("fill_value", 0))
             self._comp = _compressor(meta["codecs"])
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise Unsupported(f"unexpected array metadata: {e}") from None

@@ -58,7 +58,8 @@ class StoreSpec:
     context_size, special_token_ids, bos_token_id, tokenizer, stats_skip_positions: facts readers
         rely on (context geometry, the `kept` row statistics).
     roles: a `role` column (chat input); generated: a `gen` column (capture.generate); samples:
-        a `sample` column (capture.generate.n > 1; needs generated).
+        a `sample` column (capture.generate.n > 1; needs generated); logprob, entropy: float32
+        columns of the model's next-token scores (capture.points logprob / entropy).
     """
 
     points: tuple[str, ...]
@@ -81,6 +82,9 @@ class StoreSpec:
     generated: bool = column("gen")
     samples: bool = column("sample")
     source_rows: bool = column("source_row")   # a shuffled copy (store/permuted.py)
+    # the model's next-token scores of each row (capture.points logprob / entropy)
+    logprob: bool = column("logprob")
+    entropy: bool = column("entropy")
 
     def __post_init__(self):
         set_ = object.__setattr__   # frozen: the resolved values are set once, here

@@ -39,7 +39,8 @@ class ReaderConfig:
         batch_size: rows per batch; each worker's last batch of an epoch may be short unless
             drop_last (never in endless mode: batches run on into the next epoch).
         return_meta: yield dicts {acts, row, token_id, doc_id, position} (and gen in a
-            generation store, sample in one of n > 1 samples per prompt) instead of tensors.
+            generation store, sample in one of n > 1 samples per prompt, float32 logprob and
+            entropy in a store that captured them) instead of tensors.
         out_dtype: torch dtype of acts (default: store dtype, float32 when normalizing or
             dequantising an fp8 store).
         dequantize: an fp8 store's rows as values (default). False hands the stored form to a

@@ -39,6 +39,7 @@ from harvest.store.read.feed import handoff
 from harvest.store.read.shuffle import mixing, permute
 from harvest.store.read import normalize as _norm
 from harvest.store.read.feed.batching import BatchBuffers, Tally, batches
+from harvest.store.format import layout
 from harvest.store.format.dtypes import raw_dtype, torch_dtype
 from harvest.store.read.follow import FollowMode
 from harvest.store.read.filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
@@ -151,8 +152,9 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
         self.filter = RowFilter.build(exclude, self.context_size, seqpos, cfg.split, cfg.test_fraction,
                                       cfg.split_seed, self.roles, generated="gen" in st.meta_columns,
                                       source_rows="source_row" in st.meta_columns)
-        # return_meta only: which of its prompt's samples a row is (FORMAT.md "Generation")
-        self._extra_meta = ("sample",) if "sample" in st.meta_columns else ()
+        # return_meta only: which of its prompt's samples a row is (FORMAT.md "Generation"), the
+        # model's next-token scores of the row (FORMAT.md "The model's next-token scores")
+        self._extra_meta = tuple(n for n in ("sample", *layout.SCORE_META) if n in st.meta_columns)
 
         # ---- committed pieces, fixed here so every worker and rank agrees on them; each with
         # the marker facts that check its bytes (objects.py) ----

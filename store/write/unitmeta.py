@@ -35,6 +35,8 @@ class UnitMeta:
         names = layout.ROW_META if columns is None else columns
         self.cols = {k: np.full(n, layout.META_UNWRITTEN, layout.ROW_META[k]) for k in names}
         self.set = np.zeros(n, bool)
+        # rows whose scores (layout.SCORE_META) are written; None: the store has no such column
+        self.scored = np.zeros(n, bool) if set(layout.SCORE_META) & set(self.cols) else None
         self.filter = stats_filter
         self.stored_roles = None if stored_roles is None else np.asarray(stored_roles, np.int8)
 
@@ -71,22 +73,47 @@ class UnitMeta:
                 raise ValueError(f"write_meta: token_id, doc_id, position (and role, gen, sample) must have the same "
                                  f"length, got {n} and {a.shape[0]} for {name}")
             arrs[name] = a
+        self._put("write_meta", "metadata", self.set, row_start, n, arrs)
+
+    def write_scores(self, row_start: int, **scores) -> None:
+        """The model's next-token scores of rows [row_start, row_start + n): float32 `logprob`
+        and `entropy`, every score column of the store at once (NaN is a value: a context's
+        last logprob). Each row once."""
+        want = [k for k in layout.SCORE_META if k in self.cols]
+        if sorted(scores) != sorted(want):
+            raise ValueError(f"write_scores: unit {self.unit_id}'s store has score columns "
+                             f"{want}; got {sorted(scores)}")
+        arrs = {k: np.asarray(v) for k, v in scores.items()}
+        n = {a.shape for a in arrs.values()}
+        if len(n) != 1 or any(a.ndim != 1 or a.dtype != np.float32 for a in arrs.values()):
+            raise ValueError(f"write_scores: {want} must be 1-D float32 arrays of one length, got "
+                             f"{[(a.dtype, a.shape) for a in arrs.values()]}")
+        self._put("write_scores", "scores", self.scored, row_start, next(iter(n))[0], arrs)
+
+    def _put(self, what: str, kind: str, done: np.ndarray, row_start: int, n: int,
+             arrs: dict) -> None:
+        """Columns `arrs` of rows [row_start, row_start + n), each row once (`done` marks them)."""
         lo = int(row_start) - self.row_start
         hi = lo + n
-        if lo < 0 or hi > self.set.shape[0]:
-            raise ValueError(f"write_meta: rows [{row_start}, {row_start + n}) fall outside unit "
+        if lo < 0 or hi > done.shape[0]:
+            raise ValueError(f"{what}: rows [{row_start}, {row_start + n}) fall outside unit "
                              f"{self.unit_id}'s region [{self.row_start}, {self.row_end})")
-        if self.set[lo:hi].any():
-            raise ValueError(f"write_meta: metadata of rows in [{row_start}, {row_start + n}) "
+        if done[lo:hi].any():
+            raise ValueError(f"{what}: {kind} of rows in [{row_start}, {row_start + n}) "
                              f"was already written to unit {self.unit_id}")
         for name, a in arrs.items():
             self.cols[name][lo:hi] = a
-        self.set[lo:hi] = True
+        done[lo:hi] = True
 
     def complete(self, start: int, end: int) -> bool:
         return bool(self.set[start - self.row_start:end - self.row_start].all())
 
     def check_complete(self) -> None:
+        if self.scored is not None and not self.scored.all():
+            a = int(np.flatnonzero(~self.scored)[0])
+            raise ValueError(f"commit: unit {self.unit_id} has {int((~self.scored).sum())} rows "
+                             f"without their scores (e.g. row {self.row_start + a}); call "
+                             "write_scores for them")
         if not self.set.all():
             a = int(np.flatnonzero(~self.set)[0])
             raise ValueError(f"commit: unit {self.unit_id} has {int((~self.set).sum())} rows "

@@ -78,6 +78,16 @@ class RegionWriter(ShardUploads):
         self._check_usable()
         self._meta.write(row_start, token_id, doc_id, position, role, gen, sample, source_row)
 
+    def write_scores(self, row_start: int, **scores) -> None:
+        """The model's next-token scores of rows [row_start, row_start + n) in a store with
+        `logprob` / `entropy` columns (float32 each, all of the store's at once; FORMAT.md "The
+        model's next-token scores"); each row once, before its activations (a shard's
+        metadata chunk may go up with the shard)."""
+        if self.already_committed:
+            return
+        self._check_usable()
+        self._meta.write_scores(row_start, **scores)
+
     def rows_with_activations(self) -> int:
         """Rows of the region that hold activations: all but the rows of roles outside
         capture.roles (zeroed) and a generation slot's rows without (FORMAT.md). Once every

@@ -634,6 +634,24 @@ def test_plan_prices_attention_heads_and_mlp_pre_at_their_widths(tmp_path, capsy
     assert "mlp_pre_linear is a dense MLP's point" in err and "MoE blocks" in err, err
 
 
+def test_plan_prices_the_scores_as_float32_row_columns(tmp_path, capsys):
+    """capture.points logprob / entropy: no point arrays, 4 bytes per token each as row
+    metadata columns (one more object per unit each); alone they are refused by name."""
+    from harvest.pipeline.cli.main import main
+
+    model = _model_dir(tmp_path, 2, 512, vocab=49152)
+    base = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                      "capture.points=[resid_post.1]")
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                   "capture.points=[resid_post.1, logprob, entropy]")
+    assert p["points"] == 1 and p["scores"] == ["logprob", "entropy"]
+    assert p["bytes_per_token"] == base["bytes_per_token"] + 8 == 512 * 2 + 8
+    assert p["layout"]["meta_columns"] == base["layout"]["meta_columns"] + 2
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"),
+                 "--set", "capture.points=[logprob]"]) == 2
+    assert "name at least one point besides them" in capsys.readouterr().err
+
+
 def test_plan_prices_a_stream_beside_the_store_at_the_8b_shape(tmp_path, capsys):
     """Issue 49: `harvest plan` prices streaming the run to trainers beside writing and reading
     the store: per GPU the capture side's host cores and the network bytes (each row once to

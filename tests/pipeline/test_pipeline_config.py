@@ -35,6 +35,11 @@ def test_engine_kwargs_pass_through_and_freeze_the_capture_points():
     assert "freeze_points" not in hooked and hooked["enforce_eager"] is True
 
 
+def test_model_level_points_may_be_named_bare():
+    cfg = load_config(data={"capture": {"points": ["resid_post.*", "logprob", "entropy"]}})
+    assert cfg.capture.parsed == (("resid_post", None), ("logprob", 0), ("entropy", 0))
+
+
 @pytest.mark.parametrize(
     "data, match",
     [
@@ -49,6 +54,8 @@ def test_engine_kwargs_pass_through_and_freeze_the_capture_points():
         ({"store": {"shard_rows": 256, "chunk_rows": 100}}, r"store.chunk_rows=100 must divide store.shard_rows=256"),
         ({"model": {"engine_args": {"dtype": "float16"}}}, r"model.engine_args repeats \['dtype'\]"),
         ({"model": {"gpu_memory_utilization": 2}}, r"model.gpu_memory_utilization must be between"),
+        ({"capture": {"points": ["resid_post.*", "logprob"], "generate": {"max_new_tokens": 4}}},
+         r"\['logprob'\] with capture.generate.*prompts only"),
     ],
 )
 def test_bad_fields_are_named_with_a_fix(data, match):

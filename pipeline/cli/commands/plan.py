@@ -37,7 +37,9 @@ def cmd_plan(args) -> int:
         "unit_rows": L.unit_rows,
         "shard_rows": L.shard_rows,
         "chunk_rows": L.chunk_rows,
-        "bytes_per_token": sum(prep.point_bytes().values()),   # each point at its own width
+        # each point at its own width, and 4 bytes per score column (logprob / entropy)
+        "bytes_per_token": sum(prep.point_bytes().values()) + 4 * len(prep.scores),
+        "scores": list(prep.scores),
         "widths": dict(prep.widths or {}),
         "store_dtype": existing.dtype if existing is not None else cfg.store_dtype(),
         "corpus_bytes": corpus_bytes(prep.sources),
@@ -63,7 +65,7 @@ def cmd_plan(args) -> int:
         object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).object_store,
         roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
         samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
-        point_widths={p: b // prep.itemsize for p, b in prep.point_bytes().items()}
+        scores=prep.scores, point_widths={p: b // prep.itemsize for p, b in prep.point_bytes().items()}
         if len(set((prep.widths or {}).values())) > 1 else None)
     if args.json:
         print_json(args, out)

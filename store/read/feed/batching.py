@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harvest.store.format import layout
+
 
 @dataclass
 class Tally:
@@ -126,7 +128,7 @@ def batches(readies, k: int, shape: tuple[int, int], raw: np.dtype, emit, *, ski
                     yield _finish(pending.popleft(), emit)
                 if part is None:
                     part = [np.empty((k, P, W), raw), np.empty(k, np.int64),
-                            {m: np.empty(k, np.int64) for m in rd.meta}, 0, 0]
+                            {m: np.empty(k, layout.meta_batch_dtype(m)) for m in rd.meta}, 0, 0]
                 out, prow, pmeta, f, _ = part
                 c = min(k - f, n - i)
                 np.take(src, rd.idx[i:i + c], axis=0, out=out[f:f + c].reshape(c, P * W))

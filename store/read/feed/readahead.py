@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harvest.store.errors import StoreError
+from harvest.store.format import layout
 from harvest.store.read.normalize import sq_norms
 from harvest.store.read.shuffle.sampling import Take
 
@@ -178,7 +179,7 @@ class WindowFinisher:
             idx_parts.append(k * self.R + local)
             row_parts.append(self.pieces[t.piece][0] + local)
             for n in self.names:
-                meta_parts[n].append(cols[n][local].astype(np.int64))
+                meta_parts[n].append(cols[n][local].astype(layout.meta_batch_dtype(n)))
         cat = lambda v: np.concatenate(v) if v else np.empty(0, np.int64)  # noqa: E731
         idx, rows, meta = cat(idx_parts), cat(row_parts), {n: cat(v) for n, v in meta_parts.items()}
         rng = np.random.default_rng([self.seed, spec.epoch, self.g, spec.index, 0x51])

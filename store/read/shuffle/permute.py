@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from harvest.store.errors import StoreError
+from harvest.store.format import layout
 from harvest.store.read.feed.readahead import Ready
 
 ROUNDS = 4
@@ -164,7 +165,7 @@ class GlobalReader:
         else:
             arena = np.zeros((m, 1, 1), np.uint8)
         rows = np.empty(m, np.int64)
-        meta = {n: np.empty(m, np.int64) for n in s.names}
+        meta = {n: np.empty(m, layout.meta_batch_dtype(n)) for n in s.names}
         free = self._free
 
         def one(span: tuple[int, int]) -> int:
