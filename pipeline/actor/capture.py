@@ -95,8 +95,11 @@ class HarvestActor:
             t1 = time.perf_counter()
             self.check = self._engine_thread.submit(check_engine, self.engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
-        self.addresses = tuple(spec.points)   # Addresses, parsed once (prepare.resolve_points)
+        from harvest.engine import Address
         from harvest.engine.points import LOGIT_POINTS
+
+        # Addresses, parsed once (prepare.resolve_points); a spec built by hand may name them
+        self.addresses = tuple(Address.parse(p) for p in spec.points)
 
         # logprob.0 / entropy.0 (last, prepare.split_scores): the store's row columns
         self.scores = tuple(a for a in self.addresses if a.name in LOGIT_POINTS)
