@@ -31,6 +31,8 @@ pytest_plugins = [
     "tests.fixtures.pipeline_data",
 ]
 
+TIERS = ("ci", "full")
+
 # fixtures that mean a model, an engine or a Ray cluster: a test asking for one is slow
 SLOW_FIXTURES = frozenset({"tiny_models", "tiny_llama", "smollm2", "reference", "ray_cluster",
                            "ray_head"})
@@ -41,6 +43,14 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.slow)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=TIERS, default=os.environ.get("HARVEST_TEST_TIER", "ci"),
+                     help="ci (default: what .ci/run runs, under 25 minutes on 2 cores) or full "
+                          "(adds the tests marked `extended`: the runner x family x TP cross "
+                          "products whose every part the ci tier already covers once); env "
+                          "HARVEST_TEST_TIER")
+
+
 def pytest_configure(config):
     workers.controller_setup(config)
 
@@ -49,9 +59,20 @@ def pytest_unconfigure(config):
     workers.controller_teardown(config)
 
 
-@pytest.hookimpl(trylast=True)  # the final list, after deselection
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    workers.worker_write(items)
+    """The ci tier deselects (not skips) the `extended` tests; `--tier full` runs them."""
+    if config.getoption("tier") == "full":
+        return
+    extended = [i for i in items if i.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [i for i in items if not i.get_closest_marker("extended")]
+
+
+@pytest.hookimpl(trylast=True)  # the final list, after deselection
+def pytest_collection_finish(session):
+    workers.worker_write(session.items)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -99,7 +99,10 @@ def references():
     return toks, dict(zip(FAMILIES, reference_many(jobs))), sites
 
 
-@pytest.fixture(scope="module", params=runners.params(list(FAMILIES), v2=V2_FAMILIES))
+# gemma2 at TP=2 here in the full tier only (tests/conftest.py): its TP=2 engine is in
+# test_points_logits's ci tier
+@pytest.fixture(scope="module", params=runners.params(list(FAMILIES), v2=V2_FAMILIES,
+                                                      extended={"gemma2-v1"}))
 def tp_engine(request, references):
     """Each family at TP=2 on V1, and llama (compiled, with the sharded z/mlp_act) on Model
     Runner V2 (tests/support/runners.py): its ranks enable Triton's interpreter themselves."""

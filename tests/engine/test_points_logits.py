@@ -52,8 +52,13 @@ def references():
     return toks, {f: (got[2 * i], got[2 * i + 1]) for i, f in enumerate(FAMILIES)}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(e, id=f"{e[0]}-{e[1]}-tp{e[2]}")
-                                        for e in ENGINES])
+# the full tier only (tests/conftest.py): TP=2 of qwen3 and mixtral is in test_engine_tp's ci tier
+EXTENDED = {("qwen3", "v1", 2), ("mixtral", "v1", 2)}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(e, id=f"{e[0]}-{e[1]}-tp{e[2]}",
+                 marks=(pytest.mark.extended,) if e in EXTENDED else ()) for e in ENGINES])
 def engine(request, references):
     arch, runner, tp = request.param
     if tp > len(os.sched_getaffinity(0)):

@@ -20,11 +20,16 @@ __all__ = ["RUNNERS", "model_runner", "needs_interpreter", "params"]
 RUNNERS = ("v1", "v2")
 
 
-def params(cases, v2=None) -> list:
+def params(cases, v2=None, extended=()) -> list:
     """pytest params `(case, runner)`: every case on V1, and `v2` (default: every case) on V2,
-    with ids like `llama-v2`."""
+    with ids like `llama-v2`; the ids in `extended` run in the full tier only (tests/conftest.py)."""
     import pytest
 
     v2 = cases if v2 is None else v2
-    return ([pytest.param((c, "v1"), id=f"{c}-v1") for c in cases]
-            + [pytest.param((c, "v2"), id=f"{c}-v2") for c in v2])
+
+    def one(c, runner):
+        id_ = f"{c}-{runner}"
+        return pytest.param((c, runner), id=id_,
+                            marks=(pytest.mark.extended,) if id_ in extended else ())
+
+    return [one(c, "v1") for c in cases] + [one(c, "v2") for c in v2]
