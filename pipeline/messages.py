@@ -1,6 +1,6 @@
 """The messages between the driver, the capture actors and the trainers, as typed records.
 
-Five messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
+The capture run's five messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
 it, pipeline/actor/capture.py reads it), what the actor loaded (ActorInfo: pipeline/actor/capture.py builds it, cluster.py,
 health.py, dispatch.py and sink.py read it), a unit of work (dispatch.py builds it, pipeline/actor/capture.py and
 rows.py read it), the unit's result (pipeline/actor/capture.py builds it, dispatch.py reads it) and the actor's
