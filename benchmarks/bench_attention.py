@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from harvest.store.read.attention import attention_pattern
+from ..store.read.attention import attention_pattern
 
 
 def run(heads: int = 32, kv_heads: int = 8, head_dim: int = 128, n: int = 2048,

@@ -39,8 +39,8 @@ def _codec(name: str, typesize: int):
     """(encode, decode_into) for a compression shortcut, one chunk at a time."""
     from numcodecs import Blosc, Zstd
 
-    from harvest.store.format import compression
-    from harvest.store.format.splithuff import SplitHuffman
+    from ..store.format import compression
+    from ..store.format.splithuff import SplitHuffman
 
     spec = compression.normalize(name)
     if spec["codec"] == "split-huffman":
@@ -111,16 +111,16 @@ def _chunks(raw: np.ndarray, chunk_rows: int) -> list[np.ndarray]:
 
 def run(store: str | None = None, point: str | None = None, rows: int = 8192, repeat: int = 3,
         fp8: bool = False, dry: bool = False, storage_options: dict | None = None) -> dict:
-    from harvest.store.format import compression
-    from harvest.store.format.dtypes import BF16
+    from ..store.format import compression
+    from ..store.format.dtypes import BF16
 
     if dry:
-        from harvest.testing import synthetic
+        from ..testing import synthetic
 
         x = synthetic.activations((min(rows, 1024), 256), seed=0)
         chunk_rows, src = 256, {"store": None, "point": "synthetic"}
     else:
-        from harvest.store import open_store
+        from ..store import open_store
 
         s = open_store(store, storage_options=storage_options)
         point = point or s.points[0]

@@ -86,18 +86,18 @@ class StageCPU:
     def __enter__(self):
         import collections
 
-        from harvest.store.stats import unit as blockstats
-        from harvest.store.stats import moments
-        from harvest.store.format import shardcodec
-        from harvest.store.write import streams
-        from harvest.store.write import writer
+        from ..store.stats import unit as blockstats
+        from ..store.stats import moments
+        from ..store.format import shardcodec
+        from ..store.write import streams
+        from ..store.write import writer
 
         self.cpu, self._lock, self._undo = collections.Counter(), threading.Lock(), []
         self._wrap(shardcodec.ShardCodec, "_encode_chunk", "encode")
         self._wrap(blockstats, "chunk_moments", "stats")
         self._wrap(moments, "crc32c", "crc")
         self._wrap(streams.ObjectStream, "append", "stream")
-        from harvest.store.storage.s3 import S3Storage
+        from ..store.storage.s3 import S3Storage
 
         # inside `stream` (appends send full parts): an S3 part's request, on this thread where
         # the PartSender sends it (s3fs only waits for its event loop here)
@@ -155,8 +155,8 @@ def meta_at_default_unit(tmp: str) -> dict:
     """Stored bytes of each metadata column's chunk at the pipeline's default unit (262,144
     rows: 16 shards of this shape, 64 GiB of rows, too much to write here), encoded by the
     store's own codec from realistic columns."""
-    from harvest.store import create_store
-    from harvest.store.format import layout
+    from ..store import create_store
+    from ..store.format import layout
 
     unit = 1 << 18
     s = create_store(os.path.join(tmp, "meta-probe"), points=["resid_post.0"], width=WIDTH, n_rows=unit,
@@ -170,8 +170,8 @@ def _base_rows(base: np.ndarray, dtype: str) -> np.ndarray:
     """The producer's sample in the store's raw row form: bf16 bits, or for an fp8 store the
     packed rows (e4m3fn bytes + a float32 scale per row) the engine quantises into before rows
     leave the GPU (fp8.py), so neither the quantiser nor a bf16-sized copy is in the write path."""
-    from harvest.store.format import fp8
-    from harvest.store.format.dtypes import is_quantized, raw_dtype, resolve_dtype
+    from ..store.format import fp8
+    from ..store.format.dtypes import is_quantized, raw_dtype, resolve_dtype
 
     if is_quantized(dtype):
         return fp8.quantize(base)
@@ -222,8 +222,8 @@ def producer_cost(raw: np.ndarray, rows: int, fp8: bool) -> float:
 def _warm(raw: np.ndarray, fp8: bool) -> None:
     """Load what a capture process loads once (numba and the compiled statistics kernels, from
     their disk cache) before the clock starts: a per-process cost, not a per-GB one."""
-    from harvest.store.format.dtypes import BF16
-    from harvest.store.stats.unit import chunk_moments
+    from ..store.format.dtypes import BF16
+    from ..store.stats.unit import chunk_moments
 
     rows = raw[0, :8] if fp8 else raw[0, :8].view(BF16)
     chunk_moments(np.ascontiguousarray(rows), None, None, None, fp8)
@@ -232,11 +232,11 @@ def _warm(raw: np.ndarray, fp8: bool) -> None:
 def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.ndarray,
          codec: str = "default", dtype: str = "bfloat16", inplace: bool = True,
          shard_rows: "int | None" = None) -> dict:
-    from harvest.store import create_store
-    from harvest.store.commit import objects
+    from ..store import create_store
+    from ..store.commit import objects
 
-    from harvest.store.format import layout
-    from harvest.store.format.dtypes import resolve_dtype, row_width
+    from ..store.format import layout
+    from ..store.format.dtypes import resolve_dtype, row_width
 
     np_dtype = resolve_dtype(dtype)
     P, W = base.shape[0], base.shape[2]
@@ -263,7 +263,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
             publish_s.append(time.perf_counter() - t)
 
     objects.publish = timed_publish
-    from harvest.store.storage.s3parts import PartSender
+    from ..store.storage.s3parts import PartSender
 
     real_part = PartSender.upload_part
 
@@ -303,7 +303,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     finally:
         objects.publish = real_publish
         PartSender.upload_part = real_part  # type: ignore[method-assign]
-    from harvest.store.commit.tables import unit_shards  # layout 3: records in the unit's table
+    from ..store.commit.tables import unit_shards  # layout 3: records in the unit's table
 
     recs = [sh for m in markers for sh in unit_shards(s, m)]
     data = [b for sh in recs for b in sh["nbytes"]]
@@ -384,11 +384,11 @@ def floor(storage=("local", "s3"), dtypes=("bfloat16", "float8_e4m3fn"), dry: bo
     `without_stats` leaves the statistics out (what a host whose statistics were computed on
     the GPU would pay). Keys: the dtype, or `dtype/codec` for a codec other than its default. 32 points x 4,096 rows x 4096 wide (1 GiB of bf16: the rows of
     bench_dataplane's units); `dry`: tiny."""
-    from harvest.store import create_store
-    from harvest.store.format.dtypes import resolve_dtype, row_width
-    from harvest.store.stats.moments import crc32c
-    from harvest.store.stats.unit import chunk_moments
-    from harvest.testing import seaweed, synthetic
+    from ..store import create_store
+    from ..store.format.dtypes import resolve_dtype, row_width
+    from ..store.stats.moments import crc32c
+    from ..store.stats.unit import chunk_moments
+    from ..testing import seaweed, synthetic
 
     P, W, n = (2, 256, 2048) if dry else (POINTS, WIDTH, 4096)
     _fixed_heap_thresholds()
@@ -468,7 +468,7 @@ def floor(storage=("local", "s3"), dtypes=("bfloat16", "float8_e4m3fn"), dry: bo
 
 def check_dtype(dtype: str) -> str:
     """The store dtype's canonical name, or SystemExit naming the ones the store knows."""
-    from harvest.store.format.dtypes import SUPPORTED_DTYPES, dtype_name, is_quantized, resolve_dtype
+    from ..store.format.dtypes import SUPPORTED_DTYPES, dtype_name, is_quantized, resolve_dtype
 
     try:
         d = resolve_dtype(dtype)
@@ -486,9 +486,9 @@ def run(units: int = 3, shards_per_unit: int = 1, storage=("local", "s3"),
     S3Storage.part_min_bytes). `clients`: how S3 parts are sent, each its own store ("direct":
     s3parts.PartSender from the writer's buffers; "s3fs": through s3fs). `dry`: a tiny shape (4 points x 256, 2,048-row shards) in
     seconds, for the test suite: the same code path, no figure worth reporting."""
-    from harvest.store.format import compression
-    from harvest.store.storage.s3 import S3Storage
-    from harvest.testing import seaweed, synthetic
+    from ..store.format import compression
+    from ..store.storage.s3 import S3Storage
+    from ..testing import seaweed, synthetic
 
     dtypes = [check_dtype(d) for d in ([dtype] if isinstance(dtype, str) else dtype)]
     for c in codecs:

@@ -58,7 +58,7 @@ def _engine_alone_child(spec_path: str) -> dict:
     import numpy as np
     import torch
 
-    from harvest.engine import load_model
+    from ..engine import load_model
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(int(spec["threads"]))
@@ -111,11 +111,11 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
     """Result rows for the benchmark suite (see the module docstring for what is timed)."""
     import ray
 
-    from harvest.pipeline.config.run import load_config
-    from harvest.pipeline.data.documents import iter_texts
-    from harvest.pipeline.driver.run import run as run_pipeline
-    from harvest.pipeline.data.packing import pack_texts
-    from harvest.pipeline.driver.prepare import prepare
+    from ..pipeline.config.run import load_config
+    from ..pipeline.data.documents import iter_texts
+    from ..pipeline.driver.run import run as run_pipeline
+    from ..pipeline.data.packing import pack_texts
+    from ..pipeline.driver.prepare import prepare
 
     model = model or "tiny:llama"
     own_dir = workdir is None
@@ -158,7 +158,7 @@ def run(model: str | None = None, backend: str = "vllm", context_size: int = 128
                 if seaweed is None:
                     import s3fs
 
-                    from harvest.testing import seaweed as sw
+                    from ..testing import seaweed as sw
 
                     seaweed = sw.start(nice=10)  # see seaweed.start: stands in for remote S3
                     s3fs.S3FileSystem(skip_instance_cache=True, **seaweed.storage_options).mkdir("bench")

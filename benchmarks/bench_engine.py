@@ -90,7 +90,7 @@ def host_memory_mb() -> tuple[float, float]:
 
 def _timed_generate(model, prompts, points, repeats: int, new_tokens: int) -> tuple[float, int]:
     """Best of `repeats` generation passes; returns (seconds, rows delivered)."""
-    from harvest.engine import GenerateParams
+    from ..engine import GenerateParams
 
     gp = GenerateParams(max_new_tokens=new_tokens, temperature=0.0, stop_at_eos=False)
     best, rows = float("inf"), 0
@@ -109,7 +109,7 @@ def _same_engine_generate(path, prompts, rounds: int, max_batched: int, generate
     captured (taps still in the graph), alternated `rounds` times in one process: the capture's
     own cost (copies, row checks) without engine reloads between the two, which on a loaded
     machine move the plain-vs-freeze pairs by more than the difference they measure."""
-    from harvest.engine import load_model
+    from ..engine import load_model
 
     m = load_model(path, backend="vllm", freeze_points="auto", freeze_writes=[],
                    max_num_batched_tokens=max_batched)
@@ -148,8 +148,8 @@ def writer_destinations(model, prompts):
 
 
 def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate: int = 0):
-    from harvest.engine import load_model
-    from harvest.engine.vllm import compat
+    from ..engine import load_model
+    from ..engine.vllm import compat
 
     kw = dict(max_num_batched_tokens=max_batched)
     if tp > 1:
@@ -163,7 +163,7 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
     elif mode in ("freeze", "freeze_transcoder", "freeze_scores"):
         freeze: str | list[str] = "auto"
         if mode != "freeze":
-            from harvest.engine.checkpoint import read_model_info
+            from ..engine.checkpoint import read_model_info
 
             n = read_model_info(path).n_layers
         if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
@@ -202,13 +202,13 @@ def _runner(runner: str):
 
     if runner == "auto":
         return contextlib.nullcontext()
-    from harvest.testing.triton_interpreter import model_runner
+    from ..testing.triton_interpreter import model_runner
 
     return model_runner(runner)
 
 
 def _eager_mode(path, prompts, repeats):
-    from harvest.engine import load_model
+    from ..engine import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     m = load_model(path, backend="eager", dtype="bfloat16", max_num_batched_tokens=4096)
@@ -290,8 +290,8 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
                                         "hf_eager"),
         prompts: list[list[int]] | None = None, rounds: int = 1, tps=(1,),
         generate: int = 0, runners=("auto",)) -> list[dict]:
-    from harvest.engine.checkpoint import read_model_info
-    from harvest.engine.models import smollm2_path
+    from ..engine.checkpoint import read_model_info
+    from ..engine.models import smollm2_path
 
     path = model or smollm2_path()
     info = read_model_info(path)
@@ -310,7 +310,7 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
                                                                           "freeze"))
             and (runner == runners[0] or mode in VLLM_MODES)]
     if any(r != "auto" for r in runners):
-        from harvest.testing import triton_interpreter
+        from ..testing import triton_interpreter
 
         if "v2" in runners and triton_interpreter.needs_interpreter():
             triton_interpreter.prime()   # before any V1 engine (its docstring says why)

@@ -18,10 +18,10 @@ OBJECTS_PER_UNIT = 512 + 3
 
 
 def main(argv=None) -> dict:
-    from harvest.store.format import layout
-    from harvest.store.storage.locate import locate
-    from harvest.store.commit.published import published_units, write_record
-    from harvest.testing import seaweed
+    from ..store.format import layout
+    from ..store.storage.locate import locate
+    from ..store.commit.published import published_units, write_record
+    from ..testing import seaweed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--units", type=int, default=UNITS_PER_1B)

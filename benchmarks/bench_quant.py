@@ -114,7 +114,7 @@ def contexts(tokenizer, n: int, C: int) -> tuple[np.ndarray, list[int]]:
 
 def capture(model_path: str, ids: np.ndarray, points: list[str]) -> dict[str, np.ndarray]:
     """Rows [n * C, width] per point, bf16, from the engine's eager backend."""
-    from harvest.engine import load_model, to_numpy
+    from ..engine import load_model, to_numpy
 
     m = load_model(model_path, backend="eager")
     n, C = ids.shape
@@ -133,8 +133,8 @@ def capture(model_path: str, ids: np.ndarray, points: list[str]) -> dict[str, np
 
 
 def write_store(url: str, dtype: str, acts: dict, ids: np.ndarray, special: list[int]):
-    from harvest.store import create_store, open_store
-    from harvest.testing.synthetic import fill
+    from ..store import create_store, open_store
+    from ..testing.synthetic import fill
 
     points = list(acts)
     n, C = ids.shape
@@ -157,8 +157,8 @@ def stored_bytes(root: str, point: str) -> int:
 def train(url: str, point: str, seed: int, cfg: dict, kind: str = "topk"):
     """(sae, its training constants): the examples' TopK loop on one store (`kind` "relu": the
     standard L1 SAE, the same loop plus the L1 term)."""
-    from harvest.store.read.adapters import on_device
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.adapters import on_device
+    from ..store.read.dataset import ActivationDataset
 
     ds = ActivationDataset(url, points=point, batch_size=cfg["batch"], split="train",
                            steps=cfg["steps"], seed=seed, **RECIPE)
@@ -184,8 +184,8 @@ def train(url: str, point: str, seed: int, cfg: dict, kind: str = "topk"):
 @torch.no_grad()
 def evaluate(sae, consts, truth_url: str, point: str) -> dict:
     """fvu, l0, dead on the bf16 store's held-out rows (normalised with the SAE's constants)."""
-    from harvest.store.read.adapters import heldout_fvu, on_device
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.adapters import heldout_fvu, on_device
+    from ..store.read.dataset import ActivationDataset
 
     test = ActivationDataset(truth_url, points=point, batch_size=4096, split="test", shuffle=False,
                              norm_constants=consts, **RECIPE)
@@ -254,8 +254,8 @@ def run(mode: str = "quick", model: str | None = None, root: str | None = None,
     t0, c0 = time.perf_counter(), time.process_time()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harvest.engine.models import resolve_model
-    from harvest.store.format import fp8
+    from ..engine.models import resolve_model
+    from ..store.format import fp8
 
     path = resolve_model(model or "smollm2")
     tok = AutoTokenizer.from_pretrained(path)

@@ -38,9 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harvest.benchmarks.scale_shape import TABLES as SHAPE_TABLES
-from harvest.benchmarks.scale_shape import UNITS_PER_1B, read_open_child, shape_rows, table_child
-from harvest.engine.protocol import CaptureOnly
+from .scale_shape import TABLES as SHAPE_TABLES
+from .scale_shape import UNITS_PER_1B, read_open_child, shape_rows, table_child
+from ..engine.protocol import CaptureOnly
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
@@ -58,7 +58,7 @@ def _peak_rss_mb() -> float:
 
 
 def _cache() -> Path:
-    from harvest.pipeline.config.paths import cache_dir
+    from ..pipeline.config.paths import cache_dir
 
     return cache_dir()
 
@@ -124,7 +124,7 @@ def scale_model(out: Path | None = None) -> str:
     out = out or _cache() / "bench-scale-model"
     if (out / "config.json").is_file():
         return str(out)
-    from harvest.engine.models import smollm2_path
+    from ..engine.models import smollm2_path
 
     src = Path(smollm2_path())
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ class StubEngine(CaptureOnly):
     revision = None
 
     def __init__(self, spec):
-        from harvest.engine.checkpoint import read_model_info
+        from ..engine.checkpoint import read_model_info
 
         self.name = spec.model_path
         self.info = read_model_info(spec.model_path)
@@ -177,8 +177,8 @@ class StubEngine(CaptureOnly):
         import numpy as np
         import torch
 
-        from harvest.engine.addresses import parse_addresses
-        from harvest.engine.capture.captured import CapturedRequest
+        from ..engine.addresses import parse_addresses
+        from ..engine.capture.captured import CapturedRequest
 
         pts = tuple(parse_addresses(list(points), self.n_layers))
         zeros = None
@@ -242,8 +242,8 @@ def _child_json(flag: str, spec: dict) -> dict:
 # ---- driver ------------------------------------------------------------------------------------
 
 def driver_child(spec: dict) -> dict:
-    from harvest.pipeline.config.run import load_config
-    from harvest.pipeline.driver.run import run
+    from ..pipeline.config.run import load_config
+    from ..pipeline.driver.run import run
 
     cfg = load_config(data=spec["config"])
     t0 = time.perf_counter()
@@ -290,9 +290,9 @@ def tokenize_child(spec: dict) -> dict:
     """Every chunk of the first `blocks` blocks through `workers` tokenising workers."""
     import ray
 
-    from harvest.pipeline.config.run import load_config
-    from harvest.pipeline.driver.prepare import prepare
-    from harvest.pipeline.data.tokenpool import Job, TokenPool, env_for_workers
+    from ..pipeline.config.run import load_config
+    from ..pipeline.driver.prepare import prepare
+    from ..pipeline.data.tokenpool import Job, TokenPool, env_for_workers
 
     ray.init(address=spec["address"])
     cfg = load_config(data=spec["config"])
@@ -339,7 +339,7 @@ P, W, SHARD = 30, 64, 128
 def synthetic_store(url: str, so: dict | None, n_units: int) -> dict:
     """A store with n_units committed one-shard units as a running driver leaves it
     (scale_shape.synthetic_bookkeeping at P points x W wide, SHARD-row units)."""
-    from harvest.benchmarks.scale_shape import synthetic_bookkeeping
+    from .scale_shape import synthetic_bookkeeping
 
     return synthetic_bookkeeping(url, so, n_units, P, W, SHARD, 1)
 
@@ -347,12 +347,12 @@ def synthetic_store(url: str, so: dict | None, n_units: int) -> dict:
 def bookkeeping_child(spec: dict) -> dict:
     from types import SimpleNamespace
 
-    from harvest.store import open_store
+    from ..store import open_store
 
     url, so, op = spec["url"], spec.get("storage_options"), spec["op"]
     t0 = time.perf_counter()
     if op == "resume":
-        from harvest.pipeline.driver.resume import resume_state
+        from ..pipeline.driver.resume import resume_state
 
         s = open_store(url, storage_options=so)
         n = spec["units"]
@@ -361,7 +361,7 @@ def bookkeeping_child(spec: dict) -> dict:
         st = resume_state(s, prep, None)
         out = {"todo": len(st.todo), "committed": len(st.committed)}
     elif op == "status":
-        from harvest.pipeline.cli.views import status
+        from ..pipeline.cli.views import status
 
         view = status(url, so)
         out = {"committed": view["committed_units"]}
@@ -370,7 +370,7 @@ def bookkeeping_child(spec: dict) -> dict:
         out = {"committed": v.committed_units, "ok": v.ok}
     elif op == "raw_get":
         # what finalize cannot avoid: one GET per unit's stats sidecar (batched the same way)
-        from harvest.store.format import layout
+        from ..store.format import layout
 
         s = open_store(url, storage_options=so)
         keys = [s.location.key(layout.stats_key(u, "synthetic")) for u in range(spec["units"])]
@@ -393,7 +393,7 @@ def bookkeeping_rows(sizes, storages, workdir: Path) -> list[dict]:
             if where == "s3":
                 import s3fs
 
-                from harvest.testing import seaweed
+                from ..testing import seaweed
 
                 srv = srv or seaweed.start()
                 s3fs.S3FileSystem(skip_instance_cache=True, **srv.storage_options).mkdir("bench")
@@ -431,14 +431,14 @@ class StubActor:
         self.index = index
 
     def info(self):
-        from harvest.pipeline.messages import ActorInfo
+        from ..pipeline.messages import ActorInfo
 
         return ActorInfo(index=self.index, pid=os.getpid(), host="", gpus=[], n_layers=0, width=0,
                          max_model_len=0, dtype="", describe={}, load_seconds=0.0, threads=1,
                          platform="", check=None, queue_tokens=0)
 
     def run_unit(self, unit, attempt: int = 1):
-        from harvest.pipeline.messages import UnitResult
+        from ..pipeline.messages import UnitResult
 
         return UnitResult(unit_id=unit.unit_id, row_start=unit.row_start, row_end=unit.row_end,
                           actor=self.index, pid=os.getpid(), attempt=attempt, status="committed",
@@ -456,12 +456,12 @@ def dispatch_child(spec: dict) -> dict:
 
     import ray
 
-    from harvest.pipeline.config.run import load_config
-    from harvest.pipeline.driver.dispatch import Scheduler
-    from harvest.pipeline.messages import UnitTask
-    from harvest.pipeline.data.context_rows import Frontier
-    from harvest.pipeline.driver.resume import ResumeState
-    from harvest.store.commit.plan import Unit
+    from ..pipeline.config.run import load_config
+    from ..pipeline.driver.dispatch import Scheduler
+    from ..pipeline.messages import UnitTask
+    from ..pipeline.data.row_frontier import Frontier
+    from ..pipeline.driver.resume import ResumeState
+    from ..store.commit.plan import Unit
 
     if not ray.is_initialized():  # the suite's toy run calls this in its own connected process
         ray.init(address=spec["address"])

@@ -71,7 +71,7 @@ SHARD_ROWS = 16384
 
 
 def build_store(path: str, n_rows: int, width: int = WIDTH, shard_rows: int = SHARD_ROWS):
-    from harvest.store import create_store
+    from ..store import create_store
 
     # 16,384-row shards (18 MiB at width 576), fixed: the figures in RESULTS.md (32 shards at 2^19
     # rows) and the window/worker split they describe stay comparable across layout policies
@@ -200,7 +200,7 @@ class _Batches(torch.utils.data.IterableDataset):
     resume_point = 0
 
     def __init__(self, n: int, k: int, width: int):
-        from harvest.store.format.dtypes import BF16, raw_dtype
+        from ..store.format.dtypes import BF16, raw_dtype
 
         super().__init__()
         self.n, self.batch_size, self.width, self.points = n, k, width, ["p"]
@@ -210,8 +210,8 @@ class _Batches(torch.utils.data.IterableDataset):
         self.handoff_rings = None
 
     def __iter__(self):
-        from harvest.store.read.feed import handoff
-        from harvest.store.read.feed.batching import BatchBuffers
+        from ..store.read.feed import handoff
+        from ..store.read.feed.batching import BatchBuffers
 
         hand = handoff.worker_side(self, torch.utils.data.get_worker_info())
         shape = (self.batch_size, 1, self.width)
@@ -231,7 +231,7 @@ def handoff_cost(width: int = WIDTH, batches: int = 200, repeats: int = 3) -> di
     receives is touched); all three side by side in each repeat, medians of the per-repeat
     differences. `us_per_row` is wall time, `cpu_us_per_row` the CPU of trainer + worker (the
     figure to trust when other jobs share the cores). GB/s = row bytes / wall time."""
-    from harvest.store.read.feed.loader import ActivationLoader
+    from ..store.read.feed.loader import ActivationLoader
 
     ds = _Batches(batches, BATCH, width)
 
@@ -274,7 +274,7 @@ def workers_paired(url: str, repeats: int) -> dict:
     """2 persistent workers through ActivationLoader (shared-memory slots) and through a plain
     DataLoader (torch's pickling) against no workers, epoch after epoch in turn (each repeat runs
     all three back to back); ratios are medians of per-repeat rate ratios. Load average noted."""
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.dataset import ActivationDataset
 
     ds0 = ActivationDataset(url, batch_size=BATCH, seed=0)
     dss = {k: ActivationDataset(url, batch_size=BATCH, seed=0) for k in ("slots", "torch")}
@@ -376,9 +376,9 @@ def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) ->
     """Distinct documents per batch at the default options (window shuffle) and in global mode,
     by describe() (expected and simulated from the metadata), against the ideal uniform draw
     measured as above, with 1 and 2 DataLoader workers; memory at the real width. Also the
-    default options on a shuffled copy of the store (store/permuted.py, `harvest shuffle`),
+    default options on a shuffled copy of the store (store/shuffled_copy.py, `harvest shuffle`),
     and the copy's seconds at this 8-wide miniature (`shuffle_s`)."""
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.dataset import ActivationDataset
 
     width, shard_rows = SHAPES[shape]
     buf = _BUFFER_BYTES // (2 * width)
@@ -399,7 +399,7 @@ def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) ->
             d = ds.describe(num_workers=w, batches=batches)
             d["vs_ideal"] = d["simulated"]["distinct_docs"] / ideal_q["distinct_docs"]
             out[f"{'global' if mode == 'global' else 'default'}/{max(1, w)}w"] = d
-    from harvest.store.permuted import shuffle_store
+    from ..store.shuffled_copy import shuffle_store
 
     t = time.perf_counter()
     shuffle_store(url, url + "-shuffled", seed=0)
@@ -416,7 +416,7 @@ def shape_quality(root: str, shape: str, windows: int = 4, batches: int = 32) ->
 def _quality(out: dict, readers: dict, url: str, rows: int) -> None:
     # default settings (targets), then a window of a quarter of the store (no target: shows that
     # two workers streaming their own windows draw from as many shards as one worker does)
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.dataset import ActivationDataset
 
     variants = [(name, D, {}) for name, D in readers.items()] + [("global", ActivationDataset, {"shuffle": "global"})]
     for window, suffix in ((None, ""), (rows // 4, " window=1/4")):
@@ -429,7 +429,7 @@ def _quality(out: dict, readers: dict, url: str, rows: int) -> None:
 
 
 def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.dataset import ActivationDataset
 
     # two persistent DataLoader workers first, while this process holds no arenas that forked
     # workers would map (their RSS would count them); target 1.7x the no-worker rate on >= 4
@@ -490,7 +490,7 @@ def _speed(s, url: str, readers: dict, repeats: int, epochs: int) -> dict:
 
 def run(rows: int = 1 << 19, repeats: int = 5, baseline: str | None = None, root: str | None = None,
         epochs: int = 10, speed_only: bool = False, shapes: tuple = ()) -> dict:
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store.read.dataset import ActivationDataset
 
     root = root or tempfile.mkdtemp(prefix="bench-shuffle-")
     url = os.path.join(root, "store.zarr")

@@ -170,8 +170,8 @@ def _codec_only(s, data):
 def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_unit, piece_rows,
          threads, batch_size):
     """One repeat: raw put, store write, raw get, store shuffled read, back to back."""
-    from harvest.store import create_store
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store import create_store
+    from ..store.read.dataset import ActivationDataset
 
     P, N, W = data.shape
     logical = data.nbytes
@@ -270,8 +270,8 @@ def run(width: int = 1024, n_points: int = 4, mb: int = 512, storage=("local", "
     store timed back to back), which a busy shared machine disturbs far less than either speed.
     """
     global _SERVER_PID
-    from harvest.store.format.layout import choose_sizes
-    from harvest.testing import seaweed, synthetic
+    from ..store.format.layout import choose_sizes
+    from ..testing import seaweed, synthetic
 
     n_points = max(1, min(int(n_points), 64))
     row_bytes = width * 2

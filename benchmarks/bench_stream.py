@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harvest.benchmarks.bench_scale import StubEngine
+from .bench_scale import StubEngine
 
 SHAPES = {
     # name: (layers, width, tokens, context, batch, window rows, send rows, take rows)
@@ -55,9 +55,9 @@ class PoolEngine(StubEngine):
     def _capture(self, batches, points):
         import torch
 
-        from harvest.engine.addresses import parse_addresses
-        from harvest.engine.capture.captured import CapturedRequest
-        from harvest.store.format.dtypes import BF16
+        from ..engine.addresses import parse_addresses
+        from ..engine.capture.captured import CapturedRequest
+        from ..store.format.dtypes import BF16
 
         pts = tuple(parse_addresses(list(points), self.n_layers))
         P, R = len(pts), self.pool.shape[1]
@@ -76,7 +76,7 @@ class PoolEngine(StubEngine):
 
 
 def _cache() -> Path:
-    from harvest.engine.models import cache_dir
+    from ..engine.models import cache_dir
 
     d = Path(cache_dir()) / "bench-stream"
     d.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def _cache() -> Path:
 def shape_model(shape: str) -> str:
     """A model folder for the stub: SmolLM2's tokenizer, a config of the shape, and the pool
     of rows ([layers, pool rows, width] bf16 bits)."""
-    from harvest.engine.models import smollm2_path
+    from ..engine.models import smollm2_path
 
     layers, width = SHAPES[shape][:2]
     out = _cache() / f"model-{shape}"
@@ -112,13 +112,13 @@ def pool_rows(shape: str, smollm2: str) -> np.ndarray:
     layers, width = SHAPES[shape][:2]
     n = POOL_ROWS[shape]
     if shape != "smollm2":
-        from harvest.testing.synthetic import activations
+        from ..testing.synthetic import activations
 
         return activations((layers, n, width), seed=0).view(np.uint16)
     import torch
     from pydoc_data.topics import topics
 
-    from harvest.engine import load_model, to_numpy
+    from ..engine import load_model, to_numpy
 
     m = load_model(smollm2, backend="eager")
     from transformers import AutoTokenizer
@@ -236,7 +236,7 @@ TOKENS: dict[str, int] = {}   # --tokens: a shape's token count instead of its d
 
 
 def _config(shape: str, store: str, name: str):
-    from harvest.pipeline.config.run import load_config
+    from ..pipeline.config.run import load_config
 
     layers, width, tokens, C, batch, window, send, take = SHAPES[shape]
     tokens = TOKENS.get(shape, tokens)
@@ -257,12 +257,12 @@ def _touch(b) -> None:
 
 
 def stream_path(shape: str, work: Path) -> dict:
-    import harvest
+    from .. import stream
 
     _, _, tokens, _, batch, window, _, _ = SHAPES[shape]
     cfg = _config(shape, str(work / "unused"), f"bench-{shape}-{uuid.uuid4().hex[:6]}")
     t0 = time.perf_counter()
-    ds = harvest.stream(cfg, batch_size=batch, rank=0, world_size=1, shuffle_buffer_rows=window,
+    ds = stream(cfg, batch_size=batch, rank=0, world_size=1, shuffle_buffer_rows=window,
                         engine_factory="harvest.benchmarks.bench_stream:PoolEngine")
     # the data plane starts with the first row the trainer receives
     with TreeCpu(mark=lambda: ds.receiver is not None and ds.receiver.rows > 0) as cpu:
@@ -278,9 +278,9 @@ def stream_path(shape: str, work: Path) -> dict:
 
 
 def store_path(shape: str, work: Path) -> dict:
-    from harvest.pipeline.driver.run import run
-    from harvest.store import open_store
-    from harvest.store.read.dataset import ActivationDataset
+    from ..pipeline.driver.run import run
+    from ..store import open_store
+    from ..store.read.dataset import ActivationDataset
 
     _, _, tokens, _, batch, window, _, _ = SHAPES[shape]
     url = str(work / f"store-{shape}")

@@ -125,7 +125,7 @@ def machine_info() -> dict:
 
 
 def resolve_model(spec: str | None) -> str:
-    from harvest.engine.models import build_tiny_model, cache_dir, smollm2_path
+    from ..engine.models import build_tiny_model, cache_dir, smollm2_path
 
     if spec in (None, "smollm2"):
         return smollm2_path()
@@ -143,11 +143,11 @@ def make_tokens(model_path: str, n_prompts: int, prompt_len: int, out: Path) -> 
     """The prompts every section gets, written where the peer can read them."""
     import numpy as np
 
-    from harvest.engine.checkpoint import read_model_info
+    from ..engine.checkpoint import read_model_info
 
     info = read_model_info(model_path)
     try:
-        from harvest.benchmarks.bench_engine import make_prompts
+        from .bench_engine import make_prompts
     except ImportError:  # engine bench missing: the same generator, so the peer still runs
         import random
 
@@ -483,7 +483,7 @@ def write_report(res: dict, out: Path) -> None:
                       f"versions: {json.dumps(r0.get('versions', {}))}", ""]
             continue
         if name == "scale":
-            from harvest.benchmarks.bench_scale import report_tables
+            from .bench_scale import report_tables
 
             lines += report_tables(rows, md_table) + [f"({sec['seconds']:.0f} s)", ""]
             continue
@@ -567,7 +567,7 @@ def finish(res: dict, out: Path) -> None:
     """Derived ratios, targets, plot, results.json and RESULTS.md from the measured rows."""
     engine = res["sections"].get("engine", {}).get("rows", [])
     base, freeze = plain_base(engine), best(engine, "freeze")
-    from harvest.benchmarks.peer_saelens import best_pace_tok_s
+    from .peer_saelens import best_pace_tok_s
 
     for r in res["sections"].get("peer", {}).get("rows", []):
         r["ratio_to_plain"] = r["tok_s"] / base if base and r.get("tok_s") else None

@@ -49,12 +49,12 @@ def _records(rng, first: int, n: int, shard_rows: int, P: int, object_bytes: int
 def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, width: int,
                           shard_rows: int, unit_shards: int) -> dict:
     """Build the store (see the module docstring); returns its sizes."""
-    from harvest.store import create_store
-    from harvest.store.format import layout
-    from harvest.store.stats import moments as _moments
-    from harvest.store.commit.markers import IndexBuilder, encode_marker, index_batch, prepare
-    from harvest.store.commit.plan import Unit
-    from harvest.store.commit.published import record as published_record
+    from ..store import create_store
+    from ..store.format import layout
+    from ..store.stats import moments as _moments
+    from ..store.commit.markers import IndexBuilder, encode_marker, index_batch, prepare
+    from ..store.commit.plan import Unit
+    from ..store.commit.published import record as published_record
 
     U = shard_rows * unit_shards
     s = create_store(url, points=[f"resid_post.{i}" for i in range(points)], width=width,
@@ -129,8 +129,8 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
 
 def table_child(spec: dict) -> dict:
     """One unit's table read cold through the accessor (what a reader pays per unit it reads)."""
-    from harvest.store import open_store
-    from harvest.store.commit.tables import unit_shards
+    from ..store import open_store
+    from ..store.commit.tables import unit_shards
 
     s = open_store(spec["url"], storage_options=spec.get("storage_options"), read_only=True)
     m = next(iter(s.iter_committed()))
@@ -143,8 +143,8 @@ def read_open_child(spec: dict) -> dict:
     """The SAE reader's dataset built over the store (its pieces, counts, row total): what every
     training process holds before reading a row. shuffle=False: the mixing check reads 16 doc_id
     chunks (bounded, not per unit), which a store without data objects does not have."""
-    from harvest.store import open_store
-    from harvest.store.read.dataset import ActivationDataset
+    from ..store import open_store
+    from ..store.read.dataset import ActivationDataset
 
     t0 = time.perf_counter()
     s = open_store(spec["url"], storage_options=spec.get("storage_options"), read_only=True)
@@ -172,7 +172,7 @@ def fit(xs, ys) -> tuple[float, float]:
 def shape_rows(sizes, workdir: Path, child) -> list[dict]:
     """The `shape` section's rows (see the module docstring); `child(flag, spec)` runs one
     operation in a fresh process and returns its JSON."""
-    from harvest.store.format.markersize import marker_size
+    from ..store.format.markersize import marker_size
 
     sh = SHAPE_8B
     U = sh["shard_rows"] * sh["unit_shards"]

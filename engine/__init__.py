@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from harvest import lazy_name
+from .. import lazy_name
 
 from .addresses import Address, FreezePlan, FreezeSet, KNOWN_POINTS, resolve_freeze_points
 from .load import BACKENDS, load_model

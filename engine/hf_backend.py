@@ -12,29 +12,29 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .capture import blocks
+from .capture import block_stream
 from .addresses import Address, parse_addresses
-from harvest.engine.capture import scores
-from harvest.engine.capture.captured import CapturedRequest
+from .capture import scores
+from .capture.captured import CapturedRequest
 from .points import LOGIT_POINTS
 from .checkpoint import read_model_info, validate_tokens
 from .protocol import CaptureOnly, DestinationProvider, StepStats
-from harvest.engine.capture.probe_sites import read_output
-from harvest.engine.capture.sites import (ATTN_NAMES, QKV_ARGS, SITE_POINTS, Site, candidates,
+from .capture.probe_sites import read_output
+from .capture.sites import (ATTN_NAMES, QKV_ARGS, SITE_POINTS, Site, candidates,
                                           child, module_at)
-from harvest.engine.capture.taps import check_supported, find_layers
+from .capture.taps import check_supported, find_layers
 
 
 def _input_of(args, kwargs, width: int):
     """A Hugging Face module's stream input ([batch, tokens, width]: batched, unlike vLLM's):
     the stream-named keyword, else the first floating tensor of that width."""
-    for v in [kwargs.get(n) for n in blocks.STREAM_NAMES] + list(args) + list(kwargs.values()):
+    for v in [kwargs.get(n) for n in block_stream.STREAM_NAMES] + list(args) + list(kwargs.values()):
         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape[-1] == width:
             return v
     raise RuntimeError(f"no {width}-wide floating input in this module call")
 
 
-def hf_sites(sem: blocks.BlockSemantics, layer, parallel: bool) -> tuple[blocks.BlockSemantics,
+def hf_sites(sem: block_stream.BlockSemantics, layer, parallel: bool) -> tuple[block_stream.BlockSemantics,
                                                                           dict]:
     """The reference's module sites: the candidates by Hugging Face's module names (the eager
     backend has no probe), and the reasons of the points it refuses; a parallel-residual config
@@ -134,9 +134,9 @@ class HFModel(CaptureOnly):
         layers = find_layers(self.model, self.n_layers)
         parallel = bool(getattr(self.model.config, "use_parallel_residual", False)
                         or getattr(self.model.config, "parallel_attn", False))
-        sems, notes = zip(*(hf_sites(blocks.hf_semantics(layer), layer, parallel)
+        sems, notes = zip(*(hf_sites(block_stream.hf_semantics(layer), layer, parallel)
                             for layer in layers))
-        self.trunk = blocks.Trunk(layers, list(sems),
+        self.trunk = block_stream.Trunk(layers, list(sems),
                                   {"blocks": [{"submodule_notes": n} for n in notes]})
         # final_norm.0: HF's base model applies the final norm to its output (no probe here)
         self.trunk.final_norm = self.model.base_model
@@ -161,7 +161,7 @@ class HFModel(CaptureOnly):
                 "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
 
     def _hooks(self, pts: tuple[Address, ...], store: dict):
-        """Same stream and sub-module rules as the vLLM taps (engine/capture/blocks.py), so a point one
+        """Same stream and sub-module rules as the vLLM taps (engine/capture/block_stream.py), so a point one
         backend refuses the other refuses too."""
         check_supported(self.trunk, pts)
         handles: list = []
@@ -194,11 +194,11 @@ class HFModel(CaptureOnly):
                     handles.append(mod.register_forward_pre_hook(in_hook, with_kwargs=True))
             elif a.name == "resid_post":
                 def post(mod, args, out, a=a):
-                    store[a] = blocks.first_or_tensor(out)
+                    store[a] = block_stream.first_or_tensor(out)
                 handles.append(layer.register_forward_hook(post))
             else:
                 def sub(mod, args, out, a=a):
-                    store[a] = blocks.sublayer_value(out)
+                    store[a] = block_stream.sublayer_value(out)
                 handles.append(self.trunk.sublayer(a).register_forward_hook(sub))
         if qkv:
             attn = {li: getattr(layer, name) for li, layer in enumerate(self.trunk.layers)

@@ -25,7 +25,7 @@ def load_model(name_or_path: str, backend: str = "vllm", freeze_points="auto", *
     # The backends are imported here, not at the top: each pulls in torch (and vLLM), which
     # `import harvest.engine` must not cost (pipeline config validation reads BACKENDS).
     if backend == "vllm":
-        from harvest.engine.vllm.backend import VLLMModel
+        from .vllm.backend import VLLMModel
 
         if engine_args.get("enforce_eager") and freeze_points == "auto":
             freeze_points = None  # enforce_eager alone asks for the hooked mode

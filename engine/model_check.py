@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from .addresses import Address
-from harvest.engine.capture.captured import run_with_cache
+from .capture.captured import run_with_cache
 from .checkpoint import read_model_info
 from .load import load_model
 from .models import resolve_model
-from harvest.engine.capture.probe import TrunkRefused
+from .capture.probe import TrunkRefused
 from .protocol import CaptureEngine
 
 # Mixed lengths: one-token prompts, prompts shorter than a step, and prompts spanning several

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from .addresses import FreezeSet
-    from harvest.engine.capture.captured import CapturedRequest
+    from .capture.captured import CapturedRequest
     from .checkpoint import ModelInfo
 
 # How vLLM's engine reads rows: "freeze" (taps compiled into the forward), "hooked" (Python hooks,

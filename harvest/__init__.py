@@ -7,6 +7,14 @@ servers, synthetic data). The folders stay at the repository root
 (`engine/`, `pipeline/`, ...); pyproject.toml's `package-dir` installs them under this one name,
 so no top-level `pipeline` or `engine` of ours collides with another library's.
 
+Inside the package every import of harvest is relative (`from ...store import open_store` in
+pipeline/driver/): the folders are harvest's subpackages only through package-dir, so a relative
+import is the spelling that names the imported file by its place beside the importer, and
+whoever follows paths (a reader, grep, a tool drawing the import graph) sees the real graph.
+Tests, examples, infra scripts and module names handed to another process (vLLM's `worker_cls`,
+`python -m harvest...`) use the absolute name, the only one they have
+(tests/house/test_import_style.py).
+
 Run from a checkout without an install (a worktree with PYTHONPATH set to it, the GPU host that
 has no vLLM or Ray to install harvest against), `harvest.engine` must still resolve to the
 checkout's `engine/`. The lines below add the checkout root to this package's search path, and

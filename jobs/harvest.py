@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from harvest.pipeline.cli.main import main as cli_main
+from ..pipeline.cli.main import main as cli_main
 
 
 def main(argv: "list[str] | None" = None) -> int:

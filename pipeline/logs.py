@@ -98,7 +98,7 @@ class Redact(logging.Filter):
                                   if record.exc_info else None)
         if not any(c in text for text in (msg, exc or "") for c in ("://", "@", "=")):
             return True
-        from harvest.store import scrub
+        from ..store import scrub
 
         record.msg, record.args = scrub(msg), None
         if exc is not None:

@@ -3,7 +3,7 @@
 The capture run's five messages cross process boundaries (Ray pickles them): an actor's spec (cluster.py builds
 it, pipeline/actor/capture.py reads it), what the actor loaded (ActorInfo: pipeline/actor/capture.py builds it, cluster.py,
 health.py, dispatch.py and sink.py read it), a unit of work (dispatch.py builds it, pipeline/actor/capture.py and
-rows.py read it), the unit's result (pipeline/actor/capture.py builds it, dispatch.py reads it) and the actor's
+unit_rows.py read it), the unit's result (pipeline/actor/capture.py builds it, dispatch.py reads it) and the actor's
 figures at the end of a run (ActorFigures: pipeline/actor/capture.py builds it, health.py reads it). A streamed
 run (pipeline/stream/) adds its own: the actor's stream section (StreamSpec, on the ActorSpec),
 which rank gets which row of a unit (UnitDeal, on the UnitTask), a trainer rank's rows
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     import numpy as np
 
-    from harvest.store import RowFilter
+    from ..store import RowFilter
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ class ActorSpec:
         """Every field, but `env` with its values masked and `storage_options` and `store_url`
         through the store's redaction (credentials.py): a spec is logged and shown in Ray's
         errors, and both carry credentials."""
-        from harvest.store import REDACTED, redact_options, redact_url
+        from ..store import REDACTED, redact_options, redact_url
 
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         shown["env"] = {k: REDACTED for k in self.env}
@@ -97,7 +97,7 @@ class UnitTask:
     """One unit of work, driver -> actor: rows [row_start, row_end) and where their tokens are.
 
     The tokens themselves never travel in the message: `refs` are Ray references to the
-    tokenising workers' chunks (owned by the driver), fetched by the actor (pipeline/data/rows.py)."""
+    tokenising workers' chunks (owned by the driver), fetched by the actor (pipeline/data/unit_rows.py)."""
 
     unit_id: int
     row_start: int

@@ -14,11 +14,11 @@ training job, or the light install without torch, can `from harvest.store import
 machine without the engine. See FORMAT.md for the layout.
 """
 
-from harvest import lazy_name
+from .. import lazy_name
 
 from .format import dtypes as _dtypes  # noqa: F401 -- registers the zarr "bfloat16" data type
 
-from harvest import __version__ as __version__  # noqa: E402 -- the one version (created_by.harvest)
+from .. import __version__ as __version__  # noqa: E402 -- the one version (created_by.harvest)
 
 # ---- for everyone: open, create, read, verify, train -------------------------------------------
 from .errors import (  # noqa: E402
@@ -30,15 +30,15 @@ from .errors import (  # noqa: E402
     StoreError,
     UnknownLayoutVersion,
 )
-from harvest.store.write.create import create_store  # noqa: E402
-from harvest.store.commit.plan import Unit  # noqa: E402
+from .write.create import create_store  # noqa: E402
+from .commit.plan import Unit  # noqa: E402
 from .store import Store, open_store  # noqa: E402
-from harvest.store.format.spec import StoreSpec  # noqa: E402
+from .format.spec import StoreSpec  # noqa: E402
 from .commit.verify import VerifyReport  # noqa: E402
 from .read.config import ReaderConfig  # noqa: E402
 from .read.filters import SINK_POSITIONS, RowFilter, sink_positions  # noqa: E402
 from .inspect import inspect  # noqa: E402
-from .permuted import shuffle_store  # noqa: E402
+from .shuffled_copy import shuffle_store  # noqa: E402
 from .card import CARD, card_facts, write_card  # noqa: E402
 
 # ---- for the capture side: what the pipeline shares with the store it writes --------------------
@@ -68,8 +68,8 @@ from .commit.alignment import StoresNotAligned, check_aligned  # noqa: E402
 from .commit.runstate import LEASE_DIR, lease_generation, process_id  # noqa: E402
 from .commit.tables import shard_ids  # noqa: E402
 # the writer's and reader's pieces the actors run
-from .write.blocks import to_numpy, use_allocator  # noqa: E402
-from .read.rows import read_meta_checked  # noqa: E402
+from .write.block_buffers import to_numpy, use_allocator  # noqa: E402
+from .read.checked_rows import read_meta_checked  # noqa: E402
 
 # Names whose modules import torch: loaded on first use (PEP 562).
 _LAZY = {"ActivationDataset": "read.dataset", "NormConstants": "read.normalize",

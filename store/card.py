@@ -86,7 +86,7 @@ def card_facts(store: Store) -> dict:
         "stats_skip_positions": store.stats_skip_positions,
         "layout_version": store.layout_version,
         "finalized_at": a.get("finalized_at"),
-        # a shuffled copy (permuted.py): rows are not in token order
+        # a shuffled copy (store/shuffled_copy.py): rows are not in token order
         "shuffled": run.get("shuffled") if isinstance(run.get("shuffled"), dict) else None,
     }
 

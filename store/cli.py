@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from harvest.store.storage.credentials import redact_url
+from .storage.credentials import redact_url
 from .errors import StoreError
 from .escape import terminal
 

@@ -5,7 +5,7 @@ pre-sized and is the only process that ever writes a `zarr.json`; writers only p
 objects inside their own shard-aligned region, its row metadata, and then one create-once commit
 marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
 data. Creation is in create.py, finalize and verify in their own modules; checked reads by
-row range in read/rows.py, info() in info.py, attribute JSON helpers in jsonattrs.py.
+row range in read/checked_rows.py, info() in overview.py, attribute JSON helpers in jsonattrs.py.
 
 Imports run one way: this module imports the operations its methods delegate to (finalize,
 verify, reads, writer, ...), and none of them imports it at run time (they name `Store` in
@@ -26,21 +26,21 @@ import zarr
 from .commit import markers as _commits
 from .commit import finalize as _finalize
 from .format import fp8 as _fp8
-from . import info as _info
+from . import overview as _info
 from .format import layout
 from .stats import moments as _moments
 from .commit import objects as _objects
 from .commit import published as _published
-from .read import rows as _reads
+from .read import checked_rows as _reads
 from .format import shardcodec as _codec
 from .stats import files as _statsfiles
 from .commit import tables as _tables
 from .commit import verify as _verify
 from .write import writer as _writer
-from harvest.store.storage.locate import Location, locate
-from harvest.store.format.dtypes import is_quantized, resolve_dtype, row_width
+from .storage.locate import Location, locate
+from .format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
-from harvest.store.commit.plan import PlanStore, Unit, check_region, check_units
+from .commit.plan import PlanStore, Unit, check_region, check_units
 
 if TYPE_CHECKING:
     from .write.buffers import BufferPool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.store.format.dtypes import BF16
+from ..store.format.dtypes import BF16
 
 
 def activations(shape: tuple[int, ...], seed: int = 0, dtype=BF16) -> np.ndarray:

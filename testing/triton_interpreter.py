@@ -31,7 +31,7 @@ import os
 import sys
 from contextlib import contextmanager
 
-from harvest.engine.vllm.compat import RUNNER_ENV
+from ..engine.vllm.compat import RUNNER_ENV
 
 ENV = "HARVEST_TRITON_INTERPRET"
 

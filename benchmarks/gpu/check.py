@@ -45,7 +45,7 @@ NO_CUDA = "skipped: no CUDA"
 # -- child side: one check per process --------------------------------------------------------------
 
 def _model_path(name: str) -> str:
-    from harvest.engine.models import build_tiny_model, cache_dir, smollm2_path
+    from ...engine.models import build_tiny_model, cache_dir, smollm2_path
 
     if name.startswith("tiny-"):
         arch = name.split("-", 1)[1]
@@ -110,8 +110,8 @@ def _capture(m, prompts, in_flight):
 def child_engine(model: str, sizes, dry: bool, compare_hf: bool, tok_s: bool) -> dict:
     import torch
 
-    from harvest.engine import load_model
-    from harvest.engine.checkpoint import read_model_info
+    from ...engine import load_model
+    from ...engine.checkpoint import read_model_info
 
     path = _model_path(model)
     info = read_model_info(path)
@@ -164,8 +164,8 @@ def _best_tok_s(m, prompts, repeats: int = 2) -> float:
 
 
 def child_plain(model: str) -> dict:
-    from harvest.engine import load_model
-    from harvest.engine.checkpoint import read_model_info
+    from ...engine import load_model
+    from ...engine.checkpoint import read_model_info
 
     path = _model_path(model)
     info = read_model_info(path)

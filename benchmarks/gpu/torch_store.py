@@ -47,8 +47,8 @@ def _cpu_s() -> float:
 
 def _write_store(url: str, P: int, W: int, rows: int, piece: int, threads: int, seed: int = 0):
     """A store of `rows` rows, written by RegionWriter units; returns (store, wall s, cpu s)."""
-    from harvest.store import create_store
-    from harvest.testing.synthetic import activations
+    from ...store import create_store
+    from ...testing.synthetic import activations
 
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=rows,
                      context_size=1024)
@@ -95,7 +95,7 @@ def writer(dry: bool) -> dict:
                                                            shard.nbytes), 3) if codec else None,
                "crc32c_core_s_per_gb": round(_core_s_per_gb(
                    lambda: google_crc32c.value(shard.tobytes()), shard.nbytes), 3)}
-        from harvest.store.commit.verify import verify
+        from ...store.commit.verify import verify
         rep = verify(s, deep=True)
         out["verify_deep"] = "OK" if rep.ok else f"FAILED: {rep.errors[:5]}"
         out["ok"] = out["verify_deep"] == "OK"
@@ -142,8 +142,8 @@ def _train(sae, opt, batches, device) -> tuple[int, float]:
 def reader(dry: bool) -> dict:
     if not have_zarr():
         return {"status": NO_ZARR}
-    from harvest.store.read.adapters import on_device
-    from harvest.store.read.dataset import ActivationDataset
+    from ...store.read.adapters import on_device
+    from ...store.read.dataset import ActivationDataset
 
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")

@@ -62,7 +62,7 @@ def build_trunk(shape: dict, device: torch.device):
 
 def tap_points(n_layers: int):
     """resid_post at every layer, plus one of each other kind (resid_pre, attn_out, mlp_out)."""
-    from harvest.engine.addresses import Address
+    from ...engine.addresses import Address
 
     mid = n_layers // 2
     return tuple(Address("resid_post", i) for i in range(n_layers)) + (
@@ -121,7 +121,7 @@ class Variant:
 
 def _eager_rows(model, trunk, points, ids, width):
     """The hooked-mode reference: forward hooks fill their own buffer on an eager forward."""
-    from harvest.engine.capture import taps as tapmod
+    from ...engine.capture import taps as tapmod
 
     n = ids.numel()
     ref = tapmod.TapSet(points, (), torch.full((len(points), n, width), float("nan"),
@@ -160,9 +160,9 @@ def run(dry: bool, replays: int = 6, reps: int = 20) -> dict:
 
 
 def _run(dry: bool, replays: int, reps: int) -> dict:
-    from harvest.engine.capture import blocks
-    from harvest.engine.capture import taps as tapmod
-    from harvest.engine.addresses import FreezeSet
+    from ...engine.capture import block_stream
+    from ...engine.capture import taps as tapmod
+    from ...engine.addresses import FreezeSet
 
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")
@@ -188,7 +188,7 @@ def _run(dry: bool, replays: int, reps: int) -> dict:
     if not cuda:  # without graphs the plain callable re-traces once taps exist: time it now
         plain_times = _time_alternating({"plain": plain}, batches, device, reps)
     layers = tapmod.find_layers(model, L)
-    trunk = blocks.Trunk(layers, [blocks.hf_semantics(x) for x in layers])
+    trunk = block_stream.Trunk(layers, [block_stream.hf_semantics(x) for x in layers])
     points = tap_points(L)
     max_tokens = max(b[0] * b[1] for b in batches)
     ts = tapmod.allocate(FreezeSet(points, ()), max_tokens, W, torch.bfloat16, device)

@@ -115,7 +115,7 @@ def _checksum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def run_loop(loop: Loop, transport, dests: dict, slots, quantize: bool = False) -> dict:
     """Steps through the transport, hand-over as HarvestState.poll; returns timing and counts."""
-    from harvest.engine.capture.coverage import Coverage, check_fed, plan_step
+    from ...engine.capture.coverage import Coverage, check_fed, plan_step
 
     cuda = loop.device.type == "cuda"
     cov = {rid: Coverage(len(t)) for rid, t in loop.reqs.items()}
@@ -187,7 +187,7 @@ def verify(loop: Loop, dests: dict, plans) -> dict:
 def verify_quantized(loop: Loop, dests: dict, plans) -> dict:
     """Every delivered packed fp8 row against the quantiser run again on the regenerated step
     content (engine/capture/quantize.py, itself pinned to the store's numpy quantiser), bit for bit."""
-    from harvest.engine.capture.quantize import quantize_rows
+    from ...engine.capture.quantize import quantize_rows
 
     P = loop.geo["points"]
     scratch = torch.empty_like(loop.buf)
@@ -218,7 +218,7 @@ def _peak(nbytes: int, device, pinned: bool) -> float:
 
 
 def run(dry: bool) -> dict:
-    from harvest.engine.capture.transport import CPUTransport, CudaTransport
+    from ...engine.capture.transport import CPUTransport, CudaTransport
 
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda" if cuda else "cpu")

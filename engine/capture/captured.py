@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harvest.engine.addresses import Address
-from harvest.engine.points import LOGIT_POINTS
+from ..addresses import Address
+from ..points import LOGIT_POINTS
 from .scores import unpack
 
 

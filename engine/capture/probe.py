@@ -1,7 +1,7 @@
 """The block-semantics probe: measure how each block carries the residual stream, or refuse.
 
 Run once at load, on the eager model, before anything is compiled or tapped. For every block it
-tries the readings of engine/capture/blocks.py and keeps the one that satisfies invariants any correct tap
+tries the readings of engine/capture/block_stream.py and keeps the one that satisfies invariants any correct tap
 satisfies:
 
   I0  each block runs once per forward, with a stream-shaped argument and output;
@@ -42,9 +42,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import blocks
+from . import block_stream
 from . import probe_sites
-from .blocks import BlockSemantics, Trunk
+from .block_stream import BlockSemantics, Trunk
 
 log = logging.getLogger("harvest.engine")
 
@@ -83,7 +83,7 @@ class _Record:
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Median over rows of the per-row relative error (see the module docstring: MoE rows)."""
-    a, b = blocks.rows(a).float(), blocks.rows(b).float()
+    a, b = block_stream.rows(a).float(), block_stream.rows(b).float()
     if a.shape != b.shape:
         return float("inf")
     return float(((a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-30)).median())
@@ -133,8 +133,8 @@ def _record(layers: nn.ModuleList, run: Callable, width: int, widths: dict | Non
 
     sub_mods, sub_keys = [], []
     for li, layer in enumerate(layers):
-        for point in blocks.SUBMODULE_NAMES:
-            name = blocks.sublayer_name(layer, point)
+        for point in block_stream.SUBMODULE_NAMES:
+            name = block_stream.sublayer_name(layer, point)
             if name is not None:
                 sub_mods.append(getattr(layer, name))
                 sub_keys.append((li, point, name))
@@ -145,14 +145,14 @@ def _record(layers: nn.ModuleList, run: Callable, width: int, widths: dict | Non
             out = orig(*args, **kwargs)
             entry = subs[sub_keys[k][:2]]
             entry[1] += 1
-            v = blocks.sublayer_value(out)
-            entry[2] = _clone(v) if blocks.is_stream_like(v, width) else None
+            v = block_stream.sublayer_value(out)
+            entry[2] = _clone(v) if block_stream.is_stream_like(v, width) else None
             return out
         return forward
 
     def on_return(mod, args, out):
         if done[0] and args and isinstance(args[0], torch.Tensor):
-            first = blocks.first_or_tensor(out)
+            first = block_stream.first_or_tensor(out)
             if isinstance(first, torch.Tensor):
                 tail.append((mod, args[0].detach().clone(), first.detach().clone()))
 
@@ -182,7 +182,7 @@ def _replaced(out, mode: str):
             return _jittered(out, 0)
         return type(out)(_jittered(t, i) if isinstance(t, torch.Tensor) and t.is_floating_point()
                          else t for i, t in enumerate(out))
-    v = blocks.post_value(mode, out)
+    v = block_stream.post_value(mode, out)
     if mode == "tensor":
         return v
     rest = list(out[1:])
@@ -238,14 +238,14 @@ def _check_final_norm(rec: _Record, post: torch.Tensor) -> float:
         if rel(out, rec.final) > PROBE_TOL or arg.numel() != post.numel():
             continue
         with torch.inference_mode():
-            got = blocks.first_or_tensor(mod(post.reshape(arg.shape).to(arg.dtype)))
+            got = block_stream.first_or_tensor(mod(post.reshape(arg.shape).to(arg.dtype)))
         return rel(got, rec.final)
     return best
 
 
 def _fit_embedding(pre: torch.Tensor, emb: torch.Tensor) -> float:
     """I1: pre == c * emb + (one row common to all probe rows), least squares."""
-    p, e = blocks.rows(pre).float(), blocks.rows(emb).float()
+    p, e = block_stream.rows(pre).float(), block_stream.rows(emb).float()
     if p.shape != e.shape:
         return float("inf")
     p, e = p - p.mean(0), e - e.mean(0)
@@ -275,9 +275,9 @@ def _post_readings(layers, run, rec: _Record, width: int):
     modes: list = [None] * n
     errs, failures = [dict() for _ in range(n)], []
     for members in classes.values():
-        cands = blocks.post_candidates(rec.outs[members[0]], width)
+        cands = block_stream.post_candidates(rec.outs[members[0]], width)
         for li in members:
-            if blocks.post_candidates(rec.outs[li], width) != cands or not cands:
+            if block_stream.post_candidates(rec.outs[li], width) != cands or not cands:
                 raise _refuse(layers[li], li, "I0", f"its output ({type(rec.outs[li]).__name__})"
                               " holds no [tokens, width] stream, or not like its class's others")
         noise = ({li: 0.0 for li in members} if cands == ["tensor"] else
@@ -289,7 +289,7 @@ def _post_readings(layers, run, rec: _Record, width: int):
             scores[mode] = (_check_replacement(layers, run, rec, members, mode)
                             if mode != "tensor" else {li: 0.0 for li in members})
             if n - 1 in members:
-                last = _check_final_norm(rec, blocks.post_value(mode, rec.outs[n - 1]))
+                last = _check_final_norm(rec, block_stream.post_value(mode, rec.outs[n - 1]))
                 scores[mode][n - 1] = max(scores[mode][n - 1], last)
         worst = {m: max(e / bound[li] for li, e in scores[m].items()) for m in cands}
         mode = min((m for m in cands if worst[m] <= 1), key=worst.get, default=None)
@@ -321,18 +321,18 @@ def decide(layers: nn.ModuleList, run: Callable, embed: Callable, width: int,
     sems, report = [], []
     for li, layer in enumerate(layers):
         args, kwargs = rec.calls[li]
-        stream, residual = blocks.locate_inputs(layer.forward, args, kwargs, width)
+        stream, residual = block_stream.locate_inputs(layer.forward, args, kwargs, width)
         if stream is None:
             raise _refuse(layer, li, "I0", "no argument is a [tokens, width] floating tensor")
         # Input side: which reading of the inputs is the stream (I1 at layer 0, I2 after).
-        target = embed() if li == 0 else blocks.post_value(modes[li - 1], rec.outs[li - 1])
+        target = embed() if li == 0 else block_stream.post_value(modes[li - 1], rec.outs[li - 1])
         pre_errs = {}
         for adds in (False, True):
             r = residual.get(args, kwargs) if (adds and residual is not None) else None
             if adds and r is None:
                 continue
             h = stream.get(args, kwargs)
-            v = h if r is None else blocks.rows(h).float() + blocks.rows(r).float()
+            v = h if r is None else block_stream.rows(h).float() + block_stream.rows(r).float()
             pre_errs[adds] = _fit_embedding(v, target) if li == 0 else rel(v, target)
         adds = min((a for a, e in pre_errs.items() if e <= PROBE_TOL), key=pre_errs.get,
                    default=None)
@@ -342,10 +342,10 @@ def decide(layers: nn.ModuleList, run: Callable, embed: Callable, width: int,
                           _fmt({names[a]: e for a, e in pre_errs.items()}))
         if post_failure is not None and post_failure[0] == li:
             raise _refuse(layer, *post_failure)
-        post = blocks.post_value(modes[li], rec.outs[li])
+        post = block_stream.post_value(modes[li], rec.outs[li])
         subs, sub_notes = _check_submodules(rec, li, post)
         h = stream.get(args, kwargs)
-        pre = blocks.rows(h).float() + blocks.rows(residual.get(args, kwargs)).float() if adds else h
+        pre = block_stream.rows(h).float() + block_stream.rows(residual.get(args, kwargs)).float() if adds else h
         sub_vals = {p: rec.subs[(li, p)][2] for p in subs}
         site_ok, site_notes = probe_sites.check(rec.sites, li, pre, post, sub_vals, width)
         sub_notes.update(site_notes)
@@ -355,7 +355,7 @@ def decide(layers: nn.ModuleList, run: Callable, embed: Callable, width: int,
                        "pre_errors": {names[a]: round(e, 5) for a, e in pre_errs.items()},
                        **post_errs[li], "submodule_notes": sub_notes})
     trunk = Trunk(layers, sems, {"verified": True, "tolerance": PROBE_TOL, "blocks": report})
-    trunk.final_norm = probe_sites.final_norm_module(rec.tail, rec.final, blocks.post_value(
+    trunk.final_norm = probe_sites.final_norm_module(rec.tail, rec.final, block_stream.post_value(
         modes[-1], rec.outs[-1]), lambda a, b: rel(a, b) <= PROBE_TOL)
     trunk.report["final_norm"] = type(trunk.final_norm).__name__ if trunk.final_norm else None
     return trunk
@@ -366,12 +366,12 @@ def _check_submodules(rec: _Record, li: int, post: torch.Tensor) -> tuple[dict, 
     """attn_out / mlp_out are served from a sub-module that ran once in its block and returned
     one row per stream row; anything else is refused when asked for, with this note."""
     subs, notes = {}, {}
-    for point in blocks.SUBMODULE_NAMES:
+    for point in block_stream.SUBMODULE_NAMES:
         entry = rec.subs.get((li, point))
         if entry is None:
             continue
         name, calls, value = entry
-        if calls == 1 and value is not None and blocks.rows(value).shape == blocks.rows(post).shape:
+        if calls == 1 and value is not None and block_stream.rows(value).shape == block_stream.rows(post).shape:
             subs[point] = name
         else:
             notes[point] = f"{name} ran {calls} times" + ("" if value is not None else
@@ -386,7 +386,7 @@ def _fmt(errs: dict) -> str:
 def unverified(layers: nn.ModuleList, reason: str) -> Trunk:
     """The opt-in escape hatch: signature-guessed semantics, flagged in the report."""
     log.warning("capturing from an UNVERIFIED trunk (opted in): %s", reason)
-    sems = [blocks.guess(layer) for layer in layers]
+    sems = [block_stream.guess(layer) for layer in layers]
     return Trunk(layers, sems, {"verified": False, "reason": reason,
                                 "blocks": [s.describe() for s in sems]})
 

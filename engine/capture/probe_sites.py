@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import blocks
+from . import block_stream
 from . import sites
 from .sites import Site
 
@@ -36,7 +36,7 @@ def _clone(t):
 
 def find_input(fn, args, kwargs, width: int | None):
     """(stream slot, residual slot) of a module call: the point-width floating tensor by
-    parameter name (engine/blocks.locate_inputs); any width when the config gives none."""
+    parameter name (locate_inputs in engine/capture/block_stream.py); any width when the config gives none."""
     if width is None:
         for v in args:
             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in (2, 3):
@@ -44,27 +44,27 @@ def find_input(fn, args, kwargs, width: int | None):
                 break
     if width is None:
         return None, None
-    return blocks.locate_inputs(fn, args, kwargs, width)
+    return block_stream.locate_inputs(fn, args, kwargs, width)
 
 
 def find_named(fn, args, kwargs, name: str):
     """The slot of parameter `name` in a module call (by position when passed positionally),
     or None when the call does not pass it."""
     if name in kwargs:
-        return blocks.Slot(None, name)
-    pos, _ = blocks.positional_names(fn)
+        return block_stream.Slot(None, name)
+    pos, _ = block_stream.positional_names(fn)
     if name in pos and pos.index(name) < len(args):
-        return blocks.Slot(pos.index(name), name)
+        return block_stream.Slot(pos.index(name), name)
     return None
 
 
 def read_input(site: Site, args, kwargs):
     """A site's input reading from a call, with the slots the probe located."""
-    h = blocks.arg_value(args, kwargs, *site.stream)
+    h = block_stream.arg_value(args, kwargs, *site.stream)
     if site.arg is not None and isinstance(h, torch.Tensor):
         return h.flatten(1)  # [tokens, heads, head_dim] -> [tokens, heads x head_dim]
     if site.reading == "in+res" and site.residual is not None:
-        r = blocks.arg_value(args, kwargs, *site.residual)
+        r = block_stream.arg_value(args, kwargs, *site.residual)
         if r is not None:
             return h + r
     return h
@@ -72,7 +72,7 @@ def read_input(site: Site, args, kwargs):
 
 def read_output(site: Site, out):
     """A site's output reading: the module's output, or the `part` of it."""
-    v = blocks.sublayer_value(out)
+    v = block_stream.sublayer_value(out)
     if site.part is None or v is None:
         return v
     i, k = site.part
@@ -81,7 +81,7 @@ def read_output(site: Site, out):
 
 
 def point_width(point: str, widths: dict) -> int | None:
-    from harvest.engine.points import BY_NAME
+    from ..points import BY_NAME
 
     return widths.get(BY_NAME[point].width)
 
@@ -150,7 +150,7 @@ class SiteRecorder:
 
 def _fit(diff: torch.Tensor, term: torch.Tensor) -> float:
     """Median row error of diff = c * term with one c > 0 (inf when c <= 0)."""
-    d, t = blocks.rows(diff).float(), blocks.rows(term).float()
+    d, t = block_stream.rows(diff).float(), block_stream.rows(term).float()
     if d.shape != t.shape:
         return float("inf")
     c = (d * t).sum() / (t * t).sum().clamp_min(1e-30)
@@ -164,7 +164,7 @@ def check(rec: SiteRecorder, li: int, pre: torch.Tensor, post: torch.Tensor, sub
     """The verified sites of layer `li` and the notes (reasons) of the points it cannot serve.
     `subs` maps attn_out/mlp_out to the block's recorded sublayer output (None if not served)."""
     ok, notes = {}, dict(rec.notes[li])
-    n_rows = blocks.rows(post).shape[0]
+    n_rows = block_stream.rows(post).shape[0]
     vals = {}
     for p in rec.cands[li]:
         seen = rec.seen[(li, p)]
@@ -178,7 +178,7 @@ def check(rec: SiteRecorder, li: int, pre: torch.Tensor, post: torch.Tensor, sub
                         if site.arg else f"no {want or ''}-wide tensor at {site.path} "
                                          f"({site.reading})")
             continue
-        r = blocks.rows(value)
+        r = block_stream.rows(value)
         if r.shape[0] != n_rows or (want is not None and r.shape[1] != want):
             notes[p] = (f"{site.path} gave {tuple(r.shape)} where {n_rows} rows of width {want} "
                         "were expected")
@@ -190,8 +190,8 @@ def check(rec: SiteRecorder, li: int, pre: torch.Tensor, post: torch.Tensor, sub
         attn = vals.get("attn_out_post") if "attn_out_post" in rec.cands[li] else subs.get("attn_out")
         mlp = vals.get("mlp_out_post") if "mlp_out_post" in rec.cands[li] else subs.get("mlp_out")
         mid = vals["resid_mid"]
-        s1 = _fit(mid - blocks.rows(pre).float(), attn) if attn is not None else float("inf")
-        s2 = _fit(blocks.rows(post).float() - mid, mlp) if mlp is not None else float("inf")
+        s1 = _fit(mid - block_stream.rows(pre).float(), attn) if attn is not None else float("inf")
+        s2 = _fit(block_stream.rows(post).float() - mid, mlp) if mlp is not None else float("inf")
         if not (s1 <= SITE_TOL and s2 <= SITE_TOL):
             for p in ("resid_mid", "attn_out_post", "mlp_out_post"):
                 if p in ok:

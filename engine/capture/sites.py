@@ -21,7 +21,7 @@ The names are shared by vLLM's own models and Hugging Face's (vLLM's Transformer
 the HF modules), so one rule serves both; which candidate is right in a given block is measured by
 the probe (engine/capture/probe.py `check_sites`) on the engine, never assumed. Points not listed in
 `candidates` (resid_pre, resid_post, embeddings: the block's own stream; attn_out, mlp_out: the
-sublayer outputs, engine/capture/blocks.py) are read by the block wrappers.
+sublayer outputs, engine/capture/block_stream.py) are read by the block wrappers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .blocks import SUBMODULE_NAMES
+from .block_stream import SUBMODULE_NAMES
 
 ATTN_NAMES = SUBMODULE_NAMES["attn_out"]
 MLP_NAMES = SUBMODULE_NAMES["mlp_out"]

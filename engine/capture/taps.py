@@ -9,7 +9,7 @@ moves every layer of that request's rows out (see harvest.py).
 
 Where each block's stream enters and leaves (which argument, whether a residual input or a second
 output is part of it, `[tokens, width]` or `[1, tokens, width]`) is not decided here: the wrappers
-and hooks read it from the block's `BlockSemantics` (engine/capture/blocks.py), which the probe measured
+and hooks read it from the block's `BlockSemantics` (engine/capture/block_stream.py), which the probe measured
 (engine/capture/probe.py) before anything was installed.
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from harvest.engine.addresses import Address, FreezeSet
-from harvest.engine.points import LOGIT_POINTS
+from ..addresses import Address, FreezeSet
+from ..points import LOGIT_POINTS
 from .direct import sink_for
-from .blocks import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
+from .block_stream import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
                      sublayer_value, with_arg)
 from .sites import SITE_POINTS, module_at
 

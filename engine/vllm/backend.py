@@ -22,14 +22,14 @@ import torch
 
 from . import compat
 from . import compat_check
-from harvest.engine import platform as plat
-from harvest.engine.capture import stepring
-from harvest.engine.addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
-from harvest.engine.capture.captured import CapturedRequest
-from harvest.engine.checkpoint import ModelInfo, read_model_info, validate_tokens
-from harvest.engine.points import LOGIT_POINTS
-from harvest.engine.protocol import CaptureMode, DestinationProvider, StepStats
-from harvest.engine.parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
+from .. import platform as plat
+from ..capture import stepring
+from ..addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
+from ..capture.captured import CapturedRequest
+from ..checkpoint import ModelInfo, read_model_info, validate_tokens
+from ..points import LOGIT_POINTS
+from ..protocol import CaptureMode, DestinationProvider, StepStats
+from ..parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
                                      remove_dist_files, clear_rpc_dir, own_rpc_dir)
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
@@ -435,7 +435,7 @@ class VLLMModel:
     def point_widths(self, pts) -> tuple[int, ...]:
         """Each point's own width (engine/points.py): rows of `acts` are cut to it; logprob and
         entropy occupy one float32's worth of the engine dtype (engine/capture/scores.py)."""
-        from harvest.engine.capture.scores import slot_width
+        from ..capture.scores import slot_width
 
         names = [Address.parse(a).name for a in pts]
         return tuple(slot_width(self.dtype) if n in LOGIT_POINTS else self.info.point_width(n)

@@ -92,7 +92,7 @@ def compile_cache_environment() -> dict:
     unless the operator set them: every run and every actor on a host (and every pod that mounts
     the same cache volume) reuses the compiled graphs instead of compiling again. Torch's own
     default, /tmp/torchinductor_<user>, is per machine and gone with the container."""
-    from harvest.engine.models import cache_dir
+    from ..models import cache_dir
 
     root = cache_dir() / "compile"
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
@@ -123,7 +123,7 @@ def engine_environment(on_cpu: bool, runner: "str | None" = None) -> str:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if kind == "v2" else "0"
     # vLLM's ZMQ IPC sockets in a folder of this process, emptied at close (engine/parallel.py);
     # an operator's own setting wins (one inherited from another process's engine is not one)
-    from harvest.engine.parallel import RPC_DIR_PREFIX, remove_stale_rpc_dirs, rpc_dir
+    from ..parallel import RPC_DIR_PREFIX, remove_stale_rpc_dirs, rpc_dir
 
     remove_stale_rpc_dirs()
     if os.path.basename(os.environ.get("VLLM_RPC_BASE_PATH", RPC_DIR_PREFIX)).startswith(RPC_DIR_PREFIX):
@@ -398,7 +398,7 @@ def runner_geometry(runner) -> dict:
 def kind_widths(hf_config, tp_size: int = 1) -> dict:
     """{width kind: this rank's width} (engine/points.py `shard_width`): sharded kinds are a
     1/tp slice (one KV head per rank where there are fewer KV heads than ranks)."""
-    from harvest.engine.points import WIDTH_KINDS, shard_width
+    from ..points import WIDTH_KINDS, shard_width
 
     out = {}
     for kind in WIDTH_KINDS:

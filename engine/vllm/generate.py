@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from . import compat
-from harvest.engine.capture.captured import CapturedRequest
-from harvest.engine.checkpoint import validate_tokens
-from harvest.engine.points import LOGIT_POINTS
-from harvest.engine.protocol import DestinationProvider
+from ..capture.captured import CapturedRequest
+from ..checkpoint import validate_tokens
+from ..points import LOGIT_POINTS
+from ..protocol import DestinationProvider
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ import time
 import torch
 
 from . import compat
-from harvest.engine.capture import probe
-from harvest.engine.capture.blocks import Trunk
-from harvest.engine.capture.taps import find_layers
+from ..capture import probe
+from ..capture.block_stream import Trunk
+from ..capture.taps import find_layers
 
 PROBE_TOKENS = 16
 OPT_IN_KEY = "harvest_unverified_trunk"  # additional_config key: capture from a refused trunk
@@ -145,8 +145,8 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
     rank alike (all ranks see the same spread), rather than captured as a shard."""
     from vllm.forward_context import set_forward_context
 
-    from harvest.engine.capture import taps as tapmod
-    from harvest.engine.points import LOGIT_POINTS
+    from ..capture import taps as tapmod
+    from ..points import LOGIT_POINTS
 
     # logprob/entropy are computed from the gathered logits after the forward, on no tap
     reads = [a for a in reads if a.name not in LOGIT_POINTS]
@@ -199,7 +199,7 @@ def replica_spread(buf: torch.Tensor, spread: torch.Tensor, widths) -> list[floa
 def read_widths(reads, geometry: dict, full: bool = False) -> tuple[int, ...]:
     """Each read's width on this rank (engine/points.py width kinds; a shard's under TP), or
     with `full` the whole row's (what the output rank holds once shards are assembled)."""
-    from harvest.engine.points import BY_NAME
+    from ..points import BY_NAME
 
     kinds = geometry["full_kinds" if full else "kinds"]
     out = []
@@ -207,7 +207,7 @@ def read_widths(reads, geometry: dict, full: bool = False) -> tuple[int, ...]:
         kind = BY_NAME[a.name].width if a.name in BY_NAME else "d_model"
         w = kinds.get(kind) if kind != "d_model" else geometry["width"]
         if kind == "scalar":   # a float32 in the engine dtype's elements (capture/scores.py)
-            from harvest.engine.capture.scores import slot_width
+            from ..capture.scores import slot_width
             w = slot_width(geometry["dtype"])
         if not w:
             raise ValueError(f"{a}: this model's config gives no {kind} width")

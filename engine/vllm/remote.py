@@ -26,13 +26,13 @@ from types import SimpleNamespace
 import torch
 
 from . import compat
-from harvest.engine.capture import taps as tapmod
-from harvest.engine.addresses import Address
-from harvest.engine.capture.coverage import CoverageError
+from ..capture import taps as tapmod
+from ..addresses import Address
+from ..capture.coverage import CoverageError
 from .rowmap import HarvestState
-from harvest.engine.capture.shmdest import Registrations, SharedArena
-from harvest.engine.capture.stepring import RingReader, RingStep, new_spec
-from harvest.engine.capture.transport import CPUTransport, Ticket, copy_segment
+from ..capture.shmdest import Registrations, SharedArena
+from ..capture.stepring import RingReader, RingStep, new_spec
+from ..capture.transport import CPUTransport, Ticket, copy_segment
 
 
 # the shared destination arena's least default size (reserved in /dev/shm at engine load)

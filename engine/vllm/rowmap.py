@@ -29,19 +29,19 @@ import numpy as np
 import torch
 
 from . import compat
-from harvest.engine.capture import taps as tapmod
+from ..capture import taps as tapmod
 from . import probe as vllm_probe
 from .scorestep import ScoreStep
 from .tpshards import ShardGather, plan as shard_plan
-from harvest.engine.addresses import Address, FreezeSet
-from harvest.engine.points import LOGIT_POINTS
-from harvest.engine.protocol import CaptureMode
-from harvest.engine.capture.stepring import RingSpec, RingWriter
-from harvest.engine.capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
-from harvest.engine.capture.direct import ARMED, DIRECT, IDLE, Delivery, Sink
-from harvest.engine.capture.quantize import check_quantize, packed_width
-from harvest.engine.capture.blocks import Trunk
-from harvest.engine.capture.transport import CPUTransport, CudaTransport, check_destination, make_transport
+from ..addresses import Address, FreezeSet
+from ..points import LOGIT_POINTS
+from ..protocol import CaptureMode
+from ..capture.stepring import RingSpec, RingWriter
+from ..capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
+from ..capture.direct import ARMED, DIRECT, IDLE, Delivery, Sink
+from ..capture.quantize import check_quantize, packed_width
+from ..capture.block_stream import Trunk
+from ..capture.transport import CPUTransport, CudaTransport, check_destination, make_transport
 
 
 @dataclass

@@ -136,7 +136,7 @@ class _HarvestRPC:
         """Every rank adds the vector: the stream it shifts is replicated on every rank."""
         import torch
 
-        from harvest.engine.addresses import Address
+        from ..addresses import Address
 
         vec = self.model_runner.harvest.taps.steer[Address.parse(addr)]
         vec.copy_(torch.as_tensor(values, dtype=vec.dtype))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import compat
-from harvest.engine.capture import scores
+from ..capture import scores
 
 
 class ScoreStep:

@@ -34,9 +34,9 @@ from __future__ import annotations
 import time
 
 from . import compat
-from harvest.engine.capture.probe import TrunkRefused
-from harvest.engine.capture.sites import module_at
-from harvest.engine.points import BY_NAME
+from ..capture.probe import TrunkRefused
+from ..capture.sites import module_at
+from ..points import BY_NAME
 
 
 def sharded(name: str) -> bool:

@@ -31,9 +31,9 @@ import numpy as np
 
 from .engine import check_engine, close_engine, gpu_ids, load_engine
 from .outbox import Outbox, StreamClosed, UnitParts, rss_bytes
-from harvest.pipeline.logs import mark_phase, redirect_actor
-from harvest.store import THROTTLE, torch_dtype, torch_view
-from harvest.pipeline.messages import (ActorFigures, ActorInfo, ActorSpec, StreamRows, UnitResult,
+from ..logs import mark_phase, redirect_actor
+from ...store import THROTTLE, torch_dtype, torch_view
+from ..messages import (ActorFigures, ActorInfo, ActorSpec, StreamRows, UnitResult,
                                        UnitStatus, UnitTask)
 
 log = logging.getLogger("harvest.actor")
@@ -82,7 +82,7 @@ class HarvestActor:
         # built its metadata is the one that runs it ("thread_num == thread_num (2 vs. 1)").
         # Named at the OS level before the engine loads, so its OpenMP team (spawned from this
         # thread) carries the name too: per-thread CPU in /proc then splits engine from writer.
-        from harvest.store import name_native_thread
+        from ...store import name_native_thread
 
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="harvest-engine",
                                                  initializer=name_native_thread)
@@ -95,8 +95,8 @@ class HarvestActor:
             t1 = time.perf_counter()
             self.check = self._engine_thread.submit(check_engine, self.engine).result()
             self.check["seconds"] = round(time.perf_counter() - t1, 1)
-        from harvest.engine import Address
-        from harvest.engine.points import LOGIT_POINTS
+        from ...engine import Address
+        from ...engine.points import LOGIT_POINTS
 
         # Addresses, parsed once (prepare.resolve_points); a spec built by hand may name them
         self.addresses = tuple(Address.parse(p) for p in spec.points)
@@ -165,7 +165,7 @@ class HarvestActor:
     def _open_store(self):
         with self._store_lock:
             if self._store is None:
-                from harvest.store import open_store
+                from ...store import open_store
 
                 self._store = open_store(self.spec.store_url,
                                          storage_options=self.spec.storage_options)
@@ -180,7 +180,7 @@ class HarvestActor:
         return os.getpid()
 
     def run_unit(self, unit: UnitTask, attempt: int = 1) -> UnitResult:
-        from harvest.pipeline.data.rows import unit_rows
+        from ..data.unit_rows import unit_rows
 
         uid, rs, re_ = unit.unit_id, unit.row_start, unit.row_end
 
@@ -244,7 +244,7 @@ class HarvestActor:
     def _stream_unit(self, unit: UnitTask, result) -> UnitResult:
         """A unit whose rows go to the trainers only (no store, or a rank's replay): captured,
         dealt to the ranks' queues, done once every rank took its rows."""
-        from harvest.pipeline.data.rows import unit_rows
+        from ..data.unit_rows import unit_rows
 
         if self.outbox is None:
             raise RuntimeError(f"unit {unit.unit_id} carries a deal, but actor {self.index} was "
@@ -460,11 +460,11 @@ class HarvestActor:
             if shared is not None:
                 # tensor parallel: block buffers in the engine's shared arena, so the rank
                 # that computes the rows writes them in place (engine/capture/shmdest.py)
-                from harvest.store import use_allocator
+                from ...store import use_allocator
 
                 use_allocator(store, shared)
             elif ok and torch.cuda.is_available():
-                from harvest.store import use_allocator
+                from ...store import use_allocator
 
                 use_allocator(store, _pinned_empty)
             self._in_place_ok = ok
@@ -503,7 +503,7 @@ def _pinned_empty(shape, dtype) -> np.ndarray:
 
 def _is_conflict(e: BaseException) -> bool:
     try:
-        from harvest.store import RegionConflict
+        from ...store import RegionConflict
 
         return isinstance(e, RegionConflict)
     except Exception:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from harvest.pipeline.messages import ActorSpec
+from ..messages import ActorSpec
 
 
 def cpu_slice(index: int, threads: int) -> list[int]:
@@ -38,7 +38,7 @@ def load_engine(spec: ActorSpec):
     """Build the engine `spec` names and check it against the engine contract. Returns
     (engine, platform profile name)."""
     engine, profile = _build_engine(spec)
-    from harvest.engine.protocol import problems
+    from ...engine.protocol import problems
 
     wrong = problems(engine)
     if wrong:  # before any unit: a stub or new backend that lacks a member fails here, named
@@ -48,7 +48,7 @@ def load_engine(spec: ActorSpec):
 
 
 def _build_engine(spec: ActorSpec):
-    from harvest.engine import platform
+    from ...engine import platform
 
     profile = platform.detect()
     share = platform.cpu_share()
@@ -85,19 +85,19 @@ def _build_engine(spec: ActorSpec):
         cores = cpu_slice(spec.index, max(threads, tp))
         if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             if tp > 1:
-                from harvest.engine.vllm.compat import cpu_thread_binding
+                from ...engine.vllm.compat import cpu_thread_binding
 
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, cores=cores)
             else:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-    from harvest.engine import load_model
+    from ...engine import load_model
 
     return load_model(spec.model_path, **spec.engine_kwargs), profile.name
 
 
 def check_engine(engine) -> dict:
     """harvest.engine.check_loaded on the actor's engine: its rows against an HF fp32 reference."""
-    from harvest.engine import check_loaded
+    from ...engine import check_loaded
 
     try:
         return check_loaded(engine)

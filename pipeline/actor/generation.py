@@ -42,7 +42,7 @@ import numpy as np
 # the `capture.generate` section itself (GenerateConfig, its YAML parsing) is a config section,
 # in pipeline/config/generate.py: config loading validates it without importing this runtime
 # module (this one imports chat -> data -> config: importing it from the section was a cycle)
-from harvest.pipeline.config.generate import GenerateConfig
+from ..config.generate import GenerateConfig
 
 # The `gen` values and META_PAD live in store/format/layout.py (the store's format); imported where
 # used, so importing this module (the actor does at start) never loads the store package
@@ -53,7 +53,7 @@ def engine_params(cfg: GenerateConfig):
     """The engine's sampling parameters (seeds are set per slot, see slot_seed). Here, not on
     the config section: the section stays a leaf that loading a config can import without the
     engine (pipeline/config/generate.py)."""
-    from harvest.engine.vllm.generate import GenerateParams
+    from ...engine.vllm.generate import GenerateParams
 
     return GenerateParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           top_p=cfg.top_p, n=cfg.n, seed=cfg.seed, stop=tuple(cfg.stop),
@@ -74,8 +74,8 @@ def slot_meta(gc: GenerateConfig, C: int, doc: np.ndarray, pos: np.ndarray, reqs
     a GeneratedRequest: fed tokens, prompt_len, generated), sample s at reqs[s]. `doc`/`pos`
     (and `role`, chat input) are the context's planned columns; generated rows continue the
     prompt's last document and its positions, and are the assistant's in a chat store."""
-    from harvest.store import roles as R
-    from harvest.store import GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD
+    from ...store import roles as R
+    from ...store import GEN_DROPPED, GEN_LAST, GEN_PAD, GEN_PROMPT, GEN_SAMPLED, META_PAD
 
     L, M = reqs[0].prompt_len, gc.max_new_tokens
     tok = np.full(C, META_PAD, np.int32)
@@ -113,7 +113,7 @@ def zero_rows_without_activations(acts, gen: np.ndarray) -> None:
     """Rows that hold no activations are zeros in the store: the engine never wrote the padding
     (a destination's rows past the generation are left as they were) and wrote a dropped
     prompt's rows. `acts` is [points, C, width] (a torch tensor or a numpy view)."""
-    from harvest.store import GEN_HAS_ACTS
+    from ...store import GEN_HAS_ACTS
 
     none = np.flatnonzero(~np.isin(gen, GEN_HAS_ACTS))
     if none.size:
@@ -153,7 +153,7 @@ class Slots:
         template's generation prompt), then pad rows: the prompt stops at the first of them."""
         if role is None:
             return self.P
-        from harvest.store import roles
+        from ...store import roles
 
         pad = np.flatnonzero(role == roles.PAD)
         L = int(pad[0]) if pad.size else len(role)
@@ -266,7 +266,7 @@ def resolved_stop(g: GenerateConfig, chat: bool, model_path: str) -> list:
     if chat and g.stop_at_eos:
         from transformers import AutoTokenizer
 
-        from harvest.pipeline.data.chat import end_of_turn_ids
+        from ..data.chat import end_of_turn_ids
 
         stop |= set(end_of_turn_ids(AutoTokenizer.from_pretrained(model_path)))
     return sorted(stop)

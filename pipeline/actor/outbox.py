@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harvest.pipeline.messages import StreamRows, StreamSpec, UnitDeal
-from harvest.store import fp8 as _fp8, is_quantized, raw_dtype, resolve_dtype, to_numpy
+from ..messages import StreamRows, StreamSpec, UnitDeal
+from ...store import fp8 as _fp8, is_quantized, raw_dtype, resolve_dtype, to_numpy
 
 
 class StreamClosed(RuntimeError):

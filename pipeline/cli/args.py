@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any, Callable
 
-from harvest.pipeline.config.run import ConfigError, HarvestConfig, default_config_path, load_config
+from ..config.run import ConfigError, HarvestConfig, default_config_path, load_config
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
@@ -43,12 +43,12 @@ def store_target(args) -> tuple[str, dict | None]:
 def open_for_repair(args, what: str):
     """(store, URL shown) of the store `finalize` or `uncommit` repairs: it must exist, and no
     driver may hold its lease (a running job writes there)."""
-    from harvest.store import open_store
-    from harvest.store import redact_url
+    from ...store import open_store
+    from ...store import redact_url
 
-    from harvest.pipeline.config.run import StoreConfig
-    from harvest.pipeline.errors import HarvestError
-    from harvest.pipeline.driver.lease import refuse_if_held
+    from ..config.run import StoreConfig
+    from ..errors import HarvestError
+    from ..driver.lease import refuse_if_held
     from .views import store_missing
 
     url, so = store_target(args)
@@ -78,12 +78,12 @@ def show(args, obj, text: "Callable[[Any], str]") -> int:
 def is_user_error(e: BaseException) -> bool:
     """An error in what the user gave (config, data, store): exit 2 with its message, no
     traceback (`harvest` main; `harvest schedule` also posts it to its webhook)."""
-    from harvest.pipeline.data.documents import DataError
-    from harvest.pipeline.errors import HarvestError
-    from harvest.pipeline.data.packing import PackingError
+    from ..data.documents import DataError
+    from ..errors import HarvestError
+    from ..data.packing import PackingError
 
     try:
-        from harvest.store import StoreError
+        from ...store import StoreError
     except Exception:  # pragma: no cover
         StoreError = ()  # type: ignore
     return isinstance(e, (ConfigError, DataError, PackingError, HarvestError, StoreError))

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from harvest.store import fp8 as _fp8
+from ...store import fp8 as _fp8
 
 # Text bytes per token. Measured: SmolLM2's tokenizer on the pydoc corpus (jsonl, 488 kB) gave
 # ~220k tokens, ~2.2 bytes per token (code and JSON escapes); English prose is ~4. 3 is between.
@@ -126,7 +126,7 @@ def store_rate(cfg, store) -> "dict | None":
     """The store's own measured rate: its newest run (a scheduled tick's record, else the final
     summary) per actor, times this config's actors. The best figure there is: this model, this
     corpus, this cluster's kind, measured end to end."""
-    from harvest.pipeline.driver.schedule_log import read_ticks
+    from ..driver.schedule_log import read_ticks
 
     runs = [t.get("summary") or {} for t in read_ticks(store.location)]
     runs += [store.summary] if store.summary else []
@@ -242,7 +242,7 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec,
     path's core-seconds per GB are compression.write_core_s_per_gb (measured, bench_dataplane);
     bytes are the rows as captured, at 2 bytes a number (what the figure is per), whatever the
     store's `dtype` (an fp8 store's write path moves half of them: its own measured figure)."""
-    from harvest.store import compression
+    from ...store import compression
 
     rate = est.get("tokens_per_second")
     if not rate:
@@ -275,7 +275,7 @@ def dataplane(cfg, est: dict, bytes_per_token: int, codec,
 
 def _fp8_hint(dtype: str) -> str:
     """The cheaper dtype, where the store is not fp8 already (its measured write-path CPU)."""
-    from harvest.store import compression
+    from ...store import compression
 
     if dtype == "float8_e4m3fn":
         return ""

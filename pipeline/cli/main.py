@@ -14,7 +14,7 @@ import sys
 from .args import is_user_error
 from .commands import (card, check_model, finalize, inspect, plan, report, run, schedule,
                        shuffle, status, uncommit, verify)
-from harvest.store import terminal
+from ...store import terminal
 
 EXIT_BAD_INPUT = 2
 
@@ -24,7 +24,7 @@ COMMANDS = (run, plan, status, verify, inspect, report, check_model, schedule, c
 
 
 def _setup_logging(verbose: bool) -> None:
-    from harvest.pipeline.logs import setup_console
+    from ..logs import setup_console
 
     setup_console(verbose)
 
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: "list[str] | None" = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    from harvest.pipeline.driver.exits import orderly_signals
-    from harvest.pipeline.logs import json_stdout
+    from ..driver.exits import orderly_signals
+    from ..logs import json_stdout
 
     try:
         with orderly_signals():
@@ -62,7 +62,7 @@ def main(argv: "list[str] | None" = None) -> int:
         return getattr(e, "exit_code", 130)
     except Exception as e:
         # masked: a presigned data.source or a token can sit in any message (credentials.py)
-        from harvest.store import scrub
+        from ...store import scrub
 
         if is_user_error(e):
             # the message may quote a store's text (store/escape.py) or a secret: neither reaches

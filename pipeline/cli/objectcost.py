@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from harvest.store import (backend_for, BASE_META, block_rows, choose_sizes, index_batch,
+from ...store import (backend_for, BASE_META, block_rows, choose_sizes, index_batch,
                            marker_size, ROW_META, table_size, THROTTLE_BUDGET_S, writes_per_object)
 
 # Every layout is priced as it would be on S3, the object store whose request limits and part

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harvest.pipeline.errors import HarvestError
-from harvest.store import html_text, plot_text, shard_ids, terminal
+from ..errors import HarvestError
+from ...store import html_text, plot_text, shard_ids, terminal
 
 log = logging.getLogger("harvest.report")
 
@@ -378,7 +378,7 @@ def write_report(url: str, storage_options: dict | None = None, out_dir: "str | 
     at `out_dir` or at one of the three files is refused (HarvestError naming it) before anything
     is written.
     """
-    from harvest.store import open_store
+    from ...store import open_store
 
     store = open_store(url, storage_options=storage_options, read_only=True)
     if out_dir is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.store import read_meta_checked
+from ...store import read_meta_checked
 
 DEAD_REL = 1e-6
 OUTLIER_REL = 100.0
@@ -45,7 +45,7 @@ def sample_rows(store, points: list[str], shards: list[int], k: int) -> dict:
         a, b = store.shard_range(s)
         tok, doc, pos = store.read_row_meta_checked(a, b)  # an unpublished unit: not fill
         rows = (read_meta_checked(store, "source_row", a, b) if "source_row" in store.meta_columns
-                else np.arange(a, b))   # a shuffled copy: its rows' source rows (permuted.py)
+                else np.arange(a, b))   # a shuffled copy: its rows' source rows (store/shuffled_copy.py)
         meta[s] = (tok, doc, pos, _kept_mask(store, tok, rows))
     top: dict[str, list] = {}
     sink: dict[str, dict | None] = {}
@@ -117,8 +117,8 @@ def _dict(x) -> dict:
 def run_figures(store) -> dict:
     """Skipped rows by reason over the whole store, and each run's rates (ticks, or the one run);
     numbers only where the records hold numbers, `status` and `finished_at` as text."""
-    from harvest.pipeline.data.context_rows import sum_stats
-    from harvest.pipeline.driver.schedule_log import read_ticks
+    from ..data.row_frontier import sum_stats
+    from ..driver.schedule_log import read_ticks
 
     skipped: dict = {}
     rows_read = 0

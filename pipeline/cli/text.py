@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from harvest.store import terminal, terminal_data
+from ...store import terminal, terminal_data
 
 if TYPE_CHECKING:
-    from harvest.store import VerifyReport
+    from ...store import VerifyReport
 
 
 def _is_number(x) -> bool:

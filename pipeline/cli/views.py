@@ -20,8 +20,8 @@ ACTIVE_MIN_SECONDS = 120.0
 def driver_state(loc, ttl: "float | None" = None) -> "dict | None":
     """The driver's lease (pipeline/driver/lease.py) as status shows it: a live lease is a running
     driver; a released or expired one, a stopped run. None when the store has no lease."""
-    from harvest.pipeline.config.run import StoreConfig
-    from harvest.pipeline.driver.lease import current
+    from ..config.run import StoreConfig
+    from ..driver.lease import current
 
     try:
         cur = current(loc)
@@ -39,7 +39,7 @@ def store_missing(url: str, storage_options: dict | None = None) -> bool:
     """True when nothing is at `url` yet (a job still starting), as opposed to a store we
     cannot read (open_store's errors say why). A bucket that does not exist is not "no store
     yet": that is a StoreAccessError naming the bucket (a typo in the URL; `run` says the same)."""
-    from harvest.store import locate
+    from ...store import locate
 
     try:
         loc = locate(url, storage_options)
@@ -54,12 +54,12 @@ def store_missing(url: str, storage_options: dict | None = None) -> bool:
 def status(url: str, storage_options: dict | None = None,
            now: "_dt.datetime | None" = None) -> dict:
     """Progress of a running or interrupted job, from the store alone."""
-    from harvest.store import open_store
+    from ...store import open_store
 
     if store_missing(url, storage_options):
-        from harvest.store import locate
+        from ...store import locate
 
-        from harvest.store import redact_url
+        from ...store import redact_url
 
         return {"url": redact_url(url), "missing_store": True,
                 "driver": driver_state(locate(url, storage_options))}
@@ -104,7 +104,7 @@ def status(url: str, storage_options: dict | None = None,
             eta = (planned_rows - done_rows) / rate if rate > 0 else None
     committed_ids = {n.unit_id for n in done}
     missing = sorted(set(rows_of) - committed_ids)
-    from harvest.store import unpublished
+    from ...store import unpublished
 
     # committed units whose objects are not known to be at their zarr keys (store/commit/published.py)
     unpub = unpublished(store, done)
@@ -145,7 +145,7 @@ def _paused_tick(store, finalized: bool, active: bool, missing: list, planned_ro
     """{budget_rows} when the store is paused by a scheduled tick (the newest tick record says
     paused at exactly the planned rows, every planned unit is committed, no driver holds it);
     else None. Such a store is healthy, not interrupted."""
-    from harvest.pipeline.driver.schedule_log import last_paused
+    from ..driver.schedule_log import last_paused
 
     if finalized or active or missing:
         return None

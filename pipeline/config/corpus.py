@@ -138,7 +138,7 @@ class DataConfig:
                and (k not in LIMIT_DEFAULTS or v != LIMIT_DEFAULTS[k])}
         if _has_query_or_userinfo(out["source"], out["data_files"]):
             # here, not at import: the store package loads zarr (config loads must not)
-            from harvest.store import url_identity
+            from ...store import url_identity
 
             out["source"] = url_identity(out["source"])
             out["data_files"] = _map_strings(out["data_files"], url_identity)

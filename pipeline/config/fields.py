@@ -68,7 +68,7 @@ def redacted_repr(section: Any) -> str:
     no zarr."""
     import dataclasses
 
-    from harvest.store import redact_attrs
+    from ...store import redact_attrs
 
     values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.repr}
     shown = redact_attrs(values, getattr(section, "storage_options", None))

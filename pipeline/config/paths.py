@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harvest.engine.models import cache_dir as _engine_cache_dir
+from ...engine.models import cache_dir as _engine_cache_dir
 
 
 def cache_dir() -> Path:

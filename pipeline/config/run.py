@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from .fields import ConfigError, check_bool, check_str
-from harvest.engine.models import REPO_ROOT
+from ...engine.models import REPO_ROOT
 from .corpus import DataConfig, PackingConfig
 from .sections import CaptureConfig, ModelConfig, RayConfig, StoreConfig
 from .stream import StreamConfig
@@ -90,7 +90,7 @@ class HarvestConfig:
         if redact:
             # here, not at import: the store package loads zarr and numcodecs (~2 s, ~500
             # modules), which `harvest plan`/`status --config` and every config load would pay
-            from harvest.store import redact_attrs
+            from ...store import redact_attrs
 
             d["store"]["storage_options"] = (
                 None if self.store.storage_options is None else "<redacted>"
@@ -132,7 +132,7 @@ def check_store_sizes(cfg: "HarvestConfig") -> None:
     need the check."""
     if cfg.store.shard_rows is None and cfg.store.chunk_rows is None:
         return
-    from harvest.store import check_sizes
+    from ...store import check_sizes
 
     try:
         check_sizes(cfg.store.shard_rows, cfg.store.chunk_rows, cfg.packing.context_size,

@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from harvest.engine import BACKENDS
-from harvest.engine.addresses import KNOWN_POINTS
-from harvest.engine.points import REFUSED
+from ...engine import BACKENDS
+from ...engine.addresses import KNOWN_POINTS
+from ...engine.points import REFUSED
 
 from .fields import (ConfigError, check_bool, check_choice, check_float, check_int, check_str,
                      redacted_repr)
@@ -91,7 +91,7 @@ class ModelConfig:
         if self.tensor_parallel_size > 1:
             self._check_tp_local()
         if self.pipeline_parallel_size != 1:
-            from harvest.engine.parallel import PP_REFUSED
+            from ...engine.parallel import PP_REFUSED
 
             raise ConfigError(f"model.pipeline_parallel_size={self.pipeline_parallel_size}: "
                               f"{PP_REFUSED}")
@@ -110,7 +110,7 @@ class ModelConfig:
         import json
         import os
 
-        from harvest.engine.parallel import check_tp_fits
+        from ...engine.parallel import check_tp_fits
 
         cfg_file = os.path.join(os.path.expanduser(self.path), "config.json")
         if not os.path.isfile(cfg_file):
@@ -179,7 +179,7 @@ class CaptureConfig:
         check_bool("capture.check_model", self.check_model)
         if self.roles is not None:
             # lazy: the store package loads zarr (~2 s), which a config load must not pay
-            from harvest.store import roles
+            from ...store import roles
 
             try:
                 roles.codes_of(self.roles, "capture.roles")
@@ -189,7 +189,7 @@ class CaptureConfig:
             # the section as given (a mapping from YAML) becomes its dataclass, once, here
             object.__setattr__(self, "generate", from_section(self.generate))
             self.generate.validate()
-            from harvest.engine.points import LOGIT_POINTS
+            from ...engine.points import LOGIT_POINTS
 
             scored = [n for n, _ in parsed if n in LOGIT_POINTS]
             if scored:
@@ -204,7 +204,7 @@ def parse_point(p: Any) -> "tuple[str, int | None]":
     and a known point kind. The layer range and whether the model has the point (router_logits
     needs a MoE model) need its config: prepare.resolve_points checks them once it is read.
     A model-level point may be named bare (`logprob`, `entropy`, `final_norm`): its one address."""
-    from harvest.engine.points import MODEL_LEVEL
+    from ...engine.points import MODEL_LEVEL
 
     if isinstance(p, str) and p in MODEL_LEVEL:
         return p, 0
@@ -227,7 +227,7 @@ def parse_point(p: Any) -> "tuple[str, int | None]":
 
 def _storage_default(name: str) -> float:
     """A deadline's default: a fact of the storage backends (store/storage/interface.py)."""
-    from harvest.store import Storage
+    from ...store import Storage
 
     return getattr(Storage, name)
 
@@ -293,7 +293,7 @@ class StoreConfig:
             raise ConfigError(
                 "store.compression must be a codec name, a mapping of codec settings, or null"
             )
-        from harvest.store import compression
+        from ...store import compression
 
         try:  # here, not when the store is created after the actors started
             compression.normalize(self.compression)
@@ -303,7 +303,7 @@ class StoreConfig:
     def fs_options(self) -> "dict | None":
         """storage_options plus the deadlines (see timeout_s) in the terms of the store's
         backend (`Storage.deadline_options`); explicit settings win."""
-        from harvest.store import backend_for
+        from ...store import backend_for
 
         return backend_for(self.resolved_url).deadline_options(
             self.storage_options or {}, self.timeout_s, self.retry_budget_s)

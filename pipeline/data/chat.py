@@ -34,8 +34,8 @@ import numpy as np
 
 from .documents import DataError
 from .prefix import capped_encoding
-from harvest.pipeline.config.corpus import MAX_CONVERSATION_CHARS_DEFAULT, MAX_MESSAGES_DEFAULT
-from harvest.store import roles as R
+from ..config.corpus import MAX_CONVERSATION_CHARS_DEFAULT, MAX_MESSAGES_DEFAULT
+from ...store import roles as R
 
 
 class ChatTemplateError(DataError):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 
-from harvest.pipeline.config.corpus import DataConfig, PackingConfig
+from ..config.corpus import DataConfig, PackingConfig
 from .documents import DataError, resolve_source, shown_source
 from .packing import PackingError
-from .blocks import bounded_lines, load_disk, open_dataset, read_block
+from .corpus_blocks import bounded_lines, load_disk, open_dataset, read_block
 
 # A local source up to this size is read whole by the context check; larger ones by first block.
 SMALL_SOURCE_BYTES = 64 << 20

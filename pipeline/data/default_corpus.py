@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from harvest.pipeline.config.paths import cache_dir
+from ..config.paths import cache_dir
 
 
 def pydoc_corpus_path(root: "str | Path | None" = None) -> Path:

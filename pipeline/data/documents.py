@@ -18,9 +18,9 @@ from typing import Any, Iterator
 # the section and path helper from the modules that own them (config.py re-exports both): the
 # config never imports this runtime module, so the import runs one way (no cycle)
 from .default_corpus import pydoc_corpus_path
-from harvest.pipeline.config.corpus import DataConfig
-from harvest.pipeline.config.paths import expand_path
-from harvest.store import mask_text, redact_attrs, redact_url
+from ..config.corpus import DataConfig
+from ..config.paths import expand_path
+from ...store import mask_text, redact_attrs, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def open_dataset(cfg: DataConfig):
 def _refuse_unreachable_hub(cfg: DataConfig) -> None:
     """A hub dataset without network: one connect decides, instead of the hub client's retries
     (five, with backoff, per file) ending in an error with no hint."""
-    from harvest.engine.models import hub_unreachable
+    from ...engine.models import hub_unreachable
 
     why = hub_unreachable()
     if why is not None:

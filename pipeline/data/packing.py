@@ -39,8 +39,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from harvest.pipeline.config.run import PackingConfig
-from harvest.store import META_INSERTED, roles as _roles
+from ..config.run import PackingConfig
+from ...store import META_INSERTED, roles as _roles
 
 
 class PackingError(ValueError):
@@ -88,7 +88,7 @@ class Chunk:
     role: "np.ndarray | None" = None  # int8 role codes (chat input only, store/format/roles.py)
 
     def digest(self) -> list[int]:
-        from .rows import chunk_digest
+        from .unit_rows import chunk_digest
 
         return chunk_digest(self.arrays())
 

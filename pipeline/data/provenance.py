@@ -136,7 +136,7 @@ def model_provenance(path: str, configured: str, revision: "str | None" = None) 
 
 def data_provenance(cfg, sources: dict) -> dict:
     """The data as configured and as resolved (module docstring). `cfg`: the DataConfig."""
-    from harvest.store import redact_attrs, redact_url
+    from ...store import redact_attrs, redact_url
 
     from .documents import resolve_source
 
@@ -185,7 +185,7 @@ def _disk_facts(path: str, split: str) -> dict:
 def _hub_facts(cfg) -> dict:
     """A hub dataset: the resolved revision (when the hub answers) and, when it loads here without
     streaming, the `datasets` fingerprint, info and download checksums."""
-    from harvest.engine.models import hub_unreachable
+    from ...engine.models import hub_unreachable
 
     from .documents import open_dataset
 
@@ -222,7 +222,7 @@ def _sha(obj) -> str:
 def run_provenance(cfg, prep, engine: "dict | None" = None) -> dict:
     """The store's `provenance` attribute (sink.create writes it; FORMAT.md "Provenance");
     `engine`: the creating actor's engine description (`CaptureEngine.describe()`)."""
-    from harvest import __version__
+    from ... import __version__
 
     out = {
         "harvest": {"version": __version__, "content_key_sha256": _sha(cfg.content_key()),

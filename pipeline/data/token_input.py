@@ -4,7 +4,7 @@ The SAE world keeps training text pre-tokenised (SAELens's pretokenize runner wr
 `save_to_disk` dataset with an `input_ids` column of fixed-length contexts, and a `sae_lens.json`
 of its settings beside it; published SAEs name such datasets on the Hub). Reading those ids as
 they are is how two runs see the same tokens. Any source the text path reads (hub, disk,
-parquet, arrow, json-lines) can hold them; the readers (blocks.py: read_block) hand over the column's value
+parquet, arrow, json-lines) can hold them; the readers (corpus_blocks.py: read_block) hand over the column's value
 per row and this module packs it:
 
 - a row of exactly `packing.context_size` ids that arrives at a context boundary (always, when
@@ -43,11 +43,11 @@ from typing import Iterator
 
 import numpy as np
 
-from harvest.pipeline.config.corpus import DataConfig, PackingConfig
+from ..config.corpus import DataConfig, PackingConfig
 from .documents import DataError, resolve_source
 from .packing import BlockPacker, emit_until
-from harvest.pipeline.config.paths import expand_path
-from .blocks import read_block
+from ..config.paths import expand_path
+from .corpus_blocks import read_block
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def _load_record(path: str) -> dict:
 
 
 def _hub_record(cfg: DataConfig) -> "tuple[dict, str] | None":
-    from harvest.engine.models import hub_unreachable
+    from ...engine.models import hub_unreachable
 
     try:
         from huggingface_hub import hf_hub_download
@@ -179,7 +179,7 @@ def _short(name: str) -> str:
 def _load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from harvest.engine.models import hub_unreachable
+    from ...engine.models import hub_unreachable
 
     local = os.path.isdir(expand_path(name))
     try:

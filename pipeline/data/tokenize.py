@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from harvest.pipeline.config.run import DataConfig, PackingConfig
+from ..config.run import DataConfig, PackingConfig
 from .packing import BlockPacker, emit_until
-from .blocks import read_block
+from .corpus_blocks import read_block
 from .prefix import capped_ids, long_chars
 
 BATCH_CHARS = 1 << 18  # characters per tokenizer call, at most (about 70k tokens)

@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from harvest.pipeline.config.corpus import DataConfig, PackingConfig
-from harvest.pipeline.config.sections import RayConfig
+from ..config.corpus import DataConfig, PackingConfig
+from ..config.sections import RayConfig
 
 log = logging.getLogger("harvest.pipeline")
 

@@ -12,13 +12,13 @@ import os
 from typing import Any
 
 from . import exits
-from harvest.pipeline.actor import generation
-from harvest.pipeline.actor.capture import HarvestActor
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.config.sections import ModelConfig, RayConfig
-from harvest.pipeline.errors import HarvestError
-from harvest.pipeline.logs import quiet
-from harvest.pipeline.messages import ActorInfo, ActorSpec, StreamSpec
+from ..actor import generation
+from ..actor.capture import HarvestActor
+from ..config.run import HarvestConfig
+from ..config.sections import ModelConfig, RayConfig
+from ..errors import HarvestError
+from ..logs import quiet
+from ..messages import ActorInfo, ActorSpec, StreamSpec
 
 log = logging.getLogger("harvest.pipeline")
 

@@ -20,13 +20,13 @@ from typing import Sequence
 
 from .cluster import root_cause
 from .tally import DispatchReport, UnitCounts
-from harvest.pipeline.errors import HarvestError
+from ..errors import HarvestError
 from .health import ActorHealth, WaitLine
 from .holdings import Holdings
 from .inflight import InFlight
-from harvest.pipeline.messages import ActorInfo, UnitResult
+from ..messages import ActorInfo, UnitResult
 from .plan_writer import PlanWriter
-from harvest.store import IndexBuilder, index_batch
+from ...store import IndexBuilder, index_batch
 
 log = logging.getLogger("harvest.pipeline")
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from . import reaper
-from harvest.pipeline.errors import HarvestError
+from ..errors import HarvestError
 
 log = logging.getLogger("harvest.pipeline")
 

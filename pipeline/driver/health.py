@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from harvest.pipeline.messages import ActorFigures, ActorInfo
+from ..messages import ActorFigures, ActorInfo
 
 log = logging.getLogger("harvest.pipeline")
 

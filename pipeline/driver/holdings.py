@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from harvest.pipeline.messages import UnitTask
-from harvest.pipeline.data.context_rows import Emitted, chunk_key
+from ..messages import UnitTask
+from ..data.row_frontier import Emitted, chunk_key
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from harvest.store import Unit
+from ...store import Unit
 
 
 @dataclass(frozen=True)

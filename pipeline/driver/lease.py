@@ -38,8 +38,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from harvest.pipeline.errors import HarvestError
-from harvest.store import LEASE_DIR, lease_generation, process_id, redact_attrs
+from ..errors import HarvestError
+from ...store import LEASE_DIR, lease_generation, process_id, redact_attrs
 
 log = logging.getLogger("harvest.pipeline")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from harvest.pipeline.errors import HarvestError, ResumeMismatch
-from harvest.pipeline.data.context_rows import Emitted, chunk_key, sum_stats
+from ..errors import HarvestError, ResumeMismatch
+from ..data.row_frontier import Emitted, chunk_key, sum_stats
 
 PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units are waiting
 

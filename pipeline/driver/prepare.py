@@ -13,25 +13,25 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harvest.pipeline.config.fields import ConfigError
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.config.sections import ModelConfig
-from harvest.pipeline.data.packing import resolve_bos
+from ..config.fields import ConfigError
+from ..config.run import HarvestConfig
+from ..config.sections import ModelConfig
+from ..data.packing import resolve_bos
 from .unit_sizes import Layout, choose_layout
-from harvest.pipeline.config.sections import CaptureConfig
-from harvest.pipeline.data.check import check_fills_context, probe_text_column
-from harvest.pipeline.data.blocks import plan_blocks
-from harvest.pipeline.data.tokenize import chat_prompt_tokens
-from harvest.store import SINK_POSITIONS
+from ..config.sections import CaptureConfig
+from ..data.check import check_fills_context, probe_text_column
+from ..data.corpus_blocks import plan_blocks
+from ..data.tokenize import chat_prompt_tokens
+from ...store import SINK_POSITIONS
 
 if TYPE_CHECKING:
-    from harvest.engine.addresses import Address
+    from ...engine.addresses import Address
 
 
 def resolve_model_path(path: str) -> str:
     """`smollm2` and `tiny:<arch>` aliases -> checkpoint dirs (built once); others unchanged.
     One resolver for configs, the CLI and `harvest.engine.load_model` (engine.models.resolve_model)."""
-    from harvest.engine.models import resolve_model
+    from ...engine.models import resolve_model
 
     try:
         return resolve_model(path)
@@ -44,8 +44,8 @@ def resolve_points(capture: CaptureConfig, n_layers: int, info=None) -> "tuple[A
     `name.*` expanded, every layer range-checked against the model, duplicates dropped, and
     (given the model's `info`) each point checked to exist in it (router_logits on a dense
     model, mlp_act on a MoE one are refused by name). Errors name the field."""
-    from harvest.engine.addresses import Address
-    from harvest.engine.points import BY_NAME, MODEL_LEVEL
+    from ...engine.addresses import Address
+    from ...engine.points import BY_NAME, MODEL_LEVEL
 
     parsed = getattr(capture, "parsed", None)
     if parsed is None:
@@ -85,7 +85,7 @@ def resolve_points(capture: CaptureConfig, n_layers: int, info=None) -> "tuple[A
 
 def model_facts(model: ModelConfig) -> tuple[str, Any]:
     """(the resolved checkpoint path, its config as read_model_info reads it) of `model`."""
-    from harvest.engine.checkpoint import read_model_info
+    from ...engine.checkpoint import read_model_info
 
     path = resolve_model_path(model.path)
     try:
@@ -106,7 +106,7 @@ def check_model_tp(model: ModelConfig, path: str) -> None:
     vocabulary as vLLM splits them), before Ray or an engine starts."""
     from transformers import AutoConfig
 
-    from harvest.engine.parallel import check_tp_fits
+    from ...engine.parallel import check_tp_fits
 
     try:
         check_tp_fits(model.tensor_parallel_size,
@@ -155,7 +155,7 @@ class Prepared:
 
     def point_bytes(self) -> dict:
         """point -> bytes of one stored row of it (its own width; fp8: + the scale)."""
-        from harvest.store import row_width
+        from ...store import row_width
 
         return {p: row_width(self.store_dtype, (self.widths or {}).get(p, self.width))
                 * self.itemsize for p in self.points}
@@ -168,7 +168,7 @@ class Prepared:
     @property
     def row_width(self) -> int:
         """Stored columns per buffer row of a point (the widest point's; fp8: + 4 scale bytes)."""
-        from harvest.store import row_width
+        from ...store import row_width
 
         return row_width(self.store_dtype, self.max_width)
 
@@ -210,7 +210,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     special = sorted({int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])}
                      | ({bos} if bos is not None else set()))
     if cfg.data.format == "chat":  # before Ray: a template that cannot be used stops here
-        from harvest.pipeline.data.chat import check_template, pad_token_id
+        from ..data.chat import check_template, pad_token_id
 
         check_template(tokenizer, repr(cfg.model.path))
         special = sorted(set(special) | {pad_token_id(tokenizer)})
@@ -226,7 +226,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         stored_sources = existing.plans.read_sources()
         if stored_sources is not None:
             stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
-    from harvest.store import row_width
+    from ...store import row_width
 
     # one shard size for every point (units are shard-aligned), sized for the widest
     layout = choose_layout(cfg.store, cfg.packing, cfg.ray.num_actors,
@@ -244,7 +244,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         sources = plan_blocks(cfg.data)
         probe_text_column(cfg.data, sources["blocks"])
         if cfg.data.tokens_column is not None:  # ids against the vocabulary and the tokenizer
-            from harvest.pipeline.data.token_input import check_token_source
+            from ..data.token_input import check_token_source
 
             token_source = check_token_source(cfg.data, sources["blocks"], tokenizer,
                                               info.vocab_size, cfg.model.path)
@@ -261,7 +261,7 @@ def split_scores(addresses) -> "tuple[tuple, tuple[str, ...]]":
     """(the addresses with logprob.0 / entropy.0 last, the names of those asked): the engine
     captures them all, the store keeps the scores as row columns beside the points' arrays
     (FORMAT.md "The model's next-token scores"), so they need a point to sit beside."""
-    from harvest.engine.points import LOGIT_POINTS
+    from ...engine.points import LOGIT_POINTS
 
     scored = tuple(a for a in addresses if a.name in LOGIT_POINTS)
     rest = tuple(a for a in addresses if a.name not in LOGIT_POINTS)

@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.config.corpus import DataConfig
-from harvest.pipeline.config.sections import StoreConfig
-from harvest.pipeline.errors import HarvestError, ResumeMismatch
-from harvest.pipeline.data.context_rows import Frontier, chunk_key
-from harvest.pipeline.data.blocks import check_sizes
-from harvest.pipeline.data.provenance import fingerprint_changed
-from harvest.store import redact_url, Unit
-from harvest.pipeline.data.tokenpool import Job
+from ..config.run import HarvestConfig
+from ..config.corpus import DataConfig
+from ..config.sections import StoreConfig
+from ..errors import HarvestError, ResumeMismatch
+from ..data.row_frontier import Frontier, chunk_key
+from ..data.corpus_blocks import check_sizes
+from ..data.provenance import fingerprint_changed
+from ...store import redact_url, Unit
+from ..data.tokenpool import Job
 
 RUN_ATTR = "harvest_run"
 
@@ -34,8 +34,8 @@ def probe_store(st: StoreConfig, create_bucket: bool = False):
     (created instead when `create_bucket`: the driver passes store.create_bucket, `plan` writes
     nothing), and refuses a location that holds something that is not a harvest store.
     """
-    from harvest.store import NotAHarvestStore, open_store
-    from harvest.store import locate
+    from ...store import NotAHarvestStore, open_store
+    from ...store import locate
 
     url = st.resolved_url
     try:

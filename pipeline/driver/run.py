@@ -25,20 +25,20 @@ from typing import Callable, cast
 
 from .cluster import (actor_request, actor_spec, collect_infos, ensure_ray, kill_all,
                       start_actors, start_report)
-from harvest.pipeline.config.run import HarvestConfig
+from ..config.run import HarvestConfig
 from .dispatch import Scheduler
 from .tally import DispatchReport, RunSummary
-from harvest.pipeline.errors import HarvestError
+from ..errors import HarvestError
 from .exits import orderly_signals, shutdown_ray
-from harvest.pipeline.logs import StartWatch, progress_bar
-from harvest.pipeline.data.packing import PackingError
-from harvest.pipeline.data.context_rows import sum_stats
-from harvest.pipeline.data.documents import shown_source
+from ..logs import StartWatch, progress_bar
+from ..data.packing import PackingError
+from ..data.row_frontier import sum_stats
+from ..data.documents import shown_source
 from .prepare import Prepared, prepare
 from .resume import check_resume_plan, fresh_state, resume_state
 from .sink import StoreSink, settle_or_fail
-from harvest.store import redact_url, THROTTLE, VerifyReport
-from harvest.pipeline.data.tokenpool import TokenPool, env_for_workers
+from ...store import redact_url, THROTTLE, VerifyReport
+from ..data.tokenpool import TokenPool, env_for_workers
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -247,7 +247,7 @@ def _model_check(check: dict | None, model_path: str) -> None:
     if check.get("error"):
         why = check["error"]
     else:
-        from harvest.engine.model_check import format_check
+        from ...engine.model_check import format_check
 
         why = "\n" + format_check(check)
     raise HarvestError(

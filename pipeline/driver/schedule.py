@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, get_args
 
-from harvest.pipeline.config.fields import ConfigError, check_float, check_int
+from ..config.fields import ConfigError, check_float, check_int
 from . import schedule_log
-from harvest.pipeline.config.run import HarvestConfig, from_dict
-from harvest.pipeline.driver.lease import LeaseRecord
-from harvest.pipeline.driver.tally import RunSummary
+from ..config.run import HarvestConfig, from_dict
+from .lease import LeaseRecord
+from .tally import RunSummary
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -128,10 +128,10 @@ class StoreState:
 
 
 def store_state(cfg: HarvestConfig) -> StoreState:
-    from harvest.pipeline.driver.lease import current
-    from harvest.pipeline.driver.resume import check_resume, probe_store
-    from harvest.store import locate
-    from harvest.store import redact_url
+    from .lease import current
+    from .resume import check_resume, probe_store
+    from ...store import locate
+    from ...store import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
     store = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
@@ -173,7 +173,7 @@ RunFn = Callable[..., RunSummary]
 
 
 def _default_run(cfg: HarvestConfig, stop_tokens: "int | None" = None) -> RunSummary:
-    from harvest.pipeline.driver.run import run
+    from .run import run
 
     return run(cfg, stop_tokens=stop_tokens)
 
@@ -220,21 +220,21 @@ def extend_tick(cfg: HarvestConfig, sc: ScheduleConfig, run_fn: RunFn = _default
 
 
 def _location(cfg: HarvestConfig):
-    from harvest.store import locate
+    from ...store import locate
 
     return locate(cfg.store.resolved_url, cfg.store.fs_options())
 
 
 def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
              budget: "int | None", seq: "int | None" = None, start: "dict | None" = None) -> Tick:
-    from harvest.store import redact_url
+    from ...store import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
     t0 = time.time()
     try:
         summary = run_fn(cfg, stop_tokens=stop_tokens)
     except Exception as e:  # noqa: BLE001 -- the tick reports it (exit 1) instead of a traceback
-        from harvest.store import scrub
+        from ...store import scrub
 
         tokens = _committed_after_failure(cfg)
         why = scrub(f"{type(e).__name__}: {e}", cfg.store.storage_options)
@@ -323,8 +323,8 @@ def aligned(cfg: HarvestConfig, names: list[str]) -> "str | None":
     columns, compared by the CRC32C digests of those columns in the units' commit markers (every
     row, for the price of reading the markers; harvest.store.commit.alignment). Else what differs,
     naming the unit and the first differing row (a tokenizer or data change between checkpoints)."""
-    from harvest.store import open_store
-    from harvest.store import StoresNotAligned, check_aligned
+    from ...store import open_store
+    from ...store import StoresNotAligned, check_aligned
 
     finished = []
     for name in names:
@@ -351,7 +351,7 @@ def notify(url: str, ticks: list[Tick], timeout: float = 10.0) -> "str | None":
     error string instead of raising: a dead webhook must not hide the tick's own exit code.
     The error names the webhook by its scheme and host only: a Slack or Teams webhook's path
     is its secret, and this string is printed and logged."""
-    from harvest.store import mask_text, url_origin
+    from ...store import mask_text, url_origin
 
     worst = max(ticks, key=lambda t: t.exit_code)
     body = json.dumps({"text": f"harvest schedule: {worst.status}: {worst.message}",

@@ -41,7 +41,7 @@ def record_tick(loc, summary: Mapping[str, Any], started: float, seq: "int | Non
 
 def _record(loc, rec: Mapping[str, Any], storage_options: "dict | None") -> bytes:
     """A record's bytes, redacted (module docstring); JSON-safe through str() first."""
-    from harvest.store import redact_attrs
+    from ...store import redact_attrs
 
     plain = json.loads(json.dumps(rec, default=str))
     so = storage_options if storage_options is not None else getattr(loc, "storage_options", None)

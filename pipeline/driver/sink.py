@@ -25,16 +25,16 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from harvest.pipeline.data.chat import chat_attrs
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.errors import HarvestError
-from harvest.pipeline.messages import ActorInfo
-from harvest.pipeline.actor.generation import store_attrs
+from ..data.chat import chat_attrs
+from ..config.run import HarvestConfig
+from ..errors import HarvestError
+from ..messages import ActorInfo
+from ..actor.generation import store_attrs
 from .lease import Lease, refuse_if_held
 from .prepare import Prepared
 from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
-from harvest.store import locate, redact_url, Store, VerifyReport
+from ...store import locate, redact_url, Store, VerifyReport
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -73,9 +73,9 @@ class StoreSink:
 
     def create(self, prep: Prepared, info0: ActorInfo, chunk_contexts: int):
         """The new store: layout from the plan, attributes from the run and actor 0's engine."""
-        from harvest.store import create_store
+        from ...store import create_store
 
-        from harvest.pipeline.data.provenance import run_provenance
+        from ..data.provenance import run_provenance
 
         cfg = self.cfg
         self.lease.assert_held("creating the store")
@@ -134,7 +134,7 @@ class StoreSink:
         its plan was not fully committed gets its capacity back, and committed units without a
         publish record are published, or uncommitted (loudly) when their data is gone, so the
         resume re-captures them (store/commit/published.py)."""
-        from harvest.store import plan_gap, unfinalize
+        from ...store import plan_gap, unfinalize
 
         self.lease.assert_held("checking the committed units")
         gap = plan_gap(store)
@@ -193,7 +193,7 @@ class StoreSink:
 
 def settle(store, shown_url: str, repair: bool) -> dict:
     """store.settle, its findings logged (store/commit/published.py)."""
-    from harvest.store import settle_text
+    from ...store import settle_text
 
     report = store.settle(repair=repair)
     if report["published"]:
@@ -209,7 +209,7 @@ def settle_or_fail(store, shown_url: str) -> None:
     """Before a run certifies its store (finalize, or a paused tick's verify): every committed
     unit published, or those whose data is gone uncommitted and the run failed, naming them (a
     re-run re-captures them)."""
-    from harvest.store import settle_text
+    from ...store import settle_text
 
     report = settle(store, shown_url, repair=True)
     if report["uncommitted"]:

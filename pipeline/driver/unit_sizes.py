@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harvest.pipeline.config.corpus import PackingConfig
-from harvest.pipeline.config.sections import StoreConfig
-from harvest.store import CAPACITY_ROWS, choose_sizes
+from ..config.corpus import PackingConfig
+from ..config.sections import StoreConfig
+from ...store import CAPACITY_ROWS, choose_sizes
 
 UNITS_PER_ACTOR = 4
 

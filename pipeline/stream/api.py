@@ -30,17 +30,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harvest.pipeline.config.run import HarvestConfig, load_config
-from harvest.pipeline.actor.outbox import rss_bytes
-from harvest.pipeline.errors import HarvestError
-from harvest.pipeline.messages import StreamInfo
-from harvest.store import (codec_pool, FP8_NAME, is_quantized, raw_dtype, ReaderConfig,
+from ..config.run import HarvestConfig, load_config
+from ..actor.outbox import rss_bytes
+from ..errors import HarvestError
+from ..messages import StreamInfo
+from ...store import (codec_pool, FP8_NAME, is_quantized, raw_dtype, ReaderConfig,
                            resolve_dtype, row_width, torch_dtype)
-from harvest.store.read import normalize as _norm
-from harvest.store.read.feed.batching import BatchBuffers, Tally, batches
-from harvest.store.read.shuffle.mixing import doc_stats, expected_distinct
-from harvest.store.read.shuffle.order import rank_world
-from harvest.store.read.tensors import RowForm, emit_rows
+from ...store.read import normalize as _norm
+from ...store.read.feed.batching import BatchBuffers, Tally, batches
+from ...store.read.shuffle.mixing import doc_stats, expected_distinct
+from ...store.read.shuffle.order import rank_world
+from ...store.read.tensors import RowForm, emit_rows
 
 from .coordinator import NAMESPACE, StreamCoordinator, coordinator_name
 from .progress import Progress, from_ranges
@@ -140,7 +140,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
     def _connect(self):
         import ray
 
-        from harvest.pipeline.driver.cluster import forwarded_env
+        from ..driver.cluster import forwarded_env
 
         if not ray.is_initialized():
             raise HarvestError("harvest.stream: connect to the Ray cluster first "

@@ -23,16 +23,16 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.driver.run import run
-from harvest.pipeline.errors import HarvestError
-from harvest.pipeline.messages import StreamInfo, StreamStatus
+from ..config.run import HarvestConfig
+from ..driver.run import run
+from ..errors import HarvestError
+from ..messages import StreamInfo, StreamStatus
 
 from .hooks import StreamHooks
 from .progress import from_ranges
 
 if TYPE_CHECKING:
-    from harvest.store.read.normalize import NormConstants
+    from ...store.read.normalize import NormConstants
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -194,7 +194,7 @@ class StreamCoordinator:
     def norm(self, mode: str, points: list, eps: float):
         """The normalisation constants of every rank's first window merged (None until each
         rank shared its own): one set for all ranks, recorded here and in each rank's state."""
-        from harvest.store.read.normalize import constants
+        from ...store.read.normalize import constants
 
         with self._lock:
             if self.constants is None and len(self.moments) == self.G:

@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from harvest.pipeline.data.rows import unit_rows
-from harvest.pipeline.messages import UnitDeal, UnitTask
+from ..data.unit_rows import unit_rows
+from ..messages import UnitDeal, UnitTask
 
 
 class Deal:

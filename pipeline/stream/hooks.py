@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.driver.sink import StoreSink
-from harvest.pipeline.errors import HarvestError
-from harvest.pipeline.messages import StreamInfo, StreamSpec
-from harvest.store import redact_url, roles as _roles, RowFilter, sink_positions
+from ..config.run import HarvestConfig
+from ..driver.sink import StoreSink
+from ..errors import HarvestError
+from ..messages import StreamInfo, StreamSpec
+from ...store import redact_url, roles as _roles, RowFilter, sink_positions
 
 from .deal import Deal
 

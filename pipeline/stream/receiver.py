@@ -22,8 +22,8 @@ import logging
 import threading
 import time
 
-from harvest.pipeline.errors import HarvestError
-from harvest.pipeline.messages import StreamInfo, StreamRows
+from ..errors import HarvestError
+from ..messages import StreamInfo, StreamRows
 
 from .progress import Progress
 from .windows import Windows

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from harvest.store.read.feed.readahead import Ready
+from ...store.read.feed.readahead import Ready
 
 META = ("token_id", "doc_id", "position")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harvest.store.format import layout
-from harvest.store.commit.objects import read_meta
-from harvest.store.commit.tables import shard_record
+from ..format import layout
+from .objects import read_meta
+from .tables import shard_record
 
 # compared in every pair: what makes a row "the same token" (what `harvest schedule checkpoints`
 # checks too); the optional columns are compared where both stores have them

@@ -16,16 +16,16 @@ import numpy as np
 import zarr
 
 from . import markers as _commits
-from harvest.store.format import layout
-from harvest.store import card as _card
-from harvest.store.storage.credentials import redact_attrs
+from ..format import layout
+from .. import card as _card
+from ..storage.credentials import redact_attrs
 from . import published as _published
-from harvest.store.errors import DataIntegrityError, StoreError
-from harvest.store.format.jsonattrs import jsonable as _jsonable, now as _now
+from ..errors import DataIntegrityError, StoreError
+from ..format.jsonattrs import jsonable as _jsonable, now as _now
 from .objects import abort_losing_uploads, attempt_objects
 
 if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.finalize
-    from harvest.store.store import Store
+    from ..store import Store
 
 
 def plan_gap(store: Store) -> "str | None":

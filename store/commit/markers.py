@@ -35,10 +35,10 @@ import socket
 import zlib
 from typing import Iterable, Iterator
 
-from harvest.store.format import layout
+from ..format import layout
 from . import tables as _tables
 from . import trust
-from harvest.store.storage.locate import Location
+from ..storage.locate import Location
 
 log = logging.getLogger(__name__)
 

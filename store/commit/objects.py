@@ -23,9 +23,9 @@ from typing import Protocol
 
 import numpy as np
 
-from harvest.store.format import checksum, layout
-from harvest.store.errors import DataIntegrityError, RecordError
-from harvest.store.stats.moments import crc32c
+from ..format import checksum, layout
+from ..errors import DataIntegrityError, RecordError
+from ..stats.moments import crc32c
 from .tables import shard_record, unit_shards
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | No
     **damaged** (a copy of another size or CRC32C), the last two at once and never as zeros."""
     import time
 
-    from harvest.store.storage.credentials import redact_url
+    from ..storage.credentials import redact_url
 
     blob, tried, damaged = _read_first(loc, keys, want_crc, want_size)
     if blob is None and not damaged and len(keys) > 1:

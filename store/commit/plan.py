@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Iterable
 
-from harvest.store.format import layout
-from harvest.store.storage.locate import Location
+from ..format import layout
+from ..storage.locate import Location
 from . import trust
 
 

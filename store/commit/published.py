@@ -39,10 +39,10 @@ import json
 import logging
 from dataclasses import dataclass
 
-from harvest.store.format import layout
+from ..format import layout
 from .markers import attempt_token
-from harvest.store.errors import DataIntegrityError, StoreError
-from harvest.store.format.jsonattrs import now as _now
+from ..errors import DataIntegrityError, StoreError
+from ..format.jsonattrs import now as _now
 from .objects import complete_uploads, repair_hint
 from .tables import unit_shards
 

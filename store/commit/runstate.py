@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from harvest.store.errors import StoreError
+from ..errors import StoreError
 
 LEASE_DIR = "_harvest/lease"
 DEFAULT_LEASE_SECONDS = 120.0   # the driver's default store.lease_seconds

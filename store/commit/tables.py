@@ -28,8 +28,8 @@ import json
 import threading
 from collections import OrderedDict
 
-from harvest.store.errors import DataIntegrityError
-from harvest.store.format import layout
+from ..errors import DataIntegrityError
+from ..format import layout
 from . import trust
 
 # Tables one Store object keeps parsed. A 512-shard x 32-point table is ~2 MB parsed; a reader's

@@ -24,8 +24,8 @@ import re
 import zlib
 from typing import Iterator
 
-from harvest.store.errors import CorruptGzip, RecordError
-from harvest.store.format import layout
+from ..errors import CorruptGzip, RecordError
+from ..format import layout
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # A marker's JSON is ~1-2 KB (markersize.py: fixed size whatever the shard count from layout 3);
 # a layout-2 marker carries its shard records inline: 64 KiB per shard is far above any writer's.

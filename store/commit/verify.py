@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import markers as _commits
-from harvest.store.format import layout
-from harvest.store.stats import moments as _moments
+from ..format import layout
+from ..stats import moments as _moments
 from . import published as _published
 from .objects import attempt_objects, read_meta, read_point
 from .tables import shard_ids, unit_shards
 from .plan import check_units
 
 if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.verify
-    from harvest.store.store import Store
+    from ..store import Store
 
 _MAX_ERRORS = 200
 _DIAGNOSED = 5   # unpublished units whose objects verify's default mode stats (the first few)
@@ -189,7 +189,7 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyRep
 def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
     """Committed units without a publish record (published.py), the first few diagnosed: one
     listing of pending uploads and a stat per object of those units."""
-    from harvest.store.storage.credentials import redact_url
+    from ..storage.credentials import redact_url
 
     url = redact_url(store.url)
     out = [f"{n} committed units are not published (no publish record): readers that know only "

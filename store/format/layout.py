@@ -11,7 +11,7 @@ import json
 import math
 import re
 
-from harvest.store.errors import NotAHarvestStore, UnknownLayoutVersion
+from ..errors import NotAHarvestStore, UnknownLayoutVersion
 
 LAYOUT_NAME = "harvest.activations"
 # Version 3 moved the per-shard records out of the commit marker into a per-unit object table
@@ -30,7 +30,7 @@ SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4)
 # generation stores only (create_store(generated=True)); `sample` (int16: which of a prompt's n
 # samples a row belongs to, FORMAT.md "Generation"): stores of n > 1 samples per prompt only
 # (create_store(samples=True)); a generation store without it reads as sample 0 everywhere.
-# `source_row` (int64): a shuffled copy's rows (store/permuted.py, FORMAT.md "Shuffled copies")
+# `source_row` (int64): a shuffled copy's rows (store/shuffled_copy.py, FORMAT.md "Shuffled copies")
 # say which row of the source store they are; a row's context position is then
 # source_row % context_size, not its own index % context_size.
 # `logprob`, `entropy` (float32): the model's own next-token scores of each row (FORMAT.md "The
@@ -396,7 +396,7 @@ MAX_SHARD_BYTES = 4 << 30     # one decoded shard of one point (TARGET_SHARD_BYT
 
 def check_geometry(h: dict, where: str) -> None:
     """Points, widths and row counts within the bounds above, each a field named on refusal."""
-    from harvest.store.errors import RecordError
+    from ..errors import RecordError
 
     def bad(field: str, why: str) -> RecordError:
         return RecordError(f"{where}: field 'attributes.harvest.{field}' {why}; not a store this "

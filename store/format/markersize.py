@@ -10,8 +10,8 @@ from __future__ import annotations
 import socket
 
 from . import layout
-from harvest.store.commit import tables as _tables
-from harvest.store.commit.markers import Prepared, encode_marker, prepare
+from ..commit import tables as _tables
+from ..commit.markers import Prepared, encode_marker, prepare
 
 # A CRC32C is uniform over 32 bits, so most (98%) have 10 decimal digits: the size estimate
 # writes this one wherever the marker holds a digest.

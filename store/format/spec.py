@@ -27,7 +27,7 @@ from . import compression as _compression
 from . import fp8 as _fp8
 from . import layout
 from .dtypes import canonical_name, resolve_dtype, row_width
-from harvest.store.keywordconfig import config_from
+from ..keywordconfig import config_from
 
 
 def column(name: str) -> Any:
@@ -81,7 +81,7 @@ class StoreSpec:
     roles: bool = column("role")
     generated: bool = column("gen")
     samples: bool = column("sample")
-    source_rows: bool = column("source_row")   # a shuffled copy (store/permuted.py)
+    source_rows: bool = column("source_row")   # a shuffled copy (store/shuffled_copy.py)
     # the model's next-token scores of each row (capture.points logprob / entropy)
     logprob: bool = column("logprob")
     entropy: bool = column("entropy")

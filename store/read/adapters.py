@@ -42,8 +42,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from harvest.store.read.dataset import ActivationDataset
-from harvest.store.read.paired import PairedDataset
+from .dataset import ActivationDataset
+from .paired import PairedDataset
 
 
 def _dataset(source) -> ActivationDataset | None:

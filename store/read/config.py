@@ -18,13 +18,13 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harvest.store.read.filters import check_split
-from harvest.store.keywordconfig import config_from
+from .filters import check_split
+from ..keywordconfig import config_from
 
 if TYPE_CHECKING:
     import torch
 
-    from harvest.store.read.normalize import NormConstants
+    from .normalize import NormConstants
 
 NORMALIZE_MODES = (None, "standardize", "norm_scale", "center_norm_scale")
 

@@ -35,25 +35,25 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from harvest.store.read.feed import handoff
-from harvest.store.read.shuffle import mixing, permute
-from harvest.store.read import normalize as _norm
-from harvest.store.read.feed.batching import BatchBuffers, Tally, batches
-from harvest.store.format import layout
-from harvest.store.format.dtypes import raw_dtype, torch_dtype
-from harvest.store.read.follow import FollowMode
-from harvest.store.read.filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
-from harvest.store.format.roles import resolve_roles
-from harvest.store.read.feed.loader import ActivationLoader
-from harvest.store.commit.objects import CommittedMeta, read_point
-from harvest.store.read.feed.readahead import Arenas, WindowFinisher, WindowReader
-from harvest.store.read.config import ReaderConfig
-from harvest.store.read.shuffle.order import PiecePlanning, committed_pieces, rank_world
-from harvest.store.read.shuffle.sampling import lane, worker_share
-from harvest.store.format.shardcodec import codec_pool
-from harvest.store.store import Store, open_store
-from harvest.store.read.feed.workermem import cap_malloc_arenas
-from harvest.store.read.tensors import RowForm, emit_rows
+from .feed import handoff
+from .shuffle import mixing, permute
+from . import normalize as _norm
+from .feed.batching import BatchBuffers, Tally, batches
+from ..format import layout
+from ..format.dtypes import raw_dtype, torch_dtype
+from .follow import FollowMode
+from .filters import RowFilter, sink_positions, store_context_size, store_facts, store_special_ids
+from ..format.roles import resolve_roles
+from .feed.loader import ActivationLoader
+from ..commit.objects import CommittedMeta, read_point
+from .feed.readahead import Arenas, WindowFinisher, WindowReader
+from .config import ReaderConfig
+from .shuffle.order import PiecePlanning, committed_pieces, rank_world
+from .shuffle.sampling import lane, worker_share
+from ..format.shardcodec import codec_pool
+from ..store import Store, open_store
+from .feed.workermem import cap_malloc_arenas
+from .tensors import RowForm, emit_rows
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
 
     def __new__(cls, store=None, *args, **kwargs) -> Any:
         if isinstance(store, (list, tuple)):
-            from harvest.store.read.paired import PairedDataset   # it builds one of these per store
+            from .paired import PairedDataset   # it builds one of these per store
             return PairedDataset(store, *args, member=cls, **kwargs)
         return super().__new__(cls)
 

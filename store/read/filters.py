@@ -148,7 +148,7 @@ class RowFilter:
     # a generation store: rows whose `gen` says they hold no activations (the last sampled token,
     # dropped prompts, padding; FORMAT.md "Generation") are never yielded, whatever else is asked
     generated: bool = False
-    # a shuffled copy (store/permuted.py): a row's context position is its `source_row` column
+    # a shuffled copy (store/shuffled_copy.py): a row's context position is its `source_row` column
     # % context_size, not its own index
     source_rows: bool = False
 
@@ -223,7 +223,7 @@ class RowFilter:
         """Boolean keep-mask of rows [a, b), or None when every row is kept."""
         m = None
         if self.generated:
-            from harvest.store.format.layout import GEN_HAS_ACTS
+            from ..format.layout import GEN_HAS_ACTS
 
             m = np.isin(gen, GEN_HAS_ACTS)
         if self._pos_keep is not None:

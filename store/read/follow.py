@@ -32,17 +32,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from harvest.store.commit.objects import read_meta, read_point
-from harvest.store.errors import StoreError
-from harvest.store.read.feed.batching import BatchBuffers, Tally, batches
-from harvest.store.read.filters import RowFilter
-from harvest.store.read.feed.readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
-from harvest.store.read.rows import lite
-from harvest.store.commit.runstate import FollowTimeout, RunState, run_state
-from harvest.store.read.shuffle.sampling import Take, lane, worker_share
-from harvest.store.format.shardcodec import codec_pool
-from harvest.store.store import Store
-from harvest.store.read.feed.workermem import cap_malloc_arenas
+from ..commit.objects import read_meta, read_point
+from ..errors import StoreError
+from .feed.batching import BatchBuffers, Tally, batches
+from .filters import RowFilter
+from .feed.readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
+from .checked_rows import lite
+from ..commit.runstate import FollowTimeout, RunState, run_state
+from .shuffle.sampling import Take, lane, worker_share
+from ..format.shardcodec import codec_pool
+from ..store import Store
+from .feed.workermem import cap_malloc_arenas
 
 _GATHER_AHEAD = 4
 

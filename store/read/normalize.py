@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harvest.store.format import fp8 as _fp8
-from harvest.store.format.dtypes import BF16, FP8_NAME
-from harvest.store.read.filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
-from harvest.store.commit.objects import read_point
-from harvest.store.format.roles import captured_codes
-from harvest.store.stats.moments import Moments
-from harvest.store.read.config import NORMALIZE_MODES
+from ..format import fp8 as _fp8
+from ..format.dtypes import BF16, FP8_NAME
+from .filters import RowFilter, matches_recorded, recorded_stats_filter, store_facts
+from ..commit.objects import read_point
+from ..format.roles import captured_codes
+from ..stats.moments import Moments
+from .config import NORMALIZE_MODES
 
 log = logging.getLogger(__name__)
 

@@ -35,12 +35,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from harvest.store.commit.alignment import AlignmentReport, StoresNotAligned, check_aligned
-from harvest.store.errors import DataIntegrityError
-from harvest.store.store import Store, open_store
-from harvest.store.read.config import ReaderConfig
-from harvest.store.read.filters import store_context_size, store_facts
-from harvest.store.read.feed.loader import ActivationLoader
+from ..commit.alignment import AlignmentReport, StoresNotAligned, check_aligned
+from ..errors import DataIntegrityError
+from ..store import Store, open_store
+from .config import ReaderConfig
+from .filters import store_context_size, store_facts
+from .feed.loader import ActivationLoader
 
 _DEFAULT_BUFFER_BYTES = 1 << 30   # the shuffle window of all stores together, as for one store
 FORMS = ("stack", "dict")

@@ -16,10 +16,10 @@ import torch
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harvest.store.format.dtypes import torch_view
+from ..format.dtypes import torch_view
 
 if TYPE_CHECKING:
-    from harvest.store.read.normalize import NormConstants
+    from .normalize import NormConstants
 
 
 def fp8_split(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,9 @@ from typing import Sequence
 
 import zarr
 
-from harvest.store.format import layout
+from ..format import layout
 from . import moments as _moments
-from harvest.store.errors import StoreError
+from ..errors import StoreError
 
 
 def _check_partial(raw, stats_ref: dict, unit_id: int) -> dict:

@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from harvest.store.format.dtypes import BF16
+from ..format.dtypes import BF16
 from .moments import Moments
 
 _lock = threading.Lock()
@@ -70,7 +70,7 @@ def chunk_subsets(rows: np.ndarray, cls: np.ndarray, quantized: bool = False
         return None
     args: tuple
     if quantized:
-        from harvest.store.format.fp8 import SCALE_BYTES
+        from ..format.fp8 import SCALE_BYTES
 
         w = rows.shape[1] - SCALE_BYTES
         scale = np.ascontiguousarray(rows[:, w:]).view("<f4")[:, 0].astype(np.float32)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harvest.store.format import checksum
-from harvest.store.format.dtypes import BF16
+from ..format import checksum
+from ..format.dtypes import BF16
 
 _BLOCK_ROWS = 256  # float64 working set per block (rows x width x 8 bytes) that stays in L2
 

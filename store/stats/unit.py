@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from harvest.store.format import layout
+from ..format import layout
 from .kernel import chunk_subsets, classes
 from .moments import Moments, merge_all, subsets_of
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, ClassVar, NotRequired, TypedDict
 
 from .credentials import scrub
-from harvest.store.errors import RecordError, StoreAccessError
-from harvest.store.format.layout import check_rel
+from ..errors import RecordError, StoreAccessError
+from ..format.layout import check_rel
 from .retries import RetryBudgetExceeded, with_retries
 
 

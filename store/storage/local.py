@@ -18,7 +18,7 @@ from typing import ClassVar
 import fsspec
 
 from .interface import Storage
-from harvest.store.errors import RecordError
+from ..errors import RecordError
 
 
 def _fsync_dir(path: str) -> None:

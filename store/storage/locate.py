@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from .credentials import scrub, userinfo
-from harvest.store.errors import StoreAccessError
+from ..errors import StoreAccessError
 from .interface import Storage
 from .local import LocalStorage
 from .memory import MemoryStorage

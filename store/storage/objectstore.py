@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import fsspec
 
-from harvest.store.errors import StoreAccessError
+from ..errors import StoreAccessError
 from .credentials import scrub
 from .retries import with_retries
 from .interface import Storage
@@ -161,7 +161,7 @@ class ObjectStorage(Storage):
         writer's own threads (see shardcodec.lower_priority)."""
         from fsspec.asyn import get_loop
 
-        from harvest.store.format.shardcodec import lower_priority
+        from ..format.shardcodec import lower_priority
 
         get_loop().call_soon_threadsafe(lower_priority)
 

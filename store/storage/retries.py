@@ -10,7 +10,7 @@ import re
 import time
 from typing import Callable, TypeVar
 
-from harvest.store.errors import StoreAccessError
+from ..errors import StoreAccessError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

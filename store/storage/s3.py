@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from harvest.store.errors import StoreAccessError
+from ..errors import StoreAccessError
 from .retries import is_throttle, with_retries
 from .interface import RequestLimits, UploadRecord
 from .objectstore import ObjectStorage
@@ -238,7 +238,7 @@ class S3Storage(ObjectStorage):
         with _PROBE_LOCK:
             if probe_key in _CREATE_ONCE_PROBES:
                 return _CREATE_ONCE_PROBES[probe_key]
-            from harvest.store.format.layout import PROBE_DIR
+            from ..format.layout import PROBE_DIR
 
             path = self.key(f"{PROBE_DIR}/{uuid.uuid4().hex}")
             honoured = False

@@ -12,17 +12,17 @@ from typing import Sequence, cast
 import numpy as np
 import zarr
 
-from harvest import __version__   # the one version; not `from . import`: the package imports this module
+from ... import __version__   # the one version: harvest's own (the store package imports this module)
 
-from harvest.store.format import compression as _compression
-from harvest.store.format import layout
-from harvest.store.storage.locate import Location, locate
-from harvest.store.storage.credentials import redact_attrs
-from harvest.store.format.dtypes import resolve_dtype, row_width, zarr_dtype
-from harvest.store.errors import StoreError
-from harvest.store.format.jsonattrs import jsonable as _jsonable, now as _now
-from harvest.store.store import Store, open_store
-from harvest.store.format.spec import StoreSpec
+from ..format import compression as _compression
+from ..format import layout
+from ..storage.locate import Location, locate
+from ..storage.credentials import redact_attrs
+from ..format.dtypes import resolve_dtype, row_width, zarr_dtype
+from ..errors import StoreError
+from ..format.jsonattrs import jsonable as _jsonable, now as _now
+from ..store import Store, open_store
+from ..format.spec import StoreSpec
 
 
 def _versions() -> dict:

@@ -26,7 +26,7 @@ import threading
 
 import google_crc32c
 
-from harvest.store.format import checksum
+from ..format import checksum
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.store.format import layout
-from harvest.store.stats.moments import crc32c
+from ..format import layout
+from ..stats.moments import crc32c
 
 
 # why a store lacks an optional column, and how to get a store that has it (FORMAT.md)

@@ -22,7 +22,7 @@ never wrong, and rare with max_open_shards >= 2.
 Every object is written under this attempt's name or as an upload only its commit completes
 (streams.py, store/storage/interface.py), and recorded, so a failed or conflicting attempt removes exactly what it
 wrote. writer.py holds the API (write, reserve, commit, abort) on top of this class; the unit's
-statistics merge in store/stats/unit.py, an evicted block's scratch objects are blocks.py's
+statistics merge in store/stats/unit.py, an evicted block's scratch objects are block_buffers.py's
 (flush_partial, unflush), and removing an attempt's objects is streams.discard.
 """
 
@@ -37,16 +37,16 @@ from collections import OrderedDict
 import google_crc32c
 import numpy as np
 
-from harvest.store.format import layout
-from harvest.store.stats import moments as _moments
-from harvest.store.stats.unit import BlockStats, chunk_partials
-from harvest.store.storage.credentials import scrub
-from harvest.store.format import fp8 as _fp8
-from harvest.store.format.dtypes import raw_dtype
-from harvest.store.errors import RegionConflict, RegionWriteFailed, StoreError
-from harvest.store.format.shardcodec import lower_priority
-from harvest.store.format.roles import captured_codes
-from .blocks import Shard, flush_partial, shard_buffers, unflush
+from ..format import layout
+from ..stats import moments as _moments
+from ..stats.unit import BlockStats, chunk_partials
+from ..storage.credentials import scrub
+from ..format import fp8 as _fp8
+from ..format.dtypes import raw_dtype
+from ..errors import RegionConflict, RegionWriteFailed, StoreError
+from ..format.shardcodec import lower_priority
+from ..format.roles import captured_codes
+from .block_buffers import BlockBuffer, flush_partial, shard_buffers, unflush
 from .streams import ObjectStream, crc32c_combine, discard, write_small
 from .unitmeta import UnitMeta
 
@@ -108,8 +108,8 @@ class ShardUploads:
         self._blocks_done: dict[int, int] = {}  # shard -> blocks handed to the encoders
         self._meta = UnitMeta(unit_id, row_start, row_end, store.stats_filter(),
                               list(store.meta_columns), captured_codes(store))
-        self._states: dict[int, Shard] = {}     # block id -> its buffer state
-        self._open: "OrderedDict[int, Shard]" = OrderedDict()
+        self._states: dict[int, BlockBuffer] = {}     # block id -> its buffer state
+        self._open: "OrderedDict[int, BlockBuffer]" = OrderedDict()
         self._pending: "OrderedDict[int | tuple[str, int], list[cf.Future]]" = OrderedDict()
         self._done: set[int | tuple[str, int]] = set()   # blocks (and ("meta", chunk)) uploaded
         self._checked: set[int] = set()         # shards whose first block looked for a marker
@@ -201,14 +201,14 @@ class ShardUploads:
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
                                  f"{other.get('attempt')}); this writer stopped before uploading more")
 
-    def _shard_for_write(self, b: int) -> Shard:
-        """Block `b`'s open buffer (a `Shard` state at block granularity)."""
+    def _shard_for_write(self, b: int) -> BlockBuffer:
+        """Block `b`'s open buffer (a `BlockBuffer` state at block granularity)."""
         sh = self._open.get(b)
         if sh is None:
             sh = self._states.get(b)
             if sh is None:
                 s0, s1 = self.block_span(b)
-                sh = self._states[b] = Shard(b, s0, s1)
+                sh = self._states[b] = BlockBuffer(b, s0, s1)
             while len(self._open) >= self.max_open_shards:
                 # the least recently touched block nobody is writing in place; when all are
                 # pinned, open one more (memory then bounded by the producer's rows in flight)
@@ -238,7 +238,7 @@ class ShardUploads:
         self._buffers.give(sh.data)
         sh.data = None
 
-    def _flush_partial(self, sh: Shard) -> None:
+    def _flush_partial(self, sh: BlockBuffer) -> None:
         """An evicted shard's filled rows go to scratch objects of this attempt (raw rows of every
         point), read back when the shard completes; never into an object a reader may trust."""
         try:
@@ -247,7 +247,7 @@ class ShardUploads:
             self._fail(e, f"scratch upload of block {sh.index}")
             self._raise_failed()
 
-    def _unflush(self, sh: Shard) -> None:
+    def _unflush(self, sh: BlockBuffer) -> None:
         """Rows an eviction put in scratch objects, back into the shard's buffer."""
         try:
             unflush(sh, self._store.location, self.retries)
@@ -255,7 +255,7 @@ class ShardUploads:
             self._fail(e, f"reading back evicted rows of block {sh.index}")
             self._raise_failed()
 
-    def _complete(self, sh: Shard) -> None:
+    def _complete(self, sh: BlockBuffer) -> None:
         """Block `sh` has all its rows: encode and append it to its shard's objects (threads)."""
         del self._open[sh.index]
         si = sh.start // self._store.shard_rows
@@ -328,7 +328,7 @@ class ShardUploads:
                     self._blocks_of[si], self._codecs[p].index_tail)
             return st
 
-    def _upload_point(self, sh: Shard, p: int) -> None:
+    def _upload_point(self, sh: BlockBuffer, p: int) -> None:
         """Encode block `sh` of point `p` and append it to the point's shard object; the last
         block of a shard finishes the object."""
         if self._failed is not None or self._closed:

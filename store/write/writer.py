@@ -23,18 +23,18 @@ import time
 
 import numpy as np
 
-from harvest.store.commit import markers as _commits
-from harvest.store.commit import tables as _tables
-from harvest.store.format import layout
-from harvest.store.stats import moments as _moments
-from harvest.store.storage.credentials import redact_attrs, scrub
-from harvest.store.format import fp8 as _fp8
-from harvest.store.format.dtypes import dtype_name
-from harvest.store.errors import RegionConflict, RegionWriteFailed
-from harvest.store.format.jsonattrs import jsonable as _jsonable
-from harvest.store.commit import published as _published
-from harvest.store.commit.objects import publish
-from .blocks import Shard, runs, to_numpy
+from ..commit import markers as _commits
+from ..commit import tables as _tables
+from ..format import layout
+from ..stats import moments as _moments
+from ..storage.credentials import redact_attrs, scrub
+from ..format import fp8 as _fp8
+from ..format.dtypes import dtype_name
+from ..errors import RegionConflict, RegionWriteFailed
+from ..format.jsonattrs import jsonable as _jsonable
+from ..commit import published as _published
+from ..commit.objects import publish
+from .block_buffers import BlockBuffer, runs, to_numpy
 from .uploads import ShardUploads
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class RegionWriter(ShardUploads):
         `role` (chat stores) and `gen` (generation stores, FORMAT.md "Generation"): 0 when
         omitted in a store that has the column; refused in a store without it. Likewise `sample`
         (stores of n > 1 samples per prompt). `source_row`: required in a shuffled copy
-        (store/permuted.py), refused elsewhere."""
+        (store/shuffled_copy.py), refused elsewhere."""
         if self.already_committed:
             return
         self._check_usable()
@@ -203,7 +203,7 @@ class RegionWriter(ShardUploads):
         self._filled(sh, o0, o1)
         self._reap()
 
-    def _filled(self, sh: Shard, o0: int, o1: int) -> None:
+    def _filled(self, sh: BlockBuffer, o0: int, o1: int) -> None:
         sh.filled[o0:o1] = True
         sh.n_filled += o1 - o0
         self.rows_written += o1 - o0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from harvest.engine.capture import blocks
+from harvest.engine.capture import block_stream
 from harvest.engine.capture import probe
 from harvest.engine.capture import taps
 from harvest.engine.addresses import Address, FreezeSet
@@ -241,7 +241,7 @@ def test_block_without_a_known_mlp_name_refuses_mlp_out_on_both_backends():
     m.layers = nn.ModuleList(Renamed("plain", i) for i in range(3))
     ids = torch.arange(T) % 50
     probed = probe.decide(m.layers, lambda: m(ids), lambda: m.embed_ids(ids), W)
-    hf = blocks.Trunk(m.layers, [blocks.hf_semantics(layer) for layer in m.layers])
+    hf = block_stream.Trunk(m.layers, [block_stream.hf_semantics(layer) for layer in m.layers])
     for trunk in (probed, hf):
         taps.check_supported(trunk, [Address("attn_out", 1)])
         with pytest.raises(ValueError, match="block Renamed serves no mlp_out .*block_sparse_moe"):

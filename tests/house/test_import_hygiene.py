@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 HIDE = hiding("vllm", "ray")
 
 MODULES = ("harvest.engine.capture.taps", "harvest.engine.capture.transport", "harvest.engine.capture.coverage",
-           "harvest.engine.addresses", "harvest.engine.capture.blocks", "harvest.store.write.writer",
+           "harvest.engine.addresses", "harvest.engine.capture.block_stream", "harvest.store.write.writer",
            "harvest.store.read.dataset", "harvest.store.read.adapters")
 
 

@@ -61,7 +61,7 @@ def test_every_import_points_down_the_layers():
 
 def test_an_upward_or_outward_import_is_found():
     graph = {"harvest.pipeline.config.run": {"harvest.pipeline.actor.engine"},
-             "harvest.pipeline.driver.run": {"harvest.pipeline.data.rows", "harvest.pipeline.errors"},
+             "harvest.pipeline.driver.run": {"harvest.pipeline.data.unit_rows", "harvest.pipeline.errors"},
              "harvest.pipeline.errors": {"harvest.pipeline.config.run"},
              "harvest.store.store": {"harvest", "harvest.pipeline.errors", "harvest.store.read"},
              "harvest.engine.load": {"harvest.store.format.dtypes"}}

@@ -12,6 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.import_graph import _target
+from tests.support.source_tree import modules
+
 REPO = Path(__file__).resolve().parents[2]
 HELD = ("pipeline", "examples", "jobs", "packages")
 
@@ -32,14 +35,22 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
-def store_imports(path: Path) -> list[tuple[str, list[str], int]]:
+def store_imports(path: Path, module: str | None = None,
+                  is_pkg: bool = False) -> list[tuple[str, list[str], int]]:
     """(store module, names, line) of every import of harvest.store in `path`, anywhere in it
-    (`import harvest.store.x` gives the module and no names)."""
+    (`import harvest.store.x` gives the module and no names). `module`: the file's module name
+    inside the package (relative imports are resolved from it); None outside the package."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
-                (node.module == "harvest.store" or node.module.startswith("harvest.store.")):
-            out.append((node.module, [a.name for a in node.names], node.lineno))
+        if isinstance(node, ast.ImportFrom) and (node.level == 0 or module):
+            target = _target(module, is_pkg, node) if node.level else (node.module or "")
+            if (target == "harvest" and "store" in [a.name for a in node.names]) or \
+                    target == "harvest.store" or target.startswith("harvest.store."):
+                if target == "harvest":   # `from ... import store`: the face itself
+                    target, names = "harvest.store", []
+                else:
+                    names = [a.name for a in node.names]
+                out.append((target, names, node.lineno))
         elif isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names
                     if a.name == "harvest.store" or a.name.startswith("harvest.store.")]
@@ -49,10 +60,12 @@ def store_imports(path: Path) -> list[tuple[str, list[str], int]]:
 def violations(repo: Path, face: set[str], allowed: dict) -> tuple[list[str], set]:
     """What breaks the rule, and the exceptions that were used."""
     bad, used = [], set()
+    in_package = {path.relative_to(repo).as_posix(): (m, is_pkg)
+                  for m, (path, is_pkg) in modules(repo).items()}
     for folder in HELD:
         for p in sorted((repo / folder).rglob("*.py")):
             rel = p.relative_to(repo).as_posix()
-            for module, names, line in store_imports(p):
+            for module, names, line in store_imports(p, *in_package.get(rel, (None, False))):
                 if module == "harvest.store":
                     bad += [f"{rel}:{line} imports {n}, which harvest.store.__all__ does not "
                             "declare" for n in names if n not in face]
@@ -102,13 +115,18 @@ def test_a_submodule_import_and_an_undeclared_name_are_found(tmp_path):
         "def f():\n    from harvest.store.format.layout import ROW_META\n")
     (tmp_path / "examples" / "e.py").write_text(
         "import harvest.store.read.dataset\nfrom harvest.store import open_store, _hidden\n")
+    (tmp_path / "pipeline" / "x" / "r.py").write_text(   # relative, inside the package
+        "from ... import store\nfrom ...store import open_store, _other\nfrom ...store.read import rows\n")
     bad, _ = violations(tmp_path, {"open_store"}, {})
     said = "\n".join(bad)
-    assert len(bad) == 3
+    assert len(bad) == 5, said
+    assert "pipeline/x/r.py:2 imports _other, which harvest.store.__all__ does not declare" in said
+    assert "pipeline/x/r.py:3 imports harvest.store.read" in said
     assert "pipeline/x/m.py:2 imports harvest.store.format.layout" in said
     assert "examples/e.py:1 imports harvest.store.read.dataset" in said
     assert "examples/e.py:2 imports _hidden, which harvest.store.__all__ does not declare" in said
-    ok, used = violations(tmp_path, {"open_store", "_hidden"},
+    ok, used = violations(tmp_path, {"open_store", "_hidden", "_other"},
                           {("pipeline/x/m.py", "harvest.store.format.layout"): "why",
-                           ("examples/e.py", "harvest.store.read.dataset"): "why"})
-    assert ok == [] and len(used) == 2
+                           ("examples/e.py", "harvest.store.read.dataset"): "why",
+                           ("pipeline/x/r.py", "harvest.store.read"): "why"})
+    assert ok == [] and len(used) == 3

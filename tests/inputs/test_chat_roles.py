@@ -12,7 +12,7 @@ from harvest.engine.models import smollm2_path
 from harvest.pipeline.data.chat import ChatLabelError, ChatTemplateError, label_conversation
 from harvest.pipeline.config.fields import ConfigError
 from harvest.pipeline.config.run import from_dict
-from harvest.pipeline.data.blocks import plan_blocks
+from harvest.pipeline.data.corpus_blocks import plan_blocks
 from harvest.store.format.roles import CODES, NAMES
 from harvest.pipeline.data.tokenize import pack_block
 
@@ -221,7 +221,7 @@ def test_every_skip_reason_is_documented():
     from pathlib import Path
 
     from harvest.pipeline.data.chat import conversation_problem
-    from harvest.pipeline.data.blocks import _classify
+    from harvest.pipeline.data.corpus_blocks import _classify
 
     reasons = {conversation_problem(v) for v in (
         None, "text", [], [{"role": "user"}], [{"role": "robot", "content": "beep"}],

@@ -168,7 +168,7 @@ def test_config_rejects_bad_data_fields():
 def test_blocks_read_every_row_once_in_order_whatever_their_size(tmp_path, block_bytes):
     """Byte-range blocks of json lines and text give the rows `datasets` gives, with the same
     row indices, and a block read from any position it yielded goes on from that row."""
-    from harvest.pipeline.data.blocks import plan_blocks, read_block
+    from harvest.pipeline.data.corpus_blocks import plan_blocks, read_block
 
     rows = [{"text": f"document {i} " + "word " * (i % 37)} for i in range(300)]
     rows[17] = {"text": None}
@@ -196,7 +196,7 @@ def test_a_line_over_max_line_bytes_is_skipped_unread_and_counted(tmp_path, bloc
     """data.max_line_bytes: a longer line (json lines or text) is one row refused as
     `line_too_long`, read no further than the limit; the rows around it are read as ever, from
     any position a block yielded, and a line of exactly the limit is kept."""
-    from harvest.pipeline.data.blocks import plan_blocks, read_block
+    from harvest.pipeline.data.corpus_blocks import plan_blocks, read_block
     from harvest.pipeline.data.check import probe_text_column
 
     limit = 2048

@@ -18,7 +18,7 @@ import yaml
 
 from harvest.pipeline.cli import main as cli
 from harvest.pipeline.config.run import load_config
-from harvest.pipeline.data.blocks import plan_blocks
+from harvest.pipeline.data.corpus_blocks import plan_blocks
 from harvest.pipeline.data.tokenize import pack_block
 
 C = 16

@@ -1,6 +1,6 @@
 """Work units: the layout policy (pipeline/driver/unit_sizes.py), and placement of tokenised chunks into
 dense, shard-aligned units that do not depend on the order chunks arrive in (the frontier,
-pipeline/data/context_rows.py), with resume."""
+pipeline/data/row_frontier.py), with resume."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from harvest.engine.models import REPO_ROOT
 
 from harvest.pipeline.config.run import ConfigError, load_config
-from harvest.pipeline.data.context_rows import Frontier
+from harvest.pipeline.data.row_frontier import Frontier
 from harvest.pipeline.driver.unit_sizes import choose_layout
 from harvest.store.format.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
 from harvest.store.commit.plan import Unit, check_units

@@ -14,7 +14,7 @@ import pytest
 
 from harvest.pipeline.cli.main import main
 from harvest.pipeline.config.run import PackingConfig
-from harvest.pipeline.data.blocks import plan_blocks, read_block
+from harvest.pipeline.data.corpus_blocks import plan_blocks, read_block
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     import torch
 
     import harvest.pipeline.actor.capture as actor_mod
-    import harvest.pipeline.data.rows as rows_mod
+    import harvest.pipeline.data.unit_rows as rows_mod
     import harvest.store.store as store_mod
 
     url, points, units = _planned_store(tmp_path, UNITS)
@@ -181,7 +181,7 @@ def test_units_in_flight_fail_with_the_stream_and_nothing_stays_alive(tmp_path, 
     import torch
 
     import harvest.pipeline.actor.capture as actor_mod
-    import harvest.pipeline.data.rows as rows_mod
+    import harvest.pipeline.data.unit_rows as rows_mod
 
     url, points, units = _planned_store(tmp_path, 6)
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)

@@ -83,7 +83,7 @@ def test_stores_without_scores_have_no_columns(tmp_path):
 
 
 def test_a_shuffled_copy_moves_the_scores_with_their_rows(tmp_path):
-    from harvest.store.permuted import shuffle_store
+    from harvest.store.shuffled_copy import shuffle_store
     from harvest.store import open_store
 
     st = _store(tmp_path, logprob=True, entropy=True)

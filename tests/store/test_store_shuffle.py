@@ -1,4 +1,4 @@
-"""Shuffled copies (store/permuted.py, `harvest shuffle`): every source row once, bit for bit, at
+"""Shuffled copies (store/shuffled_copy.py, `harvest shuffle`): every source row once, bit for bit, at
 the place an independent recompute of the keyed order gives; the source's row metadata and
 statistics carried (the `kept` rows found through source_row's context positions); a crash in
 either pass resumed to the same bytes as a clean run; and the reader's default window shuffle
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from harvest.store import create_store, open_store
-from harvest.store import permuted
+from harvest.store import shuffled_copy
 from harvest.store.errors import StoreError
 from harvest.store.read.dataset import ActivationDataset
-from harvest.store.read.rows import read_meta_checked
+from harvest.store.read.checked_rows import read_meta_checked
 from harvest.store.read.shuffle.permute import Feistel
 from harvest.testing import synthetic
 from tests.support.reader_stores import BOS, packed_meta
@@ -51,7 +51,7 @@ def _raw(st, point):
 def shuffled(tmp_path_factory):
     d = tmp_path_factory.mktemp("shuffle")
     src = _source(d / "src")
-    out = permuted.shuffle_store(str(d / "src"), str(d / "dst"), seed=7)
+    out = shuffled_copy.shuffle_store(str(d / "src"), str(d / "dst"), seed=7)
     return src, open_store(str(d / "dst")), out, d
 
 
@@ -63,7 +63,7 @@ def test_every_source_row_once_bit_for_bit_at_the_keyed_place(shuffled):
     assert dst.n_rows == n and dst.summary is not None and dst.verify(deep=True).complete
     sr = read_meta_checked(dst, "source_row", 0, n)
     assert np.array_equal(np.sort(sr), np.arange(n))
-    d_of = Feistel(n, (7, permuted.KEY_TAG))(np.arange(n))   # the order, computed again
+    d_of = Feistel(n, (7, shuffled_copy.KEY_TAG))(np.arange(n))   # the order, computed again
     assert np.array_equal(sr[d_of], np.arange(n))
     for p in POINTS:
         assert np.array_equal(_raw(dst, p), _raw(src, p)[sr])
@@ -119,7 +119,7 @@ def test_the_default_window_shuffle_mixes_the_copy_like_a_uniform_draw(shuffled)
 def test_a_crash_in_either_pass_resumes_to_a_clean_runs_bytes(tmp_path, monkeypatch, shuffled, where):
     src, clean, _, d = shuffled
     calls = {"n": 0}
-    real = getattr(permuted, f"_{where}")
+    real = getattr(shuffled_copy, f"_{where}")
 
     def dies(*a, **k):
         calls["n"] += 1
@@ -127,21 +127,21 @@ def test_a_crash_in_either_pass_resumes_to_a_clean_runs_bytes(tmp_path, monkeypa
             raise RuntimeError("killed")
         return real(*a, **k)
 
-    monkeypatch.setattr(permuted, f"_{where}", dies)
+    monkeypatch.setattr(shuffled_copy, f"_{where}", dies)
     dst = str(tmp_path / "dst")
     # a small memory budget: 3 writers a scan, so 11 units take 3 scatter levels (3, 9, 27)
-    kw = dict(seed=7, memory_bytes=3 * permuted._writer_bytes(src))
+    kw = dict(seed=7, memory_bytes=3 * shuffled_copy._writer_bytes(src))
     with pytest.raises(RuntimeError, match="killed"):
-        permuted.shuffle_store(str(d / "src"), dst, **kw)
+        shuffled_copy.shuffle_store(str(d / "src"), dst, **kw)
     spill = tmp_path / "dst.spill"
     if where == "gather":   # every level was done: each freed once the next held its rows
         assert [p.name for p in spill.iterdir()] == ["level-3"]
     else:                   # killed in level 2's scan: level 1 is still needed
         assert (spill / "level-1").exists()
         with pytest.raises(StoreError, match="not this shuffle's spill"):   # other unit sizes
-            permuted.shuffle_store(str(d / "src"), dst, seed=7)
-    monkeypatch.setattr(permuted, f"_{where}", real)
-    again = permuted.shuffle_store(str(d / "src"), dst, **kw)
+            shuffled_copy.shuffle_store(str(d / "src"), dst, seed=7)
+    monkeypatch.setattr(shuffled_copy, f"_{where}", real)
+    again = shuffled_copy.shuffle_store(str(d / "src"), dst, **kw)
     assert again["units"] == clean.n_rows // SHARD + 1 and again["levels"] == 3
     got = open_store(dst)
     assert got.verify(deep=True).complete
@@ -151,13 +151,13 @@ def test_a_crash_in_either_pass_resumes_to_a_clean_runs_bytes(tmp_path, monkeypa
         assert np.array_equal(read_meta_checked(got, name, 0, got.n_rows),
                               read_meta_checked(clean, name, 0, clean.n_rows))
     assert not (tmp_path / "dst.spill").exists()
-    assert permuted.shuffle_store(str(d / "src"), dst, **kw)["already_finished"]
+    assert shuffled_copy.shuffle_store(str(d / "src"), dst, **kw)["already_finished"]
 
 
 def test_fp8_rows_of_several_widths_move_as_stored(tmp_path):
     src = _source(tmp_path / "src", n=5 * SHARD, dtype="float8_e4m3fn",
                   widths={"resid_post.0": 8, "mlp_out.0": 24})
-    permuted.shuffle_store(str(tmp_path / "src"), str(tmp_path / "dst"), seed=1)
+    shuffled_copy.shuffle_store(str(tmp_path / "src"), str(tmp_path / "dst"), seed=1)
     dst = open_store(str(tmp_path / "dst"))
     sr = read_meta_checked(dst, "source_row", 0, dst.n_rows)
     assert dst.widths == src.widths and dst.dtype == "float8_e4m3fn"
@@ -169,7 +169,7 @@ def test_a_copy_of_one_point(tmp_path, shuffled):
     """`points=`: the copy holds those points only, the same order (same seed) and rows; its
     scatter writers hold one point's blocks."""
     src, clean, _, d = shuffled
-    permuted.shuffle_store(str(d / "src"), str(tmp_path / "one"), seed=7, points=["mlp_out.0"])
+    shuffled_copy.shuffle_store(str(d / "src"), str(tmp_path / "one"), seed=7, points=["mlp_out.0"])
     one = open_store(str(tmp_path / "one"))
     assert one.points == ["mlp_out.0"] and one.attrs["shuffled"]["points"] == ["mlp_out.0"]
     assert np.array_equal(_raw(one, "mlp_out.0"), _raw(clean, "mlp_out.0"))
@@ -177,7 +177,7 @@ def test_a_copy_of_one_point(tmp_path, shuffled):
                           read_meta_checked(clean, "source_row", 0, clean.n_rows))
     assert one.stats(subset="kept")["mlp_out.0"]["count"] == src.stats(subset="kept")["mlp_out.0"]["count"]
     with pytest.raises(StoreError, match="not there: attn_out.0"):
-        permuted.shuffle_store(str(d / "src"), str(tmp_path / "two"), points=["attn_out.0"])
+        shuffled_copy.shuffle_store(str(d / "src"), str(tmp_path / "two"), points=["attn_out.0"])
 
 
 def test_refusals_name_the_problem(tmp_path, shuffled):
@@ -186,11 +186,11 @@ def test_refusals_name_the_problem(tmp_path, shuffled):
                               shard_rows=SHARD, chunk_rows=64)
     unfinished.write_plan(unfinished.default_plan(1))
     with pytest.raises(StoreError, match="not a finished store"):
-        permuted.shuffle_store(str(tmp_path / "partial"), str(tmp_path / "x"))
+        shuffled_copy.shuffle_store(str(tmp_path / "partial"), str(tmp_path / "x"))
     with pytest.raises(StoreError, match="already a shuffled copy"):
-        permuted.shuffle_store(str(d / "dst"), str(tmp_path / "y"))
+        shuffled_copy.shuffle_store(str(d / "dst"), str(tmp_path / "y"))
     with pytest.raises(StoreError, match="not this shuffle"):   # another seed, same place
-        permuted.shuffle_store(str(d / "src"), str(d / "dst"), seed=8)
+        shuffled_copy.shuffle_store(str(d / "src"), str(d / "dst"), seed=8)
     assert src.n_rows > 0
 
 
@@ -227,11 +227,11 @@ def test_a_shuffled_copy_on_s3_leaves_no_spill_objects(seaweedfs, s3_url):
     synthetic.fill(src, synthetic.activations((len(POINTS), n, 8), seed=3), token_id=tok,
                    doc_id=doc, position=pos)
     src.finalize()
-    permuted.shuffle_store(s3_url + "/src", s3_url + "/dst", seed=4, storage_options=so)
+    shuffled_copy.shuffle_store(s3_url + "/src", s3_url + "/dst", seed=4, storage_options=so)
     dst = open_store(s3_url + "/dst", storage_options=so)
     assert dst.verify(deep=True).complete
     sr = read_meta_checked(dst, "source_row", 0, n)
-    assert np.array_equal(sr[Feistel(n, (4, permuted.KEY_TAG))(np.arange(n))], np.arange(n))
+    assert np.array_equal(sr[Feistel(n, (4, shuffled_copy.KEY_TAG))(np.arange(n))], np.arange(n))
     for p in POINTS:
         assert np.array_equal(_raw(dst, p), _raw(open_store(s3_url + "/src", storage_options=so), p)[sr])
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **so)

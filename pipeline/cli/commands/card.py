@@ -18,9 +18,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_card(args) -> int:
-    from harvest.store import open_store
-    from harvest.store import CARD, card_facts, write_card
-    from harvest.store import StoreError
+    from ....store import open_store
+    from ....store import CARD, card_facts, write_card
+    from ....store import StoreError
 
     url, so = store_target(args)
     store = open_store(url, storage_options=so)

@@ -7,9 +7,9 @@ from __future__ import annotations
 def cmd_check_model(args) -> int:
     """Exit 0 when every point is within tolerance of HF fp32; 1 when not, or when the engine
     refuses the trunk at load (docs/engine.md, "Supported model families")."""
-    from harvest.engine.model_check import run_command
+    from ....engine.model_check import run_command
 
-    from harvest.pipeline.driver.prepare import resolve_model_path
+    from ...driver.prepare import resolve_model_path
 
     return run_command(resolve_model_path(args.model), args)
 

@@ -15,8 +15,8 @@ from ..args import open_for_repair, print_json, store_args
 
 
 def cmd_finalize(args) -> int:
-    from harvest.store import plan_gap
-    from harvest.store import settle_text
+    from ....store import plan_gap
+    from ....store import settle_text
 
     store, shown = open_for_repair(args, "finalize")
     report = store.settle(repair=True)

@@ -7,7 +7,7 @@ from ..args import show, store_args, store_target
 
 def cmd_inspect(args) -> int:
     from ..text import inspect_text
-    from harvest.store import inspect
+    from ....store import inspect
 
     url, so = store_target(args)
     rows = None

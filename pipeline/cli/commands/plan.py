@@ -3,20 +3,20 @@ requests of a run, from metadata alone: nothing is tokenised or written."""
 
 from __future__ import annotations
 
-from harvest.store import redact_url
+from ....store import redact_url
 
 from ..args import config_args, load_args_config, print_json
 
 
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
-    from harvest.store import fp8, locate
+    from ....store import fp8, locate
 
     from ..estimate import corpus_bytes, dataplane, plan_estimate
     from ..objectcost import layout_cost
-    from harvest.pipeline.driver.prepare import prepare
+    from ...driver.prepare import prepare
     from ..text import plan_text
-    from harvest.pipeline.driver.resume import probe_store
+    from ...driver.resume import probe_store
 
     cfg = load_args_config(args)
     existing = probe_store(cfg.store)
@@ -77,9 +77,9 @@ def cmd_plan(args) -> int:
 def _stream_price(cfg, prep, est: dict, dataplane: "dict | None") -> "dict | None":
     """The stream beside the store at the planned rate (pipeline/stream/cost.py), or None
     without a rate."""
-    from harvest.pipeline.driver.prepare import stored_itemsize
-    from harvest.pipeline.stream.cost import stream_cost
-    from harvest.store import row_width
+    from ...driver.prepare import stored_itemsize
+    from ...stream.cost import stream_cost
+    from ....store import row_width
 
     if not est.get("tokens_per_second") or dataplane is None:
         return None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from harvest.pipeline.config.run import HarvestConfig
-from harvest.pipeline.driver.tally import RunSummary
+from ...config.run import HarvestConfig
+from ...driver.tally import RunSummary
 
 from ..args import config_args, load_args_config, print_json
 
@@ -85,9 +85,9 @@ def budget_shortfall(cfg: HarvestConfig, summary: RunSummary) -> "str | None":
 
 def cmd_run(args) -> int:
     """Quiet by default (pipeline/logs.py): third-party output to a log folder, named once."""
-    from harvest.pipeline.config.paths import cache_dir
-    from harvest.pipeline.driver.run import run
-    from harvest.pipeline.logs import new_log_dir, quiet_run
+    from ...config.paths import cache_dir
+    from ...driver.run import run
+    from ...logs import new_log_dir, quiet_run
 
     cfg = load_args_config(args)
     if args.verbose:
@@ -120,7 +120,7 @@ def _run_report(cfg, summary: RunSummary):
     """The finished store's report (pipeline/cli/report.py): it reads a fixed sample of shards, so it
     costs seconds whatever the corpus size. A report that fails is a warning, never a failed run:
     the data is committed and verified by then. Returns the paths, or the reason as a string."""
-    from harvest.pipeline.driver.prepare import resolve_model_path
+    from ...driver.prepare import resolve_model_path
     from ..report import write_report
 
     try:
@@ -129,8 +129,8 @@ def _run_report(cfg, summary: RunSummary):
     except Exception as e:  # noqa: BLE001 -- see the docstring
         return f"{type(e).__name__}: {e}"
     try:   # the card finalize wrote has no picture yet: the report made just now is its picture
-        from harvest.store import open_store
-        from harvest.store import write_card
+        from ....store import open_store
+        from ....store import write_card
 
         write_card(open_store(cfg.store.resolved_url, cfg.store.fs_options()))
     except Exception as e:  # noqa: BLE001 -- the card is derived: a warning, like the report

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..args import config_args, is_user_error, load_args_config, print_json
-from harvest.pipeline.config.fields import ConfigError
+from ...config.fields import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -64,14 +64,14 @@ def webhook_url(args) -> "str | None":
 
 
 def cmd_schedule(args) -> int:
-    from harvest.pipeline.driver.schedule import Tick, notify
+    from ...driver.schedule import Tick, notify
 
     webhook = webhook_url(args)
     try:
         ticks, log_dir = _ticks(args, webhook)
     except Exception as e:
         if webhook and is_user_error(e):  # exit 2: posted like every non-zero outcome
-            from harvest.store import mask_text
+            from ....store import mask_text
 
             hook = notify(webhook, [Tick("invalid", "", mask_text(f"{type(e).__name__}: {e}"))])
             if hook:
@@ -95,9 +95,9 @@ def cmd_schedule(args) -> int:
 
 def _ticks(args, webhook: "str | None"):
     """The tick's outcomes, and the log folder when it ran quiet."""
-    from harvest.pipeline.config.paths import cache_dir
-    from harvest.pipeline.logs import new_log_dir, quiet_run
-    from harvest.pipeline.driver.schedule import ScheduleConfig, checkpoint_tick, extend_tick
+    from ...config.paths import cache_dir
+    from ...logs import new_log_dir, quiet_run
+    from ...driver.schedule import ScheduleConfig, checkpoint_tick, extend_tick
 
     cfg = load_args_config(args)
     sc = ScheduleConfig(args.mode, args.tokens_per_tick, args.checkpoints,

@@ -1,4 +1,4 @@
-"""`harvest shuffle SRC DST`: a shuffled copy of a finished store (store/permuted.py).
+"""`harvest shuffle SRC DST`: a shuffled copy of a finished store (store/shuffled_copy.py).
 
 An SAE trained with the reader's default window shuffle sees in each batch only the documents
 of the few shards its window holds; on a shuffled copy every shard is a uniform sample of the
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 def cmd_shuffle(args) -> int:
     import sys
 
-    from harvest.store import shuffle_store
+    from ....store import shuffle_store
 
     so = load_args_config(args).store.fs_options() if args.config else None
     out = shuffle_store(args.src, args.dst, seed=args.seed, spill_url=args.spill,

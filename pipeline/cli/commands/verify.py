@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import sys
 
-from harvest.store import redact_url
+from ....store import redact_url
 
 from ..args import print_json, store_args, store_target
 
 
 def cmd_verify(args) -> int:
     """Exit 0 only for a complete, consistent store: 1 if rows are missing or anything is off."""
-    from harvest.store import open_store
+    from ....store import open_store
 
     from ..text import verify_text
     from ..views import store_missing

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harvest.store.format import layout
+from ...format import layout
 
 
 @dataclass

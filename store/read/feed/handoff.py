@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from harvest.store.format.dtypes import torch_dtype
+from ...format.dtypes import torch_dtype
 
 SLOTS = 10          # per worker: 4 gathered ahead + 1 being yielded + 2 queued + 3 in the trainer
 BY_VALUE = 1 << 16  # tensors under 64 KiB go by value (a shared slot would cost more than it saves)

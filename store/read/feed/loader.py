@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from harvest.store.read.feed import handoff
-from harvest.store.read.shuffle import mixing
+from . import handoff
+from ..shuffle import mixing
 
 
 class ActivationLoader(torch.utils.data.DataLoader):

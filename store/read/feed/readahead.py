@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harvest.store.errors import StoreError
-from harvest.store.format import layout
-from harvest.store.read.normalize import sq_norms
-from harvest.store.read.shuffle.sampling import Take
+from ...errors import StoreError
+from ...format import layout
+from ..normalize import sq_norms
+from ..shuffle.sampling import Take
 
 
 @dataclass

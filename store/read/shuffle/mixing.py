@@ -28,8 +28,8 @@ import warnings
 
 import numpy as np
 
-from harvest.store.read.feed.batching import batches as cut_batches
-from harvest.store.read.feed.readahead import WindowFinisher
+from ..feed.batching import batches as cut_batches
+from ..feed.readahead import WindowFinisher
 
 SAMPLE_RUNS, RUN_SHARDS = 4, 4   # doc_id columns read: 16 shards x 8 B x shard rows
 

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from harvest.store.errors import DataIntegrityError
-from harvest.store.read.rows import lite
-from harvest.store.read.feed.readahead import WindowSpec
-from harvest.store.read.shuffle.sampling import WorkerPlan, epoch_order, windows, worker_plan
-from harvest.store.store import Store
+from ...errors import DataIntegrityError
+from ..checked_rows import lite
+from ..feed.readahead import WindowSpec
+from .sampling import WorkerPlan, epoch_order, windows, worker_plan
+from ...store import Store
 
 if TYPE_CHECKING:
-    from harvest.store.commit.objects import CommittedMeta
-    from harvest.store.read.filters import RowFilter
+    from ...commit.objects import CommittedMeta
+    from ..filters import RowFilter
 
 
 def rank_world(rank, world_size) -> tuple[int, int]:

@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from harvest.store.errors import StoreError
-from harvest.store.format import layout
-from harvest.store.read.feed.readahead import Ready
+from ...errors import StoreError
+from ...format import layout
+from ..feed.readahead import Ready
 
 ROUNDS = 4
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

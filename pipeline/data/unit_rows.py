@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.pipeline.messages import UnitTask
-from harvest.store import META_INSERTED
+from ..messages import UnitTask
+from ...store import META_INSERTED
 
 
 def chunk_digest(arrays: dict) -> list[int]:
-    from harvest.store import crc32c
+    from ...store import crc32c
 
     out = [crc32c(arrays["token_id"]), crc32c(arrays["doc_id"]), crc32c(arrays["position"])]
     # chat chunks carry roles; text chunks keep their three-column digest, so plans recorded

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harvest.store import Unit
+from ...store import Unit
 
 
 def chunk_key(block: int, chunk: int) -> str:

@@ -111,7 +111,7 @@ def _read_rows(st, a: int, b: int, into) -> "tuple[np.ndarray, dict]":
     """Rows [a, b) of the points of store `into` (the spill or the copy), [points, n, its
     row_width] in the raw dtype (a narrower point in its first columns), and every metadata
     column of `st`; shard by shard, each checked."""
-    from .read.rows import read_meta_checked
+    from .read.checked_rows import read_meta_checked
 
     acts = np.zeros((len(into.points), b - a, into.row_width), st.np_dtype)
     for s in range(a // st.shard_rows, -(-b // st.shard_rows)):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harvest.store.format import layout
-from harvest.store.commit.objects import read_meta
+from ..format import layout
+from ..commit.objects import read_meta
 
 
 # what a reader keeps of each committed marker: enough to find and check its shards (`table`

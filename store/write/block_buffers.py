@@ -1,20 +1,20 @@
 """A region writer's block buffers: one block of every point, filled in any row order.
 
-`Shard` is the state of one buffer; since the writer streams shard objects (streams.py) it holds
-a block (`layout.block_rows` rows), not a whole shard. Whole shard objects are encoded and
+`BlockBuffer` is the state of one buffer: a block (`layout.block_rows` rows) of one shard, since
+the writer streams shard objects block by block (streams.py). Whole shard objects are encoded and
 decoded by store/format/shardcodec.py."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from harvest.store.format import layout
+from ..format import layout
 from .buffers import BufferPool
-from harvest.store.format.dtypes import BF16, raw_dtype
-from harvest.store.errors import StoreError
+from ..format.dtypes import BF16, raw_dtype
+from ..errors import StoreError
 
 
-class Shard:
+class BlockBuffer:
     __slots__ = ("index", "start", "end", "n", "data", "filled", "n_filled", "flushed", "seq", "keep",
                  "present", "reserved", "pins", "scratch")
 
@@ -55,7 +55,7 @@ def use_allocator(store, allocate) -> None:
     shard_buffers(store, br, 0).allocate = allocate
 
 
-def flush_partial(sh: Shard, put, unit_id: int, attempt: str) -> None:
+def flush_partial(sh: BlockBuffer, put, unit_id: int, attempt: str) -> None:
     """An evicted block's filled rows go to scratch objects of this attempt (raw rows of every
     point, `put(key, bytes)`), read back by `unflush` when the block completes; never into an
     object a reader may trust. Rows already flushed by an earlier eviction are not put again."""
@@ -69,7 +69,7 @@ def flush_partial(sh: Shard, put, unit_id: int, attempt: str) -> None:
     sh.flushed |= rows
 
 
-def unflush(sh: Shard, loc, retries: int) -> None:
+def unflush(sh: BlockBuffer, loc, retries: int) -> None:
     """Rows an eviction put in scratch objects, back into the block's buffer (`sh.data`, raw
     bits [n_points, rows, width])."""
     for a, b, key in sh.scratch:

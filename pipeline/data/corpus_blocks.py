@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any, Callable, Iterator
 
-from harvest.pipeline.config.run import DataConfig
+from ..config.run import DataConfig
 from .documents import DataError, open_dataset, resolve_source, shown_source
 
 LINE_FORMATS = {"json": "json", "text": "text"}
