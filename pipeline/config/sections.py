@@ -308,6 +308,14 @@ class StoreConfig:
         return backend_for(self.resolved_url).deadline_options(
             self.storage_options or {}, self.timeout_s, self.retry_budget_s)
 
+    def location(self):
+        """The store's Storage (`harvest.store.locate`: filesystem built, nothing contacted):
+        the one place this section becomes a location. A run or a tick calls it once and
+        hands the result on (open_store, create_store and the lease take it as it is)."""
+        from ...store import locate
+
+        return locate(self.resolved_url, self.fs_options())
+
     @property
     def resolved_url(self) -> str:
         # absolute, so actors whose cwd differs from the driver's write to the same place

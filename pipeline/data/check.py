@@ -86,11 +86,13 @@ def _jsonl_probe(path: str, cfg, rows: int) -> None:
     raise _no_column(col, path, sorted(keys), _field(cfg))
 
 
-def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
+def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100, src=None) -> None:
     """Fail before anything is written if no early row of the first block has the text column,
-    or if the column holds no text (chat messages, numbers) in its first rows."""
+    or if the column holds no text (chat messages, numbers) in its first rows. `src`: the
+    resolved source (prepare's), else resolved here."""
     if not blocks:
         return
+    src = resolve_source(cfg) if src is None else src
     seg = blocks[0][0]
     col = cfg.value_column
     if seg["kind"] == "lines" and seg["fmt"] == "json":
@@ -109,8 +111,8 @@ def probe_text_column(cfg, blocks: list[list[dict]], rows: int = 100) -> None:
                 first = next(iter(ds), None)
                 names = sorted(first) if isinstance(first, dict) else None
         if names is not None and col not in names:
-            raise _no_column(col, resolve_source(cfg).description, names, _field(cfg))
-    _probe_values(cfg, blocks[0], rows)
+            raise _no_column(col, src.description, names, _field(cfg))
+    _probe_values(cfg, blocks[0], rows, src.description)
 
 
 def _is_chat(value) -> bool:
@@ -118,7 +120,7 @@ def _is_chat(value) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
-def _probe_values(cfg, block: list[dict], rows: int) -> None:
+def _probe_values(cfg, block: list[dict], rows: int, where: str) -> None:
     """Refuse a text column whose first rows hold no string at all: every row would be skipped
     as `not_text`, and the run would stop only once the engines were up."""
     if cfg.tokens_column is not None:
@@ -128,7 +130,6 @@ def _probe_values(cfg, block: list[dict], rows: int) -> None:
         values.append(value)
         if len(values) >= rows:
             break
-    where = resolve_source(cfg).description
     if cfg.format == "chat":
         if any(_is_chat(v) for v in values) or not values:
             return

@@ -27,7 +27,7 @@ import os
 from typing import Any, Callable, Iterator
 
 from ..config.run import DataConfig
-from .documents import DataError, open_dataset, resolve_source, shown_source
+from .documents import DataError, ResolvedSource, open_dataset, resolve_source, shown_source
 
 LINE_FORMATS = {"json": "json", "text": "text"}
 
@@ -36,9 +36,10 @@ def _segment_sizes(paths: list[str]) -> list[int]:
     return [os.path.getsize(p) for p in paths]
 
 
-def plan_blocks(cfg: DataConfig) -> dict:
-    """{"kind", "description", "blocks": [[segment, ...], ...]} from metadata only."""
-    src = resolve_source(cfg)
+def plan_blocks(cfg: DataConfig, src: "ResolvedSource | None" = None) -> dict:
+    """{"kind", "description", "blocks": [[segment, ...], ...]} from metadata only. `src`: the
+    source as the driver resolved it (prepare), else resolved here."""
+    src = resolve_source(cfg) if src is None else src
     local = src.kind == "files" and all("://" not in f and os.path.isfile(f) for f in src.files)
     if local and src.files and all(os.path.getsize(f) == 0 for f in src.files):
         raise DataError(

@@ -134,8 +134,9 @@ def model_provenance(path: str, configured: str, revision: "str | None" = None) 
     return out
 
 
-def data_provenance(cfg, sources: dict) -> dict:
-    """The data as configured and as resolved (module docstring). `cfg`: the DataConfig."""
+def data_provenance(cfg, sources: dict, src=None) -> dict:
+    """The data as configured and as resolved (module docstring). `cfg`: the DataConfig; `src`:
+    its resolved source (prepare's), else resolved here."""
     from ...store import redact_attrs, redact_url
 
     from .documents import resolve_source
@@ -145,7 +146,7 @@ def data_provenance(cfg, sources: dict) -> dict:
                  "data_files": redact_attrs(cfg.data_files),
                  "column": cfg.tokens_column or cfg.value_column,
                  "resolved": sources.get("description"), "kind": sources.get("kind")}
-    src = resolve_source(cfg)
+    src = resolve_source(cfg) if src is None else src
     if src.kind == "disk":
         out.update(_disk_facts(src.files[0], cfg.split))
     elif src.kind == "files":
@@ -228,7 +229,7 @@ def run_provenance(cfg, prep, engine: "dict | None" = None) -> dict:
         "harvest": {"version": __version__, "content_key_sha256": _sha(cfg.content_key()),
                     "config_sha256": _sha(cfg.to_dict(redact=True))},
         "model": model_provenance(prep.model_path, cfg.model.path),  # the model section pins no revision
-        "data": data_provenance(cfg.data, prep.sources),
+        "data": data_provenance(cfg.data, prep.sources, prep.source),
     }
     if engine:
         out["engine"] = engine_provenance(engine)
@@ -245,7 +246,7 @@ def engine_provenance(describe: dict) -> dict:
     return out
 
 
-def fingerprint_changed(recorded: "dict | None", cfg) -> "str | None":
+def fingerprint_changed(recorded: "dict | None", cfg, src=None) -> "str | None":
     """A `save_to_disk` source whose `datasets` fingerprint differs from the one recorded at
     creation (re-saved in place with the same row count, which the plan's sizes cannot see),
     as a sentence for the resume refusal; None when it is the same or nothing was recorded.
@@ -257,7 +258,7 @@ def fingerprint_changed(recorded: "dict | None", cfg) -> "str | None":
         return None
     from .documents import resolve_source
 
-    src = resolve_source(cfg)
+    src = resolve_source(cfg) if src is None else src
     if src.kind != "disk":
         return None
     now = _disk_facts_fingerprint(src.files[0], cfg.split)

@@ -44,7 +44,7 @@ from typing import Iterator
 import numpy as np
 
 from ..config.corpus import DataConfig, PackingConfig
-from .documents import DataError, resolve_source
+from .documents import DataError, ResolvedSource, resolve_source
 from .packing import BlockPacker, emit_until
 from ..config.paths import expand_path
 from .corpus_blocks import read_block
@@ -121,11 +121,12 @@ def pack_token_block(block_id: int, block: list[dict], data: DataConfig, packing
 
 # ---- checks before Ray ---------------------------------------------------------------------------
 
-def find_record(cfg: DataConfig) -> "tuple[dict, str] | None":
+def find_record(cfg: DataConfig, src: "ResolvedSource | None" = None) -> "tuple[dict, str] | None":
     """(settings, where) of the tokenizer record the dataset carries, or None: SAELens's
     `sae_lens.json` in a `save_to_disk` dir or beside local files, or in a hub dataset repo
-    (read from the hub, or its local cache when the hub cannot be reached)."""
-    src = resolve_source(cfg)
+    (read from the hub, or its local cache when the hub cannot be reached). `src`: the resolved
+    source, else resolved here."""
+    src = resolve_source(cfg) if src is None else src
     dirs: list[str] = []
     if src.kind == "disk":
         dirs.append(src.files[0])
@@ -239,19 +240,19 @@ def sample_agreement(rows: list[np.ndarray], tokenizer) -> "float | None":
 
 
 def check_token_source(data: DataConfig, blocks: list[list[dict]], tokenizer, vocab_size: int,
-                       model_name: str) -> dict:
+                       model_name: str, src: "ResolvedSource | None" = None) -> dict:
     """Before Ray: the column holds ids, every scanned id is in the vocabulary, the recorded
     tokenizer (if any) is the model's, else a decode/re-encode sample agrees (or warns).
     Returns the token source's description for the store (`provenance.token_source`).
-    `model_name`: model.path, as errors name the model."""
+    `model_name`: model.path, as errors name the model; `src`: the resolved source (prepare's)."""
     col = data.tokens_column
-    src = resolve_source(data)
+    src = resolve_source(data) if src is None else src
     if src.kind == "files" and src.builder in ("text", "csv"):
         raise DataError(
             f"data.tokens_column={col!r}: {src.description} is read as {src.builder}, whose rows "
             "cannot hold token-id lists: give a disk, parquet, arrow or json-lines source")
     out: dict = {"column": col, "source": src.description}
-    rec = find_record(data)
+    rec = find_record(data, src)
     if rec is not None:
         out.update(check_record(rec[0], rec[1], tokenizer, model_name))
     sample: list[np.ndarray] = []

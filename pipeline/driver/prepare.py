@@ -21,11 +21,13 @@ from .unit_sizes import Layout, choose_layout
 from ..config.sections import CaptureConfig
 from ..data.check import check_fills_context, probe_text_column
 from ..data.corpus_blocks import plan_blocks
+from ..data.documents import resolve_source
 from ..data.tokenize import chat_prompt_tokens
 from ...store import SINK_POSITIONS
 
 if TYPE_CHECKING:
     from ...engine.addresses import Address
+    from ..data.documents import ResolvedSource
 
 
 def resolve_model_path(path: str) -> str:
@@ -147,6 +149,7 @@ class Prepared:
     widths: "dict | None" = None   # point -> its width in this model (engine/points.py)
     prompt_tokens: "int | None" = None  # chat input with capture.generate: tokenize.chat_prompt_tokens
     scores: tuple = ()   # logprob / entropy asked: store row columns, not points (split_scores)
+    source: "ResolvedSource | None" = None   # data.source resolved once for a new store (None: a resume)
 
     @property
     def max_width(self) -> int:
@@ -238,23 +241,28 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
         per = max(1, layout.unit_rows // existing.shard_rows)
         layout = Layout(existing.shard_rows, existing.chunk_rows, per * existing.shard_rows,
                         layout.capacity_rows, C)
+    # the one resolution of data.source in the driver for a new store: the blocks, the checks
+    # and the provenance take it (listing a remote corpus is not free); a resume reads its
+    # blocks from the store (a save_to_disk source's fingerprint check resolves it then)
+    source = None
     if stored_sources is not None:
         sources = {k: stored_sources[k] for k in ("kind", "description", "blocks")}
     else:
-        sources = plan_blocks(cfg.data)
-        probe_text_column(cfg.data, sources["blocks"])
+        source = resolve_source(cfg.data)
+        sources = plan_blocks(cfg.data, source)
+        probe_text_column(cfg.data, sources["blocks"], src=source)
         if cfg.data.tokens_column is not None:  # ids against the vocabulary and the tokenizer
             from ..data.token_input import check_token_source
 
             token_source = check_token_source(cfg.data, sources["blocks"], tokenizer,
-                                              info.vocab_size, cfg.model.path)
+                                              info.vocab_size, cfg.model.path, source)
         # a resumed store filled contexts already; a new one must be able to fill one
         check_fills_context(cfg.data, cfg.packing, sources["blocks"], tokenizer, bos,
                             prompt_tokens)
     return Prepared(C, cfg.store_dtype(), cfg.content_key(), model_path, info.n_layers, info.width,
                     info.vocab_size, limit, points, bos, special, sources, layout, skip,
                     time.perf_counter() - t0, token_source, addresses, widths, prompt_tokens,
-                    scores)
+                    scores, source)
 
 
 def split_scores(addresses) -> "tuple[tuple, tuple[str, ...]]":

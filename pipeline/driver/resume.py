@@ -27,21 +27,21 @@ from ..data.tokenpool import Job
 RUN_ATTR = "harvest_run"
 
 
-def probe_store(st: StoreConfig, create_bucket: bool = False):
-    """The existing store at `st`'s url (the store section), or None if the location is free.
+def probe_store(st: StoreConfig, loc=None, create_bucket: bool = False):
+    """The existing store at `st`'s url (the store section; `loc`: its location when the
+    caller has one, `st.location()` otherwise), or None if the location is free.
 
     Fails fast (before any data is read) on a wrong endpoint or credentials, or a missing bucket
     (created instead when `create_bucket`: the driver passes store.create_bucket, `plan` writes
     nothing), and refuses a location that holds something that is not a harvest store.
     """
     from ...store import NotAHarvestStore, open_store
-    from ...store import locate
 
     url = st.resolved_url
+    loc = st.location() if loc is None else loc
     try:
-        return open_store(url, storage_options=st.fs_options())
+        return open_store(loc)
     except NotAHarvestStore as e:
-        loc = locate(url, st.fs_options())
         loc.ensure_container(create_bucket)   # the bucket, on S3; nothing elsewhere
         try:
             entries = loc.fs.ls(loc.root, detail=False) if loc.fs.exists(loc.root) else []
@@ -111,7 +111,7 @@ def check_resume_plan(store, prep, data: DataConfig) -> None:
     _refuse(store, [(k, stored.get(k), key[k]) for k in ("points", "context_size")
                     if stored.get(k) != key[k]])
     changed = check_sizes(prep.sources["blocks"]) or fingerprint_changed(
-        (store.attrs or {}).get("provenance"), data)
+        (store.attrs or {}).get("provenance"), data, prep.source)
     if changed:
         raise ResumeMismatch(
             f"store {store.url}: the data changed since the store was planned ({changed}); "

@@ -35,11 +35,13 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 from ..config.fields import ConfigError, check_float, check_int
 from . import schedule_log
 from ..config.run import HarvestConfig, from_dict
+from ..config.corpus import DataConfig
+from ..config.sections import StoreConfig
 from .lease import LeaseRecord
 from .tally import RunSummary
 
@@ -75,7 +77,7 @@ class ScheduleConfig:
         elif not self.checkpoints:
             raise ConfigError("schedule checkpoints needs --checkpoints DIR: a directory whose "
                               "subdirectories are model checkpoints")
-        if _is_hub(cfg) and not re.fullmatch(r"[0-9a-f]{40}", cfg.data.revision or ""):
+        if _is_hub(cfg.data) and not re.fullmatch(r"[0-9a-f]{40}", cfg.data.revision or ""):
             # a branch or tag moves: the next tick would read another corpus under the same name
             # (resume then refuses it, if the changed rows are in a chunk it re-reads at all)
             raise ConfigError(
@@ -86,10 +88,10 @@ class ScheduleConfig:
         return self
 
 
-def _is_hub(cfg: HarvestConfig) -> bool:
+def _is_hub(data: DataConfig) -> bool:
     """A hub dataset name (not the offline pydoc corpus, not a local path or URL)."""
-    s = cfg.data.source
-    if cfg.data.format == "hub":
+    s = data.source
+    if data.format == "hub":
         return True
     return (s != "pydoc" and "://" not in s and not Path(os.path.expanduser(s)).exists()
             and not any(c in s for c in "*?[") and s.count("/") <= 1)
@@ -125,29 +127,30 @@ class StoreState:
     planned_tokens: int = 0
     lease: LeaseRecord | None = None   # the live driver's lease, or None
     shown_url: str = ""
+    location: Any = None       # the store's Storage, located once for the whole tick
 
 
 def store_state(cfg: HarvestConfig) -> StoreState:
     from .lease import current
     from .resume import check_resume, probe_store
-    from ...store import locate
     from ...store import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
-    store = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
+    loc = cfg.store.location()
+    store = probe_store(cfg.store, loc, create_bucket=cfg.store.create_bucket)
     if store is None:  # a first tick may still be starting: its lease comes before the store
-        cur = current(locate(cfg.store.resolved_url, cfg.store.fs_options()))
+        cur = current(loc)
         live = cur if cur is not None and cur.live(cfg.store.lease_seconds) else None
-        return StoreState(False, lease=live, shown_url=shown)
+        return StoreState(False, lease=live, shown_url=shown, location=loc)
     check_resume(store, cfg)  # a schedule pointed at another run's store stops here, named
     plan = store.plans.read()
     rows = {u.unit_id: (u.row_start, u.row_end) for u in plan["units"]}
     done = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
     committed = sum(e - s for uid, (s, e) in rows.items() if uid in done)
-    cur = current(store.location)
+    cur = current(loc)
     live = cur if cur is not None and cur.live(cfg.store.lease_seconds) else None
     return StoreState(True, store.summary is not None, committed,
-                      sum(e - s for s, e in rows.values()), live, shown)
+                      sum(e - s for s, e in rows.values()), live, shown, loc)
 
 
 def _alive(st: StoreState, sc: ScheduleConfig) -> "Tick | None":
@@ -192,7 +195,7 @@ def extend_tick(cfg: HarvestConfig, sc: ScheduleConfig, run_fn: RunFn = _default
     if alert is not None:
         alert.budget = budget
         return alert
-    loc = _location(cfg)
+    loc = st.location
     seq, start = schedule_log.open_start(loc)
     if start is not None and st.committed_tokens >= int(start.get("target_tokens", 0)) \
             and st.committed_tokens == st.planned_tokens:
@@ -212,21 +215,16 @@ def extend_tick(cfg: HarvestConfig, sc: ScheduleConfig, run_fn: RunFn = _default
             "planned_tokens": st.planned_tokens, "committed_tokens": st.committed_tokens,
             "target_tokens": st.planned_tokens + sc.tokens_per_tick}, cfg.store.storage_options)
     stop = max(0, int(start["target_tokens"]) - st.planned_tokens)
-    tick = _run_one(cfg, run_fn, stop, budget, seq=seq, start=start)
+    tick = _run_one(cfg, run_fn, stop, budget, loc, seq=seq, start=start)
     if resumed:
         tick.message = (f"tick {seq} was killed or failed before its end; this run finished its "
                         f"tokens (target {int(start['target_tokens']):,}): " + tick.message)
     return tick
 
 
-def _location(cfg: HarvestConfig):
-    from ...store import locate
-
-    return locate(cfg.store.resolved_url, cfg.store.fs_options())
-
-
 def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
-             budget: "int | None", seq: "int | None" = None, start: "dict | None" = None) -> Tick:
+             budget: "int | None", loc, seq: "int | None" = None,
+             start: "dict | None" = None) -> Tick:
     from ...store import redact_url
 
     shown = redact_url(cfg.store.resolved_url)
@@ -244,7 +242,7 @@ def _run_one(cfg: HarvestConfig, run_fn: RunFn, stop_tokens: "int | None",
     if summary.get("noop"):
         return Tick("complete", shown, f"{shown} is complete: nothing to do",
                     summary.get("tokens") or 0, budget, summary)
-    schedule_log.record_tick(_location(cfg), summary, t0, seq, start, cfg.store.storage_options)
+    schedule_log.record_tick(loc, summary, t0, seq, start, cfg.store.storage_options)
     status = "paused" if summary.get("paused") else "ran"
     left = "" if budget is None else f" of {budget:,}"
     return Tick(status, shown,
@@ -262,11 +260,6 @@ def _committed_after_failure(cfg: HarvestConfig) -> "int | None":
     except Exception as e:  # noqa: BLE001 -- the failure itself is what the tick reports
         log.warning("after the failed run, the store could not be read: %s", e)
         return None
-
-
-def record_tick(cfg: HarvestConfig, summary: RunSummary, started: float) -> None:
-    schedule_log.record_tick(_location(cfg), summary, started,
-                             storage_options=cfg.store.storage_options)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -307,17 +300,17 @@ def checkpoint_tick(cfg: HarvestConfig, sc: ScheduleConfig,
             ticks.append(Tick("would_run", st.shown_url, f"checkpoint {name}: a tick would "
                               f"capture {st.shown_url}", st.committed_tokens))
             continue
-        ticks.append(_run_one(c, run_fn, None, cfg.packing.max_tokens))
+        ticks.append(_run_one(c, run_fn, None, cfg.packing.max_tokens, st.location))
     if not ticks:
         ticks.append(Tick("complete", cfg.store.url, f"no checkpoints under {sc.checkpoints!r} "
                           "(a checkpoint is a directory holding config.json)"))
-    bad = aligned(cfg, [n for n, _ in find_checkpoints(sc.checkpoints)])
+    bad = aligned(cfg.store, [n for n, _ in find_checkpoints(sc.checkpoints)])
     if bad:
         ticks.append(Tick("failed", cfg.store.url, bad))
     return ticks
 
 
-def aligned(cfg: HarvestConfig, names: list[str]) -> "str | None":
+def aligned(store: StoreConfig, names: list[str]) -> "str | None":
     """None when every finished checkpoint store holds the same rows as the first: the same row
     count, unit plan and committed units, and in every unit the same token, document and position
     columns, compared by the CRC32C digests of those columns in the units' commit markers (every
@@ -328,9 +321,9 @@ def aligned(cfg: HarvestConfig, names: list[str]) -> "str | None":
 
     finished = []
     for name in names:
-        url = cfg.store.url.rstrip("/") + "/" + name
+        url = store.url.rstrip("/") + "/" + name
         try:
-            s = open_store(url, storage_options=cfg.store.fs_options())
+            s = open_store(url, storage_options=store.fs_options())
         except Exception:  # noqa: BLE001 -- not created yet
             continue
         if s.summary is not None:

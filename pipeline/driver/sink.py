@@ -34,7 +34,7 @@ from .lease import Lease, refuse_if_held
 from .prepare import Prepared
 from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
-from ...store import locate, redact_url, Store, VerifyReport
+from ...store import redact_url, Store, VerifyReport
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -47,6 +47,7 @@ class StoreSink:
 
     def __init__(self, cfg: HarvestConfig):
         self.cfg = cfg
+        self.location = cfg.store.location()   # located once: the probe, lease and store share it
         self.shown_url = redact_url(cfg.store.resolved_url)
         self.existing: Store | None = None   # the store a resume continues
         self.store: Store | None = None      # the run's store, once created or reopened
@@ -61,9 +62,8 @@ class StoreSink:
     def on_write_start(self) -> None:
         cfg = self.cfg
         # a missing bucket is created here when store.create_bucket (the lease is the first write)
-        self.existing = probe_store(cfg.store, create_bucket=cfg.store.create_bucket)
-        loc = (self.existing.location if self.existing is not None
-               else locate(cfg.store.resolved_url, cfg.store.fs_options()))
+        self.existing = probe_store(cfg.store, self.location, create_bucket=cfg.store.create_bucket)
+        loc = self.location
         loc.require("shared", "a run's capture actors write the store from their own processes")
         refuse_if_held(loc, cfg.store.lease_seconds, self.shown_url)
         if self.existing is not None:
@@ -99,10 +99,10 @@ class StoreSink:
                                               cfg.packing.context_size, prep.model_path)
         L = prep.layout
         store = create_store(
-            cfg.store.resolved_url, points=prep.points, width=prep.width, widths=prep.widths,
+            self.location, points=prep.points, width=prep.width, widths=prep.widths,
             n_rows=L.capacity_rows,
             shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.store_dtype(),
-            compression=cfg.store.compression, attrs=attrs, storage_options=cfg.store.fs_options(),
+            compression=cfg.store.compression, attrs=attrs,
             create_bucket=cfg.store.create_bucket, context_size=cfg.packing.context_size,
             special_token_ids=prep.special_token_ids,
             bos_token_id=prep.bos_token_id, tokenizer=cfg.model.path,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from ..config.corpus import DataConfig
 from ..config.run import HarvestConfig
 from ..driver.sink import StoreSink
 from ..errors import HarvestError
@@ -61,7 +62,7 @@ def stream_points(reader_points, captured: list[str]) -> list[str]:
     return pts
 
 
-def stream_filter(reader, cfg: HarvestConfig, prep) -> RowFilter:
+def stream_filter(reader, data: DataConfig, prep) -> RowFilter:
     """The rows the trainers keep, the store reader's rule (filters.RowFilter) built from the
     run's facts instead of a store's attributes."""
     exclude = set(reader.exclude_token_ids)
@@ -70,7 +71,7 @@ def stream_filter(reader, cfg: HarvestConfig, prep) -> RowFilter:
             {prep.bos_token_id} if prep.bos_token_id is not None else set())
     roles = None
     if reader.roles is not None:
-        if cfg.data.format != "chat":
+        if data.format != "chat":
             raise HarvestError(f"roles={list(reader.roles)}: this run's data has no roles "
                                "(data.format is not chat)")
         roles = _roles.codes_of(reader.roles)
@@ -100,7 +101,7 @@ class StreamHooks:
                                "prompts, or write a store and read it")
         pts = stream_points(self.reader.points, prep.points)
         widths = tuple(int((prep.widths or {}).get(p, prep.width)) for p in pts)
-        filt = stream_filter(self.reader, cfg, prep)
+        filt = stream_filter(self.reader, cfg.data, prep)
         self.deal = Deal(filt, prep.context_size, self.world_size, self.guard,
                          replay_units=cfg.stream.replay_units)
         self._facts = (tuple(pts), widths, cfg.stream_dtype(), prep.context_size,

@@ -47,9 +47,12 @@ def backend_for(url: str) -> type[Storage]:
     return BACKENDS.get(protocol_of(url), ObjectStorage)
 
 
-def locate(url: str, storage_options: dict | None = None) -> Storage:
+def locate(url: "str | Storage", storage_options: dict | None = None) -> Storage:
     """Parse a local path or fsspec URL into its backend's Storage (filesystem built, nothing
-    contacted)."""
+    contacted). A Storage is its own location, returned as it is (its options are its own):
+    whoever located a store once hands that on instead of a URL to parse again."""
+    if isinstance(url, Storage):
+        return url
     if not isinstance(url, (str, os.PathLike)) or not str(url):
         raise ValueError(f"store url must be a local path or fsspec URL, got {url!r}")
     url = os.fspath(url)

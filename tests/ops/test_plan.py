@@ -226,7 +226,7 @@ def test_a_resume_is_checked_once_against_the_config_then_against_the_prepared_r
 
     def prep(points):
         return SimpleNamespace(run_key=lambda: {**key, "points": points},
-                               sources={"blocks": blocks})
+                               sources={"blocks": blocks}, source=None)
 
     check_resume(s, cfg)
     check_resume_plan(s, prep(["resid_post.0"]), cfg.data)

@@ -151,7 +151,33 @@ def test_webhook_file_reads_the_url_and_a_failing_webhook_never_prints_its_path(
     assert err and "127.0.0.1" in err and "s3cr3t" not in err, err
 
 
-def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, reference, tmp_path):
+@contextlib.contextmanager
+def _resolutions(monkeypatch):
+    """{"locate": how many times the store's URL became a Storage, "source": how many times
+    data.source was resolved}, counted in this process (the driver's side) while inside."""
+    from harvest.pipeline.data.documents import ResolvedSource
+    from harvest.store.storage.local import LocalStorage
+
+    n = {"locate": 0, "source": 0}
+    open_, init = LocalStorage.open.__func__, ResolvedSource.__init__
+
+    def counted_open(cls, *a, **kw):
+        n["locate"] += 1
+        return open_(cls, *a, **kw)
+
+    def counted_init(self, *a, **kw):
+        n["source"] += 1
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(LocalStorage, "open", classmethod(counted_open))
+    monkeypatch.setattr(ResolvedSource, "__init__", counted_init)
+    yield n
+    monkeypatch.setattr(LocalStorage, "open", classmethod(open_))
+    monkeypatch.setattr(ResolvedSource, "__init__", init)
+
+
+def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, reference, tmp_path,
+                                              monkeypatch):
     """Tick 1 dies half way (its driver raised after committing half its tokens; a SIGKILLed
     tick leaves the same: a start record and no tick record): the failed tick reports what is
     committed, and the next tick finishes tick 1's tokens, not the next slice. The paused store's
@@ -170,14 +196,22 @@ def test_three_ticks_extend_one_store_exactly(ray_cluster, tiny_llama, corpus, r
         run(c, stop_tokens=stop_tokens // 2)
         raise RuntimeError("driver lost half way")
 
-    t = extend_tick(cfg, sc, run_fn=dies_half_way)
+    with _resolutions(monkeypatch) as n:
+        t = extend_tick(cfg, sc, run_fn=dies_half_way)
+    # resolved once: the tick locates the store once (state, start record), the run once
+    # (probe, lease, store) and data.source once (prepare); create_store re-opens what it made,
+    # and the failed tick reads the store again to say what is committed
+    assert n == {"locate": 4, "source": 1}, n
     assert (t.status, t.exit_code, t.tokens, t.budget) == ("failed", 1, N // 2, MAX_TOKENS), t
     assert f"{N // 2:,} tokens are committed" in t.message
     assert read_ticks(locate(cfg.store.resolved_url)) == []
     statuses = []
     for k in range(1, 4):
         if k < 3:
-            t = extend_tick(cfg, sc)
+            with _resolutions(monkeypatch) as n:
+                t = extend_tick(cfg, sc)
+            # a resume reads its blocks from the store: data.source is not resolved at all
+            assert n == {"locate": 2, "source": 0}, n
         else:
             t = _cli_tick(cfg, N, tmp_path)
         statuses.append(t.status)
@@ -309,7 +343,7 @@ def test_alignment_check_finds_one_differing_token(tmp_path):
                        doc_id=np.arange(n) // 100, position=np.arange(n) % 100)
         s.finalize({"tokens": n})
     cfg = load_config(data={"store": {"url": str(tmp_path / "st")}})
-    assert aligned(cfg, ["a", "b"]) is None
-    msg = aligned(cfg, ["a", "b", "c"])
+    assert aligned(cfg.store, ["a", "b"]) is None
+    msg = aligned(cfg.store, ["a", "b", "c"])
     assert msg and "'a' and 'c' are not row-aligned" in msg
     assert "unit 3 (rows [768, 1024)) holds different `token_id` (first at row 900: 900 vs 901" in msg, msg

@@ -78,11 +78,11 @@ def test_budget_shortfall_names_the_numbers(tiny_llama, tmp_path):
     cfg = make_cfg(tiny_llama, str(tmp_path / "s"), tmp_path / "d.jsonl",
                    "packing.max_tokens=5000000")
     short = {"tokens": 220_416, "packing": {"budget_reached": False}}
-    assert budget_shortfall(cfg, short) == (
+    assert budget_shortfall(cfg.packing, short) == (
         "packing.max_tokens=5,000,000 was not reached: the corpus gave 220,416 tokens (4.4% of "
         "the budget); add data or lower packing.max_tokens")
-    assert budget_shortfall(cfg, {"tokens": 5_000_000, "packing": {"budget_reached": True}}) is None
-    assert budget_shortfall(cfg, {**short, "noop": True}) is None
+    assert budget_shortfall(cfg.packing, {"tokens": 5_000_000, "packing": {"budget_reached": True}}) is None
+    assert budget_shortfall(cfg.packing, {**short, "noop": True}) is None
 
 
 def test_start_watch_reports_the_slowest_actors_phase(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from ..args import config_args, load_args_config, print_json
 
 def cmd_plan(args) -> int:
     """The layout and the corpus's blocks, from metadata: nothing is tokenised or written."""
-    from ....store import fp8, locate
+    from ....store import fp8
 
     from ..estimate import corpus_bytes, dataplane, plan_estimate
     from ..objectcost import layout_cost
@@ -19,7 +19,8 @@ def cmd_plan(args) -> int:
     from ...driver.resume import probe_store
 
     cfg = load_args_config(args)
-    existing = probe_store(cfg.store)
+    loc = cfg.store.location()
+    existing = probe_store(cfg.store, loc)
     prep = prepare(cfg, existing)
     L = prep.layout
     out = {
@@ -62,7 +63,7 @@ def cmd_plan(args) -> int:
         points=prep.points, width=prep.row_width, itemsize=prep.itemsize, shard_rows=L.shard_rows,
         unit_rows=L.unit_rows, tokens=est.get("tokens"), ratio=ratio,
         rate=args.rate or est.get("tokens_per_second"),
-        object_store=locate(cfg.store.resolved_url, cfg.store.fs_options()).object_store,
+        object_store=loc.object_store,
         roles=cfg.data.format == "chat", generated=cfg.capture.generate is not None,
         samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
         scores=prep.scores, point_widths={p: b // prep.itemsize for p, b in prep.point_bytes().items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ...config.run import HarvestConfig
+from ...config.corpus import PackingConfig
 from ...driver.tally import RunSummary
 
 from ..args import config_args, load_args_config, print_json
@@ -69,15 +69,15 @@ def _skipped(s: RunSummary) -> "str | None":
             "docs/operations.md, \"Skipped rows\"")
 
 
-def budget_shortfall(cfg: HarvestConfig, summary: RunSummary) -> "str | None":
+def budget_shortfall(packing: PackingConfig, summary: RunSummary) -> "str | None":
     """The corpus ended before packing.max_tokens: say so with the numbers (the summary's
     budget_reached flag alone went unnoticed)."""
-    budget = cfg.packing.max_tokens
-    packing = summary.get("packing") or {}
-    if not budget or summary.get("noop") or packing.get("budget_reached", True):
+    budget = packing.max_tokens
+    packed = summary.get("packing") or {}
+    if not budget or summary.get("noop") or packed.get("budget_reached", True):
         return None
     tokens = summary.get("tokens") or 0
-    if tokens >= budget - cfg.packing.context_size:
+    if tokens >= budget - packing.context_size:
         return None
     return (f"packing.max_tokens={budget:,} was not reached: the corpus gave {tokens:,} tokens "
             f"({100 * tokens / budget:.1f}% of the budget); add data or lower packing.max_tokens")
@@ -103,10 +103,10 @@ def cmd_run(args) -> int:
     if args.json:
         print_json(args, {**summary, "log_dir": str(log_dir) if log_dir else None,
                          "report": report,
-                         "warnings": [w for w in [budget_shortfall(cfg, summary)] if w]})
+                         "warnings": [w for w in [budget_shortfall(cfg.packing, summary)] if w]})
         return 0
     print(format_summary(summary))
-    short = budget_shortfall(cfg, summary)
+    short = budget_shortfall(cfg.packing, summary)
     if short:
         print(f"warning: {short}")
     if isinstance(report, dict):
