@@ -40,7 +40,8 @@ from .write import writer as _writer
 from .storage.locate import Location, locate
 from .format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
-from .commit.plan import PlanStore, Unit, check_region, check_units
+from .commit.plan import PlanStore, check_region, check_units
+from .commit.records import Marker, ShardRecord, Unit
 
 if TYPE_CHECKING:
     from .write.buffers import BufferPool
@@ -259,7 +260,7 @@ class Store:
                 self._arrays[key] = None
         return self._arrays[key]
 
-    def committed_shard(self, shard: int) -> "tuple[dict, dict]":
+    def committed_shard(self, shard: int) -> "tuple[Marker, ShardRecord]":
         """(marker, its entry for `shard`) of the committed unit holding that shard."""
         if self._shard_map is None:
             self._shard_map = _reads.committed_shard_map(self)
@@ -344,13 +345,13 @@ class Store:
             raise StoreError("write_plan: store was opened read-only")
         out = check_units([Unit.from_dict(u) for u in units], self.shard_rows, self.n_rows,
                           "write_plan")
-        seq = self.plans.read()["next_seq"]
+        seq = self.plans.read().next_seq
         if not self.plans.write_segment(seq, sorted(out, key=lambda u: u.unit_id), final=True):
             raise StoreError(f"write_plan: plan segment {seq} already exists (another driver?)")
         return [u.as_dict() for u in sorted(out, key=lambda u: u.unit_id)]
 
     def plan_units(self) -> list[Unit]:
-        return self.plans.read()["units"]
+        return self.plans.read().units
 
     def plan(self) -> list[dict]:
         return [u.as_dict() for u in self.plan_units()]
@@ -370,19 +371,19 @@ class Store:
     def marker_names(self) -> list[_commits.MarkerName]:
         return _commits.list_markers(self._loc)
 
-    def remember_marker(self, m: dict) -> None:
+    def remember_marker(self, m: Marker) -> None:
         """Keep the marker a writer of this store just committed (and drop the shard map)."""
         self._shard_map = None
-        self._cache_marker(_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"]), m)
+        self._cache_marker(_commits.MarkerName(*m.name), m)
 
-    def _cache_marker(self, name, m: dict) -> None:
+    def _cache_marker(self, name, m: Marker) -> None:
         self._markers[name] = m
         self._markers.move_to_end(name)
         while len(self._markers) > MARKER_CACHE:
             self._markers.popitem(last=False)
 
     def commit_manifest(self, unit_id: int, row_start: int | None = None, row_end: int | None = None,
-                        fresh: bool = False) -> dict | None:
+                        fresh: bool = False) -> Marker | None:
         """The marker of a unit (of that row range when given; else the one the listing shows)."""
         if row_start is None or row_end is None:
             names = [n for n in self.marker_names() if n.unit_id == int(unit_id)]
@@ -402,7 +403,7 @@ class Store:
     def is_committed(self, unit_id: int, row_start: int | None = None, row_end: int | None = None) -> bool:
         return self.commit_manifest(unit_id, row_start, row_end, fresh=True) is not None
 
-    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[dict]:
+    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[Marker]:
         """Markers of committed units that agree with the plan (all markers if there is no plan),
         streamed from the compacted index plus the markers written since. `planned`: the caller
         already kept only the names that agree with the plan."""
@@ -415,10 +416,10 @@ class Store:
         # status and finalize take a GB
         yield from _commits.iter_committed(self._loc, names)
 
-    def committed_units(self) -> dict[int, dict]:
+    def committed_units(self) -> dict[int, Marker]:
         """unit_id -> commit manifest, for every unit whose marker exists now and agrees with
         the plan."""
-        return {m["unit_id"]: m for m in sorted(self.iter_committed(), key=lambda m: m["unit_id"])}
+        return {m.unit_id: m for m in sorted(self.iter_committed(), key=lambda m: m.unit_id)}
 
     def uncommit(self, unit_id: int) -> None:
         """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict).
