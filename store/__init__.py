@@ -62,7 +62,7 @@ from .stats.moments import crc32c  # noqa: E402
 # commit bookkeeping: the index, publishing, finalize, the driver's lease records
 from .commit.markers import IndexBuilder, index_batch  # noqa: E402
 from .commit.objects import writes_per_object  # noqa: E402
-from .commit.published import settle_text, unpublished  # noqa: E402
+from .commit.published import SettleReport, settle_text, unpublished  # noqa: E402
 from .commit.finalize import plan_gap, unfinalize  # noqa: E402
 from .commit.alignment import StoresNotAligned, check_aligned  # noqa: E402
 from .format.layout import LEASE_DIR, lease_generation, lease_key  # noqa: E402
@@ -102,7 +102,7 @@ __all__ = [
     "check_sizes", "choose_sizes", "marker_size", "table_size", "FP8_NAME", "is_quantized",
     "raw_dtype", "resolve_dtype", "row_width", "torch_dtype", "torch_view", "compression", "fp8",
     "roles", "codec_pool", "name_native_thread", "crc32c",
-    "IndexBuilder", "index_batch", "writes_per_object", "settle_text", "unpublished", "plan_gap",
+    "IndexBuilder", "index_batch", "writes_per_object", "SettleReport", "settle_text", "unpublished", "plan_gap",
     "unfinalize", "StoresNotAligned", "check_aligned", "LEASE_DIR", "lease_generation",
     "lease_key", "LeaseRecord", "read_lease", "process_id", "shard_ids", "to_numpy", "use_allocator", "read_meta_checked",
 ]

@@ -25,11 +25,11 @@ from ..format.jsonattrs import jsonable as _jsonable, now as _now
 from .objects import abort_losing_uploads, attempt_objects
 from .records import Marker
 
-if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.finalize
-    from ..store import Store
+if TYPE_CHECKING:
+    from .view import StoreView
 
 
-def plan_gap(store: Store) -> "str | None":
+def plan_gap(store: StoreView) -> "str | None":
     """Why the store's plan is not fully committed (None when it is, or when it has no plan):
     finalize shrinks every array to the committed rows, which a resume could not write past."""
     plan = store.plans.read()
@@ -48,7 +48,7 @@ def plan_gap(store: Store) -> "str | None":
     return " and ".join(why)
 
 
-def finalize(store: Store, summary: dict | None = None) -> dict:
+def finalize(store: StoreView, summary: dict | None = None) -> dict:
     """Publish and check what is committed (published.settle), then finalize: refused while
     the plan is not fully committed, or while a committed unit's data is gone or damaged."""
     if store.read_only:
@@ -191,7 +191,7 @@ class _Owners:
         return self._units[i] if i >= 0 and shard < self._units[i][1] else None
 
 
-def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
+def _settle_attempt_objects(store: StoreView, points_owner, meta_owner) -> None:
     """Objects still under an attempt's name: a committed attempt's are published (its writer
     died between its marker and the move), a losing attempt's of a committed shard are garbage
     and removed. Those of uncommitted shards stay (a writer may still be at work on them)."""
@@ -209,7 +209,7 @@ def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
                 loc.delete(key)
 
 
-def _shrink(store: Store, n_rows: int) -> None:
+def _shrink(store: StoreView, n_rows: int) -> None:
     """Arrays sized for a capacity become exactly the rows committed (or, from `unfinalize`,
     back to the capacity). Only zarr.json changes:
     every committed object lies inside the new shape and nothing outside it was ever written
@@ -227,7 +227,7 @@ FINALIZE_ATTRS = ("summary", "stats", "stats_kept", "compression_ratio", "finali
                   "committed_rows")
 
 
-def unfinalize(store: Store, capacity_rows: int) -> bool:
+def unfinalize(store: StoreView, capacity_rows: int) -> bool:
     """Undo a finalize that shrank a store whose plan was not fully committed (the old
     `Store.finalize` allowed it): every array back to `capacity_rows` (zarr.json only) and the
     finalize attributes dropped, so the resume can write its remaining units. Returns whether
@@ -248,6 +248,6 @@ def unfinalize(store: Store, capacity_rows: int) -> bool:
     return True
 
 
-def _listed_bytes(store: Store, point: str) -> int:
+def _listed_bytes(store: StoreView, point: str) -> int:
     found = store.location.list_tree(f"{layout.point_path(point)}/c")
     return sum(size for path, size in found.items() if ".tmp-" not in path)

@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 from ..format import layout
 from . import tables as _tables
 from . import trust
-from .records import Marker
+from .records import Marker, TableRef
 from ..storage.locate import Location
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _stored_by_point(recs: list[dict], n_points: int) -> "list[int | None]":
 
 def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str, shards: list,
                  meta_crc32c: dict, stats: dict, seconds: float, extra: dict,
-                 table: dict | None = None) -> Marker:
+                 table: TableRef | None = None) -> Marker:
     """The marker (FORMAT.md, "Work units and commits"); `shards`: per shard (index, row_start,
     row_end, crc32c of the rows per point, stored bytes per point, CRC32C of the stored object per
     point, {column: {crc32c, nbytes}} of its metadata chunks), as a tuple or a dict (tables.records).
@@ -148,7 +148,7 @@ def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str
             raise ValueError("build_marker: a layout-3 marker needs its table reference "
                              "(commits.prepare writes both)")
         m.update({"n_points": len(store.points), "points_sha256": points_digest(store.points),
-                  "attempt": attempt, "table": table,
+                  "attempt": attempt, "table": table.to_json(),
                   "stored_bytes": _stored_by_point(recs, len(store.points))})
     m.update({
         "row_meta": {"crc32c": meta_crc32c},

@@ -47,10 +47,33 @@ def _sizes(v, where: str, at: str, n_points: "int | None") -> "tuple | None":
     return tuple(v)
 
 
+class _Rows:
+    """A record of a unit's rows [row_start, row_end)."""
+
+    row_start: int
+    row_end: int
+
+    @property
+    def n_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.row_start, self.row_end
+
+
+def _unit_rows(d: dict, where: str) -> tuple[int, int, int]:
+    """(unit_id, row_start, row_end) of a record, each an integer, the range non-empty and
+    within the layout's capacity."""
+    uid = integer(d, "unit_id", where)
+    rs = integer(d, "row_start", where)
+    return uid, rs, integer(d, "row_end", where, lo=rs + 1, hi=layout.CAPACITY_ROWS)
+
+
 # ---- plan unit ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Unit:
+class Unit(_Rows):
     """A unit of work: rows [row_start, row_end) of every array, written and committed together.
 
     `pieces` says where the unit's tokens come from (the pipeline fills it; the store ignores it):
@@ -61,14 +84,6 @@ class Unit:
     row_start: int
     row_end: int
     pieces: tuple = ()
-
-    @property
-    def n_rows(self) -> int:
-        return self.row_end - self.row_start
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        return self.row_start, self.row_end
 
     def to_json(self) -> list:
         """A plan segment's entry: `[unit_id, row_start, row_end, pieces]`."""
@@ -81,10 +96,8 @@ class Unit:
         at = f"units[{i}]"
         if not isinstance(u, list) or len(u) != 4 or not isinstance(u[3], list):
             raise fail(where, at, "is not [unit_id, row_start, row_end, pieces]")
-        d = {"unit_id": u[0], "row_start": u[1], "row_end": u[2]}
-        uid = integer(d, "unit_id", f"{where} {at}")
-        rs = integer(d, "row_start", f"{where} {at}")
-        re_ = integer(d, "row_end", f"{where} {at}", lo=rs + 1, hi=layout.CAPACITY_ROWS)
+        uid, rs, re_ = _unit_rows({"unit_id": u[0], "row_start": u[1], "row_end": u[2]},
+                                  f"{where} {at}")
         pieces = []
         for j, p in enumerate(u[3]):
             if not (isinstance(p, list) and len(p) <= 8 and all(
@@ -245,7 +258,7 @@ class TableRef:
 
 
 @dataclass(frozen=True)
-class Marker:
+class Marker(_Rows):
     """A unit's commit marker (FORMAT.md "Work units and commits"): its rows, its attempt, where
     its per-shard records are (the object table, or inline up to layout 2), its statistics
     sidecar and metadata digests, and what its writer noted (timing, host, extra)."""
@@ -271,14 +284,6 @@ class Marker:
     pid: "int | None" = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     doc: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def n_rows(self) -> int:
-        return self.row_end - self.row_start
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        return self.row_start, self.row_end
 
     @property
     def name(self) -> tuple[int, int, int]:
@@ -326,9 +331,7 @@ class Marker:
         structure, ids, the attempt token, and the table reference's key and sizes."""
         if not isinstance(m, dict):
             raise fail(where, "(marker)", f"is a {type(m).__name__}, not a JSON object")
-        uid = integer(m, "unit_id", where)
-        rs = integer(m, "row_start", where)
-        re_ = integer(m, "row_end", where, lo=rs + 1, hi=layout.CAPACITY_ROWS)
+        uid, rs, re_ = _unit_rows(m, where)
         if name is not None and (uid, rs, re_) != tuple(name):
             raise fail(where, "unit_id/row_start/row_end",
                        f"say unit {uid} rows [{rs}, {re_}), the object's name says {tuple(name)}")

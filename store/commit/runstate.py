@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import StoreError
-from .records import DEFAULT_LEASE_SECONDS, LeaseRecord, read_lease
+from .records import DEFAULT_LEASE_SECONDS, LeaseRecord
 
 
 class RunEndedUnfinished(StoreError):
@@ -104,7 +104,7 @@ class RunState:
 def run_state(st) -> RunState:
     """A fresh look at the run of store `st` (lease first, then zarr.json: see the docstring)."""
     loc = st.location
-    got = read_lease(loc)
+    got = st.ledger.lease()
     raw = loc.read_bytes("zarr.json")
     try:
         attrs = (json.loads(raw).get("attributes") or {}) if raw else {}

@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 from ..errors import DataIntegrityError
 from . import trust
-from .records import Marker, ShardRecord
+from .records import Marker, ShardRecord, TableRef
 
 # Tables one Store object keeps parsed. A 512-shard x 32-point table is ~2 MB parsed; a reader's
 # threads work on a few units at once (a window's pieces), and a miss costs one GET of ~200 KB.
@@ -54,10 +54,9 @@ def encode(unit_id: int, attempt: str, recs: list[dict]) -> bytes:
     return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), 1, mtime=0)
 
 
-def ref(key: str, blob: bytes, n_shards: int) -> dict:
+def ref(key: str, blob: bytes, n_shards: int) -> TableRef:
     """What the marker holds of its table: fixed size whatever the shard and point counts."""
-    return {"key": key, "sha256": hashlib.sha256(blob).hexdigest(), "nbytes": len(blob),
-            "n_shards": int(n_shards)}
+    return TableRef(key, hashlib.sha256(blob).hexdigest(), len(blob), int(n_shards))
 
 
 def shard_ids(shard_rows: int, marker: Marker) -> range:

@@ -38,8 +38,8 @@ from .records import Marker, ShardRecord
 from .tables import unit_shards
 from .plan import check_units
 
-if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.verify
-    from ..store import Store
+if TYPE_CHECKING:
+    from .view import StoreView
 
 _MAX_ERRORS = 200
 _DIAGNOSED = 5   # unpublished units whose objects verify's default mode stats (the first few)
@@ -89,7 +89,7 @@ def _guard(errors: list[str], what: str, fn, default=None):
         return default
 
 
-def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyReport:
+def verify(store: StoreView, deep: bool = False, objects: bool = False) -> VerifyReport:
     errors: list[str] = []
     checked: dict = {"markers": 0, "tables": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
                      "bytes_read": 0}
@@ -187,7 +187,7 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyRep
         deep_checked=deep, checked=checked, stored_bytes=stored)
 
 
-def _unpublished_errors(store: Store, ms: list[Marker], n: int) -> list[str]:
+def _unpublished_errors(store: StoreView, ms: list[Marker], n: int) -> list[str]:
     """Committed units without a publish record (published.py), the first few diagnosed: one
     listing of pending uploads and a stat per object of those units."""
     from ..storage.credentials import redact_url
@@ -214,7 +214,7 @@ def _unpublished_errors(store: Store, ms: list[Marker], n: int) -> list[str]:
     return out
 
 
-def _check_marker(store: Store, m: Marker) -> list[str]:
+def _check_marker(store: StoreView, m: Marker) -> list[str]:
     """A marker against its region, without its table (default mode reads no table)."""
     out = []
     uid = m.unit_id
@@ -240,7 +240,7 @@ def _check_marker(store: Store, m: Marker) -> list[str]:
     return out
 
 
-def _check_records(store: Store, m: Marker, recs) -> list[str]:
+def _check_records(store: StoreView, m: Marker, recs) -> list[str]:
     exp = list(m.shard_ids(store.shard_rows))
     got = [sh.index for sh in recs]
     if got != exp:
@@ -248,7 +248,7 @@ def _check_records(store: Store, m: Marker, recs) -> list[str]:
     return []
 
 
-def _check_arrays(store: Store, errors: list[str]) -> None:
+def _check_arrays(store: StoreView, errors: list[str]) -> None:
     for name, dt in store.meta_columns.items():
         a = store.meta_array(name)
         if a.shape != (store.n_rows,) or a.dtype != np.dtype(dt):
@@ -265,7 +265,7 @@ def _check_arrays(store: Store, errors: list[str]) -> None:
             errors.append(f"array {p} shards {a.shards} do not match shard_rows={store.shard_rows}")
 
 
-def _listing(store: Store, rel: str, leaf: bool) -> dict[int, int]:
+def _listing(store: StoreView, rel: str, leaf: bool) -> dict[int, int]:
     """shard -> object size of the zarr keys under `rel` (`<shard>/0` when `leaf`, else
     `<shard>`), from one listing; anything else (temp files of failed writes) does not count."""
     out = {}
@@ -311,7 +311,7 @@ class _Wanted:
             yield u, s, self.attempts[i], None if size < 0 else size
 
 
-def _check_objects(store: Store, want: _Wanted, checked: dict) -> list[str]:
+def _check_objects(store: StoreView, want: _Wanted, checked: dict) -> list[str]:
     out = []
     attempts = {arr: {(s, a): size for _, s, a, size in v} for arr, v in attempt_objects(store.location).items()}
     arrays = [layout.point_path(p) for p in store.points] + list(store.meta_columns)
@@ -331,7 +331,7 @@ def _check_objects(store: Store, want: _Wanted, checked: dict) -> list[str]:
     return out
 
 
-def _deep_unit(store: Store, m: Marker, checked: dict) -> list[str]:
+def _deep_unit(store: StoreView, m: Marker, checked: dict) -> list[str]:
     bad = []
     uid = m.unit_id
     recs = unit_shards(store, m)   # the caller read and checked it (cached)

@@ -30,11 +30,6 @@ class UnitMap:
         return self.lites[i] if i >= 0 and shard < self.end[i] else None
 
 
-def committed_shard_map(st) -> UnitMap:
-    """The committed units by shard (Store.committed_shard); records come lazily from tables."""
-    return UnitMap(st.iter_committed(), st.shard_rows)
-
-
 def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
     """Rows [start, stop) of one point, committed rows only, each shard checked."""
     parts = []
