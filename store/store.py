@@ -40,7 +40,7 @@ from .storage.locate import Location, locate
 from .format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
 from .commit.plan import PlanStore, check_region
-from .commit.records import Marker, ShardRecord, Unit
+from .commit.records import Marker, ShardRecord, StatsRef, Unit
 
 if TYPE_CHECKING:
     from .write.buffers import BufferPool
@@ -396,7 +396,7 @@ class Store:
         return self.ledger.unpublished_units()
 
     # ---- statistics --------------------------------------------------------------------------
-    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
+    def merge_stats(self, refs: "list[tuple[int, StatsRef | None]]", batch: int = 256) -> _moments.StreamingMerge:
         """Every unit's partials merged in unit-id order (see statsfiles.merge_partials)."""
         return _statsfiles.merge_partials(self, refs, batch)
 

@@ -23,7 +23,7 @@ from . import published as _published
 from ..errors import DataIntegrityError, StoreError
 from ..format.jsonattrs import jsonable as _jsonable, now as _now
 from .objects import abort_losing_uploads, attempt_objects
-from .records import Marker
+from .records import Marker, StatsRef
 
 if TYPE_CHECKING:
     from .view import StoreView
@@ -66,7 +66,7 @@ def finalize(store: StoreView, summary: dict | None = None) -> dict:
         raise DataIntegrityError(f"finalize: {text}")
     loc = store.location
     P = len(store.points)
-    refs: list[tuple[int, dict]] = []
+    refs: "list[tuple[int, StatsRef | None]]" = []
     stored = np.zeros(P, np.int64)
     recorded = True
     rows = 0

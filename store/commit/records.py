@@ -258,6 +258,36 @@ class TableRef:
 
 
 @dataclass(frozen=True)
+class StatsRef:
+    """What a marker holds of its unit's statistics partials: the sidecar's key and sha256, and
+    the rows counted (all, and kept)."""
+
+    key: "str | None" = None
+    sha256: "str | None" = None
+    count: "int | None" = None
+    kept: "int | None" = None
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "sha256": self.sha256, "count": self.count, "kept": self.kept}
+
+    @classmethod
+    def from_json(cls, s, where: str, uid: int, attempt) -> "StatsRef":
+        if not isinstance(s, dict):
+            raise fail(where, "stats", "is not an object")
+        if s.get("key") is not None:
+            want = layout.stats_key(uid, trust.attempt(attempt, where))
+            if s.get("key") != want:
+                raise fail(where, "stats.key", f"is {show(s.get('key'))}, not {want!r}")
+        for f in ("count", "kept"):
+            if s.get(f) is not None:
+                integer(s, f, where + " stats")
+        sha = s.get("sha256")
+        if sha is not None and not (isinstance(sha, str) and trust.SHA256.match(sha)):
+            raise fail(where, "stats.sha256", "is not a sha256 digest")
+        return cls(s.get("key"), sha, s.get("count"), s.get("kept"))
+
+
+@dataclass(frozen=True)
 class Marker(_Rows):
     """A unit's commit marker (FORMAT.md "Work units and commits"): its rows, its attempt, where
     its per-shard records are (the object table, or inline up to layout 2), its statistics
@@ -275,7 +305,7 @@ class Marker(_Rows):
     stored_bytes: "tuple | None" = None                   # layout 3: stored bytes per point
     n_points: "int | None" = None                         # layout 3
     meta_crc32c: "Mapping[str, int] | None" = None        # row_meta.crc32c
-    stats: "dict | None" = None                           # the stats sidecar reference
+    stats: "StatsRef | None" = None                       # the stats sidecar reference
     logical_bytes: "int | None" = None                    # `bytes`: rows x row_set_bytes
     committed_at: "str | None" = None
     seconds: "float | None" = None
@@ -341,10 +371,7 @@ class Marker(_Rows):
         t = m.get("table")
         table = None if t is None else TableRef.from_json(t, where, uid, att)
         s = m.get("stats")
-        if isinstance(s, dict) and s.get("key") is not None:
-            want = layout.stats_key(uid, trust.attempt(att, where))
-            if s.get("key") != want:
-                raise fail(where, "stats.key", f"is {show(s.get('key'))}, not {want!r}")
+        stats = None if s is None else StatsRef.from_json(s, where, uid, att)
         shards = m.get("shards")
         recs = None if shards is None else tuple(ShardRecord.list_from_json(shards, where))
         lv = m.get("layout_version")
@@ -356,7 +383,7 @@ class Marker(_Rows):
         return cls(uid, rs, re_, att, lv if isinstance(lv, int) else None, table, recs,
                    tuple(points) if isinstance(points, list) else None,
                    m.get("points_sha256"), _sizes(m.get("stored_bytes"), where, "stored_bytes", None),
-                   m.get("n_points"), crcs, s if isinstance(s, dict) else None, m.get("bytes"),
+                   m.get("n_points"), crcs, stats, m.get("bytes"),
                    m.get("committed_at"),
                    m.get("seconds"), m.get("bytes_per_s"), m.get("host"), m.get("pid"),
                    m.get("extra") if isinstance(m.get("extra"), dict) else {}, m)
@@ -541,6 +568,6 @@ class UploadHandle:
         return f
 
 
-__all__ = ["attempt_token", "Unit", "Plan", "MetaChunkRecord", "ShardRecord", "TableRef",
+__all__ = ["attempt_token", "Unit", "Plan", "MetaChunkRecord", "ShardRecord", "TableRef", "StatsRef",
            "Marker", "PublishRecord", "DEFAULT_LEASE_SECONDS", "process_id", "LeaseRecord",
            "read_lease", "UploadHandle"]

@@ -361,17 +361,17 @@ def _deep_unit(store: StoreView, m: Marker, checked: dict) -> list[str]:
             checked["bytes_read"] += col.nbytes
             if _moments.crc32c(col) != want.get(name):
                 bad.append(f"unit {uid}: row metadata {name} differs from what its writer committed")
-    st = m.stats or {}
-    if st.get("key"):
+    st = m.stats
+    if st is not None and st.key:
         try:
-            blob = store.location.read_bytes(st["key"])
+            blob = store.location.read_bytes(st.key)
         except Exception as exc:  # noqa: BLE001
-            return bad + [f"unit {uid}: stats sidecar {st['key']}: {type(exc).__name__}: {exc}"]
+            return bad + [f"unit {uid}: stats sidecar {st.key}: {type(exc).__name__}: {exc}"]
         checked["sidecars"] += 1
         if blob is None:
-            bad.append(f"unit {uid}: stats sidecar {st['key']} is missing")
-        elif st.get("sha256") and hashlib.sha256(blob).hexdigest() != st["sha256"]:
-            bad.append(f"unit {uid}: stats sidecar {st['key']} differs from what its writer committed")
+            bad.append(f"unit {uid}: stats sidecar {st.key} is missing")
+        elif st.sha256 and hashlib.sha256(blob).hexdigest() != st.sha256:
+            bad.append(f"unit {uid}: stats sidecar {st.key} differs from what its writer committed")
         else:
             checked["bytes_read"] += len(blob)
     return bad

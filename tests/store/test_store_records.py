@@ -9,7 +9,7 @@ import pytest
 
 from harvest.store import (DataIntegrityError, LeaseRecord, Marker, ShardRecord, Unit, create_store,
                            open_store)
-from harvest.store.commit.records import PublishRecord, TableRef
+from harvest.store.commit.records import PublishRecord, StatsRef, TableRef
 from harvest.store.format import layout
 from harvest.testing import synthetic
 
@@ -34,6 +34,8 @@ def test_a_marker_reads_typed_and_writes_back_what_it_read():
     assert (m.unit_id, m.rows, m.n_rows, m.attempt, m.layout_version) == (2, (64, 128), 64, ATT, 3)
     assert m.table == TableRef(layout.table_key(2, ATT), "a" * 64, 10, 2)
     assert m.meta_crc32c == {"token_id": 1} and m.total_stored_bytes() == 100 and m.pid == 7
+    assert m.stats == StatsRef(layout.stats_key(2, ATT), "b" * 64, 64, 60)
+    assert m.stats.to_json() == doc["stats"]
     assert list(m.shard_ids(32)) == [2, 3] and m.key == layout.commit_key(2, 64, 128)
     assert m.to_json() == doc and m.encode() == json.dumps(doc, separators=(",", ":")).encode()
     assert Marker.from_json(m.to_json(), "again") == m
