@@ -306,10 +306,10 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     from ..store.commit.tables import unit_shards  # layout 3: records in the unit's table
 
     recs = [sh for m in markers for sh in unit_shards(s, m)]
-    data = [b for sh in recs for b in sh["nbytes"]]
-    meta = sorted({(r.get("chunk", sh["index"]), c, r["nbytes"]) for sh in recs
-                   for c, r in sh["meta"].items()})
-    meta = [b for _, _, b in meta]
+    data = [b for sh in recs for b in sh.nbytes]
+    chunks = sorted({(sh.index if r.chunk is None else r.chunk, c, r.nbytes) for sh in recs
+                     for c, r in sh.meta.items()})
+    meta = [b for _, _, b in chunks]
     logical = unit_rows * P * s.row_bytes
     bf16_gb = unit_rows * P * W * 2 / 1e9
     producer = producer_cost(raw, unit_rows, fp8)

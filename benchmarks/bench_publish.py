@@ -21,6 +21,7 @@ def main(argv=None) -> dict:
     from ..store.format import layout
     from ..store.storage.locate import locate
     from ..store.commit.published import published_units, write_record
+    from ..store.commit.records import Marker
     from ..testing import seaweed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,7 +36,7 @@ def main(argv=None) -> dict:
         loc = locate("s3://bench/publish", srv.storage_options)
         t0 = time.perf_counter()
         for u in range(min(args.units, 200)):   # the writer's path: one PUT each, timed
-            write_record(loc, {"unit_id": u, "attempt": f"{u:016x}"}, OBJECTS_PER_UNIT)
+            write_record(loc, Marker(u, 0, 1, f"{u:016x}"), OBJECTS_PER_UNIT)
         put_s = (time.perf_counter() - t0) / min(args.units, 200)
         rest = {loc.key(layout.published_key(u, f"{u:016x}")): b'{"unit_id":0}'
                 for u in range(200, args.units)}

@@ -52,7 +52,7 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
     from ..store import create_store
     from ..store.format import layout
     from ..store.stats import moments as _moments
-    from ..store.commit.markers import IndexBuilder, encode_marker, index_batch, prepare
+    from ..store.commit.markers import IndexBuilder, index_batch, prepare
     from ..store.commit.plan import Unit
     from ..store.commit.published import record as published_record
 
@@ -102,7 +102,7 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
                        {"actor": u.unit_id % 8, "pid": 1 << 20, "attempt": "synthetic",
                         "host": "bench"})
         m = prep.marker
-        raw = encode_marker(m)
+        raw = m.encode()
         marker_bytes.append(len(raw))
         table_bytes.append(len(prep.table_blob))
         pending[loc.key(prep.table_key)] = prep.table_blob

@@ -31,7 +31,7 @@ from .errors import (  # noqa: E402
     UnknownLayoutVersion,
 )
 from .write.create import create_store  # noqa: E402
-from .commit.plan import Unit  # noqa: E402
+from .commit.records import Marker, ShardRecord, Unit  # noqa: E402
 from .store import Store, open_store  # noqa: E402
 from .format.spec import StoreSpec  # noqa: E402
 from .commit.verify import VerifyReport  # noqa: E402
@@ -62,10 +62,11 @@ from .stats.moments import crc32c  # noqa: E402
 # commit bookkeeping: the index, publishing, finalize, the driver's lease records
 from .commit.markers import IndexBuilder, index_batch  # noqa: E402
 from .commit.objects import writes_per_object  # noqa: E402
-from .commit.published import settle_text, unpublished  # noqa: E402
+from .commit.published import SettleReport, settle_text, unpublished  # noqa: E402
 from .commit.finalize import plan_gap, unfinalize  # noqa: E402
 from .commit.alignment import StoresNotAligned, check_aligned  # noqa: E402
-from .commit.runstate import LEASE_DIR, lease_generation, process_id  # noqa: E402
+from .format.layout import LEASE_DIR, lease_generation, lease_key  # noqa: E402
+from .commit.records import LeaseRecord, process_id, read_lease  # noqa: E402
 from .commit.tables import shard_ids  # noqa: E402
 # the writer's and reader's pieces the actors run
 from .write.block_buffers import to_numpy, use_allocator  # noqa: E402
@@ -85,7 +86,7 @@ def __getattr__(name: str):
 
 __all__ = [
     # for everyone
-    "Store", "StoreSpec", "Unit", "create_store", "open_store", "StoreError", "NotAHarvestStore",
+    "Store", "StoreSpec", "Unit", "Marker", "ShardRecord", "create_store", "open_store", "StoreError", "NotAHarvestStore",
     "UnknownLayoutVersion", "StoreAccessError", "RegionWriteFailed", "RegionConflict",
     "DataIntegrityError", "VerifyReport", "ReaderConfig", "RowFilter", "SINK_POSITIONS",
     "sink_positions", "inspect", "shuffle_store", "CARD", "card_facts", "write_card",
@@ -101,7 +102,7 @@ __all__ = [
     "check_sizes", "choose_sizes", "marker_size", "table_size", "FP8_NAME", "is_quantized",
     "raw_dtype", "resolve_dtype", "row_width", "torch_dtype", "torch_view", "compression", "fp8",
     "roles", "codec_pool", "name_native_thread", "crc32c",
-    "IndexBuilder", "index_batch", "writes_per_object", "settle_text", "unpublished", "plan_gap",
+    "IndexBuilder", "index_batch", "writes_per_object", "SettleReport", "settle_text", "unpublished", "plan_gap",
     "unfinalize", "StoresNotAligned", "check_aligned", "LEASE_DIR", "lease_generation",
-    "process_id", "shard_ids", "to_numpy", "use_allocator", "read_meta_checked",
+    "lease_key", "LeaseRecord", "read_lease", "process_id", "shard_ids", "to_numpy", "use_allocator", "read_meta_checked",
 ]

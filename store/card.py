@@ -26,7 +26,7 @@ from .escape import json_value, md_code, md_text, writable
 from .read.filters import sink_positions, store_facts, store_special_ids
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .commit.view import StoreData
 
 CARD = "README.md"
 REPORT_PNG = "_report/report.png"  # where `harvest report` writes beside a local store
@@ -56,7 +56,7 @@ def _count(x) -> int:
     return x if isinstance(x, int) and not isinstance(x, bool) else 0
 
 
-def card_facts(store: Store) -> dict:
+def card_facts(store: StoreData) -> dict:
     """The figures the card shows, from the store's attributes only (the `harvest:` block)."""
     a = store.attributes
     run = store.attrs
@@ -121,7 +121,7 @@ def _fmt(x) -> str:
     return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else md_text(x)
 
 
-def _stats_table(store: Store) -> str:
+def _stats_table(store: StoreData) -> str:
     a = store.attributes
     kept = _dict(a.get("stats_kept"))
     every = _dict(a.get("stats"))
@@ -139,7 +139,7 @@ def _stats_table(store: Store) -> str:
     return "\n".join(lines) + tail
 
 
-def _row_filter_lines(store: Store) -> list[str]:
+def _row_filter_lines(store: StoreData) -> list[str]:
     """The reader options of the card's example: the store's kept rows where it records its
     special ids (`exclude_special=True` drops the sink positions too), else the sink positions."""
     facts = store_facts(store)
@@ -157,7 +157,7 @@ def _short(x, n: int = 16) -> str:
     return str(x or "")[:n]
 
 
-def card_text(store: Store) -> str:
+def card_text(store: StoreData) -> str:
     """The card: front matter, then the body (module docstring). Every string from the
     attributes is escaped (md_text as text, md_code as monospace)."""
     run = store.attrs
@@ -236,7 +236,7 @@ def card_text(store: Store) -> str:
     return mask_text(_front_matter(f, run) + "\n" + "\n".join(body))
 
 
-def write_card(store: Store) -> str:
+def write_card(store: StoreData) -> str:
     """Write (or refresh) README.md at the store's root; returns its text."""
     text = writable(card_text(store))   # (every attribute string is escaped already)
     store.location.write_bytes(CARD, text.encode("utf-8"))

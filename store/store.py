@@ -1,30 +1,29 @@
-"""The store object: open, arrays, row metadata, plan and commit bookkeeping, stats.
+"""The store object: open, arrays, row metadata, stats; its bookkeeping is the ledger's.
 
 Division of labour that keeps many writers safe without locks: the driver creates every array
 pre-sized and is the only process that ever writes a `zarr.json`; writers only put whole shard
 objects inside their own shard-aligned region, its row metadata, and then one create-once commit
 marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
-data. Creation is in create.py, finalize and verify in their own modules; checked reads by
-row range in read/checked_rows.py, info() in overview.py, attribute JSON helpers in jsonattrs.py.
+data. `Store` keeps the data and its attributes; the plan, markers, index, publishing, finalize,
+verify and the lease are `Store.ledger` (commit/ledger.py), whose methods the store's public
+face delegates to. Creation is in create.py; checked reads by row range in read/checked_rows.py,
+info() in overview.py, attribute JSON helpers in jsonattrs.py.
 
-Imports run one way: this module imports the operations its methods delegate to (finalize,
-verify, reads, writer, ...), and none of them imports it at run time (they name `Store` in
-annotations only), so no import is deferred to hide a cycle. create.py sits above: it imports
-this module to open what it made.
+Imports run one way: this module imports the ledger and the operations its methods delegate to,
+and none of them imports it, not even for an annotation: they take the store as the view they
+declare (commit/view.py). create.py sits above: it imports this module to open what it made.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import zarr
 
 from .commit import markers as _commits
-from .commit import finalize as _finalize
 from .format import fp8 as _fp8
 from . import overview as _info
 from .format import layout
@@ -34,18 +33,17 @@ from .commit import published as _published
 from .read import checked_rows as _reads
 from .format import shardcodec as _codec
 from .stats import files as _statsfiles
-from .commit import tables as _tables
 from .commit import verify as _verify
+from .commit.ledger import Ledger
 from .write import writer as _writer
 from .storage.locate import Location, locate
 from .format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
-from .commit.plan import PlanStore, Unit, check_region, check_units
+from .commit.plan import PlanStore, check_region
+from .commit.records import Marker, ShardRecord, StatsRef, Unit
 
 if TYPE_CHECKING:
     from .write.buffers import BufferPool
-
-MARKER_CACHE = 64   # markers one Store object keeps (the units a process is working on, and then some)
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +78,11 @@ class Store:
         self.read_only = read_only
         self._zstore_obj = None
         self._arrays: dict = {}
-        # MarkerName -> marker: create-once objects, safe to cache, but bounded: an actor's store
-        # lives for the whole run and commits unit after unit, and a marker of a 512-shard unit
-        # at 8B's shape is ~0.5 MB of JSON (a few MB parsed); kept all, they grew without end
-        self._markers: OrderedDict = OrderedDict()
-        self._shard_map: _reads.UnitMap | None = None   # shard -> its committed unit, for read_shard
-        self.table_cache = _tables.TableCache()   # per-unit object tables (layout 3), bounded
-        # decoded unit metadata chunks recently read (commit/objects.read_meta), keyed by key,
-        # digest and size so a rewrite after uncommit never hits an old entry
-        self.meta_chunk_cache: dict = {}
+        # the bookkeeping: plan, markers, index, publishing, finalize, verify, lease (ledger.py)
+        self.ledger = Ledger(self, loc)
         # the block buffers writers of this store share (write/blocks.shard_buffers), made by
         # the first writer at its block size
         self.block_buffers: BufferPool | None = None
-        self.plans = PlanStore(loc)
 
     @property
     def zarr_store(self):
@@ -259,14 +249,9 @@ class Store:
                 self._arrays[key] = None
         return self._arrays[key]
 
-    def committed_shard(self, shard: int) -> "tuple[dict, dict]":
+    def committed_shard(self, shard: int) -> "tuple[Marker, ShardRecord]":
         """(marker, its entry for `shard`) of the committed unit holding that shard."""
-        if self._shard_map is None:
-            self._shard_map = _reads.committed_shard_map(self)
-        m = self._shard_map.find(int(shard))
-        if m is None:
-            raise StoreError(f"shard {shard} of {self.url} is not committed (no marker covers it)")
-        return m, _tables.shard_record(self, m, int(shard))
+        return self.ledger.committed_shard(shard)
 
     def read_shard(self, point: str, shard: int, out: np.ndarray | None = None) -> np.ndarray:
         """The committed rows of one shard of one point: one GET, the object checked against its
@@ -328,31 +313,33 @@ class Store:
         not made for generation is an error, as in read_gen."""
         return _reads.read_generation_column(self, "sample", start, stop, checked)
 
-    # ---- plan --------------------------------------------------------------------------------
+    # ---- the ledger's, on the store's public face (ledger.py) -------------------------------
+    @property
+    def plans(self) -> PlanStore:
+        return self.ledger.plans
+
+    @property
+    def table_cache(self):
+        return self.ledger.table_cache
+
+    @property
+    def meta_chunk_cache(self) -> dict:
+        return self.ledger.meta_chunk_cache
+
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
         """Units of `shards_per_unit` consecutive shards covering every row."""
-        if shards_per_unit < 1:
-            raise ValueError("shards_per_unit must be >= 1")
-        step = shards_per_unit * self.shard_rows
-        return [{"unit_id": i, "row_start": s, "row_end": min(self.n_rows, s + step)}
-                for i, s in enumerate(range(0, self.n_rows, step))]
+        return self.ledger.default_plan(shards_per_unit)
 
     def write_plan(self, units) -> list[dict]:
         """Record a whole plan at once (tools and tests; the driver appends segments as it
         learns the corpus). Returns the normalized plan."""
-        if self.read_only:
-            raise StoreError("write_plan: store was opened read-only")
-        out = check_units([Unit.from_dict(u) for u in units], self.shard_rows, self.n_rows,
-                          "write_plan")
-        seq = self.plans.read()["next_seq"]
-        if not self.plans.write_segment(seq, sorted(out, key=lambda u: u.unit_id), final=True):
-            raise StoreError(f"write_plan: plan segment {seq} already exists (another driver?)")
-        return [u.as_dict() for u in sorted(out, key=lambda u: u.unit_id)]
+        return self.ledger.write_plan(units)
 
     def plan_units(self) -> list[Unit]:
-        return self.plans.read()["units"]
+        return self.ledger.plan_units()
 
     def plan(self) -> list[dict]:
+        """The plan's units as dicts of named fields (Unit.as_dict)."""
         return [u.as_dict() for u in self.plan_units()]
 
     # ---- writers and commits ----------------------------------------------------------------
@@ -368,85 +355,48 @@ class Store:
         return _writer.RegionWriter(self, int(unit_id), int(row_start), int(row_end), **kwargs)
 
     def marker_names(self) -> list[_commits.MarkerName]:
-        return _commits.list_markers(self._loc)
+        return self.ledger.marker_names()
 
-    def remember_marker(self, m: dict) -> None:
-        """Keep the marker a writer of this store just committed (and drop the shard map)."""
-        self._shard_map = None
-        self._cache_marker(_commits.MarkerName(m["unit_id"], m["row_start"], m["row_end"]), m)
-
-    def _cache_marker(self, name, m: dict) -> None:
-        self._markers[name] = m
-        self._markers.move_to_end(name)
-        while len(self._markers) > MARKER_CACHE:
-            self._markers.popitem(last=False)
+    def remember_marker(self, m: Marker) -> None:
+        """Keep the marker a writer of this store just committed."""
+        self.ledger.remember_marker(m)
 
     def commit_manifest(self, unit_id: int, row_start: int | None = None, row_end: int | None = None,
-                        fresh: bool = False) -> dict | None:
+                        fresh: bool = False) -> Marker | None:
         """The marker of a unit (of that row range when given; else the one the listing shows)."""
-        if row_start is None or row_end is None:
-            names = [n for n in self.marker_names() if n.unit_id == int(unit_id)]
-            if not names:
-                return None
-            name = names[0]
-        else:
-            name = _commits.MarkerName(unit_id, row_start, row_end)
-        if name in self._markers and not fresh:
-            self._markers.move_to_end(name)
-            return self._markers[name]
-        m = _commits.read_marker(self._loc, name, fresh=fresh)
-        if m is not None:
-            self._cache_marker(name, m)
-        return m
+        return self.ledger.commit_manifest(unit_id, row_start, row_end, fresh)
 
     def is_committed(self, unit_id: int, row_start: int | None = None, row_end: int | None = None) -> bool:
         return self.commit_manifest(unit_id, row_start, row_end, fresh=True) is not None
 
-    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[dict]:
-        """Markers of committed units that agree with the plan (all markers if there is no plan),
-        streamed from the compacted index plus the markers written since. `planned`: the caller
-        already kept only the names that agree with the plan."""
-        names = self.marker_names() if names is None else names
-        if not planned:
-            plan = {u.unit_id: (u.row_start, u.row_end) for u in self.plan_units()}
-            if plan:
-                names = [n for n in names if plan.get(n.unit_id) == n.rows]
-        # not cached: holding 10^5 markers (per-shard CRCs and sizes of every point) is what made
-        # status and finalize take a GB
-        yield from _commits.iter_committed(self._loc, names)
+    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[Marker]:
+        """Markers of committed units that agree with the plan (Ledger.iter_committed)."""
+        return self.ledger.iter_committed(names, planned)
 
-    def committed_units(self) -> dict[int, dict]:
-        """unit_id -> commit manifest, for every unit whose marker exists now and agrees with
-        the plan."""
-        return {m["unit_id"]: m for m in sorted(self.iter_committed(), key=lambda m: m["unit_id"])}
+    def committed_units(self) -> dict[int, Marker]:
+        """unit_id -> marker, for every unit whose marker exists now and agrees with the plan."""
+        return self.ledger.committed_units()
 
     def uncommit(self, unit_id: int) -> None:
-        """Driver repair only: drop a unit's marker so it can be rewritten (e.g. after a conflict).
-        Its index entries are voided first, so the rewrite's marker is the one every reader
-        takes, even where its bytes differ (commits.uncommit)."""
-        if self.read_only:
-            raise StoreError("uncommit: store was opened read-only")
-        _published.forget(self._loc, unit_id)   # first: a unit without a record is checked
-        for n in _commits.uncommit(self._loc, unit_id):
-            self._markers.pop(n, None)
-        self._shard_map = None
+        """Driver repair only: drop a unit's marker so it can be rewritten (Ledger.uncommit)."""
+        self.ledger.uncommit(unit_id)
 
     def write_index(self, markers) -> int:
         """Append markers to the compacted commit index (the driver, as units commit)."""
-        return _commits.write_index_segment(self._loc, markers)
+        return self.ledger.write_index(markers)
 
-    def settle(self, repair: bool = False) -> dict:
+    def settle(self, repair: bool = False) -> _published.SettleReport:
         """Publish committed units that have no publish record yet (complete their pending
         uploads, check every object's size) and record them; report the rest as gone or
         damaged, uncommitting them when `repair` (published.settle)."""
-        return _published.settle(self, repair=repair)
+        return self.ledger.settle(repair=repair)
 
     def unpublished_units(self) -> list[int]:
         """Committed units without a publish record (two listings; published.unpublished)."""
-        return _published.unpublished(self)
+        return self.ledger.unpublished_units()
 
     # ---- statistics --------------------------------------------------------------------------
-    def merge_stats(self, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
+    def merge_stats(self, refs: "list[tuple[int, StatsRef | None]]", batch: int = 256) -> _moments.StreamingMerge:
         """Every unit's partials merged in unit-id order (see statsfiles.merge_partials)."""
         return _statsfiles.merge_partials(self, refs, batch)
 
@@ -463,7 +413,7 @@ class Store:
     # ---- finalize and verify (driver) ---------------------------------------------------------
     def finalize(self, summary: dict | None = None) -> dict:
         """Merge committed stats into the store, record compression and the run summary."""
-        return _finalize.finalize(self, summary)
+        return self.ledger.finalize(summary)
 
     def verify(self, deep: bool = False, objects: bool = False) -> _verify.VerifyReport:
         """Every planned row committed exactly once, markers consistent with the plan and their
@@ -473,7 +423,7 @@ class Store:
         default: at 1 B tokens of an 8B model that is ~68 k LIST pages on S3 (an hour, sequential,
         holding every entry of an array at once), so it is asked for explicitly
         (`harvest verify --objects`), never run at the end of a job."""
-        return _verify.verify(self, deep=deep, objects=objects)
+        return self.ledger.verify(deep=deep, objects=objects)
 
 
 def open_store(url, storage_options: dict | None = None, read_only: bool = False) -> Store:

@@ -231,7 +231,8 @@ class HarvestActor:
         self.units_done += 1
         self.tokens_done += n
         return result("committed", n, round(time.perf_counter() - t0, 4),
-                      capture_seconds=round(t_cap, 4), marker=marker, rows_with_activations=held)
+                      capture_seconds=round(t_cap, 4), marker=marker.to_json(),
+                      rows_with_activations=held)
 
     # -- a streamed run ----------------------------------------------------------------------
     def _deal(self, unit: UnitTask, tok, doc, pos, role) -> "UnitParts | None":

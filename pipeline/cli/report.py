@@ -62,10 +62,10 @@ def _committed_sizes(markers: dict, n_points: int) -> tuple[int, list[int | None
     rows = 0
     stored: list[int | None] = [0] * n_points
     for m in markers.values():
-        rows += m["row_end"] - m["row_start"]
+        rows += m.n_rows
         # a layout-3 marker sums them per point; a layout-2 one lists them per shard
-        per = [m["stored_bytes"]] if "stored_bytes" in m else \
-            [sh.get("nbytes") for sh in m.get("shards", [])]
+        per = [m.stored_bytes] if m.stored_bytes is not None else \
+            [sh.nbytes for sh in m.shards or ()]
         for nb in per:
             nb = nb or [None] * n_points
             for p in range(n_points):
@@ -75,8 +75,7 @@ def _committed_sizes(markers: dict, n_points: int) -> tuple[int, list[int | None
 
 def _throughput(markers: dict) -> list[tuple[str, int]]:
     """(commit time, cumulative committed rows) in commit order."""
-    events = sorted((m["committed_at"], m["row_end"] - m["row_start"])
-                    for m in markers.values() if m.get("committed_at"))
+    events = sorted((m.committed_at, m.n_rows) for m in markers.values() if m.committed_at)
     out, total = [], 0
     for t, n in events:
         total += n

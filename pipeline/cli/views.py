@@ -30,9 +30,9 @@ def driver_state(loc, ttl: "float | None" = None) -> "dict | None":
     if cur is None:
         return None
     ttl = float(ttl or StoreConfig.lease_seconds)
-    return {"live": cur.live(ttl), "released": bool(cur.record.get("released")),
-            "heartbeat_age_s": round(cur.age(), 1), "pid": cur.record.get("pid"),
-            "host": cur.record.get("host"), "generation": cur.gen}
+    return {"live": cur.live(ttl), "released": cur.record.released,
+            "heartbeat_age_s": round(cur.age(), 1), "pid": cur.record.pid,
+            "host": cur.record.host, "generation": cur.gen}
 
 
 def store_missing(url: str, storage_options: dict | None = None) -> bool:
@@ -65,8 +65,8 @@ def status(url: str, storage_options: dict | None = None,
                 "driver": driver_state(locate(url, storage_options))}
     store = open_store(url, storage_options=storage_options, read_only=True)
     plan = store.plans.read()
-    units = plan["units"]
-    rows_of = {u.unit_id: (u.row_start, u.row_end) for u in units}
+    units = plan.units
+    rows_of = plan.rows()
     names = store.marker_names()
     done = [n for n in names if rows_of.get(n.unit_id) == n.rows] if units else names
     planned_rows = sum(u.n_rows for u in units)
@@ -75,17 +75,17 @@ def status(url: str, storage_options: dict | None = None,
     first = last = None
     first_rows = 0
     for m in store.iter_committed(done, planned=bool(units)):
-        extra = m.get("extra") or {}
-        key = f"{extra.get('host', m.get('host'))}/actor{extra.get('actor', '?')}"
+        extra = m.extra
+        key = f"{extra.get('host', m.host)}/actor{extra.get('actor', '?')}"
         d = per_actor.setdefault(key, {"units": 0, "tokens": 0, "seconds": 0.0, "pids": set()})
         d["units"] += 1
-        d["tokens"] += m["row_end"] - m["row_start"]
-        d["seconds"] += float(m.get("seconds") or 0.0)
-        d["pids"].add(m.get("pid"))
-        if m.get("committed_at"):
-            t = _dt.datetime.fromisoformat(m["committed_at"])
+        d["tokens"] += m.n_rows
+        d["seconds"] += float(m.seconds or 0.0)
+        d["pids"].add(m.pid)
+        if m.committed_at:
+            t = _dt.datetime.fromisoformat(m.committed_at)
             if first is None or t < first:
-                first, first_rows = t, m["row_end"] - m["row_start"]
+                first, first_rows = t, m.n_rows
             last = t if last is None or t > last else last
     rate = eta = since = None
     finalized = store.summary is not None
@@ -100,7 +100,7 @@ def status(url: str, storage_options: dict | None = None,
         active = driver["live"] and not finalized
     if first is not None and last > first and active:
         rate = (done_rows - first_rows) / (last - first).total_seconds()
-        if plan["final"]:
+        if plan.final:
             eta = (planned_rows - done_rows) / rate if rate > 0 else None
     committed_ids = {n.unit_id for n in done}
     missing = sorted(set(rows_of) - committed_ids)
@@ -114,7 +114,7 @@ def status(url: str, storage_options: dict | None = None,
         "url": store.url,
         "name": ((store.attrs or {}).get("config") or {}).get("name"),
         "planned_units": len(units),
-        "plan_complete": plan["final"],
+        "plan_complete": plan.final,
         "committed_units": len(done),
         "missing_units": missing[:50],
         "n_missing_units": len(missing),

@@ -39,54 +39,34 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import HarvestError
-from ...store import LEASE_DIR, lease_generation, process_id, redact_attrs
+from ...store import LEASE_DIR, LeaseRecord, lease_generation, lease_key, process_id, read_lease, redact_attrs
 
 log = logging.getLogger("harvest.pipeline")
 
 
-def _key(gen: int) -> str:
-    return f"{LEASE_DIR}/lease-{gen:08d}.json"
-
-
 @dataclass
-class LeaseRecord:
+class LeaseSeen:
+    """A lease generation as read from the store: its number and its record."""
+
     gen: int
-    record: dict
+    record: LeaseRecord
 
     def age(self) -> float:
-        return time.time() - float(self.record.get("heartbeat", 0))
+        return self.record.age()
 
     def live(self, ttl: float) -> bool:
-        return not self.record.get("released") and self.age() < ttl and not self.holder_dead()
-
-    def holder_dead(self) -> bool:
-        """The holder ran on this machine (same boot) and its process is gone: a driver killed
-        with SIGKILL (or OOM) does not make its restart wait out the lease."""
-        r = self.record
-        me = process_id(os.getpid())
-        if not me or r.get("host") != socket.gethostname() or r.get("boot") != me[0]:
-            return False
-        them = process_id(int(r.get("pid") or 0))
-        return them is None or them[1] != r.get("start")
+        return self.record.live(ttl)
 
     def who(self) -> str:
         r = self.record
-        return (f"driver pid {r.get('pid')} on {r.get('host')} (run {r.get('name')!r}, lease "
+        return (f"driver pid {r.pid} on {r.host} (run {r.name!r}, lease "
                 f"{self.gen}, last heartbeat {self.age():.0f} s ago)")
 
 
-def current(loc) -> "LeaseRecord | None":
+def current(loc) -> "LeaseSeen | None":
     """The newest lease of the store at `loc`, or None."""
-    gens = [g for g in (lease_generation(n) for n in loc.list_dir(LEASE_DIR)) if g is not None]
-    for gen in sorted(gens, reverse=True):
-        data = loc.read_bytes(_key(gen))
-        if data is None:
-            continue
-        try:
-            return LeaseRecord(gen, json.loads(data))
-        except ValueError:  # a lease being written: the newest generation is taken anyway
-            return LeaseRecord(gen, {"heartbeat": time.time()})
-    return None
+    got = read_lease(loc)
+    return None if got is None else LeaseSeen(*got)
 
 
 def refuse_if_held(loc, ttl: float, shown_url: str) -> None:
@@ -121,7 +101,7 @@ class Lease:
                        "acquired": time.time(), "lease_seconds": self.ttl}
         self.gen: int | None = None
         self.root_existed = True
-        self.lost: "LeaseRecord | None" = None
+        self.lost: "LeaseSeen | None" = None
         self.last_beat = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,7 +119,7 @@ class Lease:
         gen = 0 if cur is None else cur.gen + 1
         self.root_existed = self.loc.root_exists()
         try:
-            won = self.loc.create_once(_key(gen), self._payload())
+            won = self.loc.create_once(lease_key(gen), self._payload())
         except OSError as e:
             if self.loc.is_unwritable_place(e):  # a read-only place fails here, not hours later
                 raise HarvestError(
@@ -160,7 +140,7 @@ class Lease:
         self._thread.start()
         return self
 
-    def _newer(self) -> "LeaseRecord | None":
+    def _newer(self) -> "LeaseSeen | None":
         cur = current(self.loc)
         return cur if cur is not None and cur.gen != self.gen else None
 
@@ -172,7 +152,7 @@ class Lease:
                     self.lost = newer
                     log.error("lost the lease of %s to %s", self.shown_url, newer.who())
                     return
-                self.loc.write_bytes(_key(self.gen), self._payload())
+                self.loc.write_bytes(lease_key(self.gen), self._payload())
                 self.last_beat = time.monotonic()
             except Exception as e:  # noqa: BLE001 -- retried at the next beat; assert_held decides
                 log.warning("could not refresh the lease of %s: %s", self.shown_url, e)
@@ -185,7 +165,7 @@ class Lease:
         if self.lost is None and time.monotonic() - self.last_beat > self.ttl / 4:
             self.lost = self._newer()
             if self.lost is None:
-                self.loc.write_bytes(_key(self.gen), self._payload())
+                self.loc.write_bytes(lease_key(self.gen), self._payload())
                 self.last_beat = time.monotonic()
         if self.lost is not None:
             raise HarvestError(
@@ -201,7 +181,7 @@ class Lease:
             return
         try:
             if self._newer() is None:
-                self.loc.write_bytes(_key(self.gen), self._payload(released=True))
+                self.loc.write_bytes(lease_key(self.gen), self._payload(released=True))
         except Exception as e:  # noqa: BLE001 -- an unreleased lease expires by itself
             log.warning("could not release the lease of %s: %s", self.shown_url, e)
 

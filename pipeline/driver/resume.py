@@ -146,18 +146,18 @@ def fresh_state(prep, max_contexts: int | None) -> ResumeState:
 def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
     """What is committed, what is left, and which chunks must be tokenised again."""
     plan = store.plans.read(payloads=True)
-    if not plan["units"] and not plan["final"]:
+    if not plan.units and not plan.final:
         st = fresh_state(prep, max_contexts)
-        st.next_seq = plan["next_seq"]
+        st.next_seq = plan.next_seq
         return st
     chunks: dict = {}
     state = None
-    for p in plan["payloads"]:
+    for p in plan.payloads:
         chunks.update(p.get("chunks") or {})
         state = p.get("state") or state
-    rows = {u.unit_id: (u.row_start, u.row_end) for u in plan["units"]}
+    rows = plan.rows()
     committed = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
-    todo = [u for u in plan["units"] if u.unit_id not in committed]
+    todo = [u for u in plan.units if u.unit_id not in committed]
     n_blocks = len(prep.sources["blocks"])
     f = Frontier.resume(prep.context_size, prep.layout.unit_contexts, n_blocks,
                         max_contexts, state)
@@ -186,8 +186,8 @@ def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
         jobs.append(Job(b, cursor, j, None, budget=budget))
         fresh_from = b + 1
     jobs.sort(key=lambda jb: jb.block)
-    return ResumeState(plan["units"], committed, todo, chunks, f, jobs, fresh_from,
-                       plan["next_seq"], plan["payloads"], plan["final"])
+    return ResumeState(plan.units, committed, todo, chunks, f, jobs, fresh_from,
+                       plan.next_seq, plan.payloads, plan.final)
 
 
 def _contexts_before(chunks: dict, block: int, chunk: int) -> int:

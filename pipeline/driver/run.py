@@ -344,7 +344,7 @@ def _streamed_summary(name: str, prep: Prepared, report: DispatchReport, t_start
 
 def _plan_stats(store) -> dict:
     chunks: dict = {}
-    for p in store.plans.read(payloads=True)["payloads"]:
+    for p in store.plans.read(payloads=True).payloads:
         chunks.update(p.get("chunks") or {})
     return sum_stats(chunks.values())
 

@@ -42,7 +42,7 @@ from . import schedule_log
 from ..config.run import HarvestConfig, from_dict
 from ..config.corpus import DataConfig
 from ..config.sections import StoreConfig
-from .lease import LeaseRecord
+from .lease import LeaseSeen
 from .tally import RunSummary
 
 log = logging.getLogger("harvest.pipeline")
@@ -125,7 +125,7 @@ class StoreState:
     finished: bool = False     # finalized (summary written)
     committed_tokens: int = 0
     planned_tokens: int = 0
-    lease: LeaseRecord | None = None   # the live driver's lease, or None
+    lease: LeaseSeen | None = None   # the live driver's lease, or None
     shown_url: str = ""
     location: Any = None       # the store's Storage, located once for the whole tick
 
@@ -144,7 +144,7 @@ def store_state(cfg: HarvestConfig) -> StoreState:
         return StoreState(False, lease=live, shown_url=shown, location=loc)
     check_resume(store, cfg)  # a schedule pointed at another run's store stops here, named
     plan = store.plans.read()
-    rows = {u.unit_id: (u.row_start, u.row_end) for u in plan["units"]}
+    rows = plan.rows()
     done = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
     committed = sum(e - s for uid, (s, e) in rows.items() if uid in done)
     cur = current(loc)
@@ -158,7 +158,7 @@ def _alive(st: StoreState, sc: ScheduleConfig) -> "Tick | None":
     if st.lease is None:
         return None
     rec = st.lease.record
-    age = time.time() - float(rec.get("acquired") or rec.get("heartbeat") or time.time())
+    age = time.time() - float(rec.acquired or rec.heartbeat or time.time())
     who = st.lease.who()
     if age > sc.stuck_after_s:
         return Tick("stuck", st.shown_url,

@@ -34,7 +34,7 @@ from .lease import Lease, refuse_if_held
 from .prepare import Prepared
 from .tally import RunSummary
 from .resume import RUN_ATTR, check_resume, probe_store
-from ...store import redact_url, Store, VerifyReport
+from ...store import redact_url, SettleReport, Store, VerifyReport
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -143,7 +143,7 @@ class StoreSink:
                         "resume goes on", self.shown_url, gap, store.n_rows)
         self.settle(store, repair=True)
 
-    def settle(self, store, repair: bool) -> dict:
+    def settle(self, store, repair: bool) -> SettleReport:
         return settle(store, self.shown_url, repair)
 
     # -- complete / failed -------------------------------------------------------------------
@@ -191,14 +191,14 @@ class StoreSink:
             self.lease.remove_if_alone()
 
 
-def settle(store, shown_url: str, repair: bool) -> dict:
+def settle(store, shown_url: str, repair: bool) -> SettleReport:
     """store.settle, its findings logged (store/commit/published.py)."""
     from ...store import settle_text
 
     report = store.settle(repair=repair)
-    if report["published"]:
+    if report.published:
         log.info("published %d committed units their writers had not: %s",
-                 len(report["published"]), report["published"][:20])
+                 len(report.published), report.published[:20])
     text = settle_text(report, shown_url)
     if text is not None:
         log.warning("%s", text)
@@ -212,5 +212,5 @@ def settle_or_fail(store, shown_url: str) -> None:
     from ...store import settle_text
 
     report = settle(store, shown_url, repair=True)
-    if report["uncommitted"]:
+    if report.uncommitted:
         raise HarvestError(f"store {shown_url}: {settle_text(report, shown_url)}")

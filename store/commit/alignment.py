@@ -28,6 +28,7 @@ import numpy as np
 
 from ..format import layout
 from .objects import read_meta
+from .records import Marker, Unit
 from .tables import shard_record
 
 # compared in every pair: what makes a row "the same token" (what `harvest schedule checkpoints`
@@ -76,14 +77,14 @@ def check_aligned(stores, names=None, markers=None) -> AlignmentReport:
                     "the paired reader reads every store in one order of shards: capture them "
                     "with the same store.shard_mb (or shard_rows)")
                 raise _fail(names, i, f"{fld} is {a} in the first and {b} in the second", fix)
-        _same_plan(names, i, ref.plan(), s.plan())
+        _same_plan(names, i, ref.plan_units(), s.plan_units())
     units = markers or [s.committed_units() for s in stores]
     first = units[0]
     for i, got in enumerate(units[1:], 1):
         for uid in sorted(set(first) ^ set(got)):
             have, lack = (0, i) if uid in first else (i, 0)
             m = units[have][uid]
-            raise _fail(names, i, f"unit {uid} (rows [{m['row_start']}, {m['row_end']})) is "
+            raise _fail(names, i, f"unit {uid} (rows [{m.row_start}, {m.row_end})) is "
                         f"committed in {names[have]!r} but not in {names[lack]!r}",
                         "read the stores once both runs have committed it (`harvest status`), or "
                         "finish the unfinished run")
@@ -97,11 +98,11 @@ def check_aligned(stores, names=None, markers=None) -> AlignmentReport:
     for uid in sorted(first):
         ms = [u[uid] for u in units]
         for i, m in enumerate(ms[1:], 1):
-            if (m["row_start"], m["row_end"]) != (ms[0]["row_start"], ms[0]["row_end"]):
-                raise _fail(names, i, f"unit {uid} is rows [{ms[0]['row_start']}, "
-                            f"{ms[0]['row_end']}) in the first and [{m['row_start']}, "
-                            f"{m['row_end']}) in the second", SAME_CAPTURE)
-        digests = [((m.get("row_meta") or {}).get("crc32c") or {}) for m in ms]
+            if m.rows != ms[0].rows:
+                raise _fail(names, i, f"unit {uid} is rows [{ms[0].row_start}, "
+                            f"{ms[0].row_end}) in the first and [{m.row_start}, "
+                            f"{m.row_end}) in the second", SAME_CAPTURE)
+        digests = [m.meta_crc32c or {} for m in ms]
         read = False
         for c in cols:
             ds = [d.get(c) for d in digests]
@@ -125,9 +126,9 @@ def check_aligned(stores, names=None, markers=None) -> AlignmentReport:
     return rep
 
 
-def _same_plan(names, i: int, a: list[dict], b: list[dict]) -> None:
-    pa = {u["unit_id"]: (u["row_start"], u["row_end"]) for u in a}
-    pb = {u["unit_id"]: (u["row_start"], u["row_end"]) for u in b}
+def _same_plan(names, i: int, a: list[Unit], b: list[Unit]) -> None:
+    pa = {u.unit_id: u.rows for u in a}
+    pb = {u.unit_id: u.rows for u in b}
     for uid in sorted(set(pa) | set(pb)):
         if pa.get(uid) != pb.get(uid):
             def show(r):
@@ -136,9 +137,9 @@ def _same_plan(names, i: int, a: list[dict], b: list[dict]) -> None:
                         f"the first, {show(pb.get(uid))} in the second", SAME_CAPTURE)
 
 
-def _unit_column(st, m: dict, name: str) -> np.ndarray:
+def _unit_column(st, m: Marker, name: str) -> np.ndarray:
     """Column `name` of a committed unit's rows, each chunk checked against its marker."""
-    a, b = m["row_start"], m["row_end"]
+    a, b = m.rows
     parts = []
     for s in range(a // st.shard_rows, -(-b // st.shard_rows)):
         parts.append(read_meta(st, m, shard_record(st, m, s), name))
@@ -156,13 +157,13 @@ def _report_diff(stores, names, ms, i: int, c: str) -> None:
     raise _diff(names, ms[0], i, c, x, y)
 
 
-def _diff(names, m: dict, i: int, c: str, x: np.ndarray, y: np.ndarray) -> StoresNotAligned:
+def _diff(names, m: Marker, i: int, c: str, x: np.ndarray, y: np.ndarray) -> StoresNotAligned:
     n = min(len(x), len(y))
     d = np.flatnonzero(x[:n] != y[:n])
     k = int(d[0]) if len(d) else n
-    at = (f"first at row {m['row_start'] + k}: {x[k]} vs {y[k]}" if k < n else
+    at = (f"first at row {m.row_start + k}: {x[k]} vs {y[k]}" if k < n else
           f"{len(x)} vs {len(y)} rows")
-    return _fail(names, i, f"unit {m['unit_id']} (rows [{m['row_start']}, {m['row_end']})) holds "
+    return _fail(names, i, f"unit {m.unit_id} (rows [{m.row_start}, {m.row_end})) holds "
                  f"different `{c}` ({at}; {len(d)} rows differ)", SAME_CAPTURE)
 
 

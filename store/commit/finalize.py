@@ -23,31 +23,32 @@ from . import published as _published
 from ..errors import DataIntegrityError, StoreError
 from ..format.jsonattrs import jsonable as _jsonable, now as _now
 from .objects import abort_losing_uploads, attempt_objects
+from .records import Marker, StatsRef
 
-if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.finalize
-    from ..store import Store
+if TYPE_CHECKING:
+    from .view import StoreView
 
 
-def plan_gap(store: Store) -> "str | None":
+def plan_gap(store: StoreView) -> "str | None":
     """Why the store's plan is not fully committed (None when it is, or when it has no plan):
     finalize shrinks every array to the committed rows, which a resume could not write past."""
     plan = store.plans.read()
-    units = plan["units"]
-    if not units and not plan["final"]:
+    units = plan.units
+    if not units and not plan.final:
         return None   # no plan recorded (tools, tests): every marker counts, as verify says
     rows = {u.unit_id: (u.row_start, u.row_end) for u in units}
     done = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
     missing = sorted(set(rows) - done)
-    if not missing and plan["final"]:
+    if not missing and plan.final:
         return None
     why = [f"{len(missing)} of its {len(rows)} planned units are not committed (e.g. "
            f"{missing[:10]})"] if missing else []
-    if not plan["final"]:
+    if not plan.final:
         why.append("its plan is not final (the corpus was not read to its end)")
     return " and ".join(why)
 
 
-def finalize(store: Store, summary: dict | None = None) -> dict:
+def finalize(store: StoreView, summary: dict | None = None) -> dict:
     """Publish and check what is committed (published.settle), then finalize: refused while
     the plan is not fully committed, or while a committed unit's data is gone or damaged."""
     if store.read_only:
@@ -65,7 +66,7 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
         raise DataIntegrityError(f"finalize: {text}")
     loc = store.location
     P = len(store.points)
-    refs: list[tuple[int, dict]] = []
+    refs: "list[tuple[int, StatsRef | None]]" = []
     stored = np.zeros(P, np.int64)
     recorded = True
     rows = 0
@@ -81,9 +82,9 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
     for m in store.iter_committed():
         owner.add(m)
         meta_owner.add(m)
-        refs.append((m["unit_id"], m["stats"]))
-        rows += m["row_end"] - m["row_start"]
-        end = max(end, m["row_end"])
+        refs.append((m.unit_id, m.stats))
+        rows += m.n_rows
+        end = max(end, m.row_end)
         nb = _marker_stored(m, P)
         if nb is None:
             recorded = False
@@ -143,15 +144,15 @@ def finalize(store: Store, summary: dict | None = None) -> dict:
             "stats": attrs_update["stats"], "stats_kept": attrs_update["stats_kept"]}
 
 
-def _marker_stored(m: dict, n_points: int) -> "np.ndarray | None":
+def _marker_stored(m: Marker, n_points: int) -> "np.ndarray | None":
     """Stored bytes per point of one unit, from its marker (layout 3 sums them per point; a
     layout-2 marker lists them per shard); None where a writer recorded no size."""
-    if "stored_bytes" in m:
-        nb = m.get("stored_bytes")
-        return None if nb is None or None in nb else np.asarray(nb, np.int64)
+    if m.stored_bytes is not None:
+        nb = m.stored_bytes
+        return None if None in nb else np.asarray(nb, np.int64)
     out = np.zeros(n_points, np.int64)
-    for sh in m.get("shards", []):
-        nb = sh.get("nbytes")
+    for sh in m.shards or ():
+        nb = sh.nbytes
         if nb is None or None in nb:
             return None
         out += np.asarray(nb, np.int64)
@@ -166,9 +167,9 @@ class _Owners:
         # rows per chunk: shards for point objects, the metadata chunk size for row metadata
         self.shard_rows, self._units = shard_rows, []
 
-    def add(self, m: dict) -> None:
-        self._units.append((m["row_start"] // self.shard_rows, -(-m["row_end"] // self.shard_rows),
-                            m.get("attempt")))
+    def add(self, m: Marker) -> None:
+        self._units.append((m.row_start // self.shard_rows, -(-m.row_end // self.shard_rows),
+                            m.attempt))
 
     def _index(self):
         if not hasattr(self, "_first"):
@@ -190,7 +191,7 @@ class _Owners:
         return self._units[i] if i >= 0 and shard < self._units[i][1] else None
 
 
-def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
+def _settle_attempt_objects(store: StoreView, points_owner, meta_owner) -> None:
     """Objects still under an attempt's name: a committed attempt's are published (its writer
     died between its marker and the move), a losing attempt's of a committed shard are garbage
     and removed. Those of uncommitted shards stay (a writer may still be at work on them)."""
@@ -208,7 +209,7 @@ def _settle_attempt_objects(store: Store, points_owner, meta_owner) -> None:
                 loc.delete(key)
 
 
-def _shrink(store: Store, n_rows: int) -> None:
+def _shrink(store: StoreView, n_rows: int) -> None:
     """Arrays sized for a capacity become exactly the rows committed (or, from `unfinalize`,
     back to the capacity). Only zarr.json changes:
     every committed object lies inside the new shape and nothing outside it was ever written
@@ -226,7 +227,7 @@ FINALIZE_ATTRS = ("summary", "stats", "stats_kept", "compression_ratio", "finali
                   "committed_rows")
 
 
-def unfinalize(store: Store, capacity_rows: int) -> bool:
+def unfinalize(store: StoreView, capacity_rows: int) -> bool:
     """Undo a finalize that shrank a store whose plan was not fully committed (the old
     `Store.finalize` allowed it): every array back to `capacity_rows` (zarr.json only) and the
     finalize attributes dropped, so the resume can write its remaining units. Returns whether
@@ -247,6 +248,6 @@ def unfinalize(store: Store, capacity_rows: int) -> bool:
     return True
 
 
-def _listed_bytes(store: Store, point: str) -> int:
+def _listed_bytes(store: StoreView, point: str) -> int:
     found = store.location.list_tree(f"{layout.point_path(point)}/c")
     return sum(size for path, size in found.items() if ".tmp-" not in path)

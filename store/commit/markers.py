@@ -38,6 +38,7 @@ from typing import Iterable, Iterator
 from ..format import layout
 from . import tables as _tables
 from . import trust
+from .records import Marker, TableRef
 from ..storage.locate import Location
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def list_markers(loc: Location) -> list[MarkerName]:
     return out
 
 
-def read_marker(loc: Location, name: MarkerName, fresh: bool = False) -> dict | None:
+def read_marker(loc: Location, name: MarkerName, fresh: bool = False) -> Marker | None:
     key = layout.commit_key(*name)
     if fresh:
         loc.invalidate(key)
@@ -88,10 +89,10 @@ def read_marker(loc: Location, name: MarkerName, fresh: bool = False) -> dict | 
     except ValueError:
         log.warning("commit marker %s is not valid JSON; ignored", key)
         return None
-    return trust.marker(m, name, key)
+    return Marker.from_json(m, key, name)
 
 
-def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dict]:
+def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, Marker]:
     """Many markers at once (one batched request on object stores)."""
     if not names:
         return {}
@@ -106,7 +107,7 @@ def read_markers(loc: Location, names: list[MarkerName]) -> dict[MarkerName, dic
             except ValueError:
                 log.warning("commit marker of unit %d is not valid JSON; ignored", n.unit_id)
                 continue
-            out[n] = trust.marker(m, n, layout.commit_key(*n))
+            out[n] = Marker.from_json(m, layout.commit_key(*n), n)
     return out
 
 
@@ -128,7 +129,7 @@ def _stored_by_point(recs: list[dict], n_points: int) -> "list[int | None]":
 
 def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str, shards: list,
                  meta_crc32c: dict, stats: dict, seconds: float, extra: dict,
-                 table: dict | None = None) -> dict:
+                 table: TableRef | None = None) -> Marker:
     """The marker (FORMAT.md, "Work units and commits"); `shards`: per shard (index, row_start,
     row_end, crc32c of the rows per point, stored bytes per point, CRC32C of the stored object per
     point, {column: {crc32c, nbytes}} of its metadata chunks), as a tuple or a dict (tables.records).
@@ -147,7 +148,7 @@ def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str
             raise ValueError("build_marker: a layout-3 marker needs its table reference "
                              "(commits.prepare writes both)")
         m.update({"n_points": len(store.points), "points_sha256": points_digest(store.points),
-                  "attempt": attempt, "table": table,
+                  "attempt": attempt, "table": table.to_json(),
                   "stored_bytes": _stored_by_point(recs, len(store.points))})
     m.update({
         "row_meta": {"crc32c": meta_crc32c},
@@ -157,7 +158,7 @@ def build_marker(store, unit_id: int, row_start: int, row_end: int, attempt: str
         "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(), "pid": os.getpid(), "extra": extra or {},
     })
-    return m
+    return Marker.from_json(m, layout.commit_key(unit_id, row_start, row_end))
 
 
 class Prepared(tuple):
@@ -187,15 +188,9 @@ def prepare(store, unit_id: int, row_start: int, row_end: int, attempt: str, sha
     return Prepared((m, key, blob, recs))
 
 
-def encode_marker(marker: dict) -> bytes:
-    """The bytes a marker is stored as (and `marker_size` measures)."""
-    return json.dumps(marker, separators=(",", ":")).encode()
-
-
-def create_marker(loc: Location, marker: dict) -> bool:
+def create_marker(loc: Location, marker: Marker) -> bool:
     """Create-once; True if this call created it."""
-    key = layout.commit_key(marker["unit_id"], marker["row_start"], marker["row_end"])
-    return loc.create_once(key, encode_marker(marker))
+    return loc.create_once(marker.key, marker.encode())
 
 
 def delete_marker(loc: Location, name: MarkerName) -> None:
@@ -224,15 +219,6 @@ def _index_seqs(loc: Location) -> list[int]:
     return _index_listing(loc)[0]
 
 
-def attempt_token(attempt) -> str:
-    """How a void record names an attempt: the id itself (writers make 16 hex digits), or a hash
-    of whatever else a marker holds there (None in a hand-made marker), so any entry can be
-    voided."""
-    if isinstance(attempt, str) and attempt.isascii() and attempt.isalnum() and len(attempt) <= 64:
-        return attempt
-    return "h" + hashlib.sha256(json.dumps(attempt).encode()).hexdigest()[:32]
-
-
 INDEX_MIN = 256    # markers per index segment, at least...
 INDEX_MAX = 2048   # ...and at most
 
@@ -256,8 +242,10 @@ class IndexBuilder:
         self._parts: list[bytes] = []
         self.count = 0
 
-    def add(self, marker: dict) -> None:
-        line = json.dumps(marker, separators=(",", ":")).encode() + b"\n"
+    def add(self, marker: "Marker | dict") -> None:
+        """One marker: a record, or its JSON as it crossed from an actor (UnitResult.marker)."""
+        doc = marker.to_json() if isinstance(marker, Marker) else marker
+        line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
         self._parts.append(self._z.compress(line))
         self.count += 1
 
@@ -265,7 +253,7 @@ class IndexBuilder:
         return b"".join(self._parts) + self._z.flush()
 
 
-def write_index_segment(loc: Location, markers: "Iterable[dict] | IndexBuilder") -> int:
+def write_index_segment(loc: Location, markers: "Iterable[Marker | dict] | IndexBuilder") -> int:
     """Append one immutable index segment holding `markers`; returns its sequence number."""
     if not isinstance(markers, IndexBuilder):
         b = IndexBuilder()
@@ -286,8 +274,8 @@ INDEX_LINE_MAX = 16 << 20
 
 
 def _read_index(loc: Location, seqs: list[int] | None = None,
-                max_lines: "int | None" = None) -> Iterator[dict]:
-    """The index's markers, each checked (trust.marker), decompressed a line at a time; at most
+                max_lines: "int | None" = None) -> Iterator[Marker]:
+    """The index's markers, each checked (Marker.from_json), decompressed a line at a time; at most
     `max_lines` lines per segment (default: the markers the store lists, plus slack)."""
     seqs = _index_seqs(loc) if seqs is None else seqs
     if not seqs:
@@ -313,10 +301,10 @@ def _read_index(loc: Location, seqs: list[int] | None = None,
                 m = json.loads(line)
             except ValueError:
                 raise trust.fail(key, "(line)", "is not JSON") from None
-            yield trust.marker(m, None, key)
+            yield Marker.from_json(m, key)
 
 
-def compact_index(loc: Location, markers: "Iterable[dict] | IndexBuilder") -> None:
+def compact_index(loc: Location, markers: "Iterable[Marker] | IndexBuilder") -> None:
     """Replace every index segment by one holding `markers` (finalize): later reads are one GET."""
     old = _index_seqs(loc)
     write_index_segment(loc, markers)
@@ -324,7 +312,7 @@ def compact_index(loc: Location, markers: "Iterable[dict] | IndexBuilder") -> No
         loc.delete(layout.index_key(s))
 
 
-def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iterator[dict]:
+def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iterator[Marker]:
     """Contents of every marker now present: from the index where an entry agrees with the
     listing and is not voided, read directly otherwise. Streams (memory: the listing plus one
     marker at a time, plus the markers not yet indexed). Order: index order, then unit id."""
@@ -333,9 +321,8 @@ def iter_committed(loc: Location, names: list[MarkerName] | None = None) -> Iter
     seen: set = set()
     seqs, voids = _index_listing(loc)
     for m in _read_index(loc, seqs, max_lines=len(names) + trust.INDEX_SLACK_LINES):
-        n = MarkerName(m["unit_id"], m["row_start"], m["row_end"])
-        if n in present and n not in seen and \
-                (not voids or (n.unit_id, attempt_token(m.get("attempt"))) not in voids):
+        n = MarkerName(*m.name)
+        if n in present and n not in seen and (not voids or (n.unit_id, m.token) not in voids):
             seen.add(n)
             yield m
     rest = [n for n in names if n not in seen]
@@ -362,10 +349,10 @@ def uncommit(loc: Location, unit_id: int) -> list[MarkerName]:
     for n in names:
         m = read_marker(loc, n, fresh=True)
         if m is not None:
-            attempts.add(attempt_token(m.get("attempt")))
+            attempts.add(m.token)
     for m in _read_index(loc):
-        if m.get("unit_id") == uid:
-            attempts.add(attempt_token(m.get("attempt")))
+        if m.unit_id == uid:
+            attempts.add(m.token)
     for a in sorted(attempts):
         body = {"unit_id": uid, "attempt": a,
                 "voided_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
@@ -376,6 +363,6 @@ def uncommit(loc: Location, unit_id: int) -> list[MarkerName]:
 
 
 __all__ = ["MarkerName", "list_markers", "read_marker", "read_markers", "create_marker",
-           "delete_marker", "uncommit", "attempt_token", "build_marker", "prepare", "Prepared",
-           "points_digest", "encode_marker", "IndexBuilder", "index_batch", "write_index_segment", "compact_index",
+           "delete_marker", "uncommit", "build_marker", "prepare", "Prepared",
+           "points_digest", "IndexBuilder", "index_batch", "write_index_segment", "compact_index",
            "iter_committed"]

@@ -19,14 +19,18 @@ are checked after decoding instead (a copy when the rows are strided), which is 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..format import checksum, layout
 from ..errors import DataIntegrityError, RecordError
 from ..stats.moments import crc32c
+from .records import Marker, ShardRecord
 from .tables import shard_record, unit_shards
+
+if TYPE_CHECKING:
+    from .view import StoreData
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +50,8 @@ def meta_keys(name: str, shard: int, attempt: str | None) -> list[str]:
     return keys
 
 
-def _repair(m: dict) -> str:
-    return (f"run `harvest verify --deep`; to repair, store.uncommit({m.get('unit_id')}) and run the "
+def _repair(m: Marker) -> str:
+    return (f"run `harvest verify --deep`; to repair, store.uncommit({m.unit_id}) and run the "
             "harvest again (it rewrites that unit)")
 
 
@@ -72,7 +76,7 @@ def _outstanding(loc, key: str, upload: dict) -> bool:
 
 
 def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | None, what: str,
-                 marker: dict, upload: "dict | None" = None) -> bytes:
+                 marker: Marker, upload: "dict | None" = None) -> bytes:
     """The first copy at `keys` whose size and CRC32C match the marker's record. What fails is
     told apart, each with its one repair: **pending** (the object's upload is outstanding: waited
     for briefly, then `harvest finalize`), **gone** (no copy and no upload outstanding) and
@@ -91,7 +95,7 @@ def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | No
         blob, tried, damaged = _read_first(loc, keys, want_crc, want_size)
     if blob is not None:
         return blob
-    uid = marker.get("unit_id")
+    uid = marker.unit_id
     if upload and _outstanding(loc, keys[0], upload):
         for delay in UNPUBLISHED_WAIT_S:
             time.sleep(delay)
@@ -104,7 +108,7 @@ def read_checked(loc, keys: list[str], want_crc: int | None, want_size: int | No
         else:
             raise DataIntegrityError(
                 f"{what} of unit {uid} is committed, not yet published: pending (upload "
-                f"{upload.get('upload_id')} of attempt {marker.get('attempt')} is outstanding: a "
+                f"{upload.get('upload_id')} of attempt {marker.attempt} is outstanding: a "
                 f"writer is publishing it or died); run `harvest finalize {redact_url(loc.url)}` "
                 f"({'; '.join(tried)})")
     state = "damaged" if damaged else "gone"
@@ -140,79 +144,78 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
     return None, tried, damaged
 
 
-def read_point(store, marker: dict, sh: dict | int, p: int, out: np.ndarray | None = None,
-               rows: int | None = None) -> np.ndarray:
+def read_point(store: StoreData, marker: Marker, sh: ShardRecord | int, p: int,
+               out: np.ndarray | None = None, rows: int | None = None) -> np.ndarray:
     """Rows [sh.row_start, sh.row_end) of point index `p`, checked; into `out` when given.
     `sh`: the shard's record, or its index (the record then comes from the unit's table)."""
-    if not isinstance(sh, dict):
+    if not isinstance(sh, ShardRecord):
         sh = shard_record(store, marker, int(sh))
     point = store.points[p]
     codec = store.shard_codec(point)
-    n = sh["row_end"] - sh["row_start"] if rows is None else rows
-    what = f"shard {sh['index']} of {point}"
+    n = sh.row_end - sh.row_start if rows is None else rows
+    what = f"shard {sh.index} of {point}"
     if codec is None:
         raise DataIntegrityError(f"{what}: the array's codec chain is not one harvest reads checked")
-    ocrc = (sh.get("object_crc32c") or [None] * (p + 1))[p]
-    size = (sh.get("nbytes") or [None] * (p + 1))[p]
-    keys = point_keys(point, sh["index"], marker.get("attempt"))
-    upload = (sh.get("upload") or [None] * (p + 1))[p]
+    ocrc = sh.at(sh.object_crc32c, p)
+    size = sh.at(sh.nbytes, p)
+    keys = point_keys(point, sh.index, marker.attempt)
+    upload = sh.at(sh.upload, p)
     if ocrc is None or upload is not None:  # legacy marker / an upload: the zarr key only
         keys = keys[:1]
     blob = read_checked(store.location, keys, ocrc, size, what, marker, upload)
     try:
-        x = codec.decode(blob, sh["index"], out=out, rows=n)
+        x = codec.decode(blob, sh.index, out=out, rows=n)
     except Exception as e:  # noqa: BLE001 -- a digest-checked object that cannot decode is damage
-        raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} cannot be decoded "
+        raise DataIntegrityError(f"{what} of unit {marker.unit_id} cannot be decoded "
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
-    if ocrc is None and sh.get("crc32c") is not None:
-        if crc32c(x) != sh["crc32c"][p]:
-            raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')}: rows differ from what "
+    if ocrc is None and sh.crc32c is not None:
+        if crc32c(x) != sh.crc32c[p]:
+            raise DataIntegrityError(f"{what} of unit {marker.unit_id}: rows differ from what "
                                      f"its writer committed; {_repair(marker)}")
     return x
 
 
-def _meta_cache(store) -> dict:
+def _meta_cache(store: StoreData) -> dict:
     """Decoded unit metadata chunks recently read through this store (keyed by key, digest and
     size: a rewrite after uncommit never hits an old entry); readers ask per shard."""
     return store.meta_chunk_cache
 
 
-def read_meta(store, marker: dict, sh: dict | int, name: str) -> np.ndarray:
+def read_meta(store: StoreData, marker: Marker, sh: ShardRecord | int, name: str) -> np.ndarray:
     """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker (`sh`: the
     shard's record or its index, as in read_point)."""
-    if not isinstance(sh, dict):
+    if not isinstance(sh, ShardRecord):
         sh = shard_record(store, marker, int(sh))
-    rec = (sh.get("meta") or {}).get(name)
-    a, b = sh["row_start"], sh["row_end"]
-    what = f"row metadata {name} of shard {sh['index']}"
+    rec = sh.meta.get(name)
+    a, b = sh.row_start, sh.row_end
+    what = f"row metadata {name} of shard {sh.index}"
     if rec is None:  # legacy marker: through zarr, checked by the unit's digest when whole
         col = np.asarray(store.meta_array(name)[a:b])
-        want = ((marker.get("row_meta") or {}).get("crc32c") or {}).get(name)
-        if want is not None and (a, b) == (marker["row_start"], marker["row_end"]) and \
-                crc32c(col) != want:
-            raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} differs from what its "
+        want = (marker.meta_crc32c or {}).get(name)
+        if want is not None and (a, b) == marker.rows and crc32c(col) != want:
+            raise DataIntegrityError(f"{what} of unit {marker.unit_id} differs from what its "
                                      f"writer committed; {_repair(marker)}")
         return col
-    chunk = rec.get("chunk")  # the unit's chunk (stores made with meta_chunk_rows = unit rows)
-    keys = meta_keys(name, sh["index"] if chunk is None else chunk, marker.get("attempt"))
-    upload = rec.get("upload")
+    chunk = rec.chunk  # the unit's chunk (stores made with meta_chunk_rows = unit rows)
+    keys = meta_keys(name, sh.index if chunk is None else chunk, marker.attempt)
+    upload = rec.upload
     codec = store.meta_codec(name)
     c0 = a if chunk is None else chunk * codec.chunk
     cache = _meta_cache(store)
-    ck = (keys[0], rec.get("crc32c"), rec.get("nbytes"))
+    ck = (keys[0], rec.crc32c, rec.nbytes)
     col = cache.get(ck)
     try:
         if col is None:
-            blob = read_checked(store.location, keys[:1] if upload else keys, rec.get("crc32c"),
-                                rec.get("nbytes"), what, marker, upload)
-            col = codec.decode(blob, min(codec.chunk, marker["row_end"] - c0))
+            blob = read_checked(store.location, keys[:1] if upload else keys, rec.crc32c,
+                                rec.nbytes, what, marker, upload)
+            col = codec.decode(blob, min(codec.chunk, marker.row_end - c0))
             if chunk is not None:  # a unit's chunk serves each of its shards: keep a few
                 while len(cache) >= 8:
                     cache.pop(next(iter(cache)))
                 cache[ck] = col
         return col[a - c0:b - c0]
     except Exception as e:  # noqa: BLE001
-        raise DataIntegrityError(f"{what} of unit {marker.get('unit_id')} cannot be decoded "
+        raise DataIntegrityError(f"{what} of unit {marker.unit_id} cannot be decoded "
                                  f"({type(e).__name__}: {e}); {_repair(marker)}") from None
 
 
@@ -233,7 +236,7 @@ class PieceSeq(Protocol):
 class SourceSeq(Protocol):
     """Indexable sources: (marker facts, shard record or index) by piece index (readorder.Sources)."""
 
-    def __getitem__(self, i: int, /) -> tuple[dict, dict | int]: ...
+    def __getitem__(self, i: int, /) -> tuple[Marker, ShardRecord | int]: ...
 
 
 class CommittedMeta:
@@ -283,33 +286,37 @@ def writes_per_object(object_bytes: int, part_min_bytes: int, block_bytes: int) 
     return 2 + max(1, -(-int(object_bytes) // part))
 
 
-def publish(store, marker: dict, threads: int = 16, etags: "dict | None" = None) -> int:
+def publish(store: StoreData, marker: Marker, threads: int = 16, etags: "dict | None" = None) -> int:
     """Publish a committed unit's objects; returns how many it published (0 when it was
     published already). Uploads (S3 multipart to the zarr key) are completed, concurrently;
     objects under the attempt's name are moved (a rename locally). Only the writer that created
     the marker (which passes its parts' `etags`), or finalize for a unit whose writer died
     between its marker and this, calls it."""
-    loc, att = store.location, marker.get("attempt")
+    loc, att = store.location, marker.attempt
     if not att:
         return 0
-    pairs, uploads, seen = [], [], set()
+    pairs: list[tuple[str, str]] = []   # (attempt key, zarr key): moved by name
+    uploads: list = []
+    seen: set = set()
     for sh in unit_shards(store, marker):
-        ups = sh.get("upload") or [None] * len(store.points)
-        if sh.get("object_crc32c") is not None:
+        if sh.object_crc32c is not None:
             for p, point in enumerate(store.points):
-                if ups[p] is not None:
-                    uploads.append((layout.shard_object_key(point, sh["index"]), ups[p]))
+                up = sh.at(sh.upload, p)
+                if up is not None:
+                    uploads.append((layout.shard_object_key(point, sh.index), up))
                 else:
-                    pairs.append(point_keys(point, sh["index"], att)[::-1])
-        for name, rec in (sh.get("meta") or {}).items():
-            c = rec.get("chunk", sh["index"])
+                    final, mine = point_keys(point, sh.index, att)
+                    pairs.append((mine, final))
+        for name, rec in sh.meta.items():
+            c = sh.index if rec.chunk is None else rec.chunk
             if (name, c) in seen:  # a unit's chunk is named by each of its shards
                 continue
             seen.add((name, c))
-            if rec.get("upload") is not None:
-                uploads.append((layout.meta_chunk_key(name, c), rec["upload"]))
+            if rec.upload is not None:
+                uploads.append((layout.meta_chunk_key(name, c), rec.upload))
             else:
-                pairs.append(meta_keys(name, c, att)[::-1])
+                final, mine = meta_keys(name, c, att)
+                pairs.append((mine, final))
     n = loc.publish(pairs, threads) if pairs else 0
     return n + complete_uploads(loc, uploads, threads, etags or {})
 
@@ -333,22 +340,22 @@ def complete_uploads(loc, uploads: list, threads: int = 16, etags: "dict | None"
         return sum(ex.map(one, uploads))
 
 
-def settle_uploads(store, pending: dict, marker: dict) -> None:
+def settle_uploads(store: StoreData, pending: dict, marker: Marker) -> None:
     """Finalize's part for one committed marker: complete its uploads still `pending` ({upload
     id: key}, from one listing; entries it settles are removed)."""
     todo = []
     for sh in unit_shards(store, marker):
-        recs = [(layout.shard_object_key(p, sh["index"]), u)
-                for p, u in zip(store.points, sh.get("upload") or [])]
-        recs += [(layout.meta_chunk_key(n, r.get("chunk", sh["index"])), r.get("upload"))
-                 for n, r in (sh.get("meta") or {}).items()]
+        recs = [(layout.shard_object_key(p, sh.index), u)
+                for p, u in zip(store.points, sh.upload or ())]
+        recs += [(layout.meta_chunk_key(n, sh.index if r.chunk is None else r.chunk), r.upload)
+                 for n, r in sh.meta.items()]
         for final, up in recs:
             if up is not None and pending.pop(up["upload_id"], None) is not None:
                 todo.append((final, up))
     complete_uploads(store.location, todo)
 
 
-def abort_losing_uploads(store, pending: dict, owner: ShardSet, meta_owner: ShardSet) -> None:
+def abort_losing_uploads(store: StoreData, pending: dict, owner: ShardSet, meta_owner: ShardSet) -> None:
     """Uploads left `pending` after every committed marker settled its own: those of a
     committed shard (`owner`) or metadata chunk (`meta_owner`) are a losing (or failed)
     attempt's and are aborted; the others stay (a writer may still be at work on them)."""

@@ -14,49 +14,12 @@ pipeline payload (where a unit's tokens come from), which the store keeps but ne
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Iterable
 
 from ..format import layout
 from ..storage.locate import Location
 from . import trust
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A unit of work: rows [row_start, row_end) of every array, written and committed together.
-
-    `pieces` says where the unit's tokens come from (the pipeline fills it; the store ignores it):
-    tuples (block, chunk, ctx_lo, ctx_hi, doc_base).
-    """
-
-    unit_id: int
-    row_start: int
-    row_end: int
-    pieces: tuple = ()
-
-    @property
-    def n_rows(self) -> int:
-        return self.row_end - self.row_start
-
-    def as_dict(self) -> dict:
-        d: dict = {"unit_id": self.unit_id, "row_start": self.row_start, "row_end": self.row_end}
-        if self.pieces:
-            d["pieces"] = [list(p) for p in self.pieces]
-        return d
-
-    @classmethod
-    def from_dict(cls, d) -> "Unit":
-        if isinstance(d, Unit):
-            return d
-        if not isinstance(d, dict):
-            unit_id, row_start, row_end = (int(x) for x in d)
-            return cls(unit_id, row_start, row_end)
-        try:
-            return cls(int(d["unit_id"]), int(d["row_start"]), int(d["row_end"]),
-                       tuple(tuple(p) for p in d.get("pieces") or ()))
-        except KeyError as e:
-            raise ValueError(f"unit {d!r} lacks field {e}; give unit_id, row_start, row_end") from None
+from .records import Plan, Unit
 
 
 def check_units(units: Iterable[Unit], shard_rows: int, n_rows: int, what: str = "plan") -> list[Unit]:
@@ -108,8 +71,7 @@ class PlanStore:
         if payload is not None and not self._loc.create_once(layout.plan_payload_key(seq),
                                                              json.dumps(payload).encode()):
             return False
-        body = {"seq": int(seq), "final": bool(final), "units": [
-            [u.unit_id, u.row_start, u.row_end, [list(p) for p in u.pieces]] for u in units]}
+        body = {"seq": int(seq), "final": bool(final), "units": [u.to_json() for u in units]}
         return self._loc.create_once(layout.plan_segment_key(seq), json.dumps(body).encode())
 
     def segment_seqs(self) -> list[int]:
@@ -119,9 +81,9 @@ class PlanStore:
                 out.append(int(name[4:-5]))
         return sorted(out)
 
-    def read(self, payloads: bool = False) -> dict:
-        """{"units": [Unit...] in id order, "final", "next_seq", and with `payloads` the segments'
-        payloads in order}: the compact object plus every later segment."""
+    def read(self, payloads: bool = False) -> Plan:
+        """The plan (units in id order, final, next_seq, and with `payloads` the segments'
+        payloads in order): the compact object plus every later segment."""
         compact = self._loc.read_bytes(layout.PLAN_COMPACT_KEY)
         units: list[Unit] = []
         out_payloads: list = []
@@ -148,16 +110,14 @@ class PlanStore:
                 if p is not None:
                     out_payloads.append(json.loads(p))
         units.sort(key=lambda u: u.unit_id)
-        return {"units": units, "payloads": out_payloads, "final": final,
-                "next_seq": max([upto] + seqs) + 1}
+        return Plan(units, final, max([upto] + seqs) + 1, out_payloads)
 
     def compact(self, units: list[Unit], payloads: list, upto: int, final: bool) -> None:
         """Fold segments <= upto into compact objects (overwritten: they only ever grow); the
         payloads first, so compact.json never names segments whose payloads are not folded."""
         self._loc.write_bytes(layout.PLAN_COMPACT_PAYLOAD_KEY, json.dumps(payloads).encode())
         body = {"upto": int(upto), "final": bool(final),
-                "units": [[u.unit_id, u.row_start, u.row_end, [list(p) for p in u.pieces]]
-                          for u in units]}
+                "units": [u.to_json() for u in units]}
         self._loc.write_bytes(layout.PLAN_COMPACT_KEY, json.dumps(body).encode())
 
     def write_sources(self, sources: dict) -> bool:
@@ -169,7 +129,7 @@ class PlanStore:
 
 
 def _record(raw: bytes, where: str) -> dict:
-    """A plan object's JSON, untrusted (store/commit/trust.py)."""
+    """A plan object's JSON, untrusted (records.py checks each unit)."""
     try:
         body = json.loads(raw)
     except ValueError:
@@ -180,4 +140,4 @@ def _record(raw: bytes, where: str) -> dict:
 
 
 def _units(body: dict, where: str) -> list[Unit]:
-    return [Unit(*trust.plan_unit(u, where, i)) for i, u in enumerate(body["units"])]
+    return [Unit.from_json(u, where, i) for i, u in enumerate(body["units"])]

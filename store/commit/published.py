@@ -35,16 +35,20 @@ tokens, ~2 h at this box's rate) and records them.
 
 from __future__ import annotations
 
-import json
+from typing import TYPE_CHECKING
+
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..format import layout
-from .markers import attempt_token
 from ..errors import DataIntegrityError, StoreError
 from ..format.jsonattrs import now as _now
 from .objects import complete_uploads, repair_hint
+from .records import Marker, PublishRecord
 from .tables import unit_shards
+
+if TYPE_CHECKING:
+    from .view import StoreView
 
 log = logging.getLogger(__name__)
 
@@ -60,40 +64,37 @@ class UnitObject:
     size: "int | None"           # stored bytes its writer recorded (None: unknown)
 
 
-def unit_objects(store, m: dict) -> list[UnitObject]:
+def unit_objects(store: StoreView, m: Marker) -> list[UnitObject]:
     """Every published object of committed unit `m`, from its table (layout 3) or marker."""
-    att = m.get("attempt")
+    att = m.attempt
     out, seen = [], set()
     for sh in unit_shards(store, m):
-        ups = sh.get("upload") or [None] * len(store.points)
-        sizes = sh.get("nbytes") or [None] * len(store.points)
         for p, point in enumerate(store.points):
-            up = ups[p]
+            up = sh.at(sh.upload, p)
             out.append(UnitObject(
-                f"shard {sh['index']} of {point}", layout.shard_object_key(point, sh["index"]), up,
-                None if up is not None or not att or sh.get("object_crc32c") is None else
-                layout.attempt_object_key(layout.point_path(point), sh["index"], att), sizes[p]))
-        for name, rec in (sh.get("meta") or {}).items():
-            c = rec.get("chunk", sh["index"])
+                f"shard {sh.index} of {point}", layout.shard_object_key(point, sh.index), up,
+                None if up is not None or not att or sh.object_crc32c is None else
+                layout.attempt_object_key(layout.point_path(point), sh.index, att),
+                sh.at(sh.nbytes, p)))
+        for name, rec in sh.meta.items():
+            c = sh.index if rec.chunk is None else rec.chunk
             if (name, c) in seen:   # a unit's chunk is named by each of its shards
                 continue
             seen.add((name, c))
-            up = rec.get("upload")
+            up = rec.upload
             out.append(UnitObject(f"row metadata {name} chunk {c}", layout.meta_chunk_key(name, c),
                                   up, None if up is not None or not att else
-                                  layout.attempt_object_key(name, c, att), rec.get("nbytes")))
+                                  layout.attempt_object_key(name, c, att), rec.nbytes))
     return out
 
 
-def record(m: dict, n_objects: int) -> "tuple[str, bytes]":
+def record(m: Marker, n_objects: int) -> "tuple[str, bytes]":
     """Unit `m`'s publish record: its key and body (every object at its key, `n_objects`)."""
-    body = {"unit_id": int(m["unit_id"]), "attempt": m.get("attempt"), "objects": int(n_objects),
-            "published_at": _now()}
-    return (layout.published_key(m["unit_id"], attempt_token(m.get("attempt"))),
-            json.dumps(body, separators=(",", ":")).encode())
+    rec = PublishRecord(m.unit_id, m.attempt, int(n_objects), _now())
+    return rec.key, rec.encode()
 
 
-def write_record(loc, m: dict, n_objects: int) -> None:
+def write_record(loc, m: Marker, n_objects: int) -> None:
     loc.write_bytes(*record(m, n_objects))
 
 
@@ -107,8 +108,8 @@ def published_units(loc) -> "dict[int, set[str]]":
     return out
 
 
-def is_published(records: dict, m: dict) -> bool:
-    return attempt_token(m.get("attempt")) in records.get(int(m["unit_id"]), ())
+def is_published(records: dict, m: Marker) -> bool:
+    return m.token in records.get(m.unit_id, ())
 
 
 def forget(loc, unit_id: int) -> None:
@@ -119,7 +120,7 @@ def forget(loc, unit_id: int) -> None:
             loc.delete(f"{layout.PUBLISHED_DIR}/{name}")
 
 
-def check_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
+def check_unit(store: StoreView, m: Marker, pending: dict) -> "tuple[str, str]":
     """Publish unit `m` as far as its objects allow and say what it is: ("published", ""),
     ("gone", why) or ("damaged", why). `pending`: {upload id: key} of the uploads outstanding
     (one listing; entries completed here are removed)."""
@@ -158,7 +159,7 @@ def check_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
     return "published", ""
 
 
-def diagnose_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
+def diagnose_unit(store: StoreView, m: Marker, pending: dict) -> "tuple[str, str]":
     """Read-only: what an unpublished committed unit is. ("pending", why): an upload of it is
     outstanding (`harvest finalize` completes it); ("unrecorded", ""): every object is at its
     key at its size, only the record is missing; ("gone", why) / ("damaged", why) as in
@@ -194,13 +195,26 @@ def diagnose_unit(store, m: dict, pending: dict) -> "tuple[str, str]":
     return "unrecorded", ""
 
 
-def settle(store, repair: bool = False) -> dict:
+@dataclass(frozen=True)
+class SettleReport:
+    """What a settle found: units checked, the ids it published, those whose data is gone or
+    damaged (unit -> why) and those it uncommitted (`repair`)."""
+
+    checked: int = 0
+    published: list[int] = field(default_factory=list)
+    gone: dict[int, str] = field(default_factory=dict)
+    damaged: dict[int, str] = field(default_factory=dict)
+    uncommitted: list[int] = field(default_factory=list)
+
+    def bad(self) -> list[int]:
+        """Units whose data is gone or damaged, in id order."""
+        return sorted({**self.gone, **self.damaged})
+
+
+def settle(store: StoreView, repair: bool = False) -> SettleReport:
     """Every committed unit without a publish record: publish what can be, record it, report
     the rest (module docstring). `repair`: uncommit gone and damaged units (driver or operator
-    repair: no writer of them may be running) so that the resume re-captures them.
-
-    Returns {"checked", "published", "gone": {unit: why}, "damaged": {unit: why},
-    "uncommitted": [units]}."""
+    repair: no writer of them may be running) so that the resume re-captures them."""
     loc = store.location
     records = published_units(loc)
     plan = {u.unit_id: (u.row_start, u.row_end) for u in store.plan_units()}
@@ -210,17 +224,16 @@ def settle(store, repair: bool = False) -> dict:
     failed: dict[str, dict[int, str]] = {"gone": {}, "damaged": {}}
     uncommitted: list[int] = []
     checked = 0
-    out = {"checked": checked, "published": published, **failed, "uncommitted": uncommitted}
     if not names:
-        return out
+        return SettleReport()
     pending = loc.pending_uploads("")
     for m in store.iter_committed(names, planned=True):
         checked += 1
         state, why = check_unit(store, m, pending)
         if state == "published":
-            published.append(m["unit_id"])
+            published.append(m.unit_id)
         else:
-            failed[state][m["unit_id"]] = why
+            failed[state][m.unit_id] = why
     bad = sorted({**failed["gone"], **failed["damaged"]})
     if bad and repair:
         if store.read_only:
@@ -231,11 +244,10 @@ def settle(store, repair: bool = False) -> dict:
                         "re-captures it", uid, state, failed[state][uid])
             store.uncommit(uid)
         uncommitted += bad
-    out["checked"] = checked
-    return out
+    return SettleReport(checked, published, failed["gone"], failed["damaged"], uncommitted)
 
 
-def unpublished(store, names=None) -> list[int]:
+def unpublished(store: StoreView, names=None) -> list[int]:
     """Unit ids of committed units (agreeing with the plan) without a publish record: one
     listing of the markers and one of the records, no marker read."""
     records = published_units(store.location)
@@ -245,19 +257,19 @@ def unpublished(store, names=None) -> list[int]:
     return sorted({n.unit_id for n in names} - set(records))
 
 
-def settle_text(report: dict, url: str) -> "str | None":
+def settle_text(report: SettleReport, url: str) -> "str | None":
     """What an operator must read after a settle that found damage (None: nothing found)."""
-    bad = sorted({**report["gone"], **report["damaged"]})
+    bad = report.bad()
     if not bad:
         return None
-    parts = [f"unit {u}: {'gone' if u in report['gone'] else 'damaged'}: "
-             f"{report['gone'].get(u) or report['damaged'].get(u)}" for u in bad[:5]]
-    done = "uncommitted; " if report.get("uncommitted") else ""
-    fix = ("re-run the same harvest: it re-captures them" if report.get("uncommitted") else
+    parts = [f"unit {u}: {'gone' if u in report.gone else 'damaged'}: "
+             f"{report.gone.get(u) or report.damaged.get(u)}" for u in bad[:5]]
+    done = "uncommitted; " if report.uncommitted else ""
+    fix = ("re-run the same harvest: it re-captures them" if report.uncommitted else
            repair_hint(url, ",".join(map(str, bad[:20]))))
     return (f"{len(bad)} committed units of {url} have lost data that was never published: "
             + "; ".join(parts) + (" ..." if len(bad) > 5 else "") + f"; {done}{fix}")
 
 
-__all__ = ["UnitObject", "unit_objects", "write_record", "published_units", "is_published",
+__all__ = ["SettleReport", "UnitObject", "unit_objects", "write_record", "published_units", "is_published",
            "forget", "check_unit", "diagnose_unit", "settle", "unpublished", "settle_text", "repair_hint"]

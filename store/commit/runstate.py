@@ -13,21 +13,17 @@ going, wait" from "it ended" and "it died". The store says all three without ask
 The lease is read before `zarr.json`: the driver finalizes before it releases, so a released lease
 seen first and no `finalized_at` after it is a run that ended unfinished, never a finalize missed
 by a race. The pipeline's own lease code (pipeline/driver/lease.py) writes these objects; the
-store does not import the pipeline, so the few lines that read them are repeated here.
+lease record, its key and its reading are the ledger's (records.py, format/layout.py), shared by
+both sides.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
 from dataclasses import dataclass
 
 from ..errors import StoreError
-
-LEASE_DIR = "_harvest/lease"
-DEFAULT_LEASE_SECONDS = 120.0   # the driver's default store.lease_seconds
+from .records import DEFAULT_LEASE_SECONDS, LeaseRecord
 
 
 class RunEndedUnfinished(StoreError):
@@ -43,74 +39,28 @@ class FollowTimeout(TimeoutError):
     """A follower waited `follow_timeout` seconds for the next unit and none committed."""
 
 
-def lease_generation(name: str) -> "int | None":
-    """The generation of a lease object's name (`lease-00000003.json` -> 3), None for others."""
-    if name.startswith("lease-") and name.endswith(".json"):
-        try:
-            return int(name[len("lease-"):-len(".json")])
-        except ValueError:
-            return None
-    return None
-
-
-def read_lease(loc) -> "tuple[int, dict] | None":
-    """(generation, record) of the store's newest lease, or None when it has none."""
-    gens = sorted((g for g in (lease_generation(n) for n in loc.list_dir(LEASE_DIR)) if g is not None),
-                  reverse=True)
-    for gen in gens:
-        data = loc.read_bytes(f"{LEASE_DIR}/lease-{gen:08d}.json")
-        if data is None:
-            continue
-        try:
-            return gen, json.loads(data)
-        except ValueError:   # being written: a driver just took it, so it is fresh
-            return gen, {"heartbeat": time.time()}
-    return None
-
-
-def process_id(pid: int) -> "tuple[str, str] | None":
-    """(boot id, start time in clock ticks) of a live process, None if there is none (Linux)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return boot, stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def holder_gone(record: dict) -> bool:
-    """The lease's holder ran on this machine (same boot) and that process is gone."""
-    me = process_id(os.getpid())
-    if not me or record.get("host") != socket.gethostname() or record.get("boot") != me[0]:
-        return False
-    them = process_id(int(record.get("pid") or 0))
-    return them is None or them[1] != record.get("start")
-
-
 @dataclass
 class RunState:
     """One look at a store's run: its lease, whether it is finalized, the plan's progress."""
 
     finalized: bool
     lease_gen: "int | None" = None
-    lease: "dict | None" = None
+    lease: "LeaseRecord | None" = None
     planned: int = 0
     plan_final: bool = False
     committed: int = 0
 
     @property
     def ttl(self) -> float:
-        return float((self.lease or {}).get("lease_seconds") or DEFAULT_LEASE_SECONDS)
+        return self.lease.ttl if self.lease is not None else DEFAULT_LEASE_SECONDS
 
     @property
     def lease_age(self) -> "float | None":
-        return None if self.lease is None else time.time() - float(self.lease.get("heartbeat", 0))
+        return None if self.lease is None else self.lease.age()
 
     @property
     def released(self) -> bool:
-        return bool(self.lease and self.lease.get("released"))
+        return bool(self.lease and self.lease.released)
 
     @property
     def stale(self) -> bool:
@@ -118,7 +68,7 @@ class RunState:
         if self.lease is None or self.released:
             return False
         age = self.lease_age
-        return bool(age is None or age >= self.ttl or holder_gone(self.lease))
+        return bool(age is None or age >= self.ttl or self.lease.holder_gone())
 
     def describe(self) -> str:
         if self.finalized:
@@ -127,8 +77,8 @@ class RunState:
             run = "no driver lease (a store written without the pipeline's driver)"
         else:
             r = self.lease
-            run = (f"lease {self.lease_gen} held by driver pid {r.get('pid')} on {r.get('host')} "
-                   f"(run {r.get('name')!r}), last heartbeat {self.lease_age:.0f} s ago"
+            run = (f"lease {self.lease_gen} held by driver pid {r.pid} on {r.host} "
+                   f"(run {r.name!r}), last heartbeat {self.lease_age:.0f} s ago"
                    + (", released" if self.released else "")
                    + (f", stale (lease_seconds={self.ttl:g})" if self.stale else ""))
         return (f"{run}; {self.committed} of {self.planned} planned units committed, plan "
@@ -154,7 +104,7 @@ class RunState:
 def run_state(st) -> RunState:
     """A fresh look at the run of store `st` (lease first, then zarr.json: see the docstring)."""
     loc = st.location
-    got = read_lease(loc)
+    got = st.ledger.lease()
     raw = loc.read_bytes("zarr.json")
     try:
         attrs = (json.loads(raw).get("attributes") or {}) if raw else {}
@@ -164,5 +114,4 @@ def run_state(st) -> RunState:
     return RunState(finalized="finalized_at" in attrs, lease_gen=gen, lease=rec)
 
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "FollowTimeout", "RunEndedUnfinished", "RunLeaseStale",
-           "RunState", "holder_gone", "read_lease", "run_state"]
+__all__ = ["FollowTimeout", "RunEndedUnfinished", "RunLeaseStale", "RunState", "run_state"]

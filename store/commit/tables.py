@@ -11,7 +11,7 @@ derivable from its row range and `shard_rows`, so listing pieces, resume, status
 verify never read a table; only what touches a shard's bytes does (reads, deep/objects verify,
 publish), and then one unit's table at a time.
 
-`unit_shards(store, marker)` is the only way to get the records: from the marker for version-2
+`unit_shards(store, marker)` is the only way to get the records (records.ShardRecord): from the marker for version-2
 markers, else from the table, read with the storage's retries, checked against the marker's
 sha256 and shard list (a missing or damaged table is a DataIntegrityError naming the unit and the
 repair, never an empty list), and kept in a small per-store LRU (TABLE_CACHE tables: a reader
@@ -29,8 +29,8 @@ import threading
 from collections import OrderedDict
 
 from ..errors import DataIntegrityError
-from ..format import layout
 from . import trust
+from .records import Marker, ShardRecord, TableRef
 
 # Tables one Store object keeps parsed. A 512-shard x 32-point table is ~2 MB parsed; a reader's
 # threads work on a few units at once (a window's pieces), and a miss costs one GET of ~200 KB.
@@ -54,15 +54,14 @@ def encode(unit_id: int, attempt: str, recs: list[dict]) -> bytes:
     return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), 1, mtime=0)
 
 
-def ref(key: str, blob: bytes, n_shards: int) -> dict:
+def ref(key: str, blob: bytes, n_shards: int) -> TableRef:
     """What the marker holds of its table: fixed size whatever the shard and point counts."""
-    return {"key": key, "sha256": hashlib.sha256(blob).hexdigest(), "nbytes": len(blob),
-            "n_shards": int(n_shards)}
+    return TableRef(key, hashlib.sha256(blob).hexdigest(), len(blob), int(n_shards))
 
 
-def shard_ids(shard_rows: int, marker: dict) -> range:
+def shard_ids(shard_rows: int, marker: Marker) -> range:
     """The shards a unit covers, from its row range alone (no table needed)."""
-    return range(int(marker["row_start"]) // shard_rows, -(-int(marker["row_end"]) // shard_rows))
+    return marker.shard_ids(shard_rows)
 
 
 def _repair(uid) -> str:
@@ -81,11 +80,10 @@ class TableCache:
         self.loads = 0   # tables read from storage (tests and benchmarks count them)
 
     @staticmethod
-    def _key(m: dict):
-        t = m.get("table") or {}
-        return int(m["unit_id"]), m.get("attempt"), t.get("sha256")
+    def _key(m: Marker):
+        return m.unit_id, m.attempt, None if m.table is None else m.table.sha256
 
-    def get(self, m: dict):
+    def get(self, m: Marker) -> "list[ShardRecord] | None":
         k = self._key(m)
         with self._lock:
             got = self._d.get(k)
@@ -93,7 +91,7 @@ class TableCache:
                 self._d.move_to_end(k)
             return got
 
-    def put(self, m: dict, recs: list[dict]) -> None:
+    def put(self, m: Marker, recs: list[ShardRecord]) -> None:
         k = self._key(m)
         with self._lock:
             self._d[k] = recs
@@ -106,48 +104,49 @@ def _cache(store) -> TableCache:
     return store.table_cache
 
 
-def load(store, m: dict) -> list[dict]:
+def load(store, m: Marker) -> list[ShardRecord]:
     """Read, check and parse a unit's table (no cache). Untrusted (trust.py): the marker's table
     reference is checked against the store's layout first, the read stops past the size the
     marker records, decompression stops at what the layout allows, and every record is checked
     before it is used."""
-    uid, t = m.get("unit_id"), m.get("table") or {}
-    key = t.get("key")
-    if not key:
+    uid, t = m.unit_id, m.table
+    if t is None:
         raise DataIntegrityError(f"unit {uid}: its commit marker names neither shards nor an object "
                                  f"table (a hand-edited or truncated marker); {_repair(uid)}")
-    where = layout.commit_key(uid, m.get("row_start"), m.get("row_end"))
-    trust.marker(m, None, where)
-    trust.marker_for_store(m, where, store.shard_rows, len(store.points))
-    blob = store.location.read_range(key, 0, int(t["nbytes"]) + 1)
+    key = t.key
+    m.check_for_store(m.key, store.shard_rows, len(store.points))
+    blob = store.location.read_range(key, 0, t.nbytes + 1)
     if blob is None:
         raise DataIntegrityError(f"unit {uid}: its object table {key} is missing (deleted?): the "
                                  f"store is damaged; {_repair(uid)}")
-    if len(blob) != t["nbytes"] or hashlib.sha256(blob).hexdigest() != t["sha256"]:
+    if len(blob) != t.nbytes or hashlib.sha256(blob).hexdigest() != t.sha256:
         raise DataIntegrityError(f"unit {uid}: its object table {key} differs from what its writer "
                                  f"committed (overwritten or corrupt); {_repair(uid)}")
-    want = list(shard_ids(store.shard_rows, m))
+    want = list(m.shard_ids(store.shard_rows))
     try:
         body = json.loads(trust.gunzip(blob, trust.table_bound(len(want), len(store.points)), key))
         recs = body["shards"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataIntegrityError(f"unit {uid}: its object table {key} cannot be parsed "
                                  f"({type(e).__name__}); {_repair(uid)}") from None
-    trust.table_records(recs, key, uid, None, len(store.points))
-    got = [r.get("index") for r in recs]
-    if body.get("unit_id") != uid or body.get("attempt") != m.get("attempt") or got != want:
+    out = ShardRecord.list_from_json(recs, key, len(store.points))
+    got = [r.index for r in out]
+    if body.get("unit_id") != uid or body.get("attempt") != m.attempt or got != want:
         raise DataIntegrityError(
             f"unit {uid}: its object table {key} describes unit {body.get('unit_id')} attempt "
-            f"{body.get('attempt')} shards {got[:5]}..., the marker says attempt {m.get('attempt')} "
+            f"{body.get('attempt')} shards {got[:5]}..., the marker says attempt {m.attempt} "
             f"shards {want[:5]}...; {_repair(uid)}")
-    return recs
+    return out
 
 
-def unit_shards(store, m: dict) -> list[dict]:
+def unit_shards(store, m: Marker) -> list[ShardRecord]:
     """A committed unit's per-shard records (see the module docstring)."""
-    if "shards" in m:   # layout version 2: inline, checked with the marker (trust.marker)
-        return trust.table_records(m["shards"], layout.commit_key(
-            m["unit_id"], m["row_start"], m["row_end"]), m["unit_id"], None, len(store.points))
+    if m.shards is not None:   # layout version 2: inline, checked with the marker
+        n = len(store.points)   # and here against the store's points (the marker cannot tell)
+        if any(v is not None and len(v) != n for sh in m.shards
+               for v in (sh.crc32c, sh.nbytes, sh.object_crc32c)):
+            return ShardRecord.list_from_json([sh.doc for sh in m.shards], m.key, n)
+        return list(m.shards)
     c = _cache(store)
     recs = c.get(m)
     if recs is None:
@@ -157,23 +156,23 @@ def unit_shards(store, m: dict) -> list[dict]:
     return recs
 
 
-def shard_record(store, m: dict, shard: int) -> dict:
+def shard_record(store, m: Marker, shard: int) -> ShardRecord:
     """The record of one shard of a committed unit."""
     recs = unit_shards(store, m)
-    i = int(shard) - int(recs[0]["index"]) if recs else -1
-    if 0 <= i < len(recs) and recs[i]["index"] == shard:
+    i = int(shard) - recs[0].index if recs else -1
+    if 0 <= i < len(recs) and recs[i].index == shard:
         return recs[i]
     for r in recs:  # a v2 marker need not be in order
-        if r["index"] == shard:
+        if r.index == shard:
             return r
-    raise DataIntegrityError(f"unit {m.get('unit_id')}: shard {shard} is not among its records; "
-                             f"{_repair(m.get('unit_id'))}")
+    raise DataIntegrityError(f"unit {m.unit_id}: shard {shard} is not among its records; "
+                             f"{_repair(m.unit_id)}")
 
 
-def remember(store, m: dict, recs: list[dict]) -> None:
+def remember(store, m: Marker, recs: list[dict]) -> None:
     """The writer's own records: publishing right after the commit needs no GET of the table."""
-    if "shards" not in m and m.get("table"):
-        _cache(store).put(m, recs)
+    if m.shards is None and m.table is not None:
+        _cache(store).put(m, ShardRecord.list_from_json(recs, m.table.key, len(store.points)))
 
 
 __all__ = ["TABLE_CACHE", "TableCache", "records", "encode", "ref", "shard_ids", "load",

@@ -34,11 +34,12 @@ from ..format import layout
 from ..stats import moments as _moments
 from . import published as _published
 from .objects import attempt_objects, read_meta, read_point
-from .tables import shard_ids, unit_shards
+from .records import Marker, ShardRecord
+from .tables import unit_shards
 from .plan import check_units
 
-if TYPE_CHECKING:   # annotations only: store.py imports this module for Store.verify
-    from ..store import Store
+if TYPE_CHECKING:
+    from .view import StoreView
 
 _MAX_ERRORS = 200
 _DIAGNOSED = 5   # unpublished units whose objects verify's default mode stats (the first few)
@@ -88,7 +89,7 @@ def _guard(errors: list[str], what: str, fn, default=None):
         return default
 
 
-def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyReport:
+def verify(store: StoreView, deep: bool = False, objects: bool = False) -> VerifyReport:
     errors: list[str] = []
     checked: dict = {"markers": 0, "tables": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
                      "bytes_read": 0}
@@ -133,7 +134,7 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyRep
     want = _Wanted(store.points, store.meta_columns) if objects else None
     records = _guard(errors, "the publish records cannot be listed",
                      lambda: _published.published_units(store.location), {})
-    unpublished: list[dict] = []   # the first few markers, for a diagnosis
+    unpublished: list[Marker] = []   # the first few markers, for a diagnosis
     n_unpublished = 0
     stored = 0
     markers = _guard(errors, "the commit markers cannot be read",
@@ -144,16 +145,16 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyRep
         if m is None:
             break
         checked["markers"] += 1
-        got_ids.add(m.get("unit_id"))
-        errs = _guard(errors, f"marker of unit {m.get('unit_id')}", lambda m=m: _check_marker(store, m), [])
+        got_ids.add(m.unit_id)
+        errs = _guard(errors, f"marker of unit {m.unit_id}", lambda m=m: _check_marker(store, m), [])
         errors += errs
         if errs:
             continue
         if want is not None or deep:   # the unit's table: one at a time, never all at once
-            recs = _guard(errors, f"unit {m.get('unit_id')}", lambda m=m: unit_shards(store, m))
+            recs = _guard(errors, f"unit {m.unit_id}", lambda m=m: unit_shards(store, m))
             if recs is None:
                 continue
-            checked["tables"] += "shards" not in m
+            checked["tables"] += m.shards is None
             errs = _check_records(store, m, recs)
             errors += errs
             if errs:
@@ -165,7 +166,7 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyRep
             n_unpublished += 1
             if len(unpublished) < _DIAGNOSED:
                 unpublished.append(m)
-        stored += _stored(m)
+        stored += m.total_stored_bytes() or 0
         if deep:
             errors += _deep_unit(store, m, checked)
         if len(errors) > _MAX_ERRORS:
@@ -186,7 +187,7 @@ def verify(store: Store, deep: bool = False, objects: bool = False) -> VerifyRep
         deep_checked=deep, checked=checked, stored_bytes=stored)
 
 
-def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
+def _unpublished_errors(store: StoreView, ms: list[Marker], n: int) -> list[str]:
     """Committed units without a publish record (published.py), the first few diagnosed: one
     listing of pending uploads and a stat per object of those units."""
     from ..storage.credentials import redact_url
@@ -198,7 +199,7 @@ def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
     pending = _guard(out, "pending uploads cannot be listed",
                      lambda: store.location.pending_uploads(""), {}) or {}
     for m in ms:
-        uid = m["unit_id"]
+        uid = m.unit_id
         state, why = _guard(out, f"unit {uid}", lambda m=m: _published.diagnose_unit(store, m, pending),
                             ("unknown", ""))
         if state == "pending":
@@ -213,46 +214,41 @@ def _unpublished_errors(store: Store, ms: list[dict], n: int) -> list[str]:
     return out
 
 
-def _stored(m: dict) -> int:
-    """Stored bytes a marker vouches for: its per-point sums (layout 3), else its shards'."""
-    if "stored_bytes" in m:
-        return sum(x for x in (m.get("stored_bytes") or []) if x is not None)
-    return sum(x for sh in m.get("shards", []) for x in (sh.get("nbytes") or []) if x is not None)
-
-
-def _check_marker(store: Store, m: dict) -> list[str]:
+def _check_marker(store: StoreView, m: Marker) -> list[str]:
     """A marker against its region, without its table (default mode reads no table)."""
     out = []
-    uid = m["unit_id"]
-    if "points_sha256" in m:
-        if m["points_sha256"] != _commits.points_digest(store.points):
-            out.append(f"unit {uid} was written with {m.get('n_points')} points other than the "
+    uid = m.unit_id
+    if m.points_sha256 is not None:
+        if m.points_sha256 != _commits.points_digest(store.points):
+            out.append(f"unit {uid} was written with {m.n_points} points other than the "
                        f"store's {len(store.points)} ({', '.join(store.points[:3])}...)")
-    elif m.get("points") != store.points:
-        out.append(f"unit {uid} was written with points {m.get('points')}, store has {store.points}")
-    if m.get("layout_version") != store.layout_version:
-        out.append(f"unit {uid} marker has layout_version {m.get('layout_version')}")
-    if not 0 <= m["row_start"] < m["row_end"] <= store.n_rows:
-        out.append(f"unit {uid} rows [{m['row_start']}, {m['row_end']}) lie outside the store's "
+    elif m.points is None or list(m.points) != store.points:
+        out.append(f"unit {uid} was written with points "
+                   f"{None if m.points is None else list(m.points)}, store has {store.points}")
+    if m.layout_version != store.layout_version:
+        out.append(f"unit {uid} marker has layout_version {m.layout_version}")
+    if not 0 <= m.row_start < m.row_end <= store.n_rows:
+        out.append(f"unit {uid} rows [{m.row_start}, {m.row_end}) lie outside the store's "
                    f"{store.n_rows} rows (n_rows edited?)")
-    exp = shard_ids(store.shard_rows, m)
-    if "shards" in m:
-        out += _check_records(store, m, m["shards"])
-    elif (m.get("table") or {}).get("n_shards") != len(exp) or not (m.get("table") or {}).get("key"):
-        out.append(f"unit {uid} marker's object table {m.get('table')} does not cover its "
+    exp = m.shard_ids(store.shard_rows)
+    if m.shards is not None:
+        out += _check_records(store, m, m.shards)
+    elif m.table is None or m.table.n_shards != len(exp):
+        out.append(f"unit {uid} marker's object table "
+                   f"{None if m.table is None else m.table.to_json()} does not cover its "
                    f"{len(exp)} shards")
     return out
 
 
-def _check_records(store: Store, m: dict, recs: list) -> list[str]:
-    exp = list(shard_ids(store.shard_rows, m))
-    got = [sh.get("index") for sh in recs]
+def _check_records(store: StoreView, m: Marker, recs) -> list[str]:
+    exp = list(m.shard_ids(store.shard_rows))
+    got = [sh.index for sh in recs]
     if got != exp:
-        return [f"unit {m['unit_id']} marker lists shards {got[:10]}, expected {exp[:10]}"]
+        return [f"unit {m.unit_id} marker lists shards {got[:10]}, expected {exp[:10]}"]
     return []
 
 
-def _check_arrays(store: Store, errors: list[str]) -> None:
+def _check_arrays(store: StoreView, errors: list[str]) -> None:
     for name, dt in store.meta_columns.items():
         a = store.meta_array(name)
         if a.shape != (store.n_rows,) or a.dtype != np.dtype(dt):
@@ -269,7 +265,7 @@ def _check_arrays(store: Store, errors: list[str]) -> None:
             errors.append(f"array {p} shards {a.shards} do not match shard_rows={store.shard_rows}")
 
 
-def _listing(store: Store, rel: str, leaf: bool) -> dict[int, int]:
+def _listing(store: StoreView, rel: str, leaf: bool) -> dict[int, int]:
     """shard -> object size of the zarr keys under `rel` (`<shard>/0` when `leaf`, else
     `<shard>`), from one listing; anything else (temp files of failed writes) does not count."""
     out = {}
@@ -293,15 +289,16 @@ class _Wanted:
         self.meta_chunks = array("q")  # the metadata chunk each shard's rows are in (its own, or its unit's)
         self.attempts: list = []   # one string per unit, shared by its shards
 
-    def add(self, m: dict, sh: dict) -> None:
-        self.units.append(int(m["unit_id"]))
-        self.shards.append(int(sh["index"]))
-        self.attempts.append(m.get("attempt"))
-        nb = list(sh.get("nbytes") or [])[: self.n_points]
+    def add(self, m: Marker, sh: ShardRecord) -> None:
+        self.units.append(m.unit_id)
+        self.shards.append(sh.index)
+        self.attempts.append(m.attempt)
+        nb = list(sh.nbytes or ())[: self.n_points]
         nb += [None] * (self.n_points - len(nb))
-        meta = sh.get("meta") or {}
-        nb += [(meta.get(name) or {}).get("nbytes") for name in self.meta_columns]
-        self.meta_chunks.append(int((meta.get("token_id") or {}).get("chunk", sh["index"])))
+        meta = sh.meta
+        nb += [None if meta.get(name) is None else meta[name].nbytes for name in self.meta_columns]
+        tok = meta.get("token_id")
+        self.meta_chunks.append(sh.index if tok is None or tok.chunk is None else tok.chunk)
         self.sizes.extend(-1 if x is None else int(x) for x in nb)
 
     def column(self, col: int):
@@ -314,7 +311,7 @@ class _Wanted:
             yield u, s, self.attempts[i], None if size < 0 else size
 
 
-def _check_objects(store: Store, want: _Wanted, checked: dict) -> list[str]:
+def _check_objects(store: StoreView, want: _Wanted, checked: dict) -> list[str]:
     out = []
     attempts = {arr: {(s, a): size for _, s, a, size in v} for arr, v in attempt_objects(store.location).items()}
     arrays = [layout.point_path(p) for p in store.points] + list(store.meta_columns)
@@ -334,23 +331,23 @@ def _check_objects(store: Store, want: _Wanted, checked: dict) -> list[str]:
     return out
 
 
-def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
+def _deep_unit(store: StoreView, m: Marker, checked: dict) -> list[str]:
     bad = []
-    uid = m["unit_id"]
+    uid = m.unit_id
     recs = unit_shards(store, m)   # the caller read and checked it (cached)
     for sh in recs:
         for pi, p in enumerate(store.points):
             try:
                 rows = read_point(store, m, sh, pi)
             except Exception as exc:  # noqa: BLE001 -- damage is reported, never a crash
-                bad.append(f"unit {uid} shard {sh['index']} of {p}: {type(exc).__name__}: {exc}")
+                bad.append(f"unit {uid} shard {sh.index} of {p}: {type(exc).__name__}: {exc}")
                 continue
             checked["shards"] += 1
-            checked["bytes_read"] += ((sh.get("nbytes") or [None] * len(store.points))[pi] or rows.nbytes)
-            if _moments.crc32c(np.ascontiguousarray(rows)) != sh["crc32c"][pi]:
-                bad.append(f"unit {uid} shard {sh['index']} of {p}: rows differ from what its writer "
+            checked["bytes_read"] += sh.at(sh.nbytes, pi) or rows.nbytes
+            if _moments.crc32c(np.ascontiguousarray(rows)) != sh.at(sh.crc32c, pi):
+                bad.append(f"unit {uid} shard {sh.index} of {p}: rows differ from what its writer "
                            "committed (overwritten or corrupt); uncommit and rewrite")
-    want = (m.get("row_meta") or {}).get("crc32c")
+    want = m.meta_crc32c
     if want is None:
         bad.append(f"unit {uid}: marker has no row metadata digest")
     else:
@@ -364,17 +361,17 @@ def _deep_unit(store: Store, m: dict, checked: dict) -> list[str]:
             checked["bytes_read"] += col.nbytes
             if _moments.crc32c(col) != want.get(name):
                 bad.append(f"unit {uid}: row metadata {name} differs from what its writer committed")
-    st = m.get("stats") or {}
-    if st.get("key"):
+    st = m.stats
+    if st is not None and st.key:
         try:
-            blob = store.location.read_bytes(st["key"])
+            blob = store.location.read_bytes(st.key)
         except Exception as exc:  # noqa: BLE001
-            return bad + [f"unit {uid}: stats sidecar {st['key']}: {type(exc).__name__}: {exc}"]
+            return bad + [f"unit {uid}: stats sidecar {st.key}: {type(exc).__name__}: {exc}"]
         checked["sidecars"] += 1
         if blob is None:
-            bad.append(f"unit {uid}: stats sidecar {st['key']} is missing")
-        elif st.get("sha256") and hashlib.sha256(blob).hexdigest() != st["sha256"]:
-            bad.append(f"unit {uid}: stats sidecar {st['key']} differs from what its writer committed")
+            bad.append(f"unit {uid}: stats sidecar {st.key} is missing")
+        elif st.sha256 and hashlib.sha256(blob).hexdigest() != st.sha256:
+            bad.append(f"unit {uid}: stats sidecar {st.key} differs from what its writer committed")
         else:
             checked["bytes_read"] += len(blob)
     return bad

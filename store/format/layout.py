@@ -72,6 +72,7 @@ INDEX_DIR = f"{CONTROL_DIR}/index"
 # one record per unit whose objects are all at their zarr keys at their recorded sizes (published.py)
 PUBLISHED_DIR = f"{CONTROL_DIR}/published"
 PROBE_DIR = f"{CONTROL_DIR}/probe"
+LEASE_DIR = f"{CONTROL_DIR}/lease"       # the driver's lease, one create-once object per generation
 # A writer puts each shard and metadata chunk under a name of its own attempt, and only the
 # writer whose marker was created moves them to the zarr keys: a late writer of the same unit can
 # never land bytes on an object a marker vouches for (see FORMAT.md, "Work units and commits").
@@ -202,6 +203,21 @@ def published_key(unit_id: int, attempt: str) -> str:
 def parse_published_name(name: str) -> "tuple[int, str] | None":
     m = _PUBLISHED.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+def lease_key(gen: int) -> str:
+    """Generation `gen` of the driver's lease (FORMAT.md "The driver's lease")."""
+    return f"{LEASE_DIR}/lease-{int(gen):08d}.json"
+
+
+def lease_generation(name: str) -> "int | None":
+    """The generation of a lease object's name (`lease-00000003.json` -> 3), None for others."""
+    if name.startswith("lease-") and name.endswith(".json"):
+        try:
+            return int(name[len("lease-"):-len(".json")])
+        except ValueError:
+            return None
+    return None
 
 
 def shard_object_key(point: str, shard: int) -> str:

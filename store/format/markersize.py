@@ -11,7 +11,7 @@ import socket
 
 from . import layout
 from ..commit import tables as _tables
-from ..commit.markers import Prepared, encode_marker, prepare
+from ..commit.markers import Prepared, prepare
 
 # A CRC32C is uniform over 32 bits, so most (98%) have 10 decimal digits: the size estimate
 # writes this one wherever the marker holds a digest.
@@ -67,9 +67,9 @@ def marker_size(points: list, unit_id: int, row_start: int, n_shards: int, shard
     args = (points, unit_id, row_start)
     rest = (n_shards, shard_rows, row_bytes, object_bytes, meta_bytes, version)
     if version >= 3:   # built whole: its table's size (digits in the reference) is exact then
-        return len(encode_marker(_typical(*args, max(1, n_shards), *rest).marker))
-    first = len(encode_marker(_typical(*args, 1, *rest).marker))
-    second = len(encode_marker(_typical(*args, 2, *rest).marker))
+        return len(_typical(*args, max(1, n_shards), *rest).marker.encode())
+    first = len(_typical(*args, 1, *rest).marker.encode())
+    second = len(_typical(*args, 2, *rest).marker.encode())
     return first + (second - first) * (max(1, n_shards) - 1)
 
 

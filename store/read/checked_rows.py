@@ -11,16 +11,7 @@ import numpy as np
 
 from ..format import layout
 from ..commit.objects import read_meta
-
-
-# what a reader keeps of each committed marker: enough to find and check its shards (`table`
-# or, for layout 2, the inline `shards` list itself: the same object the marker held, no copy)
-LITE_KEYS = ("unit_id", "row_start", "row_end", "attempt", "row_meta", "layout_version", "table",
-             "shards")
-
-
-def lite(m: dict) -> dict:
-    return {k: m[k] for k in LITE_KEYS if k in m}
+from ..commit.records import Marker
 
 
 class UnitMap:
@@ -28,20 +19,15 @@ class UnitMap:
     512 shards at 1 B tokens of an 8B model were 2 M entries, each with its shard's record)."""
 
     def __init__(self, markers, shard_rows: int):
-        units = sorted(((m["row_start"] // shard_rows, -(-m["row_end"] // shard_rows), lite(m))
+        units = sorted(((m.row_start // shard_rows, -(-m.row_end // shard_rows), m.lite())
                         for m in markers), key=lambda u: u[:2])
         self.first = np.array([u[0] for u in units], np.int64)
         self.end = np.array([u[1] for u in units], np.int64)
         self.lites = [u[2] for u in units]
 
-    def find(self, shard: int) -> "dict | None":
+    def find(self, shard: int) -> "Marker | None":
         i = int(np.searchsorted(self.first, shard, side="right")) - 1
         return self.lites[i] if i >= 0 and shard < self.end[i] else None
-
-
-def committed_shard_map(st) -> UnitMap:
-    """The committed units by shard (Store.committed_shard); records come lazily from tables."""
-    return UnitMap(st.iter_committed(), st.shard_rows)
 
 
 def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
@@ -49,9 +35,9 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
     parts = []
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):
         m, sh = st.committed_shard(s)
-        a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
+        a, b = max(start, sh.row_start), min(stop, sh.row_end)
         if b > a:
-            parts.append(st.read_shard(point, s)[a - sh["row_start"]:b - sh["row_start"]])
+            parts.append(st.read_shard(point, s)[a - sh.row_start:b - sh.row_start])
     return np.concatenate(parts) if parts else np.empty((0, st.point_row_width(point)), st.np_dtype)
 
 
@@ -66,8 +52,8 @@ def read_meta_checked(st, name: str, start: int, stop: int) -> np.ndarray:
     parts = []
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):
         m, sh = st.committed_shard(s)
-        a, b = max(start, sh["row_start"]), min(stop, sh["row_end"])
-        parts.append(read_meta(st, m, sh, name)[a - sh["row_start"]:b - sh["row_start"]])
+        a, b = max(start, sh.row_start), min(stop, sh.row_end)
+        parts.append(read_meta(st, m, sh, name)[a - sh.row_start:b - sh.row_start])
     return np.concatenate(parts) if parts else np.empty(0, layout.ROW_META[name])
 
 

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from ..commit.objects import read_meta, read_point
+from ..commit.records import Marker
 from ..errors import StoreError
 from .feed.batching import BatchBuffers, Tally, batches
 from .filters import RowFilter
 from .feed.readahead import Arenas, Ready, WindowFinisher, WindowReader, WindowSpec
-from .checked_rows import lite
 from ..commit.runstate import FollowTimeout, RunState, run_state
 from .shuffle.sampling import Take, lane, worker_share
 from ..format.shardcodec import codec_pool
@@ -56,11 +56,11 @@ class FollowPieces:
         self.lo: list[int] = []
         self.hi: list[int] = []
         self.cum: list[int] = [0]            # pieces before unit k
-        self.lites: list[dict] = []
+        self.lites: list[Marker] = []
         self.by_row: list[tuple[int, int]] = []   # (row_start, k), sorted, for lookups by rows
 
-    def add(self, m: dict) -> range:
-        a, b, R = int(m["row_start"]), int(m["row_end"]), self.R
+    def add(self, m: Marker) -> range:
+        a, b, R = m.row_start, m.row_end, self.R
         k = len(self.lo)
         self.lo.append(a)
         self.hi.append(b)
@@ -78,7 +78,7 @@ class FollowPieces:
         s = self.lo[k] // self.R + int(i) - self.cum[k]
         return max(s * self.R, self.lo[k]), min((s + 1) * self.R, self.hi[k])
 
-    def source(self, a: int) -> tuple[dict, int]:
+    def source(self, a: int) -> "tuple[Marker, int]":
         """(the marker facts of the unit holding row a, the shard index of row a)."""
         k = self.by_row[bisect.bisect_right(self.by_row, (int(a), 1 << 62)) - 1][1]
         return self.lites[k], int(a) // self.R
@@ -111,22 +111,22 @@ class UnitLine:
         self.own: list[int] = []               # this worker's planned unit ids, sorted
         self.plan_final = False
         self.seen: set[int] = set()            # committed unit ids (every worker's)
-        self.markers: dict[int, dict] = {}     # this worker's committed units: marker facts
+        self.markers: dict[int, Marker] = {}     # this worker's committed units: marker facts
         self.state: RunState | None = None
         self.polls = 0
 
     def poll(self) -> RunState:
         state = run_state(self.st)    # first: a finalize seen here covers the listing below
         p = self.st.plans.read()
-        self.plan = {u.unit_id: (u.row_start, u.row_end) for u in p["units"]}
-        self.plan_final = bool(p["final"])
+        self.plan = {u.unit_id: (u.row_start, u.row_end) for u in p.units}
+        self.plan_final = bool(p.final)
         self.own = sorted(u for u in self.plan if u % self.G == self.g)
         new = [n for n in self.st.marker_names()
                if n.unit_id not in self.seen and self.plan.get(n.unit_id) == n.rows]
         self.seen.update(n.unit_id for n in new)
         mine = [n for n in new if n.unit_id % self.G == self.g]
         for m in self.st.iter_committed(mine, planned=True):
-            self.markers[int(m["unit_id"])] = lite(m)
+            self.markers[m.unit_id] = m.lite()
         state.planned, state.plan_final, state.committed = len(self.plan), self.plan_final, len(self.seen)
         self.state = state
         self.polls += 1
@@ -198,7 +198,7 @@ class FollowMode:
         m, sh = self._fpieces.source(piece[0])
         return {n: read_meta(self._open(), m, sh, n) for n in self._meta_names()}
 
-    def _kept(self, a: int, b: int, m: dict) -> int:
+    def _kept(self, a: int, b: int, m: Marker) -> int:
         """Kept rows of piece [a, b) of the unit with marker facts m."""
         f = self.filter
         if not f.needs_meta:
@@ -207,8 +207,8 @@ class FollowMode:
         got = {n: read_meta(self._open(), m, a // self.shard_rows, n) for n in f.meta_names()}
         return int(f.mask_of(a, b, got).sum())
 
-    def _unit_kept(self, m: dict) -> int:
-        R, a, b = self.shard_rows, int(m["row_start"]), int(m["row_end"])
+    def _unit_kept(self, m: Marker) -> int:
+        R, a, b = self.shard_rows, m.row_start, m.row_end
         return sum(self._kept(max(s * R, a), min((s + 1) * R, b), m) for s in range(a // R, -(-b // R)))
 
     def _pad_target(self, line: UnitLine) -> int:
@@ -216,7 +216,7 @@ class FollowMode:
         names = [n for n in self._open().marker_names() if line.plan.get(n.unit_id) == n.rows]
         per = np.zeros(line.G, np.int64)
         for m in self._open().iter_committed(names, planned=True):
-            per[int(m["unit_id"]) % line.G] += self._unit_kept(m)
+            per[m.unit_id % line.G] += self._unit_kept(m)
         return int(per.max() - per[line.g])
 
     def _follow_specs(self, line: UnitLine, epoch: int):

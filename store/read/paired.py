@@ -135,7 +135,7 @@ class PairedDataset(torch.utils.data.IterableDataset):
             norm_constants=None if nc is None else nc[i])) for i, (s, p) in enumerate(zip(opened, specs))]
         self.config = dataclasses.replace(cfg, shuffle_buffer_rows=buf)
         lead = self.datasets[0]
-        want = sorted((m["row_start"], m["row_end"]) for m in markers[0].values())
+        want = sorted(m.rows for m in markers[0].values())
         for name, d in zip(self.names, self.datasets):
             got = list(zip(d.pieces.lo.tolist(), d.pieces.hi.tolist()))
             if got != want:

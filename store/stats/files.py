@@ -15,20 +15,21 @@ import zarr
 
 from ..format import layout
 from . import moments as _moments
+from ..commit.records import StatsRef
 from ..errors import StoreError
 
 
-def _check_partial(raw, stats_ref: dict, unit_id: int) -> dict:
-    if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref["sha256"]:
+def _check_partial(raw, stats_ref: StatsRef, unit_id: int) -> dict:
+    if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref.sha256:
         raise StoreError(f"stats partial of unit {unit_id} is missing or does not "
-                         f"match its commit marker ({stats_ref['key']}); rewrite the unit")
+                         f"match its commit marker ({stats_ref.key}); rewrite the unit")
     return _moments.load_arrays(raw)
 
 
 def _fetch_partials(store, refs: list) -> list:
     """Sidecars of `refs` (batched: one concurrent request for all on object storage)."""
     loc = store.location
-    keys = [loc.key(r[1]["key"]) for r in refs]
+    keys = [loc.key(_key(uid, ref)) for uid, ref in refs]
     blobs = loc.read_many(keys, "read stats partials")
     return [_check_partial(blobs.get(k), r[1], r[0]) for k, r in zip(keys, refs)]
 
@@ -40,7 +41,15 @@ def _fetch_partials(store, refs: list) -> list:
 BATCH_BYTES = 32 << 20
 
 
-def merge_partials(store, refs: "list[tuple[int, dict]]", batch: int = 256) -> _moments.StreamingMerge:
+def _key(unit_id: int, ref: "StatsRef | None") -> str:
+    if ref is None or ref.key is None:
+        raise StoreError(f"unit {unit_id}: its commit marker names no stats partial; rewrite the "
+                         "unit")
+    return ref.key
+
+
+def merge_partials(store, refs: "list[tuple[int, StatsRef | None]]",
+                   batch: int = 256) -> _moments.StreamingMerge:
     refs = sorted(refs, key=lambda r: r[0])
     partial = 32 * len(store.points) * store.max_width
     batch = max(1, min(batch, BATCH_BYTES // max(1, partial)))
@@ -76,7 +85,7 @@ def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, 
                       "mean_sq_norm": float(a["mean_sq_norm"][i]),
                       "nonfinite_rows": int(a["nonfinite_rows"][i])}
         return out
-    refs = [(m["unit_id"], m["stats"]) for m in store.iter_committed()]
+    refs = [(m.unit_id, m.stats) for m in store.iter_committed()]
     merged = merge_partials(store, refs).moments(subset)
     return {p: {"count": merged[i].count, "mean": merged[i].mean, "var": merged[i].var,
                 "mean_sq_norm": merged[i].mean_sq_norm, "nonfinite_rows": merged[i].nonfinite}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NotRequired, TypedDict
 
+from ..commit.records import UploadHandle
 from .credentials import scrub
 from ..errors import RecordError, StoreAccessError
 from ..format.layout import check_rel
@@ -278,36 +279,36 @@ class Storage(abc.ABC):
     # holds a point's compressed blocks until they reach it.
     part_min_bytes: ClassVar[int] = 0
 
-    def begin_object(self, final_rel: str, attempt_rel: str) -> dict:
+    def begin_object(self, final_rel: str, attempt_rel: str) -> UploadHandle:
         """A handle for an object streamed in parts, to appear at `final_rel` once published;
         `attempt_rel` is the attempt's own name for backends that publish by moving."""
         f = with_retries(lambda: self.fs.open(self.key(attempt_rel), "wb"), f"open {attempt_rel}",
                          budget_s=self.budget_s)
-        return {"rel": attempt_rel, "file": f}
+        return UploadHandle(attempt_rel, file=f)
 
-    def write_part(self, handle: dict, data) -> None:
+    def write_part(self, handle: UploadHandle, data) -> None:
         """Append one part: `data` is bytes-like or a list of them, in order (the writer hands
         its compressed chunks over as they are: a backend that can send them without joining
         does). The parts of one object arrive in order, from one thread at a time."""
         for piece in (data if isinstance(data, list) else [data]):
-            handle["file"].write(piece)
+            handle.file.write(piece)
 
-    def finish_object(self, handle: dict) -> "UploadRecord | None":
+    def finish_object(self, handle: UploadHandle) -> "UploadRecord | None":
         """Every part is written, durably; the object is not yet at its zarr key. Returns what
         a commit must record to publish it later (None: nothing, it is moved by name)."""
-        handle.pop("file").close()
+        handle.take_file().close()
         return None
 
-    def abort_object(self, handle: dict) -> None:
+    def abort_object(self, handle: UploadHandle) -> None:
         """Drop an unfinished object (best effort: what remains is under the attempt's name)."""
-        f = handle.pop("file", None)
+        f = handle.take_file()
         if f is not None:
             try:
                 f.discard() if hasattr(f, "discard") else f.close()
             except Exception:  # noqa: BLE001 -- garbage under an attempt name harms nothing
                 pass
         try:
-            self.delete(handle["rel"])
+            self.delete(handle.rel)
         except Exception:  # noqa: BLE001
             pass
 

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import fsspec
 
+from ..commit.records import UploadHandle
 from .interface import Storage
 from ..errors import RecordError
 
@@ -145,38 +146,39 @@ class LocalStorage(Storage):
         """Renames one after the other: there are no round trips to overlap."""
         return sum(self.move(src, dst) for src, dst in pairs)
 
-    def begin_object(self, final_rel: str, attempt_rel: str) -> dict:
+    def begin_object(self, final_rel: str, attempt_rel: str) -> UploadHandle:
         """A temp file beside the attempt's name; parts are appended to it as they come."""
         path = self.key(attempt_rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        return {"rel": attempt_rel, "tmp": tmp, "file": open(tmp, "wb")}
+        return UploadHandle(attempt_rel, file=open(tmp, "wb"), tmp=tmp)
 
-    def write_part(self, handle: dict, data) -> None:
-        handle["file"].writelines(data if isinstance(data, list) else [data])
+    def write_part(self, handle: UploadHandle, data) -> None:
+        handle.file.writelines(data if isinstance(data, list) else [data])
 
-    def finish_object(self, handle: dict) -> None:
+    def finish_object(self, handle: UploadHandle) -> None:
         """fsync, then rename to the attempt's name (publish renames it again: no copy)."""
-        f = handle.pop("file")
+        f, tmp = handle.take_file(), str(handle.tmp)
         try:
             f.flush()
             os.fsync(f.fileno())
             f.close()
-            path = self.key(handle["rel"])
-            os.replace(handle["tmp"], path)
+            path = self.key(handle.rel)
+            os.replace(tmp, path)
         except BaseException:
             f.close()
-            _unlink_quietly(handle["tmp"])
+            _unlink_quietly(tmp)
             raise
         _fsync_dir(os.path.dirname(path))
         return None
 
-    def abort_object(self, handle: dict) -> None:
-        f = handle.pop("file", None)
+    def abort_object(self, handle: UploadHandle) -> None:
+        f = handle.take_file()
         if f is not None:
             f.close()
-        _unlink_quietly(handle["tmp"])
-        _unlink_quietly(self.key(handle["rel"]))
+        if handle.tmp is not None:
+            _unlink_quietly(handle.tmp)
+        _unlink_quietly(self.key(handle.rel))
 
     def read_many(self, paths: list[str], what: str) -> dict:
         out = {}

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from ..errors import StoreAccessError
 from .retries import is_throttle, with_retries
+from ..commit.records import UploadHandle
 from .interface import RequestLimits, UploadRecord
 from .objectstore import ObjectStorage
 
@@ -139,10 +140,10 @@ class S3Storage(ObjectStorage):
     def _s3(self, what: str, op: str, **kw):
         return with_retries(lambda: self.fs.call_s3(op, **kw), what, budget_s=self.budget_s)
 
-    def begin_object(self, final_rel: str, attempt_rel: str) -> dict:
+    def begin_object(self, final_rel: str, attempt_rel: str) -> UploadHandle:
         b, k = self._bucket_key(final_rel)
         r = self._s3(f"start upload of {final_rel}", "create_multipart_upload", Bucket=b, Key=k)
-        return {"rel": final_rel, "bucket": b, "key": k, "id": r["UploadId"], "etags": []}
+        return UploadHandle(final_rel, bucket=b, key=k, upload_id=r["UploadId"])
 
     # Parts go out from the writer's buffers (s3parts.py: one copy, the kernel's) where the
     # store names its endpoint; False sends them through s3fs (benchmarks compare the two).
@@ -162,31 +163,31 @@ class S3Storage(ObjectStorage):
                 _SENDERS[ck] = part_sender(self.storage_options)
             return _SENDERS[ck]
 
-    def write_part(self, handle: dict, data) -> None:
+    def write_part(self, handle: UploadHandle, data) -> None:
         """Part n+1 of the upload from `data`: bytes-like, or a list of them (one part, in order,
         sent without joining where the PartSender applies)."""
-        n = len(handle["etags"]) + 1
+        n = len(handle.etags) + 1
         pieces = data if isinstance(data, list) else [data]
-        what = f"upload part {n} of {handle['rel']}"
+        what = f"upload part {n} of {handle.rel}"
         sender = self.parts_client()
         if sender is not None:
-            etag = with_retries(lambda: sender.upload_part(handle["bucket"], handle["key"],
-                                                           handle["id"], n, pieces),
+            etag = with_retries(lambda: sender.upload_part(handle.bucket, handle.key,
+                                                           handle.upload_id, n, pieces),
                                 what, budget_s=self.budget_s)
         else:
             body = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-            etag = self._s3(what, "upload_part", Bucket=handle["bucket"], Key=handle["key"],
-                            UploadId=handle["id"], PartNumber=n, Body=body)["ETag"]
-        handle["etags"].append(etag)
+            etag = self._s3(what, "upload_part", Bucket=handle.bucket, Key=handle.key,
+                            UploadId=handle.upload_id, PartNumber=n, Body=body)["ETag"]
+        handle.etags.append(etag)
 
-    def finish_object(self, handle: dict) -> UploadRecord:
+    def finish_object(self, handle: UploadHandle) -> UploadRecord:
         """The upload id and part count (and, in memory only, the parts' ETags: the writer's
         own publish completes without asking the server for them)."""
-        return {"upload_id": handle["id"], "parts": len(handle["etags"]),
-                "_etags": list(handle["etags"])}
+        return {"upload_id": str(handle.upload_id), "parts": len(handle.etags),
+                "_etags": list(handle.etags)}
 
-    def abort_object(self, handle: dict) -> None:
-        self.abort_upload(handle["rel"], handle["id"])
+    def abort_object(self, handle: UploadHandle) -> None:
+        self.abort_upload(handle.rel, str(handle.upload_id))
 
     def abort_upload(self, final_rel: str, upload_id: str) -> None:
         b, k = self._bucket_key(final_rel)

@@ -26,6 +26,7 @@ import threading
 
 import google_crc32c
 
+from ..commit.records import UploadHandle
 from ..format import checksum
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class ObjectStream:
         self._loc, self.final_rel, self.attempt_rel = loc, final_rel, attempt_rel
         self._tail = tail              # entries -> index bytes (ShardCodec.index_tail)
         self.blocks_left = n_blocks
-        self.handle: dict | None = None
+        self.handle: UploadHandle | None = None
         self.entries: dict[int, tuple[int, int]] = {}
         self.offset = 0
         self.object_crc = 0

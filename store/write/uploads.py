@@ -193,13 +193,13 @@ class ShardUploads:
 
     def _check_conflict(self) -> None:
         other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end, fresh=True)
-        if other is not None and other.get("attempt") != self.attempt:
+        if other is not None and other.attempt != self.attempt:
             self._closed = True
             self._shutdown()
             self._cleanup()
             self._release()
             raise RegionConflict(f"unit {self.unit_id} was committed by another writer (attempt "
-                                 f"{other.get('attempt')}); this writer stopped before uploading more")
+                                 f"{other.attempt}); this writer stopped before uploading more")
 
     def _shard_for_write(self, b: int) -> BlockBuffer:
         """Block `b`'s open buffer (a `BlockBuffer` state at block granularity)."""

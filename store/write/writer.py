@@ -34,6 +34,7 @@ from ..errors import RegionConflict, RegionWriteFailed
 from ..format.jsonattrs import jsonable as _jsonable
 from ..commit import published as _published
 from ..commit.objects import publish
+from ..commit.records import Marker
 from .block_buffers import BlockBuffer, runs, to_numpy
 from .uploads import ShardUploads
 
@@ -54,7 +55,7 @@ class RegionWriter(ShardUploads):
         super().__init__(store, unit_id, row_start, row_end, max_open_shards=max_open_shards,
                          max_pending_shards=max_pending_shards, upload_threads=upload_threads,
                          retries=retries)
-        self._manifest: dict | None = None
+        self._manifest: Marker | None = None
         self.t_created = time.perf_counter()
         self.t_first_write: float | None = None
         self.rows_written = 0
@@ -62,7 +63,7 @@ class RegionWriter(ShardUploads):
         self.already_committed = existing is not None
         if self.already_committed:
             log.info("unit %d is already committed (attempt %s): writes are ignored",
-                     unit_id, existing.get("attempt"))
+                     unit_id, existing.attempt)
 
     # ---- public ------------------------------------------------------------------------------
     def write_meta(self, row_start: int, token_id, doc_id, position, role=None, gen=None,
@@ -210,13 +211,13 @@ class RegionWriter(ShardUploads):
         if sh.n_filled == sh.n:
             self._complete(sh)
 
-    def commit(self, extra: dict | None = None) -> dict:
-        """Wait for uploads, check every row was written, write the create-once commit marker."""
+    def commit(self, extra: dict | None = None) -> Marker:
+        """Wait for uploads, check every row was written, write the create-once commit marker.
+        A unit found committed (`already_committed`) gives the marker that committed it."""
         if self._manifest is not None:
             return self._manifest
         if self.already_committed:
-            m = dict(self._store.commit_manifest(self.unit_id, self.row_start, self.row_end))
-            m["already_committed"] = True
+            m = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end)
             self._manifest = m
             self._shutdown()
             self._release()
@@ -282,22 +283,22 @@ class RegionWriter(ShardUploads):
             self._publish(manifest)
         else:
             other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
-                                                fresh=True) or {}
-            if other.get("attempt") != self.attempt:
+                                                fresh=True)
+            if other is None or other.attempt != self.attempt:
                 self._shutdown()
                 self._cleanup(*own)
                 self._release()
                 raise RegionConflict(
                     f"commit: unit {self.unit_id} was committed by another writer (attempt "
-                    f"{other.get('attempt')}) while this one was writing; this writer's objects are "
+                    f"{None if other is None else other.attempt}) while this one was writing; this writer's objects are "
                     "removed and the committed ones are untouched (each attempt writes its own).")
             manifest = other
         self._store.remember_marker(manifest)
         self._manifest = manifest
         self._shutdown()
         self._release()
-        log.info("unit %d committed: %d rows, %.1f MB/s", self.unit_id, manifest["n_rows"],
-                 (manifest["bytes_per_s"] or 0) / 1e6)
+        log.info("unit %d committed: %d rows, %.1f MB/s", self.unit_id, manifest.n_rows,
+                 (manifest.bytes_per_s or 0) / 1e6)
         return manifest
 
     def abort(self) -> None:
@@ -324,7 +325,7 @@ class RegionWriter(ShardUploads):
             out[final] = u
         return out
 
-    def _publish(self, manifest: dict) -> None:
+    def _publish(self, manifest: Marker) -> None:
         """Publish this attempt's objects (only the marker's creator does): complete its uploads
         (S3) or rename them to their zarr keys. Until then readers take renamed-by-name objects
         under the attempt's name, and finalize finishes a publish a crash cut."""

@@ -24,7 +24,7 @@ from harvest.engine.models import REPO_ROOT
 from tests.support.readme import PAGES, README, blocks
 
 # python blocks per page (path from the repository root); each is run by a test below
-PYTHON_BLOCKS = {"README.md": 0, "docs/engine.md": 1, "docs/store.md": 2}
+PYTHON_BLOCKS = {"README.md": 0, "docs/engine.md": 1, "docs/store.md": 3}
 
 # bash blocks (first command line) -> where they are exercised instead of here
 COVERED = {
@@ -177,6 +177,18 @@ def test_reader_block_yields_what_its_comments_say(default_like_store):
         print("reader block ok", sq)
     """)
     assert "reader block ok" in _run(code, default_like_store, timeout=300).stdout
+
+
+@pytest.mark.slow  # a store built and read
+def test_ledger_block_gives_marker_records(default_like_store):
+    """The ledger's markers are typed records, one per committed unit, rows in order."""
+    code = _block("from harvest.store import Marker, open_store") + textwrap.dedent("""
+        assert markers and all(isinstance(m, Marker) for m in markers)
+        assert sorted(m.unit_id for m in markers) == [u.unit_id for u in st.plan_units()]
+        assert all(m.to_json()["row_start"] == m.row_start for m in markers)
+        print("ledger block ok", len(markers))
+    """)
+    assert "ledger block ok" in _run(code, default_like_store, timeout=300).stdout
 
 
 @pytest.fixture(scope="module")

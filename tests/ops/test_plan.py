@@ -143,6 +143,7 @@ def _stopped_after(tmp_path, emitted, committed):
 
     from harvest.store import create_store
     from harvest.store.commit.markers import create_marker
+    from harvest.store.commit.records import Marker
 
     s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
                      shard_rows=32, chunk_rows=32, context_size=8)
@@ -150,7 +151,8 @@ def _stopped_after(tmp_path, emitted, committed):
         s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
     for uid in committed:
         u = emitted[uid].unit
-        create_marker(s.location, {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end})
+        create_marker(s.location, Marker.from_json(
+            {"unit_id": uid, "row_start": u.row_start, "row_end": u.row_end}, "test"))
     prep = SimpleNamespace(sources={"blocks": [[{}]] * 4}, layout=SimpleNamespace(unit_contexts=4),
                            context_size=8)
     return s, prep
@@ -460,7 +462,6 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     import numpy as np
 
     from harvest.store import create_store
-    from harvest.store.commit.markers import encode_marker
     from harvest.store.format.markersize import marker_size, table_size
     from harvest.store.format.layout import commit_key
     from harvest.store.commit.tables import unit_shards
@@ -473,16 +474,16 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     data = synthetic.activations((32, 512, 64))
     [m] = synthetic.fill(s, data, units=units)
     raw = s.location.read_bytes(commit_key(1, 256, 512))
-    assert raw == encode_marker(m)
+    assert raw == m.encode()
     shards = unit_shards(s, m)
-    obj = round(np.mean([n for sh in shards for n in sh["nbytes"]]))
-    meta = {c: r["nbytes"] for c, r in shards[0]["meta"].items()}
+    obj = round(np.mean([n for sh in shards for n in sh.nbytes]))
+    meta = {c: r.nbytes for c, r in shards[0].meta.items()}
     est = marker_size(points, 1, 256, len(shards), 32, 64 * 2, obj, meta)
     # the estimate writes the actor's `extra` (fill passes none): ~90 bytes of a fixed-size marker
     assert abs(est - len(raw)) < 150
     # and the table the marker names: built whole, so close (10-digit CRCs vs real ones)
     tab = table_size(points, 1, 256, len(shards), 32, 64 * 2, obj, meta)
-    assert abs(tab - m["table"]["nbytes"]) < 0.1 * m["table"]["nbytes"]
+    assert abs(tab - m.table.nbytes) < 0.1 * m.table.nbytes
 
 
 def test_plan_prices_an_existing_store_at_its_own_last_run(tmp_path):

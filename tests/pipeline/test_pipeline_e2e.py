@@ -66,10 +66,10 @@ def test_s3_store_two_actors_matches_single_process_then_survives_a_lifecycle_ab
     lost = [1, 6, 11, 20]
     unfinalize(store, cfg.packing.max_tokens)            # the dead driver never finalized
     for m in store.iter_committed():
-        if m["unit_id"] in lost:
+        if m.unit_id in lost:
             for o in unit_objects(store, m):
                 store.location.delete(o.final)
-            store.location.delete(layout.published_key(m["unit_id"], m["attempt"]))
+            store.location.delete(layout.published_key(m.unit_id, m.attempt))
     for k, v in seaweedfs.env.items():                  # the CLI reads credentials from AWS_*
         monkeypatch.setenv(k, v)
     assert main(["verify", s3_url]) == 1

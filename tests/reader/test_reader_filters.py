@@ -185,7 +185,7 @@ def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path
     assert unpublish(s, gone) > 0
     store = open_store(s.url, read_only=True)
     lost = store.commit_manifest(gone[0])
-    zarr_view = np.asarray(store.array(point)[lost["row_start"]:lost["row_end"]])
+    zarr_view = np.asarray(store.array(point)[lost.row_start:lost.row_end])
     assert not zarr_view.view(np.uint16).any()      # what plain zarr sees: fill zeros
     ds = ActivationDataset(store, point, batch_size=256, seqpos=slice(2, None),
                            normalize="norm_scale", norm_sample_rows=n)  # sample: every kept row

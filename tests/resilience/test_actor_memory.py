@@ -63,14 +63,14 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
 
     import harvest.pipeline.actor.capture as actor_mod
     import harvest.pipeline.data.unit_rows as rows_mod
-    import harvest.store.store as store_mod
+    import harvest.store.commit.ledger as ledger_mod
 
     url, points, units = _planned_store(tmp_path, UNITS)
     n = UNITS * CTX_PER_UNIT * C
 
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     # the markers the actor's long-lived store caches: bounded (8 here, so 40 units exceed it)
-    monkeypatch.setattr(store_mod, "MARKER_CACHE", 8)
+    monkeypatch.setattr(ledger_mod, "MARKER_CACHE", 8)
     # a gap the run_unit threads always beat: the whole run is one stream, as in production
     monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
     monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 3.0)
@@ -92,7 +92,7 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
         after = live_writers() - base
         assert actor.streams == 1, "the units did not run as one stream; the test shows nothing"
         assert actor.rows_in_place == (n if in_place else 0)
-        cached = len(actor._open_store()._markers)
+        cached = actor._open_store().ledger.cached_markers()
     finally:
         actor.close()
         torch.set_num_threads(threads)

@@ -79,7 +79,7 @@ def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_l
     pids = summary["per_actor"][victim]["pids"]
     # Ray restarted the actor (a new process) and it went on committing units
     assert any(p != dead_pid for p in pids), pids
-    assert all(m["pid"] != dead_pid or m["extra"]["actor"] == victim
+    assert all(m.pid != dead_pid or m.extra["actor"] == victim
                for m in store.committed_units().values())
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
     assert sorted(done) == reference[0].unit_ids  # each unit reported once
@@ -116,7 +116,7 @@ def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, 
     found = {e["unit_id"] for e in done if e["status"] == "already_committed"}
     retried = {e["unit"] for e in k.events if e["event"] == "unit_retry"} - found
     if retried:
-        by = {uid: m["extra"]["actor"] for uid, m in open_store(cfg.store.resolved_url)
+        by = {uid: m.extra["actor"] for uid, m in open_store(cfg.store.resolved_url)
               .committed_units().items()}
         assert all(by[u] == 1 - victim for u in retried)
 

@@ -128,7 +128,7 @@ def test_second_driver_is_refused_and_the_first_finishes(driver_a, tmp_path, cap
     v = st.verify()
     assert v.ok and not v.missing_units, v
     assert st.summary is not None and st.summary["status"] == "complete"
-    assert current(st.location).record.get("released") is True
+    assert current(st.location).record.released is True
 
 
 def test_sigterm_releases_the_lease_and_stops_the_ray_it_started(ray_auth_env, tiny_llama,
@@ -184,5 +184,5 @@ def test_sigterm_releases_the_lease_and_stops_the_ray_it_started(ray_auth_env, t
     left = [k.pid for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes the driver started outlived it: {left}"
     lease = current(locate(str(store)))
-    assert lease is not None and lease.record.get("released") is True, lease
+    assert lease is not None and lease.record.released is True, lease
     refuse_if_held(locate(str(store)), 3600, "store")  # the next run starts at once

@@ -123,9 +123,9 @@ def test_sigterm_publishes_what_is_committed(ray_cluster, tiny_llama, corpus, re
                 dst = os.path.join(url, o.attempt_key)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 os.rename(os.path.join(url, o.final), dst)
-            os.remove(os.path.join(url, layout.published_key(m["unit_id"], m["attempt"])))
+            os.remove(os.path.join(url, layout.published_key(m.unit_id, m.attempt)))
             # (other units may be between their marker and their record at this moment)
-            assert m["unit_id"] in open_store(url).unpublished_units()
+            assert m.unit_id in open_store(url).unpublished_units()
             hit.append(m)
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -134,5 +134,5 @@ def test_sigterm_publishes_what_is_committed(ray_cluster, tiny_llama, corpus, re
     wait_actors_gone(60, "the stopped run's actors")
     (m,) = hit
     store = open_store(url)
-    assert m["unit_id"] not in store.unpublished_units()
-    _assert_rows(store, reference[1], m["row_start"], m["row_end"], zarr_only=True)
+    assert m.unit_id not in store.unpublished_units()
+    _assert_rows(store, reference[1], m.row_start, m.row_end, zarr_only=True)

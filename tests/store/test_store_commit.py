@@ -103,7 +103,7 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     assert not v.ok and v.missing_units == [1] and v.committed_fraction == 0.5
 
     [m] = synthetic.fill(r, x, units=[r.plan()[1]], order="shuffled")  # the rewrite
-    assert m["unit_id"] == 1
+    assert m.unit_id == 1
     markers = [n for n in r.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")]
     assert markers == ["unit-00000000.0-2048.json", "unit-00000001.2048-4096.json"]
     v = r.verify(deep=True)
@@ -116,7 +116,7 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     assert again.already_committed
     again.write(2048, synthetic.activations((P, 2048, W), seed=99))
     m2 = again.commit()
-    assert m2["already_committed"] and m2["attempt"] == m["attempt"]
+    assert again.already_committed and m2.attempt == m.attempt
     assert r.verify(deep=True).ok
 
 
@@ -136,7 +136,7 @@ def test_second_live_writer_is_stopped_and_cannot_touch_the_committed_bytes(tmp_
     assert np.array_equal(s.read("resid_post.0", 0, 2048).view(np.uint16), xa[0, :2048].view(np.uint16))
     s.uncommit(0)                          # driver repair still works: rewrite the unit
     synthetic.fill(s, xa, units=[s.plan()[0]])
-    assert s.commit_manifest(0)["attempt"] != ma["attempt"]
+    assert s.commit_manifest(0).attempt != ma.attempt
     v = s.verify(deep=True)
     assert v.missing_units == [1] and len(v.errors) == 1  # only "unit 1 not committed" is left
 
@@ -176,7 +176,7 @@ def _reads_exactly(url, so, want, attempt, unpublished=False):
         assert "unit 0: pending" in "\n".join(v.errors), v.errors
     else:
         assert v.ok, v.errors
-    assert r.committed_units()[0]["attempt"] == attempt
+    assert r.committed_units()[0].attempt == attempt
 
 
 def _refuses_unpublished(url, so, finalize_with):
@@ -219,35 +219,35 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     moved_later = not publish and so is None   # local: readers take the attempt's copy
     if unpublished:
         _refuses_unpublished(url, so, s)
-    _reads_exactly(url, so, x, old["attempt"], moved_later)
+    _reads_exactly(url, so, x, old.attempt, moved_later)
 
     s.uncommit(0)
     new = _fill_unit(s, y, 0, monkeypatch, publish)
-    assert new["attempt"] != old["attempt"]
-    assert [sh["nbytes"] for sh in unit_shards(s, new)] != [sh["nbytes"] for sh in unit_shards(s, old)]
+    assert new.attempt != old.attempt
+    assert [sh.nbytes for sh in unit_shards(s, new)] != [sh.nbytes for sh in unit_shards(s, old)]
     want = np.concatenate([y[:, :2048], x[:, 2048:]], axis=1)
     if unpublished:  # the zarr keys still hold the old attempt's bytes: refused by digest
         _refuses_unpublished(url, so, None)
         s.write_index([new])
         _refuses_unpublished(url, so, None)
     else:
-        _reads_exactly(url, so, want, new["attempt"], moved_later)  # the rewrite's marker, not yet indexed
+        _reads_exactly(url, so, want, new.attempt, moved_later)  # the rewrite's marker, not yet indexed
         s.write_index([new])                    # ... and once the driver indexed it as well
-        _reads_exactly(url, so, want, new["attempt"], moved_later)
+        _reads_exactly(url, so, want, new.attempt, moved_later)
 
     s.finalize()
-    _reads_exactly(url, so, want, new["attempt"])
+    _reads_exactly(url, so, want, new.attempt)
     r = open_store(url, storage_options=so)
     for sh in unit_shards(r, new):          # the new attempt's bytes are the published objects
         for i, p in enumerate(r.points):
-            blob = r.location.read_bytes(layout.shard_object_key(p, sh["index"]))
-            assert blob is not None and google_crc32c.value(blob) == sh["object_crc32c"][i]
+            blob = r.location.read_bytes(layout.shard_object_key(p, sh.index))
+            assert blob is not None and google_crc32c.value(blob) == sh.object_crc32c[i]
     r.location.invalidate()
     left = {a for objs in attempt_objects(r.location).values() for _, _, a, _ in objs}
-    assert not left & {old["attempt"], new["attempt"]}  # stale leftovers cleaned, new published
+    assert not left & {old.attempt, new.attempt}  # stale leftovers cleaned, new published
     assert not r.location.pending_uploads("")  # S3: every upload completed or aborted
     s.finalize()                            # a second finalize (compacted index) changes nothing
-    _reads_exactly(url, so, want, new["attempt"])
+    _reads_exactly(url, so, want, new.attempt)
 
 
 def test_uncommit_voids_every_indexed_copy_of_the_unit(tmp_path, monkeypatch):
@@ -269,11 +269,11 @@ def test_uncommit_voids_every_indexed_copy_of_the_unit(tmp_path, monkeypatch):
     s.write_index([second])
     s.uncommit(0)
     voids = {layout.parse_void_name(n) for n in s.location.list_dir(layout.INDEX_DIR)} - {None}
-    assert voids == {(0, first["attempt"]), (0, second["attempt"])}
+    assert voids == {(0, first.attempt), (0, second.attempt)}
     new = _fill_unit(s, y, 0, monkeypatch)
-    _reads_exactly(url, None, np.concatenate([y[:, :2048], x[:, 2048:]], axis=1), new["attempt"])
+    _reads_exactly(url, None, np.concatenate([y[:, :2048], x[:, 2048:]], axis=1), new.attempt)
     s.finalize()
-    _reads_exactly(url, None, np.concatenate([y[:, :2048], x[:, 2048:]], axis=1), new["attempt"])
+    _reads_exactly(url, None, np.concatenate([y[:, :2048], x[:, 2048:]], axis=1), new.attempt)
 
 
 def test_commit_race_loser_gets_conflict(tmp_path):

@@ -140,7 +140,7 @@ def test_region_and_write_errors(tmp_path):
     w.write_meta(0, np.arange(512), np.zeros(512, int), np.arange(512))
     with pytest.raises(ValueError, match="already written"):
         w.write_meta(10, np.zeros(3, int), np.zeros(3, int), np.zeros(3, int))
-    assert w.commit()["n_rows"] == 512
+    assert w.commit().n_rows == 512
     # a writer of unit 1 with another row range than the plan's commits a marker that never counts
     other = s.region_writer(1, 512, 768)
     other.write_meta(512, np.zeros(256, int), np.zeros(256, int), np.zeros(256, int))

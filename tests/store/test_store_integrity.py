@@ -195,7 +195,7 @@ def test_late_writer_cannot_replace_the_committed_bytes(tmp_path):
     r = open_store(str(tmp_path / "race.zarr"))
     for i, p in enumerate(POINTS):
         assert np.array_equal(r.read(p, 0, 512).view(np.uint16), xa[i, :512].view(np.uint16))
-    assert r.commit_manifest(0)["attempt"] == ma["attempt"]
+    assert r.commit_manifest(0).attempt == ma.attempt
     assert attempt_objects(r.location) == {}       # b's objects removed, a's published
     v = r.verify(deep=True)
     assert v.errors == [v.errors[0]] and "not committed" in v.errors[0]  # only units 1..3

@@ -99,7 +99,7 @@ def test_lifecycle_abort_after_a_crash_between_marker_and_completion(seaweedfs, 
         open_store(s3_url, storage_options=so).finalize()
 
     rep = open_store(s3_url, storage_options=so).settle(repair=True)
-    assert rep["uncommitted"] == [1, 3] and set(rep["gone"]) == {1, 3}
+    assert rep.uncommitted == [1, 3] and set(rep.gone) == {1, 3}
     assert open_store(s3_url, storage_options=so, read_only=True).verify().missing_units == [1, 3]
     s = open_store(s3_url, storage_options=so)
     _fill(s, x, [1, 3])                                    # the resume's re-capture
@@ -155,7 +155,7 @@ def test_pending_units_are_published_by_settle_and_the_three_diagnoses(seaweedfs
 
     # the pending unit: settle completes its uploads and records it; the reads are exact
     rep = open_store(s3_url, storage_options=so).settle()
-    assert rep["published"] == [3] and not rep["gone"] and not rep["damaged"]
+    assert rep.published == [3] and not rep.gone and not rep.damaged
     r = open_store(s3_url, storage_options=so, read_only=True)
     assert np.array_equal(r.read("resid_post.0", 3072, 4096).view(np.uint16),
                           x[0, 3072:].view(np.uint16))

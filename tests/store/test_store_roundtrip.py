@@ -113,7 +113,7 @@ def test_torch_bf16_input_and_any_row_order(tmp_path):
             b = min(a + 50, u["row_end"])
             w.write(a, torch.from_numpy(x[:, a:b].view(np.int16)).view(torch.bfloat16))
         m = w.commit()
-        assert m["bytes"] == (u["row_end"] - u["row_start"]) * P * W * 2 and m["bytes_per_s"] > 0
+        assert m.logical_bytes == (u["row_end"] - u["row_start"]) * P * W * 2 and m.bytes_per_s > 0
     for i, p in enumerate(s.points):
         assert np.array_equal(s.read(p, 0, N).view(np.uint16), x[i].view(np.uint16))
 
@@ -133,7 +133,7 @@ def test_out_of_order_beyond_open_shard_limit_is_still_exact(tmp_path):
         st = s.stats()[p]
         np.testing.assert_allclose(st["mean"], mean, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(st["var"], var, rtol=1e-10, atol=1e-12)
-    assert len(unit_shards(s, m)) == 3 and m["table"]["n_shards"] == 3
+    assert len(unit_shards(s, m)) == 3 and m.table.n_shards == 3
     assert s.verify(deep=True).ok
 
 
@@ -296,7 +296,7 @@ def test_writer_memory_stays_within_its_documented_bound(tmp_path):
         peak = max(peak, w.buffered_bytes)
     m = w.commit()
     assert 0 < peak <= bound
-    assert m["bytes_per_s"] > 0 and w.throughput()["bytes_written"] == x.nbytes
+    assert m.bytes_per_s > 0 and w.throughput()["bytes_written"] == x.nbytes
     for i, p in enumerate(s.points):
         assert np.array_equal(s.read(p, 0, n).view(np.uint16), x[i].view(np.uint16))
 

@@ -145,9 +145,9 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
     # one object per point per shard, tens of MB each (16 MiB logical, ~1.2x compression)
     for m in (m0, m1):
         for sh in unit_shards(s, m):
-            assert min(sh["nbytes"]) > 10_000_000
+            assert min(sh.nbytes) > 10_000_000
             if so is not None:
-                assert all(u["parts"] >= 2 for u in sh["upload"])  # streamed in parts
+                assert all(u["parts"] >= 2 for u in sh.upload)  # streamed in parts
     if so is None:
         sizes = [p.stat().st_size for p in __import__("pathlib").Path(url, "resid_post/5/c").rglob("0")
                  if p.is_file()]
@@ -176,7 +176,7 @@ def test_row_metadata_in_one_chunk_per_unit(target, monkeypatch):
         mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
         ms += synthetic.fill(s, x, units=s.plan()[2:], **kw)
     for m in ms:  # every shard of a unit names the unit's one chunk
-        assert {sh["meta"]["token_id"]["chunk"] for sh in unit_shards(s, m)} == {m["unit_id"]}
+        assert {sh.meta["token_id"].chunk for sh in unit_shards(s, m)} == {m.unit_id}
     s.finalize()
     assert _leftovers(s) == ([], {})
     r = open_store(url, storage_options=so)
@@ -212,7 +212,7 @@ def test_attempt_named_objects_of_older_s3_stores_still_read_and_finalize(seawee
         mp.setattr(S3Storage, "part_min_bytes", 0)
         mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
         ms = synthetic.fill(s, x)
-    assert all("upload" not in sh for m in ms for sh in unit_shards(s, m))
+    assert all(sh.upload is None for m in ms for sh in unit_shards(s, m))
     assert len(_leftovers(s)[0]) == 4 * (2 + 3)  # 4 shards: every object under its attempt's name
     r = open_store(s3_url, storage_options=so)
     for i, p in enumerate(POINTS[:2]):

@@ -70,12 +70,12 @@ def test_marker_size_does_not_grow_with_shards(tmp_path):
         s = _store(url, None, 32, 64 * SHARD, n)
         _, ms = _fill(s)
         m = ms[-1]
-        raw = s.location.read_bytes(layout.commit_key(m["unit_id"], m["row_start"], m["row_end"]))
-        assert "shards" not in json.loads(raw) and m["table"]["n_shards"] == n
+        raw = s.location.read_bytes(layout.commit_key(m.unit_id, m.row_start, m.row_end))
+        assert "shards" not in json.loads(raw) and m.table.n_shards == n
         sizes[n] = len(raw)
         recs = unit_shards(open_store(url), m)
-        assert [r["index"] for r in recs] == list(range(m["row_start"] // SHARD, m["row_end"] // SHARD))
-        assert all(len(r["object_crc32c"]) == 32 and len(r["nbytes"]) == 32 for r in recs)
+        assert [r.index for r in recs] == list(range(m.row_start // SHARD, m.row_end // SHARD))
+        assert all(len(r.object_crc32c) == 32 and len(r.nbytes) == 32 for r in recs)
     assert sizes[64] <= 64_000 and sizes[1] <= 2_000
     # 32 per-point sums with up to 2 more digits, and a few longer numbers: not 64 x 32 records
     assert abs(sizes[64] - sizes[1]) < 150, sizes
@@ -105,16 +105,16 @@ def test_layout_2_store_still_reads_exactly(target, monkeypatch):
     assert s.layout_version == 2
     x, ms = _fill(s)
     for m in ms:
-        assert m["layout_version"] == 2 and "table" not in m and m["points"] == s.points
-        assert [sh["index"] for sh in m["shards"]] == list(range(m["row_start"] // SHARD,
-                                                                   m["row_end"] // SHARD))
-        assert all(set(sh) >= {"crc32c", "nbytes", "object_crc32c", "meta"} for sh in m["shards"])
+        assert m.layout_version == 2 and m.table is None and list(m.points) == s.points
+        assert [sh.index for sh in m.shards] == list(range(m.row_start // SHARD,
+                                                                   m.row_end // SHARD))
+        assert all(set(sh.doc) >= {"crc32c", "nbytes", "object_crc32c", "meta"} for sh in m.shards)
     assert s.location.list_dir(layout.TABLES_DIR) == []
     s.write_index(ms[:2])
     _reads_exactly(url, so, x)
     f = open_store(url, storage_options=so).finalize()
     assert f["compression_ratio"]["stored_bytes"] == sum(
-        n for m in ms for sh in m["shards"] for n in sh["nbytes"])
+        n for m in ms for sh in m.shards for n in sh.nbytes)
     _reads_exactly(url, so, x)
 
 
@@ -123,7 +123,7 @@ def test_a_missing_or_damaged_table_is_refused_with_the_repair(target, damage):
     url, so = target
     s = _store(url, so, 2, 4 * SHARD, 2)
     _, ms = _fill(s)
-    key = ms[1]["table"]["key"]
+    key = ms[1].table.key
     if damage == "deleted":
         s.location.delete(key)
     else:   # valid gzip'ed JSON, same shards, one CRC changed: only the sha256 tells
@@ -159,8 +159,8 @@ def test_uncommit_and_rewrite_reads_the_new_attempts_table(target):
     tok = np.arange(s.n_rows, dtype=np.int32)
     [new] = synthetic.fill(s, y, units=[s.plan()[0]], token_id=tok,
                            doc_id=tok.astype(np.int64) // 7, position=tok % 7)
-    assert new["table"]["key"] != ms[0]["table"]["key"]
-    s.location.delete(ms[0]["table"]["key"])
+    assert new.table.key != ms[0].table.key
+    s.location.delete(ms[0].table.key)
     want = x.copy()
     want[:, :2 * SHARD] = y[:, :2 * SHARD]
     _reads_exactly(url, so, want)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from harvest.store import create_store
+from harvest.store import create_store, lease_key
 from harvest.store.commit.plan import Unit
 from harvest.testing import synthetic
 from tests.support.reader_stores import packed_meta
@@ -54,7 +54,7 @@ class LiveStore:
             self.write_lease(lease_record())
 
     def write_lease(self, record: dict, gen: int = 0) -> None:
-        self.st.location.write_bytes(f"_harvest/lease/lease-{gen:08d}.json", json.dumps(record).encode())
+        self.st.location.write_bytes(lease_key(gen), json.dumps(record).encode())
 
     def plan(self, ids, final: bool = False) -> None:
         assert self.st.plans.write_segment(self.seq, [self.units[i] for i in ids], final=final)

@@ -52,7 +52,7 @@ def make_store(path, n_rows: int, shard_rows: int, width: int = 16, points=("res
 
 
 def committed_rows(store) -> np.ndarray:
-    return np.concatenate([np.arange(m["row_start"], m["row_end"]) for m in store.committed_units().values()])
+    return np.concatenate([np.arange(m.row_start, m.row_end) for m in store.committed_units().values()])
 
 
 def unpublish(store, unit_ids) -> int:
@@ -65,7 +65,7 @@ def unpublish(store, unit_ids) -> int:
     for uid in unit_ids:
         m = store.commit_manifest(uid)
         for sh in unit_shards(store, m):
-            pairs = [point_keys(p, sh["index"], m["attempt"]) for p in store.points]
-            pairs += [meta_keys(n, sh["index"], m["attempt"]) for n in sh.get("meta") or {}]
+            pairs = [point_keys(p, sh.index, m.attempt) for p in store.points]
+            pairs += [meta_keys(n, sh.index, m.attempt) for n in sh.meta or {}]
             moved += sum(store.location.move(pub, att) for pub, att in pairs)
     return moved

@@ -20,13 +20,13 @@ def cmd_finalize(args) -> int:
 
     store, shown = open_for_repair(args, "finalize")
     report = store.settle(repair=True)
-    out = {"store": shown, "published_now": report["published"], "gone": report["gone"],
-           "damaged": report["damaged"], "uncommitted": report["uncommitted"],
+    out = {"store": shown, "published_now": report.published, "gone": report.gone,
+           "damaged": report.damaged, "uncommitted": report.uncommitted,
            "finalized": False}
     lines = []
-    if report["published"]:
-        lines.append(f"published {len(report['published'])} committed units their writers had "
-                     f"not: {report['published'][:20]}")
+    if report.published:
+        lines.append(f"published {len(report.published)} committed units their writers had "
+                     f"not: {report.published[:20]}")
     text = settle_text(report, shown)
     gap = plan_gap(store)
     if text is not None:
@@ -37,7 +37,7 @@ def cmd_finalize(args) -> int:
         lines.append(f"not finalized: {gap}; every committed unit is published. Re-run the same "
                      "harvest to finish it (it finalizes at the end)")
     else:
-        already = store.summary is not None and not report["published"]
+        already = store.summary is not None and not report.published
         if not already:
             store.finalize(store.summary or {"finalized_by": "harvest finalize"})
         out["finalized"] = True

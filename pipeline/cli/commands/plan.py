@@ -47,9 +47,9 @@ def cmd_plan(args) -> int:
     }
     if existing is not None:
         plan = existing.plans.read()
-        out["planned_units"] = len(plan["units"])
-        out["planned_tokens"] = sum(u.n_rows for u in plan["units"])
-        out["plan_complete"] = plan["final"]
+        out["planned_units"] = len(plan.units)
+        out["planned_tokens"] = sum(u.n_rows for u in plan.units)
+        out["plan_complete"] = plan.final
     # a resumed store keeps the codec it was created with
     codec = existing.compression if existing is not None else cfg.store.compression
     ratio = fp8.expected_ratio(codec, out["store_dtype"])

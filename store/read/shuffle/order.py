@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from ...commit.records import Marker
 from ...errors import DataIntegrityError
-from ..checked_rows import lite
 from ..feed.readahead import WindowSpec
 from .sampling import WorkerPlan, epoch_order, windows, worker_plan
 from ...store import Store
@@ -118,7 +118,7 @@ class Sources:
     def __len__(self) -> int:
         return len(self._pieces)
 
-    def __getitem__(self, i) -> tuple[dict, int]:
+    def __getitem__(self, i) -> "tuple[Marker, int]":
         i = int(i) + len(self) if int(i) < 0 else int(i)
         return self._lites[self._pieces.unit_of(i)], self._pieces[i][0] // self._pieces.shard_rows
 
@@ -129,8 +129,8 @@ def committed_pieces(st: Store) -> tuple[Pieces, Sources]:
 
     Refuses a store whose facts disagree with themselves (n_rows edited, markers lost after
     finalize): reading it would yield wrong or fewer rows without a word."""
-    lites = [lite(m) for m in sorted(st.committed_units().values(), key=lambda m: m["row_start"])]
-    pieces = Pieces([m["row_start"] for m in lites], [m["row_end"] for m in lites], st.shard_rows)
+    lites = [m.lite() for m in sorted(st.committed_units().values(), key=lambda m: m.row_start)]
+    pieces = Pieces([m.row_start for m in lites], [m.row_end for m in lites], st.shard_rows)
     for p in st.points:
         codec = st.shard_codec(p)
         if codec is not None and codec.n_rows != st.n_rows:
