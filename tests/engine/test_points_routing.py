@@ -192,3 +192,21 @@ def test_dense_models_refuse_routing_by_name():
         info.point_width("expert_indices")
     with pytest.raises(ValueError, match="expert_weights needs a MoE model"):
         point_width({"hidden_size": 64, "model_type": "llama"}, "expert_weights")
+
+
+@pytest.mark.extended
+def test_check_model_passes_routing_points_in_float32():
+    """`harvest check-model`'s measure on the routing points (engine/model_check.py: the share of
+    experts the reference did not choose; weights compared by expert, expert_indices brought
+    along): an fp32 engine has no gap, so its bounds are the floors, and it passes them."""
+    from harvest.engine.model_check import CheckConfig, check_model
+
+    out = check_model(_path("mixtral"), ["expert_weights.*", "resid_post.3"],
+                      CheckConfig(max_num_batched_tokens=MAX_BATCHED), dtype="float32",
+                      **NO_COMPILE)
+    assert set(out["points"]) == {f"expert_weights.{i}" for i in range(LAYERS)} | {
+        f"expert_indices.{i}" for i in range(LAYERS)} | {"resid_post.3"}
+    for p, v in out["points"].items():
+        assert v["ok"] and v["rows"] == out["tokens"], (p, v)
+        if p.startswith("expert_indices"):
+            assert v["max"] == 0.0 and v["bound"]["p99"] == CheckConfig().floor_p99
