@@ -25,6 +25,9 @@ all-reduce, it separates that cost from the taps'.
 freeze's resid_post; a cross-layer transcoder's training pairs). Target: >= 0.9x plain.
 `--modes freeze freeze_scores` adds logprob.0 and entropy.0 to freeze's points (the final logits of
 every row, engine/capture/scores.py); its cost is freeze_scores' ratio against freeze's.
+`--modes freeze freeze_routing` (a MoE model) adds expert_indices and expert_weights at every layer
+to freeze's resid_post (the router's top-k choice, docs/engine.md "MoE routing"); its cost is
+freeze_routing's ratio against freeze's. Target: >= 0.95x freeze.
 
 `--runners v1 v2` runs the whole schedule on each of vLLM's model runners in turn (ratios paired
 within a runner; default: the one vLLM picks, `auto`). On a CPU build V2 runs its kernels in
@@ -55,17 +58,26 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
+# CPU seconds of this process in the best pass of the last _timed_capture: at TP=1 the engine
+# core runs here (in-process), so it is the engine's work, far steadier than wall time on a
+# loaded box (other processes take wall time, not this process's CPU time)
+LAST_CPU: dict[str, "float | None"] = {"seconds": None}
+
+
 def _timed_capture(model, prompts, points, repeats: int, destinations=None) -> tuple[float, int]:
     """Best of `repeats` passes (the first pass also warms caches)."""
-    best = float("inf")
+    best = best_cpu = float("inf")
     rows = 0
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
+    for i in range(repeats + 1):
+        t, c = time.perf_counter(), time.process_time()
         rows = 0
         for req in model.capture([prompts], points, destinations=destinations):
             assert req.acts.shape[0] == len(points or ()) or not points
             rows += len(req)
         best = min(best, time.perf_counter() - t)
+        if i:   # the first pass warms caches
+            best_cpu = min(best_cpu, time.process_time() - c)
+    LAST_CPU["seconds"] = best_cpu if repeats else None
     return best, rows
 
 
@@ -160,7 +172,7 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             kw["compilation_config"] = compat.tp_compilation_config(None)
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
-    elif mode in ("freeze", "freeze_transcoder", "freeze_scores"):
+    elif mode in ("freeze", "freeze_transcoder", "freeze_scores", "freeze_routing"):
         freeze: str | list[str] = "auto"
         if mode != "freeze":
             from harvest.engine.checkpoint import read_model_info
@@ -170,6 +182,9 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             freeze = [f"{p}.{i}" for i in range(n) for p in ("mlp_in", "mlp_out")]
         elif mode == "freeze_scores":   # freeze's rows plus the model's next-token scores
             freeze = [f"resid_post.{i}" for i in range(n)] + ["logprob.0", "entropy.0"]
+        elif mode == "freeze_routing":   # freeze's rows plus the MoE routing at every layer
+            freeze = [f"{p}.{i}" for i in range(n)
+                      for p in ("resid_post", "expert_indices", "expert_weights")]
         m = load_model(path, backend="vllm", freeze_points=freeze, freeze_writes=[], **kw)
         points = None
         if not generate:
@@ -184,6 +199,8 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             secs, rows = _timed_capture(m, prompts, points, repeats, dests)
         mem = host_memory_mb()
         extra = {"fuse_allreduce_rms": compat.engine_settings(m.llm).get("fuse_allreduce_rms")}
+        if tp == 1 and not generate:
+            extra["cpu_seconds"] = LAST_CPU["seconds"]
         if tp > 1 and mode == "freeze":
             s = m.state.summary()  # where the rows' path spent its time (engine/vllm/remote.py)
             extra.update(rows_placed=s["rows_placed"], rows_copied=s["rows_copied"],
@@ -193,7 +210,8 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
     return secs, rows, mem, extra
 
 
-VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder", "freeze_scores")
+VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder", "freeze_scores",
+              "freeze_routing")
 
 
 def _runner(runner: str):
@@ -359,6 +377,12 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
     return rows_out
 
 
+def _median(xs: list) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1]
+                                                                      + xs[len(xs) // 2]) / 2)
+
+
 def median_ratio(rows: list[dict], mode: str, tp: int = 1, runner: str = "auto") -> float | None:
     vals = sorted(r["ratio_to_plain"] for r in rows if r["mode"] == mode
                   and _group(r) == (tp, runner) and r.get("ratio_to_plain"))
@@ -419,6 +443,20 @@ def main() -> None:
             if scored is not None and frozen:
                 print(f"{what}, runner {runner}, TP={tp}: freeze_scores / plain = {scored:.3f}, "
                       f"freeze_scores / freeze = {scored / frozen:.3f} (logprob + entropy's cost)")
+            routed = median_ratio(rows, "freeze_routing", tp, runner)
+            if routed is not None and frozen:
+                print(f"{what}, runner {runner}, TP={tp}: freeze_routing / plain = {routed:.3f}, "
+                      f"freeze_routing / freeze = {routed / frozen:.3f} (expert routing's cost; "
+                      "target >= 0.95)")
+            cpu = {m: _median([r["cpu_seconds"] for r in rows if r["mode"] == m
+                               and _group(r) == (tp, runner) and r.get("cpu_seconds")])
+                   for m in ("plain", "freeze", "freeze_scores", "freeze_routing")}
+            for m in ("freeze_scores", "freeze_routing"):
+                if cpu[m] and cpu["freeze"]:
+                    print(f"{what}, runner {runner}, TP={tp}: engine CPU seconds per pass (median "
+                          f"of the best passes): plain {cpu['plain']:.3f}, freeze "
+                          f"{cpu['freeze']:.3f}, {m} {cpu[m]:.3f}; freeze / {m} = "
+                          f"{cpu['freeze'] / cpu[m]:.3f} (throughput by CPU time)")
     print(f"load average at the end: {os.getloadavg()}")
     same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
     if same:

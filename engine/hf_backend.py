@@ -174,7 +174,8 @@ class HFModel(CaptureOnly):
         qkv: dict[int, dict] = {}  # layer -> {"query"|"key"|"value": Address}
         for li in sorted({a.layer for a in pts if a.name in ROUTING_POINTS}):
             site = self.trunk.routing[li]
-            handles.append(ForwardSwap(site.obj, self._router(site.obj.forward, li, store)))
+            handles.append(ForwardSwap(site.obj, self._router(getattr(site.obj, site.attr), li, store),
+                                       site.attr))
         for a in pts:
             layer, sem = self.trunk[a.layer], self.trunk.semantics[a.layer]
             if a.name in LOGIT_POINTS or a.name in ROUTING_POINTS:   # _scores, _router

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Mapping
 
 from harvest.store.errors import NotAHarvestStore, UnknownLayoutVersion
 
@@ -353,7 +354,7 @@ def point_widths(h: dict) -> dict[str, int]:
     return {p: int(given.get(p, h["width"])) for p in h["points"]}
 
 
-def layout_version(widths: dict[str, int], width: int, values: "dict | None" = None) -> int:
+def layout_version(widths: dict[str, int], width: int, values: "Mapping[str, str] | None" = None) -> int:
     """The layout a new store is written at: 5 with any point of 32-bit values, else 4 when
     any point is not `width` wide, else 3."""
     if values:
