@@ -136,7 +136,9 @@ def check_supported(trunk: Trunk, points) -> None:
             cls = type(trunk[a.layer]).__name__
             dense = "router_logits" not in trunk.semantics[a.layer].sites
             why = ("it has a dense MLP: no router (expert routing needs a MoE block)" if dense
-                   else "its MoE layer hands its top-k choice to no router this engine knows")
+                   else "its MoE layer hands the step's top-k choice to no router this engine "
+                        "reads (a monolithic kernel routes inside itself; sequence-parallel MoE "
+                        "routes a slice of the tokens per rank): capture router_logits")
             raise ValueError(f"{a}: block {cls} (layer {a.layer}) serves no {a.name}: {why}")
         if a.name == "resid_streams":
             raise ValueError(

@@ -68,8 +68,9 @@ What the engine relies on, and why:
   `self.router.select_experts(hidden_states=, router_logits=, ...)` in `_forward_impl`, which
   returns `(topk_weights, topk_ids)`, the very tensors handed to the experts (logical ids:
   taken before `_apply_eplb_mapping`, which only differs under EPLB). The tap wraps that
-  instance's `select_experts`. A monolithic kernel routes inside the kernel: those layers serve
-  no routing point (refused by name). vLLM's own `enable_return_routed_experts`
+  instance's `select_experts`. A monolithic kernel routes inside the kernel, and a
+  sequence-parallel MoE (`moe_config.is_sequence_parallel`, `dp_size`) routes a slice of the
+  step's tokens per rank: those layers serve no routing point (refused by name). vLLM's own `enable_return_routed_experts`
   (`RoutedExpertsCapturer`, `aux_output_config`) returns ids only (no weights), per request
   through the output processor, and is not used.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
@@ -560,7 +561,12 @@ def moe_routers(layers) -> dict:
     for li, layer in enumerate(layers):
         for m in layer.modules():
             if isinstance(m, MoERunner) and isinstance(getattr(m, "router", None), FusedMoERouter):
-                if not m.is_monolithic:
+                cfg = getattr(m, "moe_config", None)
+                # sequence-parallel MoE (data/expert parallel) routes a slice of the step's
+                # tokens on each rank: not the step's rows; harvest captures under TP only
+                sliced = bool(getattr(cfg, "is_sequence_parallel", False)) or \
+                    int(getattr(cfg, "dp_size", 1) or 1) > 1
+                if not m.is_monolithic and not sliced:
                     out[li] = RoutingSite(m.router, "select_experts", 0, 1)
                 break
     return out

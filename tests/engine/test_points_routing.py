@@ -21,8 +21,9 @@ choice on the same logits as well, so both ways of getting routing agree.
 
 Families with real routing (distinct experts, `tiny_model_path(..., routing_neutral=False)`):
 Mixtral (softmax, top-2, renormalised) and Qwen3-MoE (softmax, top-2, not renormalised).
-Engines: Mixtral bfloat16 and Qwen3-MoE float32 on V1 at TP=1 (ci tier); Mixtral float32 on V1
-and V2 at TP=1 and TP=2 and bfloat16 on V2 (full tier). Compilation is off (NO_COMPILE); bench_engine's
+Engines: Mixtral bfloat16 and Qwen3-MoE float32 on V1 at TP=1 (ci tier; the Mixtral one also
+generates); Mixtral float32 on V1 and V2 at TP=1 and TP=2, bfloat16 on V2, a hooked Mixtral
+engine and check-model's measure on an fp32 one (full tier). Compilation is off (NO_COMPILE); bench_engine's
 routing mode runs it compiled.
 """
 
@@ -180,6 +181,51 @@ def test_quantize_refuses_routing(engine):
         pytest.skip("one engine is enough for a refusal")
     with pytest.raises(ValueError, match="expert_indices.*fp8 would destroy them"):
         list(m.capture([[toks[0]]], ["expert_indices.0"], quantize="float8_e4m3fn"))
+
+
+def test_generation_captures_the_routing_of_every_row(engine):
+    """Decode rows route like prompt rows: every generated row's experts are the top-k of its
+    own captured router logits (Mixtral: softmax is monotone, so the top-k of the logits)."""
+    arch, m, got, toks, ref = engine
+    if _name(arch, m) != "mixtral-v1-tp1-bfloat16":
+        pytest.skip("one engine is enough for generation")
+    from harvest.engine import GenerateParams
+
+    pts = ["expert_indices.2", "expert_weights.2", "router_logits.2"]
+    gens = m.generate_with_cache(toks[:3], pts, GenerateParams(max_new_tokens=4, temperature=0.0,
+                                                               stop_at_eos=False))
+    for t, (g,) in zip(toks[:3], gens):
+        ids, logits = g.point("expert_indices.2"), g.point("router_logits.2").float()
+        assert ids.dtype == torch.int32 and ids.shape == (len(t) + 3, 2)
+        tied = _boundary_gap(logits, 2) == 0
+        assert bool((_sets(ids) == _sets(logits.topk(2).indices))[~tied].all())
+
+
+@pytest.mark.extended
+def test_hooked_engine_serves_routing_and_lets_go():
+    """Hooked mode (enforce_eager, Python hooks per call): the router's hand-over is swapped while
+    the points are hooked and put back when a later call hooks other points."""
+    path = _path("mixtral")
+    toks = prompts(5, (40, 7))
+    m = load_model(path, backend="vllm", enforce_eager=True, max_num_batched_tokens=MAX_BATCHED)
+    try:
+        pts = ["expert_indices.1", "expert_weights.1", "router_logits.1"]
+        got = run_with_cache(m, toks, pts)
+        rule = hf_routing.router_rule(path)
+        for g in got:
+            logits = g["router_logits.1"].float()
+            hw, hids = rule(logits)
+            tied = _boundary_gap(logits, 2) == 0
+            assert bool((_sets(g["expert_indices.1"]) == _sets(hids))[~tied].all())
+            assert torch.allclose(g["expert_weights.1"], hw.sort(-1, descending=True).values,
+                                  atol=RULE_WEIGHT_TOL)
+        routers = m.state.layers.routing   # the in-process runner's probed trunk
+        assert len(routers) == 4 and "select_experts" in vars(routers[1].obj)
+        # the next call's points replace the hooks: the router is its own again
+        assert run_with_cache(m, toks, ["resid_post.1"])[0]["resid_post.1"].shape == (40, 128)
+        assert all("select_experts" not in vars(site.obj) for site in routers.values())
+    finally:
+        m.close()
 
 
 def test_dense_models_refuse_routing_by_name():
