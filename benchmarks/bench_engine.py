@@ -210,7 +210,7 @@ def interleaved(path: str, prompts, modes=("freeze", "freeze_routing"), pairs: i
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    ends = {}
+    ends = []   # by position: `--modes freeze freeze` is the A/A control of the method
     procs = []
     try:
         for mode in modes:
@@ -220,23 +220,22 @@ def interleaved(path: str, prompts, modes=("freeze", "freeze_routing"), pairs: i
             procs.append(p)
             if here.recv() != "ready":
                 raise RuntimeError(f"{mode}: the engine did not start")
-            ends[mode] = here
+            ends.append(here)
 
-        def one(mode):
-            ends[mode].send("pass")
-            return ends[mode].recv()
+        def one(i):
+            ends[i].send("pass")
+            return ends[i].recv()
 
-        for mode in modes:   # warm-up pass each
-            one(mode)
-        a, b = modes
+        for i in (0, 1):   # a warm-up pass each
+            one(i)
         wall, cpu = [], []
-        for i in range(pairs):
-            first, second = (a, b) if i % 2 == 0 else (b, a)
-            got = {first: one(first), second: one(second)}
-            wall.append(got[a][0] / got[b][0])
-            cpu.append(got[a][1] / got[b][1])
-        for mode in modes:
-            ends[mode].send("stop")
+        for k in range(pairs):
+            order = (0, 1) if k % 2 == 0 else (1, 0)
+            got = {i: one(i) for i in order}
+            wall.append(got[0][0] / got[1][0])
+            cpu.append(got[0][1] / got[1][1])
+        for end in ends:
+            end.send("stop")
     finally:
         for p in procs:
             p.join(timeout=120)
