@@ -25,6 +25,12 @@ all-reduce, it separates that cost from the taps'.
 freeze's resid_post; a cross-layer transcoder's training pairs). Target: >= 0.9x plain.
 `--modes freeze freeze_scores` adds logprob.0 and entropy.0 to freeze's points (the final logits of
 every row, engine/capture/scores.py); its cost is freeze_scores' ratio against freeze's.
+`--modes freeze freeze_routing` (a MoE model) adds expert_indices and expert_weights at every layer
+to freeze's resid_post (the router's top-k choice, docs/engine.md "MoE routing"); its cost is
+freeze_routing's ratio against freeze's. Target: >= 0.95x freeze. `--interleave PAIRS` with two
+freeze modes loads both engines side by side (a process each) and alternates their passes, so
+each pair meets the same load: the steady figure for one mode's cost over another's on a box
+whose load swings.
 
 `--runners v1 v2` runs the whole schedule on each of vLLM's model runners in turn (ratios paired
 within a runner; default: the one vLLM picks, `auto`). On a CPU build V2 runs its kernels in
@@ -55,17 +61,26 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
+# CPU seconds of this process in the best pass of the last _timed_capture: at TP=1 the engine
+# core runs here (in-process), so it is the engine's work, far steadier than wall time on a
+# loaded box (other processes take wall time, not this process's CPU time)
+LAST_CPU: dict[str, "float | None"] = {"seconds": None}
+
+
 def _timed_capture(model, prompts, points, repeats: int, destinations=None) -> tuple[float, int]:
     """Best of `repeats` passes (the first pass also warms caches)."""
-    best = float("inf")
+    best = best_cpu = float("inf")
     rows = 0
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
+    for i in range(repeats + 1):
+        t, c = time.perf_counter(), time.process_time()
         rows = 0
         for req in model.capture([prompts], points, destinations=destinations):
             assert req.acts.shape[0] == len(points or ()) or not points
             rows += len(req)
         best = min(best, time.perf_counter() - t)
+        if i:   # the first pass warms caches
+            best_cpu = min(best_cpu, time.process_time() - c)
+    LAST_CPU["seconds"] = best_cpu if repeats else None
     return best, rows
 
 
@@ -147,6 +162,89 @@ def writer_destinations(model, prompts):
     return lambda i, n: view[:, offs[i]:offs[i] + n]
 
 
+FREEZE_MODES = ("freeze", "freeze_transcoder", "freeze_scores", "freeze_routing")
+
+
+def _freeze_points(path: str, mode: str) -> "str | list[str]":
+    """The frozen reads of a freeze mode (FREEZE_MODES)."""
+    if mode == "freeze":
+        return "auto"
+    from ..engine.checkpoint import read_model_info
+
+    n = read_model_info(path).n_layers
+    if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
+        return [f"{p}.{i}" for i in range(n) for p in ("mlp_in", "mlp_out")]
+    if mode == "freeze_scores":   # freeze's rows plus the model's next-token scores
+        return [f"resid_post.{i}" for i in range(n)] + ["logprob.0", "entropy.0"]
+    if mode == "freeze_routing":   # freeze's rows plus the MoE routing at every layer
+        return [f"{p}.{i}" for i in range(n)
+                for p in ("resid_post", "expert_indices", "expert_weights")]
+    raise ValueError(mode)
+
+
+def _pass_server(conn, path: str, mode: str, prompts, max_batched: int) -> None:
+    """One engine of `interleaved`, in its own process: loads, says "ready", then times one
+    capture pass per "pass" it is sent (wall and this process's CPU seconds) until "stop"."""
+    from ..engine import load_model
+
+    m = load_model(path, backend="vllm", freeze_points=_freeze_points(path, mode),
+                   freeze_writes=[], max_num_batched_tokens=max_batched)
+    try:
+        dests = writer_destinations(m, prompts)
+        conn.send("ready")
+        while conn.recv() == "pass":
+            t, c = time.perf_counter(), time.process_time()
+            for _ in m.capture([prompts], None, destinations=dests):
+                pass
+            conn.send((time.perf_counter() - t, time.process_time() - c))
+    finally:
+        m.close()
+
+
+def interleaved(path: str, prompts, modes=("freeze", "freeze_routing"), pairs: int = 20,
+                max_batched: int = 2048) -> dict:
+    """Two freeze modes' engines loaded side by side (one process each, loaded one after the
+    other) and their capture passes alternated A B B A ..., so each pair of passes meets the same
+    load: the median of the pairs' time ratios is the cost of the second mode's points over the
+    first's, steady on a box whose load swings (separate engines run minutes apart are not)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ends = []   # by position: `--modes freeze freeze` is the A/A control of the method
+    procs = []
+    try:
+        for mode in modes:
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_pass_server, args=(there, path, mode, prompts, max_batched))
+            p.start()
+            procs.append(p)
+            if here.recv() != "ready":
+                raise RuntimeError(f"{mode}: the engine did not start")
+            ends.append(here)
+
+        def one(i):
+            ends[i].send("pass")
+            return ends[i].recv()
+
+        for i in (0, 1):   # a warm-up pass each
+            one(i)
+        wall, cpu = [], []
+        for k in range(pairs):
+            order = (0, 1) if k % 2 == 0 else (1, 0)
+            got = {i: one(i) for i in order}
+            wall.append(got[0][0] / got[1][0])
+            cpu.append(got[0][1] / got[1][1])
+        for end in ends:
+            end.send("stop")
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.terminate()
+    return {"modes": list(modes), "pairs": pairs, "wall_ratio": _median(wall),
+            "cpu_ratio": _median(cpu), "wall_ratios": [round(x, 3) for x in wall]}
+
+
 def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate: int = 0):
     from ..engine import load_model
     from ..engine.vllm import compat
@@ -160,17 +258,9 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             kw["compilation_config"] = compat.tp_compilation_config(None)
         m = load_model(path, backend="vllm", freeze_points=[], **kw)
         points = []
-    elif mode in ("freeze", "freeze_transcoder", "freeze_scores"):
-        freeze: str | list[str] = "auto"
-        if mode != "freeze":
-            from ..engine.checkpoint import read_model_info
-
-            n = read_model_info(path).n_layers
-        if mode == "freeze_transcoder":  # a (cross-layer) transcoder's pair at every layer
-            freeze = [f"{p}.{i}" for i in range(n) for p in ("mlp_in", "mlp_out")]
-        elif mode == "freeze_scores":   # freeze's rows plus the model's next-token scores
-            freeze = [f"resid_post.{i}" for i in range(n)] + ["logprob.0", "entropy.0"]
-        m = load_model(path, backend="vllm", freeze_points=freeze, freeze_writes=[], **kw)
+    elif mode in FREEZE_MODES:
+        m = load_model(path, backend="vllm", freeze_points=_freeze_points(path, mode),
+                       freeze_writes=[], **kw)
         points = None
         if not generate:
             dests = writer_destinations(m, prompts)
@@ -184,6 +274,8 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
             secs, rows = _timed_capture(m, prompts, points, repeats, dests)
         mem = host_memory_mb()
         extra = {"fuse_allreduce_rms": compat.engine_settings(m.llm).get("fuse_allreduce_rms")}
+        if tp == 1 and not generate:
+            extra["cpu_seconds"] = LAST_CPU["seconds"]
         if tp > 1 and mode == "freeze":
             s = m.state.summary()  # where the rows' path spent its time (engine/vllm/remote.py)
             extra.update(rows_placed=s["rows_placed"], rows_copied=s["rows_copied"],
@@ -193,7 +285,8 @@ def _vllm_mode(path, prompts, repeats, mode, max_batched, tp: int = 1, generate:
     return secs, rows, mem, extra
 
 
-VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder", "freeze_scores")
+VLLM_MODES = ("plain", "plain_nofuse", "freeze", "hooked", "freeze_transcoder", "freeze_scores",
+              "freeze_routing")
 
 
 def _runner(runner: str):
@@ -359,6 +452,12 @@ def run(model: str | None = None, n_prompts: int = 32, prompt_len: int = 256, re
     return rows_out
 
 
+def _median(xs: list) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1]
+                                                                      + xs[len(xs) // 2]) / 2)
+
+
 def median_ratio(rows: list[dict], mode: str, tp: int = 1, runner: str = "auto") -> float | None:
     vals = sorted(r["ratio_to_plain"] for r in rows if r["mode"] == mode
                   and _group(r) == (tp, runner) and r.get("ratio_to_plain"))
@@ -396,9 +495,27 @@ def main() -> None:
                     help="tensor-parallel sizes, each running plain and freeze (e.g. --tp 1 2)")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="measure generation of N new tokens per prompt (plain vs freeze)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="PAIRS",
+                    help="with two freeze modes (e.g. --modes freeze freeze_routing): load both "
+                         "engines side by side and alternate their passes PAIRS times instead")
     ap.add_argument("--runners", nargs="+", default=["auto"], choices=("auto", "v1", "v2"),
                     help="vLLM model runners, the schedule on each (e.g. --runners v1 v2)")
     a = ap.parse_args()
+    if a.interleave:
+        modes = [m for m in (a.modes or ()) if m in FREEZE_MODES]
+        if len(modes) != 2:
+            ap.error("--interleave compares two freeze modes: e.g. --modes freeze freeze_routing")
+        from ..engine.checkpoint import read_model_info
+        from ..engine.models import smollm2_path
+
+        path = a.model or smollm2_path()
+        prompts = make_prompts(a.prompts, a.len, read_model_info(path).vocab_size)
+        r = interleaved(path, prompts, tuple(modes), a.interleave, a.max_batched)
+        print(json.dumps(r))
+        print(f"prefill, interleaved: {modes[1]} / {modes[0]} throughput = {r['wall_ratio']:.3f} "
+              f"(median of {r['pairs']} alternated pairs; by CPU seconds {r['cpu_ratio']:.3f})")
+        print(f"load average at the end: {os.getloadavg()}")
+        return
     kw = {"modes": a.modes} if a.modes else {}
     rows = run(a.model, a.prompts, a.len, a.repeats, a.max_batched, rounds=a.rounds,
                tps=tuple(a.tp), generate=a.generate, runners=tuple(a.runners), **kw)
@@ -419,6 +536,28 @@ def main() -> None:
             if scored is not None and frozen:
                 print(f"{what}, runner {runner}, TP={tp}: freeze_scores / plain = {scored:.3f}, "
                       f"freeze_scores / freeze = {scored / frozen:.3f} (logprob + entropy's cost)")
+            routed = median_ratio(rows, "freeze_routing", tp, runner)
+            if routed is not None and frozen:
+                print(f"{what}, runner {runner}, TP={tp}: freeze_routing / plain = {routed:.3f}, "
+                      f"freeze_routing / freeze = {routed / frozen:.3f} (expert routing's cost; "
+                      "target >= 0.95)")
+            best = {m: min([r["seconds"] for r in rows if r["mode"] == m
+                            and _group(r) == (tp, runner) and r.get("seconds")], default=None)
+                    for m in ("freeze", "freeze_routing")}
+            if best["freeze"] and best["freeze_routing"]:
+                print(f"{what}, runner {runner}, TP={tp}: best pass of all rounds (the least "
+                      f"disturbed by other load): freeze {best['freeze']:.3f} s, freeze_routing "
+                      f"{best['freeze_routing']:.3f} s; freeze_routing / freeze = "
+                      f"{best['freeze'] / best['freeze_routing']:.3f} (throughput)")
+            cpu = {m: _median([r["cpu_seconds"] for r in rows if r["mode"] == m
+                               and _group(r) == (tp, runner) and r.get("cpu_seconds")])
+                   for m in ("plain", "freeze", "freeze_scores", "freeze_routing")}
+            for m in ("freeze_scores", "freeze_routing"):
+                if cpu[m] and cpu["freeze"]:
+                    print(f"{what}, runner {runner}, TP={tp}: engine CPU seconds per pass (median "
+                          f"of the best passes): plain {cpu['plain']:.3f}, freeze "
+                          f"{cpu['freeze']:.3f}, {m} {cpu[m]:.3f}; freeze / {m} = "
+                          f"{cpu['freeze'] / cpu[m]:.3f} (throughput by CPU time)")
     print(f"load average at the end: {os.getloadavg()}")
     same = next((r for r in rows if r["mode"] == "freeze_same_engine" and r.get("tok_s")), None)
     if same:

@@ -25,10 +25,18 @@ class ModelInfo:
         kind = BY_NAME[name].width if name in BY_NAME else "d_model"
         w = self.width if kind == "d_model" else dict(self.kinds).get(kind)
         if not w:
+            moe = name in BY_NAME and BY_NAME[name].moe
             raise ValueError(f"point {name!r} ({kind} wide) does not exist in this model: its "
                              f"config gives no {kind} width"
-                             + (" (router_logits needs a MoE model)" if kind == "experts" else ""))
+                             + (f" ({name} needs a MoE model; this one is dense)" if moe else ""))
         return int(w)
+
+    def row_width(self, name: str, dtype) -> int:
+        """Point `name`'s width in elements of the engine dtype: its values times
+        engine/points.values_per_slot (a 32-bit value is two bfloat16 columns)."""
+        from .points import values_per_slot
+
+        return self.point_width(name) * values_per_slot(name, dtype)
 
 
 def _first(cfg, *names, default=None):

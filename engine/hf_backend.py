@@ -16,13 +16,13 @@ from .capture import block_stream
 from .addresses import Address, parse_addresses
 from .capture import scores
 from .capture.captured import CapturedRequest
-from .points import LOGIT_POINTS
+from .points import LOGIT_POINTS, ROUTING_POINTS
 from .checkpoint import read_model_info, validate_tokens
 from .protocol import CaptureOnly, DestinationProvider, StepStats
 from .capture.probe_sites import read_output
 from .capture.sites import (ATTN_NAMES, QKV_ARGS, SITE_POINTS, Site, candidates,
                                           child, module_at)
-from .capture.taps import check_supported, find_layers
+from .capture.taps import ForwardSwap, check_supported, find_layers, routing_rows
 
 
 def _input_of(args, kwargs, width: int):
@@ -140,6 +140,12 @@ class HFModel(CaptureOnly):
                                   {"blocks": [{"submodule_notes": n} for n in notes]})
         # final_norm.0: HF's base model applies the final norm to its output (no probe here)
         self.trunk.final_norm = self.model.base_model
+        # expert routing: Hugging Face's top-k routers (transformers 5: Mixtral, Qwen2/3-MoE,
+        # OLMoE `mlp.gate`) return (logits, top-k weights, top-k ids); checked at each call
+        self.trunk.routing = {li: block_stream.RoutingSite(module_at(layer, sem.sites["router_logits"].path),
+                                                     "forward", 1, 2)
+                              for li, (layer, sem) in enumerate(zip(layers, sems))
+                              if "router_logits" in sem.sites}
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.steps = self.scheduled_tokens = 0
         self._tokenizer = None
@@ -166,9 +172,13 @@ class HFModel(CaptureOnly):
         check_supported(self.trunk, pts)
         handles: list = []
         qkv: dict[int, dict] = {}  # layer -> {"query"|"key"|"value": Address}
+        for li in sorted({a.layer for a in pts if a.name in ROUTING_POINTS}):
+            site = self.trunk.routing[li]
+            handles.append(ForwardSwap(site.obj, self._router(getattr(site.obj, site.attr), li, store),
+                                       site.attr))
         for a in pts:
             layer, sem = self.trunk[a.layer], self.trunk.semantics[a.layer]
-            if a.name in LOGIT_POINTS:   # from the forward's logits (_scores), no hook
+            if a.name in LOGIT_POINTS or a.name in ROUTING_POINTS:   # _scores, _router
                 continue
             if a.name == "final_norm":  # the base model's output: HF applies the final norm
                 def final(mod, args, out, a=a):
@@ -205,6 +215,20 @@ class HFModel(CaptureOnly):
                     if (name := child(layer, ATTN_NAMES)) is not None}
             handles.append(QKVRecording(self.model, attn, qkv, store))
         return handles
+
+    def _router(self, orig, li: int, store: dict):
+        """The layer's Hugging Face router, its top-k choice kept as the vLLM taps keep it
+        (sorted by weight, float32 weights and int32 ids packed: engine/capture/packed.py)."""
+        def forward(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise ValueError(f"expert_indices.{li} / expert_weights.{li}: this Hugging Face "
+                                 f"router ({type(orig.__self__).__name__}) does not return "
+                                 "(logits, top-k weights, top-k ids); capture router_logits")
+            w_rows, i_rows = routing_rows(out[1], out[2], self.dtype)
+            store[Address("expert_weights", li)], store[Address("expert_indices", li)] = w_rows, i_rows
+            return out
+        return forward
 
     def _batches(self, source):
         batch, longest = [], 0

@@ -34,6 +34,7 @@ from .load import load_model
 from .models import resolve_model
 from .capture.probe import TrunkRefused
 from .protocol import CaptureEngine
+from .points import ROUTING_POINTS
 
 # Mixed lengths: one-token prompts, prompts shorter than a step, and prompts spanning several
 # 64-token steps (chunked prefill), batched together.
@@ -43,6 +44,8 @@ LENGTHS = (5, 37, 150, 64, 90, 17, 1, 120)
 # Engine arguments for a freeze-mode engine without vLLM's torch.compile (`-O0`): starts in
 # seconds instead of a compile; the taps are the same wrappers, run eagerly.
 NO_COMPILE = {"compilation_config": {"mode": 0}}
+
+ROUTING_FLOOR_P50 = 2.0 ** -8   # a bfloat16 step at 1 (expert weights)
 
 # The capture may be this many times as far from HF fp32 as HF's own run in the engine's dtype.
 GAP_RATIO = 1.25
@@ -79,6 +82,15 @@ class CheckConfig:
     seed: int = 0
     reference_device: str = "cpu"
     max_num_batched_tokens: int = 64  # check_model's own engine: small, so prefill is chunked
+
+    def routing_bound(self, gap: dict) -> dict:
+        """{p50, p99} of expert_indices / expert_weights: from their own gap (HF in the engine's
+        dtype routes some near-ties otherwise than fp32: the model, not the capture), its p50
+        and its worst row, uncapped; the floors where there is no gap (an fp32 engine), the p50's
+        at least a bfloat16 step of a weight near 1 (vLLM's CPU router takes the softmax of the
+        top-k in the logits' dtype)."""
+        return {"p50": max(self.gap_ratio * gap["p50"], self.floor_p50, ROUTING_FLOOR_P50),
+                "p99": max(self.gap_ratio * gap["max"], self.floor_p99)}
 
     def bound(self, gap_p50: float, gap_tail: float) -> dict:
         """{p50, p99}: one point's bound, from its gap's p50 and the model's worst gap row."""
@@ -167,13 +179,48 @@ def _reference_main(spec_path: str, out_path: str) -> None:
     torch.save(results, out_path)
 
 
-def row_errors(got: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
+def row_errors(got: torch.Tensor, ref: torch.Tensor, name: str = "") -> np.ndarray:
+    if name == "expert_indices":   # the share of the k chosen experts the reference did not choose
+        g, r = got.long().reshape(ref.shape), ref.long()
+        hit = (g.unsqueeze(-1) == r.unsqueeze(-2)).any(-1).float()
+        return (1.0 - hit.mean(-1)).numpy()
     if ref.dim() == 1:   # one value per row (logprob.0, entropy.0): nats, relative above 1 nat
         got, ref = got.float().reshape(-1), ref.float()
         err = (got - ref).abs() / ref.abs().clamp_min(1.0)
         return torch.where(torch.isnan(got) & torch.isnan(ref), 0.0, err).numpy()
     got, ref = got.float().reshape(-1, ref.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
     return ((got - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)).numpy()
+
+
+def errors_by_expert(weights: torch.Tensor, ids: torch.Tensor, ref_weights: torch.Tensor,
+                     ref_ids: torch.Tensor) -> np.ndarray:
+    """expert_weights' per-row error: the largest difference between the routing as sparse
+    vectors over the experts (an expert one side chose and the other did not counts its whole
+    weight), so a routing flip weighs here as in expert_indices."""
+    ids, ref_ids = ids.long().reshape(ref_ids.shape), ref_ids.long()
+    w, rw = weights.float().reshape(ref_weights.shape), ref_weights.float()
+    same = ids.unsqueeze(-1) == ref_ids.unsqueeze(-2)                    # [n, k, k]
+    theirs = (same.float() * rw.unsqueeze(-2)).sum(-1)                   # ref weight of each of ours
+    ours = (same.float() * w.unsqueeze(-1)).sum(-2)                      # our weight of each of theirs
+    return torch.maximum((w - theirs).abs().amax(-1),
+                         (rw - ours).abs().amax(-1)).numpy()
+
+
+def _errors(got, ref, p: str, name: str) -> np.ndarray:
+    """One prompt's per-row errors at point `p` (`got`: {Address or str: rows}, `ref`: {str:
+    rows}); expert_weights by expert, with the same layer's ids from both sides."""
+    if name != "expert_weights":
+        return row_errors(_at(got, p), ref[p], name)
+    ids = f"expert_indices.{Address.parse(p).layer}"
+    if ids not in ref:
+        raise ValueError(f"{p}: checked by expert, with {ids} beside it: capture both")
+    return errors_by_expert(_at(got, p), _at(got, ids), ref[p], ref[ids])
+
+
+def _at(rows: dict, p: str):
+    """rows[p] of a capture's {Address: rows} or a reference's {str: rows}."""
+    a = Address.parse(p)
+    return rows[a] if a in rows else rows[p]
 
 
 def _figures(errs: np.ndarray) -> dict:
@@ -187,15 +234,19 @@ def compare(got: Sequence[dict], ref: Sequence[dict], points: list[str], cfg: Ch
     the same figures of HF's run in the engine's dtype (`gap_ref`; None: the engine runs fp32,
     no gap) and the bound they give (CheckConfig)."""
     zero = {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    name = {p: Address.parse(p).name for p in points}
     gaps = {p: zero if gap_ref is None else _figures(
-        np.concatenate([row_errors(g[p], r[p]) for g, r in zip(gap_ref, ref)])) for p in points}
-    tail = max(g["max"] for g in gaps.values())
+        np.concatenate([_errors(g, r, p, name[p]) for g, r in zip(gap_ref, ref)]))
+        for p in points}
+    # routing flips on near-ties are the model's dtype (docs/engine.md "MoE routing"): they
+    # bound their own point, never the activations' tail
+    tail = max([g["max"] for p, g in gaps.items() if name[p] not in ROUTING_POINTS], default=0.0)
     per_point = {}
     for p in points:
-        a = Address.parse(p)
-        errs = np.concatenate([row_errors(g[a], r[p]) for g, r in zip(got, ref)])
-        v = {**_figures(errs), "rows": int(errs.size), "gap": gaps[p],
-             "bound": cfg.bound(gaps[p]["p50"], tail)}
+        errs = np.concatenate([_errors(g, r, p, name[p]) for g, r in zip(got, ref)])
+        bound = cfg.routing_bound(gaps[p]) if name[p] in ROUTING_POINTS else \
+            cfg.bound(gaps[p]["p50"], tail)
+        v = {**_figures(errs), "rows": int(errs.size), "gap": gaps[p], "bound": bound}
         v["ok"] = v["p50"] <= v["bound"]["p50"] and v["p99"] <= v["bound"]["p99"]
         per_point[p] = v
     worst = max(per_point, key=lambda p: max(per_point[p][q] / per_point[p]["bound"][q]
@@ -276,6 +327,9 @@ def check_model(name_or_path: str, points=None, cfg: CheckConfig = CheckConfig()
     name_or_path = resolve_model(name_or_path)  # smollm2, tiny:<arch> as in load_model
     info = read_model_info(name_or_path, engine_args.get("revision"))
     pts = expand_points(points or ["resid_post.*"], info.n_layers)
+    # expert_weights are checked by expert: the same layer's ids come along
+    pts += [i for p in pts if p.startswith("expert_weights.")
+            and (i := p.replace("expert_weights.", "expert_indices.")) not in pts]
     tokens = check_prompts(name_or_path, cfg.lengths, cfg.seed, info.vocab_size)
     dtype = _dtype(engine_args.get("dtype"))  # the vLLM backend's default: bfloat16
     refs = _refs(name_or_path, tokens, pts, cfg, engine_args.get("revision"), dtype)

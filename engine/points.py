@@ -7,11 +7,19 @@ probe (engine/capture/sites.py: where a point's tensor is inside a block), confi
 Width kinds: `d_model` (the stream), `heads` (n_heads x head_dim: o_proj's input, the query),
 `kv_heads` (n_kv_heads x head_dim: the key and value, KV heads as they are under grouped-query
 attention), `neurons` (the MLP width: down_proj's input, each of the gate and up projections),
-`experts` (one router logit per expert), `scalar` (one float32 per row: the model's own next-token
+`experts` (one router logit per expert), `topk` (one value per routed expert of a token:
+`num_experts_per_tok`), `scalar` (one float32 per row: the model's own next-token
 scores, computed from its final logits after the forward, engine/capture/scores.py). Under tensor parallelism `heads`, `kv_heads` and
 `neurons` are column-sharded across ranks (a rank holds a slice; with fewer KV heads than ranks
 vLLM gives each rank one KV head, the same on `tp / n_kv_heads` ranks: `shard_width`,
-`kv_replicas`); `experts` comes off a replicated gate and `d_model` points are all-reduced.
+`kv_replicas`); `experts` and `topk` come off a replicated gate and router, `d_model` points are
+all-reduced.
+
+Values of their own type: a point whose `values` is set ("float32", "int32": logprob, entropy,
+expert_weights, expert_indices) holds numbers that are not activations in the engine dtype; they
+travel bit for bit through the tap buffer and every transport, each value in `values_per_slot`
+elements of the engine dtype (two bfloat16 columns per 32-bit value: engine/capture/packed.py),
+and a capture hands them back in their own type (`CapturedRequest.point`).
 
 Block layouts (measured per block by the probe; see engine/capture/sites.py):
 - `sequential`: pre-norm blocks, attention then MLP on the updated stream (Llama, GPT-2, Qwen);
@@ -25,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WIDTH_KINDS = ("d_model", "heads", "kv_heads", "neurons", "experts", "scalar")
+WIDTH_KINDS = ("d_model", "heads", "kv_heads", "neurons", "experts", "topk", "scalar")
+VALUE_TYPES = ("float32", "int32")
 LAYOUTS = ("sequential", "sandwich", "parallel")
 
 
@@ -38,7 +47,11 @@ class Point:
     (one per block, `name.L`) or "model" (one per model, addressed `name.0`); `tp`: "replicated"
     (every rank holds the whole row) or "sharded" (each rank a column slice); `gated`: True =
     gated MLPs only (a gate and an up projection whose product the down projection reads);
-    `logits`: True = computed from the model's final logits after the forward (no tap site).
+    `logits`: True = computed from the model's final logits after the forward (no tap site);
+    `values`: the type of the point's numbers where they are not activations in the engine dtype
+    ("float32", "int32"; packed bit for bit in the engine dtype's elements, see the module
+    docstring); `routing`: True = read from the MoE router's top-k choice (the experts and
+    weights the fused kernel used), not from a module site.
     """
 
     name: str
@@ -50,9 +63,12 @@ class Point:
     moe: bool | None = None
     gated: bool = False
     logits: bool = False
+    values: str | None = None
+    routing: bool = False
 
     def __post_init__(self):
         assert self.width in WIDTH_KINDS and self.tp in ("replicated", "sharded")
+        assert self.values in (None, *VALUE_TYPES)
         assert set(self.layouts) <= set(LAYOUTS) and self.level in ("layer", "model")
 
 
@@ -95,6 +111,15 @@ TABLE: tuple[Point, ...] = (
           "the MLP's hidden activations (down_proj's input)", moe=False),
     Point("router_logits", "experts", "replicated", _ALL,
           "the MoE gate's logits, one per expert, before softmax and top-k", moe=True),
+    Point("expert_indices", "topk", "replicated", _ALL,
+          "int32: the experts the MoE router chose for the token, k = num_experts_per_tok, "
+          "ordered by weight (largest first): the ids vLLM's fused kernel used, by the model's own "
+          "rule (softmax or sigmoid, bias correction, grouped top-k)", moe=True, values="int32",
+          routing=True),
+    Point("expert_weights", "topk", "replicated", _ALL,
+          "float32: the routing weight of each chosen expert, in expert_indices' order (after "
+          "the model's renormalisation and scaling): the weights vLLM's fused kernel applied",
+          moe=True, values="float32", routing=True),
     Point("mlp_out", "d_model", "replicated", _ALL,
           "the MLP (or MoE block) output, before any post-norm and the residual add"),
     Point("mlp_out_post", "d_model", "replicated", ("sandwich",),
@@ -106,23 +131,21 @@ TABLE: tuple[Point, ...] = (
     Point("logprob", "scalar", "replicated", _ALL,
           "float32: the log-probability the model gives the context's actual next token "
           "(log_softmax of its own final logits, scaling and softcapping included); NaN at a "
-          "context's last position (no next token)", level="model", logits=True),
+          "context's last position (no next token)", level="model", logits=True, values="float32"),
     Point("entropy", "scalar", "replicated", _ALL,
           "float32: the entropy (nats) of the model's next-token distribution (softmax of its "
-          "final logits) at every position", level="model", logits=True),
+          "final logits) at every position", level="model", logits=True, values="float32"),
 )
 BY_NAME = {p.name: p for p in TABLE}
 SHARDED_KINDS = frozenset(p.width for p in TABLE if p.tp == "sharded")
 NAMES = tuple(BY_NAME)
 MODEL_LEVEL = tuple(p.name for p in TABLE if p.level == "model")
 LOGIT_POINTS = tuple(p.name for p in TABLE if p.logits)  # no tap: computed after the forward
+ROUTING_POINTS = tuple(p.name for p in TABLE if p.routing)  # read from the MoE router's choice
+PACKED = {p.name: p.values for p in TABLE if p.values}  # point -> the type of its values
 
 # Points the seed system serves that no table row stands for, and why; asking for one names it.
 REFUSED = {
-    "expert_weights": "the fused MoE kernel computes routing weights inside the kernel; capture "
-                      "router_logits and apply the family's softmax/top-k",
-    "expert_indices": "the fused MoE kernel picks experts inside the kernel; capture "
-                      "router_logits and apply the family's top-k",
     "lm_head": "the logits are vocab-wide and sharded under TP; capture final_norm",
 }
 
@@ -181,6 +204,10 @@ def config_width(cfg, kind: str) -> int | None:
         return n
     if kind == "experts":
         return get("num_experts") or get("num_local_experts") or get("n_routed_experts")
+    if kind == "topk":
+        if not config_width(cfg, "experts"):
+            return None
+        return get("num_experts_per_tok") or get("num_experts_per_token")
     if kind == "scalar":
         return 1
     raise ValueError(f"unknown width kind {kind!r}: use one of {', '.join(WIDTH_KINDS)}")
@@ -213,8 +240,27 @@ def point_width(cfg, name: str) -> int:
     if not w:
         raise ValueError(f"point {name!r} ({p.width} wide) does not exist in this model: its "
                          f"config gives no {p.width} width"
-                         + (" (router_logits needs a MoE model)" if p.width == "experts" else ""))
+                         + (f" ({name} needs a MoE model)" if p.moe else ""))
     return int(w)
+
+
+def values_per_slot(name: str, dtype) -> int:
+    """Elements of the engine dtype `dtype` (a torch dtype or its name) one value of point
+    `name` occupies in the tap buffer and the rows: 1 for activations, 4 / element size for a
+    point of 32-bit values (two bfloat16 columns per float32/int32)."""
+    if name not in PACKED:
+        return 1
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype).replace("torch.", ""))
+    if size is None:
+        raise ValueError(f"point {name!r} holds {PACKED[name]} values, which cannot travel in a "
+                         f"{dtype} tap buffer: capture it in bfloat16, float16 or float32")
+    return 4 // size
+
+
+def row_width(cfg, name: str, dtype) -> int:
+    """Point `name`'s width in rows of the engine dtype `dtype`: its width in values times
+    `values_per_slot` (expert_indices of a top-2 model: 4 bfloat16 columns)."""
+    return point_width(cfg, name) * values_per_slot(name, dtype)
 
 
 def table_markdown() -> str:

@@ -68,6 +68,7 @@ def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> dict:
     column."""
     cols = src.meta_columns
     return dict(points=list(points), width=src.width, widths={p: src.widths[p] for p in points},
+                values={p: t for p, t in src.point_values.items() if p in points},
                 n_rows=n_rows,
                 shard_rows=src.shard_rows, chunk_rows=src.chunk_rows, dtype=src.dtype,
                 compression=src.compression, meta_chunk_rows=unit_rows,

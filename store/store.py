@@ -66,6 +66,9 @@ class Store:
         # each point's own width (layout 4: `widths`; older layouts: every point is `width`)
         self.widths: dict[str, int] = layout.point_widths(h)
         self.mixed_widths: bool = any(w != self.width for w in self.widths.values())
+        # points of 32-bit values (layout 5): point -> "int32" / "float32", their bits in the
+        # store's elements (FORMAT.md "Points of 32-bit values"); `read_values` unpacks them
+        self.point_values: dict[str, str] = layout.point_values(h)
         # the widest point (never below `width`): writers' block buffers and the engine's
         # destinations are [points, rows, max_width]; a narrower point uses its first columns
         self.max_width: int = max([self.width, *self.widths.values()])
@@ -269,11 +272,17 @@ class Store:
         return _reads.read_rows(self, point, start, stop)
 
     def read_values(self, point: str, start: int, stop: int) -> np.ndarray:
-        """`read` as float32 values [n, the point's width]: widened, or dequantised in an fp8 store."""
-        return self.values(self.read(point, start, stop))
+        """`read` as float32 values [n, the point's width]: widened, or dequantised in an fp8
+        store; a point of 32-bit values (expert_indices, expert_weights) as its own int32 or
+        float32 values [n, k]."""
+        return self.values(self.read(point, start, stop), point)
 
-    def values(self, rows: np.ndarray) -> np.ndarray:
-        """Stored rows of this store (as `read`/`read_shard` give them) -> float32 values."""
+    def values(self, rows: np.ndarray, point: str | None = None) -> np.ndarray:
+        """Stored rows of this store (as `read`/`read_shard` give them) -> float32 values; the
+        rows of `point`, a point of 32-bit values, -> its int32 / float32 values (the bits)."""
+        if point is not None and point in self.point_values:
+            want = np.dtype(layout.VALUE_TYPES[self.point_values[point]])
+            return np.ascontiguousarray(rows).view(want)
         if self.quantized:
             return _fp8.dequantize(rows)
         return np.asarray(rows).astype(np.float32)

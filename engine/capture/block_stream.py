@@ -222,6 +222,20 @@ def first_or_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+@dataclass(frozen=True)
+class RoutingSite:
+    """Where a MoE layer's routing choice is handed over: `getattr(obj, attr)` is called by the
+    layer and returns a tuple whose items `weights_at` and `ids_at` are the top-k weights and
+    expert ids `[tokens, k]` the experts are then computed with (vLLM's router `select_experts`:
+    (weights, ids); a Hugging Face top-k router's forward: (logits, weights, ids)). `why`: a
+    note for the capture's refusal where the layer has none."""
+
+    obj: object
+    attr: str
+    weights_at: int
+    ids_at: int
+
+
 class Trunk:
     """The decoder layers with each block's semantics; indexes like the ModuleList it wraps, so
     code that only needs `trunk[i]` (a module) keeps working."""
@@ -234,6 +248,10 @@ class Trunk:
         # the model's final norm, where the probe found the module whose output is the model's
         # final hidden state (final_norm.0); None: that point is refused
         self.final_norm: nn.Module | None = None
+        # layer -> where its MoE router hands over its top-k choice (expert_indices/_weights),
+        # set by the backend that knows its router (engine/vllm/compat.moe_routers, the eager
+        # backend's Hugging Face gates); a layer not in it serves no routing point
+        self.routing: dict[int, "RoutingSite"] = {}
 
     def __getitem__(self, i: int) -> nn.Module:
         return self.layers[i]

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from ..addresses import Address
-from ..points import LOGIT_POINTS
-from .scores import unpack
+from ..points import LOGIT_POINTS, PACKED
+from .packed import unpack
 
 
 class ActivationCache(dict):
@@ -60,11 +60,15 @@ class CapturedRequest:
 
     def point(self, addr: "Address | str") -> torch.Tensor:
         """`[n, width of that point]`: z is n_heads x head_dim wide, mlp_act the MLP's width;
-        logprob.0 and entropy.0 are float32 `[n]` (engine/capture/scores.py)."""
+        logprob.0 and entropy.0 are float32 `[n]` (engine/capture/scores.py); expert_indices
+        int32 and expert_weights float32 `[n, k]` (engine/capture/packed.py)."""
         a = Address.parse(addr)
         i = self.points.index(a)
         rows = self.acts[i] if self.widths is None else self.acts[i, :, : self.widths[i]]
-        return unpack(rows) if a.name in LOGIT_POINTS else rows
+        if a.name not in PACKED:
+            return rows
+        values = unpack(rows, PACKED[a.name])
+        return values.reshape(-1) if a.name in LOGIT_POINTS else values
 
     def as_dict(self) -> ActivationCache:
         """`{Address: [n, width]}` at each point's own width; string keys work too

@@ -13,7 +13,8 @@ only two float32 values per row leave the chunk.
 - `entropy` of row i: -sum_v p_v log p_v of softmax(logits_i), at every position.
 
 The values travel through the tap buffer and the transports like any other point: a float32
-occupies `slot_width(dtype)` elements of the engine dtype (two bfloat16 columns, bit for bit), so
+occupies `slot_width(dtype)` elements of the engine dtype (two bfloat16 columns, bit for bit:
+engine/capture/packed.py), so
 every path that moves rows (the buffer, the direct sink, the TP step ring) moves them unchanged;
 `unpack` turns them back into float32 on the host.
 """
@@ -23,30 +24,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import packed
+from .packed import slot_width
+
+__all__ = ["pack", "unpack", "slot_width", "scores", "next_token_ids", "chunk_rows"]
+
 # bound on one chunk's [rows, vocab] float32 block and its softmax temporaries, per device type
 CHUNK_BYTES = 64 << 20
 CHUNK_BYTES_GPU = 1 << 30
 CPU_PASS_ROWS = 4
 
 
-def slot_width(dtype: torch.dtype) -> int:
-    """Elements of `dtype` that hold one float32 (1 for float32, 2 for bfloat16/float16)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if size > 4 or 4 % size:
-        raise ValueError(f"logprob/entropy cannot travel in a {dtype} tap buffer")
-    return 4 // size
-
-
 def pack(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 [n] -> [n, slot_width(dtype)] of `dtype` holding the same bits."""
-    v = values.to(torch.float32).contiguous().reshape(-1, 1)
-    return v if dtype == torch.float32 else v.view(dtype)
+    return packed.pack(values.to(torch.float32).reshape(-1), dtype)
 
 
 def unpack(rows: torch.Tensor) -> torch.Tensor:
     """[n, slot_width] of the engine dtype (as `pack` wrote them) -> float32 [n]."""
-    rows = rows.contiguous()
-    return rows.reshape(-1) if rows.dtype == torch.float32 else rows.view(torch.float32).reshape(-1)
+    return packed.unpack(rows, "float32").reshape(-1)
 
 
 def next_token_ids(req_ids, counts, starts, prompts: dict) -> np.ndarray:

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from ..addresses import Address, FreezeSet
-from ..points import LOGIT_POINTS
+from ..points import LOGIT_POINTS, ROUTING_POINTS
 from .direct import sink_for
+from .packed import pack
 from .block_stream import (SUBMODULE_NAMES, Trunk, arg_value, post_value, pre_value, rows,
                      sublayer_value, with_arg)
 from .sites import SITE_POINTS, module_at
@@ -131,6 +132,14 @@ def check_supported(trunk: Trunk, points) -> None:
                     if a.layer < len(blocks_report) else None)
             raise ValueError(f"{a}: block {cls} (layer {a.layer}) serves no {a.name}: "
                              f"{note or 'the trunk was not probed (unverified), so no module site is known'}")
+        if a.name in ROUTING_POINTS and a.layer not in trunk.routing:
+            cls = type(trunk[a.layer]).__name__
+            dense = "router_logits" not in trunk.semantics[a.layer].sites
+            why = ("it has a dense MLP: no router (expert routing needs a MoE block)" if dense
+                   else "its MoE layer hands the step's top-k choice to no router this engine "
+                        "reads (a monolithic kernel routes inside itself; sequence-parallel MoE "
+                        "routes a slice of the tokens per rank): capture router_logits")
+            raise ValueError(f"{a}: block {cls} (layer {a.layer}) serves no {a.name}: {why}")
         if a.name == "resid_streams":
             raise ValueError(
                 f"{a}: this trunk has a single residual stream; use resid_post instead"
@@ -169,6 +178,8 @@ def install_freeze(trunk: Trunk, taps: TapSet) -> None:
                 _wrap_site(module_at(trunk[li], site.path), site, _reader(taps, Address(p, li)))
         if names & {"resid_pre", "resid_post", "embeddings"}:
             _wrap_block(trunk, li, taps)
+        if names & set(ROUTING_POINTS):
+            _wrap_routing(trunk.routing[li], _routing_reader(taps, li))
     if Address("final_norm", 0) in taps.reads:
         from .sites import Site
 
@@ -189,6 +200,39 @@ def _reader(taps: TapSet, a: Address):
             torch.ops.harvest.tap_sum(x, r, buf, slot)
 
     return read
+
+
+def _routing_reader(taps: TapSet, li: int):
+    """read(weights, ids) of layer li's router choice: sorted by weight (largest first), each
+    packed bit for bit into the engine dtype (float32 weights, int32 ids: capture/packed.py) and
+    tapped like any other point. Plain values for dynamo (see _reader)."""
+    read_w = _reader(taps, Address("expert_weights", li))
+    read_i = _reader(taps, Address("expert_indices", li))
+    dtype = taps.buf.dtype if taps.buf is not None else torch.float32
+
+    def read(w: torch.Tensor, ids: torch.Tensor) -> None:
+        w_rows, i_rows = routing_rows(w, ids, dtype)
+        if read_w is not None:
+            read_w(w_rows)
+        if read_i is not None:
+            read_i(i_rows)
+
+    return read
+
+
+def routing_rows(w: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype):
+    """(weights, ids) `[n, k]` of a router's choice -> their rows in the engine dtype: sorted by
+    weight, largest first (routers hand them over in their own order: vLLM's CPU router
+    unsorted), float32 weights and int32 ids packed bit for bit (capture/packed.py)."""
+    w, order = torch.sort(w.float(), dim=-1, descending=True, stable=True)
+    return pack(w, dtype), pack(ids.gather(-1, order).to(torch.int32), dtype)
+
+
+def _wrap_routing(site, read) -> None:
+    """The router's hand-over (block_stream.RoutingSite) returns what it returned; its top-k weights
+    and ids are read on the way out: the choice the experts are computed with, not a
+    recomputation."""
+    setattr(site.obj, site.attr, _routed(getattr(site.obj, site.attr), site, read))
 
 
 def _wrap_sublayer(mod: nn.Module, a: Address, taps: TapSet) -> None:
@@ -292,9 +336,18 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
     check_supported(trunk, taps.reads)
     handles: list = []
     by_arg: dict[nn.Module, list] = {}  # attention kernel -> [(slot, site)] of q/k/v
+    routed: set[int] = set()
     for a in taps.reads:
         sem, slot = trunk.semantics[a.layer], taps.slot(a)
         if a.name in LOGIT_POINTS:   # no hook: computed after the forward (capture/scores.py)
+            continue
+        if a.name in ROUTING_POINTS:   # the router's hand-over, swapped (no module hook sees it)
+            if a.layer not in routed:
+                routed.add(a.layer)
+                site = trunk.routing[a.layer]
+                handles.append(ForwardSwap(site.obj, _routed(getattr(site.obj, site.attr), site,
+                                                             _hooked_routing(taps, a.layer)),
+                                           site.attr))
             continue
         if a.name == "final_norm":
             def hook(mod, args, out, slot=slot):
@@ -332,6 +385,31 @@ def install_hooks(trunk: Trunk, taps: TapSet) -> list:
     return handles
 
 
+def _hooked_routing(taps: TapSet, li: int):
+    slots = {n: taps.slot(Address(n, li)) for n in ROUTING_POINTS if Address(n, li) in taps.reads}
+    dtype = taps.buf.dtype
+
+    def read(w: torch.Tensor, ids: torch.Tensor) -> None:
+        w_rows, i_rows = routing_rows(w, ids, dtype)
+        if "expert_weights" in slots:
+            _copy_rows(taps.buf, slots["expert_weights"], w_rows)
+        if "expert_indices" in slots:
+            _copy_rows(taps.buf, slots["expert_indices"], i_rows)
+
+    return read
+
+
+def _routed(orig, site, read):
+    w_at, i_at = site.weights_at, site.ids_at   # plain ints for dynamo (see _reader)
+
+    def routed(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        read(out[w_at], out[i_at])
+        return out
+
+    return routed
+
+
 def _arg_reader(orig, reads, buf):
     """The hooked reading of q/k/v: vLLM's Transformers backend calls its attention kernel's
     `forward` directly, which runs no hooks, so the kernel's forward is wrapped instead (one
@@ -345,18 +423,18 @@ def _arg_reader(orig, reads, buf):
 
 
 class ForwardSwap:
-    """A module's forward replaced until `remove()` (a hook handle's protocol), which puts back
-    what the instance had."""
+    """A module's forward (or another method, `attr`) replaced until `remove()` (a hook
+    handle's protocol), which puts back what the instance had."""
 
-    def __init__(self, mod: nn.Module, forward):
-        self.mod, self.before = mod, mod.__dict__.get("forward")
-        mod.forward = forward
+    def __init__(self, mod, forward, attr: str = "forward"):
+        self.mod, self.attr, self.before = mod, attr, mod.__dict__.get(attr)
+        setattr(mod, attr, forward)
 
     def remove(self) -> None:
         if self.before is None:
-            del self.mod.forward
+            delattr(self.mod, self.attr)
         else:
-            self.mod.forward = self.before
+            setattr(self.mod, self.attr, self.before)
 
 
 def _copy_rows(buf: torch.Tensor, slot: int, t: torch.Tensor) -> None:

@@ -27,7 +27,6 @@ from ..capture import stepring
 from ..addresses import Address, FreezeSet, parse_addresses, resolve_freeze_points
 from ..capture.captured import CapturedRequest
 from ..checkpoint import ModelInfo, read_model_info, validate_tokens
-from ..points import LOGIT_POINTS
 from ..protocol import CaptureMode, DestinationProvider, StepStats
 from ..parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
                                      remove_dist_files, clear_rpc_dir, own_rpc_dir)
@@ -433,13 +432,10 @@ class VLLMModel:
         return max([self.width, *self.point_widths(reads)])
 
     def point_widths(self, pts) -> tuple[int, ...]:
-        """Each point's own width (engine/points.py): rows of `acts` are cut to it; logprob and
-        entropy occupy one float32's worth of the engine dtype (engine/capture/scores.py)."""
-        from ..capture.scores import slot_width
-
-        names = [Address.parse(a).name for a in pts]
-        return tuple(slot_width(self.dtype) if n in LOGIT_POINTS else self.info.point_width(n)
-                     for n in names)
+        """Each point's own width (engine/points.py): rows of `acts` are cut to it; points of
+        32-bit values (logprob, entropy, expert routing) occupy that many values' worth of the
+        engine dtype (engine/capture/packed.py)."""
+        return tuple(self.info.row_width(Address.parse(a).name, self.dtype) for a in pts)
 
     def _abort(self, engine, reqs: dict[str, _Req], capturing: bool) -> None:
         try:

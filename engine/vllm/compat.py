@@ -60,6 +60,19 @@ What the engine relies on, and why:
   final softcap, the vocab shards all-gathered, or gathered to TP rank 0 where the platform says
   so) turns them into logits; a request's prompt ids arrive once in
   `SchedulerOutput.scheduled_new_reqs` (`NewRequestData.req_id`, `.prompt_token_ids`).
+- expert_indices / expert_weights (engine/capture/taps.py `_wrap_routing`): a MoE layer's
+  `MoERunner` (vllm/model_executor/layers/fused_moe/runner/moe_runner.py; what
+  `FusedMoEFactory` builds, `mlp.experts` in Mixtral/Qwen-MoE/OLMoE) holds its router
+  (`self.router`, a `FusedMoERouter`: `CPURouter` on the CPU build, the fused top-k /
+  grouped / bias routers on CUDA) and, unless its quant method `is_monolithic`, calls
+  `self.router.select_experts(hidden_states=, router_logits=, ...)` in `_forward_impl`, which
+  returns `(topk_weights, topk_ids)`, the very tensors handed to the experts (logical ids:
+  taken before `_apply_eplb_mapping`, which only differs under EPLB). The tap wraps that
+  instance's `select_experts`. A monolithic kernel routes inside the kernel, and a
+  sequence-parallel MoE (`moe_config.is_sequence_parallel`, `dp_size`) routes a slice of the
+  step's tokens per rank: those layers serve no routing point (refused by name). vLLM's own `enable_return_routed_experts`
+  (`RoutedExpertsCapturer`, `aux_output_config`) returns ids only (no weights), per request
+  through the output processor, and is not used.
 - Settings read for reports: `compilation_config.mode/cudagraph_mode/cudagraph_capture_sizes`,
   `scheduler_config.async_scheduling`, `VLLM_USE_AOT_COMPILE`, `use_v2_model_runner`; and one
   refused for capture: `ParallelConfig.use_ubatching` (a step's forward in micro-batches).
@@ -532,6 +545,31 @@ def tp_spread(t):
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g)
     return (hi - lo).to(torch.float32)
+
+
+def moe_routers(layers) -> dict:
+    """{layer: block_stream.RoutingSite} of the decoder `layers` whose MoE runner routes through its
+    router's `select_experts` (weights at 0, ids at 1 of what it returns); a layer with no MoE
+    runner, or one whose quant method routes inside a monolithic kernel, is left out (its
+    routing points are refused by name)."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from ..capture.block_stream import RoutingSite
+
+    out = {}
+    for li, layer in enumerate(layers):
+        for m in layer.modules():
+            if isinstance(m, MoERunner) and isinstance(getattr(m, "router", None), FusedMoERouter):
+                cfg = getattr(m, "moe_config", None)
+                # sequence-parallel MoE (data/expert parallel) routes a slice of the step's
+                # tokens on each rank: not the step's rows; harvest captures under TP only
+                sliced = bool(getattr(cfg, "is_sequence_parallel", False)) or \
+                    int(getattr(cfg, "dp_size", 1) or 1) > 1
+                if not m.is_monolithic and not sliced:
+                    out[li] = RoutingSite(m.router, "select_experts", 0, 1)
+                break
+    return out
 
 
 def row_parallel_input(mod) -> dict | None:

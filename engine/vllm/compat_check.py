@@ -134,6 +134,16 @@ NEEDS: tuple[Need, ...] = (
     Need("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "_get_output_rank", "text",
          text="tensor_parallel_size"),
     Need("vllm/config/vllm.py", "VllmConfig", "max_concurrent_batches", "field"),
+    # expert_indices / expert_weights (compat.moe_routers): the router's choice, as the runner
+    # hands it to the experts
+    Need("vllm/model_executor/layers/fused_moe/runner/moe_runner.py", "MoERunner", "__init__",
+         "text", text="self.router = router"),
+    Need("vllm/model_executor/layers/fused_moe/runner/moe_runner.py", "MoERunner", "is_monolithic",
+         "attr"),
+    Need("vllm/model_executor/layers/fused_moe/runner/moe_runner.py", "MoERunner", None, "text",
+         text="topk_weights, topk_ids = self.router.select_experts("),
+    Need("vllm/model_executor/layers/fused_moe/router/fused_moe_router.py", "FusedMoERouter",
+         "select_experts", "method", ("hidden_states", "router_logits")),
     # sharded points (compat.row_parallel_input, compat.tp_gather_columns)
     Need("vllm/model_executor/layers/linear.py", "RowParallelLinear", None, "text",
          text="self.input_is_parallel = "),

@@ -24,6 +24,7 @@ engine's other vLLM internals live in engine/vllm/rowmap.py and engine/vllm/back
   `output`, a `torch.empty` buffer: the block then carries whatever that memory held (a NaN
   at layer 3 of a tiny FalconH1, refused as I2). The probe swaps it for the exact mixer of a
   one-token sequence from a zero state, as it does for attention.
+- the MoE layers' routers (`compat.moe_routers`, for expert_indices / expert_weights);
 - the runner's `vllm_config` (`additional_config` for the opt-in) and
   `model_config.get_vocab_size()`, and the model's `forward(input_ids, positions)` /
   `embed_input_ids(ids)`; width and device come from engine/vllm/compat.py (`runner_geometry`).
@@ -170,7 +171,8 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
                 h.remove()
     from .tpshards import sharded
 
-    kept = [(a, x) for a, x in zip(reads, replica_spread(buf, compat.tp_spread(buf), widths))
+    vals, vwidths = _values(buf, reads, widths)
+    kept = [(a, x) for a, x in zip(reads, replica_spread(vals, compat.tp_spread(vals), vwidths))
             if not sharded(a.name)]
     bad = [(str(a), x) for a, x in kept if not x <= REPLICA_TOL]
     trunk.report["tp_replicated"] = {str(a): x for a, x in kept}
@@ -182,6 +184,25 @@ def require_replicated(runner, model: torch.nn.Module, trunk: Trunk, reads, n_la
             f"tensor-parallel rank at the tap, so one rank holds only a shard: {shown}. Capture "
             "resid_post / resid_pre there (the stream is all-reduced), or load the model with "
             "tensor_parallel_size=1")
+
+
+def _values(buf: torch.Tensor, reads, widths):
+    """The probe's rows as float32 values to compare across ranks: a point of 32-bit values
+    (expert_indices, expert_weights: engine/capture/packed.py) is unpacked first, since its
+    bits read as the engine dtype are not numbers (half of a float32 can be a bfloat16 NaN)."""
+    from ..capture.packed import unpack
+    from ..points import PACKED
+
+    if not any(a.name in PACKED for a in reads):
+        return buf, widths
+    vals, out = buf.float().clone(), list(widths)
+    for i, a in enumerate(reads):
+        if a.name in PACKED:
+            v = unpack(buf[i, :, :widths[i]], PACKED[a.name]).float()
+            vals[i].fill_(float("nan"))
+            vals[i, :, :v.shape[1]] = v
+            out[i] = v.shape[1]
+    return vals, tuple(out)
 
 
 def replica_spread(buf: torch.Tensor, spread: torch.Tensor, widths) -> list[float]:
@@ -199,19 +220,17 @@ def replica_spread(buf: torch.Tensor, spread: torch.Tensor, widths) -> list[floa
 def read_widths(reads, geometry: dict, full: bool = False) -> tuple[int, ...]:
     """Each read's width on this rank (engine/points.py width kinds; a shard's under TP), or
     with `full` the whole row's (what the output rank holds once shards are assembled)."""
-    from ..points import BY_NAME
+    from ..points import BY_NAME, values_per_slot
 
     kinds = geometry["full_kinds" if full else "kinds"]
     out = []
     for a in reads:
         kind = BY_NAME[a.name].width if a.name in BY_NAME else "d_model"
         w = kinds.get(kind) if kind != "d_model" else geometry["width"]
-        if kind == "scalar":   # a float32 in the engine dtype's elements (capture/scores.py)
-            from ..capture.scores import slot_width
-            w = slot_width(geometry["dtype"])
         if not w:
             raise ValueError(f"{a}: this model's config gives no {kind} width")
-        out.append(int(w))
+        # 32-bit values (logprob, entropy, expert routing) in the engine dtype's elements
+        out.append(int(w) * values_per_slot(a.name, geometry["dtype"]))
     return tuple(out)
 
 
@@ -249,4 +268,5 @@ def probed_trunk(runner, model: torch.nn.Module, n_layers: int, cfg: dict) -> Tr
         trunk = probe.probe_trunk(layers, run, embed, width, allow_unverified=allow,
                                   widths=geometry["kinds"])
     trunk.report.update(seconds=round(time.perf_counter() - t0, 3), forward_seconds=forwards)
+    trunk.routing = compat.moe_routers(layers)   # expert_indices / expert_weights
     return trunk

@@ -34,7 +34,7 @@ from . import probe as vllm_probe
 from .scorestep import ScoreStep
 from .tpshards import ShardGather, plan as shard_plan
 from ..addresses import Address, FreezeSet
-from ..points import LOGIT_POINTS
+from ..points import LOGIT_POINTS, PACKED
 from ..protocol import CaptureMode
 from ..capture.stepring import RingSpec, RingWriter
 from ..capture.coverage import Coverage, CoverageError, check_fed, plan_step, require_no_stray
@@ -102,9 +102,11 @@ class HarvestState:
             raise RuntimeError("a capture is already running on this engine; finish or close it "
                                "first (one capture at a time per engine)")
         self.quantize = check_quantize(quantize) is not None
-        if self.quantize and any(a.name in LOGIT_POINTS for a in points):
-            raise ValueError(f"{', '.join(LOGIT_POINTS)} are float32 values, not activations: "
-                             "capture them without quantize")
+        packed = sorted({a.name for a in points if a.name in PACKED})
+        if self.quantize and packed:
+            raise ValueError(f"{', '.join(packed)} are float32/int32 values, not activations: "
+                             "fp8 would destroy them; capture them without quantize (an fp8 "
+                             "store: store.dtype bfloat16, or leave them out of capture.points)")
         self.error = None
         if self.mode == "hooked":
             self._set_hooked_points(points)

@@ -150,6 +150,7 @@ class Prepared:
     prompt_tokens: "int | None" = None  # chat input with capture.generate: tokenize.chat_prompt_tokens
     scores: tuple = ()   # logprob / entropy asked: store row columns, not points (split_scores)
     source: "ResolvedSource | None" = None   # data.source resolved once for a new store (None: a resume)
+    values: "dict | None" = None   # point -> "int32"/"float32": points of 32-bit values
 
     @property
     def max_width(self) -> int:
@@ -193,7 +194,10 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     model_path, info = model_facts(cfg.model)
     addresses, scores = split_scores(resolve_points(cfg.capture, info.n_layers, info))
     points = [str(a) for a in addresses if a.name not in scores]
-    widths = {str(a): info.point_width(a.name) for a in addresses if a.name not in scores}
+    # a point of 32-bit values (expert_indices/_weights) is its values' bits in the engine dtype
+    widths = {str(a): info.row_width(a.name, cfg.model.dtype) for a in addresses
+              if a.name not in scores}
+    values = point_values(cfg, addresses, scores)
     limit = context_limit(cfg.model, info)
     C = cfg.packing.context_size
     if C > limit:
@@ -262,7 +266,23 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     return Prepared(C, cfg.store_dtype(), cfg.content_key(), model_path, info.n_layers, info.width,
                     info.vocab_size, limit, points, bos, special, sources, layout, skip,
                     time.perf_counter() - t0, token_source, addresses, widths, prompt_tokens,
-                    scores, source)
+                    scores, source=source, values=values)
+
+
+def point_values(cfg, addresses, scores) -> dict:
+    """{point: "int32" | "float32"} of the stored points that hold 32-bit values (expert_indices,
+    expert_weights: FORMAT.md "Points of 32-bit values"); refused in an fp8 store by name."""
+    from ...engine.points import PACKED
+
+    values = {str(a): PACKED[a.name] for a in addresses if a.name in PACKED and a.name not in scores}
+    if values and cfg.store_dtype() == "float8_e4m3fn":
+        names = sorted({a.name for a in addresses if str(a) in values})
+        raise ConfigError(f"capture.points {names} with store.dtype float8_e4m3fn: they hold "
+                          "int32/float32 values (expert ids and weights), which fp8 would destroy; "
+                          "leave store.dtype unset (the model's dtype) or drop them from "
+                          "capture.points (capture router_logits and use "
+                          "harvest.store.read.routing instead)")
+    return values
 
 
 def split_scores(addresses) -> "tuple[tuple, tuple[str, ...]]":

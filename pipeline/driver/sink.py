@@ -100,6 +100,7 @@ class StoreSink:
         L = prep.layout
         store = create_store(
             self.location, points=prep.points, width=prep.width, widths=prep.widths,
+            values=prep.values,
             n_rows=L.capacity_rows,
             shard_rows=L.shard_rows, chunk_rows=L.chunk_rows, dtype=cfg.store_dtype(),
             compression=cfg.store.compression, attrs=attrs,

@@ -100,6 +100,12 @@ class StreamHooks:
                                "only once generated, after the ranks must be dealt them; capture "
                                "prompts, or write a store and read it")
         pts = stream_points(self.reader.points, prep.points)
+        packed = [p for p in pts if p in (prep.values or {})]
+        if packed:
+            raise HarvestError(f"points {packed} in a stream: they hold int32/float32 values "
+                               "(expert ids and weights), not activations for a trainer; name the "
+                               "points the trainers read (reader points=[...]) without them, or "
+                               "write a store (Store.read_values unpacks them)")
         widths = tuple(int((prep.widths or {}).get(p, prep.width)) for p in pts)
         filt = stream_filter(self.reader, cfg.data, prep)
         self.deal = Deal(filt, prep.context_size, self.world_size, self.guard,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Mapping
 
 from ..errors import NotAHarvestStore, UnknownLayoutVersion
 
@@ -21,7 +22,12 @@ LAYOUT_VERSION = 3
 # written only when some point is not `width` wide, so that a harvest which knows one width per
 # store refuses such a store instead of misreading it; a store of one width stays version 3.
 LAYOUT_VERSION_WIDTHS = 4
-SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4)
+# Version 5 = version 4 plus points of 32-bit values (`values` attribute, FORMAT.md "Points of
+# 32-bit values": expert_indices int32, expert_weights float32, their bits in the store's
+# elements): a reader that knows only 4 would read those bits as activations, so it refuses.
+LAYOUT_VERSION_VALUES = 5
+SUPPORTED_LAYOUT_VERSIONS = (2, 3, 4, 5)
+VALUE_TYPES = {"int32": "<i4", "float32": "<f4"}   # a `values` point's type -> its numpy dtype
 
 # Row metadata arrays: name -> dtype. Row i of these and of every point array is the same token.
 # `role` (int8, codes in store/format/roles.py) and `gen` (int8, FORMAT.md "Generation") were added
@@ -364,10 +370,19 @@ def point_widths(h: dict) -> dict[str, int]:
     return {p: int(given.get(p, h["width"])) for p in h["points"]}
 
 
-def layout_version(widths: dict[str, int], width: int) -> int:
-    """The layout a new store is written at: 4 when any point is not `width` wide, else 3."""
+def layout_version(widths: dict[str, int], width: int, values: "Mapping[str, str] | None" = None) -> int:
+    """The layout a new store is written at: 5 with any point of 32-bit values, else 4 when
+    any point is not `width` wide, else 3."""
+    if values:
+        return LAYOUT_VERSION_VALUES
     return LAYOUT_VERSION_WIDTHS if any(int(w) != int(width) for w in widths.values()) \
         else LAYOUT_VERSION
+
+
+def point_values(h: dict) -> dict[str, str]:
+    """point -> the type of its values ("int32", "float32") for the points of 32-bit values
+    (layout 5, FORMAT.md "Points of 32-bit values"); the other points hold activations."""
+    return dict(h.get("values") or {})
 
 
 def check_group(raw: "bytes | None", url: str, what: str) -> dict:
@@ -438,6 +453,10 @@ def check_geometry(h: dict, where: str) -> None:
     if not isinstance(widths, dict) or set(widths) - set(pts):
         raise bad("widths", "is not {point: width} over the store's points")
     top = max([width] + [intval(f"widths.{p}", w, 1, MAX_WIDTH) for p, w in widths.items()])
+    values = h.get("values") or {}
+    if not isinstance(values, dict) or set(values) - set(pts) \
+            or not set(values.values()) <= set(VALUE_TYPES):
+        raise bad("values", f"is not {{point: {' or '.join(VALUE_TYPES)}}} over the store's points")
     intval("n_rows", h.get("n_rows"), 0, CAPACITY_ROWS)
     shard_rows = intval("shard_rows", h.get("shard_rows"), 1, CAPACITY_ROWS)
     chunk_rows = intval("chunk_rows", h.get("chunk_rows"), 1, shard_rows)

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from . import compression as _compression
 from . import fp8 as _fp8
 from . import layout
-from .dtypes import canonical_name, resolve_dtype, row_width
+from .dtypes import canonical_name, is_quantized, resolve_dtype, row_width
 from ..keywordconfig import config_from
 
 
@@ -60,12 +60,18 @@ class StoreSpec:
     roles: a `role` column (chat input); generated: a `gen` column (capture.generate); samples:
         a `sample` column (capture.generate.n > 1; needs generated); logprob, entropy: float32
         columns of the model's next-token scores (capture.points logprob / entropy).
+    values: point -> "int32" or "float32" for points whose rows hold 32-bit values rather than
+        activations (expert_indices, expert_weights), their bits in the store's elements (two
+        per value in a bfloat16/float16 store; the point's width counts elements); refused in
+        an fp8 store, and a store with any is written at layout 5 (FORMAT.md "Points of 32-bit
+        values").
     """
 
     points: tuple[str, ...]
     width: int
     n_rows: int
     widths: "Mapping[str, int] | None" = None
+    values: "Mapping[str, str] | None" = None
     shard_rows: int | None = None
     chunk_rows: int | None = None
     dtype: str = "bfloat16"
@@ -105,6 +111,7 @@ class StoreSpec:
         set_(self, "widths", _widths(points, self.widths, self.width))
         np_dtype = resolve_dtype(self.dtype)
         set_(self, "dtype", canonical_name(self.dtype))
+        set_(self, "values", _values(points, self.values, self.widths, self.dtype, np_dtype))
         set_(self, "compression", _compression.normalize(_fp8.compression_for(self.compression, self.dtype)))
         if isinstance(self.stats_skip_positions, bool) or not isinstance(self.stats_skip_positions, numbers.Integral) \
                 or self.stats_skip_positions < 0:
@@ -167,6 +174,30 @@ def _widths(points: tuple[str, ...], given, width: int) -> dict[str, int]:
                          "widths of the store's points only")
     return {p: int(_positive(f"widths[{p!r}]", given.get(p, width), optional=False) or width)
             for p in points}
+
+
+def _values(points, given, widths: dict, dtype: str, np_dtype) -> dict[str, str]:
+    """The points of 32-bit values, checked: known points, a known type, a store whose
+    elements can hold the bits (not fp8), a width that is whole values."""
+    given = dict(given or {})
+    if not given:
+        return {}
+    unknown = [p for p in given if p not in points]
+    if unknown:
+        raise ValueError(f"values names {unknown}, which are not in points {list(points)}")
+    bad = {p: t for p, t in given.items() if t not in layout.VALUE_TYPES}
+    if bad:
+        raise ValueError(f"values {bad}: a point's values are one of {', '.join(layout.VALUE_TYPES)}")
+    if is_quantized(dtype) or np_dtype.itemsize > 4:
+        raise ValueError(f"values {sorted(given)} (int32/float32 values, e.g. expert_indices) in a "
+                         f"{dtype} store: fp8 would destroy them; use dtype bfloat16, float16 or "
+                         "float32 (the model's), or leave these points out")
+    per = 4 // np_dtype.itemsize
+    odd = [p for p in given if widths[p] % per]
+    if odd:
+        raise ValueError(f"values points {odd}: a width of whole 32-bit values is a multiple of "
+                         f"{per} {dtype} elements")
+    return {p: str(given[p]) for p in points if p in given}
 
 
 def _positive(name: str, v, optional: bool = True) -> int | None:

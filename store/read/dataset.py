@@ -99,13 +99,18 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
             self._url, self._so = store, storage_options
             st = open_store(store, storage_options=storage_options, read_only=True)
         points = cfg.points
-        if points is None:
-            points = st.points[0] if len(st.points) == 1 else list(st.points)
+        if points is None:   # every point of activations (not expert ids and weights)
+            acts = [p for p in st.points if p not in st.point_values]
+            points = acts[0] if len(acts) == 1 else acts
         self.stack = not isinstance(points, str)
         self.points = [points] if isinstance(points, str) else list(points)
         for p in self.points:
             if p not in st.points:
                 raise ValueError(f"points: {p!r} is not in the store; it holds {', '.join(st.points)}")
+            if p in st.point_values:
+                raise ValueError(f"points: {p!r} holds {st.point_values[p]} values (expert routing), "
+                                 "not activations to train on; read it with Store.read_values or "
+                                 "harvest.store.read.routing.stored_routing")
         self.batch_size, self.shuffle, self.seed = cfg.batch_size, cfg.shuffle, cfg.seed
         self.rank, self.world_size = rank_world(cfg.rank, cfg.world_size)
         self.endless, self.steps = bool(cfg.endless or cfg.steps is not None), cfg.steps

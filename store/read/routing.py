@@ -15,6 +15,12 @@ rule needs; the rule is the model's, read from its config:
 `expert_routing` returns `(indices [n, k] int64, weights [n, k] float32)`, experts ordered by
 weight. Checked against Hugging Face's own routers on the same logits, as sets per token and
 weights to 1e-6 (tests/reader/test_expert_routing.py).
+
+A store captured with `expert_indices.L` / `expert_weights.L` holds the routing itself, as the
+engine read it where vLLM hands the router's choice to its fused kernel (docs/engine.md's
+points; FORMAT.md "Points of 32-bit values"): `stored_routing` reads it back. Both ways are held
+to Hugging Face's router (tests/engine/test_points_routing.py for the engine's, the test above for
+this rule), so they agree.
 """
 
 from __future__ import annotations
@@ -78,4 +84,18 @@ def _sigmoid_grouped(x, config: dict, k: int, bias):
     return w * float(config.get("routed_scaling_factor") or 1.0), idx
 
 
-__all__ = ["expert_routing", "top_k"]
+def stored_routing(store, layer: int, start: int, stop: int):
+    """(indices int64 `[n, k]` or None, weights float32 `[n, k]` or None) of rows [start, stop)
+    at MoE layer `layer`, as the capture stored them (`expert_indices.L`, `expert_weights.L`,
+    experts ordered by weight); a ValueError naming the way out when the store has neither."""
+    ip, wp = f"expert_indices.{layer}", f"expert_weights.{layer}"
+    have = store.point_values
+    if ip not in have and wp not in have:
+        raise ValueError(f"the store holds neither {ip} nor {wp}: capture them, or route its "
+                         f"router_logits.{layer} with expert_routing(logits, model config)")
+    ids = torch.from_numpy(store.read_values(ip, start, stop).astype(np.int64)) if ip in have else None
+    w = torch.from_numpy(np.array(store.read_values(wp, start, stop), np.float32)) if wp in have else None
+    return ids, w
+
+
+__all__ = ["expert_routing", "stored_routing", "top_k"]

@@ -55,9 +55,10 @@ def create_store(url, points: Sequence[str] | None = None, width: int | None = N
     run_attrs = redact_attrs(_jsonable(attrs or {}, "create_store attrs"), loc.storage_options)
     harvest = {
         "layout": layout.LAYOUT_NAME,
-        "layout_version": layout.layout_version(dict(spec.widths or {}), spec.width),
+        "layout_version": layout.layout_version(dict(spec.widths or {}), spec.width, spec.values),
         "points": list(spec.points), "arrays": dict(zip(spec.points, paths)), "width": spec.width,
         "widths": dict(spec.widths or {}),
+        **({"values": dict(spec.values)} if spec.values else {}),
         "n_rows": spec.n_rows, "shard_rows": spec.shard_rows, "chunk_rows": spec.chunk_rows,
         "dtype": spec.dtype, "compression": spec.compression,
         "row_meta": row_meta,

@@ -345,18 +345,23 @@ class ShardUploads:
             stats_visit, partials = chunk_partials(sh.keep, sh.present, cr, n_chunks,
                                                    self._decode, self._decode is not None)
             crcs: list = [None] * n_chunks
+            # ids and weights, not activations: no statistics (FORMAT.md "Points of 32-bit
+            # values"); their bits read as the store's floats would be noise and NaNs
+            values = self._store.points[p] in self._store.point_values
 
             def visit(i: int, rows) -> None:
                 # the raw rows' CRC32C per inner chunk, while the statistics left it in cache
                 # (a pass of its own over the block cost 1.6x with google-crc32c: RESULTS.md)
-                stats_visit(i, rows)
+                if not values:
+                    stats_visit(i, rows)
                 crcs[i] = (_moments.crc32c(rows), rows.nbytes)
 
             chunks = codec.encode_block(x, (sh.start - si * sr) // cr, visit=visit)
             crc = 0
             for c, n in crcs:   # the block's CRC32C, chunk by chunk in row order
                 crc = crc32c_combine(crc, c, n)
-            mom_all, mom_kept = partials(self._widths[p])
+            mom_all, mom_kept = (_moments.Moments.empty(self._widths[p]),) * 2 if values \
+                else partials(self._widths[p])
             stream = self._stream(si, p)
             last = stream.append((sh.start - si * sr) // cr, chunks, crc, x.nbytes)
             del chunks

@@ -682,3 +682,33 @@ def test_plan_prices_a_stream_beside_the_store_at_the_8b_shape(tmp_path, capsys)
     assert main(["plan", "--config", str(tmp_path / "run.yaml"), *[x for v in sets for x in ("--set", v)]]) == 0
     text = capsys.readouterr().out
     assert "stream    no store: ~" in text and "to write" in text and "each epoch" in text
+
+
+def test_plan_prices_expert_routing_at_k_values_per_layer(tmp_path, capsys):
+    """capture.points expert_indices / expert_weights: k = num_experts_per_tok 32-bit values per
+    token and layer (4 bytes each: two bfloat16 elements), widths per point in elements; a dense
+    model and an fp8 store refuse them by name before anything runs."""
+    import json
+
+    from harvest.pipeline.cli.main import main
+
+    model = _model_dir(tmp_path, 2, 512, vocab=49152)
+    base = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                      "capture.points=[resid_post.1]")
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--set",
+                 "capture.points=[expert_indices.*]"]) == 2
+    assert "expert_indices needs a MoE model" in capsys.readouterr().err
+    cfg = json.loads((tmp_path / "llama-2x512" / "config.json").read_text())
+    (tmp_path / "llama-2x512" / "config.json").write_text(json.dumps(
+        {**cfg, "num_local_experts": 8, "num_experts_per_tok": 2, "model_type": "mixtral",
+         "architectures": ["MixtralForCausalLM"]}))
+    p = _plan_json(tmp_path, capsys, model, "packing.max_tokens=1000000000",
+                   "capture.points=[resid_post.1, expert_indices.*, expert_weights.1]")
+    assert p["widths"] == {"resid_post.1": 512, "expert_indices.0": 4, "expert_indices.1": 4,
+                           "expert_weights.1": 4}
+    assert p["bytes_per_token"] == base["bytes_per_token"] + 3 * 2 * 4 == 512 * 2 + 24
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--set",
+                 "capture.points=[resid_post.1, expert_weights.0]", "--set",
+                 "store.dtype=float8_e4m3fn"]) == 2
+    err = capsys.readouterr().err
+    assert "expert_weights" in err and "which fp8 would destroy" in err, err

@@ -38,7 +38,7 @@ def test_refuses_unknown_layout_version(tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["attributes"]["harvest"]["layout_version"] = 99
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(UnknownLayoutVersion, match="layout_version=99.*reads versions \\[2, 3, 4\\]"):
+    with pytest.raises(UnknownLayoutVersion, match="layout_version=99.*reads versions \\[2, 3, 4, 5\\]"):
         open_store(str(tmp_path / "s"))
 
 
