@@ -31,7 +31,7 @@ UNITS, IN_FLIGHT = 40, 2
 
 
 def _unit_rows(unit: UnitTask, context_size: int):
-    """Stands in for the Ray fetch of the tokenisers' chunks (pipeline.rows.unit_rows)."""
+    """Stands in for the Ray fetch of the tokenisers' chunks (harvest.pipeline.data.unit_rows)."""
     rs, re_ = unit.row_start, unit.row_end
     tok = tokens_of(rs, re_ - rs)
     return tok, np.arange(rs, re_) // 50, np.arange(rs, re_) % C, None  # no roles: text input
