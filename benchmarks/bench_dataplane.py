@@ -250,7 +250,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
     raw = _base_rows(base, s.dtype)
     fp8 = bool(s.quantized)
     _warm(raw, fp8)
-    s.write_plan(s.default_plan(shards_per_unit)[:units])
+    s.ledger.write_plan(s.ledger.default_plan(shards_per_unit)[:units])
     counts = _count_requests(s)
     publish_s = []
     real_publish = objects.publish
@@ -280,7 +280,7 @@ def _one(storage: str, url: str, so, units: int, shards_per_unit: int, base: np.
         out["part_bytes"] = s.location.part_min_bytes
     markers, write_s, peaks, rss, cpu_s, stage_s = [], [], [], [], [], []
     try:
-        for u in s.plan():
+        for u in s.ledger.plan():
             a0, b0 = u["row_start"], u["row_end"]
             before = dict(counts)
             with PeakRSS() as pk, StageCPU() as stages:

@@ -140,7 +140,7 @@ def write_store(url: str, dtype: str, acts: dict, ids: np.ndarray, special: list
     n, C = ids.shape
     s = create_store(url, points=points, width=acts[points[0]].shape[1], n_rows=n * C, dtype=dtype,
                      context_size=C, special_token_ids=special, bos_token_id=int(ids[0, 0]))
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     tok = ids.reshape(-1)
     doc = np.repeat(np.arange(n, dtype=np.int64), C)        # a context is a document here
     pos = np.tile(np.arange(C, dtype=np.int32), n)

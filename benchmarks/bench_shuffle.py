@@ -80,11 +80,11 @@ def build_store(path: str, n_rows: int, width: int = WIDTH, shard_rows: int = SH
                      shard_rows=min(shard_rows, n_rows),
                      attrs={"config": {"packing": {"context_size": CTX}}}, overwrite=True)
     tok, doc, pos = _meta(n_rows)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     rng = np.random.default_rng(1)
     import ml_dtypes
 
-    for u in s.plan():
+    for u in s.ledger.plan():
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
         w.write_meta(a, tok[a:b], doc[a:b], pos[a:b])

@@ -178,7 +178,7 @@ def _one(storage, url, raw_root, so, data, compression, shard_rows, shards_per_u
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=N,
                      shard_rows=shard_rows, compression=compression, storage_options=so)
     meta = (np.arange(N, dtype=np.int32) % 50000, np.arange(N) // 1024, np.arange(N) % 1024)
-    plan = s.write_plan(s.default_plan(shards_per_unit))
+    plan = s.ledger.write_plan(s.ledger.default_plan(shards_per_unit))
     raw = data.view(np.uint16)
     # raw baseline: the same bytes as the same objects (one per point per shard)
     objects = [raw[p, a:min(N, a + s.shard_rows)].tobytes() for a in range(0, N, s.shard_rows) for p in range(P)]

@@ -75,10 +75,10 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
              "skip_ctx": 0, "doc_base": n_units, "last_cursor": None, "last_chunk": -1, "done": True}
     seg = 256
     for i in range(0, n_units, seg):
-        s.plans.write_segment(i // seg, units[i:i + seg], {"chunks": {f"{u.unit_id}:0": chunks[f"{u.unit_id}:0"]
-                              for u in units[i:i + seg]}, "state": state}, final=i + seg >= n_units)
-    s.plans.compact(units[: n_units // seg * seg], [{"chunks": chunks, "state": state}],
-                    n_units // seg - 1, False)
+        s.ledger.plans.write_segment(i // seg, units[i:i + seg], {"chunks": {f"{u.unit_id}:0": chunks[f"{u.unit_id}:0"]
+                                     for u in units[i:i + seg]}, "state": state}, final=i + seg >= n_units)
+    s.ledger.plans.compact(units[: n_units // seg * seg], [{"chunks": chunks, "state": state}],
+                           n_units // seg - 1, False)
     fake = SimpleNamespace(layout_version=s.layout_version, points=s.points, row_bytes=s.row_bytes,
                            row_set_bytes=s.row_set_bytes)
     obj_bytes = int(shard_rows * width * 2 / 1.42)   # the default codec's ratio on bf16
@@ -113,7 +113,7 @@ def synthetic_bookkeeping(url: str, so: dict | None, n_units: int, points: int, 
         # stay unindexed, as a driver killed between two segments leaves them
         index.add(m)
         if index.count >= index_batch(indexed):
-            s.write_index(index)
+            s.ledger.write_index(index)
             indexed += index.count
             index = IndexBuilder()
         if len(pending) >= 512:
@@ -133,7 +133,7 @@ def table_child(spec: dict) -> dict:
     from ..store.commit.tables import unit_shards
 
     s = open_store(spec["url"], storage_options=spec.get("storage_options"), read_only=True)
-    m = next(iter(s.iter_committed()))
+    m = next(iter(s.ledger.iter_committed()))
     t0 = time.perf_counter()
     n = len(unit_shards(s, m))
     return {"shards": n, "seconds": round(time.perf_counter() - t0, 4)}
@@ -150,7 +150,7 @@ def read_open_child(spec: dict) -> dict:
     s = open_store(spec["url"], storage_options=spec.get("storage_options"), read_only=True)
     ds = ActivationDataset(s, batch_size=4096, shuffle=False)
     return {"committed": len(ds._sources._lites), "pieces": len(ds.pieces), "rows": ds.n_rows,
-            "tables_read": ds._store.table_cache.loads,
+            "tables_read": ds._store.ledger.table_cache.loads,
             "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 

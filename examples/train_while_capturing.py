@@ -53,7 +53,7 @@ def wait_first_commit(url: str, proc: "subprocess.Popen | None", log: Path) -> N
         if proc is not None and proc.poll() is not None:
             raise SystemExit(f"the capture ended (rc {proc.returncode}) before its first commit; see {log}")
         try:
-            if open_store(url, read_only=True).marker_names():
+            if open_store(url, read_only=True).ledger.marker_names():
                 return
         except StoreError:
             pass   # not created yet
@@ -110,7 +110,7 @@ def main():
     live = ActivationDataset(url, follow=True, split="train", seed=0, **base)
     norm = live.norm_constants
     base["norm_constants"] = norm
-    seen = {"start": len(st.marker_names())}
+    seen = {"start": len(st.ledger.marker_names())}
     timeline = []
 
     def progress(step: int) -> None:
@@ -127,7 +127,7 @@ def main():
     seconds = time.perf_counter() - t0
     test = ActivationDataset(url, split="test", seed=0, shuffle=False, **base)
     fvu_live = heldout_fvu(sae, test)
-    planned = len(open_store(url).plan_units())
+    planned = len(open_store(url).ledger.plan_units())
     out = {"point": point, "steps": len(losses), "rows": len(losses) * args.batch_size,
            "units": planned, "committed_at_start": seen["start"], "heldout_fvu_live": fvu_live,
            "seconds": round(seconds, 1), "timeline": timeline, "norm_source": norm.source}

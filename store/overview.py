@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def store_info(st) -> dict:
     """Shape, progress against the plan, stats and attrs of `st` (see Store.info)."""
-    names = st.marker_names()
-    plan = st.plan_units()
+    names = st.ledger.marker_names()
+    plan = st.ledger.plan_units()
     rows = sum(n[2] - n[1] for n in names)
     planned = sum(u.n_rows for u in plan)
     return {

@@ -102,9 +102,9 @@ def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, fact
     else:
         st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
                           storage_options=storage_options, **_spec_of(src, n, unit_rows, points))
-    if not st.plan():   # new, or a crash came between create_store and its plan
-        st.write_plan([{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
-                       for b, a in enumerate(range(0, n, unit_rows))])
+    if not st.ledger.plan():   # new, or a crash came between create_store and its plan
+        st.ledger.write_plan([{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
+                              for b, a in enumerate(range(0, n, unit_rows))])
     return st
 
 
@@ -188,7 +188,7 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
     L = _levels(K, group)
     out = {"rows": n, "units": K, "levels": L, "units_per_scan": group, "scans": 0,
            "scatter_s": 0.0, "gather_s": 0.0}
-    todo = [b for b in range(K) if not dst.is_committed(b)]
+    todo = [b for b in range(K) if not dst.ledger.is_committed(b)]
     if todo:
         t = time.perf_counter()
         # level l (1..L) has units of U * group^(L - l) rows: unit c of level l holds the rows
@@ -209,7 +209,7 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
         first = 1
         for level in range(L, 0, -1):
             st = level_store(level, create=False)
-            if st is not None and all(st.is_committed(c) for c in want[level]):
+            if st is not None and all(st.ledger.is_committed(c) for c in want[level]):
                 first = level + 1
                 break
         parent = src if first == 1 else level_store(first - 1)
@@ -219,7 +219,7 @@ def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str 
             st = level_store(level)
             by_parent: dict = {}
             for c in want[level]:
-                if not st.is_committed(c):
+                if not st.ledger.is_committed(c):
                     by_parent.setdefault(c * size // parent_rows, []).append(c)
             for q, children in sorted(by_parent.items()):
                 a = q * parent_rows

@@ -5,9 +5,10 @@ pre-sized and is the only process that ever writes a `zarr.json`; writers only p
 objects inside their own shard-aligned region, its row metadata, and then one create-once commit
 marker. Anything not covered by a commit marker that agrees with the plan is, by definition, not
 data. `Store` keeps the data and its attributes; the plan, markers, index, publishing, finalize,
-verify and the lease are `Store.ledger` (commit/ledger.py), whose methods the store's public
-face delegates to. Creation is in create.py; checked reads by row range in read/checked_rows.py,
-info() in overview.py, attribute JSON helpers in jsonattrs.py.
+verify and the lease are `Store.ledger` (commit/ledger.py), reached as `store.ledger.<name>`:
+of the ledger's methods the store delegates only the few user verbs its class docstring names
+(tests/house/test_store_face.py holds it to them). Creation is in create.py; checked reads by
+row range in read/checked_rows.py, info() in overview.py, attribute JSON helpers in jsonattrs.py.
 
 Imports run one way: this module imports the ledger and the operations its methods delegate to,
 and none of them imports it, not even for an annotation: they take the store as the view they
@@ -18,18 +19,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import zarr
 
-from .commit import markers as _commits
 from .format import fp8 as _fp8
 from . import overview as _info
 from .format import layout
 from .stats import moments as _moments
 from .commit import objects as _objects
-from .commit import published as _published
 from .read import checked_rows as _reads
 from .format import shardcodec as _codec
 from .stats import files as _statsfiles
@@ -39,8 +38,8 @@ from .write import writer as _writer
 from .storage.locate import Location, locate
 from .format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
-from .commit.plan import PlanStore, check_region
-from .commit.records import Marker, ShardRecord, StatsRef, Unit
+from .commit.plan import check_region
+from .commit.records import StatsRef, Unit
 
 if TYPE_CHECKING:
     from .write.buffers import BufferPool
@@ -49,7 +48,21 @@ log = logging.getLogger(__name__)
 
 
 class Store:
-    """An opened harvest activation store. Build with create_store / open_store."""
+    """An opened harvest activation store. Build with create_store / open_store.
+
+    Its face is its data and attributes (arrays, rows and their metadata, statistics, the
+    format facts, `region_writer`) plus three verbs the docs show users calling, each a
+    delegate to `ledger`:
+
+    - `verify(deep=, objects=)`: docs/store.md's check of a store (`harvest verify`);
+    - `finalize(summary)`: what a run, and `harvest finalize`, end with;
+    - `uncommit(unit)`: the repair store/FORMAT.md and the integrity errors name
+      ("store.uncommit(unit) and rerun").
+
+    All other bookkeeping (the plan, markers, the index, publishing and settling, the lease,
+    the object caches) is `store.ledger.<name>` only; tests/house/test_store_face.py declares
+    the face and fails on a public name outside it.
+    """
 
     def __init__(self, loc: Location, meta: dict, read_only: bool = False):
         self._loc = loc
@@ -252,10 +265,6 @@ class Store:
                 self._arrays[key] = None
         return self._arrays[key]
 
-    def committed_shard(self, shard: int) -> "tuple[Marker, ShardRecord]":
-        """(marker, its entry for `shard`) of the committed unit holding that shard."""
-        return self.ledger.committed_shard(shard)
-
     def read_shard(self, point: str, shard: int, out: np.ndarray | None = None) -> np.ndarray:
         """The committed rows of one shard of one point: one GET, the object checked against its
         marker's digest, a direct decode. A missing or damaged object is a DataIntegrityError.
@@ -263,7 +272,7 @@ class Store:
         `out`: optional destination rows (see ShardCodec.decode); the result is then `out`.
         """
         self.array(point)  # names the store's points when `point` is not one
-        m, sh = self.committed_shard(shard)
+        m, sh = self.ledger.committed_shard(shard)
         return _objects.read_point(self, m, sh, self.points.index(point), out=out)
 
     def read(self, point: str, start: int, stop: int) -> np.ndarray:
@@ -322,35 +331,6 @@ class Store:
         not made for generation is an error, as in read_gen."""
         return _reads.read_generation_column(self, "sample", start, stop, checked)
 
-    # ---- the ledger's, on the store's public face (ledger.py) -------------------------------
-    @property
-    def plans(self) -> PlanStore:
-        return self.ledger.plans
-
-    @property
-    def table_cache(self):
-        return self.ledger.table_cache
-
-    @property
-    def meta_chunk_cache(self) -> dict:
-        return self.ledger.meta_chunk_cache
-
-    def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
-        """Units of `shards_per_unit` consecutive shards covering every row."""
-        return self.ledger.default_plan(shards_per_unit)
-
-    def write_plan(self, units) -> list[dict]:
-        """Record a whole plan at once (tools and tests; the driver appends segments as it
-        learns the corpus). Returns the normalized plan."""
-        return self.ledger.write_plan(units)
-
-    def plan_units(self) -> list[Unit]:
-        return self.ledger.plan_units()
-
-    def plan(self) -> list[dict]:
-        """The plan's units as dicts of named fields (Unit.as_dict)."""
-        return [u.as_dict() for u in self.plan_units()]
-
     # ---- writers and commits ----------------------------------------------------------------
     def region_writer(self, unit_id: int, row_start: int, row_end: int, **kwargs):
         """A streaming writer for one shard-aligned region; see writer.RegionWriter for knobs.
@@ -363,46 +343,10 @@ class Store:
         check_region(row_start, row_end, self.shard_rows, self.n_rows, f"region_writer unit {unit_id}")
         return _writer.RegionWriter(self, int(unit_id), int(row_start), int(row_end), **kwargs)
 
-    def marker_names(self) -> list[_commits.MarkerName]:
-        return self.ledger.marker_names()
-
-    def remember_marker(self, m: Marker) -> None:
-        """Keep the marker a writer of this store just committed."""
-        self.ledger.remember_marker(m)
-
-    def commit_manifest(self, unit_id: int, row_start: int | None = None, row_end: int | None = None,
-                        fresh: bool = False) -> Marker | None:
-        """The marker of a unit (of that row range when given; else the one the listing shows)."""
-        return self.ledger.commit_manifest(unit_id, row_start, row_end, fresh)
-
-    def is_committed(self, unit_id: int, row_start: int | None = None, row_end: int | None = None) -> bool:
-        return self.commit_manifest(unit_id, row_start, row_end, fresh=True) is not None
-
-    def iter_committed(self, names: list | None = None, planned: bool = False) -> Iterator[Marker]:
-        """Markers of committed units that agree with the plan (Ledger.iter_committed)."""
-        return self.ledger.iter_committed(names, planned)
-
-    def committed_units(self) -> dict[int, Marker]:
-        """unit_id -> marker, for every unit whose marker exists now and agrees with the plan."""
-        return self.ledger.committed_units()
-
     def uncommit(self, unit_id: int) -> None:
-        """Driver repair only: drop a unit's marker so it can be rewritten (Ledger.uncommit)."""
+        """Driver repair only: drop a unit's marker so it can be rewritten (Ledger.uncommit).
+        The repair FORMAT.md and the integrity errors name: `store.uncommit(unit)` and rerun."""
         self.ledger.uncommit(unit_id)
-
-    def write_index(self, markers) -> int:
-        """Append markers to the compacted commit index (the driver, as units commit)."""
-        return self.ledger.write_index(markers)
-
-    def settle(self, repair: bool = False) -> _published.SettleReport:
-        """Publish committed units that have no publish record yet (complete their pending
-        uploads, check every object's size) and record them; report the rest as gone or
-        damaged, uncommitting them when `repair` (published.settle)."""
-        return self.ledger.settle(repair=repair)
-
-    def unpublished_units(self) -> list[int]:
-        """Committed units without a publish record (two listings; published.unpublished)."""
-        return self.ledger.unpublished_units()
 
     # ---- statistics --------------------------------------------------------------------------
     def merge_stats(self, refs: "list[tuple[int, StatsRef | None]]", batch: int = 256) -> _moments.StreamingMerge:

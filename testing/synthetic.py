@@ -41,7 +41,7 @@ def fill(store, data: np.ndarray, *, units=None, order: str = "forward", chunk: 
     cols = [np.zeros(n, np.int32) if token_id is None else np.asarray(token_id),
             np.zeros(n, np.int64) if doc_id is None else np.asarray(doc_id),
             np.zeros(n, np.int32) if position is None else np.asarray(position)]
-    units = units if units is not None else store.plan()
+    units = units if units is not None else store.ledger.plan()
     rng = np.random.default_rng(seed)
     out = []
     for u in units:

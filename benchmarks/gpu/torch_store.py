@@ -53,7 +53,7 @@ def _write_store(url: str, P: int, W: int, rows: int, piece: int, threads: int, 
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=rows,
                      context_size=1024)
     block = activations((P, piece, W), seed=seed)           # reused: generation is not the cost
-    plan = s.write_plan(s.default_plan(1))
+    plan = s.ledger.write_plan(s.ledger.default_plan(1))
     c0, t0 = _cpu_s(), time.perf_counter()
     for u in plan:
         a, b = u["row_start"], u["row_end"]

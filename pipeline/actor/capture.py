@@ -223,7 +223,7 @@ class HarvestActor:
                 writer.abort()
             except Exception:
                 pass
-            if _is_conflict(e) and store.is_committed(uid, rs, re_):
+            if _is_conflict(e) and store.ledger.is_committed(uid, rs, re_):
                 # another attempt of this unit committed first: its rows are the same rows
                 return result("already_committed")
             raise

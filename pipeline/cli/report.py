@@ -135,7 +135,7 @@ def collect(store, tokenizer_path: str | None = None, sample_shards: int = SAMPL
     (rms_norm, var_max, ...), all rows under `*_all`."""
     from .report_figures import dimensions, run_figures, sample_rows
 
-    markers = store.committed_units()
+    markers = store.ledger.committed_units()
     kept, subset = _kept_stats(store)
     every = store.stats(subset="all")
     points = list(store.points)

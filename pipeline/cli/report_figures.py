@@ -124,7 +124,7 @@ def run_figures(store) -> dict:
     rows_read = 0
     try:
         chunks: dict = {}
-        for pl in store.plans.read(payloads=True).payloads:
+        for pl in store.ledger.plans.read(payloads=True).payloads:
             chunks.update(pl.get("chunks") or {})
         st = sum_stats(chunks.values())
         skipped, rows_read = st.get("skipped_reasons") or {}, st.get("rows_read", 0)

@@ -64,17 +64,17 @@ def status(url: str, storage_options: dict | None = None,
         return {"url": redact_url(url), "missing_store": True,
                 "driver": driver_state(locate(url, storage_options))}
     store = open_store(url, storage_options=storage_options, read_only=True)
-    plan = store.plans.read()
+    plan = store.ledger.plans.read()
     units = plan.units
     rows_of = plan.rows()
-    names = store.marker_names()
+    names = store.ledger.marker_names()
     done = [n for n in names if rows_of.get(n.unit_id) == n.rows] if units else names
     planned_rows = sum(u.n_rows for u in units)
     done_rows = sum(n[2] - n[1] for n in done)
     per_actor: dict = {}
     first = last = None
     first_rows = 0
-    for m in store.iter_committed(done, planned=bool(units)):
+    for m in store.ledger.iter_committed(done, planned=bool(units)):
         extra = m.extra
         key = f"{extra.get('host', m.host)}/actor{extra.get('actor', '?')}"
         d = per_actor.setdefault(key, {"units": 0, "tokens": 0, "seconds": 0.0, "pids": set()})

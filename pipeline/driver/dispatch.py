@@ -45,7 +45,7 @@ class CommitIndex:
 
     def flush(self, force: bool = False) -> None:
         if self.builder.count and (force or self.builder.count >= index_batch(self.indexed)):
-            self.store.write_index(self.builder)
+            self.store.ledger.write_index(self.builder)
             self.indexed += self.builder.count
             self.builder = IndexBuilder()
 

@@ -73,7 +73,7 @@ class PlanWriter:
         final = any(e.final for e in batch)
         if self.lease is not None:
             self.lease.assert_held(f"writing plan segment {self.seq}")
-        if not self.store.plans.write_segment(self.seq, units, payload, final=final):
+        if not self.store.ledger.plans.write_segment(self.seq, units, payload, final=final):
             raise HarvestError(
                 f"plan segment {self.seq} of {self.store.url} already exists: another driver is "
                 "writing this store; stop one of them (the store stays consistent)")
@@ -83,8 +83,8 @@ class PlanWriter:
         self.chunks.update(chunks)
         self.frontier_state = payload["state"]
         if self.seq - 1 - self.compacted_upto >= max(32, len(self.units) // 10) or final:
-            self.store.plans.compact(self.units, [{"chunks": self.chunks,
-                                                   "state": self.frontier_state}],
+            self.store.ledger.plans.compact(self.units, [{"chunks": self.chunks,
+                                                          "state": self.frontier_state}],
                                      self.seq - 1, final or self.resumed_final)
             self.compacted_upto = self.seq - 1
         return units

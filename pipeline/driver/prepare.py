@@ -230,7 +230,7 @@ def prepare(cfg: HarvestConfig, existing=None) -> Prepared:
     stored_layout = None
     token_source = None
     if existing is not None:
-        stored_sources = existing.plans.read_sources()
+        stored_sources = existing.ledger.plans.read_sources()
         if stored_sources is not None:
             stored_layout = (existing.shard_rows, existing.chunk_rows, int(stored_sources["unit_rows"]))
     from ...store import row_width

@@ -145,7 +145,7 @@ def fresh_state(prep, max_contexts: int | None) -> ResumeState:
 
 def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
     """What is committed, what is left, and which chunks must be tokenised again."""
-    plan = store.plans.read(payloads=True)
+    plan = store.ledger.plans.read(payloads=True)
     if not plan.units and not plan.final:
         st = fresh_state(prep, max_contexts)
         st.next_seq = plan.next_seq
@@ -156,7 +156,7 @@ def resume_state(store, prep, max_contexts: int | None) -> ResumeState:
         chunks.update(p.get("chunks") or {})
         state = p.get("state") or state
     rows = plan.rows()
-    committed = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
+    committed = {n.unit_id for n in store.ledger.marker_names() if rows.get(n.unit_id) == n.rows}
     todo = [u for u in plan.units if u.unit_id not in committed]
     n_blocks = len(prep.sources["blocks"])
     f = Frontier.resume(prep.context_size, prep.layout.unit_contexts, n_blocks,

@@ -120,7 +120,7 @@ def _run(cfg: HarvestConfig, on_event, engine_factory, sink: StoreSink, t_start:
     try:
         chunk_contexts = max(1, cfg.packing.chunk_tokens // C)
         if existing is not None:
-            chunk_contexts = int((existing.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
+            chunk_contexts = int((existing.ledger.plans.read_sources() or {}).get("chunk_contexts", chunk_contexts))
         pool = TokenPool.start(cfg.data, cfg.packing, cfg.ray, prep, list(state.jobs),
                                state.fresh_from, chunk_contexts, max_contexts, env_for_workers())
         section = None if stream is None else stream.actor_section(prep)
@@ -344,7 +344,7 @@ def _streamed_summary(name: str, prep: Prepared, report: DispatchReport, t_start
 
 def _plan_stats(store) -> dict:
     chunks: dict = {}
-    for p in store.plans.read(payloads=True).payloads:
+    for p in store.ledger.plans.read(payloads=True).payloads:
         chunks.update(p.get("chunks") or {})
     return sum_stats(chunks.values())
 

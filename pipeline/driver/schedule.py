@@ -143,9 +143,9 @@ def store_state(cfg: HarvestConfig) -> StoreState:
         live = cur if cur is not None and cur.live(cfg.store.lease_seconds) else None
         return StoreState(False, lease=live, shown_url=shown, location=loc)
     check_resume(store, cfg)  # a schedule pointed at another run's store stops here, named
-    plan = store.plans.read()
+    plan = store.ledger.plans.read()
     rows = plan.rows()
-    done = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
+    done = {n.unit_id for n in store.ledger.marker_names() if rows.get(n.unit_id) == n.rows}
     committed = sum(e - s for uid, (s, e) in rows.items() if uid in done)
     cur = current(loc)
     live = cur if cur is not None and cur.live(cfg.store.lease_seconds) else None

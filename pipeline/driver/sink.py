@@ -113,8 +113,8 @@ class StoreSink:
             samples=cfg.capture.generate is not None and cfg.capture.generate.n > 1,
             meta_chunk_rows=L.unit_rows)
         self.store = store
-        store.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
-                                   "chunk_contexts": chunk_contexts})
+        store.ledger.plans.write_sources({**prep.sources, "unit_rows": L.unit_rows,
+                                          "chunk_contexts": chunk_contexts})
         store.location.budget_s = cfg.store.retry_budget_s  # re-opened by create_store
         log.info("created store %s: shards of %d rows, chunks of %d, units of %d rows, %d blocks",
                  store.url, store.shard_rows, store.chunk_rows, L.unit_rows,
@@ -124,10 +124,10 @@ class StoreSink:
     def reopen(self, prep: Prepared, chunk_contexts: int):
         """The existing store, its sources recorded if its creator died before doing so."""
         store = self.store = self.existing
-        if store.plans.read_sources() is None:
+        if store.ledger.plans.read_sources() is None:
             self.lease.assert_held("recording the store's sources")
-            store.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
-                                       "chunk_contexts": chunk_contexts})
+            store.ledger.plans.write_sources({**prep.sources, "unit_rows": prep.layout.unit_rows,
+                                              "chunk_contexts": chunk_contexts})
         return store
 
     def on_resume(self, store, capacity_rows: int) -> None:
@@ -193,10 +193,10 @@ class StoreSink:
 
 
 def settle(store, shown_url: str, repair: bool) -> SettleReport:
-    """store.settle, its findings logged (store/commit/published.py)."""
+    """store.ledger.settle, its findings logged (store/commit/published.py)."""
     from ...store import settle_text
 
-    report = store.settle(repair=repair)
+    report = store.ledger.settle(repair=repair)
     if report.published:
         log.info("published %d committed units their writers had not: %s",
                  len(report.published), report.published[:20])

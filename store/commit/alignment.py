@@ -77,8 +77,8 @@ def check_aligned(stores, names=None, markers=None) -> AlignmentReport:
                     "the paired reader reads every store in one order of shards: capture them "
                     "with the same store.shard_mb (or shard_rows)")
                 raise _fail(names, i, f"{fld} is {a} in the first and {b} in the second", fix)
-        _same_plan(names, i, ref.plan_units(), s.plan_units())
-    units = markers or [s.committed_units() for s in stores]
+        _same_plan(names, i, ref.ledger.plan_units(), s.ledger.plan_units())
+    units = markers or [s.ledger.committed_units() for s in stores]
     first = units[0]
     for i, got in enumerate(units[1:], 1):
         for uid in sorted(set(first) ^ set(got)):

@@ -32,12 +32,12 @@ if TYPE_CHECKING:
 def plan_gap(store: StoreView) -> "str | None":
     """Why the store's plan is not fully committed (None when it is, or when it has no plan):
     finalize shrinks every array to the committed rows, which a resume could not write past."""
-    plan = store.plans.read()
+    plan = store.ledger.plans.read()
     units = plan.units
     if not units and not plan.final:
         return None   # no plan recorded (tools, tests): every marker counts, as verify says
     rows = {u.unit_id: (u.row_start, u.row_end) for u in units}
-    done = {n.unit_id for n in store.marker_names() if rows.get(n.unit_id) == n.rows}
+    done = {n.unit_id for n in store.ledger.marker_names() if rows.get(n.unit_id) == n.rows}
     missing = sorted(set(rows) - done)
     if not missing and plan.final:
         return None
@@ -79,7 +79,7 @@ def finalize(store: StoreView, summary: dict | None = None) -> dict:
     # uploads never completed ({} where objects are moved): after settle published every
     # committed unit, those left are a losing attempt's (aborted below) or an unfinished writer's
     pending = loc.pending_uploads("")
-    for m in store.iter_committed():
+    for m in store.ledger.iter_committed():
         owner.add(m)
         meta_owner.add(m)
         refs.append((m.unit_id, m.stats))

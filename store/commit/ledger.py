@@ -57,6 +57,10 @@ class Ledger:
     def plan_units(self) -> list[Unit]:
         return self.plans.read().units
 
+    def plan(self) -> list[dict]:
+        """The plan's units as dicts of named fields (Unit.as_dict)."""
+        return [u.as_dict() for u in self.plan_units()]
+
     def default_plan(self, shards_per_unit: int = 1) -> list[dict]:
         """Units of `shards_per_unit` consecutive shards covering every row."""
         if shards_per_unit < 1:
@@ -117,6 +121,10 @@ class Ledger:
         if m is not None:
             self._cache_marker(name, m)
         return m
+
+    def is_committed(self, unit_id: int, row_start: "int | None" = None,
+                     row_end: "int | None" = None) -> bool:
+        return self.commit_manifest(unit_id, row_start, row_end, fresh=True) is not None
 
     def iter_committed(self, names: "list | None" = None, planned: bool = False) -> Iterator[Marker]:
         """Markers of committed units that agree with the plan (all markers if there is no plan),

@@ -30,7 +30,7 @@ from .records import Marker, ShardRecord
 from .tables import shard_record, unit_shards
 
 if TYPE_CHECKING:
-    from .view import StoreData
+    from .view import StoreView
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _read_first(loc, keys: list[str], want_crc: int | None, want_size: int | Non
     return None, tried, damaged
 
 
-def read_point(store: StoreData, marker: Marker, sh: ShardRecord | int, p: int,
+def read_point(store: StoreView, marker: Marker, sh: ShardRecord | int, p: int,
                out: np.ndarray | None = None, rows: int | None = None) -> np.ndarray:
     """Rows [sh.row_start, sh.row_end) of point index `p`, checked; into `out` when given.
     `sh`: the shard's record, or its index (the record then comes from the unit's table)."""
@@ -175,13 +175,13 @@ def read_point(store: StoreData, marker: Marker, sh: ShardRecord | int, p: int,
     return x
 
 
-def _meta_cache(store: StoreData) -> dict:
+def _meta_cache(store: StoreView) -> dict:
     """Decoded unit metadata chunks recently read through this store (keyed by key, digest and
     size: a rewrite after uncommit never hits an old entry); readers ask per shard."""
-    return store.meta_chunk_cache
+    return store.ledger.meta_chunk_cache
 
 
-def read_meta(store: StoreData, marker: Marker, sh: ShardRecord | int, name: str) -> np.ndarray:
+def read_meta(store: StoreView, marker: Marker, sh: ShardRecord | int, name: str) -> np.ndarray:
     """Column `name` of rows [sh.row_start, sh.row_end), checked against the marker (`sh`: the
     shard's record or its index, as in read_point)."""
     if not isinstance(sh, ShardRecord):
@@ -286,7 +286,7 @@ def writes_per_object(object_bytes: int, part_min_bytes: int, block_bytes: int) 
     return 2 + max(1, -(-int(object_bytes) // part))
 
 
-def publish(store: StoreData, marker: Marker, threads: int = 16, etags: "dict | None" = None) -> int:
+def publish(store: StoreView, marker: Marker, threads: int = 16, etags: "dict | None" = None) -> int:
     """Publish a committed unit's objects; returns how many it published (0 when it was
     published already). Uploads (S3 multipart to the zarr key) are completed, concurrently;
     objects under the attempt's name are moved (a rename locally). Only the writer that created
@@ -340,7 +340,7 @@ def complete_uploads(loc, uploads: list, threads: int = 16, etags: "dict | None"
         return sum(ex.map(one, uploads))
 
 
-def settle_uploads(store: StoreData, pending: dict, marker: Marker) -> None:
+def settle_uploads(store: StoreView, pending: dict, marker: Marker) -> None:
     """Finalize's part for one committed marker: complete its uploads still `pending` ({upload
     id: key}, from one listing; entries it settles are removed)."""
     todo = []
@@ -355,7 +355,7 @@ def settle_uploads(store: StoreData, pending: dict, marker: Marker) -> None:
     complete_uploads(store.location, todo)
 
 
-def abort_losing_uploads(store: StoreData, pending: dict, owner: ShardSet, meta_owner: ShardSet) -> None:
+def abort_losing_uploads(store: StoreView, pending: dict, owner: ShardSet, meta_owner: ShardSet) -> None:
     """Uploads left `pending` after every committed marker settled its own: those of a
     committed shard (`owner`) or metadata chunk (`meta_owner`) are a losing (or failed)
     attempt's and are aborted; the others stay (a writer may still be at work on them)."""

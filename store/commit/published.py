@@ -217,8 +217,8 @@ def settle(store: StoreView, repair: bool = False) -> SettleReport:
     repair: no writer of them may be running) so that the resume re-captures them."""
     loc = store.location
     records = published_units(loc)
-    plan = {u.unit_id: (u.row_start, u.row_end) for u in store.plan_units()}
-    names = [n for n in store.marker_names()
+    plan = {u.unit_id: (u.row_start, u.row_end) for u in store.ledger.plan_units()}
+    names = [n for n in store.ledger.marker_names()
              if (not plan or plan.get(n.unit_id) == n.rows) and n.unit_id not in records]
     published: list[int] = []
     failed: dict[str, dict[int, str]] = {"gone": {}, "damaged": {}}
@@ -227,7 +227,7 @@ def settle(store: StoreView, repair: bool = False) -> SettleReport:
     if not names:
         return SettleReport()
     pending = loc.pending_uploads("")
-    for m in store.iter_committed(names, planned=True):
+    for m in store.ledger.iter_committed(names, planned=True):
         checked += 1
         state, why = check_unit(store, m, pending)
         if state == "published":
@@ -242,7 +242,7 @@ def settle(store: StoreView, repair: bool = False) -> SettleReport:
             state = "gone" if uid in failed["gone"] else "damaged"
             log.warning("unit %d is committed but its data is %s (%s): uncommitted, the resume "
                         "re-captures it", uid, state, failed[state][uid])
-            store.uncommit(uid)
+            store.ledger.uncommit(uid)
         uncommitted += bad
     return SettleReport(checked, published, failed["gone"], failed["damaged"], uncommitted)
 
@@ -252,8 +252,8 @@ def unpublished(store: StoreView, names=None) -> list[int]:
     listing of the markers and one of the records, no marker read."""
     records = published_units(store.location)
     if names is None:
-        plan = {u.unit_id: (u.row_start, u.row_end) for u in store.plan_units()}
-        names = [n for n in store.marker_names() if not plan or plan.get(n.unit_id) == n.rows]
+        plan = {u.unit_id: (u.row_start, u.row_end) for u in store.ledger.plan_units()}
+        names = [n for n in store.ledger.marker_names() if not plan or plan.get(n.unit_id) == n.rows]
     return sorted({n.unit_id for n in names} - set(records))
 
 

@@ -108,7 +108,7 @@ class Unit(_Rows):
         return cls(uid, rs, re_, tuple(pieces))
 
     def as_dict(self) -> dict:
-        """The unit as the public `Store.plan()` lists it (named fields)."""
+        """The unit as `Store.ledger.plan()` lists it (named fields)."""
         d: dict = {"unit_id": self.unit_id, "row_start": self.row_start, "row_end": self.row_end}
         if self.pieces:
             d["pieces"] = [list(p) for p in self.pieces]

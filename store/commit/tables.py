@@ -101,7 +101,7 @@ class TableCache:
 
 
 def _cache(store) -> TableCache:
-    return store.table_cache
+    return store.ledger.table_cache
 
 
 def load(store, m: Marker) -> list[ShardRecord]:

@@ -93,7 +93,7 @@ def verify(store: StoreView, deep: bool = False, objects: bool = False) -> Verif
     errors: list[str] = []
     checked: dict = {"markers": 0, "tables": 0, "objects": 0, "shards": 0, "meta_chunks": 0, "sidecars": 0,
                      "bytes_read": 0}
-    plan_units = _guard(errors, "the plan cannot be read", store.plan_units, []) or []
+    plan_units = _guard(errors, "the plan cannot be read", store.ledger.plan_units, []) or []
     plan = {u.unit_id: u for u in plan_units}
     if not plan and not errors:
         errors.append("no plan recorded (write_plan was never called)")
@@ -101,7 +101,7 @@ def verify(store: StoreView, deep: bool = False, objects: bool = False) -> Verif
         check_units(plan_units, store.shard_rows, store.n_rows)
     except Exception as e:  # noqa: BLE001
         errors.append(f"plan against the store's n_rows={store.n_rows}: {e}")
-    names = _guard(errors, "the commit markers cannot be listed", store.marker_names, []) or []
+    names = _guard(errors, "the commit markers cannot be listed", store.ledger.marker_names, []) or []
     matching = []
     seen_ids: dict[int, int] = {}
     for n in names:
@@ -138,7 +138,7 @@ def verify(store: StoreView, deep: bool = False, objects: bool = False) -> Verif
     n_unpublished = 0
     stored = 0
     markers = _guard(errors, "the commit markers cannot be read",
-                     lambda: store.iter_committed(matching, planned=True), iter(()))
+                     lambda: store.ledger.iter_committed(matching, planned=True), iter(()))
     got_ids = set()
     while True:
         m = _guard(errors, "a commit marker cannot be read", lambda: next(markers, None))

@@ -1,5 +1,5 @@
 """What the ledger's functions need of a store, declared: its data (`StoreData`) and its
-bookkeeping (`Bookkeeping`, the ledger's own face).
+bookkeeping (`Bookkeeping`, the part of the ledger's face they use), reached as `store.ledger`.
 
 Finalize, verify, publish and the dataset card are given an object that has these, never the
 `Store` class by name: nothing in store/commit/ (nor card.py) imports store.py, not even for an
@@ -98,14 +98,6 @@ class StoreData(Protocol):
     @property
     def zarr_store(self) -> object: ...
 
-    # the ledger's caches that readers of committed objects share (tables.py, objects.py)
-    @property
-    def table_cache(self) -> TableCache: ...
-
-    @property
-    def meta_chunk_cache(self) -> dict: ...
-
-
     def point_row_width(self, point: str) -> int: ...
 
     def array(self, point: str) -> zarr.Array: ...
@@ -130,10 +122,17 @@ class StoreData(Protocol):
 
 
 class Bookkeeping(Protocol):
-    """The plan and the markers, as the ledger keeps them."""
+    """The plan, the markers and the object caches, as the ledger keeps them."""
 
     @property
     def plans(self) -> PlanStore: ...
+
+    # the caches that readers of committed objects share (tables.py, objects.py)
+    @property
+    def table_cache(self) -> TableCache: ...
+
+    @property
+    def meta_chunk_cache(self) -> dict: ...
 
     def plan_units(self) -> list[Unit]: ...
 
@@ -144,8 +143,12 @@ class Bookkeeping(Protocol):
     def uncommit(self, unit_id: int) -> None: ...
 
 
-class StoreView(StoreData, Bookkeeping, Protocol):
-    """A store as finalize, verify and publish use it: its data and its bookkeeping."""
+class StoreView(StoreData, Protocol):
+    """A store as finalize, verify and publish use it: its data, and its bookkeeping as
+    `store.ledger`."""
+
+    @property
+    def ledger(self) -> Bookkeeping: ...
 
 
 __all__ = ["StoreData", "Bookkeeping", "StoreView"]

@@ -34,7 +34,7 @@ def read_rows(st, point: str, start: int, stop: int) -> np.ndarray:
     """Rows [start, stop) of one point, committed rows only, each shard checked."""
     parts = []
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):
-        m, sh = st.committed_shard(s)
+        m, sh = st.ledger.committed_shard(s)
         a, b = max(start, sh.row_start), min(stop, sh.row_end)
         if b > a:
             parts.append(st.read_shard(point, s)[a - sh.row_start:b - sh.row_start])
@@ -51,7 +51,7 @@ def read_meta_checked(st, name: str, start: int, stop: int) -> np.ndarray:
     """One row-metadata column of committed rows [start, stop), each chunk checked."""
     parts = []
     for s in range(start // st.shard_rows, -(-stop // st.shard_rows)):
-        m, sh = st.committed_shard(s)
+        m, sh = st.ledger.committed_shard(s)
         a, b = max(start, sh.row_start), min(stop, sh.row_end)
         parts.append(read_meta(st, m, sh, name)[a - sh.row_start:b - sh.row_start])
     return np.concatenate(parts) if parts else np.empty(0, layout.ROW_META[name])

@@ -117,15 +117,15 @@ class UnitLine:
 
     def poll(self) -> RunState:
         state = run_state(self.st)    # first: a finalize seen here covers the listing below
-        p = self.st.plans.read()
+        p = self.st.ledger.plans.read()
         self.plan = {u.unit_id: (u.row_start, u.row_end) for u in p.units}
         self.plan_final = bool(p.final)
         self.own = sorted(u for u in self.plan if u % self.G == self.g)
-        new = [n for n in self.st.marker_names()
+        new = [n for n in self.st.ledger.marker_names()
                if n.unit_id not in self.seen and self.plan.get(n.unit_id) == n.rows]
         self.seen.update(n.unit_id for n in new)
         mine = [n for n in new if n.unit_id % self.G == self.g]
-        for m in self.st.iter_committed(mine, planned=True):
+        for m in self.st.ledger.iter_committed(mine, planned=True):
             self.markers[m.unit_id] = m.lite()
         state.planned, state.plan_final, state.committed = len(self.plan), self.plan_final, len(self.seen)
         self.state = state
@@ -213,9 +213,9 @@ class FollowMode:
 
     def _pad_target(self, line: UnitLine) -> int:
         """Rows this worker repeats at the end so that every worker yields the most any does."""
-        names = [n for n in self._open().marker_names() if line.plan.get(n.unit_id) == n.rows]
+        names = [n for n in self._open().ledger.marker_names() if line.plan.get(n.unit_id) == n.rows]
         per = np.zeros(line.G, np.int64)
-        for m in self._open().iter_committed(names, planned=True):
+        for m in self._open().ledger.iter_committed(names, planned=True):
             per[m.unit_id % line.G] += self._unit_kept(m)
         return int(per.max() - per[line.g])
 

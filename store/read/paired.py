@@ -118,7 +118,7 @@ class PairedDataset(torch.utils.data.IterableDataset):
             specs = [cfg.points] * n
 
         # ---- alignment: from the markers, before any row is read ----
-        markers = [s.committed_units() for s in opened]
+        markers = [s.ledger.committed_units() for s in opened]
         self.alignment: AlignmentReport = check_aligned(opened, self.names, markers)
         if cfg.context_size is None:
             sizes = [store_context_size(store_facts(s)) for s in opened]

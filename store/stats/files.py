@@ -85,7 +85,7 @@ def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, 
                       "mean_sq_norm": float(a["mean_sq_norm"][i]),
                       "nonfinite_rows": int(a["nonfinite_rows"][i])}
         return out
-    refs = [(m.unit_id, m.stats) for m in store.iter_committed()]
+    refs = [(m.unit_id, m.stats) for m in store.ledger.iter_committed()]
     merged = merge_partials(store, refs).moments(subset)
     return {p: {"count": merged[i].count, "mean": merged[i].mean, "var": merged[i].var,
                 "mean_sq_norm": merged[i].mean_sq_norm, "nonfinite_rows": merged[i].nonfinite}

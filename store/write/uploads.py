@@ -192,7 +192,7 @@ class ShardUploads:
                 log.error(self._failed_msg)
 
     def _check_conflict(self) -> None:
-        other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end, fresh=True)
+        other = self._store.ledger.commit_manifest(self.unit_id, self.row_start, self.row_end, fresh=True)
         if other is not None and other.attempt != self.attempt:
             self._closed = True
             self._shutdown()

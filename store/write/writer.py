@@ -59,7 +59,7 @@ class RegionWriter(ShardUploads):
         self.t_created = time.perf_counter()
         self.t_first_write: float | None = None
         self.rows_written = 0
-        existing = store.commit_manifest(unit_id, row_start, row_end, fresh=True)
+        existing = store.ledger.commit_manifest(unit_id, row_start, row_end, fresh=True)
         self.already_committed = existing is not None
         if self.already_committed:
             log.info("unit %d is already committed (attempt %s): writes are ignored",
@@ -217,7 +217,7 @@ class RegionWriter(ShardUploads):
         if self._manifest is not None:
             return self._manifest
         if self.already_committed:
-            m = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end)
+            m = self._store.ledger.commit_manifest(self.unit_id, self.row_start, self.row_end)
             self._manifest = m
             self._shutdown()
             self._release()
@@ -282,8 +282,8 @@ class RegionWriter(ShardUploads):
             _tables.remember(self._store, manifest, prep.records)
             self._publish(manifest)
         else:
-            other = self._store.commit_manifest(self.unit_id, self.row_start, self.row_end,
-                                                fresh=True)
+            other = self._store.ledger.commit_manifest(self.unit_id, self.row_start, self.row_end,
+                                                       fresh=True)
             if other is None or other.attempt != self.attempt:
                 self._shutdown()
                 self._cleanup(*own)
@@ -293,7 +293,7 @@ class RegionWriter(ShardUploads):
                     f"{None if other is None else other.attempt}) while this one was writing; this writer's objects are "
                     "removed and the committed ones are untouched (each attempt writes its own).")
             manifest = other
-        self._store.remember_marker(manifest)
+        self._store.ledger.remember_marker(manifest)
         self._manifest = manifest
         self._shutdown()
         self._release()

@@ -158,8 +158,8 @@ def default_like_store(tmp_path_factory):
                      attrs={"config": {"packing": {"context_size": context}}})
     data = synthetic.activations((len(points), n, width), seed=3)
     tok, doc, pos = packed_meta(n, context, seed=3)
-    s.write_plan(s.default_plan(1))
-    synthetic.fill(s, data, units=s.plan(), token_id=tok, doc_id=doc, position=pos)
+    s.ledger.write_plan(s.ledger.default_plan(1))
+    synthetic.fill(s, data, units=s.ledger.plan(), token_id=tok, doc_id=doc, position=pos)
     s.finalize({"status": "complete"})
     return cwd
 
@@ -184,7 +184,7 @@ def test_ledger_block_gives_marker_records(default_like_store):
     """The ledger's markers are typed records, one per committed unit, rows in order."""
     code = _block("from harvest.store import Marker, open_store") + textwrap.dedent("""
         assert markers and all(isinstance(m, Marker) for m in markers)
-        assert sorted(m.unit_id for m in markers) == [u.unit_id for u in st.plan_units()]
+        assert sorted(m.unit_id for m in markers) == [u.unit_id for u in st.ledger.plan_units()]
         assert all(m.to_json()["row_start"] == m.row_start for m in markers)
         print("ledger block ok", len(markers))
     """)
@@ -206,7 +206,7 @@ def checkpoint_like_stores(tmp_path_factory):
         s = create_store(str(cwd / ".harvest" / "stores" / name), points=["resid_post.10"], width=width,
                          n_rows=n, shard_rows=1024, chunk_rows=512, context_size=context,
                          special_token_ids=[0, BOS, 2], bos_token_id=BOS, stats_skip_positions=2)
-        s.write_plan(s.default_plan(2))
+        s.ledger.write_plan(s.ledger.default_plan(2))
         synthetic.fill(s, synthetic.activations((1, n, width), seed=seed), token_id=tok, doc_id=doc,
                        position=pos)
     return cwd

@@ -3,6 +3,10 @@ store only from `harvest.store`, and only names its `__all__` declares. An impor
 submodule (`harvest.store.<submodule>`, function-level imports included) is an exception listed
 below with its reason; the list only shrinks (an exception no longer used fails too), so the
 face, not a path into the store's insides, is what everything outside the store depends on.
+
+And the `Store` class's own face: its public names (methods, properties, attributes) are the
+declared ATTRIBUTES, DATA and VERBS below; the store's bookkeeping is `store.ledger.<name>`, so a
+delegate to the ledger that is not a declared user verb fails here.
 """
 
 from __future__ import annotations
@@ -130,3 +134,111 @@ def test_a_submodule_import_and_an_undeclared_name_are_found(tmp_path):
                            ("examples/e.py", "harvest.store.read.dataset"): "why",
                            ("pipeline/x/r.py", "harvest.store.read"): "why"})
     assert ok == [] and len(used) == 3
+
+
+# ---- the Store class's own face: data and attributes, a few user verbs; bookkeeping is the ledger's
+
+# what a store is: the format facts, its attributes, and the callbacks that keep them in step with
+# what the ledger has just written (finalize, unfinalize, resize)
+ATTRIBUTES = frozenset({
+    "points", "width", "widths", "mixed_widths", "max_width", "n_rows", "shard_rows", "chunk_rows",
+    "dtype", "np_dtype", "row_width", "quantized", "compression", "layout_version", "read_only",
+    "url", "location", "zarr_store", "attrs", "attributes", "harvest_attrs", "summary",
+    "context_size", "special_token_ids", "bos_token_id", "tokenizer", "stats_skip_positions",
+    "stats_filter", "meta_columns", "n_shards", "row_bytes", "row_set_bytes", "point_row_width",
+    "shard_range", "info", "ledger", "block_buffers",
+    "note_finalized", "note_unfinalized", "note_resized",
+})
+# the data: arrays and codecs, checked and plain reads of rows and row metadata, the writer of a
+# region, the statistics
+DATA = frozenset({
+    "array", "meta_array", "shard_codec", "meta_codec", "read_shard", "read", "read_values",
+    "values", "read_row_meta", "read_row_meta_checked", "read_gen", "read_sample",
+    "region_writer", "merge_stats", "stats",
+})
+# the ledger's methods the store answers to itself, each because the docs show users calling it
+VERBS: dict[str, str] = {
+    "verify": "docs/store.md shows `store.verify(deep=..., objects=...)` returning a VerifyReport; "
+              "README's `harvest verify` is the same check",
+    "finalize": "what a run and `harvest finalize` end with; the store's one write of its summary "
+                "and merged statistics, which a user finishing a store by hand calls",
+    "uncommit": "the repair store/FORMAT.md names (`store.uncommit(unit)` and rerun, three times) "
+                "and the integrity errors of tables.py and objects.py tell users to run",
+}
+
+
+def public_names(source: str, cls: str) -> set[str]:
+    """Every public name class `cls` of `source` has: its methods and properties, class
+    attributes, and the attributes its methods set on `self`."""
+    [node] = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls]
+    names: set[str] = set()
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(item.name)
+            for sub in ast.walk(item):
+                targets = (sub.targets if isinstance(sub, ast.Assign) else
+                           [sub.target] if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else [])
+                for t in targets:
+                    for e in ast.walk(t):
+                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) \
+                                and e.value.id == "self":
+                            names.add(e.attr)
+        elif isinstance(item, ast.Assign):
+            names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            names.add(item.target.id)
+    return {n for n in names if not n.startswith("_")}
+
+
+def face_findings(store_names: set[str], ledger_names: set[str], attributes: frozenset,
+                  data: frozenset, verbs: dict) -> list[str]:
+    """What is wrong with the store's face: a public name not declared, a declared name that is
+    gone, a ledger name on the store that is not a verb, a verb the ledger does not have."""
+    declared = attributes | data | set(verbs)
+    out = [f"Store.{n} is not declared: bookkeeping is `store.ledger.{n}` (no delegate on Store); "
+           "a new datum, attribute or user verb goes into ATTRIBUTES, DATA or VERBS of "
+           "tests/house/test_store_face.py" for n in sorted(store_names - declared)]
+    out += [f"Store.{n} is declared but Store has no {n}: delete it from the list"
+            for n in sorted(declared - store_names)]
+    out += [f"Store.{n} is the ledger's `{n}` on the store: callers use `store.ledger.{n}`, or "
+            "it is a user verb (VERBS, with the docs that show it)"
+            for n in sorted((store_names & ledger_names) - set(verbs))]
+    out += [f"verb {n} is not the ledger's: a verb on Store hands its work to the ledger"
+            for n in sorted(set(verbs) - ledger_names)]
+    out += [f"{n} is declared twice" for n in sorted((attributes & data) | ((attributes | data) & set(verbs)))]
+    return out
+
+
+def _names(rel: str, cls: str) -> set[str]:
+    return public_names((REPO / rel).read_text(), cls)
+
+
+def test_store_keeps_data_attributes_and_its_declared_verbs_only():
+    found = face_findings(_names("store/store.py", "Store"), _names("store/commit/ledger.py", "Ledger"),
+                          ATTRIBUTES, DATA, VERBS)
+    assert not found, "\n".join(found)
+    assert len(VERBS) <= 4 and all(len(why) > 40 for why in VERBS.values())
+
+
+def test_a_delegate_crept_back_onto_a_store_is_found():
+    ledger = "class Ledger:\n    def __init__(self):\n        self.plans = 1\n" \
+             "    def plan_units(self): ...\n    def verify(self): ...\n"
+    store = ("class Store:\n    LIMIT = 3\n    def __init__(self):\n        self.points = []\n"
+             "        self.plans = None\n        self._private = 1\n"
+             "    def read(self): ...\n    def verify(self): ...\n    def plan_units(self): ...\n"
+             "    @property\n    def _hidden(self): ...\n")
+    store_names, ledger_names = public_names(store, "Store"), public_names(ledger, "Ledger")
+    assert store_names == {"LIMIT", "points", "plans", "read", "verify", "plan_units"}
+    assert ledger_names == {"plans", "plan_units", "verify"}
+    found = face_findings(store_names, ledger_names, frozenset({"points", "width"}),
+                          frozenset({"read"}), {"verify": "why", "settle": "why"})
+    said = "\n".join(found)
+    for n in ("LIMIT", "plans", "plan_units"):
+        assert f"Store.{n} is not declared" in said, said
+    assert "Store.plans is the ledger's" in said and "Store.plan_units is the ledger's" in said
+    assert "Store.width is declared but Store has no width" in said
+    assert "Store.settle is declared but Store has no settle" in said
+    assert "verb settle is not the ledger's" in said
+    assert len(found) == 8, said
+    assert face_findings({"points", "read", "verify"}, ledger_names, frozenset({"points"}),
+                         frozenset({"read"}), {"verify": "why"}) == []

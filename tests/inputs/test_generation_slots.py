@@ -91,8 +91,8 @@ def test_a_store_of_slots_counts_and_reads_only_rows_with_activations(tmp_path):
     have = np.isin(gen, (GEN_PROMPT, GEN_SAMPLED))
     data = synthetic.activations((1, n, width), seed=1)
     data[:, ~have] = 0
-    s.write_plan(s.default_plan(1))
-    for u in s.plan():
+    s.ledger.write_plan(s.ledger.default_plan(1))
+    for u in s.ledger.plan():
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
         w.write_meta(a, np.zeros(b - a, np.int32), np.zeros(b - a, np.int64),
@@ -131,8 +131,8 @@ def test_gen_rows_and_a_role_filter_combine_and_a_plain_store_has_no_gen_column(
     gen = rng.choice([GEN_PROMPT, GEN_SAMPLED, GEN_LAST, GEN_PAD], n).astype(np.int8)
     role = rng.choice([ASSISTANT, USER], n).astype(np.int8)
     data = synthetic.activations((1, n, width), seed=2)
-    s.write_plan(s.default_plan(1))
-    for u in s.plan():
+    s.ledger.write_plan(s.ledger.default_plan(1))
+    for u in s.ledger.plan():
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
         w.write_meta(a, np.zeros(b - a, np.int32), np.zeros(b - a, np.int64),
@@ -151,7 +151,7 @@ def test_gen_rows_and_a_role_filter_combine_and_a_plain_store_has_no_gen_column(
     plain = create_store(str(tmp_path / "p.zarr"), points=["resid_post.0"], width=width,
                          n_rows=128, shard_rows=128, context_size=C)
     assert list(plain.meta_columns) == ["token_id", "doc_id", "position"]
-    plain.write_plan(plain.default_plan(1))
+    plain.ledger.write_plan(plain.ledger.default_plan(1))
     w = plain.region_writer(0, 0, 128)
     z = np.zeros(128, np.int32)
     try:
@@ -245,7 +245,7 @@ def test_sample_column_only_in_n_sample_stores_and_old_generation_stores_read_sa
     assert "sample" not in one.meta_columns and list(many.meta_columns)[-1] == "sample"
     smp = (np.arange(n) % 3).astype(np.int16)
     for st in (one, many):
-        st.write_plan(st.default_plan(1))
+        st.ledger.write_plan(st.ledger.default_plan(1))
         w = st.region_writer(0, 0, n)
         z = np.zeros(n, np.int32)
         if st is one:

@@ -36,7 +36,7 @@ def test_store_mode_reads_the_store_rows_and_measures_fp8_bytes(tmp_path):
     x = synthetic.activations((2, 1024, 64), seed=4)
     s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.0", "resid_post.1"], width=64,
                      n_rows=1024, chunk_rows=256)
-    s.write_plan(s.default_plan())
+    s.ledger.write_plan(s.ledger.default_plan())
     synthetic.fill(s, x, token_id=np.zeros(1024, np.int32))
     res = bench_codec.run(str(tmp_path / "s.zarr"), point="resid_post.1", rows=768, repeat=1, fp8=True)
     _check(res)
@@ -73,7 +73,7 @@ def test_bench_dataplane_stage_cpu_counts_the_write_stages_and_unwraps(tmp_path)
     x = synthetic.activations((2, 1024, 64), seed=5)
     s = create_store(str(tmp_path / "d.zarr"), points=["resid_post.0", "resid_post.1"], width=64,
                      n_rows=1024, chunk_rows=256)
-    s.write_plan(s.default_plan())
+    s.ledger.write_plan(s.ledger.default_plan())
     with StageCPU() as st:
         synthetic.fill(s, x, token_id=np.zeros(1024, np.int32))
     assert {"encode", "stats", "crc", "stream", "buffer"} <= set(st.cpu)

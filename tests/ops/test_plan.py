@@ -148,7 +148,7 @@ def _stopped_after(tmp_path, emitted, committed):
     s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=1 << 20,
                      shard_rows=32, chunk_rows=32, context_size=8)
     for seq, e in enumerate(emitted):
-        s.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
+        s.ledger.plans.write_segment(seq, [e.unit], {"chunks": e.chunks, "state": e.state})
     for uid in committed:
         u = emitted[uid].unit
         create_marker(s.location, Marker.from_json(
@@ -470,7 +470,7 @@ def test_marker_size_estimate_matches_a_written_marker(tmp_path):
     points = [f"resid_post.{i}" for i in range(32)]
     s = create_store(str(tmp_path / "s"), points=points, width=64, n_rows=512, shard_rows=32,
                      chunk_rows=32)
-    units = s.write_plan([{"unit_id": 1, "row_start": 256, "row_end": 512}])
+    units = s.ledger.write_plan([{"unit_id": 1, "row_start": 256, "row_end": 512}])
     data = synthetic.activations((32, 512, 64))
     [m] = synthetic.fill(s, data, units=units)
     raw = s.location.read_bytes(commit_key(1, 256, 512))

@@ -23,7 +23,7 @@ def store_and_data(tmp_path_factory):
     s = create_store(str(tmp_path_factory.mktemp("rep") / "s.zarr"),
                      points=["resid_post.0", "resid_post.1", "resid_post.2"],
                      width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     synthetic.fill(s, data, token_id=(np.arange(N) % 400 + 3).astype(np.int32),
                    doc_id=np.arange(N) // 100, position=np.arange(N) % 100)
     return s, data
@@ -101,7 +101,7 @@ def test_report_shows_kept_rows_not_the_bos_sink(tmp_path):
     s = create_store(str(tmp_path / "b.zarr"), points=["resid_post.0"], width=W, n_rows=n,
                      shard_rows=512, chunk_rows=128, dtype="float32", context_size=C,
                      special_token_ids=[1], bos_token_id=1)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     synthetic.fill(s, data, token_id=tok, doc_id=np.arange(n) // 500,
                    position=np.arange(n) % 500)
     out = tmp_path / "rep"

@@ -338,7 +338,7 @@ def test_alignment_check_finds_one_differing_token(tmp_path):
             tok[changed] += 1
         s = create_store(str(tmp_path / "st" / name), points=["resid_post.0"], width=8, n_rows=n,
                          shard_rows=256, chunk_rows=128)
-        s.write_plan(s.default_plan(1))
+        s.ledger.write_plan(s.ledger.default_plan(1))
         synthetic.fill(s, synthetic.activations((1, n, 8), seed=1), token_id=tok,
                        doc_id=np.arange(n) // 100, position=np.arange(n) % 100)
         s.finalize({"tokens": n})

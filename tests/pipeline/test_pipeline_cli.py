@@ -52,7 +52,7 @@ def _interrupted_run(cfg, after: int) -> None:
     # flight until its process is gone: wait for that, so the markers below are final
     wait_actors_gone(60, "the stopped run's actors")
     store = open_store(cfg.store.resolved_url)
-    for n in store.marker_names():
+    for n in store.ledger.marker_names():
         if n.unit_id not in done:
             store.uncommit(n.unit_id)
     return sorted(done)
@@ -159,7 +159,7 @@ def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, ti
     from harvest.pipeline.errors import ResumeMismatch
 
     cfg, done, path = half_done
-    before = open_store(cfg.store.resolved_url).committed_units()
+    before = open_store(cfg.store.resolved_url).ledger.committed_units()
     other = make_cfg(tiny_llama, cfg.store.url, cfg.data.source, "packing.max_tokens=2048",
                      "packing.bos=none")
     with pytest.raises(ResumeMismatch, match=r"packing.bos: the store has 'context', this config "
@@ -169,7 +169,7 @@ def test_resume_with_another_config_is_refused_and_changes_nothing(half_done, ti
                       capture={"points": ["resid_post.1"]})
     with pytest.raises(ResumeMismatch, match=r"capture.points"):
         run(points)
-    assert open_store(cfg.store.resolved_url).committed_units() == before
+    assert open_store(cfg.store.resolved_url).ledger.committed_units() == before
 
 
 def test_all_committed_but_not_finalized_is_finished_without_actors(ray_cluster, tiny_llama,

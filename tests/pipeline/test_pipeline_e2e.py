@@ -35,10 +35,10 @@ def test_local_store_two_actors_matches_single_process(ray_cluster, tiny_llama, 
     assert sorted(e["unit_id"] for e in done) == prep.unit_ids
 
     # re-running the finished config is a no-op that says so, and writes nothing
-    markers = store.committed_units()
+    markers = store.ledger.committed_units()
     again = run(cfg)
     assert again["noop"] is True
-    assert open_store(cfg.store.resolved_url).committed_units() == markers
+    assert open_store(cfg.store.resolved_url).ledger.committed_units() == markers
 
 
 def test_s3_store_two_actors_matches_single_process_then_survives_a_lifecycle_abort(
@@ -65,7 +65,7 @@ def test_s3_store_two_actors_matches_single_process_then_survives_a_lifecycle_ab
 
     lost = [1, 6, 11, 20]
     unfinalize(store, cfg.packing.max_tokens)            # the dead driver never finalized
-    for m in store.iter_committed():
+    for m in store.ledger.iter_committed():
         if m.unit_id in lost:
             for o in unit_objects(store, m):
                 store.location.delete(o.final)

@@ -176,7 +176,7 @@ def test_reader_config_is_the_keyword_form(store):
 
 def test_seqpos_needs_a_context_size(tmp_path):
     s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.0"], width=8, n_rows=256, shard_rows=128)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     synthetic.fill(s, synthetic.activations((1, 256, 8)), token_id=np.arange(256, dtype=np.int32))
     with pytest.raises(ValueError, match="pass context_size="):
         ActivationDataset(s, seqpos=slice(1, None))
@@ -197,7 +197,7 @@ def test_reads_from_s3_with_prefetch(seaweedfs, s3_url):
     x = synthetic.activations((1, 3000, 32), seed=12)
     s = create_store(s3_url, points=["resid_post.4"], width=32, n_rows=3000, shard_rows=512, chunk_rows=128,
                      storage_options=seaweedfs.storage_options)
-    s.write_plan(s.default_plan(2))
+    s.ledger.write_plan(s.ledger.default_plan(2))
     synthetic.fill(s, x, token_id=np.arange(3000, dtype=np.int32) % 7)
     ds = ActivationDataset(s3_url, storage_options=seaweedfs.storage_options, batch_size=256,
                            prefetch_shards=3, return_meta=True, seed=9, exclude_token_ids=[BOS])
@@ -220,7 +220,7 @@ def test_format_md_bfloat16_snippet_reads_a_store_with_plain_zarr(tmp_path):
     n, w = 5000, 32
     x = synthetic.activations((1, n, w), seed=4)
     s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.10"], width=w, n_rows=n, shard_rows=2048)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     synthetic.fill(s, x, token_id=np.arange(n, dtype=np.int32) + 7)
     np.save(tmp_path / "want.npy", x[0, :4096].view(np.uint16))
     code = code.replace('STORE = "path/to/store"', f"STORE = {str(tmp_path / 's.zarr')!r}")

@@ -154,7 +154,7 @@ def transcoder_store(tmp_path_factory):
                      widths={p: x.shape[1] for p, x in rows.items()}, n_rows=TC_N,
                      shard_rows=4096, chunk_rows=128, special_token_ids=[1], bos_token_id=1,
                      context_size=64, tokenizer="toy")
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     tok, doc, pos = packed_meta(TC_N, 64, 40, 0)
     synthetic.fill(s, data, token_id=tok, doc_id=doc, position=pos)
     return s.url

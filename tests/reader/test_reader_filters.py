@@ -146,7 +146,7 @@ def test_constants_come_from_the_stores_kept_stats_when_the_filters_match(sinky,
         real = create_store(str(tmp_path / f"k{skip}.zarr"), points=["resid_post.3", "resid_post.7"],
                             width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
                             special_token_ids=[BOS, 2], bos_token_id=BOS, stats_skip_positions=skip)
-        real.write_plan(real.default_plan(1))
+        real.ledger.write_plan(real.ledger.default_plan(1))
         synthetic.fill(real, data, token_id=tok, doc_id=doc, position=pos)
         stores[skip] = open_store(real.url)
     store = stores[2]
@@ -184,7 +184,7 @@ def test_the_sample_reads_unpublished_units_as_their_writers_wrote_them(tmp_path
     s, data, _, _, _ = make_store(tmp_path / "u.zarr", n, SHARD, W, [point], context=C, seed=5)
     assert unpublish(s, gone) > 0
     store = open_store(s.url, read_only=True)
-    lost = store.commit_manifest(gone[0])
+    lost = store.ledger.commit_manifest(gone[0])
     zarr_view = np.asarray(store.array(point)[lost.row_start:lost.row_end])
     assert not zarr_view.view(np.uint16).any()      # what plain zarr sees: fill zeros
     ds = ActivationDataset(store, point, batch_size=256, seqpos=slice(2, None),

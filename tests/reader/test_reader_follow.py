@@ -189,7 +189,7 @@ def test_a_read_racing_the_writer_s_publish_finds_the_moved_copy(tmp_path):
     live.commit(1)
     assert unpublish(live.st, [1]) > 0          # the state between a commit and its publish
     st = open_store(live.url)
-    m = st.commit_manifest(1)
+    m = st.ledger.commit_manifest(1)
     pub, att = point_keys("resid_post.0", 1, m.attempt)
     loc, real_read = st.location, st.location.read_bytes
     moved = []

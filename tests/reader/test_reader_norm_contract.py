@@ -40,7 +40,7 @@ def sink_store(tmp_path_factory):
                      n_rows=N, shard_rows=SHARD, chunk_rows=128, context_size=C,
                      special_token_ids=[BOS, EOS], bos_token_id=BOS, stats_skip_positions=2,
                      attrs={"config": {"packing": {"context_size": C, "bos": "context"}}})
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     synthetic.fill(s, data, token_id=tok, doc_id=doc, position=np.where(doc < 0, -2, pos))
     s.finalize({"status": "complete"})
     return open_store(s.url), data.astype(np.float64), tok

@@ -40,7 +40,7 @@ def _store(path, n=N, seed=0, tok_edit=None, plan=None, width=W, points=POINTS, 
     if tok_edit is not None:
         tok = tok.copy()
         tok[tok_edit[0]] = tok_edit[1]
-    s.write_plan(s.default_plan(plan or 2))
+    s.ledger.write_plan(s.ledger.default_plan(plan or 2))
     data = synthetic.activations((len(points), n, width), seed=seed)
     synthetic.fill(s, data, token_id=tok, doc_id=doc, position=pos)
     return s
@@ -181,7 +181,7 @@ def test_markers_without_digests_fall_back_to_reading_the_column(tmp_path, pair)
     a, b = pair
     bad = _store(tmp_path / "other", seed=2, tok_edit=(1300, 4321))
     for other, ok in ((b, True), (bad, False)):
-        markers = [s.committed_units() for s in (a, other)]
+        markers = [s.ledger.committed_units() for s in (a, other)]
         markers[1] = {u: dataclasses.replace(m, meta_crc32c=None) for u, m in markers[1].items()}
         if ok:
             rep = check_aligned([a, other], markers=markers)

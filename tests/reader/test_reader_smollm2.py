@@ -59,8 +59,8 @@ def smol_store(smollm2, tmp_path_factory):
     s = create_store(str(tmp_path_factory.mktemp("smol") / "s.zarr"), points=points, width=WIDTH, n_rows=n,
                      shard_rows=512, chunk_rows=128,
                      attrs={"config": {"packing": {"context_size": CTX, "bos": "context"}}})
-    s.write_plan(s.default_plan(1))
-    for u in s.plan():
+    s.ledger.write_plan(s.ledger.default_plan(1))
+    for u in s.ledger.plan():
         a, b = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a, b)
         w.write_meta(a, token_id[a:b], doc_id[a:b], position[a:b])

@@ -52,8 +52,8 @@ def _planned_store(tmp_path, units_n: int):
     s = create_store(url, points=points, width=W, n_rows=units_n * U, shard_rows=SHARD,
                      chunk_rows=16, context_size=C)
     units = [UnitTask(u, u * U, (u + 1) * U) for u in range(units_n)]
-    s.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
-                  for u in units])
+    s.ledger.write_plan([{"unit_id": u.unit_id, "row_start": u.row_start, "row_end": u.row_end}
+                         for u in units])
     return url, points, units
 
 
@@ -146,7 +146,7 @@ def test_statistics_partials_stay_bounded_over_a_unit_of_many_shards(tmp_path, m
     points = [f"resid_post.{p}" for p in range(P)]
     s = create_store(url, points=points, width=W, n_rows=n, shard_rows=SHARD, chunk_rows=16,
                      context_size=C)
-    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
+    s.ledger.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
     tok = tokens_of(0, n)
     rows = rows_of(tok).astype(s.np_dtype)
 

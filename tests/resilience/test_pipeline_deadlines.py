@@ -194,7 +194,7 @@ def test_actors_killed_at_the_deadline_restart_and_finish_the_run(ray_cluster, t
     assert retried and summary["unit_retries"] >= len(retried)
     # a stopped process's units were committed by another, except those it committed just
     # before it was stopped (their retry finds them committed)
-    pid_of = {u: m.pid for u, m in open_store(cfg.store.resolved_url).committed_units().items()}
+    pid_of = {u: m.pid for u, m in open_store(cfg.store.resolved_url).ledger.committed_units().items()}
     found = {e["unit_id"] for e in s.events
              if e["event"] == "unit_done" and e["status"] == "already_committed"}
     assert retried - found and not any(pid_of[u] in first for u in retried - found)

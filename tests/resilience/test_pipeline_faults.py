@@ -80,7 +80,7 @@ def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_l
     # Ray restarted the actor (a new process) and it went on committing units
     assert any(p != dead_pid for p in pids), pids
     assert all(m.pid != dead_pid or m.extra["actor"] == victim
-               for m in store.committed_units().values())
+               for m in store.ledger.committed_units().values())
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
     assert sorted(done) == reference[0].unit_ids  # each unit reported once
     # the summary says what happened, Ray's own retries included: the victim had units in
@@ -117,7 +117,7 @@ def test_actor_lost_for_good_its_units_go_to_the_other(ray_cluster, tiny_llama, 
     retried = {e["unit"] for e in k.events if e["event"] == "unit_retry"} - found
     if retried:
         by = {uid: m.extra["actor"] for uid, m in open_store(cfg.store.resolved_url)
-              .committed_units().items()}
+              .ledger.committed_units().items()}
         assert all(by[u] == 1 - victim for u in retried)
 
 
@@ -167,9 +167,9 @@ def test_killed_driver_on_a_streaming_dataset_resumes_without_retokenising(
     # still commit a unit, and anything it committed counts
     wait_actors_gone(60, "the killed driver's actor")
     first = open_store(str(store_dir))
-    before = set(first.committed_units())
+    before = set(first.ledger.committed_units())
     assert first.summary is None  # not finished
-    assert first.plans.read_sources()["blocks"] == [[{"kind": "dataset", "shard": 0, "n_shards": 1}]]
+    assert first.ledger.plans.read_sources()["blocks"] == [[{"kind": "dataset", "shard": 0, "n_shards": 1}]]
 
     events: list[dict] = []
     summary = run(make_cfg(tiny_llama, str(store_dir), corpus, *overrides), on_event=events.append)

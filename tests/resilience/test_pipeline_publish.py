@@ -45,7 +45,7 @@ def _committed_after(cfg, n: int) -> list[int]:
         run(cfg, on_event=hook)
     wait_actors_gone(60, "the stopped run's actors")
     store = open_store(cfg.store.resolved_url)
-    for name in store.marker_names():
+    for name in store.ledger.marker_names():
         if name.unit_id not in done:
             store.uncommit(name.unit_id)
     return sorted(done)
@@ -118,14 +118,14 @@ def test_sigterm_publishes_what_is_committed(ray_cluster, tiny_llama, corpus, re
     def hook(e):
         if e["event"] == "unit_done" and e["status"] == "committed" and not hit:
             s = open_store(url)
-            m = s.commit_manifest(e["unit_id"])
+            m = s.ledger.commit_manifest(e["unit_id"])
             for o in unit_objects(s, m):
                 dst = os.path.join(url, o.attempt_key)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 os.rename(os.path.join(url, o.final), dst)
             os.remove(os.path.join(url, layout.published_key(m.unit_id, m.attempt)))
             # (other units may be between their marker and their record at this moment)
-            assert m.unit_id in open_store(url).unpublished_units()
+            assert m.unit_id in open_store(url).ledger.unpublished_units()
             hit.append(m)
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -134,5 +134,5 @@ def test_sigterm_publishes_what_is_committed(ray_cluster, tiny_llama, corpus, re
     wait_actors_gone(60, "the stopped run's actors")
     (m,) = hit
     store = open_store(url)
-    assert m.unit_id not in store.unpublished_units()
+    assert m.unit_id not in store.ledger.unpublished_units()
     _assert_rows(store, reference[1], m.row_start, m.row_end, zarr_only=True)

@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _store(url, so=None):
     s = create_store(url, points=["resid_post.0", "resid_post.1"], width=W, n_rows=N, shard_rows=SHARD,
                      chunk_rows=256, storage_options=so)
-    s.write_plan(s.default_plan(2))  # unit 0 = rows [0, 2048), unit 1 = rows [2048, 4096)
+    s.ledger.write_plan(s.ledger.default_plan(2))  # unit 0 = rows [0, 2048), unit 1 = rows [2048, 4096)
     return s
 
 
@@ -80,7 +80,7 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     url, so = target
     x = synthetic.activations((P, N, W), seed=7)
     s = _store(url, so)
-    synthetic.fill(s, x, units=[s.plan()[0]])
+    synthetic.fill(s, x, units=[s.ledger.plan()[0]])
     env = {**os.environ, "PYTHONPATH": REPO}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, url, json.dumps(so)], stdout=subprocess.PIPE,
                              env=env, cwd=REPO, text=True)
@@ -96,13 +96,13 @@ def test_killed_writer_is_invisible_then_rewrite_commits_once(target):
     assert child.returncode == -signal.SIGKILL
 
     r = open_store(url, storage_options=so)
-    assert not r.is_committed(1) and sorted(r.committed_units()) == [0]
+    assert not r.ledger.is_committed(1) and sorted(r.ledger.committed_units()) == [0]
     rows = np.concatenate([b["row"].numpy() for b in ActivationDataset(r, batch_size=500, return_meta=True)])
     assert np.array_equal(np.sort(rows), np.arange(0, 2048))  # shard 2's object exists, yet unseen
     v = r.verify()
     assert not v.ok and v.missing_units == [1] and v.committed_fraction == 0.5
 
-    [m] = synthetic.fill(r, x, units=[r.plan()[1]], order="shuffled")  # the rewrite
+    [m] = synthetic.fill(r, x, units=[r.ledger.plan()[1]], order="shuffled")  # the rewrite
     assert m.unit_id == 1
     markers = [n for n in r.location.list_dir(layout.COMMITS_DIR) if n.endswith(".json")]
     assert markers == ["unit-00000000.0-2048.json", "unit-00000001.2048-4096.json"]
@@ -135,8 +135,8 @@ def test_second_live_writer_is_stopped_and_cannot_touch_the_committed_bytes(tmp_
     assert v.missing_units == [1] and len(v.errors) == 1, v.errors  # a's bytes intact
     assert np.array_equal(s.read("resid_post.0", 0, 2048).view(np.uint16), xa[0, :2048].view(np.uint16))
     s.uncommit(0)                          # driver repair still works: rewrite the unit
-    synthetic.fill(s, xa, units=[s.plan()[0]])
-    assert s.commit_manifest(0).attempt != ma.attempt
+    synthetic.fill(s, xa, units=[s.ledger.plan()[0]])
+    assert s.ledger.commit_manifest(0).attempt != ma.attempt
     v = s.verify(deep=True)
     assert v.missing_units == [1] and len(v.errors) == 1  # only "unit 1 not committed" is left
 
@@ -149,7 +149,7 @@ def _fill_unit(s, data, uid, monkeypatch, publish=True):
     with monkeypatch.context() as mp:
         if not publish:
             mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
-        [m] = synthetic.fill(s, data, units=[s.plan()[uid]])
+        [m] = synthetic.fill(s, data, units=[s.ledger.plan()[uid]])
     return m
 
 
@@ -176,7 +176,7 @@ def _reads_exactly(url, so, want, attempt, unpublished=False):
         assert "unit 0: pending" in "\n".join(v.errors), v.errors
     else:
         assert v.ok, v.errors
-    assert r.committed_units()[0].attempt == attempt
+    assert r.ledger.committed_units()[0].attempt == attempt
 
 
 def _refuses_unpublished(url, so, finalize_with):
@@ -215,7 +215,7 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     monkeypatch.setattr("harvest.store.commit.objects.UNPUBLISHED_WAIT_S", (0.05,))
     old = _fill_unit(s, x, 0, monkeypatch, publish)
     m1 = _fill_unit(s, x, 1, monkeypatch)
-    s.write_index([old, m1])                # the driver indexes markers as units commit
+    s.ledger.write_index([old, m1])                # the driver indexes markers as units commit
     moved_later = not publish and so is None   # local: readers take the attempt's copy
     if unpublished:
         _refuses_unpublished(url, so, s)
@@ -228,11 +228,11 @@ def test_uncommit_then_a_different_rewrite_is_what_everyone_reads(target, monkey
     want = np.concatenate([y[:, :2048], x[:, 2048:]], axis=1)
     if unpublished:  # the zarr keys still hold the old attempt's bytes: refused by digest
         _refuses_unpublished(url, so, None)
-        s.write_index([new])
+        s.ledger.write_index([new])
         _refuses_unpublished(url, so, None)
     else:
         _reads_exactly(url, so, want, new.attempt, moved_later)  # the rewrite's marker, not yet indexed
-        s.write_index([new])                    # ... and once the driver indexed it as well
+        s.ledger.write_index([new])                    # ... and once the driver indexed it as well
         _reads_exactly(url, so, want, new.attempt, moved_later)
 
     s.finalize()
@@ -265,8 +265,8 @@ def test_uncommit_voids_every_indexed_copy_of_the_unit(tmp_path, monkeypatch):
     commits.delete_marker(s.location, commits.MarkerName(0, 0, 2048))  # the later PUT won:
     second = _fill_unit(s, x, 0, monkeypatch)                         # its marker is listed
     m1 = _fill_unit(s, x, 1, monkeypatch)
-    s.write_index([first, m1])
-    s.write_index([second])
+    s.ledger.write_index([first, m1])
+    s.ledger.write_index([second])
     s.uncommit(0)
     voids = {layout.parse_void_name(n) for n in s.location.list_dir(layout.INDEX_DIR)} - {None}
     assert voids == {(0, first.attempt), (0, second.attempt)}
@@ -331,10 +331,10 @@ def test_permanent_upload_failure_leaves_region_uncommitted(seaweedfs, s3_url):
     assert "unit 0" in msg and "uncommitted" in msg
     for secret in (seaweedfs.secret_key, seaweedfs.readonly_secret_key):
         assert secret not in msg
-    assert not admin.is_committed(0)
+    assert not admin.ledger.is_committed(0)
     w.abort()
-    synthetic.fill(admin, x, units=[admin.plan()[0]])  # the region can still be written properly
-    assert admin.is_committed(0)
+    synthetic.fill(admin, x, units=[admin.ledger.plan()[0]])  # the region can still be written properly
+    assert admin.ledger.is_committed(0)
 
 
 def test_retry_policy_classifies_errors():

@@ -110,13 +110,13 @@ def test_region_and_write_errors(tmp_path):
     with pytest.raises(ValueError, match="not shard-aligned.*shard_rows=256"):
         s.region_writer(0, 100, 512)
     with pytest.raises(ValueError, match="not shard-aligned"):  # only the last unit may end mid-shard
-        s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": 300},
-                      {"unit_id": 1, "row_start": 512, "row_end": 768}])
+        s.ledger.write_plan([{"unit_id": 0, "row_start": 0, "row_end": 300},
+                             {"unit_id": 1, "row_start": 512, "row_end": 768}])
     with pytest.raises(ValueError, match="overlap"):
-        s.write_plan([(0, 0, 512), (1, 256, 768)])
+        s.ledger.write_plan([(0, 0, 512), (1, 256, 768)])
     with pytest.raises(ValueError, match="lacks field 'row_end'"):
-        s.write_plan([{"unit_id": 0, "row_start": 0}])
-    s.write_plan(s.default_plan(2))
+        s.ledger.write_plan([{"unit_id": 0, "row_start": 0}])
+    s.ledger.write_plan(s.ledger.default_plan(2))
     w = s.region_writer(0, 0, 512)
     x = synthetic.activations((1, 512, 16))
     with pytest.raises(ValueError, match="must be \\[n_points=1, n, width=16\\]"):
@@ -146,7 +146,7 @@ def test_region_and_write_errors(tmp_path):
     other.write_meta(512, np.zeros(256, int), np.zeros(256, int), np.zeros(256, int))
     other.write(512, synthetic.activations((1, 256, 16)))
     other.commit()
-    assert sorted(s.committed_units()) == [0]
+    assert sorted(s.ledger.committed_units()) == [0]
     v = s.verify()
     assert not v.ok and v.missing_units == [1]
     assert any("committed rows [512,768) but the plan says [512,1000)" in e for e in v.errors)

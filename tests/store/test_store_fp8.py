@@ -89,7 +89,7 @@ def _format_md_decoder():
 def _make(url, dtype, data):
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=N,
                      shard_rows=SHARD, chunk_rows=CHUNK, dtype=dtype, context_size=128)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     tok = (np.arange(N) * 31 % 1000).astype(np.int32)
     synthetic.fill(s, data, order="shuffled", token_id=tok)
     s.finalize({"tokens": N})

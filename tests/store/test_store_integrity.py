@@ -181,7 +181,7 @@ def test_status_shows_units_lost_after_finalize(copy, capsys):
 def test_late_writer_cannot_replace_the_committed_bytes(tmp_path):
     s = create_store(str(tmp_path / "race.zarr"), points=list(POINTS), width=W, n_rows=N, shard_rows=SHARD,
                      chunk_rows=128)
-    s.write_plan(s.default_plan(2))
+    s.ledger.write_plan(s.ledger.default_plan(2))
     xa, xb = synthetic.activations((2, N, W), seed=1), synthetic.activations((2, N, W), seed=2)
     meta = [np.arange(512, dtype=np.int32), np.zeros(512, np.int64), np.arange(512, dtype=np.int32)]
     a, b = s.region_writer(0, 0, 512), s.region_writer(0, 0, 512)
@@ -195,7 +195,7 @@ def test_late_writer_cannot_replace_the_committed_bytes(tmp_path):
     r = open_store(str(tmp_path / "race.zarr"))
     for i, p in enumerate(POINTS):
         assert np.array_equal(r.read(p, 0, 512).view(np.uint16), xa[i, :512].view(np.uint16))
-    assert r.commit_manifest(0).attempt == ma.attempt
+    assert r.ledger.commit_manifest(0).attempt == ma.attempt
     assert attempt_objects(r.location) == {}       # b's objects removed, a's published
     v = r.verify(deep=True)
     assert v.errors == [v.errors[0]] and "not committed" in v.errors[0]  # only units 1..3
@@ -204,7 +204,7 @@ def test_late_writer_cannot_replace_the_committed_bytes(tmp_path):
 def test_full_disk_write_leaves_no_temp_files_or_objects(tmp_path, monkeypatch):
     path = str(tmp_path / "full.zarr")
     s = create_store(path, points=list(POINTS), width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128)
-    s.write_plan(s.default_plan(2))
+    s.ledger.write_plan(s.ledger.default_plan(2))
     x = synthetic.activations((2, N, W), seed=3)
     real = os.fsync
     state = {"full": True}
@@ -224,15 +224,15 @@ def test_full_disk_write_leaves_no_temp_files_or_objects(tmp_path, monkeypatch):
     state["full"] = False
     left = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if ".tmp-" in f]
     assert left == [] and attempt_objects(s.location) == {}
-    assert not s.is_committed(0)
-    synthetic.fill(s, x, units=[s.plan()[0]])   # the unit can be written once the disk has room
+    assert not s.ledger.is_committed(0)
+    synthetic.fill(s, x, units=[s.ledger.plan()[0]])   # the unit can be written once the disk has room
     assert s.verify(deep=True).committed_units == 1
 
 
 def test_evicted_shards_go_through_scratch_and_commit_the_same_bits(tmp_path):
     path = str(tmp_path / "evict.zarr")
     s = create_store(path, points=list(POINTS), width=W, n_rows=N, shard_rows=SHARD, chunk_rows=128)
-    s.write_plan(s.default_plan(8))
+    s.ledger.write_plan(s.ledger.default_plan(8))
     x = synthetic.activations((2, N, W), seed=5)
     tok = np.arange(N, dtype=np.int32)
     synthetic.fill(s, x, token_id=tok, order="shuffled", chunk=50, max_open_shards=1)

@@ -25,7 +25,7 @@ P, W, N, SHARD = 2, 32, 4096, 1024
 def _store(url, so=None):
     s = create_store(url, points=["resid_post.0", "resid_post.1"], width=W, n_rows=N,
                      shard_rows=SHARD, chunk_rows=256, storage_options=so)
-    s.write_plan(s.default_plan(1))  # 4 units of one shard each
+    s.ledger.write_plan(s.ledger.default_plan(1))  # 4 units of one shard each
     return s
 
 
@@ -34,7 +34,7 @@ def _fill(s, x, uids, monkeypatch=None, publish=True):
     publishing (its uploads stay pending: a SIGKILL at that point, made deterministic)."""
     from harvest.store.write.writer import RegionWriter
 
-    plan = s.plan()
+    plan = s.ledger.plan()
     if publish:
         return synthetic.fill(s, x, units=[plan[u] for u in uids])
     with monkeypatch.context() as mp:
@@ -98,7 +98,7 @@ def test_lifecycle_abort_after_a_crash_between_marker_and_completion(seaweedfs, 
     with pytest.raises(DataIntegrityError, match="unit 1: gone.*unit 3: gone"):
         open_store(s3_url, storage_options=so).finalize()
 
-    rep = open_store(s3_url, storage_options=so).settle(repair=True)
+    rep = open_store(s3_url, storage_options=so).ledger.settle(repair=True)
     assert rep.uncommitted == [1, 3] and set(rep.gone) == {1, 3}
     assert open_store(s3_url, storage_options=so, read_only=True).verify().missing_units == [1, 3]
     s = open_store(s3_url, storage_options=so)
@@ -154,7 +154,7 @@ def test_pending_units_are_published_by_settle_and_the_three_diagnoses(seaweedfs
     monkeypatch.undo()
 
     # the pending unit: settle completes its uploads and records it; the reads are exact
-    rep = open_store(s3_url, storage_options=so).settle()
+    rep = open_store(s3_url, storage_options=so).ledger.settle()
     assert rep.published == [3] and not rep.gone and not rep.damaged
     r = open_store(s3_url, storage_options=so, read_only=True)
     assert np.array_equal(r.read("resid_post.0", 3072, 4096).view(np.uint16),
@@ -198,7 +198,7 @@ def test_finalize_refuses_a_partial_plan_and_harvest_finalize_publishes(tmp_path
     out = capsys.readouterr().out
     assert "published 1 committed units" in out and "not finalized: 2 of its 4 planned" in out
     r = open_store(url, read_only=True)
-    assert r.summary is None and r.n_rows == N and r.unpublished_units() == []
+    assert r.summary is None and r.n_rows == N and r.ledger.unpublished_units() == []
     assert np.array_equal(_zarr_rows(url, None, "resid_post.1")[1024:2048].view(np.uint16),
                           x[1, 1024:2048].view(np.uint16))    # a zarr-only reader sees unit 1
 

@@ -87,7 +87,7 @@ def test_the_ledger_gives_records_and_its_index_keeps_the_markers_bytes(tmp_path
     writer stored; the ledger's plan, markers and tables are typed records."""
     s = create_store(str(tmp_path / "s"), points=["resid_post.0"], width=8, n_rows=128,
                      shard_rows=32, chunk_rows=32)
-    s.write_plan(s.default_plan(2))
+    s.ledger.write_plan(s.ledger.default_plan(2))
     synthetic.fill(s, synthetic.activations((1, 128, 8)))
     raw = {m.unit_id: s.location.read_bytes(m.key) for m in s.ledger.iter_committed()}
     assert [type(u) for u in s.ledger.plan_units()] == [Unit, Unit]

@@ -37,7 +37,7 @@ def _store(path, chat: "dict | None", with_roles=True, seed=0):
                      chunk_rows=128, context_size=C, attrs=attrs, roles=with_roles)
     data = synthetic.activations((1, N, W), seed=seed)
     tok, doc, pos, role = _meta(seed)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     synthetic.fill(s, data, token_id=tok, doc_id=doc, position=pos,
                    role=role if with_roles else None)
     return open_store(str(path)), data, role

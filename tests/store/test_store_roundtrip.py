@@ -35,7 +35,7 @@ def _make(url, storage_options=None, **kw):
     s = create_store(url, points=[f"resid_post.{i}" for i in range(P)], width=W, n_rows=N,
                      shard_rows=SHARD, chunk_rows=CHUNK, storage_options=storage_options,
                      attrs={"model": {"name": "tiny", "revision": "abc"}, "context_size": 100}, **kw)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     return s
 
 
@@ -104,7 +104,7 @@ def test_torch_bf16_input_and_any_row_order(tmp_path):
     x = synthetic.activations((P, N, W), seed=3)
     s = _make(str(tmp_path / "t.zarr"))
     tok, doc, pos = _meta(N)
-    for u in s.plan():
+    for u in s.ledger.plan():
         a0, b0 = u["row_start"], u["row_end"]
         w = s.region_writer(u["unit_id"], a0, b0)
         w.write_meta(a0, tok[a0:b0], doc[a0:b0], pos[a0:b0])
@@ -123,7 +123,7 @@ def test_out_of_order_beyond_open_shard_limit_is_still_exact(tmp_path):
     x = synthetic.activations((P, N, W), seed=4)
     s = create_store(str(tmp_path / "e.zarr"), points=[f"resid_post.{i}" for i in range(P)], width=W,
                      n_rows=N, shard_rows=SHARD, chunk_rows=CHUNK)
-    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
+    s.ledger.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
     tok, doc, pos = _meta(N)
     [m] = synthetic.fill(s, x, order="shuffled", chunk=61, max_open_shards=1, max_pending_shards=1,
                          token_id=tok, doc_id=doc, position=pos)
@@ -142,7 +142,7 @@ def test_float16_float32_options(tmp_path, dtype):
     x = synthetic.activations((1, 700, 32), seed=5, dtype=np.dtype(dtype))
     s = create_store(str(tmp_path / f"{dtype}.zarr"), points=["resid_post.0"], width=32, n_rows=700,
                      dtype=dtype, compression="blosc-lz4-bitshuffle")
-    s.write_plan(s.default_plan())
+    s.ledger.write_plan(s.ledger.default_plan())
     synthetic.fill(s, x, token_id=np.ones(700, np.int32))
     r = open_store(str(tmp_path / f"{dtype}.zarr"))
     assert r.dtype == dtype and r.compression["cname"] == "lz4"
@@ -170,7 +170,7 @@ def test_layout_on_disk_matches_format(tmp_path):
         assert m["data_type"] == dt and m["shape"] == [N]
     g = json.load(open(root / "zarr.json"))["attributes"]
     assert g["harvest"]["layout"] == "harvest.activations" and g["harvest"]["layout_version"] == 3
-    synthetic.fill(s, _data(), units=s.plan()[:1], token_id=np.zeros(N, np.int32))
+    synthetic.fill(s, _data(), units=s.ledger.plan()[:1], token_id=np.zeros(N, np.int32))
     assert os.path.exists(root / "_harvest" / "commits" / f"unit-00000000.0-{SHARD}.json")
     assert sorted(os.listdir(root / "resid_post" / "1" / "c")) == ["0"]  # one object per shard
 
@@ -283,7 +283,7 @@ def test_writer_memory_stays_within_its_documented_bound(tmp_path):
     x = synthetic.activations((P, n, W), seed=8)
     s = create_store(str(tmp_path / "m.zarr"), points=[f"resid_post.{i}" for i in range(P)], width=W,
                      n_rows=n, shard_rows=512, chunk_rows=128)
-    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
+    s.ledger.write_plan([{"unit_id": 0, "row_start": 0, "row_end": n}])
     w = s.region_writer(0, 0, n, max_open_shards=2, max_pending_shards=1)
     w.write_meta(0, *_meta(n))
     bound = P * 512 * W * 2 * (2 + 1)

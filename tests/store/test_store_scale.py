@@ -84,7 +84,7 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
     monkeypatch.setattr(S3Storage, "part_min_bytes", 5 << 20)
     s = create_store(url, points=POINTS, width=W, n_rows=N, shard_rows=SHARD, storage_options=so,
                      context_size=128)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     assert s.chunk_rows == 128  # 1 MiB inner chunks
     w0 = s.region_writer(0, 0, SHARD)
     br = w0.block_rows
@@ -102,7 +102,7 @@ def test_8b_shape_streamed_exact_crash_safe_and_bounded(target, rows, monkeypatc
     late.write(0, rows[:, :512])         # its first block: the shard's objects are begun
     # the winner, rows out of order (blocks complete out of order), memory measured
     with PeakRSS() as rss:
-        m0 = synthetic.fill(s, rows, units=[s.plan()[0]], order="shuffled", chunk=97,
+        m0 = synthetic.fill(s, rows, units=[s.ledger.plan()[0]], order="shuffled", chunk=97,
                             token_id=np.arange(N, dtype=np.int32) % 50000,
                             doc_id=np.arange(N) // 128, position=np.arange(N, dtype=np.int32) % 128)[0]
     late.write(512, rows[:, 512:SHARD])
@@ -165,16 +165,16 @@ def test_row_metadata_in_one_chunk_per_unit(target, monkeypatch):
     n, unit = 2 * 1024 + 512, 1024  # two units of 4 shards, then a last one of 2
     s = create_store(url, points=["resid_post.0", "resid_post.1"], width=64, n_rows=n,
                      shard_rows=256, chunk_rows=64, storage_options=so, meta_chunk_rows=unit)
-    s.write_plan(s.default_plan(4))
+    s.ledger.write_plan(s.ledger.default_plan(4))
     x = synthetic.activations((2, n, 64), seed=9)
     tok, doc, pos = (np.arange(n, dtype=np.int32) * 7) % 1000, np.arange(n) // 100, np.arange(n, dtype=np.int32) % 100
     with pytest.raises(StoreError, match="inside a row metadata chunk"):
         s.region_writer(9, 256, 1024)
     kw = dict(token_id=tok, doc_id=doc, position=pos, order="shuffled", chunk=37)
-    ms = synthetic.fill(s, x, units=s.plan()[:2], **kw)
+    ms = synthetic.fill(s, x, units=s.ledger.plan()[:2], **kw)
     with monkeypatch.context() as mp:
         mp.setattr(RegionWriter, "_publish", lambda self, manifest: None)
-        ms += synthetic.fill(s, x, units=s.plan()[2:], **kw)
+        ms += synthetic.fill(s, x, units=s.ledger.plan()[2:], **kw)
     for m in ms:  # every shard of a unit names the unit's one chunk
         assert {sh.meta["token_id"].chunk for sh in unit_shards(s, m)} == {m.unit_id}
     s.finalize()
@@ -204,7 +204,7 @@ def test_attempt_named_objects_of_older_s3_stores_still_read_and_finalize(seawee
     so = seaweedfs.storage_options
     s = create_store(s3_url, points=["resid_post.0", "resid_post.1"], width=64, n_rows=1024,
                      shard_rows=256, chunk_rows=64, storage_options=so)
-    s.write_plan(s.default_plan(2))
+    s.ledger.write_plan(s.ledger.default_plan(2))
     x = synthetic.activations((2, 1024, 64), seed=4)
     with monkeypatch.context() as mp:  # the old data plane: whole objects under attempt names
         for name in ("begin_object", "write_part", "finish_object", "abort_object"):

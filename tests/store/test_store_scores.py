@@ -16,7 +16,7 @@ C = 16
 def _store(tmp_path, name="s.zarr", **kw):
     st = create_store(str(tmp_path / name), points=["resid_post.0"], width=4, n_rows=128,
                       shard_rows=128, context_size=C, dtype="float32", **kw)
-    st.write_plan(st.default_plan(1))
+    st.ledger.write_plan(st.ledger.default_plan(1))
     return st
 
 

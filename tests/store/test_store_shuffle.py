@@ -34,7 +34,7 @@ def _source(path, n=11 * SHARD - 40, dtype="bfloat16", widths=None, finalize=Tru
                      chunk_rows=64, dtype=dtype, context_size=C, special_token_ids=(BOS,),
                      bos_token_id=BOS, stats_skip_positions=2, attrs={"model": "tiny"})
     tok, doc, pos = packed_meta(n, C, mean_doc=40, seed=seed)
-    s.write_plan(s.default_plan(2))
+    s.ledger.write_plan(s.ledger.default_plan(2))
     data = synthetic.activations((len(POINTS), n, w), seed=seed + 1)
     synthetic.fill(s, data, token_id=tok, doc_id=doc, position=pos)
     if finalize:
@@ -184,7 +184,7 @@ def test_refusals_name_the_problem(tmp_path, shuffled):
     src, _, _, d = shuffled
     unfinished = create_store(str(tmp_path / "partial"), points=POINTS, width=8, n_rows=4 * SHARD,
                               shard_rows=SHARD, chunk_rows=64)
-    unfinished.write_plan(unfinished.default_plan(1))
+    unfinished.ledger.write_plan(unfinished.ledger.default_plan(1))
     with pytest.raises(StoreError, match="not a finished store"):
         shuffled_copy.shuffle_store(str(tmp_path / "partial"), str(tmp_path / "x"))
     with pytest.raises(StoreError, match="already a shuffled copy"):
@@ -223,7 +223,7 @@ def test_a_shuffled_copy_on_s3_leaves_no_spill_objects(seaweedfs, s3_url):
                        chunk_rows=64, context_size=C, special_token_ids=(BOS,),
                        stats_skip_positions=2, storage_options=so)
     tok, doc, pos = packed_meta(n, C, mean_doc=40, seed=2)
-    src.write_plan(src.default_plan(1))
+    src.ledger.write_plan(src.ledger.default_plan(1))
     synthetic.fill(src, synthetic.activations((len(POINTS), n, 8), seed=3), token_id=tok,
                    doc_id=doc, position=pos)
     src.finalize()

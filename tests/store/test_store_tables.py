@@ -31,7 +31,7 @@ def target(request, tmp_path):
 def _store(url, so, n_points: int, n_rows: int, shards_per_unit: int):
     s = create_store(url, points=[f"resid_post.{i}" for i in range(n_points)], width=W,
                      n_rows=n_rows, shard_rows=SHARD, chunk_rows=SHARD, storage_options=so)
-    s.write_plan(s.default_plan(shards_per_unit))
+    s.ledger.write_plan(s.ledger.default_plan(shards_per_unit))
     return s
 
 
@@ -87,10 +87,10 @@ def test_reading_opens_no_table_until_a_unit_is_read(target):
     x, _ = _fill(s)
     r = open_store(url, storage_options=so, read_only=True)
     ds = ActivationDataset(r, batch_size=32)
-    assert ds._store.table_cache.loads == 0           # pieces come from the row ranges alone
-    assert r.verify().ok and r.table_cache.loads == 0   # default verify reads no table either
+    assert ds._store.ledger.table_cache.loads == 0           # pieces come from the row ranges alone
+    assert r.verify().ok and r.ledger.table_cache.loads == 0   # default verify reads no table either
     n = sum(len(b) for b in ds)
-    assert n == 8 * SHARD and 1 <= ds._store.table_cache.loads
+    assert n == 8 * SHARD and 1 <= ds._store.ledger.table_cache.loads
     _reads_exactly(url, so, x)
 
 
@@ -110,7 +110,7 @@ def test_layout_2_store_still_reads_exactly(target, monkeypatch):
                                                                    m.row_end // SHARD))
         assert all(set(sh.doc) >= {"crc32c", "nbytes", "object_crc32c", "meta"} for sh in m.shards)
     assert s.location.list_dir(layout.TABLES_DIR) == []
-    s.write_index(ms[:2])
+    s.ledger.write_index(ms[:2])
     _reads_exactly(url, so, x)
     f = open_store(url, storage_options=so).finalize()
     assert f["compression_ratio"]["stored_bytes"] == sum(
@@ -153,17 +153,17 @@ def test_uncommit_and_rewrite_reads_the_new_attempts_table(target):
     url, so = target
     s = _store(url, so, 2, 4 * SHARD, 2)
     x, ms = _fill(s, seed=1)
-    s.write_index(ms)
+    s.ledger.write_index(ms)
     s.uncommit(0)
     y = synthetic.activations((2, s.n_rows, W), seed=2)
     tok = np.arange(s.n_rows, dtype=np.int32)
-    [new] = synthetic.fill(s, y, units=[s.plan()[0]], token_id=tok,
+    [new] = synthetic.fill(s, y, units=[s.ledger.plan()[0]], token_id=tok,
                            doc_id=tok.astype(np.int64) // 7, position=tok % 7)
     assert new.table.key != ms[0].table.key
     s.location.delete(ms[0].table.key)
     want = x.copy()
     want[:, :2 * SHARD] = y[:, :2 * SHARD]
     _reads_exactly(url, so, want)
-    s.write_index([new])
+    s.ledger.write_index([new])
     open_store(url, storage_options=so).finalize()
     _reads_exactly(url, so, want)

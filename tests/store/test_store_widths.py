@@ -31,7 +31,7 @@ def _data(seed: int) -> np.ndarray:
 def _make(url, **kw):
     s = create_store(url, points=POINTS, width=W, widths=WIDTHS, n_rows=N, shard_rows=SHARD,
                      chunk_rows=CHUNK, context_size=128, **kw)
-    s.write_plan(s.default_plan(1))
+    s.ledger.write_plan(s.ledger.default_plan(1))
     return s
 
 

@@ -16,7 +16,7 @@ P, W, SHARD, N = 2, 8, 64, 256  # 4 shards in one unit
 def _store(tmp_path):
     s = create_store(str(tmp_path / "s.zarr"), points=["resid_post.0", "resid_post.1"], width=W,
                      n_rows=N, shard_rows=SHARD, chunk_rows=32)
-    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
+    s.ledger.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
     return s
 
 
@@ -99,7 +99,7 @@ def test_points_of_several_widths_in_place_store_only_their_own_columns(tmp_path
     widths = {"mlp_in.0": W, "mlp_act.0": 3 * W}
     s = create_store(str(tmp_path / "m.zarr"), points=list(widths), width=W, widths=widths,
                      n_rows=N, shard_rows=SHARD, chunk_rows=32)
-    s.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
+    s.ledger.write_plan([{"unit_id": 0, "row_start": 0, "row_end": N}])
     data = synthetic.activations((P, N, 3 * W), seed=5)
     raw = data.view(np.uint16)
     w = s.region_writer(0, 0, N)

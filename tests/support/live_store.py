@@ -57,7 +57,7 @@ class LiveStore:
         self.st.location.write_bytes(lease_key(gen), json.dumps(record).encode())
 
     def plan(self, ids, final: bool = False) -> None:
-        assert self.st.plans.write_segment(self.seq, [self.units[i] for i in ids], final=final)
+        assert self.st.ledger.plans.write_segment(self.seq, [self.units[i] for i in ids], final=final)
         self.seq += 1
 
     def commit(self, uid: int) -> None:

@@ -45,14 +45,14 @@ def make_store(path, n_rows: int, shard_rows: int, width: int = 16, points=("res
     if data is None:
         data = synthetic.activations((len(points), n_rows, width), seed=seed)
     tok, doc, pos = packed_meta(n_rows, context, mean_doc, seed)
-    s.write_plan(s.default_plan(1))
-    units = [u for u in s.plan() if u["unit_id"] not in set(uncommitted)]
+    s.ledger.write_plan(s.ledger.default_plan(1))
+    units = [u for u in s.ledger.plan() if u["unit_id"] not in set(uncommitted)]
     synthetic.fill(s, data, units=units, token_id=tok, doc_id=doc, position=pos)
     return s, data, tok, doc, pos
 
 
 def committed_rows(store) -> np.ndarray:
-    return np.concatenate([np.arange(m.row_start, m.row_end) for m in store.committed_units().values()])
+    return np.concatenate([np.arange(m.row_start, m.row_end) for m in store.ledger.committed_units().values()])
 
 
 def unpublish(store, unit_ids) -> int:
@@ -63,7 +63,7 @@ def unpublish(store, unit_ids) -> int:
 
     moved = 0
     for uid in unit_ids:
-        m = store.commit_manifest(uid)
+        m = store.ledger.commit_manifest(uid)
         for sh in unit_shards(store, m):
             pairs = [point_keys(p, sh.index, m.attempt) for p in store.points]
             pairs += [meta_keys(n, sh.index, m.attempt) for n in sh.meta or {}]

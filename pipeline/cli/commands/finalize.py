@@ -19,7 +19,7 @@ def cmd_finalize(args) -> int:
     from ....store import settle_text
 
     store, shown = open_for_repair(args, "finalize")
-    report = store.settle(repair=True)
+    report = store.ledger.settle(repair=True)
     out = {"store": shown, "published_now": report.published, "gone": report.gone,
            "damaged": report.damaged, "uncommitted": report.uncommitted,
            "finalized": False}

@@ -46,7 +46,7 @@ def cmd_plan(args) -> int:
         "corpus_bytes": corpus_bytes(prep.sources),
     }
     if existing is not None:
-        plan = existing.plans.read()
+        plan = existing.ledger.plans.read()
         out["planned_units"] = len(plan.units)
         out["planned_tokens"] = sum(u.n_rows for u in plan.units)
         out["plan_complete"] = plan.final

@@ -14,7 +14,7 @@ from ..args import open_for_repair, store_args
 def cmd_uncommit(args) -> int:
     units = sorted({int(u) for part in args.unit for u in str(part).split(",") if u.strip()})
     store, shown = open_for_repair(args, "uncommit")
-    committed = {n.unit_id for n in store.marker_names()}
+    committed = {n.unit_id for n in store.ledger.marker_names()}
     absent = [u for u in units if u not in committed]
     if absent:
         print(f"harvest uncommit: units {absent} of {shown} are not committed: nothing done "

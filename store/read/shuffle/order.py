@@ -129,7 +129,7 @@ def committed_pieces(st: Store) -> tuple[Pieces, Sources]:
 
     Refuses a store whose facts disagree with themselves (n_rows edited, markers lost after
     finalize): reading it would yield wrong or fewer rows without a word."""
-    lites = [m.lite() for m in sorted(st.committed_units().values(), key=lambda m: m.row_start)]
+    lites = [m.lite() for m in sorted(st.ledger.committed_units().values(), key=lambda m: m.row_start)]
     pieces = Pieces([m.row_start for m in lites], [m.row_end for m in lites], st.shard_rows)
     for p in st.points:
         codec = st.shard_codec(p)
