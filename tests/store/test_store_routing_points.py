@@ -38,7 +38,7 @@ def test_routing_points_round_trip_bit_for_bit(tmp_path):
     st = _store(tmp_path)
     assert st.layout_version == 5 and st.point_values == {"expert_indices.0": "int32",
                                                            "expert_weights.0": "float32"}
-    st.write_plan(st.default_plan(1))
+    st.ledger.write_plan(st.ledger.default_plan(1))
     n = st.n_rows
     ids, w = _routing(n)
     acts = torch.zeros(3, n, 8, dtype=torch.bfloat16)
