@@ -146,7 +146,7 @@ ATTRIBUTES = frozenset({
     "url", "location", "zarr_store", "attrs", "attributes", "harvest_attrs", "summary",
     "context_size", "special_token_ids", "bos_token_id", "tokenizer", "stats_skip_positions",
     "stats_filter", "meta_columns", "n_shards", "row_bytes", "row_set_bytes", "point_row_width",
-    "shard_range", "info", "ledger", "block_buffers",
+    "shard_range", "info", "ledger", "block_buffers", "point_values",
     "note_finalized", "note_unfinalized", "note_resized",
 })
 # the data: arrays and codecs, checked and plain reads of rows and row metadata, the writer of a
