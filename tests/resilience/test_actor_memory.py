@@ -71,9 +71,10 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     monkeypatch.setattr(rows_mod, "unit_rows", _unit_rows)
     # the markers the actor's long-lived store caches: bounded (8 here, so 40 units exceed it)
     monkeypatch.setattr(ledger_mod, "MARKER_CACHE", 8)
-    # a gap the run_unit threads always beat: the whole run is one stream, as in production
-    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 3.0)
-    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 3.0)
+    # no wait for the next unit ends the stream: the run's end does (below), so the whole run is
+    # one stream, as in production, however long a loaded machine takes between two units
+    monkeypatch.setattr(actor_mod, "STREAM_GAP_WAIT", 600.0)
+    monkeypatch.setattr(actor_mod, "STREAM_START_WAIT", 600.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")        # the actor sets these for its process
     monkeypatch.setenv("HARVEST_CODEC_THREADS", "2")
     monkeypatch.delenv("HARVEST_LOG_DIR", raising=False)
@@ -83,19 +84,32 @@ def test_a_long_stream_keeps_only_the_units_in_flight(tmp_path, monkeypatch, in_
     gc.collect()
     base = live_writers()
     actor = actor_mod.HarvestActor(_spec(url, points, in_place=in_place))
+    queued, put = [0], actor._queue.put   # a count: holding the jobs would keep their writers
+
+    def put_then_end(job, *a, **kw):
+        """The actor's unit queue, which gets the run's end (what close() puts) once every unit
+        is in it: the stream drains its last step then, not after a wait for one more unit."""
+        put(job, *a, **kw)
+        if job is not None:
+            queued[0] += 1
+            if queued[0] == UNITS:
+                put(None)
+
+    monkeypatch.setattr(actor._queue, "put", put_then_end)
     try:
         with ThreadPoolExecutor(IN_FLIGHT) as ex:
             results = list(ex.map(actor.run_unit, units))
-        deadline = time.monotonic() + 15
-        while live_writers() > base and time.monotonic() < deadline:
-            time.sleep(0.1)  # the stream ends STREAM_GAP_WAIT after its last unit
-        after = live_writers() - base
-        assert actor.streams == 1, "the units did not run as one stream; the test shows nothing"
-        assert actor.rows_in_place == (n if in_place else 0)
+        streams, rows_in_place = actor.streams, actor.rows_in_place
         cached = actor._open_store().ledger.cached_markers()
     finally:
-        actor.close()
+        actor.close()   # ends the stream (its thread returns once the queue hands it the end)
         torch.set_num_threads(threads)
+    deadline = time.monotonic() + 120
+    while live_writers() > base and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = live_writers() - base
+    assert streams == 1, "the units did not run as one stream; the test shows nothing"
+    assert rows_in_place == (n if in_place else 0)
 
     assert [r.status for r in results] == ["committed"] * UNITS
     assert len(live) == UNITS * CTX_PER_UNIT

@@ -30,7 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.beside_engines]  # eager Ray runs, n
 class Killer:
     """on_event hook: SIGKILL one actor process that has units in flight, once; with `last_of`
     (the number of units) also the other actor at the last unit, waiting until Ray restarted it:
-    a restart the loop never sees as a new pid (no unit runs after it)."""
+    a restart the loop never sees as a new pid (no unit runs after it). With `last_of` the first
+    victim's restart is awaited too (the driver's loop waits in this hook, so no unit is handed
+    out meanwhile): its new process is up before the survivor can take every unit left, which a
+    loaded machine's slow restart would otherwise let it do."""
 
     def __init__(self, last_of: int | None = None):
         self.pids: dict[int, int] = {}
@@ -52,20 +55,28 @@ class Killer:
         elif e["event"] == "unit_done" and self.killed is None:
             busy = [a for a, n in sorted(e["in_flight"].items()) if n > 0]
             victim = busy[0] if busy else 1 - e["actor"]
-            os.kill(self.pids[victim], signal.SIGKILL)
             self.killed = (victim, self.pids[victim])
             self.had_units = victim in busy
+            if self.last_of is None:
+                os.kill(self.pids[victim], signal.SIGKILL)
+            else:
+                kill_and_wait_for_ray_restart(self.pids[victim], alive=True)
 
 
-def kill_and_wait_for_ray_restart(pid: int, timeout: float = 120) -> None:
-    """SIGKILL the actor process `pid`; return once Ray's actor table counts its restart."""
+def kill_and_wait_for_ray_restart(pid: int, timeout: float = 300, alive: bool = False) -> None:
+    """SIGKILL the actor process `pid`; return once Ray's actor table counts its restart (and,
+    with `alive`, once the restarted actor is ALIVE in a new process: its constructor ran)."""
     from ray._private import state
 
     (actor_id,) = [i for i, a in state.actors().items() if a["Pid"] == pid
                    and a["State"] == "ALIVE"]
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: state.actors(actor_id=actor_id)["NumRestarts"] >= 1, timeout,
-               f"Ray to restart the actor of pid {pid}", interval=0.1)
+
+    def restarted() -> bool:
+        a = state.actors(actor_id=actor_id)
+        return a["NumRestarts"] >= 1 and (not alive or (a["State"] == "ALIVE" and a["Pid"] != pid))
+
+    wait_until(restarted, timeout, f"Ray to restart the actor of pid {pid}", interval=0.1)
 
 
 def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_llama, corpus,
