@@ -32,28 +32,34 @@ def scores_of(model, toks: list[int]) -> dict:
 
 def references(jobs: list[dict]) -> list[list[dict]]:
     """jobs: [{path, tokens, dtype}] -> per job, per prompt, {"logprob": [n], "entropy": [n]}."""
-    with tempfile.TemporaryDirectory(prefix="harvest-logits-") as d:
+    return in_subprocess("tests.support.hf_logits", jobs, "logits")
+
+
+def in_subprocess(module: str, jobs: list[dict], what: str):
+    """`python -m module JOBS OUT` on `jobs` (a module whose main is `run_jobs`), its result."""
+    with tempfile.TemporaryDirectory(prefix=f"harvest-{what}-") as d:
         spec, out = Path(d) / "jobs.json", Path(d) / "ref.pt"
         spec.write_text(json.dumps(jobs))
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        proc = subprocess.run([sys.executable, "-m", "tests.support.hf_logits", str(spec), str(out)],
+        proc = subprocess.run([sys.executable, "-m", module, str(spec), str(out)],
                               env=env, capture_output=True, text=True, cwd=root)
         if proc.returncode != 0:
-            raise RuntimeError(f"the Hugging Face logits reference failed:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"the Hugging Face {what} reference failed:\n{proc.stderr[-4000:]}")
         return torch.load(out)
 
 
-def _main(spec: str, out: str) -> None:
+def run_jobs(spec: str, out: str, per_prompt) -> None:
+    """Each job's model (path, dtype) loaded in turn, `per_prompt(model, tokens)` of each prompt."""
     from transformers import AutoModelForCausalLM
 
     results = []
     for job in json.loads(Path(spec).read_text()):
         model = AutoModelForCausalLM.from_pretrained(job["path"],
                                                      dtype=getattr(torch, job["dtype"])).eval()
-        results.append([scores_of(model, t) for t in job["tokens"]])
+        results.append([per_prompt(model, t) for t in job["tokens"]])
     torch.save(results, out)
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    run_jobs(sys.argv[1], sys.argv[2], scores_of)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
-import os
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
+
+from tests.support.hf_logits import in_subprocess, run_jobs
 
 
 @torch.inference_mode()
@@ -39,16 +36,7 @@ def routing_of(model, toks: list[int]) -> list[dict]:
 
 def references(jobs: list[dict]) -> list[list[list[dict]]]:
     """jobs: [{path, tokens, dtype}] -> per job, per prompt, per layer, routing_of's dict."""
-    with tempfile.TemporaryDirectory(prefix="harvest-routing-") as d:
-        spec, out = Path(d) / "jobs.json", Path(d) / "ref.pt"
-        spec.write_text(json.dumps(jobs))
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        proc = subprocess.run([sys.executable, "-m", "tests.support.hf_routing", str(spec), str(out)],
-                              env=env, capture_output=True, text=True, cwd=root)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the Hugging Face routing reference failed:\n{proc.stderr[-4000:]}")
-        return torch.load(out)
+    return in_subprocess("tests.support.hf_routing", jobs, "routing")
 
 
 def router_rule(path: str):
@@ -76,16 +64,5 @@ def router_rule(path: str):
     return route
 
 
-def _main(spec: str, out: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    results = []
-    for job in json.loads(Path(spec).read_text()):
-        model = AutoModelForCausalLM.from_pretrained(job["path"],
-                                                     dtype=getattr(torch, job["dtype"])).eval()
-        results.append([routing_of(model, t) for t in job["tokens"]])
-    torch.save(results, out)
-
-
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    run_jobs(sys.argv[1], sys.argv[2], routing_of)
