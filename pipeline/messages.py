@@ -233,6 +233,57 @@ class ActorFigures:
     throttle_wait_s: float = 0.0
 
 
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDescriptor:
+    """A tokenised chunk without its tokens, tokenize worker -> driver (TokenizeWorker.tokenize
+    yields the chunk's arrays, then this): what the driver places into units and checks a resume
+    against; `plan_record()` is what the plan keeps of it."""
+
+    block: int
+    chunk: int
+    """The chunk's index in its block."""
+    n_contexts: int
+    cursor: dict | None
+    """Where in the block the chunk's first context starts ({"row", "pos", "offset"}, JSON: the
+    plan keeps it, a resume restarts tokenising there)."""
+    final: bool
+    """The block ends with this chunk."""
+    rows: int
+    """Source rows read so far in the block (all of them once final)."""
+    digest: tuple[int, ...]
+    """The chunk's rows' digest (unit_rows.chunk_digest): the same data gives the same digest."""
+    stats: dict = field(default_factory=dict)
+    """Source-row and packing figures (packing.PackStats.as_dict)."""
+    capped: bool = False
+    """Stopped at the run's context budget, not at the block's end."""
+    pid: int | None = None
+    """The tokenize worker's process (the run's events name it)."""
+
+    def plan_record(self) -> dict[str, Any]:
+        """The plan's JSON record of the chunk (FORMAT.md "The plan")."""
+        return {"n_contexts": self.n_contexts, "cursor": self.cursor, "final": self.final,
+                "rows": self.rows, "digest": list(self.digest), "stats": self.stats,
+                "capped": self.capped}
+
+@dataclass(frozen=True, slots=True)
+class StreamFigures:
+    """A streaming actor's memory and flow now, actor -> whoever asks (HarvestActor.stream_figures;
+    the memory figures of a streamed run)."""
+
+    actor: int
+    pid: int
+    held_rows: tuple[int, ...]
+    """Rows held for each trainer rank, in rank order."""
+    held_bytes: int
+    peak_held_bytes: int
+    rows_sent: int
+    bytes_sent: int
+    put_wait_s: float
+    """Seconds the engine waited for trainers (backpressure)."""
+    rss_bytes: int
+
 # ---- a streamed run (pipeline/stream/) ---------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from .storage.credentials import mask_text
 from .escape import json_value, md_code, md_text, writable
 from .read.filters import sink_positions, store_facts, store_special_ids
+from .format.jsonattrs import JsonObject
 
 if TYPE_CHECKING:
     from .commit.view import StoreData
@@ -46,7 +47,7 @@ def size_category(rows: int) -> str:
     return "n>1T"
 
 
-def _dict(x) -> dict:
+def _dict(x) -> JsonObject:
     """`x` where it is a dict, else {}: an attribute of another shape is read as absent."""
     return x if isinstance(x, dict) else {}
 
@@ -56,7 +57,7 @@ def _count(x) -> int:
     return x if isinstance(x, int) and not isinstance(x, bool) else 0
 
 
-def card_facts(store: StoreData) -> dict:
+def card_facts(store: StoreData) -> JsonObject:
     """The figures the card shows, from the store's attributes only (the `harvest:` block)."""
     a = store.attributes
     run = store.attrs

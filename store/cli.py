@@ -21,9 +21,10 @@ import sys
 from .storage.credentials import redact_url
 from .errors import StoreError
 from .escape import terminal
+from .storage.credentials import StorageOptions
 
 
-def _options(args) -> dict | None:
+def _options(args) -> StorageOptions | None:
     if not args.storage_options:
         return None
     try:

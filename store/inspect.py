@@ -7,10 +7,11 @@ Ray or torch) can inspect a store with the same code as `harvest inspect`.
 from __future__ import annotations
 
 import numpy as np
+from .format.jsonattrs import JsonObject
 
 
 def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int] | None" = None,
-            tokenizer_path: str | None = None) -> dict:
+            tokenizer_path: str | None = None) -> JsonObject:
     """Layout, run attributes and (optionally) some rows with their metadata and norms."""
     from .store import open_store
 
@@ -38,7 +39,7 @@ def inspect(url: str, storage_options: dict | None = None, rows: "tuple[int, int
     return out
 
 
-def stats_summary(store) -> dict:
+def stats_summary(store) -> JsonObject:
     """Per point, the kept rows' statistics in a few numbers (README: inspect shows stats)."""
     out = {}
     try:

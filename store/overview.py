@@ -1,9 +1,10 @@
 """Store.info(): what a user inspecting a store wants, in one dict."""
 
 from __future__ import annotations
+from .format.jsonattrs import JsonObject
 
 
-def store_info(st) -> dict:
+def store_info(st) -> JsonObject:
     """Shape, progress against the plan, stats and attrs of `st` (see Store.info)."""
     names = st.ledger.marker_names()
     plan = st.ledger.plan_units()

@@ -50,6 +50,8 @@ import numpy as np
 
 from .errors import StoreError
 from .format import layout
+from .format.jsonattrs import JsonObject
+from .format.spec import StoreSpec
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,10 @@ def _order(n: int, seed: int):
     return Feistel(n, (int(seed), KEY_TAG))
 
 
-def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> dict:
-    """create_store keywords for a store laid out as `src` holding `points`, with a source_row
-    column."""
+def _spec_of(src, n_rows: int, unit_rows: int, points: list) -> StoreSpec:
+    """The spec of a store laid out as `src` holding `points`, with a source_row column."""
     cols = src.meta_columns
-    return dict(points=list(points), width=src.width, widths={p: src.widths[p] for p in points},
+    return StoreSpec(points=tuple(points), width=src.width, widths={p: src.widths[p] for p in points},
                 values={p: t for p, t in src.point_values.items() if p in points},
                 n_rows=n_rows,
                 shard_rows=src.shard_rows, chunk_rows=src.chunk_rows, dtype=src.dtype,
@@ -101,7 +102,7 @@ def _open_or_create(url: str, storage_options, src, n: int, unit_rows: int, fact
         return None
     else:
         st = create_store(url, attrs={**(src.attrs or {}), "shuffled": facts},
-                          storage_options=storage_options, **_spec_of(src, n, unit_rows, points))
+                          storage_options=storage_options, spec=_spec_of(src, n, unit_rows, points))
     if not st.ledger.plan():   # new, or a crash came between create_store and its plan
         st.ledger.write_plan([{"unit_id": b, "row_start": a, "row_end": min(n, a + unit_rows)}
                               for b, a in enumerate(range(0, n, unit_rows))])
@@ -141,7 +142,7 @@ def _write_unit(w, a: int, acts: np.ndarray, cols: dict) -> None:
 def shuffle_store(src_url: str, dst_url: str, *, seed: int = 0, spill_url: "str | None" = None,
                   storage_options: "dict | None" = None, memory_bytes: int = DEFAULT_MEMORY,
                   points: "list[str] | None" = None,
-                  progress: "Callable[[str], None] | None" = None) -> dict:
+                  progress: "Callable[[str], None] | None" = None) -> JsonObject:
     """Write a shuffled copy of the finished store at `src_url` to `dst_url` (see the module
     doc); rerun with the same arguments after a crash to finish it (a spill level written with
     another `memory_bytes`, hence other unit sizes, is refused by name). Returns a summary:

@@ -40,8 +40,10 @@ from .format.dtypes import is_quantized, resolve_dtype, row_width
 from .errors import StoreError
 from .commit.plan import check_region
 from .commit.records import StatsRef, Unit
+from .format.jsonattrs import JsonObject
 
 if TYPE_CHECKING:
+    from .stats.files import PointStats
     from .write.buffers import BufferPool
 
 log = logging.getLogger(__name__)
@@ -118,17 +120,17 @@ class Store:
         return self._loc
 
     @property
-    def attrs(self) -> dict:
+    def attrs(self) -> JsonObject:
         """The run attributes given to create_store (model, dataset, config...)."""
         return self._meta["attributes"].get("run", {})
 
     @property
-    def attributes(self) -> dict:
+    def attributes(self) -> JsonObject:
         """The root group's attributes as opened (run, summary, stats, committed_rows, ...)."""
         return self._meta["attributes"]
 
     @property
-    def harvest_attrs(self) -> dict:
+    def harvest_attrs(self) -> JsonObject:
         """The root's `harvest` block: the format facts create_store recorded (FORMAT.md)."""
         return self._h
 
@@ -152,7 +154,7 @@ class Store:
         self._arrays.clear()
 
     @property
-    def summary(self) -> dict | None:
+    def summary(self) -> JsonObject | None:
         return self._meta["attributes"].get("summary")
 
     @property
@@ -186,7 +188,7 @@ class Store:
         return special, skip, int(self.context_size or 1)
 
     @property
-    def meta_columns(self) -> dict:
+    def meta_columns(self) -> dict[str, str]:
         """Row metadata columns this store has (name -> dtype), as its attributes record them:
         stores made before a column was added to layout.ROW_META do not have it."""
         return dict(self._h.get("row_meta") or {k: layout.ROW_META[k] for k in layout.BASE_META})
@@ -219,7 +221,7 @@ class Store:
                 + (f"widths={sorted(set(self.widths.values()))}, " if self.mixed_widths else "") +
                 f"n_rows={self.n_rows}, dtype={self.dtype})")
 
-    def info(self) -> dict:
+    def info(self) -> JsonObject:
         """What a user inspecting a store wants: shape, progress, stats, attrs."""
         return _info.store_info(self)
 
@@ -353,7 +355,7 @@ class Store:
         """Every unit's partials merged in unit-id order (see statsfiles.merge_partials)."""
         return _statsfiles.merge_partials(self, refs, batch)
 
-    def stats(self, points: Sequence[str] | None = None, subset: str = "all") -> dict[str, dict]:
+    def stats(self, points: Sequence[str] | None = None, subset: str = "all") -> "dict[str, PointStats]":
         """Per-point stats of `subset` rows: "all", or "kept" (rows whose token is not a special
         token and whose context position is >= stats_skip_positions; see FORMAT.md).
 
@@ -364,7 +366,7 @@ class Store:
         return _statsfiles.read_stats(self, points, subset)
 
     # ---- finalize and verify (driver) ---------------------------------------------------------
-    def finalize(self, summary: dict | None = None) -> dict:
+    def finalize(self, summary: dict | None = None) -> JsonObject:
         """Merge committed stats into the store, record compression and the run summary."""
         return self.ledger.finalize(summary)
 

@@ -175,7 +175,7 @@ class VLLMModel:
             self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
             raise RuntimeError(f"vLLM built the engine without the harvest runner ({worker})")
-        built = {i.get("runner") for i in compat.worker_calls(self.llm, "harvest_info") if i}
+        built = {i.runner for i in compat.worker_calls(self.llm, "harvest_info") if i}
         if built != {self.runner}:
             self.close()
             raise compat.VLLMIncompatible(
@@ -190,7 +190,7 @@ class VLLMModel:
         infos = compat.worker_calls(self.llm, "harvest_info")
         if any(i is None for i in infos):
             return None
-        publishers = sum(bool(i["publishes"]) for i in infos)
+        publishers = sum(i.publishes for i in infos)
         if ring is not None and publishers != 1:
             raise RuntimeError(f"{publishers} tensor-parallel ranks publish rows (expected exactly "
                                "one, the output rank): rows would be lost or doubled")

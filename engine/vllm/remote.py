@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from . import compat
 from ..capture import taps as tapmod
 from ..addresses import Address
 from ..capture.coverage import CoverageError
+from .messages import WorkerInfo
 from .rowmap import HarvestState
 from ..capture.shmdest import Registrations, SharedArena
 from ..capture.stepring import RingReader, RingStep, new_spec
@@ -62,9 +64,9 @@ class RemoteHarvest(HarvestState):
     """Constructed by VLLMModel for tensor_parallel_size > 1 (freeze mode only)."""
 
     def __init__(self, llm, ring: RingReader, reads, writes, width: int, dtype, max_tokens: int,
-                 info: dict, arena: SharedArena | None = None):
+                 info: WorkerInfo, arena: SharedArena | None = None):
         ts = tapmod.TapSet(tuple(reads), tuple(writes), None, {}, width)
-        super().__init__(ts, SimpleNamespace(report=info.get("report", {})), "freeze", max_tokens,
+        super().__init__(ts, SimpleNamespace(report=info.report), "freeze", max_tokens,
                          width, dtype, torch.device("cpu"), CPUTransport(), staging=False)
         self._llm, self._ring = llm, ring
         self._poison = False
@@ -179,7 +181,7 @@ class RemoteHarvest(HarvestState):
                 "ring": {**self._ring.timing(), "read_s": round(self.read_s, 4)}}
 
     def worker_summaries(self) -> list:
-        return [i["summary"] if i else None for i in compat.worker_calls(self._llm, "harvest_info")]
+        return [i.summary if i else None for i in compat.worker_calls(self._llm, "harvest_info")]
 
 
 class RemoteStats:
@@ -191,9 +193,10 @@ class RemoteStats:
     def __init__(self, llm):
         self._llm = llm
 
-    def _output_rank(self) -> dict:
+    def _output_rank(self) -> dict[str, Any]:
+        """The output rank's capture summary."""
         infos = compat.worker_calls(self._llm, "harvest_info")
-        return next((i for i in infos if i and i["publishes_stats"]), infos[0])["summary"]
+        return next((i for i in infos if i and i.publishes_stats), infos[0]).summary
 
     def step_stats(self) -> dict:
         s = self._output_rank()

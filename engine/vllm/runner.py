@@ -19,6 +19,7 @@ from typing import Any
 
 from . import compat
 from . import rowmap as harvest
+from .messages import WorkerInfo
 
 # the platform's workers, found at run time (compat.py): Any to the type checker
 _workers = compat.worker_classes()
@@ -119,15 +120,15 @@ class _HarvestRPC:
 
         return os.environ.get("VLLM_DIST_IDENT")
 
-    def harvest_info(self) -> dict | None:
+    def harvest_info(self) -> WorkerInfo | None:
         st = self.model_runner.harvest
         if st is None:
             return None
         report = dict(st.layers.report) if st.layers is not None else {}
-        return {"mode": st.mode, "report": report, "publishes": st.ring is not None,
-                "runner": self.model_runner.harvest_runner,
-                "publishes_stats": compat.parallel_ranks()["output_rank"],
-                "summary": st.summary()}
+        return WorkerInfo(mode=st.mode, runner=self.model_runner.harvest_runner, report=report,
+                          publishes=st.ring is not None,
+                          publishes_stats=bool(compat.parallel_ranks()["output_rank"]),
+                          summary=st.summary())
 
     def harvest_set_poison(self, on: bool) -> None:
         self.model_runner.harvest.poison = bool(on)

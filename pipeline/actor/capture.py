@@ -33,7 +33,7 @@ from .engine import check_engine, close_engine, gpu_ids, load_engine
 from .outbox import Outbox, StreamClosed, UnitParts, rss_bytes
 from ..logs import mark_phase, redirect_actor
 from ...store import THROTTLE, torch_dtype, torch_view
-from ..messages import (ActorFigures, ActorInfo, ActorSpec, StreamRows, UnitResult,
+from ..messages import (ActorFigures, ActorInfo, ActorSpec, StreamFigures, StreamRows, UnitResult,
                                        UnitStatus, UnitTask)
 
 log = logging.getLogger("harvest.actor")
@@ -284,16 +284,15 @@ class HarvestActor:
         acknowledged counts as delivered (outbox.Outbox.release)."""
         return 0 if self.outbox is None else self.outbox.release(rank)
 
-    def stream_figures(self) -> dict:
-        """The stream's memory and flow here: rows held per rank, bytes held now and at the
-        peak, rows and bytes sent, seconds the engine waited for trainers, this process's RSS."""
+    def stream_figures(self) -> StreamFigures | None:
+        """The stream's memory and flow here (None: this run does not stream)."""
         if self.outbox is None:
-            return {}
+            return None
         held, held_bytes = self.outbox.held()
-        return {"actor": self.index, "pid": os.getpid(), "held_rows": held,
-                "held_bytes": held_bytes, "peak_held_bytes": self.outbox.peak_held_bytes,
-                "rows_sent": self.outbox.rows_sent, "bytes_sent": self.outbox.bytes_sent,
-                "put_wait_s": round(self.outbox.put_wait_s, 3), "rss_bytes": rss_bytes()}
+        return StreamFigures(actor=self.index, pid=os.getpid(), held_rows=tuple(held),
+                             held_bytes=held_bytes, peak_held_bytes=self.outbox.peak_held_bytes,
+                             rows_sent=self.outbox.rows_sent, bytes_sent=self.outbox.bytes_sent,
+                             put_wait_s=round(self.outbox.put_wait_s, 3), rss_bytes=rss_bytes())
 
     # -- the engine stream ------------------------------------------------------------------
     def _engine_loop(self) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 
 from ..config.run import PackingConfig
 from ...store import META_INSERTED, roles as _roles
+from ..messages import ChunkDescriptor
 
 
 class PackingError(ValueError):
@@ -98,11 +99,11 @@ class Chunk:
             out["role"] = self.role
         return out
 
-    def describe(self) -> dict:
+    def describe(self) -> ChunkDescriptor:
         """Everything but the tokens: what the driver and the plan keep."""
-        return {"block": self.block, "chunk": self.index, "n_contexts": self.n_contexts,
-                "cursor": self.cursor, "final": self.final, "rows": self.rows,
-                "digest": self.digest(), "stats": self.stats, "capped": self.capped}
+        return ChunkDescriptor(block=self.block, chunk=self.index, n_contexts=self.n_contexts,
+                               cursor=self.cursor, final=self.final, rows=self.rows,
+                               digest=tuple(self.digest()), stats=self.stats, capped=self.capped)
 
 
 class _Growable:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...store import Unit
+from ..messages import ChunkDescriptor
 
 
 def chunk_key(block: int, chunk: int) -> str:
@@ -91,9 +92,9 @@ class Frontier:
         return self.next_block, None, 0
 
     # ---- placing -------------------------------------------------------------------------------
-    def add(self, desc: dict) -> list[Emitted]:
-        """A chunk descriptor (see packing.Chunk.describe); returns the units it completed."""
-        key = (int(desc["block"]), int(desc["chunk"]))
+    def add(self, desc: ChunkDescriptor) -> list[Emitted]:
+        """A chunk's descriptor; returns the units it completed."""
+        key = (desc.block, desc.chunk)
         if not self.expects(*key):
             return []
         self._waiting[key] = desc
@@ -105,13 +106,13 @@ class Frontier:
             out += self._place(d)
         return out
 
-    def _place(self, d: dict) -> list[Emitted]:
+    def _place(self, d: ChunkDescriptor) -> list[Emitted]:
         out: list[Emitted] = []
-        b, j, n = int(d["block"]), int(d["chunk"]), int(d["n_contexts"])
-        self._consumed[chunk_key(b, j)] = _lite(d)
+        b, j, n = d.block, d.chunk, d.n_contexts
+        self._consumed[chunk_key(b, j)] = d.plan_record()
         lo = self.skip_ctx
         self.skip_ctx = 0
-        self.last_cursor, self.last_chunk = d["cursor"], j
+        self.last_cursor, self.last_chunk = d.cursor, j
         while lo < n and not self.done:
             room = self.unit_contexts - self._ctx
             if self.max_contexts is not None:
@@ -124,7 +125,7 @@ class Frontier:
             if self._ctx == self.unit_contexts or budget_hit:
                 # the unit ends inside or at the end of this chunk: resume re-reads it from its cursor
                 self.next_chunk, self.skip_ctx = (j, lo) if lo < n else (j + 1, 0)
-                if lo >= n and d["final"]:
+                if lo >= n and d.final:
                     self._next_block(d)
                 if budget_hit:
                     self.done = True
@@ -137,7 +138,7 @@ class Frontier:
         if self.done:
             return out
         if lo >= n:
-            if d["final"]:
+            if d.final:
                 self._next_block(d)
             else:
                 self.next_chunk, self.skip_ctx = j + 1, 0
@@ -148,10 +149,10 @@ class Frontier:
             out.append(self._emit())
         return out
 
-    def _next_block(self, d: dict) -> None:
-        if self.next_block != int(d["block"]):
+    def _next_block(self, d: ChunkDescriptor) -> None:
+        if self.next_block != d.block:
             return  # already advanced (a unit ended exactly at this final chunk)
-        self.doc_base += int(d["rows"])
+        self.doc_base += d.rows
         self.next_block += 1
         self.next_chunk, self.skip_ctx = 0, 0
         self.last_cursor, self.last_chunk = None, -1
@@ -166,11 +167,6 @@ class Frontier:
         e = Emitted(u, self._consumed, self.state(), final=self.done)
         self._pieces, self._ctx, self._consumed = [], 0, {}
         return e
-
-
-def _lite(d: dict) -> dict:
-    return {k: d[k] for k in ("n_contexts", "cursor", "final", "rows", "digest", "stats", "capped")
-            if k in d}
 
 
 def sum_stats(descs) -> dict:

@@ -10,6 +10,7 @@ backpressure pauses a worker that runs too far ahead of the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Iterator
 
@@ -165,7 +166,7 @@ class TokenizeWorker:
                             self.chunk_contexts, max_contexts, start, first_index, last_index,
                             self.prompt_tokens, self.vocab_size):
             yield c.arrays()
-            yield {**c.describe(), "pid": os.getpid()}
+            yield dataclasses.replace(c.describe(), pid=os.getpid())
 
 
 def chat_prompt_tokens(generate, data: DataConfig, context_size: int) -> "int | None":

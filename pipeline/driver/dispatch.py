@@ -27,6 +27,7 @@ from .inflight import InFlight
 from ..messages import ActorInfo, UnitResult
 from .plan_writer import PlanWriter
 from ...store import IndexBuilder, index_batch
+from ..messages import ChunkDescriptor
 
 log = logging.getLogger("harvest.pipeline")
 
@@ -102,12 +103,12 @@ class Scheduler:
             tokenised_jobs=len(self.pool.blocks_tokenised), data=self.data_stats())
 
     # ---- chunks ----------------------------------------------------------------------------
-    def on_chunk(self, arrays_ref, desc: dict) -> None:
-        b, j = int(desc["block"]), int(desc["chunk"])
+    def on_chunk(self, arrays_ref, desc: ChunkDescriptor) -> None:
+        b, j = desc.block, desc.chunk
         self.plan.check_chunk(b, j, desc)
         wanted = self.units.wants(b, j)
-        self.emit({"event": "chunk", "block": b, "chunk": j, "n_contexts": desc["n_contexts"],
-                   "kept": wanted, "pid": desc.get("pid")})
+        self.emit({"event": "chunk", "block": b, "chunk": j, "n_contexts": desc.n_contexts,
+                   "kept": wanted, "pid": desc.pid})
         if not wanted:
             return
         self.units.hold(arrays_ref, desc)

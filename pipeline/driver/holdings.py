@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 from ..messages import UnitTask
 from ..data.row_frontier import Emitted, chunk_key
+from ..messages import ChunkDescriptor
 
 
 @dataclass
 class _Held:
     ref: object
-    desc: dict
+    desc: ChunkDescriptor
     tokens: int
 
 
@@ -77,10 +78,10 @@ class Holdings:
         return (self.users.get(k, 0) > 0 or self.frontier.expects(block, chunk)) \
             and k not in self.held
 
-    def hold(self, arrays_ref, desc: dict) -> None:
+    def hold(self, arrays_ref, desc: ChunkDescriptor) -> None:
         """Keep the chunk; the waiting units it completes become ready."""
-        k = chunk_key(int(desc["block"]), int(desc["chunk"]))
-        self.held[k] = _Held(arrays_ref, desc, desc["n_contexts"] * self.C)
+        k = chunk_key(desc.block, desc.chunk)
+        self.held[k] = _Held(arrays_ref, desc, desc.n_contexts * self.C)
         self.held_tokens += self.held[k].tokens
         for uid in self.by_chunk.pop(k, ()):
             m = self.missing.get(uid)
@@ -90,7 +91,7 @@ class Holdings:
                     del self.missing[uid]
                     self.ready.append((self.waiting.pop(uid), 1))
 
-    def place(self, desc: dict) -> list[Emitted]:
+    def place(self, desc: ChunkDescriptor) -> list[Emitted]:
         """The chunk's counts to the frontier; the units it completes, counted as users."""
         out = self.frontier.add(desc)
         for e in out:
@@ -110,7 +111,7 @@ class Holdings:
         for b, j, *_ in unit.pieces:
             h = self.held[chunk_key(b, j)]
             refs.append(h.ref)
-            digests.append(tuple(h.desc["digest"]))
+            digests.append(h.desc.digest)
         return UnitTask(unit.unit_id, unit.row_start, unit.row_end,
                         pieces=tuple(tuple(p) for p in unit.pieces), refs=tuple(refs),
                         digests=tuple(digests))

@@ -13,6 +13,7 @@ import time
 
 from ..errors import HarvestError, ResumeMismatch
 from ..data.row_frontier import Emitted, chunk_key, sum_stats
+from ..messages import ChunkDescriptor
 
 PLAN_FLUSH_SECONDS = 10.0  # at most this long between plan segments while units are waiting
 
@@ -34,14 +35,14 @@ class PlanWriter:
         self.seq, self.compacted_upto = state.next_seq, state.next_seq - 1
         self.last_flush = 0.0
 
-    def check_chunk(self, block: int, chunk: int, desc: dict) -> None:
+    def check_chunk(self, block: int, chunk: int, desc: ChunkDescriptor) -> None:
         """A chunk tokenised again must be the chunk the plan recorded (a resume re-creates it)."""
         planned = self.chunks.get(chunk_key(block, chunk))
-        if planned is not None and (list(planned["digest"]) != list(desc["digest"])
-                                    or planned["n_contexts"] != desc["n_contexts"]):
+        if planned is not None and (list(planned["digest"]) != list(desc.digest)
+                                    or planned["n_contexts"] != desc.n_contexts):
             raise ResumeMismatch(
                 f"block {block} chunk {chunk} now tokenises to other rows than when the store was "
-                f"planned ({desc['n_contexts']} contexts, digest {desc['digest']} vs "
+                f"planned ({desc.n_contexts} contexts, digest {list(desc.digest)} vs "
                 f"{planned['n_contexts']}, {planned['digest']}): the data or tokenizer changed "
                 "under the same config; use the original data, or a new store.url")
 

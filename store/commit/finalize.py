@@ -24,6 +24,7 @@ from ..errors import DataIntegrityError, StoreError
 from ..format.jsonattrs import jsonable as _jsonable, now as _now
 from .objects import abort_losing_uploads, attempt_objects
 from .records import Marker, StatsRef
+from ..format.jsonattrs import JsonObject
 
 if TYPE_CHECKING:
     from .view import StoreView
@@ -48,7 +49,7 @@ def plan_gap(store: StoreView) -> "str | None":
     return " and ".join(why)
 
 
-def finalize(store: StoreView, summary: dict | None = None) -> dict:
+def finalize(store: StoreView, summary: dict | None = None) -> JsonObject:
     """Publish and check what is committed (published.settle), then finalize: refused while
     the plan is not fully committed, or while a committed unit's data is gone or damaged."""
     if store.read_only:

@@ -24,6 +24,7 @@ from . import verify as _verify
 from .markers import MarkerName
 from .plan import PlanStore, check_units
 from .records import LeaseRecord, Marker, ShardRecord, Unit, read_lease
+from ..format.jsonattrs import JsonObject
 
 if TYPE_CHECKING:
     from ..storage.locate import Location
@@ -178,7 +179,7 @@ class Ledger:
         return _published.unpublished(self._store)
 
     # ---- finalize, verify, the lease ---------------------------------------------------------
-    def finalize(self, summary: "dict | None" = None) -> dict:
+    def finalize(self, summary: "dict | None" = None) -> JsonObject:
         return _finalize.finalize(self._store, summary)
 
     def unfinalize(self, capacity_rows: int) -> bool:

@@ -30,6 +30,7 @@ from .records import Marker, ShardRecord
 from .tables import shard_record, unit_shards
 
 if TYPE_CHECKING:
+    from ..storage.interface import UploadRecord
     from .view import StoreView
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def read_point(store: StoreView, marker: Marker, sh: ShardRecord | int, p: int,
     return x
 
 
-def _meta_cache(store: StoreView) -> dict:
+def _meta_cache(store: StoreView) -> dict[tuple[str, int, int], np.ndarray]:
     """Decoded unit metadata chunks recently read through this store (keyed by key, digest and
     size: a rewrite after uncommit never hits an old entry); readers ask per shard."""
     return store.ledger.meta_chunk_cache
@@ -321,7 +322,8 @@ def publish(store: StoreView, marker: Marker, threads: int = 16, etags: "dict | 
     return n + complete_uploads(loc, uploads, threads, etags or {})
 
 
-def complete_uploads(loc, uploads: list, threads: int = 16, etags: "dict | None" = None) -> int:
+def complete_uploads(loc, uploads: list, threads: int = 16,
+                     etags: "dict[str, UploadRecord] | None" = None) -> int:
     """Complete (final key, upload record) pairs, concurrently (one request each); the ETags
     the writer kept are used when given, else the parts are listed."""
     if not uploads:

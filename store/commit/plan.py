@@ -20,6 +20,7 @@ from ..format import layout
 from ..storage.locate import Location
 from . import trust
 from .records import Plan, Unit
+from ..format.jsonattrs import JsonObject
 
 
 def check_units(units: Iterable[Unit], shard_rows: int, n_rows: int, what: str = "plan") -> list[Unit]:
@@ -123,12 +124,12 @@ class PlanStore:
     def write_sources(self, sources: dict) -> bool:
         return self._loc.create_once(layout.PLAN_SOURCES_KEY, json.dumps(sources).encode())
 
-    def read_sources(self) -> dict | None:
+    def read_sources(self) -> JsonObject | None:
         raw = self._loc.read_bytes(layout.PLAN_SOURCES_KEY)
         return json.loads(raw) if raw else None
 
 
-def _record(raw: bytes, where: str) -> dict:
+def _record(raw: bytes, where: str) -> JsonObject:
     """A plan object's JSON, untrusted (records.py checks each unit)."""
     try:
         body = json.loads(raw)

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping
 from ..format import layout
 from . import trust
 from .trust import fail, integer, show
+from ..format.jsonattrs import JsonObject
 
 
 def attempt_token(attempt) -> str:
@@ -107,7 +108,7 @@ class Unit(_Rows):
             pieces.append(tuple(p))
         return cls(uid, rs, re_, tuple(pieces))
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         """The unit as `Store.ledger.plan()` lists it (named fields)."""
         d: dict = {"unit_id": self.unit_id, "row_start": self.row_start, "row_end": self.row_end}
         if self.pieces:
@@ -172,7 +173,7 @@ class ShardRecord:
     meta: Mapping[str, MetaChunkRecord] = field(default_factory=dict)
     doc: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return self.doc
 
     @classmethod
@@ -238,7 +239,7 @@ class TableRef:
     nbytes: int
     n_shards: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"key": self.key, "sha256": self.sha256, "nbytes": self.nbytes,
                 "n_shards": self.n_shards}
 
@@ -267,7 +268,7 @@ class StatsRef:
     count: "int | None" = None
     kept: "int | None" = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"key": self.key, "sha256": self.sha256, "count": self.count, "kept": self.kept}
 
     @classmethod
@@ -346,7 +347,7 @@ class Marker(_Rows):
         reference, or the inline records themselves: the same objects, no copy)."""
         return replace(self, points=None, stats=None, extra={}, doc={})
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         """The marker's JSON object, as stored."""
         return self.doc
 
@@ -417,7 +418,7 @@ class PublishRecord:
     def key(self) -> str:
         return layout.published_key(self.unit_id, attempt_token(self.attempt))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"unit_id": self.unit_id, "attempt": self.attempt, "objects": self.objects,
                 "published_at": self.published_at}
 
@@ -494,7 +495,7 @@ class LeaseRecord:
         ttl = self.ttl if ttl is None else ttl
         return not self.released and self.age() < ttl and not self.holder_gone()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return self.doc
 
     @classmethod

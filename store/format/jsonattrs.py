@@ -35,3 +35,10 @@ def jsonable(obj: Any, what: str) -> Any:
         return json.loads(json.dumps(obj, default=json_default))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{what} must be JSON-serialisable: {e}") from None
+
+
+JsonObject = dict[str, Any]
+"""A JSON object at an edge of the store: parsed from, or written into, a store's JSON (attributes,
+plan, a record's `to_json`), printed by a CLI or report, or handed to a trainer's checkpoint
+(`state_dict`). Bookkeeping inside the store travels as records (commit/records.py) and data as
+typed mappings; tests/house/test_typed_returns.py refuses a bare `-> dict` in store/."""

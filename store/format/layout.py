@@ -13,6 +13,7 @@ import re
 from typing import Mapping
 
 from ..errors import NotAHarvestStore, UnknownLayoutVersion
+from .jsonattrs import JsonObject
 
 LAYOUT_NAME = "harvest.activations"
 # Version 3 moved the per-shard records out of the commit marker into a per-unit object table
@@ -385,7 +386,7 @@ def point_values(h: dict) -> dict[str, str]:
     return dict(h.get("values") or {})
 
 
-def check_group(raw: "bytes | None", url: str, what: str) -> dict:
+def check_group(raw: "bytes | None", url: str, what: str) -> JsonObject:
     """The root `zarr.json` (`raw`, None when absent) of a harvest store of a layout this code
     reads, parsed; anything else is refused with a NotAHarvestStore or UnknownLayoutVersion
     that says what the object at `url` is instead."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import numpy as np
+from .jsonattrs import JsonObject
 
 # -1 (layout.META_UNWRITTEN) is the column's fill: "never written".
 TEXT = 0        # a row written without roles into a store that has the column
@@ -64,7 +65,7 @@ def captured_codes(store) -> "tuple[int, ...] | None":
     return codes_of(captured, "capture.roles") if captured else None
 
 
-def store_role_info(store) -> dict:
+def store_role_info(store) -> JsonObject:
     """The `chat` block the driver records in the run attributes: {"captured": [names] | None}.
     An empty dict for a plain-text store."""
     chat = (store.attrs or {}).get("chat")

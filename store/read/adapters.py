@@ -119,7 +119,7 @@ def crosscoder_data(source: Iterable, device="cpu", steps: int | None = None,
             raise ValueError(f"crosscoder_data: batches must be [batch, n_models, width], got {tuple(x.shape)}")
         yield x.reshape(x.shape[0], -1) if flatten else x
 
-def _points(batch, names: list[str]) -> dict:
+def _points(batch, names: list[str]) -> "dict[str, torch.Tensor]":
     """{point: [batch, width_p]} from one dataset batch: a dict (points of several widths), a
     stacked `[batch, n_points, width]` tensor (in the dataset's point order) or return_meta's."""
     acts = batch["acts"] if isinstance(batch, dict) and "acts" in batch else batch

@@ -54,6 +54,7 @@ from ..format.shardcodec import codec_pool
 from ..store import Store, open_store
 from .feed.workermem import cap_malloc_arenas
 from .tensors import RowForm, emit_rows
+from ..format.jsonattrs import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
                 + (["source_row"] if self.filter.needs_source_rows else [])
         return self.filter.meta_names()
 
-    def _fetch_meta(self, piece: tuple[int, int]) -> dict:
+    def _fetch_meta(self, piece: tuple[int, int]) -> dict[str, np.ndarray]:
         cols = self.committed_meta()
         return {n: cols.read(n, *piece) for n in self._meta_names()}
 
@@ -406,14 +407,14 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
             self.norm_constants, self.out_dtype, self.return_meta, self.stack))
 
     # ---- resume ------------------------------------------------------------------------------
-    def _fingerprint(self) -> dict:
+    def _fingerprint(self) -> JsonObject:
         return {"seed": self.seed, "shuffle": self.shuffle, "batch_size": self.batch_size, "rank": self.rank,
                 "world_size": self.world_size, "endless": self.endless, "points": list(self.points),
                 "filter": self.filter.describe(), "window_shards": self.window_shards,
                 # a follower's rows are the run's, not those committed when it was built
                 "n_rows": "follow" if self.follow else self.n_rows, "follow": True if self.follow else None}
 
-    def state_dict(self, batches: int | None = None, num_workers: int = 0) -> dict:
+    def state_dict(self, batches: int | None = None, num_workers: int = 0) -> JsonObject:
         """Where this rank stands: epoch and batches yielded in it (since the start when endless).
 
         Batches are counted by this dataset when it is iterated in this process; with DataLoader
@@ -443,7 +444,7 @@ class ActivationDataset(PiecePlanning, FollowMode, torch.utils.data.IterableData
         """Batches of the current epoch (since the start when endless) a resume skips."""
         return int(self._ctl[1])
 
-    def describe(self, num_workers: int = 0, batches: int = 16) -> dict:
+    def describe(self, num_workers: int = 0, batches: int = 16) -> JsonObject:
         """How well this reader mixes documents on this store, read by `num_workers` DataLoader
         workers: expected and simulated distinct documents per batch against a uniform shuffle,
         lag-1 same-document rate and doc-id autocorrelation, memory (mixing.describe)."""

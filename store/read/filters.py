@@ -16,6 +16,7 @@ from typing import Iterable
 
 
 import numpy as np
+from ..format.jsonattrs import JsonObject
 
 SPLITS = (None, "train", "test")
 
@@ -30,7 +31,7 @@ def check_split(split: str | None, test_fraction: float) -> None:
 
 
 # ---- what the store's attributes say ------------------------------------------------------------
-def _packing(attrs: dict) -> dict:
+def _packing(attrs: dict) -> JsonObject:
     return ((attrs or {}).get("config") or {}).get("packing") or {}
 
 
@@ -56,7 +57,7 @@ def store_special_ids(attrs: dict) -> list[int] | None:
     return sorted(out)
 
 
-def store_facts(store) -> dict:
+def store_facts(store) -> JsonObject:
     """The run attributes with the format facts layout v2 keeps in the `harvest` block laid over
     them (context_size, special/BOS ids, tokenizer, stats_skip_positions): one dict for every
     lookup below, so a v2 store's recorded facts win over a stale copy in the run config."""
@@ -248,7 +249,7 @@ class RowFilter:
             m = r if m is None else m & r
         return m
 
-    def describe(self) -> dict:
+    def describe(self) -> JsonObject:
         return {"exclude_token_ids": list(self.exclude), "context_size": self.context_size,
                 "seqpos": list(self.seqpos) if self.seqpos else None, "split": self.split,
                 "test_fraction": self.test_fraction, "split_seed": self.split_seed,

@@ -194,7 +194,7 @@ class FollowMode:
         st = self._open()
         read_point(st, m, sh, st.points.index(self.points[p]), out=out, rows=piece[1] - piece[0])
 
-    def _follow_meta(self, piece) -> dict:
+    def _follow_meta(self, piece) -> dict[str, np.ndarray]:
         m, sh = self._fpieces.source(piece[0])
         return {n: read_meta(self._open(), m, sh, n) for n in self._meta_names()}
 

@@ -41,6 +41,7 @@ from ..commit.objects import read_point
 from ..format.roles import captured_codes
 from ..stats.moments import Moments
 from .config import NORMALIZE_MODES
+from ..format.jsonattrs import JsonObject
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class NormConstants:
             (self.shift[0], self.scale[0])
         return y.float() / c.to(y.device) + s.to(y.device)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {"mode": self.mode, "points": list(self.points), "source": self.source, "rows": self.rows,
                 "mean_sq_norm": list(self.mean_sq_norm), "shift": self.shift.tolist(),
                 "scale": self.scale.tolist()}

@@ -41,6 +41,7 @@ from ..store import Store, open_store
 from .config import ReaderConfig
 from .filters import store_context_size, store_facts
 from .feed.loader import ActivationLoader
+from ..format.jsonattrs import JsonObject
 
 _DEFAULT_BUFFER_BYTES = 1 << 30   # the shuffle window of all stores together, as for one store
 FORMS = ("stack", "dict")
@@ -226,7 +227,7 @@ class PairedDataset(torch.utils.data.IterableDataset):
         for d in self.datasets:
             d.set_epoch(epoch)
 
-    def state_dict(self, batches: int | None = None, num_workers: int = 0) -> dict:
+    def state_dict(self, batches: int | None = None, num_workers: int = 0) -> JsonObject:
         """Every store's reader state (they stand at the same batch), as ActivationDataset's."""
         states = [d.state_dict(batches, num_workers) for d in self.datasets]
         return {"version": 1, "paired": list(self.names), "epoch": states[0]["epoch"],

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-from typing import Sequence
+from typing import Sequence, TypedDict
 
+import numpy as np
 import zarr
 
 from ..format import layout
@@ -19,7 +20,19 @@ from ..commit.records import StatsRef
 from ..errors import StoreError
 
 
-def _check_partial(raw, stats_ref: StatsRef, unit_id: int) -> dict:
+class PointStats(TypedDict):
+    """One point's statistics over a subset of rows (FORMAT.md "Statistics"): rows counted, the
+    per-dimension mean and variance (float64, the point's width), E||x||^2, and the rows left out
+    for a non-finite value."""
+
+    count: int
+    mean: np.ndarray
+    var: np.ndarray
+    mean_sq_norm: float
+    nonfinite_rows: int
+
+
+def _check_partial(raw, stats_ref: StatsRef, unit_id: int) -> dict[str, tuple]:
     if raw is None or hashlib.sha256(raw).hexdigest() != stats_ref.sha256:
         raise StoreError(f"stats partial of unit {unit_id} is missing or does not "
                          f"match its commit marker ({stats_ref.key}); rewrite the unit")
@@ -68,7 +81,7 @@ def merge_partials(store, refs: "list[tuple[int, StatsRef | None]]",
     return acc
 
 
-def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, dict]:
+def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, PointStats]:
     if subset not in layout.STATS_SUBSETS:
         raise ValueError(f"subset={subset!r}: use one of {layout.STATS_SUBSETS}")
     points = list(points or store.points)
@@ -81,12 +94,12 @@ def read_stats(store, points: "Sequence[str] | None", subset: str) -> dict[str, 
         for p in points:
             i = a["points"].index(p)
             w = store.widths.get(p, mean.shape[1])   # layout 4: NaN past a point's width
-            out[p] = {"count": int(a["count"][i]), "mean": mean[i, :w], "var": var[i, :w],
-                      "mean_sq_norm": float(a["mean_sq_norm"][i]),
-                      "nonfinite_rows": int(a["nonfinite_rows"][i])}
+            out[p] = PointStats(count=int(a["count"][i]), mean=mean[i, :w], var=var[i, :w],
+                                mean_sq_norm=float(a["mean_sq_norm"][i]),
+                                nonfinite_rows=int(a["nonfinite_rows"][i]))
         return out
     refs = [(m.unit_id, m.stats) for m in store.ledger.iter_committed()]
     merged = merge_partials(store, refs).moments(subset)
-    return {p: {"count": merged[i].count, "mean": merged[i].mean, "var": merged[i].var,
-                "mean_sq_norm": merged[i].mean_sq_norm, "nonfinite_rows": merged[i].nonfinite}
+    return {p: PointStats(count=merged[i].count, mean=merged[i].mean, var=merged[i].var,
+                          mean_sq_norm=merged[i].mean_sq_norm, nonfinite_rows=merged[i].nonfinite)
             for i, p in enumerate(store.points) if p in points}

@@ -30,13 +30,14 @@ import numpy as np
 
 from ..format.dtypes import BF16
 from .moments import Moments
+from collections.abc import Callable
 
 _lock = threading.Lock()
 _kernels: "dict | None" = None   # {"bits16": fn, "float": fn, "fp8": fn} (jitted.py), on first use
 _NO_NUMBA = {}
 
 
-def kernels() -> "dict | None":
+def kernels() -> "dict[str, Callable] | None":
     """The compiled kernels, or None where numba is not installed (numpy path)."""
     global _kernels
     with _lock:

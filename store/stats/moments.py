@@ -17,6 +17,7 @@ import numpy as np
 
 from ..format import checksum
 from ..format.dtypes import BF16
+from ..format.jsonattrs import JsonObject
 
 _BLOCK_ROWS = 256  # float64 working set per block (rows x width x 8 bytes) that stays in L2
 
@@ -105,7 +106,7 @@ class Moments:
             return float("nan")
         return float(np.sum(self.var + self.mean * self.mean))
 
-    def summary(self) -> dict:
+    def summary(self) -> JsonObject:
         return {"count": int(self.count), "nonfinite_rows": int(self.nonfinite),
                 "mean_sq_norm": self.mean_sq_norm,
                 "mean_norm": float(np.linalg.norm(self.mean)) if self.count else float("nan"),

@@ -33,7 +33,7 @@ class BlockStats:
         part["all"][p], part["kept"][p] = moments_all, moments_kept
         self._merge_ready()
 
-    def merged(self) -> dict:
+    def merged(self) -> "dict[str, list[Moments]]":
         """subset -> per-point Moments of the whole unit: the running merge, then any partials
         left behind a gap, in block order (the same bits whatever order blocks completed in)."""
         self._merge_ready()

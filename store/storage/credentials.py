@@ -29,6 +29,10 @@ import os
 import re
 from typing import Any
 
+StorageOptions = dict[str, Any]
+"""A store's storage options as the config or caller gives them (JSON: credentials, endpoint,
+timeouts, a backend's own keywords), handed on to the backend (fsspec for object storage)."""
+
 REDACTED = "***"
 
 # Key names whose string values are secrets (storage options, headers, attributes). Narrow
@@ -190,7 +194,7 @@ def redact_attrs(obj: Any, storage_options: dict | None = None) -> Any:
     return walk(obj)
 
 
-def redact_options(storage_options: dict | None) -> dict | None:
+def redact_options(storage_options: dict | None) -> StorageOptions | None:
     """Storage options fit for a repr or a message: the same keys, the values of secret ones
     (and of auth headers, nested dicts included) masked, URLs masked; `endpoint_url`, region and
     timeouts stay readable."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NotRequired, TypedDict
 
 from ..commit.records import UploadHandle
-from .credentials import scrub
+from .credentials import StorageOptions, scrub
 from ..errors import RecordError, StoreAccessError
 from ..format.layout import check_rel
 from .retries import RetryBudgetExceeded, with_retries
@@ -125,7 +125,7 @@ class Storage(abc.ABC):
 
     @classmethod
     def deadline_options(cls, storage_options: dict, timeout_s: float,
-                         retry_budget_s: float) -> dict:
+                         retry_budget_s: float) -> StorageOptions:
         """`storage_options` plus the deadlines (store.timeout_s, store.retry_budget_s) in this
         backend's terms; explicit settings win. Every backend takes the retry budget."""
         so = dict(storage_options)
@@ -359,7 +359,7 @@ class Storage(abc.ABC):
         """`move` every (src, dst) pair; returns how many moved."""
 
     @abc.abstractmethod
-    def read_many(self, paths: list[str], what: str) -> dict:
+    def read_many(self, paths: list[str], what: str) -> dict[str, bytes]:
         """{full path: bytes} of the objects at `paths` (full paths, `key(rel)`) that exist."""
 
     @abc.abstractmethod

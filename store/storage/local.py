@@ -180,7 +180,7 @@ class LocalStorage(Storage):
             _unlink_quietly(handle.tmp)
         _unlink_quietly(self.key(handle.rel))
 
-    def read_many(self, paths: list[str], what: str) -> dict:
+    def read_many(self, paths: list[str], what: str) -> dict[str, bytes]:
         out = {}
         for p in paths:
             try:

@@ -22,6 +22,7 @@ from ..errors import StoreAccessError
 from .credentials import scrub
 from .retries import with_retries
 from .interface import Storage
+from .credentials import StorageOptions
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ObjectStorage(Storage):
                    storage_options=so, fs=fs, budget_s=budget)
 
     @classmethod
-    def fsspec_options(cls, storage_options: dict) -> dict:
+    def fsspec_options(cls, storage_options: dict) -> StorageOptions:
         """The filesystem's options from the caller's (S3Storage adds the AWS environment)."""
         return dict(storage_options)
 
@@ -113,12 +114,12 @@ class ObjectStorage(Storage):
                                 thread_name_prefix="harvest-publish") as ex:
             return sum(ex.map(lambda kv: self.move(*kv), pairs))
 
-    def read_many(self, paths: list[str], what: str) -> dict:
+    def read_many(self, paths: list[str], what: str) -> dict[str, bytes]:
         """One concurrent batch request (a GET each, one after the other, is what made 10^5
         markers slow)."""
         got = with_retries(lambda: self.fs.cat(sorted(set(paths)), on_error="return"), what,
                            budget_s=self.budget_s)
-        return {k: v for k, v in got.items() if isinstance(v, (bytes, bytearray))}
+        return {k: bytes(v) for k, v in got.items() if isinstance(v, (bytes, bytearray))}
 
     def invalidate(self, rel: str | None = None) -> None:
         """Drop fsspec's cached listings (s3fs keeps them for the life of the filesystem)."""

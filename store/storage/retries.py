@@ -8,7 +8,7 @@ import logging
 import random
 import re
 import time
-from typing import Callable, TypeVar
+from typing import Callable, TypeVar, TypedDict
 
 from ..errors import StoreAccessError
 
@@ -68,6 +68,13 @@ def is_throttle(exc: BaseException) -> bool:
     return code in THROTTLE_CODES or type(exc).__name__ in THROTTLE_CODES
 
 
+class ThrottleFigures(TypedDict):
+    """What throttling cost this process (the run summary's per-actor figures)."""
+
+    throttled_requests: int
+    throttle_wait_s: float
+
+
 class Throttle:
     """One per process: when any request is throttled, every request of the process waits out
     the same backoff before its next try, so the writers of one process slow down together
@@ -107,8 +114,8 @@ class Throttle:
             with self._lock:
                 self._level = max(0, self._level - 1)
 
-    def figures(self) -> dict:
-        return {"throttled_requests": self.throttled, "throttle_wait_s": round(self.waited_s, 3)}
+    def figures(self) -> ThrottleFigures:
+        return ThrottleFigures(throttled_requests=self.throttled, throttle_wait_s=round(self.waited_s, 3))
 
 
 THROTTLE = Throttle()

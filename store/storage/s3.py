@@ -19,6 +19,7 @@ from .retries import is_throttle, with_retries
 from ..commit.records import UploadHandle
 from .interface import RequestLimits, UploadRecord
 from .objectstore import ObjectStorage
+from .credentials import StorageOptions
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class S3Storage(ObjectStorage):
     connect_timeout_max_s: ClassVar[float] = 10.0
 
     @classmethod
-    def fsspec_options(cls, storage_options: dict) -> dict:
+    def fsspec_options(cls, storage_options: dict) -> StorageOptions:
         return s3_options(storage_options)
 
     @classmethod
@@ -62,7 +63,7 @@ class S3Storage(ObjectStorage):
 
     @classmethod
     def deadline_options(cls, storage_options: dict, timeout_s: float,
-                         retry_budget_s: float) -> dict:
+                         retry_budget_s: float) -> StorageOptions:
         """botocore's connect and read timeouts, and one try per request: with_retries retries
         within the budget (botocore's and s3fs's own retries multiply with ours and ignore it).
         Without a timeout botocore and s3fs retry inside their own: an endpoint that accepts and
@@ -303,7 +304,7 @@ class S3Storage(ObjectStorage):
                              e) from None
 
 
-def s3_options(storage_options: dict | None) -> dict:
+def s3_options(storage_options: dict | None) -> StorageOptions:
     """s3fs options from the AWS environment, overridden by explicit storage_options.
 
     region_name is deliberately not put in client_kwargs for custom endpoints: s3fs then sends a

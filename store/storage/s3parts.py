@@ -79,7 +79,7 @@ class PartSender:
             c.close()
 
     # ---- requests ---------------------------------------------------------------------------
-    def _headers(self, method: str, path: str, query: str, pieces: list, size: int) -> dict:
+    def _headers(self, method: str, path: str, query: str, pieces: list, size: int) -> dict[str, str]:
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 

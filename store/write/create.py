@@ -25,7 +25,7 @@ from ..store import Store, open_store
 from ..format.spec import StoreSpec
 
 
-def _versions() -> dict:
+def _versions() -> dict[str, str]:
     import ml_dtypes
     import numcodecs
 

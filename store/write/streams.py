@@ -23,13 +23,29 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import google_crc32c
 
 from ..commit.records import UploadHandle
 from ..format import checksum
+from ..storage.interface import UploadRecord
 
 log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class FinishedObject:
+    """A shard object made durable (not yet published): its size and the CRC32C of its stored
+    bytes, the CRC32C of its raw rows in row order (the marker's per-shard `crc32c`), and the
+    storage's upload record (None where the storage publishes by rename)."""
+
+    nbytes: int
+    object_crc32c: int
+    crc32c: int
+    upload: "UploadRecord | None"
+
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 _ZEROS_OPS: dict[int, list[int]] = {}
@@ -100,7 +116,7 @@ class ObjectStream:
         self._pending: list[bytes] = []
         self.pending_bytes = 0
         self._raw: dict[int, tuple[int, int]] = {}  # block first chunk -> (raw crc, raw nbytes)
-        self.record: dict | None = None
+        self.record: FinishedObject | None = None
         self.lock = threading.Lock()
 
     def _begin(self) -> None:
@@ -131,10 +147,8 @@ class ObjectStream:
             self.blocks_left -= 1
             return self.blocks_left == 0
 
-    def finish(self) -> dict:
-        """Write the index, the last part, and make the object durable (not yet published):
-        {nbytes, object_crc32c, crc32c (raw rows, row order), upload (None or the storage's
-        record)}."""
+    def finish(self) -> FinishedObject:
+        """Write the index, the last part, and make the object durable (not yet published)."""
         with self.lock:
             tail = self._tail(self.entries)
             self.object_crc = google_crc32c.extend(self.object_crc, tail)
@@ -147,8 +161,7 @@ class ObjectStream:
             for k in sorted(self._raw):
                 c, n = self._raw[k]
                 raw = crc32c_combine(raw, c, n)
-            self.record = {"nbytes": self.offset, "object_crc32c": self.object_crc,
-                           "crc32c": raw, "upload": upload}
+            self.record = FinishedObject(self.offset, self.object_crc, raw, upload)
             return self.record
 
     def abort(self) -> None:
@@ -160,7 +173,7 @@ class ObjectStream:
                 self.handle = None
 
 
-def write_small(loc, final_rel: str, attempt_rel: str, blob: bytes) -> "dict | None":
+def write_small(loc, final_rel: str, attempt_rel: str, blob: bytes) -> "UploadRecord | None":
     """A small object (a metadata chunk) through the same begin/finish path as a shard object,
     so it publishes the same way (rename, or completing a one-part upload: no copy)."""
     h = loc.begin_object(final_rel, attempt_rel)
@@ -175,7 +188,7 @@ def write_small(loc, final_rel: str, attempt_rel: str, blob: bytes) -> "dict | N
         raise
 
 
-def discard(loc, streams: "list[ObjectStream]", uploads: "list[tuple[str, dict | None]]",
+def discard(loc, streams: "list[ObjectStream]", uploads: "list[tuple[str, UploadRecord | None]]",
             keys: "list[str]", who: str) -> None:
     """Best effort: abort `streams` and the `uploads` ((final key, upload record or None) of
     small objects), then delete `keys`: what an attempt that never commits wrote. Failures are

@@ -120,11 +120,11 @@ class UnitMeta:
                              f"without metadata (e.g. row {self.row_start + a}); call write_meta "
                              "for them")
 
-    def columns(self, start: int, end: int) -> dict:
+    def columns(self, start: int, end: int) -> dict[str, np.ndarray]:
         a, b = start - self.row_start, end - self.row_start
         return {k: v[a:b] for k, v in self.cols.items()}
 
-    def crc32c(self) -> dict:
+    def crc32c(self) -> dict[str, int]:
         return {k: crc32c(v) for k, v in self.cols.items()}
 
     def present_mask(self, start: int, end: int) -> np.ndarray | None:

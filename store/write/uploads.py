@@ -49,6 +49,8 @@ from ..format.roles import captured_codes
 from .block_buffers import BlockBuffer, flush_partial, shard_buffers, unflush
 from .streams import ObjectStream, crc32c_combine, discard, write_small
 from .unitmeta import UnitMeta
+from ..stats.moments import Moments
+from ..storage.interface import UploadRecord
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class ShardUploads:
         self._ocrc: dict[int, list] = {}         # CRC32C of each stored object, per point
         self._upload: dict[int, list] = {}       # shard -> per point: the storage's upload record
         self._meta_rec: dict[int, dict] = {}     # shard -> column -> {crc32c, nbytes[, upload]}
-        self._meta_streams: list[tuple[str, str, dict]] = []  # (final, attempt, upload) of chunks
+        self._meta_streams: list[tuple[str, str, UploadRecord]] = []  # (final, attempt, upload) of chunks
         self._written: list[str] = []            # this attempt's objects, removed if it never commits
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(upload_threads, thread_name_prefix=f"harvest-up-{unit_id}",
@@ -374,12 +376,12 @@ class ShardUploads:
         with self._lock:
             self._stats.add(sh.index, p, mom_all, mom_kept)
             if rec is not None:
-                self._crc.setdefault(si, [None] * self._P)[p] = rec["crc32c"]
-                self._nbytes.setdefault(si, [None] * self._P)[p] = rec["nbytes"]
-                self._ocrc.setdefault(si, [None] * self._P)[p] = rec["object_crc32c"]
-                self._upload.setdefault(si, [None] * self._P)[p] = rec["upload"]
+                self._crc.setdefault(si, [None] * self._P)[p] = rec.crc32c
+                self._nbytes.setdefault(si, [None] * self._P)[p] = rec.nbytes
+                self._ocrc.setdefault(si, [None] * self._P)[p] = rec.object_crc32c
+                self._upload.setdefault(si, [None] * self._P)[p] = rec.upload
 
-    def merged_stats(self) -> dict:
+    def merged_stats(self) -> "dict[str, list[Moments]]":
         """subset -> per-point Moments of the whole unit, in block order (store/stats/unit.py)."""
         with self._lock:
             return self._stats.merged()

@@ -37,6 +37,7 @@ from ..commit.objects import publish
 from ..commit.records import Marker
 from .block_buffers import BlockBuffer, runs, to_numpy
 from .uploads import ShardUploads
+from ..storage.interface import UploadRecord
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ class RegionWriter(ShardUploads):
         if self._manifest is None and not self.already_committed:
             self._cleanup()
 
-    def _etags(self) -> dict:
+    def _etags(self) -> "dict[str, UploadRecord]":
         """{final key: the upload record with its parts' ETags} of this attempt's uploads: its
         own publish completes them without listing the parts (finalize lists them)."""
         out = {}
@@ -349,7 +350,7 @@ class RegionWriter(ShardUploads):
             self._streams.clear()
             self._meta_streams.clear()
 
-    def throughput(self) -> dict:
+    def throughput(self) -> dict[str, float | None]:
         now = time.perf_counter()
         secs = now - (self.t_first_write or now)
         written = self.rows_written * self._P * self._store.row_bytes

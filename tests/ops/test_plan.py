@@ -12,6 +12,7 @@ import pytest
 from harvest.engine.models import REPO_ROOT
 
 from harvest.pipeline.config.run import ConfigError, load_config
+from harvest.pipeline.messages import ChunkDescriptor
 from harvest.pipeline.data.row_frontier import Frontier
 from harvest.pipeline.driver.unit_sizes import choose_layout
 from harvest.store.format.layout import MAX_BLOCK_SET_BYTES, TARGET_SHARD_BYTES, block_rows
@@ -55,18 +56,18 @@ def test_derived_layout_sizes_units_for_the_engine_and_bounds_shards():
     assert (explicit.shard_rows, explicit.unit_rows) == (128, 384)
 
 
-def _chunks(counts: dict[int, list[int]], rows_per_block: int = 10) -> list[dict]:
+def _chunks(counts: dict[int, list[int]], rows_per_block: int = 10) -> list[ChunkDescriptor]:
     """Descriptors of blocks' chunks: counts[block] = contexts per chunk."""
     out = []
     for b, cs in counts.items():
         for j, n in enumerate(cs):
-            out.append({"block": b, "chunk": j, "n_contexts": n, "final": j == len(cs) - 1,
-                        "rows": rows_per_block, "cursor": {"row": j, "pos": None, "offset": 0},
-                        "digest": [b, j, n]})
+            out.append(ChunkDescriptor(block=b, chunk=j, n_contexts=n, final=j == len(cs) - 1,
+                                       rows=rows_per_block, cursor={"row": j, "pos": None, "offset": 0},
+                                       digest=(b, j, n)))
     return out
 
 
-def _place(f: Frontier, descs: list[dict]) -> list:
+def _place(f: Frontier, descs: list[ChunkDescriptor]) -> list:
     units = []
     for d in descs:
         units += [e for e in f.add(d) if e.unit.n_rows]
@@ -120,8 +121,8 @@ def test_resume_from_a_units_state_continues_identically():
         f = Frontier.resume(8, 4, 4, None, ref[k].state)
         block, cursor, chunk = f.continuation()
         # re-created from the continuation's chunk on: earlier chunks are not needed
-        again = [d for d in descs if (d["block"], d["chunk"]) >= (block, chunk)]
-        assert cursor is None or cursor == next(d["cursor"] for d in again)
+        again = [d for d in descs if (d.block, d.chunk) >= (block, chunk)]
+        assert cursor is None or cursor == next(d.cursor for d in again)
         assert [e.unit for e in _place(f, again)] == [e.unit for e in ref[k + 1:]]
 
 
@@ -181,7 +182,7 @@ def test_resume_state_retokenises_only_what_uncommitted_units_and_the_frontier_n
     assert st.fresh_from == 4 and not st.final
     assert (st.frontier.next_block, st.frontier.next_chunk, st.frontier.skip_ctx) == (3, 0, 2)
     # the frontier resumed here places exactly what the uninterrupted run placed after unit 3
-    descs = [d for d in _chunks(counts) if (d["block"], d["chunk"]) >= (3, 0)]
+    descs = [d for d in _chunks(counts) if (d.block, d.chunk) >= (3, 0)]
     rest = [e.unit for e in _place(st.frontier, descs)]
     ref = [e.unit for e in _place(Frontier(8, 4, 4), _chunks(counts))]
     assert rest == ref[4:] and len(rest) == 1

@@ -135,7 +135,7 @@ def test_huge_document_is_tokenised_from_a_bounded_prefix(tiny_llama, tmp_path):
     whole_prefix = tok(huge[:200_000], add_special_tokens=False)["input_ids"]
     assert ids == whole_prefix[:4096]
     assert max(seen) < 200_000  # never more than a bounded prefix of the 30 MB text
-    assert sum(c.describe()["stats"].get("docs_capped", 0) for c in chunks) == 1
+    assert sum(c.describe().stats.get("docs_capped", 0) for c in chunks) == 1
     assert took < 20, took
 
 

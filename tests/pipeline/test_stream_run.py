@@ -43,7 +43,7 @@ PAUSE_DEADLINE_S = 300.0
 def blocked(sample: dict) -> bool:
     """Every capture actor is up and holds rows for rank 1 (its queue to the paused rank is
     where it waits) and none for rank 0 (everything for rank 0 left it)."""
-    return all(f is not None and f["held_rows"][1] > 0 and f["held_rows"][0] == 0
+    return all(f is not None and f.held_rows[1] > 0 and f.held_rows[0] == 0
                for f in sample["actors"])
 
 
@@ -96,7 +96,7 @@ class Trainers:
         import ray
 
         if i == 1:
-            pids = [ray.get(h.stream_figures.remote())["pid"] for h in ds.info.actors]
+            pids = [ray.get(h.stream_figures.remote()).pid for h in ds.info.actors]
             self.killed = pids[0]
             os.kill(pids[0], signal.SIGKILL)
         if i == 5:
@@ -215,7 +215,7 @@ def test_capture_pauses_and_memory_stays_bounded_while_a_rank_is_paused(run1):
     s = run1.samples
     assert s and s[-1]["t"] >= PAUSE_S - 1
     shown = [(round(x["t"]), x["units_done"], x["rank0_rows"],
-              [f and (f["held_rows"], f["rss_bytes"] >> 20) for f in x["actors"]]) for x in s]
+              [f and (f.held_rows, f.rss_bytes >> 20) for f in x["actors"]]) for x in s]
     window = settled(s)
     # the capture blocked on the paused rank (every actor waiting on its queue to rank 1)
     assert len(window) >= SETTLED_SAMPLES, f"the capture never stayed blocked: {shown}"
@@ -223,16 +223,16 @@ def test_capture_pauses_and_memory_stays_bounded_while_a_rank_is_paused(run1):
     # and the run was not over (it finished after the pause: every row arrived, test above)
     assert window[0]["units_done"] == window[-1]["units_done"], shown
     assert window[-1]["units_done"] < run1.out[0]["summary"]["units"]
-    assert any(f is not None and f["held_rows"][1] > 0 for f in window[-1]["actors"])
+    assert any(f is not None and f.held_rows[1] > 0 for f in window[-1]["actors"])
     # rank 0 stalled beyond the buffer: it received nothing more meanwhile
     assert window[0]["rank0_rows"] == window[-1]["rank0_rows"], shown
     row_bytes = 128 * 2
     for x in window:
         for f in x["actors"]:
             if f is not None:   # the capture side's bound: ranks x send_buffer_rows rows
-                assert f["held_bytes"] <= 2 * (SEND_ROWS + CONTEXT) * row_bytes, f
+                assert f.held_bytes <= 2 * (SEND_ROWS + CONTEXT) * row_bytes, f
     for i in range(2):
-        rss = [x["actors"][i]["rss_bytes"] for x in window if x["actors"][i] is not None]
+        rss = [x["actors"][i].rss_bytes for x in window if x["actors"][i] is not None]
         assert max(rss) - min(rss) < 48 << 20, rss
     r1 = [x["rank1"]["rss_bytes"] for x in window]
     assert max(r1) - min(r1) < 96 << 20, r1

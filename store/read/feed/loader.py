@@ -14,6 +14,7 @@ import torch
 
 from . import handoff
 from ..shuffle import mixing
+from ...format.jsonattrs import JsonObject
 
 
 class ActivationLoader(torch.utils.data.DataLoader):
@@ -54,7 +55,7 @@ class ActivationLoader(torch.utils.data.DataLoader):
             self._delivered += 1
             yield x if hand is None else hand.unpack(x, pin)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> JsonObject:
         return self.dataset.state_dict(self._base + self._delivered, self.num_workers)
 
     def load_state_dict(self, state: dict) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..feed.batching import batches as cut_batches
 from ..feed.readahead import WindowFinisher
+from ...format.jsonattrs import JsonObject
 
 SAMPLE_RUNS, RUN_SHARDS = 4, 4   # doc_id columns read: 16 shards x 8 B x shard rows
 
@@ -135,7 +136,7 @@ def check(ds, workers: int = 1, stacklevel: int = 3) -> str | None:
 
 # ---- describe(): the figures above, and a simulation, for the user's own store -----------
 
-def doc_stats(docs: list[np.ndarray], k: int) -> dict:
+def doc_stats(docs: list[np.ndarray], k: int) -> dict[str, float]:
     """Measured mixing of batches given as their rows' doc_ids: distinct documents per batch,
     lag-1 same-document rate and lag-1 doc-id autocorrelation (full batches only, when any)."""
     full = [d for d in docs if d.shape[0] == k] or docs
@@ -177,7 +178,7 @@ def simulated_docs(ds, num_workers: int = 0, n_batches: int = 16) -> list[np.nda
     return list(out)
 
 
-def describe(ds, num_workers: int = 0, batches: int = 16) -> dict:
+def describe(ds, num_workers: int = 0, batches: int = 16) -> JsonObject:
     """`ActivationDataset.describe()`: how well this reader, on this store with these options, mixes.
 
     Two views, side by side:
