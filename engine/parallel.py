@@ -141,6 +141,25 @@ def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[st
     return removed
 
 
+def remove_queue_shm(names: "list[str]", shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove what is left of an engine's message-queue segments (vllm compat.message_queue_shm:
+    names Python's shared_memory gave them, `psm_<random>`): a rank killed outright leaves its
+    response queue's. Only such names are touched, and only once the engine's ranks are gone or
+    lost (a segment is unlinked, never unmapped: a live process keeps its mapping either way).
+    Returns what was removed."""
+    removed = []
+    for name in names:
+        if "/" in name or not name.startswith("psm_"):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 RPC_DIR_PREFIX = "harvest-vllm-rpc-"
 RPC_DIR_MODE = 0o700
 # (temp dir, pid) -> this process's socket folder in it: made once, then the same path for the

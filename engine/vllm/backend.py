@@ -29,7 +29,7 @@ from ..capture.captured import CapturedRequest
 from ..checkpoint import ModelInfo, read_model_info, validate_tokens
 from ..protocol import CaptureMode, DestinationProvider, StepStats
 from ..parallel import (EngineLost, check_parallel, check_tp_fits, check_tp_points,
-                                     remove_dist_files, clear_rpc_dir, own_rpc_dir)
+                                     remove_dist_files, remove_queue_shm, clear_rpc_dir, own_rpc_dir)
 from .remote import RemoteHarvest, RemoteStats, open_rows_path
 
 log = logging.getLogger("harvest.engine")
@@ -171,6 +171,7 @@ class VLLMModel:
         if self.tp > 1:
             self.state = self._remote_state(ring)
             self._dist_ident = _dist_ident(self.llm)
+            self._queue_shm = compat.message_queue_shm(self.llm)
         else:
             self.state = compat.worker_call(self.llm, "harvest_state")
         if self.state is None:
@@ -448,7 +449,12 @@ class VLLMModel:
         self.state = None
         arena, self.arena = getattr(self, "arena", None), None
         llm, self.llm = getattr(self, "llm", None), None
+        queues = getattr(self, "_queue_shm", [])
         if llm is not None:
+            if queues and compat.executor_failed(llm):
+                # a rank died: its queue's segment is left, and this close may not finish
+                # before the actor's process ends
+                remove_queue_shm(queues)
             try:
                 compat.shutdown(llm)
             except Exception:
@@ -458,6 +464,7 @@ class VLLMModel:
         if arena is not None:
             arena.close()
         remove_dist_files(getattr(self, "_dist_ident", None))
+        remove_queue_shm(queues)
         base = os.environ.get("VLLM_RPC_BASE_PATH", "")
         if own_rpc_dir(base):   # ours, not an operator's
             clear_rpc_dir(base)

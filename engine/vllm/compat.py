@@ -704,6 +704,23 @@ def executor_failed(llm) -> bool:
     return bool(getattr(getattr(core, "model_executor", None), "is_failed", False))
 
 
+def message_queue_shm(llm) -> list[str]:
+    """The /dev/shm names of the multiprocessing executor's message queues: its broadcast queue
+    (MultiprocExecutor.rpc_broadcast_mq, made by this process) and each rank's response queue
+    (response_mqs, made by the rank; vLLM 0.32.0). A rank killed outright never unlinks its own
+    (ShmRingBuffer.__del__ does not run; Python's resource tracker may, unless it dies with the
+    process group), so the engine's close removes what is left (parallel.remove_queue_shm).
+    [] for the in-process executor."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    ex = getattr(core, "model_executor", None)
+    names = []
+    for mq in [getattr(ex, "rpc_broadcast_mq", None), *(getattr(ex, "response_mqs", None) or [])]:
+        name = getattr(getattr(getattr(mq, "buffer", None), "shared_memory", None), "name", None)
+        if isinstance(name, str) and name:
+            names.append(name.lstrip("/"))
+    return names
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 

@@ -212,6 +212,31 @@ def test_engine_close_removes_only_its_own_rank_group_files(tmp_path):
     assert remove_dist_files(None, str(tmp_path)) == [] == remove_dist_files("../x", str(tmp_path))
 
 
+def test_message_queue_segments_left_by_a_dead_rank_are_removed_and_nothing_else(tmp_path):
+    """A rank killed outright leaves its response queue's segment (`psm_<random>`, Python's
+    shared_memory name); the engine's close removes the names it recorded at load, and never a
+    name of another shape, a path, or a file it did not record."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    from harvest.engine.parallel import remove_queue_shm
+
+    for name in ("psm_0a1b2c3d", "psm_99999999", "notpsm", "psm_other"):
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_queue_shm(["psm_0a1b2c3d", "notpsm", "../psm_x", "psm_gone"], str(tmp_path))
+    assert removed == [str(tmp_path / "psm_0a1b2c3d")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notpsm", "psm_99999999", "psm_other"]
+    # in /dev/shm: the name goes, a mapping of it stays readable (a live rank keeps its queue)
+    seg = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        seg.buf[:3] = b"abc"
+        assert os.path.exists(f"/dev/shm/{seg.name}")
+        assert remove_queue_shm([seg.name]) == [f"/dev/shm/{seg.name}"]
+        assert not os.path.exists(f"/dev/shm/{seg.name}") and bytes(seg.buf[:3]) == b"abc"
+    finally:
+        seg.close()
+        resource_tracker.unregister(seg._name, "shared_memory")   # unlinked above
+
+
 def test_vllm_socket_folders_are_per_process_and_swept_when_their_process_is_gone(tmp_path):
     """rpc_dir: one folder per process for vLLM's ZMQ sockets; clear_rpc_dir empties it at an
     engine's close; remove_stale_rpc_dirs removes the folders of dead processes (a killed
