@@ -109,7 +109,7 @@ class _HarvestRPC:
 
     model_runner: HarvestRunnerMixin   # the platform worker's, set by its __init__/init_device
 
-    def harvest_state(self):
+    def harvest_state(self) -> "harvest.HarvestState | None":
         return self.model_runner.harvest
 
     # Tensor parallel: the workers are other processes; these take and return plain values.

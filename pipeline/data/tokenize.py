@@ -15,6 +15,7 @@ import os
 from typing import Iterator
 
 from ..config.run import DataConfig, PackingConfig
+from ..messages import ChunkDescriptor
 from .packing import BlockPacker, emit_until
 from .corpus_blocks import read_block
 from .prefix import capped_ids, long_chars
@@ -157,7 +158,7 @@ class TokenizeWorker:
 
     def tokenize(self, block_id: int, block: list[dict], start: dict | None = None,
                  first_index: int = 0, last_index: int | None = None,
-                 budget: int | None = None):
+                 budget: int | None = None) -> "Iterator[dict | ChunkDescriptor]":
         """Yields arrays, descriptor, arrays, descriptor, ... (two objects per chunk). `budget`:
         the contexts left to the run from `start` on (a resume), else the run's whole budget."""
         self.blocks_started += 1

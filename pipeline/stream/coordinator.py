@@ -191,7 +191,7 @@ class StreamCoordinator:
         with self._lock:
             self.moments[int(rank)] = list(moments)
 
-    def norm(self, mode: str, points: list, eps: float):
+    def norm(self, mode: str, points: list, eps: float) -> "NormConstants | None":
         """The normalisation constants of every rank's first window merged (None until each
         rank shared its own): one set for all ranks, recorded here and in each rank's state."""
         from ...store.read.normalize import constants

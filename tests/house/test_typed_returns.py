@@ -74,5 +74,7 @@ def test_no_message_across_processes_is_a_bare_dict():
         methods = [n for n in cls[0].body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
         assert methods, f"{rel}:{name} has no public method"
         bad += [f"{rel}:{m.lineno} {name}.{m.name}() -> dict" for m in methods if bare_dict(m.returns)]
+        bad += [f"{rel}:{m.lineno} {name}.{m.name}() has no return annotation" for m in methods
+                if m.returns is None]
     assert not bad, ("a result another process reads is a typed record (pipeline/messages.py, "
                      "engine/vllm/messages.py):\n" + "\n".join(bad))
