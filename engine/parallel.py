@@ -130,9 +130,15 @@ def remove_dist_files(ident: "str | None", shm_dir: str = "/dev/shm") -> list[st
     (vLLM's `vllm_dist_<uuid>`), so no other engine's files match. Returns what was removed."""
     if not ident or "/" in ident or not ident.startswith("vllm_dist_"):
         return []
+    return _unlink_all(glob.glob(os.path.join(shm_dir, glob.escape(ident) + "-*"))
+                       + [os.path.join(tempfile.gettempdir(), ident)])
+
+
+def _unlink_all(paths: "list[str]") -> list[str]:
+    """Unlink each of `paths` that can be (best effort: one already gone is skipped); returns
+    those removed."""
     removed = []
-    for path in glob.glob(os.path.join(shm_dir, glob.escape(ident) + "-*")) + [
-            os.path.join(tempfile.gettempdir(), ident)]:
+    for path in paths:
         try:
             os.unlink(path)
             removed.append(path)
@@ -147,17 +153,8 @@ def remove_queue_shm(names: "list[str]", shm_dir: str = "/dev/shm") -> list[str]
     response queue's. Only such names are touched, and only once the engine's ranks are gone or
     lost (a segment is unlinked, never unmapped: a live process keeps its mapping either way).
     Returns what was removed."""
-    removed = []
-    for name in names:
-        if "/" in name or not name.startswith("psm_"):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+    return _unlink_all([os.path.join(shm_dir, n) for n in names
+                        if "/" not in n and n.startswith("psm_")])
 
 
 RPC_DIR_PREFIX = "harvest-vllm-rpc-"
@@ -267,14 +264,7 @@ def clear_rpc_dir(path: str) -> list[str]:
     touched: a symlink planted at the name is not followed."""
     if private_dir_problem(path) is not None:
         return []
-    removed = []
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        try:
-            os.unlink(p)
-            removed.append(p)
-        except OSError:
-            pass
+    removed = _unlink_all([os.path.join(path, name) for name in os.listdir(path)])
     try:
         os.rmdir(path)
     except OSError:
