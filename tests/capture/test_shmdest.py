@@ -16,6 +16,7 @@ import torch
 from harvest.engine.capture import stepring
 from harvest.engine.addresses import Address
 from harvest.engine.capture.coverage import CoverageError
+from harvest.engine.vllm.messages import WorkerInfo
 from harvest.engine.vllm.remote import RemoteHarvest
 from harvest.engine.capture.shmdest import SharedArena
 
@@ -33,7 +34,9 @@ class Pair:
         self.ring = stepring.RingReader(spec)
         self.rank = stepring.RingWriter(stepring.RingSpec(**spec.as_dict()))
         self.arena.published, self.arena.in_flight = self.ring.latest, in_flight
-        self.st = RemoteHarvest(None, self.ring, POINTS, (), W, torch.bfloat16, T, {}, self.arena)
+        info = WorkerInfo(mode="freeze", runner="v1", report={}, publishes=True, publishes_stats=True,
+                          summary={})
+        self.st = RemoteHarvest(None, self.ring, POINTS, (), W, torch.bfloat16, T, info, self.arena)
         self.st.begin_capture(POINTS)
         self.seed = 0
 

@@ -42,6 +42,7 @@ class Killer:
         self.events: list[dict] = []
         self.last_of = last_of
         self.done = 0
+        self.new_pid: int | None = None     # the first victim's restarted process (with last_of)
 
     def __call__(self, e: dict) -> None:
         self.events.append(e)
@@ -60,12 +61,13 @@ class Killer:
             if self.last_of is None:
                 os.kill(self.pids[victim], signal.SIGKILL)
             else:
-                kill_and_wait_for_ray_restart(self.pids[victim], alive=True)
+                self.new_pid = kill_and_wait_for_ray_restart(self.pids[victim], alive=True)
 
 
-def kill_and_wait_for_ray_restart(pid: int, timeout: float = 300, alive: bool = False) -> None:
+def kill_and_wait_for_ray_restart(pid: int, timeout: float = 300, alive: bool = False) -> int:
     """SIGKILL the actor process `pid`; return once Ray's actor table counts its restart (and,
-    with `alive`, once the restarted actor is ALIVE in a new process: its constructor ran)."""
+    with `alive`, once the restarted actor is ALIVE in a new process: its constructor ran).
+    Returns the pid Ray's table gives the actor then."""
     from ray._private import state
 
     (actor_id,) = [i for i, a in state.actors().items() if a["Pid"] == pid
@@ -77,6 +79,7 @@ def kill_and_wait_for_ray_restart(pid: int, timeout: float = 300, alive: bool = 
         return a["NumRestarts"] >= 1 and (not alive or (a["State"] == "ALIVE" and a["Pid"] != pid))
 
     wait_until(restarted, timeout, f"Ray to restart the actor of pid {pid}", interval=0.1)
+    return int(state.actors(actor_id=actor_id)["Pid"])
 
 
 def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_llama, corpus,
@@ -87,9 +90,12 @@ def test_killed_actor_is_restarted_by_ray_and_store_is_exact(ray_cluster, tiny_l
     victim, dead_pid = k.killed
     store = open_store(cfg.store.resolved_url)
     check_store(store, reference)  # complete, each shard committed once, rows = reference
-    pids = summary["per_actor"][victim]["pids"]
-    # Ray restarted the actor (a new process) and it went on committing units
-    assert any(p != dead_pid for p in pids), pids
+    # Ray restarted the actor in a new process, and every unit the actor ran was run by the
+    # killed process or that one. Whether the new process runs any unit at all is the
+    # dispatcher's choice under the box's timing (a loaded machine's slow restart can leave the
+    # survivor every unit left), so that is not asserted.
+    assert k.new_pid not in (None, dead_pid), (k.new_pid, dead_pid)
+    assert set(summary["per_actor"][victim]["pids"]) <= {dead_pid, k.new_pid}, summary["per_actor"]
     assert all(m.pid != dead_pid or m.extra["actor"] == victim
                for m in store.ledger.committed_units().values())
     done = [e["unit_id"] for e in k.events if e["event"] == "unit_done"]
