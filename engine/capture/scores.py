@@ -3,10 +3,13 @@
 Both come from the final logits as the model computes them for sampling (its `compute_logits`:
 the LM head, then vLLM's logits processor with the model's scale and final softcapping, vocab
 shards gathered under tensor parallelism), over every row of a step rather than only the rows
-vLLM samples from. The logits are computed in chunks of rows so the `[rows, vocab]` float32 block
-and its temporaries stay under `CHUNK_BYTES` (a GPU's bound is larger: each chunk reads the whole
-LM head, so chunks of a few dozen rows would make the weight reads cost more than the matmul);
-only two float32 values per row leave the chunk.
+vLLM samples from. The logits are computed in chunks of rows, each chunk reading the whole LM head
+(at Llama-3-8B's shape 1 GiB of bf16 weights): chunks of a few dozen rows make those reads cost
+more than the matmul (measured on CPU at the 8B shape, `benchmarks/bench_scores_share.py`: 43-row
+chunks cost 2.3x the 523-row ones). So a chunk is as many rows as a `[rows, vocab]` float32 block
+of `CHUNK_BYTES` holds; on a GPU the softmax temporaries of the whole chunk count too, on a CPU
+the element passes go a few rows at a time and only the block counts. Only two float32 values per
+row leave the chunk.
 
 - `logprob` of row i: log_softmax(logits_i)[next_i], `next_i` being the token at the following
   position of the same context; a context's last position has no next token and holds NaN.
@@ -29,8 +32,8 @@ from .packed import slot_width
 
 __all__ = ["pack", "unpack", "slot_width", "scores", "next_token_ids", "chunk_rows"]
 
-# bound on one chunk's [rows, vocab] float32 block and its softmax temporaries, per device type
-CHUNK_BYTES = 64 << 20
+# bound on one chunk's [rows, vocab] float32 block (GPU: and its softmax temporaries), per device
+CHUNK_BYTES = 256 << 20
 CHUNK_BYTES_GPU = 1 << 30
 CPU_PASS_ROWS = 4
 
@@ -62,8 +65,10 @@ def next_token_ids(req_ids, counts, starts, prompts: dict) -> np.ndarray:
 
 
 def chunk_rows(vocab: int, device: torch.device) -> int:
-    bound = CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES_GPU
-    return max(1, bound // (4 * max(int(vocab), 1) * 3))
+    row = 4 * max(int(vocab), 1)
+    if device.type == "cpu":   # passes of CPU_PASS_ROWS rows: their temporaries are small
+        return max(1, CHUNK_BYTES // row)
+    return max(1, CHUNK_BYTES_GPU // (row * 3))
 
 
 def scores(hidden: torch.Tensor, next_ids: torch.Tensor, compute_logits, vocab: int):

@@ -52,7 +52,7 @@ def test_scores_match_a_whole_vocab_log_softmax_in_chunks(monkeypatch):
         calls.append(h.shape[0])
         return 30.0 * torch.tanh(h @ head.T / 30.0)   # a softcapped head
 
-    monkeypatch.setattr(scores, "CHUNK_BYTES", 4 * vocab * 3 * 8)   # 8 rows per chunk
+    monkeypatch.setattr(scores, "CHUNK_BYTES", 4 * vocab * 8)   # 8 rows per chunk
     monkeypatch.setattr(scores, "CPU_PASS_ROWS", 3)   # passes of 3 rows: not a divisor of 8
     nxt = torch.randint(0, vocab, (n,))
     nxt[[5, 36]] = -1
